@@ -1,0 +1,39 @@
+"""Typed errors raised by Genie.
+
+Every error names its subject (the op, the device, the backend), says what was expected and what
+came, and how to fix it. Errors that eager PyTorch would raise keep eager's exception type (a shape
+mismatch stays a ``RuntimeError``); the classes here are for failures that only Genie can have.
+"""
+
+from __future__ import annotations
+
+
+class GenieError(RuntimeError):
+    """Base class of Genie's own errors (a ``RuntimeError``, as PyTorch's device errors are)."""
+
+
+class UnsupportedOpError(GenieError, NotImplementedError):
+    """An operator Genie cannot record (no meta kernel, or an unsupported argument kind)."""
+
+    def __init__(self, op: object, reason: str) -> None:
+        self.op = op
+        super().__init__(f"[genie] cannot record {op}: {reason}")
+
+
+class DeviceError(GenieError):
+    """A bad ``remote_accelerator`` device index or an unusable target device."""
+
+
+class ExecutionError(GenieError):
+    """An op failed while the real device ran a recorded graph.
+
+    Carries the failing op and, when it was recorded, the user's source line that created the node,
+    so that an error only the data can reveal (an index out of range inside ``gather``) still points
+    at the line that caused it.
+    """
+
+    def __init__(self, op: object, where: str | None, cause: BaseException) -> None:
+        self.op = op
+        self.where = where
+        at = f" (recorded at {where})" if where else ""
+        super().__init__(f"[genie] {op}{at} failed on the device: {type(cause).__name__}: {cause}")

@@ -1,0 +1,187 @@
+"""Materialization: plan the requested values, run the tape on the real device, bind results.
+
+The embedded executor maps ``remote_accelerator:N`` to ``cuda:N`` when CUDA is present, else to
+the CPU (``GENIE_DEVICE`` overrides). It runs a :class:`~genie.planner.Tape` in order, frees each
+value after its last use, and hands the values still needed back to their nodes, which then drop
+their inputs (graph truncation: memory stays flat in long loops).
+
+Random ops carry a ``(seed, offset)`` fixed at record time; each runs with the real device's
+generator seeded from that pair (then restored), so values are reproducible under
+``torch.manual_seed`` and independent of which values are materialized first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from . import stats
+from .config import config
+from .errors import DeviceError, ExecutionError
+from .graph import Node
+from .planner import MetaArg, Slot, Tape, build_tape
+
+_real_devices: dict[int, torch.device] = {}
+
+
+def real_device(index: int) -> torch.device:
+    """The real device that ``remote_accelerator:index`` runs on in this process."""
+    d = _real_devices.get(index)
+    if d is None:
+        spec = config.device
+        if spec is None:
+            spec = "cuda" if torch.cuda.is_available() else "cpu"
+        if spec == "cuda":
+            if index >= torch.cuda.device_count():
+                raise DeviceError(f"remote_accelerator:{index} maps to cuda:{index}, but this "
+                                  f"machine has {torch.cuda.device_count()} CUDA device(s).")
+            d = torch.device("cuda", index)
+        else:
+            d = torch.device(spec)
+        _real_devices[index] = d
+    return d
+
+
+def reset_device_map() -> None:
+    _real_devices.clear()
+
+
+def _seed_from(seed: int, offset: int) -> int:
+    """splitmix64 of (seed, offset): a well-mixed, deterministic per-op seed."""
+    z = (seed + 0x9E3779B97F4A7C15 * (offset + 1)) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def _generator_for(dev: torch.device) -> torch.Generator:
+    if dev.type == "cuda":
+        return torch.cuda.default_generators[dev.index or 0]
+    return torch.default_generator
+
+
+def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
+    """Run ``tape`` on the real device for ``remote_accelerator:index``; returns its outputs."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    dev = real_device(index)
+    env: dict[int, Any] = dict(tape.inputs)
+    with _disable_current_modes(), torch.no_grad():
+        for ins in tape.instrs:
+            try:
+                outs = _run_instr(ins, env, dev)
+            except Exception as e:
+                raise ExecutionError(ins.op, ins.where, e) from e
+            for s, v in zip(ins.outs, outs):
+                if s is not None:
+                    env[s] = v
+            for s in ins.free:
+                env.pop(s, None)
+                stats.bump("values_freed")
+    stats.bump("nodes_executed", len(tape.instrs))
+    kept = {s: env[s] for s in tape.keep if s in env}
+    tape_outputs = [env[s] for s in tape.outputs]
+    _bind(tape, kept)
+    return tape_outputs
+
+
+def _run_instr(ins: Any, env: dict[int, Any], dev: torch.device) -> list[Any]:
+    if ins.op == "genie.upload":
+        return [ins.leaves[0].to(dev, copy=dev.type == "cpu")]
+    leaves = [_arg(x, env, dev) for x in ins.leaves]
+    args, kwargs = optree.tree_unflatten(ins.spec, leaves)
+    if ins.rng is not None:
+        gen = _generator_for(dev)
+        saved = gen.get_state()
+        gen.manual_seed(_seed_from(*ins.rng))
+        try:
+            out = ins.op(*args, **kwargs)
+        finally:
+            gen.set_state(saved)
+    else:
+        out = ins.op(*args, **kwargs)
+    flat = optree.tree_leaves(out, none_is_leaf=True)
+    return flat
+
+
+def _arg(x: Any, env: dict[int, Any], dev: torch.device) -> Any:
+    t = type(x)
+    if t is Slot:
+        return env[x.id]
+    if t is torch.device:
+        return dev if x.type == "remote_accelerator" else x
+    if t is MetaArg:
+        m = x.meta
+        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=dev)
+    return x
+
+
+def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
+    """Mark the run's nodes executed, keep needed values, release inputs (graph truncation)."""
+    for n in tape.nodes:
+        vals: list[torch.Tensor | None] = []
+        for k in range(len(n.metas)):
+            s = tape.slots.get((n.index, k))
+            vals.append(kept.get(s) if s is not None else None)
+        n.values = vals
+        n.executed = True
+        n.leaves = None
+        n.consumers = []
+        for s in n.writes:
+            if n in s.pending_writes:
+                s.pending_writes.remove(n)
+        for s in n.storages:
+            if s is not None and s.readers:
+                s.readers = [r for r in s.readers if (r() is not None and not r().executed)]
+
+
+def materialize(*tensors: Any, trigger: str = "explicit") -> Any:
+    """Compute the given LazyTensors in one execution and return their real device values.
+
+    Only the nodes the values depend on run; each runs at most once; values that live tensors
+    hold stay on the device for later use.
+
+    Example:
+        >>> import torch, genie
+        >>> x = torch.ones(2, device="remote_accelerator")
+        >>> a, b = genie.materialize(x + 1, x * 3)
+        >>> a.tolist(), b.tolist()
+        ([2.0, 2.0], [3.0, 3.0])
+    """
+    from .lazy_tensor import LazyTensor
+
+    if not tensors:
+        raise TypeError("genie.materialize() needs at least one tensor")
+    for t in tensors:
+        if not isinstance(t, LazyTensor):
+            raise TypeError(f"genie.materialize() takes remote_accelerator tensors, got "
+                            f"{type(t).__name__}" + (f" on {t.device}" if isinstance(
+                                t, torch.Tensor) else ""))
+    stats.bump("materializations")
+    stats.bump(f"materializations.{trigger}")
+    by_device: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t._node.metas[t._out].index, []).append(i)
+    results: list[Any] = [None] * len(tensors)
+    for index, positions in by_device.items():
+        targets = [(tensors[i]._node, tensors[i]._out) for i in positions]
+        fast = [_ready(n, o) for n, o in targets]
+        if all(v is not None for v in fast):
+            outs = fast
+        else:
+            outs = run_tape(build_tape(targets), index)
+        for i, v in zip(positions, outs):
+            results[i] = v
+    return results[0] if len(tensors) == 1 else tuple(results)
+
+
+def _ready(n: Node, out: int) -> torch.Tensor | None:
+    if n.executed and n.values is not None and not n.storages[out].pending_writes:
+        return n.values[out]
+    return None
+
+
+def materialize_one(t: Any, trigger: str) -> torch.Tensor:
+    return materialize(t, trigger=trigger)

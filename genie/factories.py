@@ -1,0 +1,66 @@
+"""PrivateUse1 kernels for factory functions: ``torch.randn(..., device="remote_accelerator")``.
+
+Factories have no tensor input, so they reach the ``PrivateUse1`` dispatch key (not the Python
+key a LazyTensor carries). Each overload below gets a kernel that records exactly one node for
+the call (``randn`` stays ``randn``: registering at PrivateUse1 overrides the composite
+``empty`` + ``normal_`` decomposition). Ops that take a tensor only for its metadata
+(``zeros_like``, ``new_zeros``) are listed in :data:`METADATA_ONLY` so that their node does not
+depend on that tensor's values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+FACTORY_PACKETS = (
+    aten.empty, aten.empty_strided, aten.empty_permuted, aten.zeros, aten.ones, aten.full,
+    aten.scalar_tensor, aten.eye, aten.arange, aten.linspace, aten.logspace,
+    aten.rand, aten.randn, aten.randint, aten.randperm, aten.normal,
+    aten.tril_indices, aten.triu_indices,
+)
+
+# Ops whose first argument is read only for shape/dtype/layout: recorded with a MetaArg.
+METADATA_ONLY = frozenset(
+    op for packet in (aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like,
+                      aten.rand_like, aten.randn_like, aten.randint_like, aten.new_empty,
+                      aten.new_empty_strided, aten.new_zeros, aten.new_ones, aten.new_full)
+    for op in (getattr(packet, name) for name in packet.overloads())
+)
+
+_lib: torch.library.Library | None = None
+
+
+def factory_overloads() -> list[Any]:
+    """Every overload of the factory packets that takes a ``device`` and no tensor."""
+    ops = []
+    for packet in FACTORY_PACKETS:
+        for name in packet.overloads():
+            op = getattr(packet, name)
+            args = op._schema.arguments
+            if any(a.name == "names" for a in args):  # named tensors: not supported
+                continue
+            if any(a.name == "device" for a in args) and not any(
+                    str(a.type).startswith("Tensor") for a in args):
+                ops.append(op)
+    return ops
+
+
+def register_factories() -> None:
+    """Register the PrivateUse1 factory kernels once per process."""
+    global _lib
+    if _lib is not None:
+        return
+    from .lazy_tensor import record_factory
+
+    lib = torch.library.Library("aten", "IMPL")
+    for op in factory_overloads():
+        def kernel(*args: Any, _op: Any = op, **kwargs: Any) -> Any:
+            return record_factory(_op, args, kwargs)
+
+        lib.impl(op._schema.name.split("::")[1] + (
+            "." + op._overloadname if op._overloadname != "default" else ""), kernel, "PrivateUse1")
+    _lib = lib

@@ -1,0 +1,175 @@
+"""The recorded graph: nodes, tensor metadata and storage identity.
+
+A :class:`Node` is one recorded call of an ATen overload (or a factory/upload). Its argument tree
+holds :class:`Ref` leaves (an output of an earlier node) and constants. Liveness is Python's own:
+a ``LazyTensor`` holds its producer node strongly, a node holds its input nodes strongly and its
+output tensors weakly, so the graph that still matters is exactly what live tensors can reach.
+Once a node has run, it drops its inputs (graph truncation) and keeps only the values that a live
+tensor or a pending consumer still needs.
+
+Mutation is recorded imperatively, in the order the program issued it (see docs/semantics.md):
+every output belongs to a :class:`Storage` (views share their base's), a node that writes a storage
+is appended to ``Storage.pending_writes``, and the planner closes a slice over those writes and
+over earlier readers (write-after-read), so running a slice in record order on real tensors
+reproduces eager aliasing exactly.
+
+Invariants:
+- ``Node.index`` is unique and increases with record order, process-wide; it orders execution.
+- ``Node.uid`` (``op*N``) is deterministic per :class:`Graph`: same program, same ids.
+- A node runs at most once (``Node.executed``); its ``values`` are never recomputed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_record_counter = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Shape, stride, storage offset, dtype and device index of one lazy value."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    index: int  # remote_accelerator device index
+
+    @staticmethod
+    def of(t: torch.Tensor, index: int) -> TensorMeta:
+        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, index)
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """An argument that is the ``out``-th output of ``node`` (a lazy value)."""
+
+    node: Node
+    out: int
+
+
+class Storage:
+    """Identity of one lazy storage, shared by a base value and all views of it.
+
+    ``pending_writes`` are recorded, not yet executed nodes that mutate this storage, in record
+    order. ``readers`` are weak references to pending nodes that read it (for write-after-read).
+    """
+
+    __slots__ = ("pending_writes", "readers", "__weakref__")
+
+    def __init__(self) -> None:
+        self.pending_writes: list[Node] = []
+        self.readers: list[weakref.ref[Node]] = []
+
+
+class Node:
+    """One recorded op.
+
+    Attributes:
+        op: the ``torch._ops.OpOverload`` (or a Genie pseudo-op such as ``genie.upload``).
+        leaves / spec: the flattened ``(args, kwargs)`` tree; lazy inputs are :class:`Ref`.
+        metas: one :class:`TensorMeta` per tensor output (None for non-tensor outputs).
+        out_spec: tree spec to rebuild the op's return value from its flat outputs.
+        storages: the :class:`Storage` of each tensor output.
+        writes: storages this node mutates.
+        outputs: weak references to the LazyTensors that hold each output.
+        values: real tensors after execution (only those still needed are kept).
+        rng: ``(seed, offset)`` for random ops, fixed at record time.
+        graph / uid: the owning :class:`Graph` and the node's deterministic unique id.
+        where: the user's source line (only with ``GENIE_RECORD_SOURCE=1`` or in capture).
+    """
+
+    __slots__ = (
+        "op", "leaves", "spec", "metas", "out_spec", "storages", "writes", "outputs",
+        "values", "executed", "index", "rng", "graph", "uid", "where", "consumers",
+        "tags", "_wref", "__weakref__",
+    )
+
+    def __init__(self, op: Any, leaves: list[Any], spec: Any, metas: list[TensorMeta | None],
+                 out_spec: Any, storages: list[Storage | None], writes: tuple[Storage, ...],
+                 graph: Graph, rng: tuple[int, int] | None = None) -> None:
+        self.op = op
+        self.leaves = leaves
+        self.spec = spec
+        self.metas = metas
+        self.out_spec = out_spec
+        self.storages = storages
+        self.writes = writes
+        self.outputs: list[weakref.ref[Any] | None] = [None] * len(metas)
+        self.values: list[torch.Tensor | None] | None = None
+        self.executed = False
+        self.index = next(_record_counter)
+        self.rng = rng
+        self.graph = graph
+        self.uid = graph.next_uid(op)
+        self.where: str | None = None
+        self.consumers: list[weakref.ref[Node]] = []
+        self.tags: dict[str, Any] | None = None
+        self._wref = weakref.ref(self)
+        graph.on_node(self)
+
+    @property
+    def name(self) -> str:
+        return op_name(self.op)
+
+    def inputs(self) -> list[Ref]:
+        """Lazy inputs of this node (empty once it has run and released them)."""
+        if self.leaves is None:
+            return []
+        return [x for x in self.leaves if type(x) is Ref]
+
+    def __repr__(self) -> str:
+        state = "done" if self.executed else "pending"
+        return f"Node({self.uid}, {self.name}, {state})"
+
+
+def op_name(op: Any) -> str:
+    """``aten.add.Tensor`` for an OpOverload, the pseudo-op's name otherwise."""
+    return str(op)
+
+
+class Graph:
+    """A recording scope: hands out deterministic unique ids and keeps per-graph counts.
+
+    The process has one default graph; ``genie.capture()`` opens its own. Nodes are not stored in a
+    list here (that would keep every node alive forever); a capture graph keeps its nodes because a
+    user asked to inspect them.
+    """
+
+    def __init__(self, name: str = "default", keep_nodes: bool = False) -> None:
+        self.name = name
+        self.keep_nodes = keep_nodes
+        self.nodes: list[Node] = []
+        self._op_counts: dict[str, int] = {}
+        self._total = 0
+
+    def next_uid(self, op: Any) -> str:
+        short = short_op_name(op)
+        self._total += 1
+        n = self._op_counts.get(short, 0)
+        self._op_counts[short] = n + 1
+        return f"{short}*{n}"
+
+    def on_node(self, node: Node) -> None:
+        if self.keep_nodes:
+            self.nodes.append(node)
+
+    def __len__(self) -> int:
+        return self._total
+
+
+def short_op_name(op: Any) -> str:
+    """``add`` for ``aten.add.Tensor``; pseudo-ops keep their own name."""
+    name = getattr(op, "_opname", None)
+    if name is None:
+        return str(op)
+    return name
+
+
+DEFAULT_GRAPH = Graph("default")

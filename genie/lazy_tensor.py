@@ -1,0 +1,425 @@
+"""LazyTensor: a storage-less tensor on ``remote_accelerator`` whose ops are recorded, not run.
+
+``LazyTensor`` is a ``torch.Tensor`` wrapper subclass. Autograd, ``nn.Module`` and optimizers work
+above it unchanged; every ATen op that reaches it lands in :func:`record` through
+``__torch_dispatch__`` and becomes one :class:`~genie.graph.Node`. Output metadata comes from
+:mod:`genie.meta` (cached), so recording never touches data.
+
+Hot path (every op pays it): policy lookup, one ``optree`` flatten, one cache key, one ``Node``,
+one wrapper per output. Everything else (meta inference on a miss, materialization) is cold.
+
+What forces a value to exist (the "triggers", see docs/semantics.md): copying to another device
+(``.cpu()``, ``.to("cpu")``, ``.tolist()``, ``.numpy()``), ops tagged ``data_dependent_output``
+(``.item()``, ``bool()``, ``torch.equal``) and ``dynamic_output_shape`` (``nonzero``,
+``masked_select``), printing, ``torch.save`` and :func:`genie.materialize`.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from typing import Any
+
+import optree
+import torch
+
+from . import stats
+from .config import config
+from .errors import UnsupportedOpError
+from .graph import DEFAULT_GRAPH, Graph, Node, Ref, Storage, TensorMeta
+from .factories import METADATA_ONLY
+from .meta import meta_cache, meta_tensor, policy
+from .planner import MetaArg
+
+DEVICE_TYPE = "remote_accelerator"
+aten = torch.ops.aten
+
+_devices: dict[int, torch.device] = {}
+
+
+def device_of(index: int) -> torch.device:
+    d = _devices.get(index)
+    if d is None:
+        d = _devices[index] = torch.device(DEVICE_TYPE, index)
+    return d
+
+
+class _TLS(threading.local):
+    def __init__(self) -> None:
+        self.graphs: list[Graph] = []
+
+
+_tls = _TLS()
+
+
+def current_graph() -> Graph:
+    """The graph new nodes go to: the innermost ``genie.capture()`` block's, else the default."""
+    g = _tls.graphs
+    return g[-1] if g else DEFAULT_GRAPH
+
+
+class LazyTensor(torch.Tensor):
+    """A tensor on ``remote_accelerator:N``: metadata now, values on demand.
+
+    ``_node``/``_out`` name the recorded value this tensor holds; its data exists only after
+    materialization, on the real device, in ``_node.values[_out]``.
+    """
+
+    _node: Node
+    _out: int
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, node: Node, out: int, meta: TensorMeta) -> LazyTensor:
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, meta.shape, strides=meta.stride, storage_offset=meta.offset, dtype=meta.dtype,
+            device=device_of(meta.index), requires_grad=False)
+        r._node = node
+        r._out = out
+        node.outputs[out] = weakref.ref(r)
+        return r
+
+    @property
+    def _meta(self) -> TensorMeta:
+        return self._node.metas[self._out]
+
+    @property
+    def _storage(self) -> Storage:
+        return self._node.storages[self._out]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        return record(func, args, kwargs or {})
+
+    # --- materialization triggers that Tensor does not route through an ATen op -----------------
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
+        from .executor import materialize_one
+
+        real = materialize_one(self, "repr")
+        body = repr(real.detach().cpu())
+        suffix = f", device='{self.device}'"
+        if self.requires_grad and self.grad_fn is None:
+            pass
+        return body[:-1] + suffix + body[-1:] if body.endswith(")") else body + suffix
+
+    def numpy(self, *, force: bool = False):  # noqa: ANN201
+        """Materialize and return a NumPy array (a copy on the host)."""
+        return self.detach().cpu().numpy(force=force)
+
+    def __reduce_ex__(self, proto: int):  # noqa: ANN204
+        # torch.save: store the value as a CPU tensor and rebuild it on this device at load time.
+        cpu = self.detach().cpu()
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                (cpu, self.dtype, str(self.device), self.requires_grad))
+
+
+# --- recording --------------------------------------------------------------------------------
+
+_copy = aten.copy_.default
+_to_copy = aten._to_copy.default
+_UPLOAD = "genie.upload"
+
+
+def _leaf_key(x: Any) -> Any:
+    if isinstance(x, LazyTensor):
+        return x._node.metas[x._out]
+    if isinstance(x, torch.Tensor):
+        return ("T", x.device.type, tuple(x.shape), x.stride(), x.dtype, x.requires_grad)
+    if isinstance(x, torch.Generator):
+        return ("G", x.device.type)
+    return (type(x), x)
+
+
+def _where() -> str | None:
+    f = sys._getframe(3)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if ("/torch/" not in fn and "/genie/" not in fn) or "/tests/" in fn:
+            return f"{fn}:{f.f_lineno}"
+        f = f.f_back
+    return None
+
+
+def _infer(func: Any, leaves: list[Any], spec: Any, index: int) -> tuple:
+    """Run ``func`` on meta tensors; returns (flat output metas, output spec, non-tensor outputs)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    mleaves = [meta_tensor(x._node.metas[x._out]) if isinstance(x, LazyTensor) else x
+               for x in leaves]
+    margs, mkwargs = optree.tree_unflatten(spec, mleaves)
+    dev = mkwargs.get("device")
+    if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE:
+        mkwargs["device"] = torch.device("meta")
+    stats.bump("meta_cache_misses")
+    try:
+        with _disable_current_modes():
+            out = func(*margs, **mkwargs)
+    except NotImplementedError as e:
+        raise UnsupportedOpError(func, f"no meta kernel to infer its output shape ({e}). "
+                                 "Move the tensor to the CPU for this op, or report it.") from None
+    except Exception as e:
+        raise _rename_device(e, index) from None
+    flat, out_spec = optree.tree_flatten(out, none_is_leaf=True)
+    out_index = dev.index if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE and \
+        dev.index is not None else index
+    metas = [TensorMeta.of(o, out_index) if isinstance(o, torch.Tensor) else None for o in flat]
+    consts = [None if isinstance(o, torch.Tensor) else o for o in flat]
+    return metas, out_spec, consts
+
+
+def _rename_device(e: Exception, index: int) -> Exception:
+    """Eager's exception type with our device's name where the meta kernel said ``meta``."""
+    msg = str(e).replace("meta", f"{DEVICE_TYPE}:{index}")
+    try:
+        return type(e)(msg)
+    except Exception:
+        return e
+
+
+def _same_device(leaves: list[Any], index: int, func: Any) -> None:
+    for x in leaves:
+        if isinstance(x, LazyTensor) and x._node.metas[x._out].index != index:
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, "
+                f"{DEVICE_TYPE}:{index} and {x.device}! (in {func}). Move one with .to().")
+
+
+def record(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Record one ATen call on LazyTensors and return LazyTensor outputs (never computes)."""
+    pol = policy(func)
+    leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    index = -1
+    real_inputs = False
+    for x in leaves:
+        if isinstance(x, LazyTensor):
+            if index < 0:
+                index = x._node.metas[x._out].index
+        elif isinstance(x, torch.Tensor):
+            real_inputs = True
+    if func is _to_copy or func is _copy or real_inputs:
+        special = _transfer(func, args, kwargs, leaves, index)
+        if special is not _NOT_HANDLED:
+            return special
+    if pol.dynamic:
+        return _run_now(func, args, kwargs, leaves, spec, index)
+    if pol.inplace_view:
+        raise UnsupportedOpError(func, "in-place metadata changes (transpose_, unsqueeze_, ...) on "
+                                 "remote_accelerator tensors are not supported yet; use the "
+                                 "out-of-place op (x = x.transpose(0, 1)).")
+    if func is not _copy:
+        _same_device(leaves, index, func)
+    return _record(func, pol, args, kwargs, leaves, spec, index, current_graph())
+
+
+def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
+            index: int, graph: Graph) -> Any:
+    stats.bump("ops_recorded")
+    entry = None
+    if config.meta_cache:
+        try:
+            key = (func, spec, tuple(map(_leaf_key, leaves)))
+            entry = meta_cache.get(key)
+        except TypeError:  # an unhashable argument: no caching for this call
+            key = None
+        if entry is None:
+            entry = _infer(func, leaves, spec, index)
+            if key is not None:
+                meta_cache.put(key, entry)
+        else:
+            stats.bump("meta_cache_hits")
+    else:
+        entry = _infer(func, leaves, spec, index)
+    metas, out_spec, consts = entry
+
+    rng = _draw_rng(leaves, index) if pol.random else None
+    rec = [Ref(x._node, x._out) if isinstance(x, LazyTensor) else
+           (x.detach().clone() if isinstance(x, torch.Tensor) else
+            (None if isinstance(x, torch.Generator) else x)) for x in leaves]
+    if func in METADATA_ONLY and type(rec[0]) is Ref:
+        rec[0] = MetaArg(metas_of(rec[0]))
+
+    writes: tuple[Storage, ...] = ()
+    if pol.writes:
+        ws = []
+        for pos in pol.writes:
+            a = pol.arg(pos, args, kwargs)
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, LazyTensor):
+                    ws.append(t._node.storages[t._out])
+        writes = tuple(ws)
+
+    n_out = len(metas)
+    returns = pol.returns
+    storages: list[Storage | None] = [None] * n_out
+    results: list[Any] = list(consts)
+    fresh: list[int] = []
+    for k in range(n_out):
+        if metas[k] is None:
+            continue
+        kind = returns[0] if len(returns) == 1 else (returns[k] if k < len(returns) else None)
+        if kind is None:
+            storages[k] = Storage()
+            fresh.append(k)
+            continue
+        src = pol.arg(kind[1], args, kwargs)
+        if isinstance(src, (list, tuple)):
+            src = src[k] if kind[0] == "write" else src[0]
+        if kind[0] == "write":
+            results[k] = src  # in-place and out=: the op returns its mutated argument itself
+            storages[k] = src._node.storages[src._out]
+        else:
+            storages[k] = src._node.storages[src._out]
+            fresh.append(k)
+
+    node = Node(func, rec, spec, metas, out_spec, storages, writes, graph, rng)
+    if config.record_source or graph.keep_nodes:
+        node.where = _where()
+    wref = node._wref
+    for x in rec:
+        if type(x) is Ref:
+            x.node.consumers.append(wref)
+            x.node.storages[x.out].readers.append(wref)
+    for s in writes:
+        s.pending_writes.append(node)
+    for k in fresh:
+        results[k] = LazyTensor(node, k, metas[k])
+    return optree.tree_unflatten(out_spec, results)
+
+
+def metas_of(ref: Ref) -> TensorMeta:
+    return ref.node.metas[ref.out]
+
+
+def _draw_rng(leaves: list[Any], index: int) -> tuple[int, int]:
+    """Take (seed, offset) from the op's generator (or the device's default) and advance it."""
+    from . import device
+
+    gen = next((x for x in leaves if isinstance(x, torch.Generator)), None)
+    if gen is None or gen.device.type != DEVICE_TYPE:
+        if gen is not None:
+            raise RuntimeError(f"Expected a '{DEVICE_TYPE}' generator device but found "
+                               f"'{gen.device.type}'")
+        gen = device.default_generator(max(index, 0))
+    seed, off = gen.initial_seed(), gen.get_offset()
+    gen.set_offset(off + 1)
+    return seed, off
+
+
+# --- factories (called from the PrivateUse1 kernels in genie.factories) ----------------------
+
+def record_factory(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Record a factory call (``randn(..., device="remote_accelerator")``) as one node."""
+    from . import device
+
+    dev = kwargs.get("device")
+    index = dev.index if isinstance(dev, torch.device) and dev.index is not None else \
+        device.current_device()
+    device.check_index(index)
+    if dev is None or dev.index is None:
+        kwargs = {**kwargs, "device": device_of(index)}
+    stats.bump("factories_recorded")
+    leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    return _record(func, policy(func), args, kwargs, leaves, spec, index, current_graph())
+
+
+# --- transfers between the host and the device --------------------------------------------------
+
+_NOT_HANDLED = object()
+
+
+def _transfer(func: Any, args: tuple, kwargs: dict, leaves: list[Any], index: int) -> Any:
+    """Device <-> host copies: uploads are recorded, downloads materialize."""
+    from .executor import materialize_one
+
+    if func is _to_copy:
+        dev = kwargs.get("device")
+        if isinstance(dev, torch.device) and dev.type != DEVICE_TYPE:
+            real = materialize_one(args[0], "cpu" if dev.type == "cpu" else "to")
+            return func(real, *args[1:], **kwargs)
+        return _NOT_HANDLED
+    if func is _copy:
+        dst, src = args[0], args[1]
+        if not isinstance(dst, LazyTensor):  # host_tensor.copy_(lazy): a download
+            real = materialize_one(src, "cpu")
+            return func(dst, real, *args[2:], **kwargs)
+        if isinstance(src, LazyTensor):
+            return _NOT_HANDLED
+        return _upload_into(dst, src, kwargs.get("non_blocking", False))
+    return _NOT_HANDLED
+
+
+def upload(src: torch.Tensor, index: int, like: TensorMeta | None = None) -> LazyTensor:
+    """Record an upload node holding a snapshot of the host tensor ``src`` (one node)."""
+    meta = like or TensorMeta.of(src, index)
+    snap = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
+    snap.copy_(src)
+    node = Node(_UPLOAD, [snap], None, [meta], None, [Storage()], (), current_graph())
+    stats.bump("uploads")
+    return LazyTensor(node, 0, meta)
+
+
+def _upload_into(dst: LazyTensor, src: torch.Tensor, non_blocking: bool) -> LazyTensor:
+    dmeta = dst._node.metas[dst._out]
+    if src.device.type != "cpu":
+        raise RuntimeError(f"copy_ into {dst.device} from {src.device} is not supported; copy "
+                           "from a CPU tensor or from another remote_accelerator tensor.")
+    # broadcasting/dtype errors exactly as eager: check on meta
+    meta_tensor(dmeta).copy_(src.to("meta"))
+    node = dst._node
+    fresh_empty = (not node.executed and node.op in _EMPTY_FACTORIES and not node.consumers
+                   and not node.storages[dst._out].pending_writes
+                   and tuple(src.shape) == dmeta.shape and dmeta.offset == 0)
+    up = upload(src.expand(dmeta.shape) if tuple(src.shape) != dmeta.shape else src,
+                dmeta.index, like=dmeta)
+    if fresh_empty:
+        # `cpu.to(device)` is empty_strided + copy_: rebind the fresh empty to the upload, so the
+        # transfer is one node and the empty is never run.
+        dst._node, dst._out = up._node, 0
+        up._node.outputs[0] = weakref.ref(dst)
+        return dst
+    return record(_copy, (dst, up, non_blocking), {})
+
+
+_EMPTY_FACTORIES = frozenset({aten.empty.memory_format, aten.empty_strided.default})
+
+
+# --- data-dependent ops: run now --------------------------------------------------------------
+
+def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
+             index: int) -> Any:
+    """Ops whose output shape or value depends on data run at once on the device."""
+    from .executor import materialize, real_device
+
+    lazies = [x for x in leaves if isinstance(x, LazyTensor)]
+    _same_device(leaves, index, func)
+    trigger = "item" if func is aten._local_scalar_dense.default else "data_dependent"
+    reals = materialize(*lazies, trigger=trigger) if lazies else ()
+    if len(lazies) == 1:
+        reals = (reals,)
+    it = iter(reals)
+    rleaves = [next(it) if isinstance(x, LazyTensor) else x for x in leaves]
+    rargs, rkwargs = optree.tree_unflatten(spec, rleaves)
+    dev = rkwargs.get("device")
+    if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE:
+        rkwargs["device"] = real_device(index)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.no_grad():
+        out = func(*rargs, **rkwargs)
+    stats.bump("forced_materializations")
+    flat, out_spec = optree.tree_flatten(out, none_is_leaf=True)
+    if not any(isinstance(o, torch.Tensor) for o in flat):
+        return out
+    return optree.tree_unflatten(out_spec, [adopt(o, index) if isinstance(o, torch.Tensor) else o
+                                            for o in flat])
+
+
+def adopt(real: torch.Tensor, index: int) -> LazyTensor:
+    """Wrap an already computed device tensor as a materialized LazyTensor (an executed node)."""
+    meta = TensorMeta.of(real, index)
+    node = Node("genie.result", None, None, [meta], None, [Storage()], (), current_graph())
+    node.executed = True
+    node.values = [real]
+    return LazyTensor(node, 0, meta)

@@ -1,0 +1,193 @@
+"""Planner: from requested values to a Tape (seed 003), plain data the executor (or a server) runs.
+
+The slice is the backward closure of the requested values over three kinds of dependency:
+
+1. data: a node needs the producers of its inputs;
+2. write-before-read: reading a storage at record position p needs every pending write to that
+   storage recorded before p (in-place ops, writes through views);
+3. write-after-read: running a write W needs every live pending reader of the same storage
+   recorded before W, because after W the value they read is gone.
+
+Nodes that have already run are not in the slice; their kept values become tape inputs. The slice
+runs in record order, which with (2) and (3) reproduces eager's ordering of reads and writes.
+Every slot has a last use; values that no live tensor or pending node needs are freed right after
+it ("free after", as ``torch.fx.Interpreter`` does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .graph import Node, Ref, Storage, TensorMeta
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A tape value: an input (already on the device) or the output of an instruction."""
+
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class MetaArg:
+    """An argument used only for its metadata (``zeros_like(x)`` never needs ``x``'s values)."""
+
+    meta: TensorMeta
+
+
+@dataclass(slots=True)
+class Instr:
+    """One op to run: ``outs = op(*args, **kwargs)`` with ``args`` rebuilt from ``leaves``.
+
+    ``leaves`` hold :class:`Slot` (tape values), :class:`MetaArg` and constants (numbers,
+    dtypes, devices, host tensors of uploads). ``free`` lists slots whose last use is here.
+    """
+
+    op: Any
+    leaves: list[Any]
+    spec: Any
+    outs: tuple[int | None, ...]
+    rng: tuple[int, int] | None
+    free: tuple[int, ...] = ()
+    uid: str = ""
+    where: str | None = None
+
+
+@dataclass(slots=True)
+class Tape:
+    """A linear program: inputs (real tensors by slot), instructions, outputs and kept slots."""
+
+    instrs: list[Instr]
+    inputs: dict[int, torch.Tensor]
+    outputs: list[int]
+    keep: set[int]
+    nodes: list[Node] = field(repr=False)
+    slots: dict[tuple[int, int], int] = field(repr=False)  # (node index, out) -> slot
+
+
+def slice_nodes(targets: list[tuple[Node, int]]) -> list[Node]:
+    """Pending nodes the requested values depend on, in record order."""
+    needed: dict[int, Node] = {}
+    bound: dict[Storage, int] = {}
+    stack: list[Node] = []
+
+    def need(n: Node) -> None:
+        if not n.executed and n.index not in needed:
+            needed[n.index] = n
+            stack.append(n)
+
+    def need_storage(s: Storage, upto: int) -> None:
+        if bound.get(s, -1) >= upto:
+            return
+        bound[s] = upto
+        for w in s.pending_writes:
+            if w.index >= upto:
+                break
+            need(w)
+            for r in s.readers:
+                rn = r()
+                if rn is not None and not rn.executed and rn.index < w.index:
+                    need(rn)
+
+    inf = 1 << 62
+    for node, out in targets:
+        need(node)
+        need_storage(node.storages[out], inf)
+    while stack:
+        n = stack.pop()
+        for ref in n.inputs():
+            need(ref.node)
+            need_storage(ref.node.storages[ref.out], n.index)
+        for s in n.writes:
+            need_storage(s, n.index)
+    return [needed[i] for i in sorted(needed)]
+
+
+def build_tape(targets: list[tuple[Node, int]]) -> Tape:
+    """Slice, order and lower the requested values to a :class:`Tape`."""
+    from .lazy_tensor import LazyTensor
+
+    nodes = slice_nodes(targets)
+    in_run = {n.index for n in nodes}
+    slots: dict[tuple[int, int], int] = {}
+    inputs: dict[int, torch.Tensor] = {}
+    instrs: list[Instr] = []
+    last_use: dict[int, int] = {}
+
+    def slot_of(node: Node, out: int, at: int) -> int:
+        key = (node.index, out)
+        s = slots.get(key)
+        if s is None:
+            if node.index in in_run:
+                raise AssertionError(f"{node} used before it runs")  # record order is topological
+            value = node.values[out] if node.values is not None else None
+            if value is None:
+                raise AssertionError(f"value {node.uid}[{out}] was freed but is still needed")
+            s = slots[key] = len(slots)
+            inputs[s] = value
+        last_use[s] = at
+        return s
+
+    for i, n in enumerate(nodes):
+        if n.leaves is None:
+            leaves: list[Any] = []
+        else:
+            leaves = [Slot(slot_of(x.node, x.out, i)) if type(x) is Ref else x for x in n.leaves]
+        outs = []
+        for k, m in enumerate(n.metas):
+            if m is None:
+                outs.append(None)
+                continue
+            s = slots[(n.index, k)] = len(slots)
+            last_use[s] = i
+            outs.append(s)
+        instrs.append(Instr(n.op, leaves, n.spec, tuple(outs), n.rng, uid=n.uid, where=n.where))
+
+    outputs = []
+    for node, out in targets:
+        outputs.append(slot_of(node, out, len(instrs)))
+
+    # Keep a value past the run if a live tensor holds it or a pending node outside the run reads it.
+    keep: set[int] = set(outputs)
+    for n in nodes:
+        for k, m in enumerate(n.metas):
+            if m is None:
+                continue
+            ref = n.outputs[k]
+            t = ref() if ref is not None else None
+            if (isinstance(t, LazyTensor) and t._node is n) or _has_pending_consumer(n, in_run):
+                keep.add(slots[(n.index, k)])
+
+    frees: dict[int, list[int]] = {}
+    for s, at in last_use.items():
+        if s not in keep and s not in inputs and at < len(instrs):
+            frees.setdefault(at, []).append(s)
+    for i, ins in enumerate(instrs):
+        ins.free = tuple(frees.get(i, ()))
+    return Tape(instrs, inputs, outputs, keep, nodes, slots)
+
+
+def _has_pending_consumer(n: Node, in_run: set[int]) -> bool:
+    for c in n.consumers:
+        cn = c()
+        if cn is not None and not cn.executed and cn.index not in in_run:
+            return True
+    return False
+
+
+def format_tape(tape: Tape) -> str:
+    """A readable listing of a tape: one instruction per line, with frees."""
+    lines = [f"tape: {len(tape.instrs)} instrs, inputs {sorted(tape.inputs)}, "
+             f"outputs {tape.outputs}"]
+    for ins in tape.instrs:
+        args = ", ".join(f"%{x.id}" if isinstance(x, Slot) else
+                         ("<meta>" if isinstance(x, MetaArg) else
+                          ("<host tensor>" if isinstance(x, torch.Tensor) else repr(x)))
+                         for x in ins.leaves)
+        outs = ", ".join(f"%{o}" for o in ins.outs if o is not None)
+        free = f"  # free {', '.join(f'%{f}' for f in ins.free)}" if ins.free else ""
+        lines.append(f"  {outs or '_'} = {ins.op}({args}){free}")
+    return "\n".join(lines)
