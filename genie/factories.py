@@ -63,4 +63,9 @@ def register_factories() -> None:
 
         lib.impl(op._schema.name.split("::")[1] + (
             "." + op._overloadname if op._overloadname != "default" else ""), kernel, "PrivateUse1")
+    # Host -> device copies that bypass the Python key (``torch.tensor(data, device=...)``
+    # constructs with the Python key excluded) reach the backend's ``_copy_from``.
+    from .lazy_tensor import copy_from
+
+    lib.impl("_copy_from", copy_from, "PrivateUse1")
     _lib = lib

@@ -100,13 +100,15 @@ class LazyTensor(torch.Tensor):
         real = materialize_one(self, "repr")
         body = repr(real.detach().cpu())
         suffix = f", device='{self.device}'"
-        if self.requires_grad and self.grad_fn is None:
-            pass
         return body[:-1] + suffix + body[-1:] if body.endswith(")") else body + suffix
 
     def numpy(self, *, force: bool = False):  # noqa: ANN201
         """Materialize and return a NumPy array (a copy on the host)."""
         return self.detach().cpu().numpy(force=force)
+
+    def tolist(self):  # noqa: ANN201
+        """Materialize and return nested Python lists (as ``torch.Tensor.tolist``)."""
+        return self.detach().cpu().tolist()
 
     def __reduce_ex__(self, proto: int):  # noqa: ANN204
         # torch.save: store the value as a CPU tensor and rebuild it on this device at load time.
@@ -380,6 +382,13 @@ def _upload_into(dst: LazyTensor, src: torch.Tensor, non_blocking: bool) -> Lazy
         up._node.outputs[0] = weakref.ref(dst)
         return dst
     return record(_copy, (dst, up, non_blocking), {})
+
+
+def copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """PrivateUse1 kernel of ``aten::_copy_from`` (copies that reach the backend directly)."""
+    if isinstance(dst, LazyTensor) and not isinstance(src, LazyTensor):
+        return _upload_into(dst, src, non_blocking)
+    return record(_copy, (dst, src, non_blocking), {})
 
 
 _EMPTY_FACTORIES = frozenset({aten.empty.memory_format, aten.empty_strided.default})
