@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Sets up Genie in ./.venv on a fresh machine with Python 3.11: torch 2.13.0 (CPU build, pinned
+# first so pip never resolves a multi-GB CUDA torch), the test tools, and Genie itself with its
+# native runtime (csrc/) compiled against that torch. Idempotent: a second run only rebuilds when
+# csrc/ or setup.py changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for c in python3.11 python3 python; do
+    if command -v "$c" >/dev/null 2>&1; then PY=$c; break; fi
+  done
+fi
+[ -n "$PY" ] || { echo "setup: no python3.11 found; install Python 3.11 first" >&2; exit 1; }
+
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if ! $VPY -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] in ('2.13.0', '2.11.0') else 1)" 2>/dev/null; then
+  $VPY -m pip install -q "torch==2.13.0"
+fi
+$VPY -m pip install -q "setuptools>=64" wheel ninja optree numpy "pytest>=8" "pytest-benchmark>=4" \
+  expecttest "transformers>=4.45" pyzmq msgpack
+
+stamp=.venv/.genie-build-stamp
+want=$(cat setup.py pyproject.toml csrc/* 2>/dev/null | sha256sum | cut -d' ' -f1)
+if [ "$(cat $stamp 2>/dev/null)" != "$want" ] || ! $VPY -c "import genie._C" 2>/dev/null; then
+  echo "setup: building genie (native runtime in csrc/, about a minute)..."
+  MAX_JOBS=${MAX_JOBS:-2} $VPY -m pip install -q --no-build-isolation --no-deps -e .
+  echo "$want" > $stamp
+fi
+$VPY -c "import torch, genie; print('setup: genie ready, torch', torch.__version__, '| remote_accelerator ->', genie.executor.real_device(0))"
