@@ -1,0 +1,86 @@
+"""Recording: every op is recorded with eager's metadata, through a cache; errors at the call site."""
+
+import pytest
+import torch
+
+import genie
+from genie.meta import meta_cache
+
+D = "remote_accelerator"
+
+
+def test_recorded_metadata_equals_eager():
+    a = torch.randn(4, 6)
+    cases = [
+        lambda t: t.t(), lambda t: t[1:, ::2], lambda t: t.sum(0), lambda t: t @ t.t(),
+        lambda t: t.to(torch.float64), lambda t: t.view(2, 12), lambda t: t.unsqueeze(1).expand(4, 3, 6),
+        lambda t: torch.cat([t, t], 1), lambda t: t.max(dim=1).indices, lambda t: t > 0,
+    ]
+    for f in cases:
+        e = f(a)
+        g = f(a.to(D))
+        assert (g.shape, g.dtype, g.stride(), g.storage_offset()) == (
+            e.shape, e.dtype, e.stride(), e.storage_offset())
+        torch.testing.assert_close(g.cpu(), e)
+
+
+def test_nothing_runs_while_recording():
+    x = torch.randn(64, 64, device=D)
+    y = (x @ x).relu().sum(0)
+    assert y.shape == (64,) and y.dtype == torch.float32 and y.device.type == D
+    assert genie.stats().get("nodes_executed", 0) == 0
+
+
+def test_meta_cache_hits_on_repeated_ops():
+    x = torch.randn(5, 5, device=D)
+    meta_cache.clear()
+    genie.reset_stats()
+    for _ in range(10):
+        x = x * 2
+    s = genie.stats()
+    assert s["meta_cache_misses"] == 1 and s["meta_cache_hits"] == 9
+    # different scalar arguments are different keys only when the output could differ:
+    y = torch.ones(3, device=D)
+    genie.reset_stats()
+    y.add(1)
+    y.add(1)
+    y.add(2.5)
+    assert genie.stats()["meta_cache_hits"] >= 1
+
+
+@pytest.mark.parametrize("bad", [
+    lambda d: torch.ones(2, 3, device=d) + torch.ones(4, device=d),
+    lambda d: torch.ones(2, 3, device=d) @ torch.ones(2, 3, device=d),
+    lambda d: torch.ones(2, 3, device=d).view(7),
+    lambda d: torch.ones(2, 3, device=d).sum(5),
+    lambda d: torch.ones(2, device=d)[torch.tensor([True])],
+    lambda d: torch.cat([torch.ones(2, device=d), torch.ones(2, 2, device=d)]),
+])
+def test_errors_raise_at_call_site_with_eager_type(bad):
+    with pytest.raises(Exception) as eager:
+        bad("cpu")
+    with pytest.raises(type(eager.value)):
+        bad(D)
+
+
+def test_device_mismatch_raises_like_eager_cuda():
+    with pytest.raises(RuntimeError, match="device"):
+        torch.ones(3, device=D) + torch.ones(3)
+    # a 0-dim host tensor is a scalar, allowed by eager on every device
+    torch.testing.assert_close((torch.ones(3, device=D) + torch.tensor(2.0)).cpu(),
+                               torch.full((3,), 3.0))
+
+
+def test_graph_stays_usable_after_an_error():
+    x = torch.ones(2, 2, device=D)
+    with pytest.raises(RuntimeError):
+        x @ torch.ones(3, 3, device=D)
+    torch.testing.assert_close((x + 1).cpu(), torch.full((2, 2), 2.0))
+
+
+def test_unknown_argument_garbage_raises_typeerror():
+    x = torch.ones(2, device=D)
+    with pytest.raises(TypeError):
+        torch.add(x, "nope")
+    with pytest.raises(TypeError):
+        genie.materialize(object())
