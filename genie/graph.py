@@ -46,12 +46,21 @@ class TensorMeta:
         return TensorMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, index)
 
 
-@dataclass(frozen=True, slots=True)
 class Ref:
-    """An argument that is the ``out``-th output of ``node`` (a lazy value)."""
+    """An argument that is the ``out``-th output of ``node`` (a lazy value).
 
-    node: Node
-    out: int
+    A plain slotted class, not a frozen dataclass: one is made per lazy input of every recorded
+    op, and a frozen dataclass's ``__init__`` costs several times more.
+    """
+
+    __slots__ = ("node", "out")
+
+    def __init__(self, node: Node, out: int) -> None:
+        self.node = node
+        self.out = out
+
+    def __repr__(self) -> str:
+        return f"Ref({self.node.uid}, {self.out})"
 
 
 class Storage:
@@ -146,15 +155,14 @@ class Graph:
         self.name = name
         self.keep_nodes = keep_nodes
         self.nodes: list[Node] = []
-        self._op_counts: dict[str, int] = {}
         self._total = 0
 
-    def next_uid(self, op: Any) -> str:
-        short = short_op_name(op)
-        self._total += 1
-        n = self._op_counts.get(short, 0)
-        self._op_counts[short] = n + 1
-        return f"{short}*{n}"
+    def next_uid(self, op: Any) -> str:  # noqa: ARG002
+        # Seed 000's unique id: ``op*N``, N = record position in this graph (the op's name and
+        # inputs live in the complex id, genie.ids).
+        n = self._total
+        self._total = n + 1
+        return f"op*{n}"
 
     def on_node(self, node: Node) -> None:
         if self.keep_nodes:

@@ -25,6 +25,7 @@ import optree
 import torch
 
 from . import stats
+from .stats import _counts
 from .config import config
 from .errors import UnsupportedOpError
 from .graph import DEFAULT_GRAPH, Graph, Node, Ref, Storage, TensorMeta
@@ -124,16 +125,6 @@ _to_copy = aten._to_copy.default
 _UPLOAD = "genie.upload"
 
 
-def _leaf_key(x: Any) -> Any:
-    if isinstance(x, LazyTensor):
-        return x._node.metas[x._out]
-    if isinstance(x, torch.Tensor):
-        return ("T", x.device.type, tuple(x.shape), x.stride(), x.dtype, x.requires_grad)
-    if isinstance(x, torch.Generator):
-        return ("G", x.device.type)
-    return (type(x), x)
-
-
 def _where() -> str | None:
     f = sys._getframe(3)
     while f is not None:
@@ -195,12 +186,15 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
     index = -1
     real_inputs = False
     for x in leaves:
-        if isinstance(x, LazyTensor):
+        if type(x) is LazyTensor:
+            i = x._node.metas[x._out].index
             if index < 0:
-                index = x._node.metas[x._out].index
+                index = i
+            elif i != index and func is not _copy:
+                _same_device(leaves, index, func)
         elif isinstance(x, torch.Tensor):
             real_inputs = True
-    if func is _to_copy or func is _copy or real_inputs:
+    if real_inputs or func is _to_copy or func is _copy:
         special = _transfer(func, args, kwargs, leaves, index)
         if special is not _NOT_HANDLED:
             return special
@@ -210,35 +204,54 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         raise UnsupportedOpError(func, "in-place metadata changes (transpose_, unsqueeze_, ...) on "
                                  "remote_accelerator tensors are not supported yet; use the "
                                  "out-of-place op (x = x.transpose(0, 1)).")
-    if func is not _copy:
-        _same_device(leaves, index, func)
     return _record(func, pol, args, kwargs, leaves, spec, index, current_graph())
 
 
 def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
             index: int, graph: Graph) -> Any:
-    stats.bump("ops_recorded")
+    _counts["ops_recorded"] += 1
+    # One pass over the leaves builds both the cache key and the recorded arguments.
+    key_parts: list[Any] = [func, spec]
+    rec: list[Any] = []
+    for x in leaves:
+        t = type(x)
+        if t is LazyTensor:
+            n = x._node
+            o = x._out
+            key_parts.append(n.metas[o])
+            rec.append(Ref(n, o))
+        elif t is float or t is int or t is bool:
+            key_parts.append(t)
+            key_parts.append(x)
+            rec.append(x)
+        elif isinstance(x, torch.Tensor):
+            key_parts.append(("T", x.device.type, tuple(x.shape), x.stride(), x.dtype))
+            rec.append(x.detach().clone())  # a host constant: snapshot it, as eager reads it now
+        elif isinstance(x, torch.Generator):
+            key_parts.append(torch.Generator)
+            rec.append(None)  # random ops carry (seed, offset) instead; see _draw_rng
+        else:
+            key_parts.append(t)
+            key_parts.append(x)
+            rec.append(x)
     entry = None
+    key: Any = None
     if config.meta_cache:
         try:
-            key = (func, spec, tuple(map(_leaf_key, leaves)))
+            key = tuple(key_parts)
             entry = meta_cache.get(key)
         except TypeError:  # an unhashable argument: no caching for this call
             key = None
-        if entry is None:
-            entry = _infer(func, leaves, spec, index)
-            if key is not None:
-                meta_cache.put(key, entry)
-        else:
-            stats.bump("meta_cache_hits")
-    else:
+    if entry is None:
         entry = _infer(func, leaves, spec, index)
-    metas, out_spec, consts = entry
+        entry = (*entry, _output_plan(pol, entry[0]))
+        if key is not None:
+            meta_cache.put(key, entry)
+    else:
+        _counts["meta_cache_hits"] += 1
+    metas, out_spec, consts, plan = entry
 
     rng = _draw_rng(leaves, index) if pol.random else None
-    rec = [Ref(x._node, x._out) if isinstance(x, LazyTensor) else
-           (x.detach().clone() if isinstance(x, torch.Tensor) else
-            (None if isinstance(x, torch.Generator) else x)) for x in leaves]
     if func in METADATA_ONLY and type(rec[0]) is Ref:
         rec[0] = MetaArg(metas_of(rec[0]))
 
@@ -252,27 +265,21 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
                     ws.append(t._node.storages[t._out])
         writes = tuple(ws)
 
-    n_out = len(metas)
-    returns = pol.returns
-    storages: list[Storage | None] = [None] * n_out
+    storages: list[Storage | None] = [None] * len(metas)
     results: list[Any] = list(consts)
     fresh: list[int] = []
-    for k in range(n_out):
-        if metas[k] is None:
-            continue
-        kind = returns[0] if len(returns) == 1 else (returns[k] if k < len(returns) else None)
+    for k, kind, pos in plan:
         if kind is None:
             storages[k] = Storage()
             fresh.append(k)
             continue
-        src = pol.arg(kind[1], args, kwargs)
+        src = pol.arg(pos, args, kwargs)
         if isinstance(src, (list, tuple)):
-            src = src[k] if kind[0] == "write" else src[0]
-        if kind[0] == "write":
+            src = src[k] if kind == "write" else src[0]
+        storages[k] = src._node.storages[src._out]
+        if kind == "write":
             results[k] = src  # in-place and out=: the op returns its mutated argument itself
-            storages[k] = src._node.storages[src._out]
         else:
-            storages[k] = src._node.storages[src._out]
             fresh.append(k)
 
     node = Node(func, rec, spec, metas, out_spec, storages, writes, graph, rng)
@@ -281,13 +288,35 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
     wref = node._wref
     for x in rec:
         if type(x) is Ref:
-            x.node.consumers.append(wref)
-            x.node.storages[x.out].readers.append(wref)
+            xn = x.node
+            xn.consumers.append(wref)
+            xn.storages[x.out].readers.append(wref)
     for s in writes:
         s.pending_writes.append(node)
     for k in fresh:
         results[k] = LazyTensor(node, k, metas[k])
+    if len(results) == 1 and plan_single(out_spec):
+        return results[0]
     return optree.tree_unflatten(out_spec, results)
+
+
+def _output_plan(pol: Any, metas: list[Any]) -> tuple[tuple[int, str | None, int], ...]:
+    """Per tensor output: (flat index, "write"/"view"/None, schema position of its source)."""
+    returns = pol.returns
+    plan = []
+    for k, m in enumerate(metas):
+        if m is None:
+            continue
+        kind = returns[0] if len(returns) == 1 else (returns[k] if k < len(returns) else None)
+        plan.append((k, None, -1) if kind is None else (k, kind[0], kind[1]))
+    return tuple(plan)
+
+
+_LEAF_SPEC = optree.tree_structure(0, none_is_leaf=True)
+
+
+def plan_single(out_spec: Any) -> bool:
+    return out_spec == _LEAF_SPEC
 
 
 def metas_of(ref: Ref) -> TensorMeta:

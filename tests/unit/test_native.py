@@ -29,7 +29,7 @@ def _restore_runtime() -> Iterator[None]:
     _C._set_device(current)
 
 
-# --- device count and current device ---------------------------------------------------------------
+# --- device count and current device -----------------------------------------------------------
 
 
 def test_device_count_set_get() -> None:
@@ -205,21 +205,21 @@ def test_zero_byte_storage_allowed() -> None:
 class _MetaWrapper(torch.Tensor):
     """A storage-less tensor on remote_accelerator that runs every op on an inner meta tensor."""
 
-    inner: torch.Tensor
+    meta: torch.Tensor
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor, device: torch.device, requires_grad: bool = False):
+    def __new__(cls, meta: torch.Tensor, device: torch.device, requires_grad: bool = False):
         r = torch.Tensor._make_wrapper_subclass(
-            cls, inner.shape, strides=inner.stride(), dtype=inner.dtype, device=device,
+            cls, meta.shape, strides=meta.stride(), dtype=meta.dtype, device=device,
             requires_grad=requires_grad)
-        r.inner = inner
+        r.meta = meta
         return r
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         device = next(a.device for a in args if isinstance(a, _MetaWrapper))
-        out = func(*tree_map(lambda t: t.inner if isinstance(t, _MetaWrapper) else t, args),
-                   **tree_map(lambda t: t.inner if isinstance(t, _MetaWrapper) else t,
+        out = func(*tree_map(lambda t: t.meta if isinstance(t, _MetaWrapper) else t, args),
+                   **tree_map(lambda t: t.meta if isinstance(t, _MetaWrapper) else t,
                               kwargs or {}))
         return tree_map(
             lambda t: _MetaWrapper(t, device) if isinstance(t, torch.Tensor) else t, out)
