@@ -5,23 +5,21 @@ the CPU (``GENIE_DEVICE`` overrides). It runs a :class:`~genie.planner.Tape` in 
 value after its last use, and hands the values still needed back to their nodes, which then drop
 their inputs (graph truncation: memory stays flat in long loops).
 
-Random ops carry a ``(seed, offset)`` fixed at record time; each runs with the real device's
-generator seeded from that pair (then restored), so values are reproducible under
-``torch.manual_seed`` and independent of which values are materialized first.
+How a tape runs is the backends' business (:mod:`genie.backends`): ``eager`` interprets it op by
+op; others compile it or send it to a server.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import optree
 import torch
 
-from . import stats
+from .stats import bump
 from .config import config
-from .errors import DeviceError, ExecutionError
+from .errors import DeviceError
 from .graph import Node
-from .planner import MetaArg, Slot, Tape, build_tape
+from .planner import Tape, build_tape
 
 _real_devices: dict[int, torch.device] = {}
 
@@ -48,74 +46,15 @@ def reset_device_map() -> None:
     _real_devices.clear()
 
 
-def _seed_from(seed: int, offset: int) -> int:
-    """splitmix64 of (seed, offset): a well-mixed, deterministic per-op seed."""
-    z = (seed + 0x9E3779B97F4A7C15 * (offset + 1)) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
-
-
-def _generator_for(dev: torch.device) -> torch.Generator:
-    if dev.type == "cuda":
-        return torch.cuda.default_generators[dev.index or 0]
-    return torch.default_generator
-
-
 def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
-    """Run ``tape`` on the real device for ``remote_accelerator:index``; returns its outputs."""
-    from torch.utils._python_dispatch import _disable_current_modes
+    """Run ``tape`` for ``remote_accelerator:index`` on the first backend that takes it."""
+    from . import backends
 
-    dev = real_device(index)
-    env: dict[int, Any] = dict(tape.inputs)
-    with _disable_current_modes(), torch.no_grad():
-        for ins in tape.instrs:
-            try:
-                outs = _run_instr(ins, env, dev)
-            except Exception as e:
-                raise ExecutionError(ins.op, ins.where, e) from e
-            for s, v in zip(ins.outs, outs):
-                if s is not None:
-                    env[s] = v
-            for s in ins.free:
-                env.pop(s, None)
-                stats.bump("values_freed")
-    stats.bump("nodes_executed", len(tape.instrs))
-    kept = {s: env[s] for s in tape.keep if s in env}
-    tape_outputs = [env[s] for s in tape.outputs]
+    kept, _ = backends.run(tape, real_device(index))
+    bump("nodes_executed", len(tape.instrs))
+    outputs = [kept[s] for s in tape.outputs]
     _bind(tape, kept)
-    return tape_outputs
-
-
-def _run_instr(ins: Any, env: dict[int, Any], dev: torch.device) -> list[Any]:
-    if ins.op == "genie.upload":
-        return [ins.leaves[0].to(dev, copy=dev.type == "cpu")]
-    leaves = [_arg(x, env, dev) for x in ins.leaves]
-    args, kwargs = optree.tree_unflatten(ins.spec, leaves)
-    if ins.rng is not None:
-        gen = _generator_for(dev)
-        saved = gen.get_state()
-        gen.manual_seed(_seed_from(*ins.rng))
-        try:
-            out = ins.op(*args, **kwargs)
-        finally:
-            gen.set_state(saved)
-    else:
-        out = ins.op(*args, **kwargs)
-    flat = optree.tree_leaves(out, none_is_leaf=True)
-    return flat
-
-
-def _arg(x: Any, env: dict[int, Any], dev: torch.device) -> Any:
-    t = type(x)
-    if t is Slot:
-        return env[x.id]
-    if t is torch.device:
-        return dev if x.type == "remote_accelerator" else x
-    if t is MetaArg:
-        m = x.meta
-        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=dev)
-    return x
+    return outputs
 
 
 def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
@@ -159,8 +98,8 @@ def materialize(*tensors: Any, trigger: str = "explicit") -> Any:
             raise TypeError(f"genie.materialize() takes remote_accelerator tensors, got "
                             f"{type(t).__name__}" + (f" on {t.device}" if isinstance(
                                 t, torch.Tensor) else ""))
-    stats.bump("materializations")
-    stats.bump(f"materializations.{trigger}")
+    bump("materializations")
+    bump(f"materializations.{trigger}")
     by_device: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t._node.metas[t._out].index, []).append(i)

@@ -24,8 +24,7 @@ from typing import Any
 import optree
 import torch
 
-from . import stats
-from .stats import _counts
+from .stats import _counts, bump
 from .config import config
 from .errors import UnsupportedOpError
 from .graph import DEFAULT_GRAPH, Graph, Node, Ref, Storage, TensorMeta
@@ -145,7 +144,7 @@ def _infer(func: Any, leaves: list[Any], spec: Any, index: int) -> tuple:
     dev = mkwargs.get("device")
     if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE:
         mkwargs["device"] = torch.device("meta")
-    stats.bump("meta_cache_misses")
+    bump("meta_cache_misses")
     try:
         with _disable_current_modes():
             out = func(*margs, **mkwargs)
@@ -350,7 +349,7 @@ def record_factory(func: Any, args: tuple, kwargs: dict) -> Any:
     device.check_index(index)
     if dev is None or dev.index is None:
         kwargs = {**kwargs, "device": device_of(index)}
-    stats.bump("factories_recorded")
+    bump("factories_recorded")
     leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
     return _record(func, policy(func), args, kwargs, leaves, spec, index, current_graph())
 
@@ -387,7 +386,7 @@ def upload(src: torch.Tensor, index: int, like: TensorMeta | None = None) -> Laz
     snap = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
     snap.copy_(src)
     node = Node(_UPLOAD, [snap], None, [meta], None, [Storage()], (), current_graph())
-    stats.bump("uploads")
+    bump("uploads")
     return LazyTensor(node, 0, meta)
 
 
@@ -446,7 +445,7 @@ def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
 
     with _disable_current_modes(), torch.no_grad():
         out = func(*rargs, **rkwargs)
-    stats.bump("forced_materializations")
+    bump("forced_materializations")
     flat, out_spec = optree.tree_flatten(out, none_is_leaf=True)
     if not any(isinstance(o, torch.Tensor) for o in flat):
         return out

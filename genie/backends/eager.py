@@ -1,0 +1,105 @@
+"""The ``eager`` backend: runs each tape instruction as the ATen op it records (the reference).
+
+It is always available and takes every tape, so it closes every fallback chain. Instructions run
+in tape order under ``no_grad`` with dispatch modes disabled (a ``genie.capture()`` block must not
+re-record the execution); each value is dropped at its last use.
+
+Random ops carry a ``(seed, offset)`` fixed at record time; each runs with the real device's
+generator seeded from that pair (then restored), so values are reproducible under
+``torch.manual_seed`` and independent of which values are materialized first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from ..stats import bump
+from ..errors import ExecutionError
+from ..planner import MetaArg, Slot, Tape
+from . import register_backend
+
+UPLOAD = "genie.upload"
+
+
+def seed_from(seed: int, offset: int) -> int:
+    """splitmix64 of (seed, offset): a well-mixed, deterministic per-op seed."""
+    z = (seed + 0x9E3779B97F4A7C15 * (offset + 1)) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def generator_for(dev: torch.device) -> torch.Generator:
+    if dev.type == "cuda":
+        return torch.cuda.default_generators[dev.index or 0]
+    return torch.default_generator
+
+
+def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
+    """Interpret ``tape`` on ``dev``; returns the values of the slots in ``tape.keep``."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    env: dict[int, Any] = dict(tape.inputs)
+    with _disable_current_modes(), torch.no_grad():
+        for ins in tape.instrs:
+            try:
+                outs = run_instr(ins, env, dev)
+            except Exception as e:
+                raise ExecutionError(ins.op, ins.where, e) from e
+            for s, v in zip(ins.outs, outs):
+                if s is not None:
+                    env[s] = v
+            for s in ins.free:
+                del env[s]
+            if ins.free:
+                bump("values_freed", len(ins.free))
+    return {s: env[s] for s in tape.keep}
+
+
+def run_instr(ins: Any, env: dict[int, Any], dev: torch.device) -> list[Any]:
+    if ins.op == UPLOAD:
+        return [ins.leaves[0].to(dev, copy=dev.type == "cpu")]
+    leaves = [arg(x, env, dev) for x in ins.leaves]
+    args, kwargs = optree.tree_unflatten(ins.spec, leaves)
+    if ins.rng is not None:
+        gen = generator_for(dev)
+        saved = gen.get_state()
+        gen.manual_seed(seed_from(*ins.rng))
+        try:
+            out = ins.op(*args, **kwargs)
+        finally:
+            gen.set_state(saved)
+    else:
+        out = ins.op(*args, **kwargs)
+    return optree.tree_leaves(out, none_is_leaf=True)
+
+
+def arg(x: Any, env: dict[int, Any], dev: torch.device) -> Any:
+    t = type(x)
+    if t is Slot:
+        return env[x.id]
+    if t is torch.device:
+        return dev if x.type == "remote_accelerator" else x
+    if t is MetaArg:
+        m = x.meta
+        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=dev)
+    return x
+
+
+@register_backend("eager")
+class EagerBackend:
+    """Runs the tape op by op on the real device: the reference every other backend matches."""
+
+    name = "eager"
+
+    def is_available(self) -> bool:
+        return True
+
+    def check(self, tape: Tape) -> str | None:
+        return None
+
+    def run(self, tape: Tape, device: torch.device) -> dict[int, Any]:
+        return run_instrs(tape, device)
