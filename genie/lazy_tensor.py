@@ -16,6 +16,7 @@ What forces a value to exist (the "triggers", see docs/semantics.md): copying to
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import weakref
@@ -200,9 +201,7 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
     if pol.dynamic:
         return _run_now(func, args, kwargs, leaves, spec, index)
     if pol.inplace_view:
-        raise UnsupportedOpError(func, "in-place metadata changes (transpose_, unsqueeze_, ...) on "
-                                 "remote_accelerator tensors are not supported yet; use the "
-                                 "out-of-place op (x = x.transpose(0, 1)).")
+        return _record_inplace_view(func, pol, args, kwargs, leaves, spec, index)
     return _record(func, pol, args, kwargs, leaves, spec, index, current_graph())
 
 
@@ -297,6 +296,42 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
     if len(results) == 1 and plan_single(out_spec):
         return results[0]
     return optree.tree_unflatten(out_spec, results)
+
+
+# Inplace-view ops that change *storage* (not just the view's metadata): not a re-view of the
+# same storage, so they cannot be recorded as one.
+_STORAGE_CHANGING = frozenset(
+    getattr(p, o) for p in (aten.set_, aten.resize_, aten.resize_as_) for o in p.overloads())
+
+
+def _record_inplace_view(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any],
+                         spec: Any, index: int) -> Any:
+    """``x.t_()``, ``x.unsqueeze_(0)``: x becomes a new view of its own storage.
+
+    Recorded as one node whose output is a view of x's old value (the executor applies the op to
+    a fresh alias, so no other tensor's real value changes shape); x is rebound to that output,
+    and the wrapper's own sizes/strides are updated by running the op's meta kernel on it, as
+    ``torch.utils._python_dispatch.return_and_correct_aliasing`` does for wrapper subclasses.
+    """
+    if func in _STORAGE_CHANGING:
+        raise UnsupportedOpError(func, "changing a remote_accelerator tensor's storage in place "
+                                 "(set_, resize_) is not supported; build a new tensor instead.")
+    target = pol.arg(pol.writes[0], args, kwargs)
+    view_pol = dataclasses.replace(pol, writes=(), returns=(("view", pol.writes[0]),))
+    fresh = _record(func, view_pol, args, kwargs, leaves, spec, index, current_graph())
+    node = fresh._node
+    target._node, target._out = node, 0
+    node.outputs[0] = weakref.ref(target)
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+    return target
 
 
 def _output_plan(pol: Any, metas: list[Any]) -> tuple[tuple[int, str | None, int], ...]:

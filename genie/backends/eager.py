@@ -18,6 +18,7 @@ import torch
 
 from ..stats import bump
 from ..errors import ExecutionError
+from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
 from . import register_backend
 
@@ -63,6 +64,10 @@ def run_instr(ins: Any, env: dict[int, Any], dev: torch.device) -> list[Any]:
     if ins.op == UPLOAD:
         return [ins.leaves[0].to(dev, copy=dev.type == "cpu")]
     leaves = [arg(x, env, dev) for x in ins.leaves]
+    if policy(ins.op).inplace_view:
+        # x.t_() recorded as a new view: apply it to a fresh alias so that no other value's
+        # real tensor changes its metadata.
+        leaves[0] = torch.ops.aten.alias.default(leaves[0])
     args, kwargs = optree.tree_unflatten(ins.spec, leaves)
     if ins.rng is not None:
         gen = generator_for(dev)

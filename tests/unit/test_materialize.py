@@ -138,3 +138,24 @@ def test_model_forward_equals_eager():
     expected = m(x)
     got = m.to(D)(x.to(D))
     torch.testing.assert_close(got.cpu(), expected)
+
+
+def test_in_place_metadata_ops_follow_eager():
+    def prog(d):
+        a = torch.arange(6.0, device=d).reshape(2, 3)
+        b = a.view(2, 3)
+        a.t_()
+        a.unsqueeze_(0)
+        a.mul_(2)          # a write through the re-viewed tensor is seen by b
+        return a, b, b + 1
+
+    for g, e in zip(prog(D), prog("cpu")):
+        assert (g.shape, g.stride()) == (e.shape, e.stride())
+        torch.testing.assert_close(g.cpu(), e)
+    x = torch.ones(2, device=D)
+    try:
+        x.resize_(4)
+    except genie.UnsupportedOpError as err:
+        assert "resize_" in str(err)
+    else:
+        raise AssertionError("resize_ must raise UnsupportedOpError")
