@@ -54,6 +54,7 @@ class Instr:
     free: tuple[int, ...] = ()
     uid: str = ""
     where: str | None = None
+    device: int = 0  # the remote_accelerator index the op runs on (cross-device copies differ)
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class Tape:
     keep: set[int]
     nodes: list[Node] = field(repr=False)
     slots: dict[tuple[int, int], int] = field(repr=False)  # (node index, out) -> slot
+    index: int = 0  # the remote_accelerator index of the requested values
 
 
 def slice_nodes(targets: list[tuple[Node, int]]) -> list[Node]:
@@ -144,7 +146,8 @@ def build_tape(targets: list[tuple[Node, int]]) -> Tape:
             s = slots[(n.index, k)] = len(slots)
             last_use[s] = i
             outs.append(s)
-        instrs.append(Instr(n.op, leaves, n.spec, tuple(outs), n.rng, uid=n.uid, where=n.where))
+        instrs.append(Instr(n.op, leaves, n.spec, tuple(outs), n.rng, uid=n.uid, where=n.where,
+                            device=_device_index(n)))
 
     outputs = []
     for node, out in targets:
@@ -167,7 +170,12 @@ def build_tape(targets: list[tuple[Node, int]]) -> Tape:
             frees.setdefault(at, []).append(s)
     for i, ins in enumerate(instrs):
         ins.free = tuple(frees.get(i, ()))
-    return Tape(instrs, inputs, outputs, keep, nodes, slots)
+    index = targets[0][0].metas[targets[0][1]].index if targets else 0
+    return Tape(instrs, inputs, outputs, keep, nodes, slots, index)
+
+
+def _device_index(n: Node) -> int:
+    return next((m.index for m in n.metas if m is not None), 0)
 
 
 def _has_pending_consumer(n: Node, in_run: set[int]) -> bool:

@@ -44,10 +44,13 @@ def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
     from torch.utils._python_dispatch import _disable_current_modes
 
     env: dict[int, Any] = dict(tape.inputs)
+    from ..executor import real_device
+
     with _disable_current_modes(), torch.no_grad():
         for ins in tape.instrs:
             try:
-                outs = run_instr(ins, env, dev)
+                outs = run_instr(ins, env, dev if ins.device == tape.index else
+                                 real_device(ins.device))
             except Exception as e:
                 raise ExecutionError(ins.op, ins.where, e) from e
             for s, v in zip(ins.outs, outs):

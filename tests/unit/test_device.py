@@ -78,3 +78,23 @@ def test_device_exists_after_plain_import_torch_when_installed():
     code = "import torch; print(torch.ones(2, device='remote_accelerator').device)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "remote_accelerator:0" in out.stdout
+
+
+def test_two_devices_copy_between_them_and_mismatch_error():
+    code = """
+import torch, genie
+x = torch.randn(3, device="remote_accelerator:0")
+y = x.to("remote_accelerator:1") * 2
+assert y.device == torch.device("remote_accelerator:1")
+torch.testing.assert_close(y.cpu(), x.cpu() * 2)
+try:
+    x + y
+except RuntimeError as e:
+    assert "same device" in str(e)
+else:
+    raise AssertionError("device mismatch must raise")
+print("ok")
+"""
+    env = {**__import__("os").environ, "GENIE_DEVICE_COUNT": "2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
