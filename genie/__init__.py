@@ -13,18 +13,25 @@ present, else the CPU) only when the program needs them::
 
 from __future__ import annotations
 
+from .capture import CaptureError, CaptureGraph, annotate_phase, capture, phase
 from .device import register as _register
 from .errors import DeviceError, ExecutionError, GenieError, UnsupportedOpError
 from .executor import materialize
 from .lazy_tensor import LazyTensor
 from .planner import format_tape
 from .stats import reset_stats, stats
+from .backends.remote import connect, connect_from_env as _connect_from_env, disconnect
+from .remote import (QuotaExceededError, RemoteError, ServerUnavailableError,
+                     SessionLostError)
 
 _register()
+_connect_from_env()  # GENIE_SERVER=tcp://host:port: lazily, the session opens at first use
 
 __all__ = [
-    "DeviceError", "ExecutionError", "GenieError", "LazyTensor", "UnsupportedOpError",
-    "format_tape", "materialize", "reset_stats", "stats",
+    "CaptureError", "CaptureGraph", "DeviceError", "ExecutionError", "GenieError", "LazyTensor",
+    "QuotaExceededError", "RemoteError", "ServerUnavailableError", "SessionLostError",
+    "UnsupportedOpError", "annotate_phase", "capture", "connect", "disconnect", "format_tape",
+    "materialize", "phase", "reset_stats", "stats",
 ]
 
 

@@ -11,6 +11,7 @@ op; others compile it or send it to a server.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,9 +20,15 @@ from .stats import bump
 from .config import config
 from .errors import DeviceError
 from .graph import Node
+from . import plan_cache
 from .planner import Tape, build_tape
 
 _real_devices: dict[int, torch.device] = {}
+
+#: Set by a backend whose values live elsewhere (``genie.backends.remote``): turns the values a
+#: materialization produced (real tensors, or handles of tensors resident on a server) into the
+#: real tensors the caller gets. None: the values are the real device tensors themselves.
+fetch_values: Callable[[list[Any]], list[Any]] | None = None
 
 
 def real_device(index: int) -> torch.device:
@@ -110,7 +117,9 @@ def materialize(*tensors: Any, trigger: str = "explicit") -> Any:
         if all(v is not None for v in fast):
             outs = fast
         else:
-            outs = run_tape(build_tape(targets), index)
+            outs = run_tape(plan_cache.plan(targets), index)
+        if fetch_values is not None:
+            outs = fetch_values(outs)
         for i, v in zip(positions, outs):
             results[i] = v
     return results[0] if len(tensors) == 1 else tuple(results)

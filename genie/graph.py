@@ -70,11 +70,25 @@ class Storage:
     order. ``readers`` are weak references to pending nodes that read it (for write-after-read).
     """
 
-    __slots__ = ("pending_writes", "readers", "__weakref__")
+    __slots__ = ("pending_writes", "readers", "_prune_at", "__weakref__")
 
     def __init__(self) -> None:
         self.pending_writes: list[Node] = []
         self.readers: list[weakref.ref[Node]] = []
+        self._prune_at = 64
+
+    def add_reader(self, r: weakref.ref[Node]) -> None:
+        """Note a pending reader; readers that died or ran are pruned when the list doubles.
+
+        A weight read every step and never written by a run (no ``_bind`` prunes it) would
+        otherwise grow its list forever.
+        """
+        readers = self.readers
+        readers.append(r)
+        if len(readers) >= self._prune_at:
+            self.readers = readers = [w for w in readers
+                                      if (n := w()) is not None and not n.executed]
+            self._prune_at = max(64, 2 * len(readers))
 
 
 class Node:

@@ -79,8 +79,36 @@ class LazyTensor(torch.Tensor):
             device=device_of(meta.index), requires_grad=False)
         r._node = node
         r._out = out
-        node.outputs[out] = weakref.ref(r)
+        if node.graph.keep_nodes:
+            node.outputs[out] = weakref.ref(r)
+        else:
+            a = r._alive = Alive()
+            node.outputs[out] = weakref.ref(a)
         return r
+
+    # nn.Module.to() swaps the converted value into the existing Parameter object
+    # (torch.utils.swap_tensors) when the value is a traceable wrapper subclass, instead of making
+    # a new Parameter per module: tied weights stay tied (GPT-2's lm_head and wte) and optimizers
+    # built before .to() keep their parameters, as .to("cuda") does with `param.data = ...`.
+    # swap_tensors raises where eager would not (the old parameter has weak references or is
+    # held by a live autograd graph; capture graphs keep a weak reference to every tensor for
+    # genie.export), so the protocol shows only on the upload of a CPU parameter (the swap's
+    # other side is known) and only where the swap will succeed; elsewhere Module.to() makes new
+    # Parameter objects, as it does without the protocol.
+    @property
+    def __tensor_flatten__(self):  # noqa: ANN204
+        old = self.__dict__.get("_swap_src")  # the CPU parameter Module.to() would swap
+        if old is None or weakref.getweakrefcount(self) or weakref.getweakrefcount(old) or \
+                old._use_count() > 1:
+            raise AttributeError("__tensor_flatten__")
+        return self._flatten
+
+    def _flatten(self) -> tuple[list[str], Any]:
+        return [], self  # no inner tensors: the value lives in the graph
+
+    @staticmethod
+    def __tensor_unflatten__(inner: Any, ctx: Any, outer_size: Any, outer_stride: Any) -> Any:
+        return aten.alias.default(ctx)
 
     @property
     def _meta(self) -> TensorMeta:
@@ -116,6 +144,27 @@ class LazyTensor(torch.Tensor):
         cpu = self.detach().cpu()
         return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
                 (cpu, self.dtype, str(self.device), self.requires_grad))
+
+
+class Alive:
+    """Liveness token of one LazyTensor: the tensor holds it, its node's ``outputs`` weakly.
+
+    Nodes of the default graph track their output tensors through this token, not through a
+    weak reference to the tensor itself, so that tensors carry no weak references and
+    ``torch.utils.swap_tensors`` (used by ``nn.Module.to``) accepts them. A tensor rebound to
+    another node gets a new token, so the old node no longer counts it.
+    """
+
+    __slots__ = ("__weakref__",)
+
+
+def track(t: LazyTensor, node: Node, out: int) -> None:
+    """Make ``node.outputs[out]`` follow the liveness of ``t`` (after binding ``t`` to it)."""
+    if node.graph.keep_nodes:
+        node.outputs[out] = weakref.ref(t)
+    else:
+        a = t._alive = Alive()
+        node.outputs[out] = weakref.ref(a)
 
 
 # --- recording --------------------------------------------------------------------------------
@@ -198,10 +247,12 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         special = _transfer(func, args, kwargs, leaves, index)
         if special is not _NOT_HANDLED:
             return special
-    if pol.dynamic:
+    if pol.dynamic and not _static_shape(func, leaves, spec, index):
         return _run_now(func, args, kwargs, leaves, spec, index)
     if pol.inplace_view:
         return _record_inplace_view(func, pol, args, kwargs, leaves, spec, index)
+    if pol.portable is not None:  # a CUDA-only fused op: record its decomposition (genie.portable)
+        return pol.portable(*args, **kwargs)
     return _record(func, pol, args, kwargs, leaves, spec, index, current_graph())
 
 
@@ -287,8 +338,9 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
     for x in rec:
         if type(x) is Ref:
             xn = x.node
-            xn.consumers.append(wref)
-            xn.storages[x.out].readers.append(wref)
+            if not xn.executed:  # consumers only decide what a run of xn keeps
+                xn.consumers.append(wref)
+            xn.storages[x.out].add_reader(wref)
     for s in writes:
         s.pending_writes.append(node)
     for k in fresh:
@@ -321,7 +373,7 @@ def _record_inplace_view(func: Any, pol: Any, args: tuple, kwargs: dict, leaves:
     fresh = _record(func, view_pol, args, kwargs, leaves, spec, index, current_graph())
     node = fresh._node
     target._node, target._out = node, 0
-    node.outputs[0] = weakref.ref(target)
+    track(target, node, 0)
     from torch.utils._mode_utils import no_dispatch
 
     with no_dispatch():
@@ -442,7 +494,9 @@ def _upload_into(dst: LazyTensor, src: torch.Tensor, non_blocking: bool) -> Lazy
         # `cpu.to(device)` is empty_strided + copy_: rebind the fresh empty to the upload, so the
         # transfer is one node and the empty is never run.
         dst._node, dst._out = up._node, 0
-        up._node.outputs[0] = weakref.ref(dst)
+        track(dst, up._node, 0)
+        if isinstance(src, torch.nn.Parameter):
+            dst._swap_src = src  # Module.to() may swap dst into src: see __tensor_flatten__
         return dst
     return record(_copy, (dst, up, non_blocking), {})
 
@@ -458,6 +512,26 @@ _EMPTY_FACTORIES = frozenset({aten.empty.memory_format, aten.empty_strided.defau
 
 
 # --- data-dependent ops: run now --------------------------------------------------------------
+
+def _static_shape(func: Any, leaves: list[Any], spec: Any, index: int) -> bool:
+    """Whether a ``dynamic_output_shape`` op has a data-independent shape for these arguments.
+
+    The tag is per overload: ``aten.index.Tensor`` carries it for boolean masks, yet ``x[long_idx]``
+    (every attention-mask lookup in transformers) has a static shape, as has
+    ``repeat_interleave(r, output_size=n)``. Meta kernels decide: they raise where the shape needs
+    the data (boolean masks, ``nonzero``, ``unique``) and infer it otherwise, so an op whose meta
+    kernel succeeds on meta versions of all its tensors (host ones included) is recorded lazily.
+    """
+    if torch.Tag.data_dependent_output in func.tags:
+        return False
+    as_meta = [x.to("meta") if isinstance(x, torch.Tensor) and type(x) is not LazyTensor else x
+               for x in leaves]
+    try:
+        _infer(func, as_meta, spec, index)
+    except Exception:
+        return False
+    return True
+
 
 def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
              index: int) -> Any:

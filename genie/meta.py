@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .graph import TensorMeta
+from .portable import portable_kernel
 
 _DYNAMIC = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
 
@@ -35,6 +36,8 @@ class OpPolicy:
         dynamic: output shape or value depends on data: must run before recording continues.
         inplace_view: changes its argument's metadata in place (``transpose_``).
         names: argument names by schema position (to find kwargs).
+        portable: for ops with only a fused CUDA kernel, the decomposition recorded in their
+            place (see :mod:`genie.portable`); None for every other op.
     """
 
     writes: tuple[int, ...]
@@ -43,6 +46,7 @@ class OpPolicy:
     dynamic: bool
     inplace_view: bool
     names: tuple[str, ...]
+    portable: Any = None
 
     def arg(self, pos: int, args: tuple, kwargs: dict) -> Any:
         if pos < len(args):
@@ -94,6 +98,7 @@ def _analyze(op: Any) -> OpPolicy:
         dynamic=bool(tags & _DYNAMIC),
         inplace_view=torch.Tag.inplace_view in tags,
         names=tuple(a.name for a in schema.arguments),
+        portable=portable_kernel(op),
     )
 
 

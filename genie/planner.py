@@ -68,6 +68,7 @@ class Tape:
     nodes: list[Node] = field(repr=False)
     slots: dict[tuple[int, int], int] = field(repr=False)  # (node index, out) -> slot
     index: int = 0  # the remote_accelerator index of the requested values
+    plan: Any = field(default=None, repr=False)  # genie.plan_cache.Plan this tape instantiates
 
 
 def slice_nodes(targets: list[tuple[Node, int]]) -> list[Node]:
@@ -108,11 +109,13 @@ def slice_nodes(targets: list[tuple[Node, int]]) -> list[Node]:
     return [needed[i] for i in sorted(needed)]
 
 
-def build_tape(targets: list[tuple[Node, int]]) -> Tape:
-    """Slice, order and lower the requested values to a :class:`Tape`."""
-    from .lazy_tensor import LazyTensor
+def build_tape(targets: list[tuple[Node, int]], nodes: list[Node] | None = None) -> Tape:
+    """Slice, order and lower the requested values to a :class:`Tape`.
 
-    nodes = slice_nodes(targets)
+    ``nodes`` is ``slice_nodes(targets)`` when the caller has it already (the plan cache does).
+    """
+    if nodes is None:
+        nodes = slice_nodes(targets)
     in_run = {n.index for n in nodes}
     slots: dict[tuple[int, int], int] = {}
     inputs: dict[int, torch.Tensor] = {}
@@ -159,9 +162,7 @@ def build_tape(targets: list[tuple[Node, int]]) -> Tape:
         for k, m in enumerate(n.metas):
             if m is None:
                 continue
-            ref = n.outputs[k]
-            t = ref() if ref is not None else None
-            if (isinstance(t, LazyTensor) and t._node is n) or _has_pending_consumer(n, in_run):
+            if held_after(n, k, in_run):
                 keep.add(slots[(n.index, k)])
 
     frees: dict[int, list[int]] = {}
@@ -176,6 +177,25 @@ def build_tape(targets: list[tuple[Node, int]]) -> Tape:
 
 def _device_index(n: Node) -> int:
     return next((m.index for m in n.metas if m is not None), 0)
+
+
+def held_after(n: Node, k: int, in_run: set[int]) -> bool:
+    """Whether output ``k`` of ``n`` must outlive a run of the nodes ``in_run`` (by index):
+    a live tensor holds it, or a pending node outside the run reads it."""
+    ref = n.outputs[k]
+    t = ref() if ref is not None else None
+    if t is not None:
+        # t: the tensor's liveness token (default graph) or the tensor itself (capture graphs)
+        if not _lazy_types:
+            from .lazy_tensor import Alive, LazyTensor
+
+            _lazy_types[:] = [Alive, LazyTensor]
+        if type(t) is _lazy_types[0] or (isinstance(t, _lazy_types[1]) and t._node is n):
+            return True
+    return _has_pending_consumer(n, in_run)
+
+
+_lazy_types: list[type] = []  # (Alive, LazyTensor), imported on first use (import cycle)
 
 
 def _has_pending_consumer(n: Node, in_run: set[int]) -> bool:

@@ -117,4 +117,4 @@ def run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], str]:
 
 
 def _load_builtin() -> None:
-    from . import eager  # noqa: F401  (registration side effect)
+    from . import compiled, eager  # noqa: F401  (registration side effect)

@@ -1,0 +1,101 @@
+"""Recording cost per op: genie (record only) against eager CPU and ``torch._lazy`` (TorchScript).
+
+Two workloads, the same ATen ops in every variant:
+
+* a chain of 2,000 elementwise ops on a 4x4 tensor (scalar mul, scalar add, relu, tensor sub),
+  where eager's compute is negligible, so eager's time is PyTorch's dispatch floor;
+* an MLP forward (4 x Linear(256, 256) + ReLU, batch 32) under ``torch.no_grad()``.
+
+"Record only" means the graph is built and then dropped, never run: for genie no
+``materialize``, for ``torch._lazy`` no ``mark_step``. ``genie (no meta cache)`` turns
+``genie.config.config.meta_cache`` off, so every op pays meta inference (the cache's effect).
+Inputs (and the MLP's parameters) are on each device, materialized, before timing. Per-op
+figures divide by the number of ATen ops genie records for one call. The variants run
+interleaved (see ``interleave`` in conftest.py), so the ratios are paired.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import genie
+from genie.config import config
+
+SUITE = "bench_record: recording cost per op (record only, no materialization)"
+N_CHAIN = 2000
+NO_CACHE = "genie (no meta cache)"
+RATIOS = [("genie", "eager"), ("genie", "torch._lazy"), ("torch._lazy", "eager"),
+          (NO_CACHE, "genie")]
+
+
+def _genie_ops(fn: Callable[[], object]) -> int:
+    """ATen ops genie records for one call of ``fn`` (and a check that nothing ran)."""
+    before = genie.stats()
+    out = fn()
+    after = genie.stats()
+    del out
+    ran = after.get("materializations", 0) - before.get("materializations", 0)
+    assert ran == 0, f"the record-only workload materialized {ran} time(s): wrong measurement"
+    return after.get("ops_recorded", 0) - before.get("ops_recorded", 0)
+
+
+def _without_meta_cache(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        saved = config.meta_cache
+        config.meta_cache = False
+        try:
+            return fn()
+        finally:
+            config.meta_cache = saved
+
+    return run
+
+
+def _devices(workloads, row) -> dict[str, torch.device]:
+    devs = {"eager": torch.device("cpu"), "genie": torch.device(workloads.dev)}
+    lazy = workloads.lazy_device()
+    if lazy is not None:
+        devs["torch._lazy"] = lazy
+    elif f"torch._lazy: {workloads.lazy_error()}" not in row.notes:
+        row.notes.append(f"torch._lazy: {workloads.lazy_error()}")
+    return devs
+
+
+def test_record_chain(benchmark, ratios, workloads) -> None:
+    benchmark.group = "record: 2,000-op elementwise chain, 4x4 (one round = every variant once)"
+    row = ratios.row(SUITE, f"chain of {N_CHAIN:,} elementwise ops (4x4)", ratios=RATIOS)
+    variants: dict[str, Callable[[], object]] = {}
+    for name, dev in _devices(workloads, row).items():
+        x = torch.randn(4, 4).to(dev)
+        if name == "genie":
+            genie.materialize(x)
+            n = _genie_ops(lambda x=x: workloads.chain(x, N_CHAIN))
+            assert n == N_CHAIN, f"expected {N_CHAIN} recorded ops, got {n}"
+        variants[name] = lambda x=x: workloads.chain(x, N_CHAIN)
+    variants[NO_CACHE] = _without_meta_cache(variants["genie"])
+    workloads.interleave(benchmark, row, variants, rounds=9, per=N_CHAIN)
+
+
+def test_record_mlp_forward(benchmark, ratios, workloads) -> None:
+    benchmark.group = "record: MLP forward 4 x Linear(256) + ReLU, batch 32 (one round = all)"
+    row = ratios.row(SUITE, "MLP forward (4 x Linear(256) + ReLU, batch 32, no_grad)",
+                     ratios=RATIOS)
+    variants: dict[str, Callable[[], object]] = {}
+    ops = 0
+    for name, dev in _devices(workloads, row).items():
+        model = workloads.mlp().to(dev)
+        x = torch.randn(32, 256).to(dev)
+
+        def run(model: torch.nn.Module = model, x: torch.Tensor = x) -> torch.Tensor:
+            with torch.no_grad():
+                return model(x)
+
+        if name == "genie":
+            genie.materialize(x, *model.parameters())
+            ops = _genie_ops(run)  # the same ATen ops in every variant: one divisor for all
+        variants[name] = run
+    variants[NO_CACHE] = _without_meta_cache(variants["genie"])
+    row.notes.append(f"{ops} ATen ops/forward")
+    workloads.interleave(benchmark, row, variants, rounds=15, inner=20, per=ops)

@@ -1,0 +1,253 @@
+"""The ``remote`` backend: tapes run on a ``genie-server``; values stay there as handles.
+
+:func:`connect` (or ``GENIE_SERVER=tcp://host:port`` at import) puts this backend first: every
+materialization becomes one request to the server that ``remote_accelerator:N`` maps to (the N-th
+address given). Values that live tensors still hold are bound to their nodes as
+:class:`~genie.remote.client.Handle` objects (the tensors stay on the server); the values the
+program asked for come back in the same reply and reach the caller through the executor's
+``fetch_values`` seam as CPU tensors.
+
+Example (a server on this machine, see docs/deployment.md)::
+
+    >>> import torch, genie                                          # doctest: +SKIP
+    >>> genie.connect("tcp://127.0.0.1:5555", key_file="~/.config/genie/server/client.json")
+    >>> x = torch.ones(3, device="remote_accelerator")
+    >>> (x * 2).sum().item()                                         # one round trip
+    6.0
+    >>> genie.disconnect()
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import DeviceError, GenieError
+from ..planner import Slot, Tape
+from . import BackendUnsupported, backend_order, register_backend, set_backends
+
+_clients: list[Any] = []
+_atexit = False
+
+
+def connect(address: str | Sequence[str] | None = None, *, key_file: str | None = None,
+            server_key: str | None = None, client_keys: tuple[str, str] | None = None,
+            insecure: bool = False, timeout: float = 30.0, lazy: bool = False) -> None:
+    """Run ``remote_accelerator`` tensors on Genie server(s) from now on.
+
+    Args:
+        address: ``tcp://host:port``, or a list (``remote_accelerator:i`` runs on the i-th); by
+            default the address in ``key_file`` or ``$GENIE_SERVER``.
+        key_file: the connection file ``genie-server`` printed (server key and an authorized
+            client key pair); default ``$GENIE_KEY_FILE``.
+        server_key / client_keys: the same keys given directly (Z85 strings).
+        insecure: plain TCP, for a server started with ``--insecure``.
+        timeout: seconds of server silence after which an operation fails with
+            :class:`~genie.remote.ServerUnavailableError` (a busy server keeps saying it is alive).
+        lazy: open the session at the first materialization instead of now.
+
+    Raises:
+        ServerUnavailableError: the server cannot be reached or refuses the keys.
+
+    Example:
+        >>> genie.connect("tcp://127.0.0.1:5555", insecure=True)     # doctest: +SKIP
+    """
+    try:
+        from ..remote.client import Client
+    except ImportError as e:
+        raise GenieError(f"genie.connect() needs pyzmq and msgpack ({e}); "
+                         "pip install 'genie[remote]'") from None
+    from .. import executor
+
+    key_file = key_file or os.environ.get("GENIE_KEY_FILE") or None
+    keys: dict[str, Any] = {}
+    if key_file:
+        path = Path(key_file).expanduser()
+        try:
+            keys = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise GenieError(f"cannot read the Genie key file {path}: {e}") from None
+    if address is None:
+        address = keys.get("address") or os.environ.get("GENIE_SERVER")
+    if not address:
+        raise GenieError("genie.connect() needs an address (tcp://host:port), a key_file with "
+                         "one, or $GENIE_SERVER")
+    addrs = [a.strip() for a in address.split(",")] if isinstance(address, str) else list(address)
+    if not insecure:
+        server_key = server_key or keys.get("server_public_key")
+        if client_keys is None and keys:
+            client_keys = (keys.get("client_public_key"), keys.get("client_secret_key"))
+    disconnect()
+    cpub, csec = client_keys if client_keys else (None, None)
+    new = [Client(a, server_key=server_key, client_public=cpub, client_secret=csec,
+                  insecure=insecure, timeout=timeout) for a in addrs]
+    if not lazy:
+        try:
+            for c in new:
+                c.open()
+        except BaseException:
+            for c in new:
+                c.close()
+            raise
+    _clients[:] = new
+    executor.fetch_values = fetch_values
+    set_backends(["remote", *[n for n in backend_order() if n != "remote"]])
+    from .. import device
+
+    if device.device_count() < len(new):
+        device._native()._set_device_count(len(new))
+    global _atexit
+    if not _atexit:
+        atexit.register(disconnect)
+        _atexit = True
+
+
+def disconnect() -> None:
+    """End the sessions (servers free their tensors) and go back to the in-process executor.
+
+    Tensors whose values lived on a server cannot be used afterwards (they raise
+    :class:`~genie.remote.SessionLostError`); ``.cpu()`` what you need first.
+    """
+    for c in _clients:
+        c.close()
+    _clients.clear()
+    if "remote" in backend_order():
+        set_backends([n for n in backend_order() if n != "remote"])
+
+
+def clients() -> list[Any]:
+    """The connected :class:`~genie.remote.client.Client` objects, by device index."""
+    return list(_clients)
+
+
+def client_for(index: int) -> Any:
+    if index >= len(_clients):
+        raise DeviceError(f"remote_accelerator:{index} has no server: connected to "
+                          f"{len(_clients)} ({', '.join(c.address for c in _clients)}). "
+                          "Pass one address per device to genie.connect().")
+    return _clients[index]
+
+
+def fetch_values(values: list[Any]) -> list[Any]:
+    """The executor's seam: materialized values as the caller gets them (CPU tensors).
+
+    Handles give the value their reply brought along, or are downloaded (one request per server);
+    a client-side tensor that was also uploaded as a tape input is read back from the server,
+    which may have written to it since.
+    """
+    from ..remote.client import Handle
+
+    out = list(values)
+    todo: dict[Any, list[tuple[int, Any]]] = {}
+    for i, v in enumerate(values):
+        if type(v) is Handle:
+            if v.host is not None:
+                out[i] = v.host
+            else:
+                todo.setdefault(v.client, []).append((i, v))
+        elif isinstance(v, torch.Tensor):
+            for c in _clients:
+                h = c.uploaded(v)
+                if h is not None:
+                    todo.setdefault(c, []).append((i, h))
+                    break
+    for c, items in todo.items():
+        for (i, _), t in zip(items, c.get([h for _, h in items]), strict=True):
+            out[i] = t
+    for v in values:
+        if type(v) is Handle:
+            v.host = None
+    return out
+
+
+def _index(tape: Tape) -> int:
+    if hasattr(tape, "index"):
+        return tape.index
+    for n in reversed(tape.nodes):
+        for m in n.metas:
+            if m is not None:
+                return m.index
+    return 0
+
+
+@register_backend("remote")
+class RemoteBackend:
+    """Runs each tape on the server of its device: one request, kept values as handles."""
+
+    name = "remote"
+
+    def is_available(self) -> bool:
+        return bool(_clients)
+
+    def check(self, tape: Tape) -> str | None:
+        return None
+
+    def run(self, tape: Tape, device: torch.device) -> dict[int, Any]:
+        from ..remote.client import Handle
+        from ..remote.protocol import Unsendable
+
+        try:
+            devs = {getattr(ins, "device", 0) for ins in tape.instrs}
+            if len(devs) > 1:
+                return _run_split(tape)
+            return client_for(devs.pop() if devs else _index(tape)).run(tape)
+        except Unsendable as e:
+            if any(type(v) is Handle for v in tape.inputs.values()):
+                raise GenieError(f"[genie] {e}; the tape's other values live on the server, so "
+                                 "it cannot run locally either") from None
+            raise BackendUnsupported(str(e)) from None
+
+
+def _run_split(tape: Tape) -> dict[int, Any]:
+    """A tape whose ops run on several devices (a copy between servers): one request per run
+    of consecutive ops on the same device; values crossing over come back with the earlier
+    request's reply and go to the next server as uploads."""
+    from ..remote.client import Handle
+
+    segs: list[tuple[int, list[Any]]] = []
+    for ins in tape.instrs:
+        if not segs or segs[-1][0] != ins.device:
+            segs.append((ins.device, []))
+        segs[-1][1].append(ins)
+    made: dict[int, int] = {}
+    reads: list[set[int]] = []
+    for k, (_, instrs) in enumerate(segs):
+        made.update((s, k) for ins in instrs for s in ins.outs if s is not None)
+        reads.append({x.id for ins in instrs for x in ins.leaves if type(x) is Slot})
+    values: dict[int, Any] = dict(tape.inputs)
+    crossing: list[Any] = []
+    later: set[int] = set()
+    later_reads = []
+    for r in reversed(reads):
+        later_reads.append(set(later))
+        later |= r
+    later_reads.reverse()
+    try:
+        for k, (d, instrs) in enumerate(segs):
+            mine = {s for s, kk in made.items() if kk == k}
+            cross = later_reads[k] & mine
+            outputs = [s for s in tape.outputs if s in mine] + sorted(cross)
+            sub = Tape(instrs, {s: values[s] for s in reads[k] if made.get(s) != k}, outputs,
+                       (tape.keep & mine) | cross, tape.nodes, tape.slots, d)
+            kept = client_for(d).run(sub)
+            crossing.extend(kept[s] for s in cross if s not in tape.outputs)
+            values.update(kept)
+    finally:
+        for h in crossing:
+            if type(h) is Handle:
+                h.host = None
+    return {s: values[s] for s in tape.keep}
+
+
+def connect_from_env() -> None:
+    """``GENIE_SERVER`` at import: connect lazily (the session opens at first use)."""
+    addr = os.environ.get("GENIE_SERVER", "").strip()
+    if addr:
+        connect(addr, insecure=os.environ.get("GENIE_INSECURE", "") == "1",
+                timeout=float(os.environ.get("GENIE_TIMEOUT", "30")), lazy=True)

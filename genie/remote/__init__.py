@@ -1,0 +1,45 @@
+"""Remote execution: a Genie server owns the accelerator; clients send it tapes.
+
+- :mod:`genie.remote.protocol` - the wire format (a msgpack header plus raw tensor frames; tapes as
+  a cached *skeleton* plus a short list of per-call constants; never pickle);
+- :mod:`genie.remote.server` - ``genie-server``: sessions, resident tensors, CURVE, limits;
+- :mod:`genie.remote.client` - one ZeroMQ connection per server, handles, batched frees;
+- :mod:`genie.backends.remote` - the ``remote`` backend, :func:`genie.connect`,
+  :func:`genie.disconnect`.
+
+This package's ``__init__`` holds only the error classes, so that ``import genie`` needs neither
+pyzmq nor msgpack; those load when a program connects (``pip install genie[remote]``).
+"""
+
+from __future__ import annotations
+
+from ..errors import GenieError
+
+
+class RemoteError(GenieError):
+    """A failure of remote execution; ``server`` is the address it concerns."""
+
+    def __init__(self, server: str, message: str) -> None:
+        self.server = server
+        super().__init__(f"[genie server {server}] {message}")
+
+
+class ServerUnavailableError(RemoteError):
+    """The server cannot be reached, refused us, stopped answering, or died during a request."""
+
+
+class SessionLostError(RemoteError):
+    """A value lived in a server session that no longer exists (server restarted, lease expired,
+    or the client disconnected); it must be recomputed."""
+
+
+class QuotaExceededError(RemoteError):
+    """A request would take the session past the server's per-session memory quota."""
+
+
+class ProtocolError(RemoteError):
+    """A message that does not follow the wire format (sent or received)."""
+
+
+__all__ = ["ProtocolError", "QuotaExceededError", "RemoteError", "ServerUnavailableError",
+           "SessionLostError"]

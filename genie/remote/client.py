@@ -1,0 +1,526 @@
+"""The client side of one server session: a ZeroMQ connection, handles, batched frees.
+
+A :class:`Client` opens one session on one ``genie-server``. Each materialization is one request
+(:meth:`Client.run`): the tape's skeleton (only if the session lacks it), its constants (only the
+ones that changed), and the host tensors the server has not seen. The reply carries the requested
+outputs; every other value the program still holds stays on the server and comes back as a
+:class:`Handle`.
+
+Lifetime: a handle's finalizer queues its id; queued ids ride on the next request (``free``) or,
+when the program is idle, on the heartbeat thread's own connection, which also keeps the
+session's lease.
+
+Failure: the client waits for an answer at most ``timeout`` seconds of server *silence* (a server
+busy with a long tape says so twice a second), watches the connection (a server that dies
+mid-request is reported at once) and then raises a :class:`~genie.remote.RemoteError` naming the
+server; a client that lost its session refuses all later work with :class:`SessionLostError`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import itertools
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+import msgpack
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from ..errors import ExecutionError
+from ..graph import TensorMeta
+from ..planner import Tape
+from ..stats import _counts, bump
+from . import (ProtocolError, QuotaExceededError, RemoteError, ServerUnavailableError,
+               SessionLostError)
+from .protocol import (EXT_INPUT, PROTOCOL_VERSION, const_delta, dtype_of, encode_tape, host_ref,
+                       pack, read_into, unpack)
+
+logger = logging.getLogger("genie.remote")
+
+#: how many skeletons a client remembers having sent (the server keeps more, so it never misses)
+SKELETON_MEMORY = 256
+
+
+class Handle:
+    """A tensor resident in a server session: what ``node.values`` holds in remote mode.
+
+    ``host`` briefly carries the downloaded value when the handle was a requested output.
+    """
+
+    __slots__ = ("id", "client", "meta", "host", "__weakref__")
+
+    def __init__(self, hid: int, client: Client, meta: TensorMeta | None) -> None:
+        self.id = hid
+        self.client = client
+        self.meta = meta
+        self.host: torch.Tensor | None = None
+
+    # the metadata of the resident tensor, as a tensor would answer (plan cache, debugging)
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._meta().shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._meta().dtype
+
+    def stride(self) -> tuple[int, ...]:
+        return self._meta().stride
+
+    def storage_offset(self) -> int:
+        return self._meta().offset
+
+    def _meta(self) -> TensorMeta:
+        if self.meta is None:
+            raise AttributeError(f"{self!r} has no metadata")
+        return self.meta
+
+    def __del__(self) -> None:
+        try:
+            self.client._release(self.id)
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return (f"Handle(#{self.id} on {self.client.address}" + ("" if self.client.alive else
+                ", session gone: reconnect and recompute") + ")")
+
+
+def _nbytes(f: Any) -> int:
+    if isinstance(f, (bytes, bytearray)):
+        return len(f)
+    if isinstance(f, zmq.Frame):
+        return len(f.buffer)
+    return memoryview(f).nbytes
+
+
+class Client:
+    """One session on one server.
+
+    Args:
+        address: ``tcp://host:port``.
+        server_key: the server's CURVE public key (Z85); None with ``insecure``.
+        client_public / client_secret: this client's CURVE key pair (authorized by the server).
+        insecure: plain TCP, no authentication (a server started with ``--insecure``).
+        timeout: seconds of server silence after which a request fails (at least 1: a busy
+            server says it is alive twice a second).
+        heartbeat: run the background thread that keeps the lease and flushes frees.
+    """
+
+    def __init__(self, address: str, *, server_key: str | None = None,
+                 client_public: str | None = None, client_secret: str | None = None,
+                 insecure: bool = False, timeout: float = 30.0, heartbeat: bool = True) -> None:
+        if not insecure and not (server_key and client_public and client_secret):
+            raise ServerUnavailableError(
+                address, "a secure connection needs the server's public key and an authorized "
+                "client key pair: pass key_file= (the file genie-server printed), or "
+                "insecure=True for a server started with --insecure")
+        self.address = address
+        self.timeout = max(1.0, timeout)
+        self._keys = None if insecure else (server_key, client_public, client_secret)
+        self._want_heartbeat = heartbeat
+        self._lock = threading.RLock()
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._mon: zmq.Socket | None = None
+        self._poller: zmq.Poller | None = None
+        self._connected = False
+        self._rids = itertools.count(1)
+        self._ids = itertools.count(1)
+        self._pending_free: collections.deque[int] = collections.deque()
+        self._skeletons: collections.OrderedDict[bytes, list[Any]] = collections.OrderedDict()
+        self._uploads: dict[int, tuple[weakref.ref, Handle]] = {}
+        self._hb: threading.Thread | None = None
+        self._hb_stop = threading.Event()
+        self._last_activity = time.monotonic()
+        self.session: bytes | None = None
+        self.info: dict[str, Any] = {}
+        self.alive = True
+        self.lost: str | None = None
+        self.resident = (0, 0)
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def open(self) -> Client:
+        """Connect and open the session (one round trip); idempotent."""
+        with self._lock:
+            if self.session is not None:
+                return self
+            self._check_alive()
+            self._ctx = zmq.Context()
+            self._sock, self._mon = self._socket(monitor=True)
+            self._poller = zmq.Poller()
+            self._poller.register(self._sock, zmq.POLLIN)
+            self._poller.register(self._mon, zmq.POLLIN)
+            h, _ = self._call_locked({"t": "hello", "v": PROTOCOL_VERSION,
+                                      "torch": torch.__version__}, (), "opening a session")
+            sess = h.get("session")
+            if not isinstance(sess, bytes):
+                raise self._fail(ProtocolError(self.address, "hello answered without a session"))
+            self.session = sess
+            self.info = {k: v for k, v in h.items() if k not in ("t", "rid", "session")}
+            if h.get("torch") != torch.__version__:
+                logger.warning("genie: server %s runs torch %s, this client %s; ops missing on "
+                               "the server will be refused", self.address, h.get("torch"),
+                               torch.__version__)
+            if self._want_heartbeat:
+                self._hb = threading.Thread(target=self._heartbeat, name="genie-heartbeat",
+                                            daemon=True)
+                self._hb.start()
+            logger.info("genie: session opened on %s (device %s)", self.address,
+                        self.info.get("device"))
+            return self
+
+    def _socket(self, monitor: bool = False) -> tuple[zmq.Socket, zmq.Socket | None]:
+        assert self._ctx is not None
+        s = self._ctx.socket(zmq.DEALER)
+        s.linger = 0
+        if self._keys is not None:
+            s.curve_serverkey = self._keys[0].encode()
+            s.curve_publickey = self._keys[1].encode()
+            s.curve_secretkey = self._keys[2].encode()
+        mon = s.get_monitor_socket() if monitor else None
+        s.connect(self.address)
+        return s, mon
+
+    def close(self) -> None:
+        """End the session (the server frees its tensors at once) and close the connection."""
+        with self._lock:
+            if self.session is not None and self.alive:
+                try:
+                    saved, self.timeout = self.timeout, min(self.timeout, 2.0)
+                    self._call_locked({"t": "bye"}, (), "closing the session")
+                except RemoteError:
+                    pass
+                self.timeout = saved
+            self._shutdown("the client disconnected (genie.disconnect())")
+
+    def _shutdown(self, why: str) -> None:
+        self.alive = False
+        self.lost = self.lost or why
+        self._hb_stop.set()
+        if self._hb is not None and self._hb is not threading.current_thread():
+            self._hb.join(timeout=5)
+        self._pending_free.clear()
+        self._uploads.clear()
+        for s in (self._mon, self._sock):
+            if s is not None:
+                s.close(linger=0)
+        self._mon = self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise SessionLostError(self.address, f"this session is gone ({self.lost}); "
+                                   "reconnect with genie.connect() and recompute the values")
+
+    def _fail(self, err: RemoteError) -> RemoteError:
+        """Record a fatal failure, close everything, return the error to raise."""
+        why = str(err).split("] ", 1)[-1]
+        self.lost = why
+        self._shutdown(why)
+        return err
+
+    def _release(self, hid: int) -> None:
+        if self.alive:
+            self._pending_free.append(hid)
+
+    # --- one round trip ------------------------------------------------------------------------
+    def _call(self, header: dict[str, Any], frames: Any = (), what: str = "a request"
+              ) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        with self._lock:
+            self.open()
+            return self._call_locked(header, frames, what)
+
+    def _call_locked(self, header: dict[str, Any], frames: Any, what: str
+                     ) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        self._check_alive()
+        assert self._sock is not None and self._poller is not None
+        rid = next(self._rids)
+        header["rid"] = rid
+        if self.session is not None:
+            header["s"] = self.session
+        frees = self._drain_frees()
+        if frees:
+            header["free"] = frees
+        data = pack(header)
+        try:
+            self._sock.send_multipart([data, *frames], copy=False)
+        except zmq.ZMQError as e:
+            raise self._fail(ServerUnavailableError(self.address, f"cannot send {what}: {e}")
+                             ) from None
+        bump("round_trips")
+        bump("bytes_sent", len(data) + sum(_nbytes(f) for f in frames))
+        self._last_activity = time.monotonic()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._fail(ServerUnavailableError(
+                    self.address, f"no answer to {what} within {self.timeout:g} s; the server is "
+                    f"unreachable or stopped{self._lost_note()}. Check that genie-server runs "
+                    f"at {self.address}, then genie.connect() again."))
+            events = dict(self._poller.poll(min(left, 1.0) * 1000))
+            if self._mon in events:
+                self._read_monitor(what)
+            if self._sock not in events:
+                continue
+            parts = self._sock.recv_multipart(copy=False)
+            bump("bytes_received", sum(len(p.buffer) for p in parts))
+            try:
+                h = unpack(parts[0].buffer)
+            except ProtocolError as e:
+                raise self._fail(ProtocolError(self.address, f"undecodable answer: {e}")) from None
+            if not isinstance(h, dict) or h.get("rid") != rid:
+                continue  # an answer to an earlier, abandoned request
+            kind = h.get("t")
+            if kind == "busy":
+                deadline = time.monotonic() + self.timeout
+                continue
+            self._last_activity = time.monotonic()
+            res = h.get("res")
+            if isinstance(res, list) and len(res) == 2:
+                self.resident = (res[0], res[1])
+                _counts["resident_tensors"] = res[0]
+                _counts["resident_bytes"] = res[1]
+            if kind == "err":
+                raise self._error(h)
+            return h, parts[1:]
+
+    def _lost_note(self) -> str:
+        n, b = self.resident
+        return f"; the session's {n} resident tensors ({b} bytes) are lost" if n else ""
+
+    def _read_monitor(self, what: str) -> None:
+        assert self._mon is not None
+        while self._mon.poll(0):
+            ev = recv_monitor_message(self._mon)["event"]
+            if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected = True
+            elif ev == zmq.EVENT_DISCONNECTED:
+                was, self._connected = self._connected, False
+                if was:
+                    raise self._fail(ServerUnavailableError(
+                        self.address, f"the connection to the server dropped ({what} got no "
+                        f"answer; server killed or restarted?){self._lost_note()}"))
+            elif ev == zmq.EVENT_CONNECT_RETRIED and not self._connected:
+                raise self._fail(ServerUnavailableError(
+                    self.address, f"connection refused: no genie-server listens there "
+                    f"({what} failed){self._lost_note()}"))
+            elif ev == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                raise self._fail(ServerUnavailableError(
+                    self.address, "the server refused this client's key (not authorized); use "
+                    "the key file that genie-server printed"))
+            elif ev in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                raise self._fail(ServerUnavailableError(
+                    self.address, "the security handshake failed: wrong server key, or a CURVE "
+                    "client talking to an --insecure server (or the reverse)"))
+
+    def _error(self, h: dict[str, Any], tape: Tape | None = None) -> RemoteError | Exception:
+        kind, msg = h.get("kind"), str(h.get("msg", "unknown error"))
+        if kind == "session":
+            return self._fail(SessionLostError(self.address, msg))
+        if kind == "quota":
+            return QuotaExceededError(self.address, msg)
+        if kind == "protocol":
+            return ProtocolError(self.address, f"the server rejected a message: {msg}")
+        if kind == "exec":
+            return _ExecFailure(h)
+        return RemoteError(self.address, msg)
+
+    def _drain_frees(self) -> list[int]:
+        q = self._pending_free
+        out = []
+        try:
+            while q:
+                out.append(q.popleft())
+        except IndexError:  # drained concurrently by the heartbeat thread
+            pass
+        if out:
+            bump("frees_sent", len(out))
+        return out
+
+    # --- the requests ----------------------------------------------------------------------------
+    def run(self, tape: Tape) -> dict[int, Any]:
+        """Run ``tape`` in the session; returns a handle for every kept slot (outputs downloaded
+        into ``handle.host``)."""
+        with self._lock:
+            self.open()
+            uploads: dict[int, tuple[torch.Tensor, int]] = {}
+            enc = encode_tape(tape, lambda s, v, frames: self._input_const(s, v, frames, uploads))
+            inputs = tape.inputs
+            n_new = sum(1 for s in tape.keep if s not in inputs)
+            id0 = next(self._ids)
+            for _ in range(n_new - 1):
+                next(self._ids)
+            header: dict[str, Any] = {"t": "run", "k": enc.key, "id0": id0}
+            base = self._skeletons.get(enc.key)
+            delta = const_delta(base, enc.consts) if base is not None else None
+            if base is None:
+                header["sk"] = enc.skeleton
+                header["c"] = enc.consts
+                bump("skeletons_sent")
+            elif delta is None:
+                header["c"] = enc.consts
+            else:
+                header["d"] = delta
+            self._skeletons.pop(enc.key, None)
+            try:
+                h, frames = self._call_locked(header, enc.frames, f"a tape of "
+                                              f"{len(tape.instrs)} ops")
+                if h.get("t") == "miss":  # the server forgot the skeleton: send it whole
+                    header = {"t": "run", "k": enc.key, "id0": id0, "sk": enc.skeleton,
+                              "c": enc.consts}
+                    bump("skeletons_sent")
+                    h, frames = self._call_locked(header, enc.frames, "a tape (resent)")
+            except _ExecFailure as f:
+                raise f.error(tape, self.address) from None
+            self._skeletons[enc.key] = enc.consts
+            if len(self._skeletons) > SKELETON_MEMORY:
+                self._skeletons.popitem(last=False)
+            remote_inputs: dict[int, Handle] = {}
+            for s, v in inputs.items():
+                if type(v) is Handle and v.client is self:
+                    remote_inputs[s] = v
+                elif s in uploads:
+                    t, hid = uploads[s]
+                    remote_inputs[s] = self._remember_upload(t, hid, tape.index)
+                elif isinstance(v, torch.Tensor):
+                    remote_inputs[s] = self._uploads[id(v)][1]
+            metas: dict[int, TensorMeta] = {}
+            keep = tape.keep
+            for n in tape.nodes:
+                for k, m in enumerate(n.metas):
+                    if m is not None:
+                        s = tape.slots.get((n.index, k))
+                        if s in keep:
+                            metas[s] = m
+            kept: dict[int, Any] = {}
+            j = id0
+            for s in sorted(keep):
+                if s in inputs:
+                    kept[s] = remote_inputs[s]
+                else:
+                    kept[s] = Handle(j, self, metas.get(s))
+                    j += 1
+            self._read_outputs(h, frames, [kept[s] for s in tape.outputs])
+            return kept
+
+    def get(self, handles: list[Handle]) -> list[torch.Tensor]:
+        """Download the values of ``handles`` (one round trip)."""
+        with self._lock:
+            self._check_alive()
+            h, frames = self._call({"t": "get", "ids": [x.id for x in handles]}, (),
+                                   f"a download of {len(handles)} value(s)")
+            return self._read_outputs(h, frames, None)
+
+    def _read_outputs(self, h: dict[str, Any], frames: list[zmq.Frame],
+                      into: list[Handle] | None) -> list[torch.Tensor]:
+        metas = h.get("o")
+        n = len(into) if into is not None else len(frames)
+        if not isinstance(metas, list) or len(metas) != n or len(frames) != n:
+            raise self._fail(ProtocolError(self.address, "answer with a wrong number of outputs"))
+        out = []
+        for k, (m, f) in enumerate(zip(metas, frames, strict=True)):
+            t = read_into(f.buffer, dtype_of(m[0]), m[1], m[2])
+            if into is not None:
+                into[k].host = t
+            out.append(t)
+        return out
+
+    def _input_const(self, slot: int, v: Any, frames: list[Any],
+                     uploads: dict[int, tuple[torch.Tensor, int]]) -> Any:
+        if type(v) is Handle:
+            if v.client is self:
+                return v.id
+            if not v.client.alive:
+                raise SessionLostError(v.client.address, "a tensor used here lived in a session "
+                                       f"that is gone ({v.client.lost}); recompute it")
+            # a value on another server: its reply brought it along, or download it
+            v = v.host if v.host is not None else v.client.get([v])[0]
+        elif not isinstance(v, torch.Tensor):
+            raise TypeError(f"cannot send a tape input of type {type(v).__name__}")
+        hit = self._uploads.get(id(v))
+        if hit is not None and hit[0]() is v:
+            return hit[1].id
+        hid = next(self._ids)
+        uploads[slot] = (v, hid)
+        return msgpack.ExtType(EXT_INPUT, pack([host_ref(v, frames), hid]))
+
+    def _remember_upload(self, t: torch.Tensor, hid: int, index: int) -> Handle:
+        """A client-side value now also lives on the server: later uses send its handle."""
+        h = Handle(hid, self, TensorMeta.of(t, index))
+        key = id(t)
+        uploads = self._uploads
+        self._uploads[key] = (weakref.ref(t, lambda _r: uploads.pop(key, None)), h)
+        return h
+
+    def uploaded(self, t: torch.Tensor) -> Handle | None:
+        """The handle of a client-side tensor that was uploaded as a tape input, if any."""
+        hit = self._uploads.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    # --- background: lease and frees ------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        """Keep the lease and send frees while the program is idle, on a socket of its own."""
+        lease = float(self.info.get("lease", 60.0))
+        every = max(0.5, min(lease / 3.0, 10.0))
+        last_ping = time.monotonic()
+        sock: zmq.Socket | None = None
+        rids = itertools.count(1)
+        try:
+            sock, _ = self._socket()
+            while not self._hb_stop.wait(0.25):
+                now = time.monotonic()
+                idle = now - self._last_activity > 0.5
+                if not ((self._pending_free and (idle or len(self._pending_free) > 4096))
+                        or now - last_ping > every):
+                    continue
+                frees = self._drain_frees()
+                rid = -next(rids)
+                sock.send_multipart([pack({"t": "free" if frees else "ping", "rid": rid,
+                                           "s": self.session, "ids": frees})])
+                last_ping = now
+                waited = 0.0
+                while not self._hb_stop.is_set() and waited < self.timeout:
+                    if sock.poll(250):
+                        sock.recv_multipart()
+                        break
+                    waited += 0.25
+                else:
+                    if not self._hb_stop.is_set():
+                        logger.warning("genie: heartbeat to %s got no answer", self.address)
+        except Exception as e:  # never let the background thread die loudly
+            logger.debug("genie: heartbeat thread stopped: %s", e)
+        finally:
+            if sock is not None:
+                sock.close(linger=0)
+
+
+class _ExecFailure(Exception):
+    """An op failed on the server; becomes an :class:`ExecutionError` with the tape's op."""
+
+    def __init__(self, h: dict[str, Any]) -> None:
+        super().__init__(h.get("msg"))
+        self.h = h
+
+    def error(self, tape: Tape, address: str) -> Exception:
+        i, msg = self.h.get("i"), str(self.h.get("msg"))
+        etype = getattr(builtins, str(self.h.get("etype")), None)
+        if not (isinstance(etype, type) and issubclass(etype, Exception)):
+            etype = RuntimeError
+        try:
+            cause = etype(msg)
+        except Exception:
+            cause = RuntimeError(msg)
+        if type(i) is int and 0 <= i < len(tape.instrs):
+            ins = tape.instrs[i]
+            return ExecutionError(ins.op, ins.where, cause)
+        return RemoteError(address, f"a tape failed on the server: {msg}")

@@ -1,0 +1,517 @@
+"""The wire format between a Genie client and ``genie-server``: data only, never pickle.
+
+A message is a ZeroMQ multipart message: one msgpack *header* frame, then raw tensor frames
+(the bytes of CPU tensors, sent zero-copy). Every header is a map with ``t`` (its kind) and
+``rid`` (a request id the reply repeats); the kinds are listed in :data:`REQUESTS`.
+
+A tape travels in two parts, so that a program that repeats itself (a decode loop, a training
+loop) pays for its structure once:
+
+- the **skeleton**: ops by qualified name (``aten::add.Tensor``, resolved on the server against an
+  allowlist), argument trees, slot wiring, frees, outputs and kept slots - everything but the
+  constants. It is packed, hashed (BLAKE2b-128) and sent only when the server's session does not
+  have it yet; the server compiles it once (resolves ops, checks every slot reference).
+- the **constants**: one flat list per call - the handle id of every tape input, every constant
+  leaf (numbers, dtypes, shapes of metadata-only arguments, host tensors as frame references) and
+  the ``(seed, offset)`` of random ops. When the skeleton is known, only the positions that changed
+  since its last call travel (``d``: a flat ``[pos, value, ...]`` list).
+
+Values that are not plain msgpack types are msgpack extension types (``EXT_*``). Host tensors
+travel as frames: contiguous bytes, or the raw span of a dense tensor with its strides.
+
+Invariants: decoding never executes anything; every size, index and slot a message names is
+checked before use; a malformed message raises :class:`~genie.remote.ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import optree
+import torch
+
+from ..graph import TensorMeta
+from ..planner import Instr, MetaArg, Slot, Tape
+from ..tape_io import TapeDataError, op_from_name, op_to_name, spec_from_data, spec_to_data
+from . import ProtocolError
+
+PROTOCOL_VERSION = 1
+UPLOAD = "genie.upload"
+
+#: request kinds: hello (open a session), run (a tape), get (download values), free (release
+#: handles), ping (keep the lease), bye (close the session).
+REQUESTS = frozenset({"hello", "run", "get", "free", "ping", "bye"})
+
+EXT_DTYPE, EXT_DEVICE, EXT_LAYOUT, EXT_MEMFMT, EXT_META, EXT_HOST, EXT_COMPLEX, EXT_INPUT, \
+    EXT_SIZE = range(1, 10)
+
+MAX_DIMS = 64
+MAX_HEADER_BYTES = 256 << 20
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+_DTYPE_NAME = {v: k for k, v in _DTYPES.items()}
+_LAYOUTS = {str(v).removeprefix("torch."): v for v in vars(torch).values()
+            if isinstance(v, torch.layout)}
+_MEMFMTS = {str(v).removeprefix("torch."): v for v in vars(torch).values()
+            if isinstance(v, torch.memory_format)}
+_DTYPE_EXT = {v: msgpack.ExtType(EXT_DTYPE, k.encode()) for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAME[dtype]
+
+
+def dtype_of(name: Any) -> torch.dtype:
+    d = _DTYPES.get(name) if isinstance(name, str) else None
+    if d is None:
+        raise ProtocolError("?", f"unknown dtype {name!r}")
+    return d
+
+
+# --- msgpack ----------------------------------------------------------------------------------
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: Any, limit: int = MAX_HEADER_BYTES) -> Any:
+    """Unpack a header (or a nested blob) with extension types decoded; ProtocolError if bad."""
+    if len(data) > limit:
+        raise ProtocolError("?", f"header of {len(data)} bytes exceeds the {limit}-byte limit")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_ext_hook)
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises several types for garbage input
+        raise ProtocolError("?", f"undecodable msgpack ({type(e).__name__}: {e})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class FrameRef:
+    """A host tensor constant: data in frame ``index``, laid out as ``shape``/``stride``."""
+
+    index: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class InputUpload:
+    """A tape input whose value is on the client only: upload it and keep it as handle ``hid``."""
+
+    ref: FrameRef
+    hid: int
+
+
+def _ints(x: Any, what: str, lo: int = 0, n: int | None = None) -> tuple[int, ...]:
+    if not isinstance(x, list) or (n is not None and len(x) != n) or len(x) > MAX_DIMS or \
+            not all(type(i) is int and i >= lo for i in x):
+        raise ProtocolError("?", f"bad {what}: {x!r}")
+    return tuple(x)
+
+
+def _frame_ref(v: Any) -> FrameRef:
+    if not isinstance(v, list) or len(v) != 4 or type(v[0]) is not int or v[0] < 0:
+        raise ProtocolError("?", f"bad tensor reference {v!r}")
+    shape = _ints(v[2], "shape")
+    stride = None if v[3] is None else _ints(v[3], "stride", n=len(shape))
+    return FrameRef(v[0], dtype_of(v[1]), shape, stride)
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == EXT_DTYPE:
+        return dtype_of(data.decode("ascii", "replace"))
+    if code == EXT_DEVICE:
+        s = data.decode("ascii", "replace")
+        if not re.fullmatch(r"(remote_accelerator|cpu)(:\d{1,4})?", s):
+            raise ProtocolError("?", f"device {s!r} is not allowed in a tape")
+        return torch.device(s)
+    if code == EXT_LAYOUT or code == EXT_MEMFMT:
+        table = _LAYOUTS if code == EXT_LAYOUT else _MEMFMTS
+        v = table.get(data.decode("ascii", "replace"))
+        if v is None:
+            raise ProtocolError("?", f"unknown layout/memory format {data!r}")
+        return v
+    v = unpack(data)
+    if code == EXT_META:
+        if not isinstance(v, list) or len(v) != 4 or type(v[2]) is not int or v[2] < 0:
+            raise ProtocolError("?", f"bad metadata argument {v!r}")
+        shape = _ints(v[0], "shape")
+        return MetaArg(TensorMeta(shape, _ints(v[1], "stride", n=len(shape)), v[2],
+                                  dtype_of(v[3]), 0))
+    if code == EXT_HOST:
+        return _frame_ref(v)
+    if code == EXT_INPUT:
+        if not isinstance(v, list) or len(v) != 2 or type(v[1]) is not int or v[1] < 0:
+            raise ProtocolError("?", f"bad input upload {v!r}")
+        return InputUpload(_frame_ref(v[0]), v[1])
+    if code == EXT_COMPLEX:
+        if not isinstance(v, list) or len(v) != 2 or not all(type(x) is float for x in v):
+            raise ProtocolError("?", f"bad complex {v!r}")
+        return complex(v[0], v[1])
+    if code == EXT_SIZE:
+        return torch.Size(_ints(v, "size"))
+    raise ProtocolError("?", f"unknown extension type {code}")
+
+
+# --- tensors <-> frames -----------------------------------------------------------------------
+
+def tensor_frame(t: torch.Tensor) -> tuple[Any, list[Any]]:
+    """(buffer, [dtype, shape, stride or None]) of a tensor; dense layouts keep their strides."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg()
+    shape = list(t.shape)
+    stride: list[int] | None = None
+    if not t.is_contiguous():
+        from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+        if is_non_overlapping_and_dense_or_false(t) and min(t.stride(), default=0) >= 0:
+            stride = list(t.stride())
+            t = t.as_strided((t.numel(),), (1,), t.storage_offset())
+        else:
+            t = t.contiguous()
+    n = t.numel()
+    buf = t.reshape(n).view(torch.uint8).numpy() if n else b""
+    return buf, [dtype_name(t.dtype), shape, stride]
+
+
+def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def frame_tensor(buf: Any, ref: FrameRef, copy: bool) -> torch.Tensor:
+    """The tensor a frame holds (checked against ``ref``); ``copy`` gives it its own memory."""
+    n = math.prod(ref.shape)
+    size = len(buf) if not isinstance(buf, memoryview) else buf.nbytes
+    if size != n * ref.dtype.itemsize:
+        raise ProtocolError("?", f"tensor frame {ref.index} has {size} bytes; "
+                                 f"{ref.dtype}{list(ref.shape)} needs {n * ref.dtype.itemsize}")
+    if ref.stride is not None:
+        # the frame is the raw span of a dense tensor: the strides must address exactly n elements
+        span = 1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride, strict=True)) \
+            if n else 0
+        if span != n:
+            raise ProtocolError("?", f"strides {list(ref.stride)} do not describe a dense layout "
+                                     f"of {list(ref.shape)}")
+    if n == 0:
+        return torch.empty(ref.shape, dtype=ref.dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only buffers: we copy or only read
+        flat = torch.frombuffer(buf, dtype=ref.dtype)
+    t = flat.view(ref.shape) if ref.stride is None else flat.as_strided(ref.shape, ref.stride)
+    return t.clone(memory_format=torch.preserve_format) if copy else t
+
+
+def read_into(buf: Any, dtype: torch.dtype, shape: list[int], stride: list[int] | None
+              ) -> torch.Tensor:
+    """A fresh, writable tensor with the frame's bytes (one copy)."""
+    ref = FrameRef(0, dtype, tuple(shape), None if stride is None else tuple(stride))
+    return frame_tensor(buf, ref, copy=True)
+
+
+# --- constants --------------------------------------------------------------------------------
+
+class Unsendable(TypeError):
+    """A tape constant that the wire format cannot carry."""
+
+
+def const_data(x: Any, frames: list[Any]) -> Any:
+    """A tape constant as msgpack data; host tensors append a frame."""
+    t = type(x)
+    if x is None or t is bool or t is str or t is float:
+        return x
+    if t is int:
+        if not -(1 << 63) <= x < (1 << 64):
+            raise Unsendable(f"integer constant {x} does not fit in 64 bits")
+        return x
+    if t is torch.dtype:
+        return _DTYPE_EXT[x]
+    if t is MetaArg:
+        m = x.meta
+        return msgpack.ExtType(EXT_META, pack([list(m.shape), list(m.stride), m.offset,
+                                               _DTYPE_NAME[m.dtype]]))
+    if isinstance(x, torch.Tensor):
+        return msgpack.ExtType(EXT_HOST, pack(host_ref(x, frames)))
+    if t is torch.device:
+        return msgpack.ExtType(EXT_DEVICE, str(x).encode())
+    if t is torch.Size:
+        return msgpack.ExtType(EXT_SIZE, pack(list(x)))
+    if t is complex:
+        return msgpack.ExtType(EXT_COMPLEX, pack([x.real, x.imag]))
+    if t is torch.layout:
+        return msgpack.ExtType(EXT_LAYOUT, str(x).removeprefix("torch.").encode())
+    if t is torch.memory_format:
+        return msgpack.ExtType(EXT_MEMFMT, str(x).removeprefix("torch.").encode())
+    raise Unsendable(f"a constant of type {t.__name__} ({x!r:.60}) cannot be sent to a server")
+
+
+def host_ref(x: torch.Tensor, frames: list[Any]) -> list[Any]:
+    buf, (dt, shape, stride) = tensor_frame(x)
+    frames.append(buf)
+    return [len(frames) - 1, dt, shape, stride]
+
+
+def same_const(a: Any, b: Any) -> bool:
+    """Equality that tells 1 from True from 1.0 and 0.0 from -0.0 (for constant deltas)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or a != b:
+        return False
+    return type(a) is not float or math.copysign(1.0, a) == math.copysign(1.0, b)
+
+
+# --- skeletons (client side) ------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Encoded:
+    """A tape for the wire: skeleton (bytes + key), constants, frames, inputs by slot."""
+
+    key: bytes
+    skeleton: bytes
+    consts: list[Any]
+    frames: list[Any]
+
+
+def _spec_data(spec: Any) -> Any:
+    try:
+        return spec_to_data(spec)
+    except TypeError as e:
+        raise Unsendable(str(e)) from None
+
+
+def encode_tape(tape: Tape, input_const: Any) -> Encoded:
+    """Split ``tape`` into skeleton and constants; ``input_const(slot, value, frames)`` gives the
+    constant that names each tape input (a handle id or an :class:`InputUpload` extension)."""
+    ops: dict[str, int] = {}
+    specs: dict[Any, int] = {}
+    spec_list: list[Any] = []
+    rows: list[Any] = []
+    frames: list[Any] = []
+    inputs = sorted(tape.inputs)
+    consts: list[Any] = [input_const(s, tape.inputs[s], frames) for s in inputs]
+    for ins in tape.instrs:
+        try:
+            name = op_to_name(ins.op)
+        except TypeError as e:
+            raise Unsendable(str(e)) from None
+        oi = ops.setdefault(name, len(ops))
+        if ins.spec is None:
+            si = -1
+        else:
+            si = specs.get(ins.spec)
+            if si is None:
+                si = specs[ins.spec] = len(spec_list)
+                spec_list.append(_spec_data(ins.spec))
+        code = []
+        for x in ins.leaves:
+            if type(x) is Slot:
+                code.append(x.id)
+            else:
+                code.append(-1)
+                consts.append(const_data(x, frames))
+        if ins.rng is not None:
+            consts.append(int(ins.rng[0]))
+            consts.append(int(ins.rng[1]))
+        rows.append([oi, si, code, list(ins.outs), list(ins.free), ins.rng is not None])
+    skel = pack([PROTOCOL_VERSION, list(ops), spec_list, rows, inputs, list(tape.outputs),
+                 sorted(tape.keep)])
+    return Encoded(hashlib.blake2b(skel, digest_size=16).digest(), skel, consts, frames)
+
+
+def const_delta(old: list[Any], new: list[Any]) -> list[Any] | None:
+    """``[pos, value, ...]`` for the positions that differ, or None when sending all is cheaper."""
+    if len(old) != len(new):
+        return None
+    d: list[Any] = []
+    for i, (a, b) in enumerate(zip(old, new, strict=True)):
+        if not same_const(a, b):
+            d.append(i)
+            d.append(b)
+    return d if len(d) < len(new) else None
+
+
+# --- skeletons (server side) ------------------------------------------------------------------
+
+def resolve_op(name: Any) -> Any:
+    """The op a qualified name means, if the allowlist admits it (see :mod:`genie.tape_io`)."""
+    try:
+        return op_from_name(name)
+    except TapeDataError as e:
+        raise ProtocolError("?", str(e)) from None
+
+
+def _spec(d: Any) -> Any:
+    try:
+        return spec_from_data(d)
+    except TapeDataError as e:
+        raise ProtocolError("?", str(e)) from None
+
+
+@dataclass(slots=True)
+class Template:
+    op: Any
+    spec: Any
+    leaves: list[Any]  # Slot, or None for "the next constant"
+    outs: tuple[int | None, ...]
+    free: tuple[int, ...]
+    rng: bool
+    size_arg: str | None  # name of a ``size`` argument to check against the quota
+
+
+@dataclass(slots=True)
+class Compiled:
+    """A checked skeleton: run it by filling in constants (:func:`fill`)."""
+
+    templates: list[Template]
+    inputs: list[int]
+    outputs: list[int]
+    keep: list[int]
+    n_consts: int
+    consts: list[Any] | None = None  # the last call's constants (base of the next delta)
+
+
+def _slot_list(x: Any, what: str) -> list[int]:
+    if not isinstance(x, list) or not all(type(s) is int and 0 <= s < (1 << 31) for s in x):
+        raise ProtocolError("?", f"bad {what} slot list")
+    return x
+
+
+def compile_skeleton(data: bytes, max_instrs: int = 1 << 20) -> Compiled:
+    """Check a skeleton and resolve its ops and argument trees (ProtocolError when malformed)."""
+    sk = unpack(data)
+    if not isinstance(sk, list) or len(sk) != 7 or sk[0] != PROTOCOL_VERSION:
+        raise ProtocolError("?", "bad skeleton (wrong shape or protocol version)")
+    _, names, spec_ds, rows, inputs, outputs, keep = sk
+    if not isinstance(names, list) or not isinstance(spec_ds, list) or \
+            not isinstance(rows, list) or len(rows) > max_instrs:
+        raise ProtocolError("?", "bad skeleton tables")
+    ops = [resolve_op(n) for n in names]
+    specs = [_spec(d) for d in spec_ds]
+    inputs, outputs, keep = (_slot_list(inputs, "input"), _slot_list(outputs, "output"),
+                             _slot_list(keep, "kept"))
+    live = set(inputs)
+    if len(live) != len(inputs):
+        raise ProtocolError("?", "duplicate input slots")
+    n_consts = len(inputs)
+    templates = []
+    slot_objs: dict[int, Slot] = {}
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != 6:
+            raise ProtocolError("?", f"bad instruction {i}")
+        oi, si, code, outs, free, rng = row
+        if type(oi) is not int or not 0 <= oi < len(ops) or type(si) is not int or \
+                not -1 <= si < len(specs) or not isinstance(code, list) or type(rng) is not bool:
+            raise ProtocolError("?", f"bad instruction {i}")
+        op = ops[oi]
+        if (op == UPLOAD) != (si == -1) or (op == UPLOAD and code != [-1]):
+            raise ProtocolError("?", f"bad upload instruction {i}")
+        spec = specs[si] if si >= 0 else None
+        if spec is not None and spec.num_leaves != len(code):
+            raise ProtocolError("?", f"instruction {i}: {len(code)} leaves for a tree of "
+                                     f"{spec.num_leaves}")
+        leaves: list[Any] = []
+        for c in code:
+            if type(c) is not int or c < -1:
+                raise ProtocolError("?", f"instruction {i}: bad leaf {c!r}")
+            if c == -1:
+                leaves.append(None)
+                n_consts += 1
+            elif c not in live:
+                raise ProtocolError("?", f"instruction {i} reads slot {c}, which is not live")
+            else:
+                leaves.append(slot_objs.setdefault(c, Slot(c)))
+        if not isinstance(outs, list) or not all(
+                o is None or (type(o) is int and 0 <= o < (1 << 31) and o not in live)
+                for o in outs):
+            raise ProtocolError("?", f"instruction {i}: bad outputs {outs!r}")
+        live.update(o for o in outs if o is not None)
+        free = _slot_list(free, "free")
+        if not live.issuperset(free):
+            raise ProtocolError("?", f"instruction {i} frees a slot that is not live")
+        live.difference_update(free)
+        n_consts += 2 if rng else 0
+        size_arg = None
+        if op != UPLOAD and any(a.name == "size" for a in op._schema.arguments):
+            size_arg = "size"
+        templates.append(Template(op, spec, leaves, tuple(outs), tuple(free), rng, size_arg))
+    if not live.issuperset(outputs) or not live.issuperset(keep):
+        raise ProtocolError("?", "outputs or kept slots are not live at the end of the tape")
+    return Compiled(templates, inputs, outputs, keep, n_consts)
+
+
+def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, Any],
+         max_alloc: int, upload: Any = None) -> Tape:
+    """A runnable :class:`Tape` from a compiled skeleton and one call's constants.
+
+    ``inputs`` are the values of the input slots (resolved by the caller, which owns the store).
+    Constants that are host tensors are read from ``frames``; ``max_alloc`` bounds any single
+    allocation a constant asks for (metadata-only arguments, ``size`` of factories). With
+    ``upload`` (a function from the frame's tensor to the device value), upload instructions
+    become inputs: the received frame is the value (no copy on the CPU).
+    """
+    if len(consts) != c.n_consts:
+        raise ProtocolError("?", f"{len(consts)} constants for a skeleton that takes "
+                                 f"{c.n_consts}")
+    k = len(c.inputs)
+    instrs = []
+    for i, t in enumerate(c.templates):
+        if upload is not None and t.op == UPLOAD:
+            v = consts[k]
+            k += 1
+            if type(v) is not FrameRef or v.index >= len(frames):
+                raise ProtocolError("?", f"instruction {i}: an upload needs a tensor frame")
+            inputs[t.outs[0]] = upload(frame_tensor(frames[v.index], v, copy=False))
+            continue
+        leaves = []
+        for x in t.leaves:
+            if x is None:
+                v = consts[k]
+                k += 1
+                tv = type(v)
+                if tv is FrameRef:
+                    if v.index >= len(frames):
+                        raise ProtocolError("?", f"tensor frame {v.index} is missing")
+                    v = frame_tensor(frames[v.index], v, copy=t.op != UPLOAD)
+                elif tv is MetaArg:
+                    _check_alloc(nbytes_of(v.meta.shape, v.meta.dtype), max_alloc, i)
+                elif tv is InputUpload:
+                    raise ProtocolError("?", "an input upload used as a constant")
+                leaves.append(v)
+            else:
+                leaves.append(x)
+        rng = None
+        if t.rng:
+            seed, off = consts[k], consts[k + 1]
+            k += 2
+            if type(seed) is not int or type(off) is not int or seed < 0 or off < 0:
+                raise ProtocolError("?", f"instruction {i}: bad random seed/offset")
+            rng = (seed, off)
+        if t.size_arg is not None:
+            args, kwargs = optree.tree_unflatten(t.spec, leaves)
+            size = kwargs.get("size", args[0] if args else None)
+            if isinstance(size, (list, tuple)) and all(type(s) is int for s in size):
+                _check_alloc(math.prod(size) * 8, max_alloc, i)
+        instrs.append(Instr(t.op, leaves, t.spec, t.outs, rng, t.free, uid=f"#{i}", where=str(i)))
+    return Tape(instrs, inputs, list(c.outputs), set(c.keep), [], {})
+
+
+def _check_alloc(nbytes: int, limit: int, i: int) -> None:
+    if nbytes > limit:
+        raise AllocationTooLarge(i, nbytes, limit)
+
+
+class AllocationTooLarge(ValueError):
+    def __init__(self, i: int, nbytes: int, limit: int) -> None:
+        self.index = i
+        super().__init__(f"instruction {i} would allocate {nbytes} bytes; the session has "
+                         f"{limit} bytes of quota left")

@@ -1,0 +1,617 @@
+"""``genie-server``: owns one real device and runs clients' tapes on it.
+
+Usage::
+
+    genie-server --device cuda:0 --listen 127.0.0.1:5555      # prints how clients connect
+    python -m genie.remote.server --device cpu --listen 127.0.0.1:0 --insecure
+
+Structure: the main thread owns the ZeroMQ ROUTER socket. It decodes headers, answers pings,
+tells clients whose requests wait or run that the server is alive (``busy``, twice a second),
+expires sessions whose lease ran out, and forwards replies. One worker thread owns the sessions
+and runs requests in arrival order (one device: running tapes one at a time is what it can do
+anyway); tapes run through the backend registry (``eager`` by default, see
+:mod:`genie.backends`), on the server's device.
+
+Sessions: ``hello`` opens one and returns an unguessable token that every later request carries;
+a session's store maps client-chosen handle ids to resident tensors and is reachable only with
+its token, so clients never see each other's tensors. A session ends on ``bye``, or when no
+message came for ``lease`` seconds (its tensors are freed). Each session has a memory quota
+(bytes of distinct storages it holds); a request that would pass it is refused and undone.
+
+Security: CURVE (authentication and encryption) by default, with keys under ``--keys``
+(generated on first start: the server's pair, and one client pair written to a connection file
+that clients pass as ``key_file``). ``--insecure`` serves plain TCP for local experiments.
+Every message is checked (sizes, types, slots, handle ids, the op allowlist); a bad one gets an
+error reply and changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ipaddress
+import json
+import logging
+import os
+import queue
+import secrets
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from .. import backends
+from ..errors import ExecutionError
+from . import ProtocolError
+from .protocol import (PROTOCOL_VERSION, REQUESTS, AllocationTooLarge, Compiled, InputUpload,
+                       compile_skeleton, fill, frame_tensor, pack, tensor_frame, unpack)
+
+logger = logging.getLogger("genie.server")
+
+MAX_FRAMES = 1 << 16
+MAX_QUEUE = 1024
+SKELETON_CACHE = 1024
+#: seconds between "busy" notes to clients whose requests wait or run (their timeout counts
+#: server silence, so it must be larger than this)
+KEEPALIVE = 0.5
+
+
+class _Refused(Exception):
+    """A request the server refuses: ``kind`` goes to the client with the message."""
+
+    def __init__(self, kind: str, msg: str) -> None:
+        super().__init__(msg)
+        self.kind = kind
+
+
+@dataclass
+class Session:
+    """One client's state: resident tensors by handle id, compiled skeletons, accounting."""
+
+    token: bytes
+    quota: int
+    store: dict[int, torch.Tensor] = field(default_factory=dict)
+    skeletons: collections.OrderedDict[bytes, Compiled] = field(
+        default_factory=collections.OrderedDict)
+    storages: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+    nbytes: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+
+    def put(self, hid: int, t: torch.Tensor) -> None:
+        if hid in self.store:
+            raise _Refused("protocol", f"handle id {hid} is already in use")
+        self.store[hid] = t
+        st = t.untyped_storage()
+        key = (st.data_ptr(), str(t.device))
+        e = self.storages.get(key)
+        if e is None:
+            self.storages[key] = [1, st.nbytes()]
+            self.nbytes += st.nbytes()
+        else:
+            e[0] += 1
+
+    def drop(self, hid: Any) -> None:
+        t = self.store.pop(hid, None) if type(hid) is int else None
+        if t is None:
+            return
+        st = t.untyped_storage()
+        key = (st.data_ptr(), str(t.device))
+        e = self.storages[key]
+        e[0] -= 1
+        if e[0] == 0:
+            del self.storages[key]
+            self.nbytes -= e[1]
+
+    def clear(self) -> None:
+        self.store.clear()
+        self.storages.clear()
+        self.skeletons.clear()
+        self.nbytes = 0
+
+    def residency(self) -> list[int]:
+        return [len(self.store), self.nbytes]
+
+
+class Server:
+    """A Genie server on one device. :meth:`start` binds; :meth:`serve` runs until stopped."""
+
+    def __init__(self, device: str = "cpu", listen: str = "127.0.0.1:5555", *,
+                 insecure: bool = False, keys_dir: str | None = None, lease: float = 60.0,
+                 quota: int | None = None, max_message: int = 8 << 30,
+                 max_sessions: int = 64) -> None:
+        self.device = torch.device(device)
+        self.listen = listen
+        self.insecure = insecure
+        self.keys_dir = Path(keys_dir or os.environ.get("GENIE_KEYS_DIR") or
+                             Path.home() / ".config" / "genie" / "server")
+        self.lease = lease
+        self.quota = quota if quota is not None else default_quota(self.device)
+        self.max_message = max_message
+        self.max_sessions = max_sessions
+        self.address = ""
+        self.key_file: Path | None = None
+        self.sessions: dict[bytes, Session] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._inflight: dict[bytes, tuple[int, Any]] = {}
+        self._stop = threading.Event()
+        self._ctx: zmq.Context | None = None
+        self._auth: Any = None
+
+    # --- setup ------------------------------------------------------------------------------
+    def start(self) -> str:
+        """Bind the socket (and start CURVE authentication); returns the address."""
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise SystemExit(f"genie-server: --listen wants HOST:PORT, got {self.listen!r}")
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)
+        self._sock.router_mandatory = False
+        if not self.insecure:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            pub, sec, authorized = ensure_keys(self.keys_dir)
+            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("genie.server.auth"))
+            self._auth.start()
+            self._auth.configure_curve(domain="genie", location=str(authorized))
+            self._sock.curve_secretkey = sec
+            self._sock.curve_publickey = pub
+            self._sock.curve_server = True
+            self._sock.zap_domain = b"genie"
+            self._server_public = pub.decode()
+        if port == "0":
+            self._sock.bind(f"tcp://{host}:*")
+        else:
+            self._sock.bind(f"tcp://{host}:{port}")
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._replies = self._ctx.socket(zmq.PULL)
+        self._replies.bind("inproc://genie-replies")
+        if not self.insecure:
+            self.key_file = write_connection_file(self.keys_dir, self.address,
+                                                  self._server_public)
+        if not _is_loopback(host):
+            logger.warning("genie-server: listening on %s, not loopback%s", host,
+                           "; with --insecure anyone who can reach it can run code on this "
+                           "device" if self.insecure else "")
+        self._worker = threading.Thread(target=self._work, name="genie-worker", daemon=True)
+        self._worker.start()
+        return self.address
+
+    def banner(self) -> str:
+        if self.insecure:
+            how = (f"  connect: GENIE_SERVER={self.address} GENIE_INSECURE=1 "
+                   f"python your_program.py\n"
+                   f"       or: genie.connect({self.address!r}, insecure=True)")
+            sec = "plain TCP, NO authentication (--insecure)"
+        else:
+            how = (f"  key file: {self.key_file}  (a secret: give it only to trusted clients)\n"
+                   f"  connect: GENIE_SERVER={self.address} GENIE_KEY_FILE={self.key_file} "
+                   f"python your_program.py\n"
+                   f"       or: genie.connect({self.address!r}, key_file={str(self.key_file)!r})")
+            sec = "CURVE authenticated and encrypted"
+        return (f"genie-server: serving {self.device} on {self.address} ({sec}); "
+                f"lease {self.lease:g} s, quota {self.quota} bytes per session\n{how}")
+
+    # --- main thread: I/O ---------------------------------------------------------------------
+    def serve(self) -> None:
+        """Serve until :meth:`stop` (or SIGINT/SIGTERM via :func:`main`)."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._replies, zmq.POLLIN)
+        last_tick = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(100))
+                if self._replies in events:
+                    for _ in range(256):
+                        try:
+                            parts = self._replies.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._inflight.pop(parts[0].bytes, None)
+                        self._sock.send_multipart(parts, copy=False)
+                if self._sock in events:
+                    for _ in range(256):
+                        try:
+                            parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        try:
+                            self._incoming(parts)
+                        except Exception as e:  # never let one message stop the server
+                            logger.exception("genie-server: dropped a message: %s", e)
+                now = time.monotonic()
+                if now - last_tick >= KEEPALIVE:
+                    last_tick = now
+                    self._tick(now)
+        finally:
+            self._close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _incoming(self, parts: list[zmq.Frame]) -> None:
+        ident = parts[0].bytes
+        if len(parts) < 2:
+            return self._send_err(ident, -1, "protocol", "empty message")
+        try:
+            h = unpack(parts[1].buffer)
+        except ProtocolError as e:
+            return self._send_err(ident, -1, "protocol", str(e))
+        rid = h.get("rid") if isinstance(h, dict) else None
+        if type(rid) is not int or h.get("t") not in REQUESTS:
+            return self._send_err(ident, -1, "protocol", "a header must be a map with a known "
+                                  f"'t' ({', '.join(sorted(REQUESTS))}) and an integer 'rid'")
+        if len(parts) - 2 > MAX_FRAMES:
+            return self._send_err(ident, rid, "protocol", f"more than {MAX_FRAMES} frames")
+        token = h.get("s")
+        if h["t"] != "hello":
+            sess = self.sessions.get(token) if isinstance(token, bytes) else None
+            if sess is None:
+                return self._send_err(ident, rid, "session", self._unknown_session())
+            sess.last_seen = time.monotonic()
+            if h["t"] == "ping" and not h.get("free"):
+                return self._send(ident, {"t": "ok", "rid": rid, "res": sess.residency()})
+        if self._queue.qsize() > MAX_QUEUE:
+            return self._send_err(ident, rid, "busy", "the server's queue is full; retry later")
+        self._inflight[ident] = (rid, token)
+        self._queue.put((ident, h, parts[2:]))
+
+    def _unknown_session(self) -> str:
+        return ("this session does not exist on the server (it was restarted, or the session "
+                f"expired after {self.lease:g} s without a message); its tensors are gone")
+
+    def _tick(self, now: float) -> None:
+        for ident, (rid, _) in list(self._inflight.items()):
+            self._send(ident, {"t": "busy", "rid": rid})
+        busy = {tok for _, tok in self._inflight.values()}
+        for tok, s in list(self.sessions.items()):
+            if now - s.last_seen > self.lease and tok not in busy:
+                self._queue.put((None, {"t": "_expire", "s": tok}, []))
+
+    def _send(self, ident: bytes, h: dict[str, Any], frames: Any = ()) -> None:
+        self._sock.send_multipart([ident, pack(h), *frames], copy=False)
+
+    def _send_err(self, ident: bytes, rid: int, kind: str, msg: str) -> None:
+        logger.info("genie-server: refused a request (%s): %s", kind, msg)
+        self._send(ident, {"t": "err", "rid": rid, "kind": kind, "msg": msg})
+
+    def _close(self) -> None:
+        self._queue.put(None)
+        self._worker.join(timeout=30)
+        with self._lock:
+            for s in self.sessions.values():
+                s.clear()
+            self.sessions.clear()
+        for s in (self._replies, self._sock):
+            s.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        assert self._ctx is not None
+        self._ctx.term()
+        logger.info("genie-server: stopped")
+
+    # --- worker thread: sessions and execution --------------------------------------------------
+    def _work(self) -> None:
+        assert self._ctx is not None
+        out = self._ctx.socket(zmq.PUSH)
+        out.linger = 0
+        out.connect("inproc://genie-replies")
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                ident, h, frames = item
+                rid = h.get("rid", -1)
+                try:
+                    reply, rframes = self._handle(h, frames)
+                except _Refused as e:
+                    reply, rframes = {"t": "err", "kind": e.kind, "msg": str(e)}, []
+                except ProtocolError as e:
+                    reply, rframes = {"t": "err", "kind": "protocol", "msg": str(e)}, []
+                except Exception as e:
+                    logger.exception("genie-server: request failed")
+                    reply, rframes = {"t": "err", "kind": "internal",
+                                      "msg": f"{type(e).__name__}: {e}"}, []
+                if reply.get("t") == "err":
+                    logger.info("genie-server: request %s failed (%s): %s", h.get("t"),
+                                reply.get("kind"), reply.get("msg"))
+                if ident is None:
+                    continue
+                reply["rid"] = rid
+                out.send_multipart([ident, pack(reply), *rframes], copy=False)
+        finally:
+            out.close(linger=0)
+
+    def _handle(self, h: dict[str, Any], frames: list[zmq.Frame]) -> tuple[dict[str, Any], list]:
+        kind = h["t"]
+        if kind == "hello":
+            return self._hello(h), []
+        if kind == "_expire":
+            with self._lock:
+                s = self.sessions.pop(h["s"], None)
+            if s is not None:
+                logger.info("genie-server: session %s expired; freed %d tensors (%d bytes)",
+                            s.token.hex()[:8], *s.residency())
+                s.clear()
+            return {"t": "ok"}, []
+        sess = self.sessions.get(h.get("s"))  # type: ignore[arg-type]
+        if sess is None:
+            raise _Refused("session", self._unknown_session())
+        sess.last_seen = time.monotonic()
+        for hid in _id_list(h.get("free")):
+            sess.drop(hid)
+        if kind == "free":
+            for hid in _id_list(h.get("ids")):
+                sess.drop(hid)
+            return {"t": "ok", "res": sess.residency()}, []
+        if kind == "ping":
+            return {"t": "ok", "res": sess.residency()}, []
+        if kind == "bye":
+            with self._lock:
+                self.sessions.pop(sess.token, None)
+            sess.clear()
+            return {"t": "ok"}, []
+        if kind == "get":
+            vals = []
+            for hid in _id_list(h.get("ids")):
+                t = sess.store.get(hid)
+                if t is None:
+                    raise _Refused("protocol", f"no tensor with handle id {hid} in this session")
+                vals.append(t)
+            reply, rframes = _outputs(vals)
+            reply["res"] = sess.residency()
+            return reply, rframes
+        assert kind == "run"
+        return self._run(sess, h, frames)
+
+    def _hello(self, h: dict[str, Any]) -> dict[str, Any]:
+        if h.get("v") != PROTOCOL_VERSION:
+            raise _Refused("protocol", f"protocol version {h.get('v')!r}; this server speaks "
+                                       f"{PROTOCOL_VERSION}; install matching Genie versions")
+        with self._lock:
+            if len(self.sessions) >= self.max_sessions:
+                raise _Refused("busy", f"the server already has {self.max_sessions} sessions")
+            tok = secrets.token_bytes(16)
+            self.sessions[tok] = Session(tok, self.quota)
+        logger.info("genie-server: session %s opened", tok.hex()[:8])
+        return {"t": "ok", "session": tok, "device": str(self.device), "lease": self.lease,
+                "quota": self.quota, "torch": torch.__version__, "res": [0, 0]}
+
+    def _run(self, sess: Session, h: dict[str, Any], frames: list[zmq.Frame]
+             ) -> tuple[dict[str, Any], list]:
+        key = h.get("k")
+        id0 = h.get("id0")
+        if not isinstance(key, bytes) or len(key) != 16 or type(id0) is not int or id0 < 0:
+            raise ProtocolError("?", "a run request needs 'k' (16 bytes) and 'id0' (int)")
+        c = sess.skeletons.get(key)
+        if "sk" in h:
+            sk = h["sk"]
+            if not isinstance(sk, bytes):
+                raise ProtocolError("?", "'sk' must be bytes")
+            c = compile_skeleton(sk)
+            sess.skeletons[key] = c
+            if len(sess.skeletons) > SKELETON_CACHE:
+                sess.skeletons.popitem(last=False)
+        if c is None:
+            return {"t": "miss"}, []
+        sess.skeletons.move_to_end(key)
+        consts = h.get("c")
+        if consts is None:
+            d = h.get("d")
+            if c.consts is None or not isinstance(d, list) or len(d) % 2:
+                return {"t": "miss"}, []
+            consts = list(c.consts)
+            for i in range(0, len(d), 2):
+                p = d[i]
+                if type(p) is not int or not 0 <= p < len(consts):
+                    raise ProtocolError("?", f"bad constant position {p!r}")
+                consts[p] = d[i + 1]
+        if not isinstance(consts, list) or len(consts) != c.n_consts:
+            c.consts = None
+            raise ProtocolError("?", f"the skeleton takes {c.n_consts} constants")
+        c.consts = consts
+        dev = self.device
+        added: list[int] = []
+        try:
+            inputs: dict[int, Any] = {}
+            for s, v in zip(c.inputs, consts, strict=False):  # inputs come first
+                if type(v) is int:
+                    t = sess.store.get(v)
+                    if t is None:
+                        raise _Refused("protocol", f"no tensor with handle id {v} in this session"
+                                                   " (freed, or never created)")
+                elif type(v) is InputUpload:
+                    if v.ref.index >= len(frames):
+                        raise ProtocolError("?", f"tensor frame {v.ref.index} is missing")
+                    t = frame_tensor(frames[v.ref.index], v.ref, copy=False).to(dev)
+                    sess.put(v.hid, t)
+                    added.append(v.hid)
+                else:
+                    raise ProtocolError("?", f"bad input {v!r:.60}")
+                inputs[s] = t
+            self._check_quota(sess)
+            try:
+                tape = fill(c, consts, frames, inputs, sess.quota - sess.nbytes,
+                            upload=(lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev)))
+            except AllocationTooLarge as e:
+                raise _Refused("quota", str(e)) from None
+            try:
+                kept, _ = backends.run(tape, dev)
+            except ExecutionError as e:
+                for a in added:
+                    sess.drop(a)
+                cause = e.__cause__ or e
+                where = e.where
+                return {"t": "err", "kind": "exec", "etype": type(cause).__name__,
+                        "msg": str(cause), "i": int(where) if isinstance(where, str) and
+                        where.isdigit() else -1}, []
+            hid = id0
+            in_slots = set(c.inputs)
+            for s in c.keep:
+                if s not in in_slots:
+                    sess.put(hid, kept[s])
+                    added.append(hid)
+                    hid += 1
+            self._check_quota(sess)
+        except BaseException:
+            for a in added:
+                sess.drop(a)
+            raise
+        reply, rframes = _outputs([kept[s] for s in c.outputs])
+        reply["res"] = sess.residency()
+        return reply, rframes
+
+    def _check_quota(self, sess: Session) -> None:
+        if sess.nbytes > sess.quota:
+            raise _Refused("quota", f"the session would hold {sess.nbytes} bytes on "
+                                    f"{self.device}; its quota is {sess.quota} bytes (server "
+                                    "flag --quota). Free tensors (del) or raise the quota.")
+
+
+def _id_list(x: Any) -> list[int]:
+    if x is None:
+        return []
+    if not isinstance(x, list):
+        raise ProtocolError("?", "a handle id list must be a list")
+    return [i for i in x if type(i) is int]
+
+
+def _outputs(vals: list[torch.Tensor]) -> tuple[dict[str, Any], list[Any]]:
+    metas, frames = [], []
+    for v in vals:
+        if not isinstance(v, torch.Tensor):
+            raise _Refused("internal", f"an output is a {type(v).__name__}, not a tensor")
+        buf, meta = tensor_frame(v)
+        metas.append(meta)
+        frames.append(buf)
+    return {"t": "ok", "o": metas}, frames
+
+
+# --- keys ---------------------------------------------------------------------------------------
+
+def ensure_keys(keys_dir: Path) -> tuple[bytes, bytes, Path]:
+    """The server's CURVE key pair and the directory of authorized client public keys (created
+    on first use, with one authorized client pair for the connection file)."""
+    import zmq.auth
+
+    keys_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    secret_file = keys_dir / "server.key_secret"
+    if not secret_file.exists():
+        zmq.auth.create_certificates(str(keys_dir), "server")
+        os.chmod(secret_file, 0o600)
+    pub, sec = zmq.auth.load_certificate(str(secret_file))
+    authorized = keys_dir / "authorized"
+    authorized.mkdir(exist_ok=True, mode=0o700)
+    client_secret = keys_dir / "client.key_secret"
+    if not client_secret.exists():
+        cpub, csec = zmq.curve_keypair()
+        _write_cert(client_secret, cpub, csec)
+        _write_cert(authorized / "client.key", cpub, None)
+    assert pub is not None and sec is not None
+    return pub, sec, authorized
+
+
+def _write_cert(path: Path, public: bytes, secret: bytes | None) -> None:
+    lines = ["#   ZeroMQ CURVE certificate written by genie-server", "metadata", "curve",
+             f'    public-key = "{public.decode()}"']
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def write_connection_file(keys_dir: Path, address: str, server_public: str) -> Path:
+    """The file a client passes as ``key_file``: address, server key, its own key pair."""
+    import zmq.auth
+
+    cpub, csec = zmq.auth.load_certificate(str(keys_dir / "client.key_secret"))
+    assert cpub is not None and csec is not None
+    path = keys_dir / "client.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"address": address, "server_public_key": server_public,
+                   "client_public_key": cpub.decode(), "client_secret_key": csec.decode()},
+                  f, indent=1)
+    return path
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def default_quota(dev: torch.device) -> int:
+    """80% of the device's memory (of physical RAM for the CPU)."""
+    if dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev).total_memory * 0.8)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8)
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+def parse_bytes(s: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = s.strip().lower().removesuffix("b").removesuffix("i")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``genie-server`` and ``python -m genie.remote.server``."""
+    p = argparse.ArgumentParser(prog="genie-server", description="Serve a real device to Genie "
+                                "clients (remote_accelerator tensors run here).")
+    p.add_argument("--device", default=None,
+                   help="the device to serve: cpu, cuda or cuda:N (default: cuda:0 if present)")
+    p.add_argument("--listen", default="127.0.0.1:5555",
+                   help="HOST:PORT to bind (default 127.0.0.1:5555; port 0 picks a free one)")
+    p.add_argument("--insecure", action="store_true",
+                   help="plain TCP without authentication or encryption (local experiments)")
+    p.add_argument("--keys", default=None, help="directory of CURVE keys (default "
+                   "$GENIE_KEYS_DIR or ~/.config/genie/server); created on first start")
+    p.add_argument("--lease", type=float, default=60.0,
+                   help="seconds without a message after which a session is freed (default 60)")
+    p.add_argument("--quota", type=parse_bytes, default=None,
+                   help="memory quota per session, e.g. 8GiB (default 80%% of the device)")
+    p.add_argument("--max-message", type=parse_bytes, default=8 << 30,
+                   help="largest accepted message frame (default 8GiB)")
+    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op CPU threads (torch.set_num_threads; default: torch's choice)")
+    p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    # the server runs tapes itself: never forward them to another server
+    os.environ.pop("GENIE_SERVER", None)
+    backends.set_backends([n for n in backends.backend_order() if n != "remote"])
+    server = Server(device, a.listen, insecure=a.insecure, keys_dir=a.keys, lease=a.lease,
+                    quota=a.quota, max_message=a.max_message, max_sessions=a.max_sessions)
+    server.start()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.stop())
+    print(server.banner(), flush=True)
+    server.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Plan cache: repeated structure plans once; per-step values are parameters; memory stays flat."""
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import genie
+from genie import plan_cache
+from genie.graph import Node
+from genie.lazy_tensor import LazyTensor
+
+D = "remote_accelerator"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    plan_cache.clear()
+    plan_cache.enable(True)
+    yield
+    plan_cache.enable(True)
+
+
+def _count(cls) -> int:
+    gc.collect()
+    return sum(type(o) is cls for o in gc.get_objects())
+
+
+def test_a_thousand_identical_training_steps_plan_once_and_stay_flat():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    ref.load_state_dict(model.state_dict())
+    model.to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    genie.materialize(*model.parameters())
+    genie.reset_stats()
+    counts = {}
+    for step in range(1000):
+        x, y = torch.randn(16, 4), torch.randn(16, 1)  # new values each step: parameters
+        for m, o, dev in ((model, opt, D), (ref, ref_opt, "cpu")):
+            o.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x.to(dev)), y.to(dev))
+            loss.backward()
+            o.step()
+            if dev == D:
+                genie.materialize(loss, *model.parameters())
+        if step in (10, 500, 999):
+            counts[step] = (_count(Node), _count(LazyTensor))
+    s = genie.stats()
+    assert (s["plan_cache_misses"], s["plan_cache_hits"]) == (1, 999)
+    assert counts[10] == counts[500] == counts[999], counts  # no graph that grows with steps
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q)
+
+
+def test_hits_use_this_steps_inputs_uploads_and_random_offsets():
+    w = torch.randn(3, 3, device=D)
+    genie.materialize(w)
+    wc = w.cpu()
+    for step in range(5):
+        x = torch.full((3, 3), float(step))
+        torch.manual_seed(step)
+        noise = torch.randn(3, 3, device=D)
+        got = (x.to(D) @ w + noise).cpu()
+        torch.manual_seed(step)
+        want_noise = torch.randn(3, 3, device=D).cpu()
+        torch.testing.assert_close(got, x @ wc + want_noise)
+    assert genie.stats()["plan_cache_hits"] >= 4
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "scalar", "op", "int_vs_float"])
+def test_a_different_structure_is_a_miss(change):
+    x = torch.randn(4, 4, device=D)
+    genie.materialize(x)
+
+    def prog(variant: bool):
+        a = x
+        if change == "shape":
+            a = x[:2] if variant else x[:3]
+        if change == "dtype":
+            a = x.double() if variant else x.float()
+        k = 2 if change == "int_vs_float" and variant else 2.0
+        if change == "scalar" and variant:
+            k = 3.0
+        b = (a * k).relu() if not (change == "op" and variant) else (a * k).sigmoid()
+        return b.sum().item()
+
+    assert prog(False) == prog(False)
+    genie.reset_stats()
+    prog(True)
+    assert genie.stats()["plan_cache_misses"] == 1
+    torch.testing.assert_close(torch.tensor(prog(True)), torch.tensor(
+        prog(True)))  # and that new structure hits from then on
+    assert genie.stats()["plan_cache_hits"] == 2
+
+
+def test_what_the_program_holds_is_part_of_the_plan():
+    x = torch.randn(8, device=D)
+    genie.materialize(x)
+    for _ in range(2):
+        (x.exp() * 2).sum().item()  # exp's value is freed inside the run
+    genie.reset_stats()
+    e = x.exp()  # same ops, but now the program holds exp's value: it must survive the run
+    (e * 2).sum().item()
+    assert genie.stats()["plan_cache_misses"] == 1
+    n = genie.stats()["nodes_executed"]
+    torch.testing.assert_close(e.cpu(), x.cpu().exp())
+    assert genie.stats()["nodes_executed"] == n  # kept, not recomputed
+
+
+def test_in_place_updates_of_held_values_hit_and_stay_exact():
+    p = torch.zeros(5, device=D)
+    genie.materialize(p)
+    ref = torch.zeros(5)
+    for step in range(6):
+        g = torch.full((5,), float(step))
+        p.add_(g.to(D), alpha=-0.5)
+        p.mul_(0.9)
+        ref.add_(g, alpha=-0.5).mul_(0.9)
+        torch.testing.assert_close(p.cpu(), ref)
+    assert genie.stats()["plan_cache_hits"] >= 4
+
+
+def test_disabled_cache_counts_nothing_and_still_computes():
+    plan_cache.enable(False)
+    x = torch.ones(3, device=D)
+    for _ in range(3):
+        assert (x * 2).sum().item() == 6.0
+    s = genie.stats()
+    assert "plan_cache_hits" not in s and "plan_cache_misses" not in s
+
+
+_KEYED_PROGRAM = """
+import torch, genie
+from genie import plan_cache
+x = torch.arange(6.0).to('remote_accelerator')
+y = (x.reshape(2, 3) * 2.5).softmax(-1)
+genie.materialize(y)
+print(plan_cache.cache().plans()[-1].key)
+"""
+
+
+def test_plan_key_is_deterministic_across_processes():
+    for _ in range(3):  # a different recording history in this process
+        torch.ones(7, device=D).exp().sum().item()
+    exec(compile(_KEYED_PROGRAM.replace("print(", "here = ("), "<program>", "exec"), g := {})
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    there = subprocess.run([sys.executable, "-c", _KEYED_PROGRAM], capture_output=True,
+                           text=True, env=env, check=True).stdout.strip()
+    assert g["here"] == there and len(there) == 32

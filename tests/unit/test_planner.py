@@ -1,0 +1,183 @@
+"""Planner: the tape holds exactly the needed slice, frees at last use, prints, and is plain data."""
+
+import json
+import weakref
+
+import pytest
+import torch
+
+import genie
+from genie.backends import backend_order, eager, set_backends
+from genie.planner import Slot, build_tape, format_tape
+from genie.tape_io import TapeDataError, allow_only, tape_from_data, tape_to_data
+
+D = "remote_accelerator"
+
+
+def _tape(*ts):
+    return build_tape([(t._node, t._out) for t in ts])
+
+
+def test_unused_branch_is_not_in_the_tape():
+    x = torch.randn(8, 8, device=D)
+    genie.materialize(x)
+    used = (x @ x).relu()
+    unused = [x - 1, (x * 3).exp(), (x - 1).sum()]  # a pending branch nobody asks for
+    tape = _tape(used.sum())
+    in_tape = {id(n) for n in tape.nodes}
+    assert all(id(t._node) not in in_tape for t in unused)
+    assert [str(i.op) for i in tape.instrs] == ["aten.mm.default", "aten.relu.default",
+                                                 "aten.sum.default"]
+    assert list(tape.inputs) == [0]  # x: already on the device, an input, not recomputed
+    genie.materialize(used)
+    assert not any(t._node.executed for t in unused)
+
+
+def test_frees_at_last_use_structurally():
+    x = torch.randn(16, device=D)
+    y = x
+    for _ in range(20):
+        y = (y * 2).sin()
+    tape = _tape(y)
+    last: dict[int, int] = {}
+    for i, ins in enumerate(tape.instrs):
+        for leaf in ins.leaves:
+            if isinstance(leaf, Slot):
+                last[leaf.id] = i
+    freed = {s: i for i, ins in enumerate(tape.instrs) for s in ins.free}
+    for s, i in last.items():
+        if s in tape.keep or s in tape.inputs:
+            assert s not in freed
+        else:
+            assert freed[s] == i, f"%{s} last used by instr {i}, freed at {freed.get(s)}"
+
+
+def test_live_values_stay_bounded_during_execution(monkeypatch):
+    """Count the executor's live values with weak references: a 60-op chain keeps at most a few."""
+    produced: list[weakref.ref] = []
+    live_counts: list[int] = []
+    real = eager.run_instr
+
+    def spy(ins, env, dev):
+        live_counts.append(sum(r() is not None for r in produced))
+        outs = real(ins, env, dev)
+        produced.extend(weakref.ref(o) for o in outs if isinstance(o, torch.Tensor))
+        return outs
+
+    monkeypatch.setattr(eager, "run_instr", spy)
+    saved = backend_order()
+    set_backends(["eager"])
+    x = torch.randn(1000, device=D)
+    genie.materialize(x)
+    produced.clear()
+    live_counts.clear()
+    y = x
+    for _ in range(30):
+        y = (y * 1.01).cos()
+    try:
+        y.sum().item()
+    finally:
+        set_backends(saved)
+    assert len(live_counts) == 61
+    assert max(live_counts) <= 2, live_counts  # one operand, plus the op being produced
+    # every intermediate is freed right after its last use, except y, which the program holds
+    assert genie.stats()["values_freed"] == 59
+
+
+def test_kept_values_survive_and_are_not_recomputed():
+    x = torch.randn(4, device=D)
+    a = x.exp()  # held by the program: kept
+    b = a * 2
+    tape = _tape(b)
+    slot_a = tape.slots[(a._node.index, 0)]
+    assert slot_a in tape.keep
+    genie.materialize(b)
+    n = genie.stats()["nodes_executed"]
+    torch.testing.assert_close(a.cpu(), x.cpu().exp())
+    assert genie.stats()["nodes_executed"] == n
+
+
+def test_format_tape_lists_ops_and_frees():
+    x = torch.randn(3, 3, device=D)
+    genie.materialize(x)
+    y = ((x + 1) * 2).sum()
+    text = format_tape(_tape(y))
+    assert text.splitlines()[0].startswith("tape: 3 instrs")
+    assert "aten.add.Tensor(%0, 1)" in text
+    assert "# free %1" in text  # x + 1 dies at the mul
+
+
+# --- tapes as data -----------------------------------------------------------------------------
+
+def _program():
+    torch.manual_seed(0)
+    w = torch.randn(5, 3).to(D)
+    x = torch.arange(15.0).reshape(3, 5).to(D)
+    h = torch.nn.functional.gelu(x @ w, approximate="tanh")
+    z = torch.zeros_like(h) + h.softmax(-1)
+    parts = torch.split(z, [1, 2], dim=0)
+    return parts[1].to(torch.float64).sum(dim=(0, 1), keepdim=True)
+
+
+def test_tape_round_trips_through_plain_data():
+    y = _program()
+    tape = _tape(y)
+    header, tensors = tape_to_data(tape)
+    text = json.dumps(header)  # plain data: JSON-ready, no pickle anywhere
+    back = tape_from_data(json.loads(text), tensors)
+    assert [i.op for i in back.instrs] == [i.op for i in tape.instrs]
+    assert [i.free for i in back.instrs] == [i.free for i in tape.instrs]
+    assert back.outputs == tape.outputs and back.keep == tape.keep
+    got = eager.run_instrs(back, torch.device("cpu"))[back.outputs[0]]
+    torch.testing.assert_close(got, y.cpu())
+
+
+def test_tape_data_is_deterministic():
+    def header():
+        h, _ = tape_to_data(_tape(_program()))
+        for row in h["instrs"]:
+            row[7] = ""  # node ids depend on how much the process recorded before
+        return json.dumps(h)
+
+    assert header() == header()
+
+
+def test_tape_data_without_inputs_names_them_by_slot():
+    x = torch.randn(4, device=D)
+    genie.materialize(x)
+    y = x * 2
+    header, tensors = tape_to_data(_tape(y), include_inputs=False)
+    assert tensors == [] and header["inputs"][0][1] is None
+    with pytest.raises(TapeDataError, match="no value"):
+        tape_from_data(header, tensors)
+    back = tape_from_data(header, [], inputs={0: torch.ones(4)})
+    out = eager.run_instrs(back, torch.device("cpu"))[back.outputs[0]]
+    torch.testing.assert_close(out, torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda h: h["ops"].__setitem__(0, "aten::from_file.default"), "allowlist"),
+    (lambda h: h["ops"].__setitem__(0, "os::system"), "allowlist"),
+    (lambda h: h["ops"].__setitem__(0, "aten::no_such_op.default"), "does not exist"),
+    (lambda h: h["ops"].__setitem__(0, "aten::mul.Tensor; import os"), "bad op name"),
+    (lambda h: h["instrs"][-1][2].__setitem__(0, ["slot", 99]), "not live"),
+    (lambda h: h["instrs"][0].__setitem__(0, 7), "bad instruction"),
+    (lambda h: h["instrs"][-1][2].__setitem__(0, ["pickle", "x"]), "unknown leaf tag"),
+    (lambda h: h.__setitem__("version", 0), "version"),
+])
+def test_tape_from_data_rejects_bad_headers(edit, match):
+    x = torch.randn(4, device=D)
+    genie.materialize(x)
+    header, tensors = tape_to_data(_tape((x * 2).relu()))
+    edit(header)
+    with pytest.raises(TapeDataError, match=match):
+        tape_from_data(header, tensors)
+
+
+def test_allowlist_can_be_narrowed():
+    x = torch.randn(4, device=D)
+    genie.materialize(x)
+    header, tensors = tape_to_data(_tape((x * 2).relu()))
+    tape_from_data(header, tensors, allow=allow_only({"aten::mul", "aten::relu"}))
+    with pytest.raises(TapeDataError, match="allowlist"):
+        tape_from_data(header, tensors, allow=allow_only({"aten::mul"}))
