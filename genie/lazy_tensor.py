@@ -29,7 +29,6 @@ from .stats import _counts, bump
 from .config import config
 from .errors import UnsupportedOpError
 from .graph import DEFAULT_GRAPH, Graph, Node, Ref, Storage, TensorMeta
-from .factories import METADATA_ONLY
 from .meta import meta_cache, meta_tensor, policy
 from .planner import MetaArg
 
@@ -260,7 +259,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             index: int, graph: Graph) -> Any:
     _counts["ops_recorded"] += 1
     # One pass over the leaves builds both the cache key and the recorded arguments.
-    key_parts: list[Any] = [func, spec]
+    key_parts: list[Any] = [pol.key, spec]
     rec: list[Any] = []
     for x in leaves:
         t = type(x)
@@ -293,15 +292,16 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             key = None
     if entry is None:
         entry = _infer(func, leaves, spec, index)
-        entry = (*entry, _output_plan(pol, entry[0]))
+        entry = (*entry, _output_plan(pol, entry[0]), spec)
         if key is not None:
             meta_cache.put(key, entry)
     else:
         _counts["meta_cache_hits"] += 1
-    metas, out_spec, consts, plan = entry
+    # the cached spec equals this call's: nodes share one spec object instead of keeping their own
+    metas, out_spec, consts, plan, spec = entry
 
     rng = _draw_rng(leaves, index) if pol.random else None
-    if func in METADATA_ONLY and type(rec[0]) is Ref:
+    if pol.metadata_only and type(rec[0]) is Ref:
         rec[0] = MetaArg(metas_of(rec[0]))
 
     writes: tuple[Storage, ...] = ()
@@ -524,6 +524,31 @@ def _static_shape(func: Any, leaves: list[Any], spec: Any, index: int) -> bool:
     """
     if torch.Tag.data_dependent_output in func.tags:
         return False
+    try:
+        key = (func, spec, tuple(_static_key(x) for x in leaves))
+        hit = _static_cache.get(key)
+    except TypeError:
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    static = _infer_ok(func, leaves, spec, index)
+    if key is not None:
+        _static_cache[key] = static
+    return static
+
+
+_static_cache: dict[Any, bool] = {}
+
+
+def _static_key(x: Any) -> Any:
+    if type(x) is LazyTensor:
+        return x._node.metas[x._out]
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.stride(), x.dtype)
+    return (type(x), x)
+
+
+def _infer_ok(func: Any, leaves: list[Any], spec: Any, index: int) -> bool:
     as_meta = [x.to("meta") if isinstance(x, torch.Tensor) and type(x) is not LazyTensor else x
                for x in leaves]
     try:

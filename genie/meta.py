@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .graph import TensorMeta
+from .factories import METADATA_ONLY
 from .portable import portable_kernel
 
 _DYNAMIC = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
@@ -47,6 +48,8 @@ class OpPolicy:
     inplace_view: bool
     names: tuple[str, ...]
     portable: Any = None
+    metadata_only: bool = False  # reads its first argument's metadata only (zeros_like, new_*)
+    key: int = 0  # small unique int standing for the op in meta-cache keys (cheap to hash)
 
     def arg(self, pos: int, args: tuple, kwargs: dict) -> Any:
         if pos < len(args):
@@ -58,10 +61,22 @@ _policies: dict[Any, OpPolicy] = {}
 
 
 def policy(op: Any) -> OpPolicy:
-    """The (cached) :class:`OpPolicy` of an ``OpOverload``."""
+    """The (cached) :class:`OpPolicy` of an ``OpOverload``.
+
+    Cached on the op object itself as well: ``OpOverload.__hash__`` is Python code, and the
+    recording hot path would otherwise pay it on every op.
+    """
+    try:
+        return op._genie_policy
+    except AttributeError:
+        pass
     p = _policies.get(op)
     if p is None:
         p = _policies[op] = _analyze(op)
+        try:
+            op._genie_policy = p
+        except AttributeError:  # pseudo-ops (strings) cannot carry attributes
+            pass
     return p
 
 
@@ -99,6 +114,8 @@ def _analyze(op: Any) -> OpPolicy:
         inplace_view=torch.Tag.inplace_view in tags,
         names=tuple(a.name for a in schema.arguments),
         portable=portable_kernel(op),
+        metadata_only=op in METADATA_ONLY,
+        key=len(_policies),
     )
 
 

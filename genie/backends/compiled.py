@@ -41,7 +41,7 @@ from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
 from ..stats import bump
 from . import BackendUnsupported, register_backend
-from .eager import run_instrs
+from .eager import run_instr, run_instrs
 
 UPLOAD = "genie.upload"
 _SMALL = object()  # artifact of plans too small to compile: run by the eager interpreter
@@ -137,25 +137,43 @@ def refusal(tape: Tape) -> str | None:
 class Compiled:
     """A plan's compiled module and how to feed it.
 
-    ``feeds`` lists, per placeholder after the tape inputs, ``(instr, leaf, is_upload)``: where
-    the step's value sits in the tape. ``floats`` are the float arguments it takes as inputs
+    ``feeds`` lists, per placeholder after the tape inputs, ``(instr, leaf, kind)``: where the
+    step's value sits in the tape; kind ``"upload"`` (a host tensor to copy to the device),
+    ``"host"`` (a host tensor argument) or ``"float"`` (fed as a 0-d float64 tensor). ``floats`` are the float arguments it takes as inputs
     (the plan's :attr:`~genie.plan_cache.Plan.floats` when it was compiled).
     """
 
     fn: Any
     inputs: list[int]
-    feeds: list[tuple[int, int, bool]]
+    feeds: list[tuple[int, int, str]]
     keep: list[int]
     floats: frozenset[tuple[int, int]]
     graph: Any  # the GraphModule (for inspection: print(c.graph.code))
+    replay: list[int]  # view instructions re-applied to the real inputs after the call
+    replayed: list[int]  # kept slots that are inputs or views of inputs (computed by replay)
 
 
-def to_graph_module(tape: Tape, dev: torch.device, floats: frozenset[tuple[int, int]] = frozenset()
-                    ) -> tuple[torch.fx.GraphModule, list[int], list[tuple[int, int, bool]],
-                               list[int]]:
-    """``(module, input slots, feeds, kept slots)``: ``tape`` as an fx graph (see module doc).
+@dataclass
+class Lowered:
+    """A tape as an fx graph: the module, what feeds its placeholders, what it returns."""
+
+    gm: torch.fx.GraphModule
+    inputs: list[int]  # tape input slots, the first placeholders
+    feeds: list[tuple[int, int, str]]  # then (instr, leaf, kind) per further placeholder
+    keep: list[int]  # kept slots the graph returns, in order
+    replay: list[int]  # view instructions to re-apply to the real inputs after the call
+    replayed: list[int]  # kept slots that are inputs or views of inputs
+
+
+def to_graph_module(tape: Tape, dev: torch.device,
+                    floats: frozenset[tuple[int, int]] = frozenset()) -> Lowered:
+    """``tape`` as an fx graph (see the module doc).
 
     Float arguments at ``floats`` positions ``(instr, leaf)`` become inputs; others are baked in.
+    Kept values that are inputs or views of inputs (``w.t()`` saved for backward while ``w`` is
+    updated in place) are not graph outputs: their view ops are re-applied to the real inputs
+    after the call, which keeps their aliasing exact and avoids asking ``torch.compile`` to
+    regenerate views of mutated inputs.
     """
     g = torch.fx.Graph()
     env: dict[int, torch.fx.Node] = {}
@@ -163,10 +181,11 @@ def to_graph_module(tape: Tape, dev: torch.device, floats: frozenset[tuple[int, 
     for s in inputs:
         env[s] = g.placeholder(f"in{s}")
     feeds: list[tuple[int, int, bool]] = []
+    chain: dict[int, tuple[int, ...]] = {s: () for s in inputs}  # view of an input: via instrs
     aten = torch.ops.aten
     for i, ins in enumerate(tape.instrs):
         if ins.op == UPLOAD:
-            feeds.append((i, 0, True))
+            feeds.append((i, 0, "upload"))
             env[ins.outs[0]] = g.placeholder(f"upload{i}")
             continue
         leaves: list[Any] = []
@@ -180,11 +199,14 @@ def to_graph_module(tape: Tape, dev: torch.device, floats: frozenset[tuple[int, 
                                               (list(m.shape), list(m.stride)),
                                               {"dtype": m.dtype, "device": dev}))
             elif isinstance(x, torch.Tensor):
-                feeds.append((i, j, False))
+                feeds.append((i, j, "host"))
                 leaves.append(g.placeholder(f"host{i}_{j}"))
             elif t is float and (i, j) in floats:
-                feeds.append((i, j, False))
-                leaves.append(g.placeholder(f"scalar{i}_{j}"))
+                # A 0-d float64 tensor read with .item(): the value is data, so torch.compile
+                # does not specialize on it (a Python float input would be guarded on, and
+                # recompiled for every new learning rate). float64 holds the float exactly.
+                feeds.append((i, j, "float"))
+                leaves.append(g.call_method("item", (g.placeholder(f"scalar{i}_{j}"),)))
             elif t is torch.device and x.type == "remote_accelerator":
                 leaves.append(dev)
             else:
@@ -194,20 +216,55 @@ def to_graph_module(tape: Tape, dev: torch.device, floats: frozenset[tuple[int, 
         args, kwargs = optree.tree_unflatten(ins.spec, leaves)
         node = g.call_function(ins.op, tuple(args), kwargs)
         kind = _out_kind(ins.op)
+        pol = policy(ins.op)
+        if kind == "one" and len(pol.returns) == 1 and pol.returns[0] is not None and \
+                pol.returns[0][0] == "view" and ins.outs[0] is not None:
+            targs, tkwargs = optree.tree_unflatten(ins.spec, ins.leaves)
+            src = pol.arg(pol.returns[0][1], targs, tkwargs)
+            if type(src) is Slot and src.id in chain:
+                chain[ins.outs[0]] = (*chain[src.id], i)
         for k, s in enumerate(ins.outs):
             if s is not None:
                 env[s] = node if kind == "one" else g.call_function(operator.getitem, (node, k))
-    keep = sorted(tape.keep)
+    keep = [s for s in sorted(tape.keep) if s not in chain]
+    replayed = [s for s in sorted(tape.keep) if s in chain]
+    replay = sorted({i for s in replayed for i in chain[s]})
     g.output(tuple(env[s] for s in keep))
-    return torch.fx.GraphModule(torch.nn.Module(), g), inputs, feeds, keep
+    return Lowered(torch.fx.GraphModule(torch.nn.Module(), g), inputs, feeds, keep, replay,
+                   replayed)
 
 
 def _compile(tape: Tape, dev: torch.device) -> Compiled:
     floats = frozenset(tape.plan.floats)
-    gm, inputs, feeds, keep = to_graph_module(tape, dev, floats)
-    fn = torch.compile(gm, backend=compiler(), dynamic=False)
+    lo = to_graph_module(tape, dev, floats)
+    fn = torch.compile(lo.gm, backend=compiler(), dynamic=False)
     bump("compiled_plans")
-    return Compiled(fn, inputs, feeds, keep, floats, gm)
+    return Compiled(fn, lo.inputs, lo.feeds, lo.keep, floats, lo.gm, lo.replay, lo.replayed)
+
+
+def _dynamo_config() -> Any:
+    """Trace-time settings for our graphs: ``.item()`` of a float input stays in the graph."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(capture_scalar_outputs=True)
+
+
+def _call(art: Compiled, args: list[Any], tape: Tape, dev: torch.device) -> dict[int, Any]:
+    """Run the compiled module on ``args``, then re-apply the kept views of its inputs."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.no_grad(), _dynamo_config():
+        kept = dict(zip(art.keep, art.fn(*args)))
+        if art.replayed:
+            env = dict(zip(art.inputs, args))
+            for i in art.replay:
+                ins = tape.instrs[i]
+                for s, v in zip(ins.outs, run_instr(ins, env, dev)):
+                    if s is not None:
+                        env[s] = v
+            for s in art.replayed:
+                kept[s] = env[s]
+    return kept
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:
@@ -264,12 +321,8 @@ class CompiledBackend:
             if VERIFY:
                 return _trial(tape, device, art)
             plan.artifacts["compiled"] = art
-        args = _args(tape, device, art)
-        from torch.utils._python_dispatch import _disable_current_modes
-
         try:
-            with _disable_current_modes(), torch.no_grad():
-                outs = art.fn(*args)
+            kept = _call(art, _args(tape, device, art), tape, device)
         except _compile_errors() as e:  # only without the trial run (GENIE_COMPILE_VERIFY=0)
             reason = _failure(e)
             plan.artifacts["compiled"] = reason
@@ -277,15 +330,19 @@ class CompiledBackend:
         except Exception as e:
             raise ExecutionError(f"compiled plan ({len(tape.instrs)} instrs)", None, e) from e
         bump("compiled_runs")
-        return dict(zip(art.keep, outs))
+        return kept
 
 
 def _args(tape: Tape, device: torch.device, art: Compiled) -> list[Any]:
     args: list[Any] = [tape.inputs[s] for s in art.inputs]
     instrs = tape.instrs
-    for i, j, up in art.feeds:
+    for i, j, kind in art.feeds:
         x = instrs[i].leaves[j]
-        args.append(x.to(device, copy=True) if up else x)
+        if kind == "upload":
+            x = x.to(device, copy=True)
+        elif kind == "float":
+            x = torch.tensor(x, dtype=torch.float64)
+        args.append(x)
     return args
 
 
@@ -304,23 +361,20 @@ def _trial(tape: Tape, device: torch.device, art: Compiled) -> dict[int, Any]:
     A compilation that fails or disagrees is remembered as the plan's refusal reason (one warning)
     and never touches a real value; the step's values are eager's either way.
     """
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from . import _warned
     from ..config import logger
+    from . import _warned
 
     args = _args(tape, device, art)
     copies = _copy_sharing(args)
     kept = run_instrs(tape, device)  # the reference; errors here are real, and propagate
     reason = None
     try:
-        with _disable_current_modes(), torch.no_grad():
-            outs = art.fn(*copies)
+        got = _call(art, copies, tape, device)
     except Exception as e:
         reason = _failure(e)
     else:
         n = len(art.inputs)
-        pairs = [(f"value %{s}", o, kept[s]) for s, o in zip(art.keep, outs)]
+        pairs = [(f"value %{s}", got[s], kept[s]) for s in tape.keep]
         pairs += [(f"input %{s} after the run", c, a)
                   for s, c, a in zip(art.inputs, copies[:n], args[:n])]
         for what, got, want in pairs:
