@@ -236,14 +236,16 @@ class CaptureGraph:
         k = len(self._roots)
         self._roots.append(weakref.ref(module))
         pre = f"[{k}]" if k else ""
-        names = {m: (f"{pre}.{n}" if pre else n) if n else pre
-                 for n, m in module.named_modules(remove_duplicate=False)}
+        names: dict[Any, str] = {}
+        for n, m in module.named_modules(remove_duplicate=False):  # one walk: paths and roles
+            path = (f"{pre}.{n}" if pre else n) if n else pre
+            names.setdefault(m, path)
+            dot = path + "." if path else ""
+            for role, items in (("parameter", m._parameters), ("buffer", m._buffers)):
+                for name, t in items.items():
+                    if t is not None:
+                        self._note_role(t, role, dot + name)
         self._names.append(names)
-        dot = pre + "." if pre else ""
-        for role, items in (("parameter", module.named_parameters(remove_duplicate=False)),
-                            ("buffer", module.named_buffers(remove_duplicate=False))):
-            for name, t in items:
-                self._note_role(t, role, dot + name)
         return names
 
     def _note_role(self, t: Any, role: str, name: str | None, override: bool = False) -> None:

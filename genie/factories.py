@@ -63,6 +63,13 @@ def register_factories() -> None:
 
         lib.impl(op._schema.name.split("::")[1] + (
             "." + op._overloadname if op._overloadname != "default" else ""), kernel, "PrivateUse1")
+    # Autograd formulas build zero gradients with ``_efficientzerotensor`` (a ZeroTensor: all
+    # zeros, immutable, skipped by some kernels). A LazyTensor cannot carry the ZeroTensor key, so
+    # record plain zeros: the same values, and mutable as the rest of the graph expects.
+    def zero_tensor(*args: Any, **kwargs: Any) -> Any:
+        return record_factory(aten.zeros.default, args, kwargs)
+
+    lib.impl("_efficientzerotensor", zero_tensor, "PrivateUse1")
     # Host -> device copies that bypass the Python key (``torch.tensor(data, device=...)``
     # constructs with the Python key excluded) reach the backend's ``_copy_from``.
     from .lazy_tensor import copy_from

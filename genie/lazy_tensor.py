@@ -252,7 +252,63 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         return _record_inplace_view(func, pol, args, kwargs, leaves, spec, index)
     if pol.portable is not None:  # a CUDA-only fused op: record its decomposition (genie.portable)
         return pol.portable(*args, **kwargs)
-    return _record(func, pol, args, kwargs, leaves, spec, index, current_graph())
+    try:
+        return _record(func, pol, args, kwargs, leaves, spec, index, current_graph())
+    except UnsupportedOpError:
+        if pol.writes or any(r is not None for r in pol.returns):
+            raise  # a mutation or a view must be recorded to keep aliasing: cannot run it now
+        # No meta kernel (geqrf, histogram, *_backward of some losses): run it now on the device,
+        # a forced materialization, rather than refuse an op that eager runs.
+        return _run_now(func, args, kwargs, leaves, spec, index, trigger="no_meta_kernel")
+    except Exception as e:
+        eager = _eager_error(func, leaves, spec, e)
+        if eager is e:
+            raise
+        raise eager from None
+
+
+# Inputs larger than this (bytes) are not rebuilt on the host to ask eager for its error type.
+_PROBE_LIMIT = 1 << 26
+
+
+def _eager_error(func: Any, leaves: list[Any], spec: Any, err: Exception) -> Exception:
+    """The exception eager raises for this call, where the meta kernel raised ``err``.
+
+    Meta kernels check the same things as eager kernels but sometimes raise another type
+    (``IndexError`` for eager's ``RuntimeError``, a Python ``AssertionError``). Cold path: the op
+    runs on the host on zero-filled tensors with the inputs' metadata (never the user's data), and
+    its exception, if any, is the one the user gets; otherwise ``err`` stands.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from .meta import meta_tensor
+
+    lazies = [x._node.metas[x._out] for x in leaves if type(x) is LazyTensor]
+    size = sum(meta_tensor(m).untyped_storage().nbytes() for m in lazies)
+    if size > _PROBE_LIMIT:
+        return err
+
+    def host(x: Any) -> Any:
+        if type(x) is LazyTensor:
+            m = x._node.metas[x._out]
+            base = torch.zeros(meta_tensor(m).untyped_storage().nbytes() // m.dtype.itemsize,
+                               dtype=m.dtype)
+            return base.as_strided(m.shape, m.stride, m.offset)
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone()
+        if isinstance(x, torch.Generator):
+            return None
+        if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
+            return torch.device("cpu")
+        return x
+
+    try:
+        hargs, hkwargs = optree.tree_unflatten(spec, [host(x) for x in leaves])
+        with _disable_current_modes(), torch.no_grad():
+            func(*hargs, **hkwargs)
+    except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
+        return e
+    return err
 
 
 def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
@@ -559,13 +615,14 @@ def _infer_ok(func: Any, leaves: list[Any], spec: Any, index: int) -> bool:
 
 
 def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
-             index: int) -> Any:
+             index: int, trigger: str | None = None) -> Any:
     """Ops whose output shape or value depends on data run at once on the device."""
     from .executor import materialize, real_device
 
     lazies = [x for x in leaves if isinstance(x, LazyTensor)]
     _same_device(leaves, index, func)
-    trigger = "item" if func is aten._local_scalar_dense.default else "data_dependent"
+    if trigger is None:
+        trigger = "item" if func is aten._local_scalar_dense.default else "data_dependent"
     reals = materialize(*lazies, trigger=trigger) if lazies else ()
     if len(lazies) == 1:
         reals = (reals,)

@@ -151,6 +151,7 @@ class Compiled:
     graph: Any  # the GraphModule (for inspection: print(c.graph.code))
     replay: list[int]  # view instructions re-applied to the real inputs after the call
     replayed: list[int]  # kept slots that are inputs or views of inputs (computed by replay)
+    compiles: int = 0  # how many graphs torch.compile built for it (1 when nothing specialized)
 
 
 @dataclass
@@ -237,9 +238,47 @@ def to_graph_module(tape: Tape, dev: torch.device,
 def _compile(tape: Tape, dev: torch.device) -> Compiled:
     floats = frozenset(tape.plan.floats)
     lo = to_graph_module(tape, dev, floats)
-    fn = torch.compile(lo.gm, backend=compiler(), dynamic=False)
+    art = Compiled(None, lo.inputs, lo.feeds, lo.keep, floats, lo.gm, lo.replay, lo.replayed)
+    inner = compiler()
+    if isinstance(inner, str):
+        from torch._dynamo import lookup_backend
+
+        inner = lookup_backend(inner)
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        art.compiles += 1  # more than one: torch.compile specialized on something that changes
+        return inner(gm, example_inputs)
+
+    art.fn = torch.compile(lo.gm, backend=counting, dynamic=False)
     bump("compiled_plans")
-    return Compiled(fn, lo.inputs, lo.feeds, lo.keep, floats, lo.gm, lo.replay, lo.replayed)
+    return art
+
+
+def _changing_scalar(tape: Tape, floats: set[tuple[int, int]]) -> str | None:
+    """A reason to refuse when a float that changes per step sits in a non-Tensor argument
+    (``addcdiv_(..., value=lr / bias_correction)``): torch.compile specializes those."""
+    for i, j in sorted(floats):
+        ins = tape.instrs[i]
+        arg = _schema_arg(ins.op, ins.spec, j)
+        if arg is None or not isinstance(arg.type, torch.TensorType):
+            name = arg.name if arg is not None else "?"
+            return (f"the float argument '{name}' of {ins.op} changes from step to step, and "
+                    "torch.compile specializes non-Tensor arguments (it would recompile every "
+                    "step)")
+    return None
+
+
+def _schema_arg(op: Any, spec: Any, leaf: int) -> Any:
+    """The schema argument that flat leaf ``leaf`` of ``op``'s (args, kwargs) belongs to."""
+    args, kwargs = optree.tree_unflatten(spec, list(range(spec.num_leaves)))
+    schema_args = op._schema.arguments
+    for p, a in enumerate(args):
+        if leaf in optree.tree_leaves(a, none_is_leaf=True):
+            return schema_args[p] if p < len(schema_args) else None
+    for name, a in kwargs.items():
+        if leaf in optree.tree_leaves(a, none_is_leaf=True):
+            return next((x for x in schema_args if x.name == name), None)
+    return None
 
 
 def _dynamo_config() -> Any:
@@ -317,6 +356,10 @@ class CompiledBackend:
             raise BackendUnsupported(art)
         if art is None or art.floats != plan.floats:
             # first use, or a float argument changed value since: compile with it as an input
+            reason = _changing_scalar(tape, plan.floats)
+            if reason is not None:
+                plan.artifacts["compiled"] = reason
+                raise BackendUnsupported(reason)
             art = _compile(tape, device)
             if VERIFY:
                 return _trial(tape, device, art)
@@ -330,6 +373,9 @@ class CompiledBackend:
         except Exception as e:
             raise ExecutionError(f"compiled plan ({len(tape.instrs)} instrs)", None, e) from e
         bump("compiled_runs")
+        if art.compiles > 1:  # a guard failed: it would recompile again; eager from now on
+            plan.artifacts["compiled"] = ("torch.compile recompiled this plan (it specialized on "
+                                          "a value that changes between steps)")
         return kept
 
 

@@ -128,7 +128,7 @@ def _map_tensors(tree: Any, fn: Any) -> Any:
     memo: dict[int, Any] = {}
 
     def leaf(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu":  # not error inputs' meta ones
             k = id(x)
             if k not in memo:
                 memo[k] = fn(x)

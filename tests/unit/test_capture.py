@@ -392,6 +392,25 @@ def test_to_fx_gpt2_forward():
     assert any(n.op == "get_attr" and "c_attn" in n.target for n in gm.graph.nodes)
 
 
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_to_fx_transformers_models(arch: str):
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if arch == "bert":
+        model = transformers.BertModel(transformers.BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            vocab_size=100, max_position_embeddings=64))
+        out = lambda o: o.last_hidden_state  # noqa: E731
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, vocab_size=100, max_position_embeddings=64))
+        out = lambda o: o.logits  # noqa: E731
+    g, _ = _fx_equals_eager(model, torch.randint(0, 100, (2, 8)), out=out)
+    assert module_path_coverage(g)[0] >= 0.95
+
+
 def test_to_fx_random_ops_replay_genie_values():
     torch.manual_seed(0)
     with genie.capture() as g:
