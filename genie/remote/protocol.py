@@ -38,6 +38,7 @@ import torch
 
 from ..graph import TensorMeta
 from ..planner import Instr, MetaArg, Slot, Tape
+from ..tape_io import _DTYPE_NAME, _DTYPES, _LAYOUTS, _MEMFMTS  # one table of names, shared
 from ..tape_io import TapeDataError, op_from_name, op_to_name, spec_from_data, spec_to_data
 from . import ProtocolError
 
@@ -54,13 +55,6 @@ EXT_DTYPE, EXT_DEVICE, EXT_LAYOUT, EXT_MEMFMT, EXT_META, EXT_HOST, EXT_COMPLEX, 
 MAX_DIMS = 64
 MAX_HEADER_BYTES = 256 << 20
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
-_DTYPE_NAME = {v: k for k, v in _DTYPES.items()}
-_LAYOUTS = {str(v).removeprefix("torch."): v for v in vars(torch).values()
-            if isinstance(v, torch.layout)}
-_MEMFMTS = {str(v).removeprefix("torch."): v for v in vars(torch).values()
-            if isinstance(v, torch.memory_format)}
 _DTYPE_EXT = {v: msgpack.ExtType(EXT_DTYPE, k.encode()) for k, v in _DTYPES.items()}
 
 
