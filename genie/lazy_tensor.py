@@ -230,7 +230,7 @@ def _same_device(leaves: list[Any], index: int, func: Any) -> None:
 def record(func: Any, args: tuple, kwargs: dict) -> Any:
     """Record one ATen call on LazyTensors and return LazyTensor outputs (never computes)."""
     pol = policy(func)
-    leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    leaves, spec = _flatten(args, kwargs)
     index = -1
     real_inputs = False
     for x in leaves:
@@ -309,6 +309,29 @@ def _eager_error(func: Any, leaves: list[Any], spec: Any, err: Exception) -> Exc
     except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
         return e
     return err
+
+
+_FLAT_TYPES = frozenset({int, float, bool, type(None), torch.dtype})
+_flat_specs: dict[int, Any] = {}
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    """``optree.tree_flatten((args, kwargs))``, with a fast path for the common call shape.
+
+    Most ops get only tensors and scalars positionally (``mul(x, 2.0)``, ``addmm(b, x, w)``):
+    their leaves are the args themselves and the spec depends only on how many there are.
+    """
+    if not kwargs:
+        for a in args:
+            if type(a) is not LazyTensor and type(a) not in _FLAT_TYPES:
+                break
+        else:
+            spec = _flat_specs.get(len(args))
+            if spec is None:
+                spec = _flat_specs[len(args)] = optree.tree_structure(
+                    ((0,) * len(args), {}), none_is_leaf=True)
+            return list(args), spec
+    return optree.tree_flatten((args, kwargs), none_is_leaf=True)
 
 
 def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
