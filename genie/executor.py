@@ -11,7 +11,8 @@ op; others compile it or send it to a server.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,11 +54,31 @@ def reset_device_map() -> None:
     _real_devices.clear()
 
 
+_MATH_BIT_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative,
+                  torch._C.DispatchKey.ZeroTensor)
+
+
+@contextlib.contextmanager
+def real_dispatch() -> Iterator[None]:
+    """Dispatch state for running real ops, even from inside ``__torch_dispatch__``.
+
+    A materialization triggered by an op on a LazyTensor (``.cpu()``, ``.item()``, ``nonzero``)
+    runs while the dispatcher excludes every key above Python, the math-bit keys included: a real
+    kernel would then read a conjugate (or negative) view's raw memory and ignore the bit. Those
+    keys are part of what a real tensor's values mean, so they are re-enabled while real ops run.
+    """
+    with contextlib.ExitStack() as stack:
+        for key in _MATH_BIT_KEYS:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        yield
+
+
 def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
     """Run ``tape`` for ``remote_accelerator:index`` on the first backend that takes it."""
     from . import backends
 
-    kept, _ = backends.run(tape, real_device(index))
+    with real_dispatch():
+        kept, _ = backends.run(tape, real_device(index))
     bump("nodes_executed", len(tape.instrs))
     outputs = [kept[s] for s in tape.outputs]
     _bind(tape, kept)

@@ -40,10 +40,15 @@ class TensorMeta:
     offset: int
     dtype: torch.dtype
     index: int  # remote_accelerator device index
+    # Math bits of complex views (``x.conj()``, ``x.conj().imag``): part of what the values mean,
+    # and composite code branches on them (``resolve_conj``), so a LazyTensor carries them.
+    conj: bool = False
+    neg: bool = False
 
     @staticmethod
     def of(t: torch.Tensor, index: int) -> TensorMeta:
-        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, index)
+        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, index,
+                          t.is_conj(), t.is_neg())
 
 
 class Ref:

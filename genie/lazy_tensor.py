@@ -76,6 +76,9 @@ class LazyTensor(torch.Tensor):
         r = torch.Tensor._make_wrapper_subclass(
             cls, meta.shape, strides=meta.stride, storage_offset=meta.offset, dtype=meta.dtype,
             device=device_of(meta.index), requires_grad=False)
+        if meta.conj or meta.neg:  # the dispatcher's Conjugate/Negative fallbacks then act as eager
+            torch._C._set_conj(r, meta.conj)
+            torch._C._set_neg(r, meta.neg)
         r._node = node
         r._out = out
         if node.graph.keep_nodes:
@@ -527,19 +530,21 @@ _NOT_HANDLED = object()
 
 def _transfer(func: Any, args: tuple, kwargs: dict, leaves: list[Any], index: int) -> Any:
     """Device <-> host copies: uploads are recorded, downloads materialize."""
-    from .executor import materialize_one
+    from .executor import materialize_one, real_dispatch
 
     if func is _to_copy:
         dev = kwargs.get("device")
         if isinstance(dev, torch.device) and dev.type != DEVICE_TYPE:
             real = materialize_one(args[0], "cpu" if dev.type == "cpu" else "to")
-            return func(real, *args[1:], **kwargs)
+            with real_dispatch():
+                return func(real, *args[1:], **kwargs)
         return _NOT_HANDLED
     if func is _copy:
         dst, src = args[0], args[1]
         if not isinstance(dst, LazyTensor):  # host_tensor.copy_(lazy): a download
             real = materialize_one(src, "cpu")
-            return func(dst, real, *args[2:], **kwargs)
+            with real_dispatch():
+                return func(dst, real, *args[2:], **kwargs)
         if isinstance(src, LazyTensor):
             return _NOT_HANDLED
         return _upload_into(dst, src, kwargs.get("non_blocking", False))
@@ -657,7 +662,9 @@ def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
         rkwargs["device"] = real_device(index)
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes(), torch.no_grad():
+    from .executor import real_dispatch
+
+    with _disable_current_modes(), torch.no_grad(), real_dispatch():
         out = func(*rargs, **rkwargs)
     bump("forced_materializations")
     flat, out_spec = optree.tree_flatten(out, none_is_leaf=True)

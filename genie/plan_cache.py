@@ -74,13 +74,12 @@ class Plan:
     """A cached tape structure.
 
     Attributes:
-        instrs: template instructions. Those listed in ``varying`` carry per-step parameters
-            (host tensors as :class:`_HostMeta`, random ops) and are rebuilt on every use; the
-            others are shared by every tape of this plan and must not be mutated.
+        instrs: template instructions. Those that carry per-step parameters (host tensors, here
+            as :class:`_HostMeta`; random offsets; floats that changed) are rebuilt for each
+            tape; the others are shared by every tape of this plan and must not be mutated.
         metas / specs / wheres: per instruction, what a node must have to match.
         inputs: input slot -> :class:`~genie.graph.TensorMeta` of its value.
         outputs / keep: as in :class:`~genie.planner.Tape`.
-        varying: indices of instructions with per-step tensor or random parameters.
         floats: ``(instr, leaf)`` of float arguments seen with another value than the plan's
             (a learning rate that decays, Adam's bias correction): backends that bake constants
             in make these inputs.
@@ -88,19 +87,16 @@ class Plan:
         uses: how many tapes this plan produced.
     """
 
-    __slots__ = ("instrs", "metas", "specs", "wheres", "inputs", "outputs", "keep", "varying",
-                 "floats", "index", "artifacts", "uses", "_key")
+    __slots__ = ("instrs", "metas", "specs", "wheres", "inputs", "outputs", "keep", "floats",
+                 "index", "artifacts", "uses", "_key")
 
     def __init__(self, tape: Tape, nodes: list[Node]) -> None:
         self.metas = [n.metas for n in nodes]
         self.specs = [n.spec for n in nodes]
         self.wheres = [n.where for n in nodes]
-        self.varying: list[int] = []
         self.instrs: list[Instr] = []
-        for i, ins in enumerate(tape.instrs):
-            host = any(isinstance(x, torch.Tensor) for x in ins.leaves)
-            if host or ins.rng is not None:
-                self.varying.append(i)
+        for ins in tape.instrs:
+            if any(isinstance(x, torch.Tensor) for x in ins.leaves):  # values are not kept
                 ins = Instr(ins.op, [_HostMeta(x) if isinstance(x, torch.Tensor) else x
                                      for x in ins.leaves], ins.spec, ins.outs, ins.rng, ins.free,
                             ins.uid, ins.where, ins.device)
@@ -228,30 +224,32 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node]) 
     One pass: each node is compared with the plan's instruction at its position (op, argument
     tree, constants, output metadata, slot wiring) while its parameters are collected.
     """
+    from .lazy_tensor import Alive
+
     tmpl = plan.instrs
     if len(tmpl) != len(nodes):
         return None
     changed: list[int] | None = None  # instructions whose float arguments differ from the plan's
-    metas, specs, wheres, pin = plan.metas, plan.specs, plan.wheres, plan.inputs
+    pin, keep, want_out = plan.inputs, plan.keep, plan.outputs
     slots: dict[tuple[int, int], int] = {}
     inputs: dict[int, torch.Tensor] = {}
     instrs = list(tmpl)
-    for i, n in enumerate(nodes):
-        t = tmpl[i]
+    in_run = {n.index for n in nodes}
+    i = -1
+    for n, t, meta, spec, where in zip(nodes, tmpl, plan.metas, plan.specs,
+                                         plan.wheres, strict=True):
+        i += 1
         if n.op is not t.op or (n.rng is None) is not (t.rng is None):
             return None
-        if n.metas is not metas[i] and n.metas != metas[i]:
-            return None
-        if n.spec is not specs[i] and n.spec != specs[i]:
-            return None
-        if n.where is not wheres[i] and n.where != wheres[i]:
+        if (n.metas is not meta and n.metas != meta) or (n.spec is not spec and n.spec != spec) \
+                or (n.where is not where and n.where != where):
             return None
         leaves = n.leaves
         tl = t.leaves
         if leaves is None or len(leaves) != len(tl):
             return None
         params = False
-        for x, y in zip(leaves, tl):
+        for x, y in zip(leaves, tl, strict=True):
             tx = type(x)
             if tx is Ref:
                 if type(y) is not Slot:
@@ -270,9 +268,6 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node]) 
                     inputs[y.id] = v
                 elif s != y.id:
                     return None
-            elif tx is MetaArg:
-                if type(y) is not MetaArg or x.meta != y.meta:
-                    return None
             elif tx is float:  # a parameter: only its type is structure
                 if type(y) is not float:
                     return None
@@ -281,6 +276,9 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node]) 
                     if changed is None:
                         changed = []
                     changed.append(i)
+            elif tx is MetaArg:
+                if type(y) is not MetaArg or x.meta != y.meta:
+                    return None
             elif isinstance(x, torch.Tensor):
                 if type(y) is not _HostMeta or not y.matches(x):
                     return None
@@ -289,18 +287,22 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node]) 
                 return None
         outs = t.outs
         idx = n.index
-        for k in range(len(outs)):
-            s = outs[k]
+        k = 0
+        for s in outs:
             if s is not None:
                 slots[(idx, k)] = s
+                # Which values the program still holds decides the frees: must be the plan's.
+                r = n.outputs[k]
+                held = (r is not None and type(r()) is Alive) or held_after(n, k, in_run)
+                if held is not (s in keep) and s not in want_out:
+                    return None
+            k += 1
         if params or n.rng is not None:
             instrs[i] = Instr(n.op, [x if isinstance(x, (torch.Tensor, float)) else y
-                                     for x, y in zip(leaves, tl)],
+                                     for x, y in zip(leaves, tl, strict=True)],
                               t.spec, outs, n.rng, t.free, n.uid, n.where, t.device)
-    if len(inputs) != len(pin):
-        return None
     outputs = []
-    for (node, out), want in zip(targets, plan.outputs):
+    for (node, out), want in zip(targets, want_out, strict=False):  # lengths: below
         s = slots.get((node.index, out))
         if s is None:  # a requested value that is already materialized: an input slot
             m = pin.get(want)
@@ -313,21 +315,11 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node]) 
         if s != want:
             return None
         outputs.append(s)
-    if len(outputs) != len(plan.outputs) or len(inputs) != len(pin):
+    if len(outputs) != len(want_out) or len(inputs) != len(pin):
         return None
-    # Which values the program still holds decides the frees: it must be the plan's.
-    keep = plan.keep
-    in_run = {n.index for n in nodes}
-    for i, n in enumerate(nodes):
-        k = 0
-        for s in tmpl[i].outs:
-            if s is not None and held_after(n, k, in_run) is not (s in keep) and \
-                    s not in outputs:
-                return None
-            k += 1
     if changed is not None:
         for i in changed:
-            for j, (x, y) in enumerate(zip(instrs[i].leaves, tmpl[i].leaves)):
+            for j, (x, y) in enumerate(zip(instrs[i].leaves, tmpl[i].leaves, strict=True)):
                 if type(x) is float and not _same_const(x, y):
                     plan.floats.add((i, j))
     return Tape(instrs, inputs, outputs, set(keep), nodes, slots, plan.index, plan)

@@ -19,10 +19,11 @@ Header layout (version 1)::
 
 A leaf is a plain ``None``/``bool``/``int``/``float``/``str``, or a tagged list:
 ``["slot", id]``, ``["tensor", k]`` (the k-th host tensor), ``["meta", shape, stride, offset,
-dtype]`` (a metadata-only argument), ``["dtype", "float32"]``, ``["device", "cpu"]``,
-``["layout", "strided"]``, ``["memory_format", "contiguous_format"]``, ``["size", [..]]``,
-``["complex", re, im]``. Argument trees use the same encoding as :mod:`genie.remote.protocol`:
-``0`` a leaf, ``[1, ...]`` a tuple, ``[2, ...]`` a list, ``[3, keys, values]`` a dict.
+dtype(, conj, neg)]`` (a metadata-only argument; the math bits only when set),
+``["dtype", "float32"]``, ``["device", "cpu"]``, ``["layout", "strided"]``,
+``["memory_format", "contiguous_format"]``, ``["size", [..]]``, ``["complex", re, im]``.
+Argument trees use the same encoding as :mod:`genie.remote.protocol`: ``0`` a leaf,
+``[1, ...]`` a tuple, ``[2, ...]`` a list, ``[3, keys, values]`` a dict.
 
 Example:
     >>> import torch, genie
@@ -39,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Collection
 from typing import Any
@@ -167,13 +169,15 @@ def _tree_from(d: Any, depth: int) -> Any:
     if len(d) != 3 or not isinstance(d[1], list) or not isinstance(d[2], list) or \
             len(d[1]) != len(d[2]) or not all(isinstance(k, str) for k in d[1]):
         raise TapeDataError(f"bad argument map {d!r:.80}")
-    return {k: _tree_from(v, depth + 1) for k, v in zip(d[1], d[2])}
+    return {k: _tree_from(v, depth + 1) for k, v in zip(d[1], d[2], strict=True)}
 
 
 # --- leaves -------------------------------------------------------------------------------------
 
 def _meta_data(m: TensorMeta) -> list[Any]:
-    return [list(m.shape), list(m.stride), m.offset, _DTYPE_NAME[m.dtype]]
+    d = [list(m.shape), list(m.stride), m.offset, _DTYPE_NAME[m.dtype]]
+    conj, neg = getattr(m, "conj", False), getattr(m, "neg", False)
+    return d + [conj, neg] if conj or neg else d  # math bits of complex views, when set
 
 
 def _leaf_data(x: Any, tensors: list[torch.Tensor]) -> Any:
@@ -217,12 +221,16 @@ def _dtype(name: Any) -> torch.dtype:
 
 
 def _meta_from(d: Any, index: int) -> TensorMeta:
-    if not isinstance(d, list) or len(d) != 4 or type(d[2]) is not int:
+    if not isinstance(d, list) or len(d) not in (4, 6) or type(d[2]) is not int or \
+            not all(type(b) is bool for b in d[4:]):
         raise TapeDataError(f"bad tensor metadata {d!r:.80}")
     shape, stride = _ints(d[0], "shape"), _ints(d[1], "stride")
     if len(shape) != len(stride) or any(s < 0 for s in shape):
         raise TapeDataError(f"bad tensor metadata {d!r:.80}")
-    return TensorMeta(tuple(shape), tuple(stride), d[2], _dtype(d[3]), index)
+    m = TensorMeta(tuple(shape), tuple(stride), d[2], _dtype(d[3]), index)
+    if len(d) == 6:
+        m = dataclasses.replace(m, conj=d[4], neg=d[5])
+    return m
 
 
 def _leaf_from(d: Any, tensors: list[torch.Tensor], live: set[int], index: int) -> Any:

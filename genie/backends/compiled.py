@@ -1,13 +1,17 @@
 """The ``compiled`` backend: a tape as a ``torch.fx`` graph, compiled once per plan by
 ``torch.compile``.
 
-Each tape becomes a ``GraphModule``: one placeholder per tape input, per upload and per host
-tensor constant (the values that change from step to step), one ``call_function`` per
-instruction with numbers, dtypes and devices baked in (they are part of the plan's structure, see
-:mod:`genie.plan_cache`), and the kept slots as outputs. The compiled module is stored on the
-tape's :class:`~genie.plan_cache.Plan`, so a loop that repeats its structure compiles once and
-then only feeds new inputs. In-place updates of inputs (optimizer steps) are handled by
-``torch.compile``'s functionalization, which writes the results back into the input tensors.
+Each tape becomes a ``GraphModule``: one placeholder per tape input, per upload, per host
+tensor constant and per float argument seen to change (the values that change from step to
+step), one ``call_function`` per instruction with the other constants baked in, and the kept
+slots as outputs (kept views of inputs are re-applied after the call instead). The compiled module
+is stored on the tape's :class:`~genie.plan_cache.Plan`, so a loop that repeats its structure
+compiles once and then only feeds new inputs. In-place updates of inputs (optimizer steps) are
+handled by ``torch.compile``'s functionalization, which writes the results back into the inputs.
+
+The first run of each compilation is a trial: eager computes the real values while the compiled
+module runs on copies of the inputs, and must agree (``GENIE_COMPILE_VERIFY=0`` skips it). A
+compilation that fails or disagrees never touches a real value; its plan runs on eager.
 
 Compiler: ``GENIE_COMPILER`` (``inductor`` by default when a C++ compiler is on the PATH for CPU
 devices, else ``aot_eager``); :func:`set_compiler` changes it at run time.
@@ -19,7 +23,10 @@ warning per reason):
 - random ops: their values are defined by Genie's ``(seed, offset)`` contract on the device's
   eager generator, which a compiled RNG does not reproduce;
 - tapes whose instructions run on more than one device;
-- ops whose outputs are nested containers.
+- ops whose outputs are nested containers;
+- a float that changes from step to step in a non-Tensor argument (Adam's ``addcdiv_`` value):
+  ``torch.compile`` specializes those and would recompile every step;
+- plans whose compilation failed, disagreed with eager in the trial, or recompiled.
 
 Tapes with fewer than ``GENIE_COMPILE_MIN_INSTRS`` (default 3) compute instructions are not worth
 a compilation: the backend runs them with the eager interpreter itself, silently.
@@ -139,8 +146,9 @@ class Compiled:
 
     ``feeds`` lists, per placeholder after the tape inputs, ``(instr, leaf, kind)``: where the
     step's value sits in the tape; kind ``"upload"`` (a host tensor to copy to the device),
-    ``"host"`` (a host tensor argument) or ``"float"`` (fed as a 0-d float64 tensor). ``floats`` are the float arguments it takes as inputs
-    (the plan's :attr:`~genie.plan_cache.Plan.floats` when it was compiled).
+    ``"host"`` (a host tensor argument) or ``"float"`` (fed as a 0-d float64 tensor).
+    ``floats`` are the float arguments it takes as inputs (the plan's
+    :attr:`~genie.plan_cache.Plan.floats` when it was compiled).
     """
 
     fn: Any
@@ -181,7 +189,7 @@ def to_graph_module(tape: Tape, dev: torch.device,
     inputs = sorted(tape.inputs)
     for s in inputs:
         env[s] = g.placeholder(f"in{s}")
-    feeds: list[tuple[int, int, bool]] = []
+    feeds: list[tuple[int, int, str]] = []
     chain: dict[int, tuple[int, ...]] = {s: () for s in inputs}  # view of an input: via instrs
     aten = torch.ops.aten
     for i, ins in enumerate(tape.instrs):
@@ -293,12 +301,12 @@ def _call(art: Compiled, args: list[Any], tape: Tape, dev: torch.device) -> dict
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes(), torch.no_grad(), _dynamo_config():
-        kept = dict(zip(art.keep, art.fn(*args)))
+        kept = dict(zip(art.keep, art.fn(*args), strict=True))
         if art.replayed:
-            env = dict(zip(art.inputs, args))
+            env = dict(zip(art.inputs, args, strict=False))  # feeds follow
             for i in art.replay:
                 ins = tape.instrs[i]
-                for s, v in zip(ins.outs, run_instr(ins, env, dev)):
+                for s, v in zip(ins.outs, run_instr(ins, env, dev), strict=False):
                     if s is not None:
                         env[s] = v
             for s in art.replayed:
@@ -422,7 +430,7 @@ def _trial(tape: Tape, device: torch.device, art: Compiled) -> dict[int, Any]:
         n = len(art.inputs)
         pairs = [(f"value %{s}", got[s], kept[s]) for s in tape.keep]
         pairs += [(f"input %{s} after the run", c, a)
-                  for s, c, a in zip(art.inputs, copies[:n], args[:n])]
+                  for s, c, a in zip(art.inputs, copies[:n], args[:n], strict=True)]
         for what, got, want in pairs:
             if not _agrees(got, want):
                 reason = f"its result differs from eager's ({what}); a torch.compile bug"

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 _outcomes: dict[tuple[str, str], tuple[str, str]] = {}
+_meta_strides: dict[tuple[str, str], list[str]] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -32,6 +33,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         outcome = "failed"
     msg = "" if report.passed else report.longreprtext[-3000:]
     _outcomes[tuple(key)] = (outcome, msg)
+    if props.get("meta_strides"):
+        _meta_strides[tuple(key)] = list(props["meta_strides"])
 
 
 def pass_rates(outcomes: dict[tuple[str, str], tuple[str, str]]) -> dict[str, Any]:
@@ -61,10 +64,15 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         tr.write_line(f"{label}: {ok}/{tried} ops pass all tried samples ({pct:.1f}%)")
         if failing:
             tr.write_line(f"  not passing: {', '.join(failing)}")
+    if _meta_strides:
+        tr.write_line("strides as PyTorch's meta kernels give them, not as its CPU kernels "
+                      f"(noted, not failed): {', '.join(f'{n}-{v}' for n, v in sorted(_meta_strides))}")
     path = os.environ.get("GENIE_OPINFO_REPORT")
     if path:
         with open(path, "w") as f:
             json.dump({"rates": {g: r[:2] for g, r in rates.items()},
                        "outcomes": {f"{n}|{v}": list(o) for (n, v), o in
-                                    sorted(_outcomes.items())}}, f, indent=1)
+                                    sorted(_outcomes.items())},
+                       "meta_strides": {f"{n}|{v}": d for (n, v), d in
+                                        sorted(_meta_strides.items())}}, f, indent=1)
         tr.write_line(f"outcomes written to {path}")

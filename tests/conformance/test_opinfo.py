@@ -14,8 +14,12 @@ What "conforms" means, per output tensor (see docs/conformance.md):
 
 - same pytree structure, shape, dtype and device kind (``cpu`` -> ``remote_accelerator``);
 - strides equal to eager's on every dimension of size > 1 (strides of size-1 dims and of empty
-  tensors are not defined the same by eager kernels and meta kernels, so they are not compared):
-  checked on the LazyTensor's recorded metadata and, for dense outputs, on the materialized value;
+  tensors are not defined the same by eager kernels and meta kernels, so they are not compared),
+  on the LazyTensor's recorded metadata and, for dense outputs, on the materialized value. Where
+  PyTorch's own meta kernel gives the same call a different layout than its CPU kernel (LAPACK's
+  column-major results, FFT layouts), the layout is a kernel detail, not part of the op's
+  contract: an output that reports exactly the meta layout is noted (in the pass-rate report and
+  docs/conformance.md), not failed;
 - values equal within ``torch.testing.assert_close``'s float32 tolerances (NaN == NaN);
 - aliasing as eager: an output shares storage with exactly the inputs whose storage the eager
   output shares (views are views, fresh results are fresh), an in-place op returns its input
@@ -238,12 +242,63 @@ def _expect_same_error(eager: BaseException, run_device: Any) -> None:
     raise AssertionError(f"eager raised {type(eager).__name__}: {eager}\ndevice raised nothing")
 
 
+def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal strides on every dimension where a stride means something (size > 1)."""
+    if b.layout != torch.strided or b.numel() <= 1:
+        return True
+    return all(n <= 1 or a.stride(d) == b.stride(d) for d, n in enumerate(b.shape))
+
+
 def _check_strides(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    if want.layout != torch.strided or want.numel() <= 1:
-        return
-    for d, n in enumerate(want.shape):
-        assert n <= 1 or got.stride(d) == want.stride(d), (
-            f"{what}: stride {got.stride()} != eager's {want.stride()} (shape {tuple(want.shape)})")
+    assert _same_strides(got, want), (
+        f"{what}: stride {got.stride()} != eager's {want.stride()} (shape {tuple(want.shape)})")
+
+
+class MetaReference:
+    """PyTorch's own meta kernels on the same call, computed only when strides disagree.
+
+    Where the meta kernel's output layout differs from the CPU kernel's, the layout is not defined
+    the same by PyTorch itself (a kernel detail: LAPACK's column-major results, FFT layouts), and a
+    LazyTensor reports the meta layout; such outputs are noted, not failed. ``run`` returns the
+    flat outputs of the call on meta tensors, or None when the call cannot run on meta.
+    """
+
+    def __init__(self, run: Any) -> None:
+        self._run = run
+        self._flat: list[Any] | None = None
+        self._done = False
+        self.deviations: list[str] = []
+
+    def explains(self, i: int, got: torch.Tensor) -> bool:
+        if not self._done:
+            self._done = True
+            try:
+                out = self._run()
+                self._flat = None if out is None else pytree.tree_leaves(out)
+            except Exception:  # noqa: BLE001 - data-dependent ops cannot run on meta
+                self._flat = None
+        flat = self._flat
+        if flat is None or i >= len(flat) or not isinstance(flat[i], torch.Tensor):
+            return False
+        m = flat[i]
+        return tuple(m.shape) == tuple(got.shape) and _same_strides(got, m)
+
+
+def _meta_copy(tree: Any, requires_grad: bool = False) -> Any:
+    memo: dict[int, Any] = {}
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+            if id(x) not in memo:
+                m = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+                memo[id(x)] = m.requires_grad_(x.requires_grad) if requires_grad else m
+            return memo[id(x)]
+        if isinstance(x, torch.device) and x.type == "cpu":
+            return torch.device("meta")
+        if isinstance(x, str) and x == "cpu":
+            return "meta"
+        return x
+    return pytree.tree_map(leaf, tree)
 
 
 def _same_scalar(a: Any, e: Any) -> bool:
@@ -253,7 +308,8 @@ def _same_scalar(a: Any, e: Any) -> bool:
 
 
 def compare(actual: Any, expected: Any, *, values: bool, what: str,
-            dev_inputs: list[torch.Tensor] = (), cpu_inputs: list[torch.Tensor] = ()) -> None:
+            dev_inputs: list[torch.Tensor] = (), cpu_inputs: list[torch.Tensor] = (),
+            meta: MetaReference | None = None) -> None:
     """Assert ``actual`` (device) conforms to ``expected`` (eager), as the module doc says."""
     a_flat, a_spec = pytree.tree_flatten(actual)
     e_flat, e_spec = pytree.tree_flatten(expected)
@@ -272,11 +328,17 @@ def compare(actual: Any, expected: Any, *, values: bool, what: str,
         assert a.dtype == e.dtype, f"{w}: dtype {a.dtype} != eager's {e.dtype}"
         if e.layout != torch.strided:
             continue
-        _check_strides(a, e, f"{w} (recorded)")
+        meta_layout = False
+        if not _same_strides(a, e):
+            if meta is None or not meta.explains(i, a):
+                _check_strides(a, e, f"{w} (recorded)")
+            meta.deviations.append(f"{w}: {tuple(a.stride())} (meta) vs {tuple(e.stride())}")
+            meta_layout = True
         if cpu_inputs and e.numel() > 0:
             _check_aliasing(a, e, dev_inputs, cpu_inputs, w)
         got = a.detach().cpu()
-        if torch._prims_common.is_non_overlapping_and_dense_or_false(e):
+        if torch._prims_common.is_non_overlapping_and_dense_or_false(e) and not (
+                meta_layout and _same_strides(got, a)):  # the value has the layout it reports
             _check_strides(got, e, f"{w} (materialized)")
         if values:
             torch.testing.assert_close(got, e.detach(), equal_nan=True, check_device=False,
@@ -298,8 +360,18 @@ def _check_aliasing(a: torch.Tensor, e: torch.Tensor, dev_inputs: list[torch.Ten
 
 # --- the three variants -----------------------------------------------------------------------
 
-def check_forward(op: Any, inplace: bool) -> int:
-    """Run every float32 sample of ``op`` (or its in-place variant); returns samples tried."""
+def _call_on_meta(fn: Any, sample: Any, seed: int) -> Any:
+    inp, args, kwargs = _meta_copy((sample.input, sample.args, sample.kwargs))
+    torch.manual_seed(seed)
+    return fn(inp, *args, **kwargs)
+
+
+def check_forward(op: Any, inplace: bool, deviations: list[str]) -> int:
+    """Run every float32 sample of ``op`` (or its in-place variant); returns samples tried.
+
+    Outputs whose strides differ from eager's only as PyTorch's meta kernels do are appended to
+    ``deviations``.
+    """
     fn = op.inplace_variant if inplace else op.op
     not_comparable = _not_comparable(op)
     tried = 0
@@ -318,7 +390,10 @@ def check_forward(op: Any, inplace: bool) -> int:
         actual = fn(dev[0], *dev[1], **dev[2])
         values = not (random or not_comparable)
         cpu_in, dev_in = _tensor_leaves(cpu), _tensor_leaves(dev)
-        compare(actual, expected, values=values, what=what, dev_inputs=dev_in, cpu_inputs=cpu_in)
+        meta = MetaReference(lambda: _call_on_meta(fn, sample, k))
+        compare(actual, expected, values=values, what=what, dev_inputs=dev_in, cpu_inputs=cpu_in,
+                meta=meta)
+        deviations.extend(meta.deviations)
         if inplace:
             assert (actual is dev[0]) == (expected is cpu[0]), \
                 f"{what}: in-place result is{'' if actual is dev[0] else ' not'} its input"
@@ -362,7 +437,17 @@ def _check_error_inputs(op: Any) -> int:
     return tried
 
 
-def check_grad(op: Any) -> int:
+def _grads_on_meta(fn: Any, sample: Any, mask: list[bool], cots: list[torch.Tensor],
+                   seed: int) -> Any:
+    tree = _meta_copy((sample.input, sample.args, sample.kwargs), requires_grad=True)
+    torch.manual_seed(seed)
+    flat = pytree.tree_leaves(fn(tree[0], *tree[1], **tree[2]))
+    outs = [o for o, m in zip(flat, mask) if m]
+    ins = [t for t in _tensor_leaves(tree) if t.requires_grad]
+    return list(torch.autograd.grad(outs, ins, [c.to("meta") for c in cots], allow_unused=True))
+
+
+def check_grad(op: Any, deviations: list[str]) -> int:
     """Compare input gradients (VJP with a fixed random cotangent); returns samples tried."""
     not_comparable = _not_comparable(op)
     tried = 0
@@ -405,8 +490,10 @@ def check_grad(op: Any) -> int:
             continue
         d_grads = torch.autograd.grad(d_outs, d_ins, [c.to(DEVICE) for c in cots],
                                       allow_unused=True)
+        meta = MetaReference(lambda: _grads_on_meta(fn, sample, mask, cots, k))
         compare(list(d_grads), list(e_grads), values=not (random or not_comparable),
-                what=f"{what} input grads")
+                what=f"{what} input grads", meta=meta)
+        deviations.extend(meta.deviations)
     return tried
 
 
@@ -433,8 +520,11 @@ def _deadline(seconds: float) -> Iterator[None]:
 @pytest.mark.parametrize(("op", "variant"), list(_params()))
 def test_opinfo(op: Any, variant: str, request: pytest.FixtureRequest) -> None:
     request.node.user_properties.append(("opinfo", (op_name(op), variant)))
+    deviations: list[str] = []
+    request.node.user_properties.append(("meta_strides", deviations))
     with _deadline(TIMEOUT_S):
-        tried = check_grad(op) if variant == "grad" else check_forward(op, variant == "inplace")
+        tried = (check_grad(op, deviations) if variant == "grad" else
+                 check_forward(op, variant == "inplace", deviations))
     if tried == 0:
         pytest.skip("no float32 sample to try")
 

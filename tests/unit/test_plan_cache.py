@@ -54,7 +54,7 @@ def test_a_thousand_identical_training_steps_plan_once_and_stay_flat():
     s = genie.stats()
     assert (s["plan_cache_misses"], s["plan_cache_hits"]) == (1, 999)
     assert counts[10] == counts[500] == counts[999], counts  # no graph that grows with steps
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.cpu(), q)
 
 

@@ -1,4 +1,4 @@
-"""Planner: the tape holds exactly the needed slice, frees at last use, prints, and is plain data."""
+"""Planner: the tape holds exactly the needed slice, frees at last use, prints, is plain data."""
 
 import json
 import weakref

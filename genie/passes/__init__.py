@@ -1,0 +1,116 @@
+"""Tape rewrites (seed 004): pure functions ``Tape -> (Tape, PassReport)``, checked against eager.
+
+A pass never mutates its input tape; it returns a new one and a :class:`PassReport` saying what
+it did, so every stage can be printed (``genie.format_tape``). Which ops a pass may touch comes
+from schemas and tags (:func:`genie.meta.policy`): ops that write an argument, alias one, or are
+random are left alone.
+
+:func:`verify` runs the original and the rewritten tape with the eager interpreter on copies of
+the same inputs and compares every value the original keeps and every input it mutates: the
+oracle for every pass.
+
+Passes are not in the default materialization path yet: cached plans (:mod:`genie.plan_cache`)
+match recorded nodes to instructions one to one, which a pass that removes instructions breaks.
+
+Example:
+    >>> import torch, genie
+    >>> from genie.planner import build_tape
+    >>> from genie.passes import optimize, verify
+    >>> x = torch.ones(4, device="remote_accelerator")
+    >>> y = (x * 2).exp() + (x * 2).exp()
+    >>> tape = build_tape([(y._node, y._out)])
+    >>> new, reports = optimize(tape)
+    >>> [(r.name, r.removed) for r in reports]
+    [('cse', 2), ('dce', 0)]
+    >>> verify(tape, new)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..planner import Instr, Slot, Tape
+
+Pass = Callable[[Tape], "tuple[Tape, PassReport]"]
+
+
+@dataclass(frozen=True)
+class PassReport:
+    """What one pass did: instructions removed, and slots renamed (old -> surviving slot)."""
+
+    name: str
+    removed: int
+    renamed: dict[int, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.name}: removed {self.removed} instruction(s)"
+
+
+def optimize(tape: Tape, passes: Sequence[Pass] | None = None) -> tuple[Tape, list[PassReport]]:
+    """Apply ``passes`` (default: CSE, then DCE) in order; returns the tape and the reports."""
+    from .cse import cse
+    from .dce import dce
+
+    reports = []
+    for p in passes if passes is not None else (cse, dce):
+        tape, r = p(tape)
+        reports.append(r)
+    return tape, reports
+
+
+def rebuild(tape: Tape, instrs: list[Instr], renamed: dict[int, int]) -> Tape:
+    """A new tape with ``instrs``, slot renames applied to outputs/keep/slots, frees recomputed."""
+    outputs = [renamed.get(s, s) for s in tape.outputs]
+    keep = {renamed.get(s, s) for s in tape.keep}
+    last: dict[int, int] = {}
+    for i, ins in enumerate(instrs):
+        for x in ins.leaves:
+            if type(x) is Slot:
+                last[x.id] = i
+        for s in ins.outs:
+            if s is not None:
+                last.setdefault(s, i)  # defined and never read: free right after
+    frees: dict[int, list[int]] = {}
+    for s, i in last.items():
+        if s not in keep and s not in tape.inputs:
+            frees.setdefault(i, []).append(s)
+    instrs = [replace(ins, free=tuple(sorted(frees.get(i, ())))) for i, ins in enumerate(instrs)]
+    slots = {k: renamed.get(s, s) for k, s in tape.slots.items()}
+    return Tape(instrs, dict(tape.inputs), outputs, keep, list(tape.nodes), slots, tape.index,
+                None)
+
+
+def verify(before: Tape, after: Tape, device: torch.device | None = None,
+           rtol: float = 1.3e-6, atol: float = 1e-5) -> None:
+    """Raise ``AssertionError`` unless ``after`` computes what ``before`` does (eager, on copies).
+
+    Compared: every slot ``before`` keeps (through renames: ``after.slots`` maps the same nodes)
+    and every input value after the run (in-place updates).
+    """
+    from ..backends.compiled import _copy_sharing
+    from ..backends.eager import run_instrs
+
+    dev = device or torch.device("cpu")
+    rename = {s: after.slots.get(k, s) for k, s in before.slots.items()}
+    ins = sorted(before.inputs)
+    runs = []
+    for t in (before, after):
+        copies = dict(zip(ins, _copy_sharing([t.inputs[s] for s in ins]), strict=True))
+        kept = run_instrs(replace(t, inputs=copies), dev)
+        runs.append((kept, copies))
+    (k0, in0), (k1, in1) = runs
+    for s in before.keep:
+        _close(k1[rename.get(s, s)], k0[s], f"kept value %{s}", rtol, atol)
+    for s in ins:
+        _close(in1[s], in0[s], f"input %{s} after the run", rtol, atol)
+
+
+def _close(got: Any, want: Any, what: str, rtol: float, atol: float) -> None:
+    try:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    except AssertionError as e:
+        raise AssertionError(f"[passes.verify] the rewritten tape differs in {what}: {e}") from None
