@@ -18,9 +18,18 @@ def bump(name: str, n: int = 1) -> None:
 def stats() -> dict[str, int]:
     """Return a snapshot of Genie's counters.
 
-    Keys: ``ops_recorded``, ``factories_recorded``, ``meta_cache_hits``, ``meta_cache_misses``,
-    ``materializations`` and ``materializations.<trigger>`` (``item``, ``cpu``, ``repr``, ``explicit``,
-    ``data_dependent`` ...), ``nodes_executed``, ``values_freed``, ``uploads``.
+    Keys (a counter that never moved is absent):
+
+    - recording: ``ops_recorded``, ``factories_recorded``, ``uploads``, ``meta_cache_hits``,
+      ``meta_cache_misses``;
+    - materialization: ``materializations`` and ``materializations.<trigger>`` (``item``, ``cpu``,
+      ``repr``, ``explicit``, ``data_dependent``, ...), ``forced_materializations`` (ops that had to
+      run at once because their output shape or value depends on data), ``nodes_executed``,
+      ``values_freed``;
+    - engine: ``plan_cache_hits``, ``plan_cache_misses``, ``compiled_plans``, ``compiled_runs``,
+      ``compiled_verified``;
+    - remote: ``round_trips``, ``bytes_sent``, ``bytes_received``, ``skeletons_sent``,
+      ``frees_sent``, ``resident_tensors``, ``resident_bytes``.
 
     Example:
         >>> import torch, genie
