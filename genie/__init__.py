@@ -13,6 +13,20 @@ present, else the CPU) only when the program needs them::
 
 from __future__ import annotations
 
+
+def _autoload() -> None:
+    """Entry point of the ``torch.backends`` group: ``import torch`` registers the device.
+
+    Defined before anything imports torch: when ``import genie`` comes first, torch's own import
+    runs this entry point while this package is still initializing, and must find it.
+    """
+    from .device import register
+
+    register()
+
+
+import torch  # noqa: E402,F401  (first import of torch happens after _autoload exists)
+
 from .capture import CaptureError, CaptureGraph, annotate_phase, capture, phase
 from .device import register as _register
 from .errors import DeviceError, ExecutionError, GenieError, UnsupportedOpError
@@ -33,8 +47,3 @@ __all__ = [
     "UnsupportedOpError", "annotate_phase", "capture", "connect", "disconnect", "format_tape",
     "materialize", "phase", "reset_stats", "stats",
 ]
-
-
-def _autoload() -> None:
-    """Entry point of the ``torch.backends`` group: ``import torch`` registers the device."""
-    _register()

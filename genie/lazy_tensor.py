@@ -670,6 +670,11 @@ def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
     flat, out_spec = optree.tree_flatten(out, none_is_leaf=True)
     if not any(isinstance(o, torch.Tensor) for o in flat):
         return out
+    for o in flat:
+        if isinstance(o, torch.Tensor) and (o.layout != torch.strided or o.is_nested):
+            kind = "nested" if o.is_nested else str(o.layout)
+            raise UnsupportedOpError(func, f"it returns a {kind} tensor; remote_accelerator "
+                                     "tensors are dense and strided only. Run it on the CPU.")
     return optree.tree_unflatten(out_spec, [adopt(o, index) if isinstance(o, torch.Tensor) else o
                                             for o in flat])
 
