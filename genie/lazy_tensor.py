@@ -350,7 +350,12 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             o = x._out
             key_parts.append(n.metas[o])
             rec.append(Ref(n, o))
-        elif t is float or t is int or t is bool:
+        elif t is float:
+            key_parts.append(t)
+            if pol.float_values_matter:
+                key_parts.append(x)
+            rec.append(x)
+        elif t is int or t is bool:
             key_parts.append(t)
             key_parts.append(x)
             rec.append(x)

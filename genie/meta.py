@@ -49,6 +49,11 @@ class OpPolicy:
     names: tuple[str, ...]
     portable: Any = None
     metadata_only: bool = False  # reads its first argument's metadata only (zeros_like, new_*)
+    # Float values can change output metadata only in factories (arange(0, 1.5, 0.5)) and through
+    # float-typed arguments (scale_factors); elsewhere a float is a Scalar operand, whose type
+    # (not value) decides the result dtype. When False, meta-cache keys hold a float's type only,
+    # so a decaying learning rate does not miss the cache every step.
+    float_values_matter: bool = True
     key: int = 0  # small unique int standing for the op in meta-cache keys (cheap to hash)
 
     def arg(self, pos: int, args: tuple, kwargs: dict) -> Any:
@@ -115,8 +120,20 @@ def _analyze(op: Any) -> OpPolicy:
         names=tuple(a.name for a in schema.arguments),
         portable=portable_kernel(op),
         metadata_only=op in METADATA_ONLY,
+        float_values_matter=_float_values_matter(schema),
         key=len(_policies),
     )
+
+
+def _float_values_matter(schema: Any) -> bool:
+    has_tensor = False
+    for a in schema.arguments:
+        t = str(a.type)  # e.g. "Tensor", "List[Tensor]", "float", "Optional[List[float]]"
+        if "float" in t:
+            return True
+        if "Tensor" in t:
+            has_tensor = True
+    return not has_tensor
 
 
 def meta_tensor(m: TensorMeta) -> torch.Tensor:
@@ -145,8 +162,14 @@ class MetaCache:
     def get(self, key: Any) -> Any:
         return self._d.get(key)
 
+    #: Bound on entries: a program whose keys never repeat must not grow memory without limit.
+    limit = 1 << 16
+
     def put(self, key: Any, value: Any) -> None:
-        self._d[key] = value
+        d = self._d
+        if len(d) >= self.limit:
+            d.clear()  # rare, and cheaper on the hot path than LRU bookkeeping on every hit
+        d[key] = value
 
     def clear(self) -> None:
         self._d.clear()

@@ -84,3 +84,19 @@ def test_unknown_argument_garbage_raises_typeerror():
         torch.add(x, "nope")
     with pytest.raises(TypeError):
         genie.materialize(object())
+
+
+def test_changing_float_operands_hit_the_meta_cache_but_shapes_still_follow_floats():
+    x = torch.ones(4, device=D)
+    x.add(0.5)  # warm
+    genie.reset_stats()
+    for i in range(5):
+        x.add(1.0 / (i + 2))  # a decaying learning rate: same structure, new float each step
+    assert genie.stats().get("meta_cache_misses", 0) == 0
+    # floats that decide shapes (factories, float-typed arguments) are still keyed by value
+    a = torch.arange(0, 1.5, 0.5, device=D)
+    b = torch.arange(0, 2.5, 0.5, device=D)
+    assert a.shape == (3,) and b.shape == (5,)
+    img = torch.ones(1, 1, 2, 2, device=D)
+    up = [torch.nn.functional.interpolate(img, scale_factor=s).shape for s in (2.0, 3.0)]
+    assert up == [(1, 1, 4, 4), (1, 1, 6, 6)]
