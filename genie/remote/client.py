@@ -76,6 +76,12 @@ class Handle:
     def storage_offset(self) -> int:
         return self._meta().offset
 
+    def is_conj(self) -> bool:
+        return getattr(self._meta(), "conj", False)
+
+    def is_neg(self) -> bool:
+        return getattr(self._meta(), "neg", False)
+
     def _meta(self) -> TensorMeta:
         if self.meta is None:
             raise AttributeError(f"{self!r} has no metadata")

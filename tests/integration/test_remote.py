@@ -73,6 +73,13 @@ class ServerProc:
         return self.proc.returncode
 
 
+@pytest.fixture(autouse=True)
+def _embedded_after_each_test():
+    """Whatever a test did, the next one (and the rest of the suite) runs in process."""
+    yield
+    genie.disconnect()
+
+
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("genie-keys")
