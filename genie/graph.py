@@ -111,12 +111,16 @@ class Node:
         rng: ``(seed, offset)`` for random ops, fixed at record time.
         graph / uid: the owning :class:`Graph` and the node's deterministic unique id.
         where: the user's source line (only with ``GENIE_RECORD_SOURCE=1`` or in capture).
+        entry: the meta-cache entry the op was recorded with (None for uploads and pseudo-ops).
+            Entries are interned per meta-cache key (op, argument tree, input metadata,
+            non-float constants), so ``a.entry is b.entry`` proves those equal: the plan cache
+            compares nodes by it (:mod:`genie.plan_cache`).
     """
 
     __slots__ = (
         "op", "leaves", "spec", "metas", "out_spec", "storages", "writes", "outputs",
         "values", "executed", "index", "rng", "graph", "uid", "where", "consumers",
-        "tags", "_wref", "__weakref__",
+        "tags", "entry", "_wref", "__weakref__",
     )
 
     def __init__(self, op: Any, leaves: list[Any], spec: Any, metas: list[TensorMeta | None],
@@ -139,6 +143,7 @@ class Node:
         self.where: str | None = None
         self.consumers: list[weakref.ref[Node]] = []
         self.tags: dict[str, Any] | None = None
+        self.entry: Any = None
         self._wref = weakref.ref(self)
         graph.on_node(self)
 

@@ -419,6 +419,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             fresh.append(k)
 
     node = Node(func, rec, spec, metas, out_spec, storages, writes, graph, rng)
+    node.entry = entry  # interned per meta-cache key: the plan cache compares nodes by identity
     if config.record_source or graph.keep_nodes:
         node.where = _where()
     wref = node._wref

@@ -2,8 +2,8 @@
 
 A *plan* is a tape with the values taken out: ops, argument trees, non-float constants, output
 metadata, slot wiring, frees, outputs, kept slots, and the metadata of its inputs and host tensors.
-Each materialization slices the graph exactly (:func:`~genie.planner.slice_nodes`, so correctness
-never rests on the cache), then matches the slice against the cached plans of the same shape: one
+Each materialization finds its exact slice (by :func:`match`, or by
+:func:`~genie.planner.slice_nodes`; see Lookup), then matches it against the cached plans: one
 pass over the nodes that compares each against the plan and, at the same time, collects this
 step's *parameters* - input values, the host tensors of uploads and host constants, the
 ``(seed, offset)`` of random ops, float arguments. On a match the plan's instructions are reused
@@ -18,8 +18,17 @@ not: tensor values, float values (a decaying learning rate, Adam's bias correcti
 offsets, node ids. Nothing depends on ``id()`` or object hashes; :attr:`Plan.key` is a
 deterministic digest of the structure (the same program gives the same key in any process).
 
-Lookup: plans are bucketed by a cheap prefix (node count, first/last op, requested outputs) and
-matched by full structural comparison, which is cheaper than hashing the structure every step.
+Lookup, fast path first: :func:`match` finds the slice *from the plan*: it walks the plan's
+instructions backwards from the requested values, taking each instruction's node from the
+argument references of the targets and of later nodes, and checks every reference (in-plan ones
+must point at the pending node of that position, in record order; inputs at executed nodes with
+kept values), so the nodes it finds are exactly the slice. Nodes are compared by their interned
+meta-cache entry (``Node.entry``; identity stands for op, argument tree, input metadata and
+non-float constants), leaf by leaf where it differs. It handles slices without writes and with no
+pending write before a read; anything else (or no match) slices with
+:func:`~genie.planner.slice_nodes` and uses :func:`instantiate`: plans there are bucketed by a
+cheap prefix (node count, first/last op, requested outputs) and matched by full structural
+comparison, which is cheaper than hashing the structure every step.
 Counters: ``plan_cache_hits``, ``plan_cache_misses`` in :func:`genie.stats`.
 
 Example:
@@ -51,6 +60,9 @@ from .planner import Instr, MetaArg, Slot, Tape, build_tape, held_after, slice_n
 from .stats import _counts
 
 UPLOAD = "genie.upload"
+
+
+_NO_ENTRY = object()  # a plan's entry for nodes recorded without one: matches no node's
 
 
 class _HostMeta:
@@ -88,7 +100,8 @@ class Plan:
     """
 
     __slots__ = ("instrs", "metas", "specs", "wheres", "inputs", "outputs", "keep", "floats",
-                 "index", "artifacts", "uses", "_key")
+                 "index", "artifacts", "uses", "_key", "entries", "guide", "produced", "fast",
+                 "prefix", "guide_key")
 
     def __init__(self, tape: Tape, nodes: list[Node]) -> None:
         self.metas = [n.metas for n in nodes]
@@ -109,6 +122,48 @@ class Plan:
         self.artifacts: dict[str, Any] = {}
         self.uses = 1
         self._key: str | None = None
+        self.prefix: Any = None
+        self._build_guide(nodes)
+
+    def _build_guide(self, nodes: list[Node]) -> None:
+        """What :func:`match` needs to find and check a slice from its targets alone.
+
+        ``entries``: each node's meta-cache entry (identity stands for op, argument tree, input
+        metadata and non-float constants). ``guide[i]``: ``(refs, params, outs, nref)`` with
+        ``refs`` = ``(leaf position, producing instruction or -1 for an input, its output,
+        slot)``, ``params`` = the positions of float and host-tensor leaves, ``outs`` =
+        ``(output, slot, must be kept: True/False, or None for a requested value)``, ``nref`` = how
+        many argument references to the node come from inside the slice. ``produced``: slot ->
+        ``(instruction, output)``. ``fast``: no node of the slice writes (the match only handles
+        slices that are pure data closures; the others go through :func:`instantiate`).
+        """
+        self.entries = [n.entry if n.entry is not None else _NO_ENTRY for n in nodes]
+        pos = {n.index: i for i, n in enumerate(nodes)}
+        nref = [0] * len(nodes)
+        produced: dict[int, tuple[int, int]] = {}
+        guide = []
+        want = set(self.outputs)
+        for i, (n, ins) in enumerate(zip(nodes, self.instrs, strict=True)):
+            refs, floats, hosts = [], [], []
+            for p, (x, y) in enumerate(zip(n.leaves or (), ins.leaves, strict=True)):
+                if type(x) is Ref:
+                    j = pos.get(x.node.index, -1)
+                    if j >= 0:
+                        nref[j] += 1
+                    refs.append((p, j, x.out, y.id))
+                elif type(x) is float:
+                    floats.append(p)
+                elif isinstance(x, torch.Tensor):
+                    hosts.append(p)
+            outs = []
+            for k, s in enumerate(ins.outs):
+                if s is not None:
+                    produced[s] = (i, k)
+                    outs.append((k, s, None if s in want else s in self.keep))
+            guide.append((tuple(refs), tuple(floats + hosts), tuple(outs)))
+        self.guide = [(*g, c) for g, c in zip(guide, nref, strict=True)]
+        self.produced = produced
+        self.fast = all(not n.writes for n in nodes)
 
     @property
     def key(self) -> str:
@@ -127,6 +182,7 @@ class PlanCache:
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
         self._buckets: OrderedDict[Any, list[Plan]] = OrderedDict()
+        self._by_targets: dict[Any, list[Plan]] = {}  # what :meth:`match` tries, newest first
         self._size = 0
 
     def __len__(self) -> int:
@@ -134,7 +190,33 @@ class PlanCache:
 
     def clear(self) -> None:
         self._buckets.clear()
+        self._by_targets.clear()
         self._size = 0
+
+    def match(self, targets: list[tuple[Node, int]]) -> Tape | None:
+        """A hit found from the targets alone (no :func:`~genie.planner.slice_nodes`): the
+        cached plans for these requested ops are tried with :func:`match`."""
+        plans = self._by_targets.get(_target_key(targets))
+        if not plans:
+            return None
+        for plan in plans:
+            tape = match(plan, targets)
+            if tape is not None:
+                bucket = self._buckets.get(plan.prefix)
+                if bucket is not None:
+                    self._buckets.move_to_end(plan.prefix)
+                plan.uses += 1
+                return tape
+        return None
+
+    def _forget(self, plans: list[Plan]) -> None:
+        for p in plans:
+            if p.fast:
+                lst = self._by_targets.get(p.guide_key)
+                if lst is not None and p in lst:
+                    lst.remove(p)
+                    if not lst:
+                        del self._by_targets[p.guide_key]
 
     def plans(self) -> list[Plan]:
         """Every cached plan, least recently used first."""
@@ -154,16 +236,21 @@ class PlanCache:
 
     def insert(self, targets: list[tuple[Node, int]], nodes: list[Node], tape: Tape) -> Plan:
         plan = Plan(tape, nodes)
-        pre = _prefix(targets, nodes)
+        pre = plan.prefix = _prefix(targets, nodes)
         bucket = self._buckets.setdefault(pre, [])
         bucket.insert(0, plan)
         self._buckets.move_to_end(pre)
         self._size += 1
+        if plan.fast:
+            plan.guide_key = _target_key(targets)
+            lst = self._by_targets.setdefault(plan.guide_key, [])
+            lst.insert(0, plan)
         if len(bucket) > 8:  # a structure that varies in every step: keep the recent ones
-            bucket.pop()
+            self._forget([bucket.pop()])
             self._size -= 1
         while self._size > self.capacity:
             _, old = self._buckets.popitem(last=False)
+            self._forget(old)
             self._size -= len(old)
         return plan
 
@@ -195,6 +282,11 @@ def clear() -> None:
 def plan(targets: list[tuple[Node, int]]) -> Tape:
     """A :class:`~genie.planner.Tape` for ``targets``: a cached plan's when the structure
     matches one (a hit), else a freshly built one, whose plan is cached (a miss)."""
+    if _enabled and targets:
+        tape = _cache.match(targets)
+        if tape is not None:
+            _counts["plan_cache_hits"] += 1
+            return tape
     nodes = slice_nodes(targets)
     if not _enabled or not nodes:
         return build_tape(targets, nodes)
@@ -216,6 +308,197 @@ def _prefix(targets: list[tuple[Node, int]], nodes: list[Node]) -> tuple[Any, ..
 
 def _opname(op: Any) -> str:
     return getattr(op, "_name", op)
+
+
+def _target_key(targets: list[tuple[Node, int]]) -> tuple[Any, ...]:
+    return tuple((_opname(n.op), out) for n, out in targets)
+
+
+def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
+    """``instantiate(plan, targets, slice_nodes(targets))`` without slicing, or None.
+
+    Walks the plan backwards from its outputs: instruction ``i``'s node is the one the targets
+    or a later instruction's arguments point at (``guide``), so the slice is found and checked in
+    the same pass. It is exactly the slice because every argument reference is checked: one the
+    plan produces must point at a pending node (the one at that position, in record order), one
+    the plan takes as an input at an executed node with a kept value; and no storage read has
+    a pending write recorded before it (so write-before-read and write-after-read add nothing;
+    slices with writes are never matched here). A node whose meta-cache entry is the plan's
+    (identity) has the plan's op, argument tree, input metadata and non-float constants; others
+    are compared leaf by leaf. Returns None on any difference (the caller then slices and uses
+    :func:`instantiate`).
+    """
+    from .lazy_tensor import Alive
+
+    want_out = plan.outputs
+    if not plan.fast or len(targets) != len(want_out):
+        return None
+    tmpl = plan.instrs
+    nn = len(tmpl)
+    found: list[Node | None] = [None] * nn
+    produced = plan.produced
+    pin = plan.inputs
+    slots: dict[tuple[int, int], int] = {}
+    inputs: dict[int, torch.Tensor] = {}
+    for (node, out), want in zip(targets, want_out, strict=True):
+        if node.storages[out].pending_writes:
+            return None
+        p = produced.get(want)
+        if p is not None:
+            j, k = p
+            if out != k or node.executed:
+                return None
+            cur = found[j]
+            if cur is None:
+                found[j] = node
+            elif cur is not node:
+                return None
+        elif not _bind_input(node, out, want, pin, slots, inputs):
+            return None
+    entries, guide, metas, specs, wheres = (plan.entries, plan.guide, plan.metas, plan.specs,
+                                            plan.wheres)
+    instrs: list[Instr] | None = None
+    changed: list[int] | None = None
+    later: list[tuple[Node, int, bool]] | None = None  # held checks that need the whole slice
+    last = 1 << 62
+    for i in range(nn - 1, -1, -1):
+        n = found[i]
+        if n is None:
+            return None
+        idx = n.index
+        if n.executed or n.writes or idx >= last:
+            return None
+        last = idx
+        t = tmpl[i]
+        if n.entry is not entries[i] or n.op is not t.op:  # plan entries are never None
+            if not _same_node(n, t, metas[i], specs[i]):
+                return None
+        if n.where is not wheres[i] and n.where != wheres[i]:
+            return None
+        refs, params, outs, nref = guide[i]
+        leaves = n.leaves
+        for p, j, k, y in refs:
+            x = leaves[p]
+            if type(x) is not Ref:
+                return None
+            xn = x.node
+            xo = x.out
+            pw = xn.storages[xo].pending_writes
+            if pw and pw[0].index < idx:  # a write before this read: the slice would hold it
+                return None
+            if j >= 0:
+                if xo != k:
+                    return None
+                cur = found[j]
+                if cur is None:
+                    found[j] = xn
+                elif cur is not xn:
+                    return None
+            elif not _bind_input(xn, xo, y, pin, slots, inputs):
+                return None
+        rebuild = n.rng is not None
+        if params:
+            tl = t.leaves
+            for p in params:
+                x = leaves[p]
+                y = tl[p]
+                if type(x) is float:
+                    if x is not y and not _same_const(x, y):
+                        rebuild = True
+                        if changed is None:
+                            changed = []
+                        changed.append(i)
+                elif type(y) is float or not isinstance(x, torch.Tensor) or not y.matches(x):
+                    return None
+                else:
+                    rebuild = True
+        outputs = n.outputs
+        for k, s, held in outs:
+            slots[(idx, k)] = s
+            if held is None:
+                continue
+            r = outputs[k]
+            v = r() if r is not None else None
+            if v is None:
+                if len(n.consumers) == nref:  # every consumer is in the slice
+                    if held:
+                        return None
+                    continue
+            elif type(v) is Alive:
+                if not held:
+                    return None
+                continue
+            if later is None:
+                later = []
+            later.append((n, k, held))
+        if rebuild:
+            if instrs is None:
+                instrs = list(tmpl)
+            instrs[i] = Instr(n.op, [x if isinstance(x, (torch.Tensor, float)) else y
+                                     for x, y in zip(leaves, t.leaves, strict=True)],
+                              t.spec, t.outs, n.rng, t.free, n.uid, n.where, t.device)
+    if len(inputs) != len(pin):
+        return None
+    if later is not None:
+        in_run = {n.index for n in found}
+        for n, k, held in later:
+            if held_after(n, k, in_run) is not held:
+                return None
+    if changed is not None:
+        for i in dict.fromkeys(changed):
+            for j in guide[i][1]:
+                if type(tmpl[i].leaves[j]) is float and \
+                        not _same_const(instrs[i].leaves[j], tmpl[i].leaves[j]):
+                    plan.floats.add((i, j))
+    outputs = [want for want in want_out]
+    return Tape(instrs if instrs is not None else list(tmpl), inputs, outputs, set(plan.keep),
+                found, slots, plan.index, plan)
+
+
+def _bind_input(node: Node, out: int, slot: int, pin: dict[int, TensorMeta],
+                slots: dict[tuple[int, int], int], inputs: dict[int, torch.Tensor]) -> bool:
+    """Bind an already computed value to the plan's input ``slot``, as build_tape would."""
+    key = (node.index, out)
+    s = slots.get(key)
+    if s is not None:
+        return s == slot
+    m = pin.get(slot)
+    if m is None or slot in inputs or not node.executed or node.values is None:
+        return False
+    v = node.values[out]
+    if v is None or (node.metas[out] is not m and node.metas[out] != m):
+        return False
+    slots[key] = slot
+    inputs[slot] = v
+    return True
+
+
+def _same_node(n: Node, t: Instr, meta: Any, spec: Any) -> bool:
+    """Op, metadata, argument tree and constants of ``n`` are the plan's (wiring aside)."""
+    if n.op is not t.op or (n.rng is None) is not (t.rng is None):
+        return False
+    if (n.metas is not meta and n.metas != meta) or (n.spec is not spec and n.spec != spec):
+        return False
+    leaves = n.leaves
+    if leaves is None or len(leaves) != len(t.leaves):
+        return False
+    for x, y in zip(leaves, t.leaves, strict=True):
+        tx = type(x)
+        if tx is Ref:
+            if type(y) is not Slot:
+                return False
+        elif tx is float:
+            if type(y) is not float:
+                return False
+        elif tx is MetaArg:
+            if type(y) is not MetaArg or x.meta != y.meta:
+                return False
+        elif isinstance(x, torch.Tensor):
+            if type(y) is not _HostMeta:
+                return False
+        elif type(y) in (Slot, _HostMeta) or not _same_const(x, y):
+            return False
+    return True
 
 
 def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node]) -> Tape | None:

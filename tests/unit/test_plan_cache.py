@@ -164,3 +164,57 @@ def test_plan_key_is_deterministic_across_processes():
     there = subprocess.run([sys.executable, "-c", _KEYED_PROGRAM], capture_output=True,
                            text=True, env=env, check=True).stdout.strip()
     assert g["here"] == there and len(there) == 32
+
+
+def _instr_view(tape):
+    return [(i.op, [x if not isinstance(x, torch.Tensor) else ("host", x.tolist())
+                    for x in i.leaves], i.outs, i.rng, i.free) for i in tape.instrs]
+
+
+def _step(wiring: str, c: int, a, b):
+    u = a * 2.0 + b
+    v = u * b if wiring == "ub" else u * u  # same ops, same metadata, other wiring
+    return (v + c).sum()
+
+
+@pytest.mark.parametrize("other", [("uu", 1), ("ub", 2)])
+def test_same_op_sequence_other_wiring_or_constant_is_a_miss(other):
+    a = torch.randn(4, device=D)
+    b = torch.randn(4, device=D)
+    genie.materialize(a, b)
+    first = _step("ub", 1, a, b).item()
+    genie.reset_stats()
+    got = _step(*other, a, b).item()
+    st = genie.stats()
+    assert st.get("plan_cache_misses", 0) == 1 and st.get("plan_cache_hits", 0) == 0
+    ra, rb = genie.materialize(a, b)
+    ra, rb = ra.cpu(), rb.cpu()
+    u = ra * 2.0 + rb
+    v = u * rb if other[0] == "ub" else u * u
+    assert got == pytest.approx((v + other[1]).sum().item(), rel=1e-5)
+    assert first != got
+
+
+def test_match_builds_the_tape_instantiate_builds():
+    a = torch.randn(4, device=D)
+    genie.materialize(a)
+    for step in range(3):
+        x = torch.full((4,), float(step)).to(D)
+        y = (a * x + 0.5 * step).relu()
+        z = y * y + torch.randn(4, device=D)
+        targets = [(z._node, z._out)]
+        nodes = plan_cache.slice_nodes(targets)
+        if step == 0:
+            plan_cache.plan(targets)
+            continue
+        plan = plan_cache.cache().plans()[-1]
+        fast = plan_cache.match(plan, targets)
+        slow = plan_cache.instantiate(plan, targets, nodes)
+        assert fast is not None and slow is not None
+        assert _instr_view(fast) == _instr_view(slow)
+        assert fast.slots == slow.slots and fast.outputs == slow.outputs
+        assert [n.index for n in fast.nodes] == [n.index for n in nodes]
+        assert {s: v.tolist() for s, v in fast.inputs.items()} == \
+            {s: v.tolist() for s, v in slow.inputs.items()}
+        assert fast.keep == slow.keep
+        genie.materialize(z)
