@@ -2,6 +2,7 @@
 
 import io
 
+import pytest
 import torch
 
 import genie
@@ -79,6 +80,10 @@ def test_identity_is_kept_after_materialization():
 
 
 def test_unreferenced_intermediates_are_freed():
+    from genie.backends.remote import clients
+
+    if clients():
+        pytest.skip("counts frees of the in-process executor; a Genie server frees on its side")
     x = torch.randn(32, 32, device=D)
     t = x
     for _ in range(10):
