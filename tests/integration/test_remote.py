@@ -470,3 +470,19 @@ def test_genie_server_env_var(server: ServerProc) -> None:
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["14.0", "2"]  # hello + one tape
+
+
+def test_the_suites_programs_give_eager_results_through_a_server(server: ServerProc) -> None:
+    """The model suite and the semantics unit tests, unchanged, with GENIE_SERVER set."""
+    suites = ["tests/integration/test_models.py", "tests/unit/test_materialize.py",
+              "tests/unit/test_factories.py", "tests/unit/test_rng.py",
+              "tests/unit/test_recording.py"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GENIE_SERVER": server.address,
+           "GENIE_KEY_FILE": str(server.key_file)}
+    r = subprocess.run([sys.executable, "-m", "pytest", *suites, "-q", "-p", "no:cacheprovider",
+                        "-p", "no:warnings"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout
+    m = re.search(r"genie: (\d+) round trips", r.stdout)
+    assert m is not None and int(m.group(1)) > 100, r.stdout[-2000:]  # it really ran remotely
