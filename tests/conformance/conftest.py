@@ -65,8 +65,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         if failing:
             tr.write_line(f"  not passing: {', '.join(failing)}")
     if _meta_strides:
+        noted = ", ".join(f"{n}-{v}" for n, v in sorted(_meta_strides))
         tr.write_line("strides as PyTorch's meta kernels give them, not as its CPU kernels "
-                      f"(noted, not failed): {', '.join(f'{n}-{v}' for n, v in sorted(_meta_strides))}")
+                      f"(noted, not failed): {noted}")
     path = os.environ.get("GENIE_OPINFO_REPORT")
     if path:
         with open(path, "w") as f:

@@ -40,6 +40,7 @@ The pass rate is printed at the end of the run (``conftest.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 from collections.abc import Iterator
@@ -78,7 +79,7 @@ FAST_OPS = frozenset({
     "logsumexp", "all", "cumsum", "linalg.vector_norm", "topk", "sort",
     # matmul, linear, conv, pooling, attention
     "mm", "bmm", "matmul", "addmm", "baddbmm", "einsum", "outer", "nn.functional.linear",
-    "nn.functional.conv2d", "nn.functional.max_pool2d", "nn.functional.avg_pool2d",
+    "nn.functional.conv2d", "nn.functional.adaptive_max_pool2d", "nn.functional.avg_pool2d",
     "nn.functional.adaptive_avg_pool2d", "nn.functional.scaled_dot_product_attention",
     # normalization
     "softmax", "log_softmax", "nn.functional.layer_norm", "nn.functional.batch_norm",
@@ -127,23 +128,22 @@ def _params() -> Iterator[Any]:
 
 # --- moving samples ---------------------------------------------------------------------------
 
-def _map_tensors(tree: Any, fn: Any) -> Any:
-    """Map the tensors of ``tree`` with ``fn``, keeping aliasing: one tensor, one result."""
+def _copy_sample(sample: Any, fn: Any, device: Any = None) -> tuple:
+    """``(input, args, kwargs)`` with each CPU tensor mapped by ``fn`` and, when ``device`` is
+    given, each ``cpu`` device argument replaced by it. Aliasing is kept: one tensor, one copy."""
     memo: dict[int, Any] = {}
 
     def leaf(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.device.type == "cpu":  # not error inputs' meta ones
-            k = id(x)
-            if k not in memo:
-                memo[k] = fn(x)
-            return memo[k]
-        if isinstance(x, torch.device) and x.type == "cpu":
-            return torch.device(DEVICE)
-        if isinstance(x, str) and x == "cpu":
-            return DEVICE
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu":  # error inputs may hold meta
+            if id(x) not in memo:
+                memo[id(x)] = fn(x)
+            return memo[id(x)]
+        if device is not None and (isinstance(x, torch.device) and x.type == "cpu" or
+                                   isinstance(x, str) and x == "cpu"):
+            return device if isinstance(x, torch.device) else str(device)
         return x
 
-    return pytree.tree_map(leaf, tree)
+    return pytree.tree_map(leaf, (sample.input, sample.args, sample.kwargs))
 
 
 def _eager_copy(sample: Any, requires_grad: bool = False) -> tuple:
@@ -152,27 +152,25 @@ def _eager_copy(sample: Any, requires_grad: bool = False) -> tuple:
     def f(t: torch.Tensor) -> torch.Tensor:
         c = t.detach().clone()
         return c.requires_grad_(t.requires_grad) if requires_grad else c
-    tree = (sample.input, sample.args, sample.kwargs)
-    memo: dict[int, Any] = {}
-
-    def leaf(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            if id(x) not in memo:
-                memo[id(x)] = f(x)
-            return memo[id(x)]
-        return x
-    return pytree.tree_map(leaf, tree)
+    return _copy_sample(sample, f)
 
 
 def _device_copy(sample: Any, requires_grad: bool = False) -> tuple:
     def f(t: torch.Tensor) -> torch.Tensor:
         d = t.detach().to(DEVICE)
         return d.requires_grad_(t.requires_grad) if requires_grad else d
-    return _map_tensors((sample.input, sample.args, sample.kwargs), f)
+    return _copy_sample(sample, f, torch.device(DEVICE))
+
+
+def _meta_copy(sample: Any, requires_grad: bool = False) -> tuple:
+    def f(t: torch.Tensor) -> torch.Tensor:
+        m = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        return m.requires_grad_(t.requires_grad) if requires_grad else m
+    return _copy_sample(sample, f, torch.device("meta"))
 
 
 def _uses_device(sample: Any) -> bool:
-    return any(isinstance(x, (torch.Tensor, torch.device)) or x == "cpu"
+    return any(isinstance(x, (torch.Tensor, torch.device)) or isinstance(x, str) and x == "cpu"
                for x in pytree.tree_leaves((sample.input, sample.args, sample.kwargs)))
 
 
@@ -284,23 +282,6 @@ class MetaReference:
         return tuple(m.shape) == tuple(got.shape) and _same_strides(got, m)
 
 
-def _meta_copy(tree: Any, requires_grad: bool = False) -> Any:
-    memo: dict[int, Any] = {}
-
-    def leaf(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.device.type == "cpu":
-            if id(x) not in memo:
-                m = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-                memo[id(x)] = m.requires_grad_(x.requires_grad) if requires_grad else m
-            return memo[id(x)]
-        if isinstance(x, torch.device) and x.type == "cpu":
-            return torch.device("meta")
-        if isinstance(x, str) and x == "cpu":
-            return "meta"
-        return x
-    return pytree.tree_map(leaf, tree)
-
-
 def _same_scalar(a: Any, e: Any) -> bool:
     if isinstance(e, float) and isinstance(a, float) and e != e:
         return a != a
@@ -314,7 +295,7 @@ def compare(actual: Any, expected: Any, *, values: bool, what: str,
     a_flat, a_spec = pytree.tree_flatten(actual)
     e_flat, e_spec = pytree.tree_flatten(expected)
     assert a_spec == e_spec, f"{what}: structure {a_spec} != eager's {e_spec}"
-    for i, (a, e) in enumerate(zip(a_flat, e_flat)):
+    for i, (a, e) in enumerate(zip(a_flat, e_flat, strict=True)):
         w = f"{what}[{i}]"
         if not isinstance(e, torch.Tensor):
             assert not isinstance(a, torch.Tensor), f"{w}: a tensor where eager has {e!r}"
@@ -326,7 +307,11 @@ def compare(actual: Any, expected: Any, *, values: bool, what: str,
         assert a.device.type == want_dev, f"{w}: on {a.device}, expected {want_dev}"
         assert a.shape == e.shape, f"{w}: shape {tuple(a.shape)} != eager's {tuple(e.shape)}"
         assert a.dtype == e.dtype, f"{w}: dtype {a.dtype} != eager's {e.dtype}"
-        if e.layout != torch.strided:
+        assert a.layout == e.layout, f"{w}: layout {a.layout} != eager's {e.layout}"
+        if e.layout != torch.strided:  # sparse results: no strides or storage; compare densely
+            if values:
+                torch.testing.assert_close(a.detach().cpu().to_dense(), e.detach().to_dense(),
+                                           equal_nan=True, msg=lambda m, w=w: f"{w}: {m}")
             continue
         meta_layout = False
         if not _same_strides(a, e):
@@ -350,8 +335,8 @@ def _check_aliasing(a: torch.Tensor, e: torch.Tensor, dev_inputs: list[torch.Ten
     if not isinstance(a, genie.LazyTensor):
         return
     ptr = e.untyped_storage().data_ptr()
-    want = [j for j, t in enumerate(cpu_inputs)
-            if t.numel() > 0 and t.layout == torch.strided and t.untyped_storage().data_ptr() == ptr]
+    want = [j for j, t in enumerate(cpu_inputs) if t.numel() > 0 and t.layout == torch.strided
+            and t.untyped_storage().data_ptr() == ptr]
     got = [j for j, t in enumerate(dev_inputs)
            if isinstance(t, genie.LazyTensor) and t.numel() > 0 and t._storage is a._storage]
     assert got == want, (f"{what}: shares storage with inputs {got}, eager's output with {want} "
@@ -360,10 +345,11 @@ def _check_aliasing(a: torch.Tensor, e: torch.Tensor, dev_inputs: list[torch.Ten
 
 # --- the three variants -----------------------------------------------------------------------
 
-def _call_on_meta(fn: Any, sample: Any, seed: int) -> Any:
-    inp, args, kwargs = _meta_copy((sample.input, sample.args, sample.kwargs))
-    torch.manual_seed(seed)
-    return fn(inp, *args, **kwargs)
+def _call(fn: Any, tree: tuple, seed: int | None = None) -> Any:
+    """``fn(input, *args, **kwargs)`` on a copied sample, under ``torch.manual_seed(seed)``."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return fn(tree[0], *tree[1], **tree[2])
 
 
 def check_forward(op: Any, inplace: bool, deviations: list[str]) -> int:
@@ -384,13 +370,12 @@ def check_forward(op: Any, inplace: bool, deviations: list[str]) -> int:
         expected, err, random = _run(fn, cpu)
         tried += 1
         if err is not None:
-            _expect_same_error(err, lambda: fn(dev[0], *dev[1], **dev[2]))
+            _expect_same_error(err, functools.partial(_call, fn, dev))
             continue
-        torch.manual_seed(k)
-        actual = fn(dev[0], *dev[1], **dev[2])
+        actual = _call(fn, dev, seed=k)
         values = not (random or not_comparable)
         cpu_in, dev_in = _tensor_leaves(cpu), _tensor_leaves(dev)
-        meta = MetaReference(lambda: _call_on_meta(fn, sample, k))
+        meta = MetaReference(functools.partial(_call, fn, _meta_copy(sample), k))
         compare(actual, expected, values=values, what=what, dev_inputs=dev_in, cpu_inputs=cpu_in,
                 meta=meta)
         deviations.extend(meta.deviations)
@@ -407,18 +392,18 @@ def check_forward(op: Any, inplace: bool, deviations: list[str]) -> int:
 
 def _check_reproducible(fn: Any, sample: Any, first: Any, seed: int, what: str) -> None:
     """The same seed gives the same values on the device (random ops)."""
-    dev = _device_copy(sample)
-    torch.manual_seed(seed)
-    again = fn(dev[0], *dev[1], **dev[2])
+    again = _call(fn, _device_copy(sample), seed=seed)
     a = [t.detach().cpu() for t in _tensor_leaves(first)]
     b = [t.detach().cpu() for t in _tensor_leaves(again)]
-    for x, y in zip(a, b):
+    assert len(a) == len(b), f"{what}: {len(b)} outputs the second time, {len(a)} the first"
+    for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(y, x, equal_nan=True, rtol=0, atol=0,
                                    msg=lambda m: f"{what}: not reproducible under "
                                                  f"torch.manual_seed: {m}")
 
 
 def _check_error_inputs(op: Any) -> int:
+    """OpInfo's error inputs: where eager raises, the device raises the same type."""
     if op.error_inputs_func is None:
         return 0
     tried = 0
@@ -428,23 +413,25 @@ def _check_error_inputs(op: Any) -> int:
         return 0
     for ei in errors:
         s = ei.sample_input
-        cpu, dev = _eager_copy(s), _device_copy(s)
-        _, err, _ = _run(op.op, cpu)
+        _, err, _ = _run(op.op, _eager_copy(s))
         if err is None:
             continue  # this torch build accepts it eagerly: nothing to compare
         tried += 1
-        _expect_same_error(err, lambda dev=dev: op.op(dev[0], *dev[1], **dev[2]))
+        _expect_same_error(err, functools.partial(_call, op.op, _device_copy(s)))
     return tried
 
 
-def _grads_on_meta(fn: Any, sample: Any, mask: list[bool], cots: list[torch.Tensor],
-                   seed: int) -> Any:
-    tree = _meta_copy((sample.input, sample.args, sample.kwargs), requires_grad=True)
-    torch.manual_seed(seed)
-    flat = pytree.tree_leaves(fn(tree[0], *tree[1], **tree[2]))
-    outs = [o for o, m in zip(flat, mask) if m]
+def _grad_fn(op: Any, sample: Any, inp: Any, *args: Any, **kwargs: Any) -> Any:
+    return sample.output_process_fn_grad(op.gradcheck_wrapper(op.get_op(), inp, *args, **kwargs))
+
+
+def _vjp(fn: Any, tree: tuple, seed: int, mask: list[bool], cots: list[torch.Tensor]) -> list:
+    """Input gradients of ``fn`` on ``tree`` against the cotangents of the ``mask``ed outputs."""
+    flat = pytree.tree_leaves(_call(fn, tree, seed))
+    outs = [o for o, m in zip(flat, mask, strict=True) if m]
     ins = [t for t in _tensor_leaves(tree) if t.requires_grad]
-    return list(torch.autograd.grad(outs, ins, [c.to("meta") for c in cots], allow_unused=True))
+    dev = outs[0].device
+    return list(torch.autograd.grad(outs, ins, [c.to(dev) for c in cots], allow_unused=True))
 
 
 def check_grad(op: Any, deviations: list[str]) -> int:
@@ -453,45 +440,36 @@ def check_grad(op: Any, deviations: list[str]) -> int:
     tried = 0
     for k, sample in enumerate(op.sample_inputs("cpu", DTYPE, requires_grad=True)):
         what = f"grad sample {k} ({sample.summary()[:300]})"
-
-        def fn(inp: Any, *args: Any, **kwargs: Any) -> Any:
-            return sample.output_process_fn_grad(
-                op.gradcheck_wrapper(op.get_op(), inp, *args, **kwargs))
-
+        fn = functools.partial(_grad_fn, op, sample)
         cpu, dev = _eager_copy(sample, True), _device_copy(sample, True)
         torch.manual_seed(k)
         e_out, err, random = _run(fn, cpu)
         if err is not None:
             tried += 1
-            _expect_same_error(err, lambda: fn(dev[0], *dev[1], **dev[2]))
+            _expect_same_error(err, functools.partial(_call, fn, dev))
             continue
         e_flat = pytree.tree_leaves(e_out)
         mask = [isinstance(o, torch.Tensor) and o.requires_grad for o in e_flat]
-        e_outs = [o for o, m in zip(e_flat, mask) if m]
+        e_outs = [o for o, m in zip(e_flat, mask, strict=True) if m]
         e_ins = [t for t in _tensor_leaves(cpu) if t.requires_grad]
         if not e_outs or not e_ins:
             continue
         tried += 1
-        torch.manual_seed(k)
-        d_flat = pytree.tree_leaves(fn(dev[0], *dev[1], **dev[2]))
+        d_flat = pytree.tree_leaves(_call(fn, dev, seed=k))
         assert len(d_flat) == len(e_flat), f"{what}: {len(d_flat)} outputs, eager {len(e_flat)}"
-        d_outs = [o for o, m in zip(d_flat, mask) if m]
-        for o in d_outs:
-            assert isinstance(o, torch.Tensor) and o.requires_grad, \
+        for o, m in zip(d_flat, mask, strict=True):
+            assert not m or isinstance(o, torch.Tensor) and o.requires_grad, \
                 f"{what}: an output that requires grad eagerly does not on the device"
-        d_ins = [t for t in _tensor_leaves(dev) if t.requires_grad]
         gen = torch.Generator().manual_seed(1000 + k)
         cots = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in e_outs]
         try:
             e_grads = torch.autograd.grad(e_outs, e_ins, cots, allow_unused=True)
-        except Exception as err:  # noqa: BLE001
-            _expect_same_error(err, lambda: torch.autograd.grad(
-                d_outs, d_ins, [c.to(DEVICE) for c in cots], allow_unused=True))
+        except Exception as e:  # noqa: BLE001
+            _expect_same_error(e, functools.partial(_vjp, fn, dev, k, mask, cots))
             continue
-        d_grads = torch.autograd.grad(d_outs, d_ins, [c.to(DEVICE) for c in cots],
-                                      allow_unused=True)
-        meta = MetaReference(lambda: _grads_on_meta(fn, sample, mask, cots, k))
-        compare(list(d_grads), list(e_grads), values=not (random or not_comparable),
+        d_grads = _vjp(fn, dev, k, mask, cots)
+        meta = MetaReference(functools.partial(_vjp, fn, _meta_copy(sample, True), k, mask, cots))
+        compare(d_grads, list(e_grads), values=not (random or not_comparable),
                 what=f"{what} input grads", meta=meta)
         deviations.extend(meta.deviations)
     return tried
