@@ -22,7 +22,7 @@ from .config import config
 from .errors import DeviceError
 from .graph import Node
 from . import plan_cache
-from .planner import Tape, build_tape
+from .planner import Tape
 
 _real_devices: dict[int, torch.device] = {}
 
