@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from .stats import bump
+from . import plan_cache
 from .config import config
 from .errors import DeviceError
 from .graph import Node
-from . import plan_cache
 from .planner import Tape
+from .stats import bump
 
 _real_devices: dict[int, torch.device] = {}
 

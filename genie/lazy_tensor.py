@@ -25,12 +25,12 @@ from typing import Any
 import optree
 import torch
 
-from .stats import _counts, bump
 from .config import config
 from .errors import UnsupportedOpError
 from .graph import DEFAULT_GRAPH, Graph, Node, Ref, Storage, TensorMeta
 from .meta import meta_cache, meta_tensor, policy
 from .planner import MetaArg
+from .stats import _counts, bump
 
 DEVICE_TYPE = "remote_accelerator"
 aten = torch.ops.aten

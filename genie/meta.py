@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .graph import TensorMeta
 from .factories import METADATA_ONLY
+from .graph import TensorMeta
 from .portable import portable_kernel
 
 _DYNAMIC = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}

@@ -16,10 +16,10 @@ from typing import Any
 import optree
 import torch
 
-from ..stats import bump
 from ..errors import ExecutionError
 from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
+from ..stats import bump
 from . import register_backend
 
 UPLOAD = "genie.upload"

@@ -36,10 +36,24 @@ from ..errors import ExecutionError
 from ..graph import TensorMeta
 from ..planner import Tape
 from ..stats import _counts, bump
-from . import (ProtocolError, QuotaExceededError, RemoteError, ServerUnavailableError,
-               SessionLostError)
-from .protocol import (EXT_INPUT, PROTOCOL_VERSION, const_delta, dtype_of, encode_tape, host_ref,
-                       pack, read_into, unpack)
+from . import (
+    ProtocolError,
+    QuotaExceededError,
+    RemoteError,
+    ServerUnavailableError,
+    SessionLostError,
+)
+from .protocol import (
+    EXT_INPUT,
+    PROTOCOL_VERSION,
+    const_delta,
+    dtype_of,
+    encode_tape,
+    host_ref,
+    pack,
+    read_into,
+    unpack,
+)
 
 logger = logging.getLogger("genie.remote")
 

@@ -38,8 +38,17 @@ import torch
 
 from ..graph import TensorMeta
 from ..planner import Instr, MetaArg, Slot, Tape
-from ..tape_io import _DTYPE_NAME, _DTYPES, _LAYOUTS, _MEMFMTS  # one table of names, shared
-from ..tape_io import TapeDataError, op_from_name, op_to_name, spec_from_data, spec_to_data
+from ..tape_io import (  # one table of names, shared
+    _DTYPE_NAME,
+    _DTYPES,
+    _LAYOUTS,
+    _MEMFMTS,
+    TapeDataError,
+    op_from_name,
+    op_to_name,
+    spec_from_data,
+    spec_to_data,
+)
 from . import ProtocolError
 
 PROTOCOL_VERSION = 1

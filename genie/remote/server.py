@@ -49,8 +49,19 @@ import zmq
 from .. import backends
 from ..errors import ExecutionError
 from . import ProtocolError
-from .protocol import (PROTOCOL_VERSION, REQUESTS, AllocationTooLarge, Compiled, InputUpload,
-                       compile_skeleton, fill, frame_tensor, pack, tensor_frame, unpack)
+from .protocol import (
+    PROTOCOL_VERSION,
+    REQUESTS,
+    AllocationTooLarge,
+    Compiled,
+    InputUpload,
+    compile_skeleton,
+    fill,
+    frame_tensor,
+    pack,
+    tensor_frame,
+    unpack,
+)
 
 logger = logging.getLogger("genie.server")
 

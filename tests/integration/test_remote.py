@@ -23,8 +23,7 @@ import pytest
 import torch
 
 import genie
-from genie.remote import (ProtocolError, QuotaExceededError, ServerUnavailableError,
-                          SessionLostError)
+from genie.remote import ProtocolError, QuotaExceededError, ServerUnavailableError, SessionLostError
 
 zmq = pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
