@@ -7,14 +7,13 @@ address given). Values that live tensors still hold are bound to their nodes as
 program asked for come back in the same reply and reach the caller through the executor's
 ``fetch_values`` seam as CPU tensors.
 
-Example (a server on this machine, see docs/deployment.md)::
+Example (needs a server on this machine, see docs/deployment.md)::
 
-    >>> import torch, genie                                          # doctest: +SKIP
-    >>> genie.connect("tcp://127.0.0.1:5555", key_file="~/.config/genie/server/client.json")
-    >>> x = torch.ones(3, device="remote_accelerator")
-    >>> (x * 2).sum().item()                                         # one round trip
-    6.0
-    >>> genie.disconnect()
+    import torch, genie
+    genie.connect("tcp://127.0.0.1:5555", key_file="~/.config/genie/server/client.json")
+    x = torch.ones(3, device="remote_accelerator")
+    (x * 2).sum().item()          # 6.0, one round trip
+    genie.disconnect()
 """
 
 from __future__ import annotations
