@@ -21,7 +21,7 @@ from . import plan_cache
 from .config import config
 from .errors import DeviceError
 from .graph import Node
-from .planner import Tape
+from .planner import PendingSlots, Tape
 from .stats import bump
 
 _real_devices: dict[int, torch.device] = {}
@@ -87,11 +87,16 @@ def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
 
 def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
     """Mark the run's nodes executed, keep needed values, release inputs (graph truncation)."""
-    for n in tape.nodes:
+    pending = tape._slots
+    lazy = pending.outs if type(pending) is PendingSlots else None  # node i's slots, in order
+    for i, n in enumerate(tape.nodes):
         vals: list[torch.Tensor | None] = []
-        for k in range(len(n.metas)):
-            s = tape.slots.get((n.index, k))
-            vals.append(kept.get(s) if s is not None else None)
+        if lazy is not None:
+            vals = [kept.get(s) if s is not None else None for s in lazy[i]]
+        else:
+            for k in range(len(n.metas)):
+                s = tape.slots.get((n.index, k))
+                vals.append(kept.get(s) if s is not None else None)
         n.values = vals
         n.executed = True
         n.leaves = None

@@ -24,8 +24,10 @@ argument references of the targets and of later nodes, and checks every referenc
 must point at the pending node of that position, in record order; inputs at executed nodes with
 kept values), so the nodes it finds are exactly the slice. Nodes are compared by their interned
 meta-cache entry (``Node.entry``; identity stands for op, argument tree, input metadata and
-non-float constants), leaf by leaf where it differs. It handles slices without writes and with no
-pending write before a read; anything else (or no match) slices with
+non-float constants), leaf by leaf where it differs; the common case is checked column by column
+with ``map`` (a Python loop only over the in-plan references, to find the nodes), the rest node
+by node; the tape's ``slots`` are built only when read. It handles slices without writes and with
+no pending write before a read; anything else (or no match) slices with
 :func:`~genie.planner.slice_nodes` and uses :func:`instantiate`: plans there are bucketed by a
 cheap prefix (node count, first/last op, requested outputs) and matched by full structural
 comparison, which is cheaper than hashing the structure every step.
@@ -51,12 +53,15 @@ import json
 import math
 import os
 from collections import OrderedDict
+from itertools import islice, repeat
+from operator import attrgetter, call, eq, getitem, is_, itemgetter, lt
 from typing import Any
 
 import torch
 
 from .graph import Node, Ref, TensorMeta
-from .planner import Instr, MetaArg, Slot, Tape, build_tape, held_after, slice_nodes
+from .planner import (Instr, MetaArg, PendingSlots, Slot, Tape, build_tape, held_after,
+                      slice_nodes)
 from .stats import _counts
 
 UPLOAD = "genie.upload"
@@ -101,7 +106,7 @@ class Plan:
 
     __slots__ = ("instrs", "metas", "specs", "wheres", "inputs", "outputs", "keep", "floats",
                  "index", "artifacts", "uses", "_key", "entries", "guide", "produced", "fast",
-                 "prefix", "guide_key")
+                 "prefix", "guide_key", "flat")
 
     def __init__(self, tape: Tape, nodes: list[Node]) -> None:
         self.metas = [n.metas for n in nodes]
@@ -136,6 +141,7 @@ class Plan:
         many argument references to the node come from inside the slice. ``produced``: slot ->
         ``(instruction, output)``. ``fast``: no node of the slice writes (the match only handles
         slices that are pure data closures; the others go through :func:`instantiate`).
+        ``flat``: the same as columns (:func:`_flatten`) for :func:`match`'s common case.
         """
         self.entries = [n.entry if n.entry is not None else _NO_ENTRY for n in nodes]
         pos = {n.index: i for i, n in enumerate(nodes)}
@@ -164,6 +170,7 @@ class Plan:
         self.guide = [(*g, c) for g, c in zip(guide, nref, strict=True)]
         self.produced = produced
         self.fast = all(not n.writes for n in nodes)
+        self.flat = _flatten(self)
 
     @property
     def key(self) -> str:
@@ -314,8 +321,151 @@ def _target_key(targets: list[tuple[Node, int]]) -> tuple[Any, ...]:
     return tuple((_opname(n.op), out) for n, out in targets)
 
 
+_index, _entry, _rng, _leaves, _node, _out, _storages, _pending, _outputs, _consumers = (
+    attrgetter(a) for a in ("index", "entry", "rng", "leaves", "node", "out", "storages",
+                            "pending_writes", "outputs", "consumers"))
+# compared with (False, (), the plan's op, the plan's where): items by identity, then ==
+_state = attrgetter("executed", "writes", "op", "where")
+
+
+def _flatten(plan: Plan) -> tuple[Any, ...]:
+    """``guide`` as flat columns, so that :func:`match` checks the common case with C-level
+    ``map`` calls instead of a Python loop per node: in-plan references ``(i, p, j, k)``
+    (consumer, leaf, producer, output; consumers from the last instruction back), input
+    references ``(i, p, slot)``, float leaves ``(i, p, value)``, whether any host tensor leaf
+    exists, outputs that must not be held ``(i, k, nref)``, outputs that must be held
+    ``(i, k)``, the instructions no in-plan reference comes from, ops, output slots."""
+    ei, ep, ej, ek, inrefs, fi, fp, fv, hi, hk, hn, other = ([] for _ in range(12))
+    ei_, ep_, ej_, ek_, hi_, hk_, hn_ = ei.append, ep.append, ej.append, ek.append, hi.append, \
+        hk.append, hn.append
+    hosts = False
+    instrs = plan.instrs
+    i = len(instrs)
+    for refs, params, outs, nref in reversed(plan.guide):
+        i -= 1
+        for p, j, k, y in refs:
+            if j >= 0:
+                ei_(i), ep_(p), ej_(j), ek_(k)
+            else:
+                inrefs.append((i, p, y))
+        if params:
+            tl = instrs[i].leaves
+            for p in params:
+                if type(tl[p]) is float:
+                    fi.append(i), fp.append(p), fv.append(tl[p])
+                else:
+                    hosts = True
+        for k, s, held in outs:
+            if held is False:
+                hi_(i), hk_(k), hn_(nref)
+            elif held is True:
+                other.append((i, k))
+    roots = sorted(set(range(len(plan.instrs))) - set(ei))
+    ii, ip, iy = ([x[c] for x in inrefs] for c in range(3))
+    return (ei, ep, ej, ek, (ii, ip, iy), fi, fp, fv, hosts, hi, hk, hn, other, roots,
+            [t.op for t in plan.instrs], [t.outs for t in plan.instrs])
+
+
 def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
     """``instantiate(plan, targets, slice_nodes(targets))`` without slicing, or None.
+
+    The common case (every requested value is produced by the plan, every node's meta-cache
+    entry and op are the plan's, float arguments have the plan's values, no host tensors, no
+    pending write on any storage the slice reads, every value the plan keeps held by a live
+    tensor and no other one) is checked column by column (``Plan.flat``): one Python loop
+    finds the nodes through the plan's in-plan references, then the conditions of
+    :func:`_match_slow` are checked with ``map`` over the found nodes. Anything else is decided
+    by :func:`_match_slow`, which gives the same answer in every case. The tape's ``slots`` are
+    built when first read (:class:`~genie.planner.PendingSlots`).
+    """
+    from .lazy_tensor import Alive
+
+    want_out = plan.outputs
+    if not plan.fast or len(targets) != len(want_out):
+        return None
+    ei, ep, ej, ek, (ii, ip, iy), fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs = \
+        plan.flat
+    if hosts:
+        return _match_slow(plan, targets)
+    tmpl = plan.instrs
+    nn = len(tmpl)
+    found: list[Any] = [None] * nn
+    produced = plan.produced
+    for (node, out), want in zip(targets, want_out, strict=True):
+        p = produced.get(want)
+        if p is None or out != p[1] or found[p[0]] is not None:
+            return _match_slow(plan, targets)
+        found[p[0]] = node
+    try:
+        for i, p, j in zip(ei, ep, ej):
+            found[j] = found[i].leaves[p].node
+    except (AttributeError, TypeError, IndexError):
+        return _match_slow(plan, targets)
+    get = found.__getitem__
+    if any(map(is_, map(get, roots), repeat(None))):
+        return None  # an instruction no reference reaches: not this plan's slice
+    for (node, _), want in zip(targets, want_out, strict=True):
+        if found[produced[want][0]] is not node:  # the walk rebinds: every reference agrees
+            return _match_slow(plan, targets)
+    xs = list(map(getitem, map(_leaves, map(get, ei)), ep))
+    xnodes = list(map(_node, xs))
+    idx = list(map(_index, found))
+    if list(map(type, xs)).count(Ref) != len(xs) or xnodes != list(map(get, ej)) \
+            or list(map(_out, xs)) != ek or not all(map(lt, idx, islice(idx, 1, None))) \
+            or not all(map(is_, map(_entry, found), plan.entries)) \
+            or not all(map(eq, map(_state, found), zip(repeat(False), repeat(()), ops,
+                                                       plan.wheres))) \
+            or any(map(_pending, map(getitem, map(_storages, xnodes), ek))) \
+            or any(map(_pending, map(getitem, map(_storages, map(itemgetter(0), targets)),
+                                     map(itemgetter(1), targets)))) \
+            or list(map(len, map(_consumers, map(get, hi)))) != hn:
+        return _match_slow(plan, targets)
+    fx = list(map(getitem, map(_leaves, map(get, fi)), fp))  # float arguments: the plan's values
+    if not all(map(is_, fx, fv)) and not all(map(_same_const, fx, fv)):
+        return _match_slow(plan, targets)  # a float that changed: rebuilt there
+    # outputs that must not be held: no live tensor refers to them (weak references)
+    if not all(map(is_, map(call, filter(None, map(getitem, map(_outputs, map(get, hi)), hk))),
+                   repeat(None))):
+        return _match_slow(plan, targets)
+    for i, k in other:
+        r = found[i].outputs[k]
+        if r is None or type(r()) is not Alive:
+            return _match_slow(plan, targets)
+    pin = plan.inputs
+    islots: dict[tuple[int, int], int] = {}
+    inputs: dict[int, torch.Tensor] = {}
+    if ii:  # input references: bound once per distinct value, in the order met
+        xs = list(map(getitem, map(_leaves, map(get, ii)), ip))
+        if list(map(type, xs)).count(Ref) != len(xs):
+            return _match_slow(plan, targets)
+        xnodes = list(map(_node, xs))
+        xouts = list(map(_out, xs))
+        if any(map(_pending, map(getitem, map(_storages, xnodes), xouts))):
+            return _match_slow(plan, targets)
+        keys = list(zip(map(_index, xnodes), xouts))
+        want = dict(zip(keys, iy))
+        if list(map(want.__getitem__, keys)) != iy:  # one value read as two inputs
+            return _match_slow(plan, targets)
+        by_key = dict(zip(keys, xnodes))
+        for key, y in want.items():
+            if not _bind_input(by_key[key], key[1], y, pin, islots, inputs):
+                return _match_slow(plan, targets)
+    if len(inputs) != len(pin):
+        return None
+    instrs = list(tmpl)
+    rngs = list(map(_rng, found))
+    if rngs.count(None) != nn:  # random ops: this step's (seed, offset)
+        for i, rng in enumerate(rngs):
+            if rng is not None:
+                n, t = found[i], tmpl[i]
+                instrs[i] = Instr(n.op, list(t.leaves), t.spec, t.outs, rng, t.free, n.uid,
+                                  n.where, t.device)
+    return Tape(instrs, inputs, list(want_out), set(plan.keep), found, PendingSlots(outs, islots),
+                plan.index, plan)
+
+
+def _match_slow(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
+    """:func:`match`, node by node (every case; :func:`match` checks the common one faster).
 
     Walks the plan backwards from its outputs: instruction ``i``'s node is the one the targets
     or a later instruction's arguments point at (``guide``), so the slice is found and checked in

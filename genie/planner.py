@@ -66,9 +66,36 @@ class Tape:
     outputs: list[int]
     keep: set[int]
     nodes: list[Node] = field(repr=False)
-    slots: dict[tuple[int, int], int] = field(repr=False)  # (node index, out) -> slot
+    # (node index, out) -> slot, or PendingSlots until :attr:`slots` is first read
+    _slots: dict[tuple[int, int], int] | PendingSlots = field(repr=False)
     index: int = 0  # the remote_accelerator index of the requested values
     plan: Any = field(default=None, repr=False)  # genie.plan_cache.Plan this tape instantiates
+
+    @property
+    def slots(self) -> dict[tuple[int, int], int]:
+        """``(node index, out) -> slot`` for every value of the run (its nodes' and inputs')."""
+        s = self._slots
+        if type(s) is PendingSlots:
+            s = self._slots = s.build(self.nodes)
+        return s
+
+
+@dataclass(frozen=True, slots=True)
+class PendingSlots:
+    """:attr:`Tape.slots` not built yet (a plan-cache hit builds it only when read).
+
+    ``outs[i]`` is the output slots of ``Tape.nodes[i]`` (as :attr:`Instr.outs`; shared with
+    the plan, never mutated); ``inputs`` maps ``(node index, out)`` of the input values to slots.
+    """
+
+    outs: list[tuple[int | None, ...]]
+    inputs: dict[tuple[int, int], int]
+
+    def build(self, nodes: list[Node]) -> dict[tuple[int, int], int]:
+        d = {(n.index, k): s for n, outs in zip(nodes, self.outs, strict=True)
+             for k, s in enumerate(outs) if s is not None}
+        d.update(self.inputs)
+        return d
 
 
 def slice_nodes(targets: list[tuple[Node, int]]) -> list[Node]:

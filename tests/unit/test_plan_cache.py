@@ -218,3 +218,33 @@ def test_match_builds_the_tape_instantiate_builds():
             {s: v.tolist() for s, v in slow.inputs.items()}
         assert fast.keep == slow.keep
         genie.materialize(z)
+
+
+def test_column_match_agrees_with_node_by_node_match(monkeypatch):
+    a = torch.randn(4, device=D)
+    genie.materialize(a)
+    for step in range(3):
+        y = (a * 0.5 + 1.0).relu()
+        held = y * 2  # a live tensor holds it: kept
+        z = held - a + torch.randn(4, device=D)  # an input read twice; a random op
+        targets = [(z._node, z._out)]
+        nodes = plan_cache.slice_nodes(targets)
+        if step == 0:
+            plan_cache.plan(targets)
+            continue
+        plan = plan_cache.cache().plans()[-1]
+        slow = plan_cache._match_slow(plan, targets)
+        with monkeypatch.context() as m:  # the common case never goes node by node
+            m.setattr(plan_cache, "_match_slow", lambda *a: pytest.fail("not the column path"))
+            fast = plan_cache.match(plan, targets)
+        ref = plan_cache.instantiate(plan, targets, nodes)
+        for other in (slow, ref):
+            assert fast is not None and other is not None
+            assert _instr_view(fast) == _instr_view(other)
+            assert fast.slots == other.slots and fast.outputs == other.outputs
+            assert [n.index for n in fast.nodes] == [n.index for n in other.nodes]
+            assert fast.inputs.keys() == other.inputs.keys() and fast.keep == other.keep
+        if step < 2:
+            genie.materialize(z)
+    del held
+    assert plan_cache.match(plan, targets) is None  # a kept value no longer held: not this plan
