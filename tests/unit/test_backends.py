@@ -131,14 +131,14 @@ def _train(model, opt, x, y, loss_fn, dev):
     return loss
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_compiled_training_steps_equal_eager(name, use_compiled):
+def _training_steps_equal_eager(name: str, steps: int, **sgd) -> None:
+    """``steps`` SGD steps of MODELS[name] on the device and eagerly: losses and state equal."""
     make, data, loss_fn, target = MODELS[name]
     ref = make()
     dev_model = copy.deepcopy(ref).to(D)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    opt = torch.optim.SGD(dev_model.parameters(), lr=0.05, momentum=0.9)
-    for step in range(5):
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, **sgd)
+    opt = torch.optim.SGD(dev_model.parameters(), lr=0.05, **sgd)
+    for step in range(steps):
         torch.manual_seed(100 + step)
         x, y = data(), target()
         want = _train(ref, ref_opt, x, y, loss_fn, "cpu")
@@ -148,6 +148,11 @@ def test_compiled_training_steps_equal_eager(name, use_compiled):
     for (n, p), q in zip(ref.state_dict().items(), dev_model.state_dict().values(),
                            strict=True):
         torch.testing.assert_close(q.cpu(), p, rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_compiled_training_steps_equal_eager(name, use_compiled):
+    _training_steps_equal_eager(name, 5, momentum=0.9)
     s = genie.stats()
     print(name, {k: v for k, v in s.items() if "compiled" in k or "plan" in k})
     # The first steps differ (parameter uploads, momentum buffers); from the third on, the plan
@@ -279,21 +284,7 @@ def test_the_fx_graph_has_placeholders_for_values_that_change(use_compiled):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_inductor_training_steps_equal_eager(name, use_compiled):
     compiled.set_compiler("inductor")
-    make, data, loss_fn, target = MODELS[name]
-    ref = make()
-    dev_model = copy.deepcopy(ref).to(D)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    opt = torch.optim.SGD(dev_model.parameters(), lr=0.05)
-    for step in range(3):
-        torch.manual_seed(100 + step)
-        x, y = data(), target()
-        want = _train(ref, ref_opt, x, y, loss_fn, "cpu")
-        got = _train(dev_model, opt, x, y, loss_fn, D)
-        genie.materialize(got, *dev_model.parameters(), *dev_model.buffers())
-        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
-    for (n, p), q in zip(ref.state_dict().items(), dev_model.state_dict().values(),
-                           strict=True):
-        torch.testing.assert_close(q.cpu(), p, rtol=1e-4, atol=1e-5, msg=n)
+    _training_steps_equal_eager(name, 3)
 
 
 @pytest.mark.slow
