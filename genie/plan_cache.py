@@ -464,6 +464,15 @@ def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
                 plan.index, plan)
 
 
+def _claim(found: list[Node | None], j: int, node: Node) -> bool:
+    """Bind plan position ``j`` to ``node``; False if it is already bound to another node."""
+    cur = found[j]
+    if cur is None:
+        found[j] = node
+        return True
+    return cur is node
+
+
 def _match_slow(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
     """:func:`match`, node by node (every case; :func:`match` checks the common one faster).
 
@@ -496,12 +505,7 @@ def _match_slow(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
         p = produced.get(want)
         if p is not None:
             j, k = p
-            if out != k or node.executed:
-                return None
-            cur = found[j]
-            if cur is None:
-                found[j] = node
-            elif cur is not node:
+            if out != k or node.executed or not _claim(found, j, node):
                 return None
         elif not _bind_input(node, out, want, pin, slots, inputs):
             return None
@@ -537,12 +541,7 @@ def _match_slow(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
             if pw and pw[0].index < idx:  # a write before this read: the slice would hold it
                 return None
             if j >= 0:
-                if xo != k:
-                    return None
-                cur = found[j]
-                if cur is None:
-                    found[j] = xn
-                elif cur is not xn:
+                if xo != k or not _claim(found, j, xn):
                     return None
             elif not _bind_input(xn, xo, y, pin, slots, inputs):
                 return None

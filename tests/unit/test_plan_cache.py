@@ -195,6 +195,15 @@ def test_same_op_sequence_other_wiring_or_constant_is_a_miss(other):
     assert first != got
 
 
+def _assert_same_tape(a, b) -> None:
+    """Two tapes for the same slice: same instructions, wiring, nodes, inputs and kept slots."""
+    assert a is not None and b is not None
+    assert _instr_view(a) == _instr_view(b)
+    assert a.slots == b.slots and a.outputs == b.outputs
+    assert [n.index for n in a.nodes] == [n.index for n in b.nodes]
+    assert a.inputs.keys() == b.inputs.keys() and a.keep == b.keep
+
+
 def test_match_builds_the_tape_instantiate_builds():
     a = torch.randn(4, device=D)
     genie.materialize(a)
@@ -210,13 +219,10 @@ def test_match_builds_the_tape_instantiate_builds():
         plan = plan_cache.cache().plans()[-1]
         fast = plan_cache.match(plan, targets)
         slow = plan_cache.instantiate(plan, targets, nodes)
-        assert fast is not None and slow is not None
-        assert _instr_view(fast) == _instr_view(slow)
-        assert fast.slots == slow.slots and fast.outputs == slow.outputs
+        _assert_same_tape(fast, slow)
         assert [n.index for n in fast.nodes] == [n.index for n in nodes]
         assert {s: v.tolist() for s, v in fast.inputs.items()} == \
             {s: v.tolist() for s, v in slow.inputs.items()}
-        assert fast.keep == slow.keep
         genie.materialize(z)
 
 
@@ -239,11 +245,7 @@ def test_column_match_agrees_with_node_by_node_match(monkeypatch):
             fast = plan_cache.match(plan, targets)
         ref = plan_cache.instantiate(plan, targets, nodes)
         for other in (slow, ref):
-            assert fast is not None and other is not None
-            assert _instr_view(fast) == _instr_view(other)
-            assert fast.slots == other.slots and fast.outputs == other.outputs
-            assert [n.index for n in fast.nodes] == [n.index for n in other.nodes]
-            assert fast.inputs.keys() == other.inputs.keys() and fast.keep == other.keep
+            _assert_same_tape(fast, other)
         if step < 2:
             genie.materialize(z)
     del held
