@@ -81,11 +81,7 @@ class LazyTensor(torch.Tensor):
             torch._C._set_neg(r, meta.neg)
         r._node = node
         r._out = out
-        if node.graph.keep_nodes:
-            node.outputs[out] = weakref.ref(r)
-        else:
-            a = r._alive = Alive()
-            node.outputs[out] = weakref.ref(a)
+        track(r, node, out)
         return r
 
     # nn.Module.to() swaps the converted value into the existing Parameter object
