@@ -1,12 +1,9 @@
-"""Genie's settings, read from ``GENIE_*`` environment variables once at import.
+"""Genie's in-process settings, read from ``GENIE_*`` environment variables once at import.
 
-| variable | meaning | default |
-|---|---|---|
-| ``GENIE_DEVICE`` | real device that ``remote_accelerator:N`` runs on in process: ``cpu``, ``cuda`` (index N), or ``cuda:K`` (all indices on K) | ``cuda`` if available, else ``cpu`` |
-| ``GENIE_DEVICE_COUNT`` | how many ``remote_accelerator`` indices exist | number of CUDA devices, at least 1 |
-| ``GENIE_META_CACHE`` | ``0`` disables the meta-inference cache (for debugging) | ``1`` |
-| ``GENIE_RECORD_SOURCE`` | ``1`` records the user's source line on every node (slower; used in error messages) | ``0`` |
-| ``GENIE_DEBUG`` | logging level for the ``genie`` logger: ``0`` warnings, ``1`` info, ``2`` debug | ``0`` |
+``GENIE_DEVICE``, ``GENIE_DEVICE_COUNT``, ``GENIE_META_CACHE``, ``GENIE_RECORD_SOURCE`` and
+``GENIE_DEBUG`` live here; the engine and remote modules read their own (``GENIE_BACKENDS``,
+``GENIE_PLAN_CACHE``, ``GENIE_COMPILER``, ``GENIE_SERVER``, ...). docs/env.md is the one table of
+all of them, with meanings and defaults.
 """
 
 from __future__ import annotations
