@@ -20,7 +20,7 @@ import torch
 from . import plan_cache
 from .config import config
 from .errors import DeviceError
-from .graph import Node
+from .graph import Node, pending_total
 from .planner import PendingSlots, Tape
 from .stats import bump
 
@@ -104,6 +104,7 @@ def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
         for s in n.writes:
             if n in s.pending_writes:
                 s.pending_writes.remove(n)
+                pending_total[0] -= 1
         for s in n.storages:
             if s is not None and s.readers:
                 s.readers = [r for r in s.readers if (r() is not None and not r().executed)]

@@ -68,6 +68,12 @@ class Ref:
         return f"Ref({self.node.uid}, {self.out})"
 
 
+# Pending-write entries over all storages: an upper bound of the true count, never below it (a
+# storage that dies with pending writes leaves it high). While it is 0 no storage has a pending
+# write, and the plan cache skips checking the storages a slice reads (genie.plan_cache.match).
+pending_total = [0]
+
+
 class Storage:
     """Identity of one lazy storage, shared by a base value and all views of it.
 

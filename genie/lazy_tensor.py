@@ -27,7 +27,7 @@ import torch
 
 from .config import config
 from .errors import UnsupportedOpError
-from .graph import DEFAULT_GRAPH, Graph, Node, Ref, Storage, TensorMeta
+from .graph import DEFAULT_GRAPH, Graph, Node, Ref, Storage, TensorMeta, pending_total
 from .meta import meta_cache, meta_tensor, policy
 from .planner import MetaArg
 from .stats import _counts, bump
@@ -425,8 +425,10 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             if not xn.executed:  # consumers only decide what a run of xn keeps
                 xn.consumers.append(wref)
             xn.storages[x.out].add_reader(wref)
-    for s in writes:
-        s.pending_writes.append(node)
+    if writes:
+        for s in writes:
+            s.pending_writes.append(node)
+        pending_total[0] += len(writes)
     for k in fresh:
         results[k] = LazyTensor(node, k, metas[k])
     if len(results) == 1 and plan_single(out_spec):

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from .graph import Node, Ref, TensorMeta
+from .graph import Node, Ref, TensorMeta, pending_total
 from .planner import (Instr, MetaArg, PendingSlots, Slot, Tape, build_tape, held_after,
                       slice_nodes)
 from .stats import _counts
@@ -106,12 +106,13 @@ class Plan:
 
     __slots__ = ("instrs", "metas", "specs", "wheres", "inputs", "outputs", "keep", "floats",
                  "index", "artifacts", "uses", "_key", "entries", "guide", "produced", "fast",
-                 "prefix", "guide_key", "flat")
+                 "prefix", "guide_key", "flat", "no_where")
 
     def __init__(self, tape: Tape, nodes: list[Node]) -> None:
         self.metas = [n.metas for n in nodes]
         self.specs = [n.spec for n in nodes]
         self.wheres = [n.where for n in nodes]
+        self.no_where = all(w is None for w in self.wheres)
         self.instrs: list[Instr] = []
         for ins in tape.instrs:
             if any(isinstance(x, torch.Tensor) for x in ins.leaves):  # values are not kept
@@ -321,18 +322,17 @@ def _target_key(targets: list[tuple[Node, int]]) -> tuple[Any, ...]:
     return tuple((_opname(n.op), out) for n, out in targets)
 
 
-_index, _entry, _rng, _leaves, _node, _out, _storages, _pending, _outputs, _consumers = (
+(_index, _entry, _rng, _leaves, _node, _out, _storages, _pending, _outputs, _consumers,
+ _executed, _where) = (
     attrgetter(a) for a in ("index", "entry", "rng", "leaves", "node", "out", "storages",
-                            "pending_writes", "outputs", "consumers"))
-# compared with (False, (), the plan's op, the plan's where): items by identity, then ==
-_state = attrgetter("executed", "writes", "op", "where")
+                            "pending_writes", "outputs", "consumers", "executed", "where"))
 
 
 def _flatten(plan: Plan) -> tuple[Any, ...]:
     """``guide`` as flat columns, so that :func:`match` checks the common case with C-level
     ``map`` calls instead of a Python loop per node: in-plan references ``(i, p, j, k)``
     (consumer, leaf, producer, output; consumers from the last instruction back), input
-    references ``(i, p, slot)``, float leaves ``(i, p, value)``, whether any host tensor leaf
+    references grouped by slot ``(slot, [i], [p])`` (in the order met), float leaves ``(i, p, value)``, whether any host tensor leaf
     exists, outputs that must not be held ``(i, k, nref)``, outputs that must be held
     ``(i, k)``, the instructions no in-plan reference comes from, ops, output slots."""
     ei, ep, ej, ek, inrefs, fi, fp, fv, hi, hk, hn, other = ([] for _ in range(12))
@@ -361,8 +361,13 @@ def _flatten(plan: Plan) -> tuple[Any, ...]:
             elif held is True:
                 other.append((i, k))
     roots = sorted(set(range(len(plan.instrs))) - set(ei))
-    ii, ip, iy = ([x[c] for x in inrefs] for c in range(3))
-    return (ei, ep, ej, ek, (ii, ip, iy), fi, fp, fv, hosts, hi, hk, hn, other, roots,
+    by_slot: dict[int, tuple[list[int], list[int]]] = {}
+    for i, p, y in inrefs:  # in the order met (the slow path binds inputs in that order too)
+        gi, gp = by_slot.setdefault(y, ([], []))
+        gi.append(i)
+        gp.append(p)
+    ingroups = [(y, gi, gp) for y, (gi, gp) in by_slot.items()]
+    return (ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots,
             [t.op for t in plan.instrs], [t.outs for t in plan.instrs])
 
 
@@ -383,7 +388,7 @@ def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
     want_out = plan.outputs
     if not plan.fast or len(targets) != len(want_out):
         return None
-    ei, ep, ej, ek, (ii, ip, iy), fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs = \
+    ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs = \
         plan.flat
     if hosts:
         return _match_slow(plan, targets)
@@ -396,9 +401,13 @@ def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
         if p is None or out != p[1] or found[p[0]] is not None:
             return _match_slow(plan, targets)
         found[p[0]] = node
+    xs: list[Any] = []  # the in-plan argument references, as the walk meets them
+    add = xs.append
     try:
         for i, p, j in zip(ei, ep, ej):
-            found[j] = found[i].leaves[p].node
+            x = found[i].leaves[p]
+            add(x)
+            found[j] = x.node
     except (AttributeError, TypeError, IndexError):
         return _match_slow(plan, targets)
     get = found.__getitem__
@@ -407,22 +416,27 @@ def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
     for (node, _), want in zip(targets, want_out, strict=True):
         if found[produced[want][0]] is not node:  # the walk rebinds: every reference agrees
             return _match_slow(plan, targets)
-    xs = list(map(getitem, map(_leaves, map(get, ei)), ep))
+    # The plan's interned meta-cache entries, by identity: op, argument tree (so which leaves are
+    # Refs, and that no node writes: the plan's nodes do not), input metadata, int/bool/str
+    # constants. Checked first: the passes below read leaves as Refs.
+    if not all(map(is_, map(_entry, found), plan.entries)) or any(map(_executed, found)):
+        return _match_slow(plan, targets)
     xnodes = list(map(_node, xs))
     idx = list(map(_index, found))
-    if list(map(type, xs)).count(Ref) != len(xs) or xnodes != list(map(get, ej)) \
-            or list(map(_out, xs)) != ek or not all(map(lt, idx, islice(idx, 1, None))) \
-            or not all(map(is_, map(_entry, found), plan.entries)) \
-            or not all(map(eq, map(_state, found), zip(repeat(False), repeat(()), ops,
-                                                       plan.wheres))) \
-            or any(map(_pending, map(getitem, map(_storages, xnodes), ek))) \
-            or any(map(_pending, map(getitem, map(_storages, map(itemgetter(0), targets)),
-                                     map(itemgetter(1), targets)))) \
+    if xnodes != list(map(get, ej)) or list(map(_out, xs)) != ek \
+            or not all(map(lt, idx, islice(idx, 1, None))) \
+            or (any(map(_where, found)) if plan.no_where
+                else list(map(_where, found)) != plan.wheres) \
+            or (pending_total[0] and (
+                any(map(_pending, map(getitem, map(_storages, xnodes), ek)))
+                or any(map(_pending, map(getitem, map(_storages, map(itemgetter(0), targets)),
+                                         map(itemgetter(1), targets)))))) \
             or list(map(len, map(_consumers, map(get, hi)))) != hn:
         return _match_slow(plan, targets)
-    fx = list(map(getitem, map(_leaves, map(get, fi)), fp))  # float arguments: the plan's values
-    if not all(map(is_, fx, fv)) and not all(map(_same_const, fx, fv)):
-        return _match_slow(plan, targets)  # a float that changed: rebuilt there
+    if fi:  # float arguments: the plan's values (a float that changed is rebuilt by the slow path)
+        fx = list(map(getitem, map(_leaves, map(get, fi)), fp))
+        if not all(map(is_, fx, fv)) and not all(map(_same_const, fx, fv)):
+            return _match_slow(plan, targets)
     # outputs that must not be held: no live tensor refers to them (weak references)
     if not all(map(is_, map(call, filter(None, map(getitem, map(_outputs, map(get, hi)), hk))),
                    repeat(None))):
@@ -434,22 +448,17 @@ def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
     pin = plan.inputs
     islots: dict[tuple[int, int], int] = {}
     inputs: dict[int, torch.Tensor] = {}
-    if ii:  # input references: bound once per distinct value, in the order met
-        xs = list(map(getitem, map(_leaves, map(get, ii)), ip))
-        if list(map(type, xs)).count(Ref) != len(xs):
+    for y, gi, gp in ingroups:  # input references, by plan slot: one value each
+        xs = list(map(getitem, map(_leaves, map(get, gi)), gp))
+        x = xs[0]
+        xn, xo = x.node, x.out
+        if len(xs) > 1 and (list(map(_node, xs)).count(xn) != len(xs)
+                            or list(map(_out, xs)).count(xo) != len(xs)):
             return _match_slow(plan, targets)
-        xnodes = list(map(_node, xs))
-        xouts = list(map(_out, xs))
-        if any(map(_pending, map(getitem, map(_storages, xnodes), xouts))):
+        if pending_total[0] and xn.storages[xo].pending_writes:
             return _match_slow(plan, targets)
-        keys = list(zip(map(_index, xnodes), xouts))
-        want = dict(zip(keys, iy))
-        if list(map(want.__getitem__, keys)) != iy:  # one value read as two inputs
+        if not _bind_input(xn, xo, y, pin, islots, inputs):  # also: one value, two slots
             return _match_slow(plan, targets)
-        by_key = dict(zip(keys, xnodes))
-        for key, y in want.items():
-            if not _bind_input(by_key[key], key[1], y, pin, islots, inputs):
-                return _match_slow(plan, targets)
     if len(inputs) != len(pin):
         return None
     instrs = list(tmpl)

@@ -24,8 +24,12 @@ warning per reason):
   eager generator, which a compiled RNG does not reproduce;
 - tapes whose instructions run on more than one device;
 - ops whose outputs are nested containers;
-- a float that changes from step to step in a non-Tensor argument (Adam's ``addcdiv_`` value):
-  ``torch.compile`` specializes those and would recompile every step;
+- a float that changes from step to step in a non-Tensor argument of an op outside
+  :data:`_SCALAR_REWRITES`: ``torch.compile`` specializes those and would recompile every step.
+  The ops in that table (``addcdiv``/``addcmul``, ``add``/``sub`` with ``alpha``, ``mul``/``div``
+  by a Scalar, and their in-place forms: what optimizers use for per-step factors such as Adam's
+  ``addcdiv_(..., value=-lr / bias_correction)``) are lowered with the scalar in a Tensor-typed
+  argument, where it is a kernel argument, so an Adam loop compiles once;
 - plans whose compilation failed, disagreed with eager in the trial, or recompiled.
 
 Tapes with fewer than ``GENIE_COMPILE_MIN_INSTRS`` (default 3) compute instructions are not worth
@@ -184,6 +188,7 @@ def to_graph_module(tape: Tape, dev: torch.device,
     after the call, which keeps their aliasing exact and avoids asking ``torch.compile`` to
     regenerate views of mutated inputs.
     """
+    scalar_floats = _scalar_floats(tape, floats)
     g = torch.fx.Graph()
     env: dict[int, torch.fx.Node] = {}
     inputs = sorted(tape.inputs)
@@ -223,7 +228,10 @@ def to_graph_module(tape: Tape, dev: torch.device,
         if policy(ins.op).inplace_view:  # as eager: re-view a fresh alias (see eager.run_instr)
             leaves[0] = g.call_function(aten.alias.default, (leaves[0],))
         args, kwargs = optree.tree_unflatten(ins.spec, leaves)
-        node = g.call_function(ins.op, tuple(args), kwargs)
+        if any((i, j) in scalar_floats for j in range(len(ins.leaves))):
+            node = _SCALAR_REWRITES[ins.op](g, tuple(args), kwargs)
+        else:
+            node = g.call_function(ins.op, tuple(args), kwargs)
         kind = _out_kind(ins.op)
         pol = policy(ins.op)
         if kind == "one" and len(pol.returns) == 1 and pol.returns[0] is not None and \
@@ -262,18 +270,100 @@ def _compile(tape: Tape, dev: torch.device) -> Compiled:
     return art
 
 
-def _changing_scalar(tape: Tape, floats: set[tuple[int, int]]) -> str | None:
-    """A reason to refuse when a float that changes per step sits in a non-Tensor argument
-    (``addcdiv_(..., value=lr / bias_correction)``): torch.compile specializes those."""
-    for i, j in sorted(floats):
+def _scalar_floats(tape: Tape, floats: frozenset[tuple[int, int]] | set[tuple[int, int]]
+                   ) -> set[tuple[int, int]]:
+    """The changing floats (``(instr, leaf)``) that sit in non-Tensor arguments."""
+    out = set()
+    for i, j in floats:
         ins = tape.instrs[i]
         arg = _schema_arg(ins.op, ins.spec, j)
         if arg is None or not isinstance(arg.type, torch.TensorType):
-            name = arg.name if arg is not None else "?"
-            return (f"the float argument '{name}' of {ins.op} changes from step to step, and "
-                    "torch.compile specializes non-Tensor arguments (it would recompile every "
-                    "step)")
+            out.add((i, j))
+    return out
+
+
+def _changing_scalar(tape: Tape, floats: set[tuple[int, int]]) -> str | None:
+    """A reason to refuse when a float that changes per step sits in a non-Tensor argument of an
+    op that :data:`_SCALAR_REWRITES` cannot rewrite: torch.compile specializes those."""
+    for i, j in sorted(_scalar_floats(tape, floats)):
+        ins = tape.instrs[i]
+        if ins.op in _SCALAR_REWRITES:
+            continue
+        arg = _schema_arg(ins.op, ins.spec, j)
+        name = arg.name if arg is not None else "?"
+        return (f"the float argument '{name}' of {ins.op} changes from step to step, and "
+                "torch.compile specializes non-Tensor arguments (it would recompile every "
+                "step); ops whose scalars can be graph inputs: "
+                + ", ".join(sorted(str(op) for op in _SCALAR_REWRITES)))
     return None
+
+
+# --- changing Scalar arguments as graph inputs ----------------------------------------------
+#
+# torch.compile turns a float that reaches a Tensor-typed argument (``x * lr``) into a kernel
+# argument, but specializes (guards on, recompiles for) one in a Scalar argument
+# (``addcdiv_(..., value=-step_size)``). These ops are re-expressed with the scalar in a
+# Tensor-typed argument, in the order of operations of their CPU kernels
+# (aten/src/ATen/native/cpu/PointwiseOpsKernel.cpp, BinaryOpsKernel.cpp), so the values are
+# eager's up to how the compiler fuses them (checked by the trial run).
+
+def _kw(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str) -> Any:
+    return args[pos] if len(args) > pos else kwargs.get(name, 1)
+
+
+def _addc(combine: Any, inplace: bool) -> Any:
+    """``addcmul``/``addcdiv``: ``self + value * t1 (*|/) t2``."""
+    aten = torch.ops.aten
+
+    def rewrite(g: torch.fx.Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self_, t1, t2 = args[:3]
+        scaled = g.call_function(aten.mul.Tensor, (t1, _kw(args, kwargs, 3, "value")))
+        term = g.call_function(combine, (scaled, t2))
+        return g.call_function(aten.add_.Tensor if inplace else aten.add.Tensor, (self_, term))
+
+    return rewrite
+
+
+def _alpha(base: Any) -> Any:
+    """``add``/``sub`` with ``alpha``: ``self (+|-) alpha * other``."""
+    aten = torch.ops.aten
+
+    def rewrite(g: torch.fx.Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        scaled = g.call_function(aten.mul.Tensor, (args[1], _kw(args, kwargs, 2, "alpha")))
+        return g.call_function(base, (args[0], scaled))
+
+    return rewrite
+
+
+def _as_tensor_overload(op: Any) -> Any:
+    """``mul.Scalar(x, s)`` -> ``mul.Tensor(x, s)`` (a Python scalar there is a wrapped
+    number: the same type promotion)."""
+    def rewrite(g: torch.fx.Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return g.call_function(op, args, kwargs)
+
+    return rewrite
+
+
+def _scalar_rewrites() -> dict[Any, Any]:
+    aten = torch.ops.aten
+    table = {
+        aten.addcdiv.default: _addc(aten.div.Tensor, False),
+        aten.addcdiv_.default: _addc(aten.div.Tensor, True),
+        aten.addcmul.default: _addc(aten.mul.Tensor, False),
+        aten.addcmul_.default: _addc(aten.mul.Tensor, True),
+        aten.add.Tensor: _alpha(aten.add.Tensor),
+        aten.add_.Tensor: _alpha(aten.add_.Tensor),
+        aten.sub.Tensor: _alpha(aten.sub.Tensor),
+        aten.sub_.Tensor: _alpha(aten.sub_.Tensor),
+    }
+    for name in ("mul", "div"):
+        for suffix in ("", "_"):
+            packet = getattr(aten, name + suffix)
+            table[packet.Scalar] = _as_tensor_overload(packet.Tensor)
+    return table
+
+
+_SCALAR_REWRITES: dict[Any, Any] = _scalar_rewrites()
 
 
 def _schema_arg(op: Any, spec: Any, leaf: int) -> Any:
