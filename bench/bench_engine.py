@@ -6,7 +6,8 @@
   linear in the slice. With ``genie.plan_cache`` (when present): the 10k chain planned without
   the cache, on a miss (cache cleared) and on a hit (the same structure again; a loop's next step
   records new nodes of the same structure, which costs the same comparison pass).
-* Training step, steady state: an MLP (4 x Linear(256) + ReLU, batch 32, MSE loss) doing
+* Training step, steady state: an MLP (4 x Linear(256) + ReLU, batch 32, MSE loss; and 4 x
+  Linear(2048), batch 64, where execution rather than per-op overhead decides) doing
   ``zero_grad``, forward, ``backward``, ``optimizer.step()`` and ``loss.item()`` (the one
   materialization per step), with SGD (momentum 0.9) and AdamW, against eager PyTorch on the CPU.
   Optimizers use their default implementation on each device (what a user would get; here the
@@ -116,12 +117,12 @@ def test_plan_cache(benchmark, ratios, workloads) -> None:
 
 # --- steady-state training step -----------------------------------------------------------------
 
-def _make_step(variant: str, opt_name: str, workloads):
+def _make_step(variant: str, opt_name: str, workloads, width: int = 256, batch: int = 32):
     dev = torch.device("cpu") if variant == "eager" else torch.device(workloads.dev)
-    model = workloads.mlp().to(dev)
+    model = workloads.mlp(width).to(dev)
     torch.manual_seed(1)
-    x = torch.randn(32, 256).to(dev)
-    target = torch.randn(32, 256).to(dev)
+    x = torch.randn(batch, width).to(dev)
+    target = torch.randn(batch, width).to(dev)
     if opt_name == "SGD":
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     else:
@@ -155,17 +156,26 @@ def _with_backend(name: str | None, fn):
     return run
 
 
+# (width, batch): overhead-bound (per-op costs decide) and execution-bound (kernels and memory
+# traffic decide: AdamW's single-tensor loop reads and writes every parameter-sized tensor ~20
+# times per step in eager, once when compiled into one fused kernel per parameter).
+SIZES_STEP = [(256, 32), (2048, 64)]
+
+
+@pytest.mark.parametrize("width,batch", SIZES_STEP, ids=[f"{w}x{b}" for w, b in SIZES_STEP])
 @pytest.mark.parametrize("opt_name", ["SGD", "AdamW"])
-def test_train_step(benchmark, ratios, workloads, opt_name: str) -> None:
-    benchmark.group = f"train step: MLP 4 x Linear(256) + ReLU, batch 32, {opt_name} (round = all)"
+def test_train_step(benchmark, ratios, workloads, opt_name: str, width: int, batch: int) -> None:
+    benchmark.group = (f"train step: MLP 4 x Linear({width}) + ReLU, batch {batch}, {opt_name} "
+                       "(round = all)")
     extra = _extra_backends()
     names = ["eager", "genie"] + [f"genie[{b}]" for b in extra]
-    row = ratios.row(SUITE, f"train step ({opt_name}, MLP 4 x 256, batch 32)", unit="ms/step",
-                     scale=1e3, ratios=[(v, "eager") for v in names if v != "eager"])
+    row = ratios.row(SUITE, f"train step ({opt_name}, MLP 4 x {width}, batch {batch})",
+                     unit="ms/step", scale=1e3,
+                     ratios=[(v, "eager") for v in names if v != "eager"])
     variants = {}
     for v in names:
         backend = v[len("genie["):-1] if v.startswith("genie[") else None
-        variants[v] = _with_backend(backend, _make_step(v, opt_name, workloads))
+        variants[v] = _with_backend(backend, _make_step(v, opt_name, workloads, width, batch))
     for name in list(variants):  # warm: optimizer state, caches, compiled plans
         try:
             for _ in range(3):
@@ -183,7 +193,8 @@ def test_train_step(benchmark, ratios, workloads, opt_name: str) -> None:
     ops = after.get("ops_recorded", 0) - before.get("ops_recorded", 0)
     runs = after.get("materializations", 0) - before.get("materializations", 0)
     row.notes.append(f"genie: {ops} ops, {runs} materialization(s)/step")
-    workloads.interleave(benchmark, row, variants, rounds=15, inner=5)
+    big = width * width * batch > 2 ** 24
+    workloads.interleave(benchmark, row, variants, rounds=9 if big else 15, inner=1 if big else 5)
 
 
 # --- memory over a loop of steps (one fresh process per variant) ---------------------------------
