@@ -41,28 +41,6 @@ STEPS = int(os.environ.get("GENIE_BENCH_STEPS", "200"))
 SIZES = [1_000, 10_000] + ([100_000] if LARGE else [])
 
 
-def _extra_backends() -> list[str]:
-    try:
-        from genie.backends import registered_backends
-
-        names = list(registered_backends())
-    except Exception:  # no registry yet, or another API: only the default path
-        return []
-    out = []
-    for n in names:
-        if n == "eager":
-            continue
-        try:
-            from genie.backends import get_backend
-
-            if not get_backend(n).is_available():
-                continue
-        except Exception:
-            pass
-        out.append(n)
-    return out
-
-
 # --- planning -----------------------------------------------------------------------------------
 
 def test_plan(benchmark, ratios, workloads) -> None:
@@ -139,26 +117,9 @@ def _make_step(variant: str, opt_name: str, workloads, width: int = 256, batch: 
     return step
 
 
-def _with_backend(name: str | None, fn):
-    """``fn`` run with Genie's backend order set to ``[name, "eager"]`` (None: as configured)."""
-    if name is None:
-        return fn
-    from genie.backends import backend_order, set_backends
-
-    def run() -> object:
-        saved = backend_order()
-        set_backends([name, "eager"])
-        try:
-            return fn()
-        finally:
-            set_backends(saved)
-
-    return run
-
-
 # (width, batch): overhead-bound (per-op costs decide) and execution-bound (kernels and memory
-# traffic decide: AdamW's single-tensor loop reads and writes every parameter-sized tensor ~20
-# times per step in eager, once when compiled into one fused kernel per parameter).
+# traffic decide: eager's single-tensor AdamW runs 8 ops per parameter, ~20 parameter-sized
+# reads and writes; compiled, one fused kernel per parameter reads 4 and writes 3).
 SIZES_STEP = [(256, 32), (2048, 64)]
 
 
@@ -167,7 +128,7 @@ SIZES_STEP = [(256, 32), (2048, 64)]
 def test_train_step(benchmark, ratios, workloads, opt_name: str, width: int, batch: int) -> None:
     benchmark.group = (f"train step: MLP 4 x Linear({width}) + ReLU, batch {batch}, {opt_name} "
                        "(round = all)")
-    extra = _extra_backends()
+    extra = workloads.extra_backends()
     names = ["eager", "genie"] + [f"genie[{b}]" for b in extra]
     row = ratios.row(SUITE, f"train step ({opt_name}, MLP 4 x {width}, batch {batch})",
                      unit="ms/step", scale=1e3,
@@ -175,7 +136,7 @@ def test_train_step(benchmark, ratios, workloads, opt_name: str, width: int, bat
     variants = {}
     for v in names:
         backend = v[len("genie["):-1] if v.startswith("genie[") else None
-        variants[v] = _with_backend(backend, _make_step(v, opt_name, workloads, width, batch))
+        variants[v] = workloads.with_backend(backend, _make_step(v, opt_name, workloads, width, batch))
     for name in list(variants):  # warm: optimizer state, caches, compiled plans
         try:
             for _ in range(3):

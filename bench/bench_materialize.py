@@ -6,7 +6,8 @@
   overhead is a larger share of small ops;
 * a small transformer encoder forward (2 x ``TransformerEncoderLayer(256, 4 heads, ff 1024)``,
   8 x 64 tokens, eval, ``no_grad``): PyTorch takes its fused fast path, so on genie a layer is
-  one recorded op (``_transformer_encoder_layer_fwd``).
+  one recorded op (``_transformer_encoder_layer_fwd``); and the same model with the fast path
+  off (~25 ATen ops per layer), also on every other available Genie backend (``genie[compiled]``).
 
 genie: record the ops, then ``genie.materialize(y)`` (the value stays on the real device, as a
 program that keeps computing would have it; no copy to the host). ``torch._lazy``: the same ops,
@@ -121,3 +122,35 @@ def test_transformer_forward(benchmark, ratios, workloads) -> None:
         _ready(name, workloads, x, *model.parameters())
         variants[name] = _mlp_run(model, x, _finish(name, workloads))
     workloads.interleave(benchmark, row, variants, rounds=11)
+
+
+def test_transformer_forward_unfused(benchmark, ratios, workloads) -> None:
+    """The same encoder with PyTorch's fused fast path off (``set_fastpath_enabled(False)``):
+    ~25 ATen ops per layer, which the ``compiled`` backend compiles into one graph per plan."""
+    benchmark.group = "materialize: transformer encoder forward, unfused (round = every variant)"
+    extra = workloads.extra_backends()
+    names = ["eager", "genie"] + [f"genie[{b}]" for b in extra]
+    row = ratios.row(SUITE, "transformer encoder forward, fast path off (same model)",
+                     unit="ms/forward", scale=1e3,
+                     ratios=[(v, "eager") for v in names[1:]] + [("torch._lazy", "eager")])
+    torch.manual_seed(0)
+    x0 = torch.randn(8, 64, 256)
+    variants: dict[str, Callable[[], object]] = {}
+    devs = _devices(workloads, row)
+    for name in names + (["torch._lazy"] if "torch._lazy" in devs else []):
+        base = name.split("[")[0]
+        dev = devs[base]
+        model = _transformer().to(dev)
+        x = x0.to(dev)
+        _ready(base, workloads, x, *model.parameters())
+        run = _mlp_run(model, x, _finish(base, workloads))
+        variants[name] = workloads.with_backend(name[len("genie["):-1] if "[" in name else None,
+                                                run)
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        for fn in variants.values():  # compile outside the timing (a miss, then the trial run)
+            fn(), fn()
+        workloads.interleave(benchmark, row, variants, rounds=11)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)

@@ -253,9 +253,44 @@ def lazy_sync() -> None:
     torch._lazy.wait_device_ops()
 
 
+def extra_backends() -> list[str]:
+    """Genie backends besides ``eager`` that are registered and available here."""
+    try:
+        from genie.backends import get_backend, registered_backends
+    except Exception:  # no registry yet, or another API: only the default path
+        return []
+    out = []
+    for name in registered_backends():
+        try:
+            if name == "eager" or not get_backend(name).is_available():
+                continue
+        except Exception:
+            continue
+        out.append(name)
+    return out
+
+
+def with_backend(name: str | None, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with Genie's backend order set to ``[name, "eager"]`` (None: as configured)."""
+    if name is None:
+        return fn
+    from genie.backends import backend_order, set_backends
+
+    def run() -> object:
+        saved = backend_order()
+        set_backends([name, "eager"])
+        try:
+            return fn()
+        finally:
+            set_backends(saved)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def workloads() -> SimpleNamespace:
     """Shared workloads and ``torch._lazy`` helpers (pytest advises against importing conftest)."""
     return SimpleNamespace(dev=DEV, chain=elementwise_chain, mlp=make_mlp, interleave=interleave,
                            lazy_device=lazy_device, lazy_error=lazy_error,
-                           lazy_sync=lazy_sync)
+                           lazy_sync=lazy_sync, extra_backends=extra_backends,
+                           with_backend=with_backend)
