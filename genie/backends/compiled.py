@@ -287,13 +287,16 @@ def _changing_scalar(tape: Tape, floats: set[tuple[int, int]]) -> str | None:
     op that :data:`_SCALAR_REWRITES` cannot rewrite: torch.compile specializes those."""
     for i, j in sorted(_scalar_floats(tape, floats)):
         ins = tape.instrs[i]
-        if ins.op in _SCALAR_REWRITES:
-            continue
+        rewrite = _SCALAR_REWRITES.get(ins.op)
+        if rewrite is not None:
+            args, _ = optree.tree_unflatten(ins.spec, ins.leaves)
+            if all(type(a) is Slot for a in args[:rewrite.tensors]):
+                continue
         arg = _schema_arg(ins.op, ins.spec, j)
         name = arg.name if arg is not None else "?"
         return (f"the float argument '{name}' of {ins.op} changes from step to step, and "
                 "torch.compile specializes non-Tensor arguments (it would recompile every "
-                "step); ops whose scalars can be graph inputs: "
+                "step); ops whose scalars can be graph inputs (with Tensor operands): "
                 + ", ".join(sorted(str(op) for op in _SCALAR_REWRITES)))
     return None
 
@@ -311,40 +314,51 @@ def _kw(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str) -> A
     return args[pos] if len(args) > pos else kwargs.get(name, 1)
 
 
-def _addc(combine: Any, inplace: bool) -> Any:
+class _Rewrite:
+    """An fx emitter for one op; its first ``tensors`` arguments must be Tensors (lazy values)."""
+
+    def __init__(self, tensors: int, emit: Any) -> None:
+        self.tensors = tensors
+        self.emit = emit
+
+    def __call__(self, g: torch.fx.Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.emit(g, args, kwargs)
+
+
+def _addc(combine: Any, inplace: bool) -> _Rewrite:
     """``addcmul``/``addcdiv``: ``self + value * t1 (*|/) t2``."""
     aten = torch.ops.aten
 
-    def rewrite(g: torch.fx.Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def emit(g: torch.fx.Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self_, t1, t2 = args[:3]
         scaled = g.call_function(aten.mul.Tensor, (t1, _kw(args, kwargs, 3, "value")))
         term = g.call_function(combine, (scaled, t2))
         return g.call_function(aten.add_.Tensor if inplace else aten.add.Tensor, (self_, term))
 
-    return rewrite
+    return _Rewrite(3, emit)
 
 
-def _alpha(base: Any) -> Any:
+def _alpha(base: Any) -> _Rewrite:
     """``add``/``sub`` with ``alpha``: ``self (+|-) alpha * other``."""
     aten = torch.ops.aten
 
-    def rewrite(g: torch.fx.Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def emit(g: torch.fx.Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         scaled = g.call_function(aten.mul.Tensor, (args[1], _kw(args, kwargs, 2, "alpha")))
         return g.call_function(base, (args[0], scaled))
 
-    return rewrite
+    return _Rewrite(2, emit)
 
 
-def _as_tensor_overload(op: Any) -> Any:
+def _as_tensor_overload(op: Any) -> _Rewrite:
     """``mul.Scalar(x, s)`` -> ``mul.Tensor(x, s)`` (a Python scalar there is a wrapped
     number: the same type promotion)."""
-    def rewrite(g: torch.fx.Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def emit(g: torch.fx.Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return g.call_function(op, args, kwargs)
 
-    return rewrite
+    return _Rewrite(1, emit)
 
 
-def _scalar_rewrites() -> dict[Any, Any]:
+def _scalar_rewrites() -> dict[Any, _Rewrite]:
     aten = torch.ops.aten
     table = {
         aten.addcdiv.default: _addc(aten.div.Tensor, False),
@@ -363,7 +377,7 @@ def _scalar_rewrites() -> dict[Any, Any]:
     return table
 
 
-_SCALAR_REWRITES: dict[Any, Any] = _scalar_rewrites()
+_SCALAR_REWRITES: dict[Any, _Rewrite] = _scalar_rewrites()
 
 
 def _schema_arg(op: Any, spec: Any, leaf: int) -> Any:
