@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from .graph import Node, Ref, TensorMeta, pending_total
+from .graph import Node, Ref, TensorMeta, gc_paused, pending_total
 from .planner import (Instr, MetaArg, PendingSlots, Slot, Tape, build_tape, held_after,
                       slice_nodes)
 from .stats import _counts
@@ -287,6 +287,7 @@ def clear() -> None:
     _cache.clear()
 
 
+@gc_paused
 def plan(targets: list[tuple[Node, int]]) -> Tape:
     """A :class:`~genie.planner.Tape` for ``targets``: a cached plan's when the structure
     matches one (a hit), else a freshly built one, whose plan is cached (a miss)."""

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .graph import Node, Ref, Storage, TensorMeta
+from .graph import Node, Ref, Storage, TensorMeta, gc_paused
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +98,7 @@ class PendingSlots:
         return d
 
 
+@gc_paused
 def slice_nodes(targets: list[tuple[Node, int]]) -> list[Node]:
     """Pending nodes the requested values depend on, in record order."""
     needed: dict[int, Node] = {}
@@ -136,6 +137,7 @@ def slice_nodes(targets: list[tuple[Node, int]]) -> list[Node]:
     return [needed[i] for i in sorted(needed)]
 
 
+@gc_paused
 def build_tape(targets: list[tuple[Node, int]], nodes: list[Node] | None = None) -> Tape:
     """Slice, order and lower the requested values to a :class:`Tape`.
 
