@@ -188,6 +188,17 @@ def test_adamw_steps_equal_eager(capturable, use_compiled, caplog):
     torch.compile would specialize it, so the lowering moves it into a Tensor argument: the loop
     compiles a bounded number of times, not once per step. ``capturable=True`` keeps it a
     tensor."""
+    _adamw_steps_equal_eager(capturable, caplog)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL, reason="inductor compiles C++ (minutes); GENIE_FULL_TESTS=1")
+def test_inductor_adamw_steps_equal_eager(use_compiled, caplog):
+    compiled.set_compiler("inductor")
+    _adamw_steps_equal_eager(False, caplog)
+
+
+def _adamw_steps_equal_eager(capturable: bool, caplog) -> None:
     ref = _mlp()
     dev_model = copy.deepcopy(ref).to(D)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
