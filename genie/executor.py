@@ -20,7 +20,7 @@ import torch
 from . import plan_cache
 from .config import config
 from .errors import DeviceError
-from .graph import Node, gc_paused, pending_total
+from .graph import Node, pending_total
 from .planner import PendingSlots, Tape
 from .stats import bump
 
@@ -110,7 +110,6 @@ def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
                 s.readers = [r for r in s.readers if (r() is not None and not r().executed)]
 
 
-@gc_paused
 def materialize(*tensors: Any, trigger: str = "explicit") -> Any:
     """Compute the given LazyTensors in one execution and return their real device values.
 

@@ -78,13 +78,15 @@ R = TypeVar("R")
 def gc_paused(fn: Callable[P, R]) -> Callable[P, R]:
     """Run ``fn`` with CPython's cyclic garbage collector paused (when it was enabled).
 
-    Planning and executing a slice allocate a few objects per node (instructions, slot lists);
+    Planning a slice allocates a few objects per node (instructions, slot lists, plan columns);
     with a large graph alive (1.5M tracked objects for a 100k-node chain) the collections those
     allocations trigger walk the whole heap, and made planning a 10k-node slice ~10x slower per
     node than with the collector paused (``bench_engine.py::test_plan`` with
     ``GENIE_BENCH_LARGE=1``). No cycle these functions create needs collecting before they return;
     the allocations still count, so the collector runs at its next trigger after the call.
     Nested calls leave it to the outermost; a collector someone else disabled stays disabled.
+    Only for pure CPU-bound work: the pause is process-wide, so nothing that waits (execution, a
+    server's reply) runs inside it.
     """
     @functools.wraps(fn)
     def paused(*args: P.args, **kwargs: P.kwargs) -> R:
