@@ -40,20 +40,9 @@ def _wrap(variant: str, fn):  # noqa: ANN001, ANN202
     return run
 
 
-def _ops(fn) -> int:  # noqa: ANN001
-    before = genie.stats()
-    out = fn()
-    after = genie.stats()
-    del out
-    ran = after.get("materializations", 0) - before.get("materializations", 0)
-    assert ran == 0, f"the record-only workload materialized {ran} time(s)"
-    return (after.get("ops_recorded", 0) - before.get("ops_recorded", 0)
-            + after.get("factories_recorded", 0) - before.get("factories_recorded", 0))
-
-
-def _bench(benchmark, ratios, variant: str, fn, title: str) -> None:  # noqa: ANN001
+def _bench(benchmark, ratios, workloads, variant: str, fn, title: str) -> None:  # noqa: ANN001
     run = _wrap(variant, fn)
-    ops = _ops(run)  # also warms the meta cache
+    ops = workloads.recorded_ops(run)  # also warms the meta cache
     benchmark(run)
     row = ratios.row(SUITE, title, ratios=RATIOS)
     if not row.notes:
@@ -66,7 +55,7 @@ def test_capture_chain(benchmark, ratios, workloads, variant: str) -> None:
     benchmark.group = "capture: 2,000-op elementwise chain, 4x4"
     x = torch.randn(4, 4).to(workloads.dev)
     genie.materialize(x)
-    _bench(benchmark, ratios, variant, lambda: workloads.chain(x, N_CHAIN),
+    _bench(benchmark, ratios, workloads, variant, lambda: workloads.chain(x, N_CHAIN),
            f"chain of {N_CHAIN:,} elementwise ops (4x4)")
 
 
@@ -81,7 +70,8 @@ def test_capture_mlp_forward(benchmark, ratios, workloads, variant: str) -> None
         with torch.no_grad():
             return model(x)
 
-    _bench(benchmark, ratios, variant, fwd, "MLP forward (4 x Linear(256) + ReLU, batch 32)")
+    _bench(benchmark, ratios, workloads, variant, fwd,
+           "MLP forward (4 x Linear(256) + ReLU, batch 32)")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -100,4 +90,5 @@ def test_capture_gpt2_forward(benchmark, ratios, workloads, variant: str) -> Non
         with torch.no_grad():
             return model(ids).logits
 
-    _bench(benchmark, ratios, variant, fwd, "GPT-2 forward (2 layers, d=32, 8 tokens)")
+    _bench(benchmark, ratios, workloads, variant, fwd,
+           "GPT-2 forward (2 layers, d=32, 8 tokens)")

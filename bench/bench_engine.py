@@ -136,7 +136,8 @@ def test_train_step(benchmark, ratios, workloads, opt_name: str, width: int, bat
     variants = {}
     for v in names:
         backend = v[len("genie["):-1] if v.startswith("genie[") else None
-        variants[v] = workloads.with_backend(backend, _make_step(v, opt_name, workloads, width, batch))
+        step = _make_step(v, opt_name, workloads, width, batch)
+        variants[v] = workloads.with_backend(backend, step)
     for name in list(variants):  # warm: optimizer state, caches, compiled plans
         try:
             for _ in range(3):

@@ -30,17 +30,6 @@ RATIOS = [("genie", "eager"), ("genie", "torch._lazy"), ("torch._lazy", "eager")
           (NO_CACHE, "genie")]
 
 
-def _genie_ops(fn: Callable[[], object]) -> int:
-    """ATen ops genie records for one call of ``fn`` (and a check that nothing ran)."""
-    before = genie.stats()
-    out = fn()
-    after = genie.stats()
-    del out
-    ran = after.get("materializations", 0) - before.get("materializations", 0)
-    assert ran == 0, f"the record-only workload materialized {ran} time(s): wrong measurement"
-    return after.get("ops_recorded", 0) - before.get("ops_recorded", 0)
-
-
 def _without_meta_cache(fn: Callable[[], object]) -> Callable[[], object]:
     def run() -> object:
         saved = config.meta_cache
@@ -71,7 +60,7 @@ def test_record_chain(benchmark, ratios, workloads) -> None:
         x = torch.randn(4, 4).to(dev)
         if name == "genie":
             genie.materialize(x)
-            n = _genie_ops(lambda x=x: workloads.chain(x, N_CHAIN))
+            n = workloads.recorded_ops(lambda x=x: workloads.chain(x, N_CHAIN))
             assert n == N_CHAIN, f"expected {N_CHAIN} recorded ops, got {n}"
         variants[name] = lambda x=x: workloads.chain(x, N_CHAIN)
     variants[NO_CACHE] = _without_meta_cache(variants["genie"])
@@ -94,7 +83,7 @@ def test_record_mlp_forward(benchmark, ratios, workloads) -> None:
 
         if name == "genie":
             genie.materialize(x, *model.parameters())
-            ops = _genie_ops(run)  # the same ATen ops in every variant: one divisor for all
+            ops = workloads.recorded_ops(run)  # the same ops in every variant: one divisor for all
         variants[name] = run
     variants[NO_CACHE] = _without_meta_cache(variants["genie"])
     row.notes.append(f"{ops} ATen ops/forward")

@@ -253,6 +253,20 @@ def lazy_sync() -> None:
     torch._lazy.wait_device_ops()
 
 
+def recorded_ops(fn: Callable[[], object]) -> int:
+    """Ops (ATen ops and factory calls) Genie records for one call of ``fn``, checking that the
+    record-only workload ran nothing."""
+    import genie
+
+    before = genie.stats()
+    out = fn()
+    after = genie.stats()
+    del out
+    ran = after.get("materializations", 0) - before.get("materializations", 0)
+    assert ran == 0, f"the record-only workload materialized {ran} time(s): wrong measurement"
+    return sum(after.get(k, 0) - before.get(k, 0) for k in ("ops_recorded", "factories_recorded"))
+
+
 def extra_backends() -> list[str]:
     """Genie backends besides ``eager`` that are registered and available here."""
     try:
@@ -293,4 +307,5 @@ def workloads() -> SimpleNamespace:
     return SimpleNamespace(dev=DEV, chain=elementwise_chain, mlp=make_mlp, interleave=interleave,
                            lazy_device=lazy_device, lazy_error=lazy_error,
                            lazy_sync=lazy_sync, extra_backends=extra_backends,
+                           recorded_ops=recorded_ops,
                            with_backend=with_backend)

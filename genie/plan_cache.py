@@ -333,9 +333,10 @@ def _flatten(plan: Plan) -> tuple[Any, ...]:
     """``guide`` as flat columns, so that :func:`match` checks the common case with C-level
     ``map`` calls instead of a Python loop per node: in-plan references ``(i, p, j, k)``
     (consumer, leaf, producer, output; consumers from the last instruction back), input
-    references grouped by slot ``(slot, [i], [p])`` (in the order met), float leaves ``(i, p, value)``, whether any host tensor leaf
-    exists, outputs that must not be held ``(i, k, nref)``, outputs that must be held
-    ``(i, k)``, the instructions no in-plan reference comes from, ops, output slots."""
+    references grouped by slot ``(slot, [i], [p])`` (in the order met), float leaves
+    ``(i, p, value)``, whether any host tensor leaf exists, outputs that must not be held
+    ``(i, k, nref)``, outputs that must be held ``(i, k)``, the instructions no in-plan
+    reference comes from, ops, output slots."""
     ei, ep, ej, ek, inrefs, fi, fp, fv, hi, hk, hn, other = ([] for _ in range(12))
     ei_, ep_, ej_, ek_, hi_, hk_, hn_ = ei.append, ep.append, ej.append, ek.append, hi.append, \
         hk.append, hn.append
