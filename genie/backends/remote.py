@@ -37,7 +37,9 @@ _atexit = False
 
 def connect(address: str | Sequence[str] | None = None, *, key_file: str | None = None,
             server_key: str | None = None, client_keys: tuple[str, str] | None = None,
-            insecure: bool = False, timeout: float = 30.0, lazy: bool = False) -> None:
+            insecure: bool = False, timeout: float = 30.0, lazy: bool = False,
+            replay: bool | None = None, replay_ops: int | None = None,
+            replay_bytes: int | None = None) -> None:
     """Run ``remote_accelerator`` tensors on Genie server(s) from now on.
 
     Args:
@@ -50,6 +52,11 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
         timeout: seconds of server silence after which an operation fails with
             :class:`~genie.remote.ServerUnavailableError` (a busy server keeps saying it is alive).
         lazy: open the session at the first materialization instead of now.
+        replay: keep each session's lineage and, when its server is lost, rebuild the session on
+            another address of the list (or the same one once it is back) and go on (see
+            docs/deployment.md, "Recovery"); default on when several addresses are given.
+        replay_ops / replay_bytes: a replay's cost bounds (ops; host bytes the lineage holds)
+            past which the session is checkpointed (its live values downloaded).
 
     Raises:
         ServerUnavailableError: the server cannot be reached or refuses the keys.
@@ -84,8 +91,11 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
             client_keys = (keys.get("client_public_key"), keys.get("client_secret_key"))
     disconnect()
     cpub, csec = client_keys if client_keys else (None, None)
+    if replay is None:
+        replay = len(addrs) > 1
     new = [Client(a, server_key=server_key, client_public=cpub, client_secret=csec,
-                  insecure=insecure, timeout=timeout) for a in addrs]
+                  insecure=insecure, timeout=timeout, replay=replay, fallbacks=addrs,
+                  replay_ops=replay_ops, replay_bytes=replay_bytes) for a in addrs]
     if not lazy:
         try:
             for c in new:
