@@ -30,8 +30,8 @@ import torch  # noqa: E402,F401  (first import of torch happens after _autoload 
 from .capture import CaptureError, CaptureGraph, annotate_phase, capture, phase
 from .device import register as _register
 from .errors import DeviceError, ExecutionError, GenieError, UnsupportedOpError
-from .executor import materialize
-from .lazy_tensor import LazyTensor
+from .factories import register_factories as _register_factories
+from .lazy_tensor import LazyTensor, materialize
 from .planner import format_tape
 from .stats import reset_stats, stats
 from .backends.remote import connect, connect_from_env as _connect_from_env, disconnect
@@ -39,6 +39,7 @@ from .remote import (QuotaExceededError, RemoteError, ServerUnavailableError,
                      SessionLostError)
 
 _register()
+_register_factories()  # the PrivateUse1 factory kernels record through genie.lazy_tensor
 _connect_from_env()  # GENIE_SERVER=tcp://host:port: lazily, the session opens at first use
 
 __all__ = [

@@ -47,6 +47,8 @@ from torch.nn import Parameter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import device as _device
+from . import export as _export
 from . import ids as _ids
 from . import semantics
 from .errors import GenieError
@@ -281,33 +283,23 @@ class CaptureGraph:
     # --- export (genie.export) -----------------------------------------------------------------
     def summary(self, depth: int | None = None) -> str:
         """A table of nodes, FLOPs and bytes per module, per phase and per category."""
-        from .export import summary
-
-        return summary(self, depth)
+        return _export.summary(self, depth)
 
     def dump(self) -> str:
         """A stable, line-per-node text of the graph (golden tests diff it)."""
-        from .export import dump
-
-        return dump(self)
+        return _export.dump(self)
 
     def to_dot(self, path: str | None = None) -> str:
         """Graphviz text with one cluster per module; written to ``path`` when given."""
-        from .export import to_dot
-
-        return to_dot(self, path)
+        return _export.to_dot(self, path)
 
     def to_fx(self, outputs: Any = None, device: Any = "cpu") -> torch.fx.GraphModule:
         """A ``torch.fx.GraphModule`` that recomputes ``outputs`` eagerly (see genie.export)."""
-        from .export import to_fx
-
-        return to_fx(self, outputs, device)
+        return _export.to_fx(self, outputs, device)
 
     def example_inputs(self, device: Any = "cpu") -> list[torch.Tensor]:
         """Real values for the placeholders of :meth:`to_fx` (materializes external inputs)."""
-        from .export import example_inputs
-
-        return example_inputs(self, device)
+        return _export.example_inputs(self, device)
 
     def __repr__(self) -> str:
         return f"CaptureGraph({len(self.nodes)} nodes, {len(self.ids.loads)} loads, " \
@@ -376,8 +368,6 @@ class CaptureMode(TorchDispatchMode):
                 and kwargs.get("layout") in (None, torch.strided)
                 and kwargs.get("memory_format") in (None, torch.preserve_format)
                 and src.layout == torch.strided and src.is_contiguous()):
-            from . import device as _device
-
             index = _device._index(dev)
             _device.check_index(index)
             return upload(src.detach(), index)
@@ -612,8 +602,6 @@ def capture(device: int | str | torch.device | None = None, *,
         >>> y.item()
         12.0
     """
-    from . import device as _device
-
     index = _device._index(device)
     _device.check_index(index)
     st = _tls.state

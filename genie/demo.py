@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import genie
-from genie.executor import real_device
+from genie.device import real_device
 from genie.planner import build_tape, format_tape
 
 

@@ -26,6 +26,7 @@ import torch
 from .config import config
 from .errors import DeviceError
 
+DEVICE_TYPE = "remote_accelerator"
 _registered = False
 
 
@@ -56,9 +57,6 @@ def register() -> None:
     if not hasattr(torch.Tensor, "is_remote_accelerator"):
         torch.utils.generate_methods_for_privateuse1_backend(
             for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
-    from .factories import register_factories
-
-    register_factories()
     _registered = True
 
 
@@ -149,14 +147,38 @@ def _device_ctx(d: Any) -> Iterator[None]:
         yield
 
 
+# --- the map to real devices ---------------------------------------------------------------------
+
+_real_devices: dict[int, torch.device] = {}
+
+def real_device(index: int) -> torch.device:
+    """The real device that ``remote_accelerator:index`` runs on in this process."""
+    d = _real_devices.get(index)
+    if d is None:
+        spec = config.device
+        if spec is None:
+            spec = "cuda" if torch.cuda.is_available() else "cpu"
+        if spec == "cuda":
+            if index >= torch.cuda.device_count():
+                raise DeviceError(f"remote_accelerator:{index} maps to cuda:{index}, but this "
+                                  f"machine has {torch.cuda.device_count()} CUDA device(s).")
+            d = torch.device("cuda", index)
+        else:
+            d = torch.device(spec)
+        _real_devices[index] = d
+    return d
+
+
+def reset_device_map() -> None:
+    _real_devices.clear()
+
+
 def synchronize(device: Any = None) -> None:
     """Wait until the real device has finished the work Genie gave it.
 
     Recording is lazy, so this does not force pending values (use ``genie.materialize``); it waits
     for work already sent, as ``torch.cuda.synchronize`` does.
     """
-    from .executor import real_device
-
     dev = real_device(_index(device))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

@@ -17,41 +17,16 @@ from typing import Any
 
 import torch
 
-from . import plan_cache
-from .config import config
-from .errors import DeviceError
+from . import backends, plan_cache
+from .device import real_device
 from .graph import Node, pending_total
 from .planner import PendingSlots, Tape
 from .stats import bump
-
-_real_devices: dict[int, torch.device] = {}
 
 #: Set by a backend whose values live elsewhere (``genie.backends.remote``): turns the values a
 #: materialization produced (real tensors, or handles of tensors resident on a server) into the
 #: real tensors the caller gets. None: the values are the real device tensors themselves.
 fetch_values: Callable[[list[Any]], list[Any]] | None = None
-
-
-def real_device(index: int) -> torch.device:
-    """The real device that ``remote_accelerator:index`` runs on in this process."""
-    d = _real_devices.get(index)
-    if d is None:
-        spec = config.device
-        if spec is None:
-            spec = "cuda" if torch.cuda.is_available() else "cpu"
-        if spec == "cuda":
-            if index >= torch.cuda.device_count():
-                raise DeviceError(f"remote_accelerator:{index} maps to cuda:{index}, but this "
-                                  f"machine has {torch.cuda.device_count()} CUDA device(s).")
-            d = torch.device("cuda", index)
-        else:
-            d = torch.device(spec)
-        _real_devices[index] = d
-    return d
-
-
-def reset_device_map() -> None:
-    _real_devices.clear()
 
 
 _MATH_BIT_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative,
@@ -75,8 +50,6 @@ def real_dispatch() -> Iterator[None]:
 
 def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
     """Run ``tape`` for ``remote_accelerator:index`` on the first backend that takes it."""
-    from . import backends
-
     with real_dispatch():
         kept, _ = backends.run(tape, real_device(index))
     bump("nodes_executed", len(tape.instrs))
@@ -110,53 +83,23 @@ def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
                 s.readers = [r for r in s.readers if (r() is not None and not r().executed)]
 
 
-def materialize(*tensors: Any, trigger: str = "explicit") -> Any:
-    """Compute the given LazyTensors in one execution and return their real device values.
+def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
+    """The real values of node outputs ``targets`` on ``remote_accelerator:index``.
 
     Only the nodes the values depend on run; each runs at most once; values that live tensors
-    hold stay on the device for later use.
-
-    Example:
-        >>> import torch, genie
-        >>> x = torch.ones(2, device="remote_accelerator")
-        >>> a, b = genie.materialize(x + 1, x * 3)
-        >>> a.tolist(), b.tolist()
-        ([2.0, 2.0], [3.0, 3.0])
+    hold stay on the device for later use. Public entry point: :func:`genie.materialize`.
     """
-    from .lazy_tensor import LazyTensor
-
-    if not tensors:
-        raise TypeError("genie.materialize() needs at least one tensor")
-    for t in tensors:
-        if not isinstance(t, LazyTensor):
-            raise TypeError(f"genie.materialize() takes remote_accelerator tensors, got "
-                            f"{type(t).__name__}" + (f" on {t.device}" if isinstance(
-                                t, torch.Tensor) else ""))
-    bump("materializations")
-    bump(f"materializations.{trigger}")
-    by_device: dict[int, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t._node.metas[t._out].index, []).append(i)
-    results: list[Any] = [None] * len(tensors)
-    for index, positions in by_device.items():
-        targets = [(tensors[i]._node, tensors[i]._out) for i in positions]
-        fast = [_ready(n, o) for n, o in targets]
-        if all(v is not None for v in fast):
-            outs = fast
-        else:
-            outs = run_tape(plan_cache.plan(targets), index)
-        if fetch_values is not None:
-            outs = fetch_values(outs)
-        for i, v in zip(positions, outs):
-            results[i] = v
-    return results[0] if len(tensors) == 1 else tuple(results)
+    fast = [_ready(n, o) for n, o in targets]
+    if all(v is not None for v in fast):
+        outs = fast
+    else:
+        outs = run_tape(plan_cache.plan(targets), index)
+    if fetch_values is not None:
+        outs = fetch_values(outs)
+    return outs
 
 
 def _ready(n: Node, out: int) -> torch.Tensor | None:
     if n.executed and n.values is not None and not n.storages[out].pending_writes:
         return n.values[out]
     return None
-
-
-def materialize_one(t: Any, trigger: str) -> torch.Tensor:
-    return materialize(t, trigger=trigger)

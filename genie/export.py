@@ -27,9 +27,12 @@ import torch
 
 from . import ids as _ids
 from .errors import GenieError
-from .graph import Node, Ref
+from .backends.eager import generator_for, seed_from
+from .executor import run_tape
+from .graph import MetaArg, Node, Ref
+from .lazy_tensor import LazyTensor, materialize
 from .meta import policy
-from .planner import MetaArg
+from .planner import build_tape
 
 if TYPE_CHECKING:
     from .capture import CaptureGraph
@@ -249,8 +252,6 @@ class SeededOp(torch.nn.Module):
         self.rng = rng
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from .backends.eager import generator_for, seed_from
-
         dev = next((x.device for x in optree.tree_leaves((args, kwargs))
                     if isinstance(x, torch.Tensor)), None) or kwargs.get("device") \
             or torch.device("cpu")
@@ -284,10 +285,6 @@ def _inputs(g: CaptureGraph) -> list[tuple[str, Any]]:
 
 
 def _value(node: Node, out: int) -> torch.Tensor:
-    from .executor import materialize, run_tape
-    from .lazy_tensor import LazyTensor
-    from .planner import build_tape
-
     ref = node.outputs[out] if out < len(node.outputs) else None
     t = ref() if ref is not None else None
     if isinstance(t, LazyTensor) and t._node is node and t._out == out:
@@ -326,8 +323,6 @@ def to_fx(g: CaptureGraph, outputs: Any = None, device: Any = "cpu") -> torch.fx
         >>> torch.allclose(gm(*g.example_inputs()), lin(x))
         True
     """
-    from .lazy_tensor import LazyTensor
-
     dev = torch.device(device)
     fg = torch.fx.Graph()
     root = torch.nn.Module()
@@ -455,8 +450,6 @@ def _select(fg: torch.fx.Graph, call: Any, node: Node, out: int) -> Any:
 
 
 def _default_outputs(g: CaptureGraph) -> tuple[Any, ...]:
-    from .lazy_tensor import LazyTensor
-
     read: set[tuple[int, int]] = set()
     for leaves in g.leaves:
         for x in leaves or ():

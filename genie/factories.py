@@ -4,8 +4,8 @@ Factories have no tensor input, so they reach the ``PrivateUse1`` dispatch key (
 key a LazyTensor carries). Each overload below gets a kernel that records exactly one node for
 the call (``randn`` stays ``randn``: registering at PrivateUse1 overrides the composite
 ``empty`` + ``normal_`` decomposition). Ops that take a tensor only for its metadata
-(``zeros_like``, ``new_zeros``) are listed in :data:`METADATA_ONLY` so that their node does not
-depend on that tensor's values.
+(``zeros_like``, ``new_zeros``) are listed in :data:`genie.meta.METADATA_ONLY` so that their
+node does not depend on that tensor's values. Registered by ``import genie`` (after the device).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .lazy_tensor import copy_from, record_factory
+
 aten = torch.ops.aten
 
 FACTORY_PACKETS = (
@@ -21,14 +23,6 @@ FACTORY_PACKETS = (
     aten.scalar_tensor, aten.eye, aten.arange, aten.linspace, aten.logspace,
     aten.rand, aten.randn, aten.randint, aten.randperm, aten.normal,
     aten.tril_indices, aten.triu_indices,
-)
-
-# Ops whose first argument is read only for shape/dtype/layout: recorded with a MetaArg.
-METADATA_ONLY = frozenset(
-    op for packet in (aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like,
-                      aten.rand_like, aten.randn_like, aten.randint_like, aten.new_empty,
-                      aten.new_empty_strided, aten.new_zeros, aten.new_ones, aten.new_full)
-    for op in (getattr(packet, name) for name in packet.overloads())
 )
 
 _lib: torch.library.Library | None = None
@@ -54,8 +48,6 @@ def register_factories() -> None:
     global _lib
     if _lib is not None:
         return
-    from .lazy_tensor import record_factory
-
     lib = torch.library.Library("aten", "IMPL")
     for op in factory_overloads():
         def kernel(*args: Any, _op: Any = op, **kwargs: Any) -> Any:
@@ -72,7 +64,5 @@ def register_factories() -> None:
     lib.impl("_efficientzerotensor", zero_tensor, "PrivateUse1")
     # Host -> device copies that bypass the Python key (``torch.tensor(data, device=...)``
     # constructs with the Python key excluded) reach the backend's ``_copy_from``.
-    from .lazy_tensor import copy_from
-
     lib.impl("_copy_from", copy_from, "PrivateUse1")
     _lib = lib

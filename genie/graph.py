@@ -17,6 +17,9 @@ Invariants:
 - ``Node.index`` is unique and increases with record order, process-wide; it orders execution.
 - ``Node.uid`` (``op*N``) is deterministic per :class:`Graph`: same program, same ids.
 - A node runs at most once (``Node.executed``); its ``values`` are never recomputed.
+
+This module is the bottom of the core: it imports nothing from Genie, and every other core module
+(meta inference, planner, executor, the tensor facade) builds on its types.
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ class TensorMeta:
     def of(t: torch.Tensor, index: int) -> TensorMeta:
         return TensorMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, index,
                           t.is_conj(), t.is_neg())
+
+
+@dataclass(frozen=True, slots=True)
+class MetaArg:
+    """An argument used only for its metadata (``zeros_like(x)`` never needs ``x``'s values)."""
+
+    meta: TensorMeta
 
 
 class Ref:
@@ -199,6 +209,27 @@ class Node:
     def __repr__(self) -> str:
         state = "done" if self.executed else "pending"
         return f"Node({self.uid}, {self.name}, {state})"
+
+
+class Alive:
+    """Liveness token of one LazyTensor: the tensor holds it, its node's ``outputs`` weakly.
+
+    Nodes of the default graph track their output tensors through this token, not through a
+    weak reference to the tensor itself, so that tensors carry no weak references and
+    ``torch.utils.swap_tensors`` (used by ``nn.Module.to``) accepts them. A tensor rebound to
+    another node gets a new token, so the old node no longer counts it.
+    """
+
+    __slots__ = ("__weakref__",)
+
+
+def track(t: Any, node: Node, out: int) -> None:
+    """Make ``node.outputs[out]`` follow the liveness of the LazyTensor ``t`` (bound to it)."""
+    if node.graph.keep_nodes:
+        node.outputs[out] = weakref.ref(t)
+    else:
+        a = t._alive = Alive()
+        node.outputs[out] = weakref.ref(a)
 
 
 def op_name(op: Any) -> str:

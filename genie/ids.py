@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .graph import Node, Ref, TensorMeta
-from .planner import MetaArg
+from .graph import MetaArg, Node, Ref, TensorMeta
 
 if TYPE_CHECKING:
     from .graph import Graph

@@ -25,14 +25,18 @@ from typing import Any
 import optree
 import torch
 
+from torch.utils._python_dispatch import _disable_current_modes
+
+from . import device, executor
 from .config import config
+from .device import DEVICE_TYPE, real_device
 from .errors import UnsupportedOpError
-from .graph import DEFAULT_GRAPH, Graph, Node, Ref, Storage, TensorMeta, pending_total
-from .meta import meta_cache, meta_tensor, policy
-from .planner import MetaArg
+from .executor import real_dispatch
+from .graph import (DEFAULT_GRAPH, Graph, MetaArg, Node, Ref, Storage, TensorMeta, pending_total,
+                    track)
+from .meta import eager_error, infer, meta_cache, meta_tensor, policy, static_shape
 from .stats import _counts, bump
 
-DEVICE_TYPE = "remote_accelerator"
 aten = torch.ops.aten
 
 _devices: dict[int, torch.device] = {}
@@ -122,8 +126,6 @@ class LazyTensor(torch.Tensor):
 
     # --- materialization triggers that Tensor does not route through an ATen op -----------------
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
-        from .executor import materialize_one
-
         real = materialize_one(self, "repr")
         body = repr(real.detach().cpu())
         suffix = f", device='{self.device}'"
@@ -144,25 +146,43 @@ class LazyTensor(torch.Tensor):
                 (cpu, self.dtype, str(self.device), self.requires_grad))
 
 
-class Alive:
-    """Liveness token of one LazyTensor: the tensor holds it, its node's ``outputs`` weakly.
+# --- materialization ------------------------------------------------------------------------
 
-    Nodes of the default graph track their output tensors through this token, not through a
-    weak reference to the tensor itself, so that tensors carry no weak references and
-    ``torch.utils.swap_tensors`` (used by ``nn.Module.to``) accepts them. A tensor rebound to
-    another node gets a new token, so the old node no longer counts it.
+def materialize(*tensors: Any, trigger: str = "explicit") -> Any:
+    """Compute the given LazyTensors in one execution and return their real device values.
+
+    Only the nodes the values depend on run; each runs at most once; values that live tensors
+    hold stay on the device for later use.
+
+    Example:
+        >>> import torch, genie
+        >>> x = torch.ones(2, device="remote_accelerator")
+        >>> a, b = genie.materialize(x + 1, x * 3)
+        >>> a.tolist(), b.tolist()
+        ([2.0, 2.0], [3.0, 3.0])
     """
+    if not tensors:
+        raise TypeError("genie.materialize() needs at least one tensor")
+    for t in tensors:
+        if not isinstance(t, LazyTensor):
+            raise TypeError(f"genie.materialize() takes remote_accelerator tensors, got "
+                            f"{type(t).__name__}" + (f" on {t.device}" if isinstance(
+                                t, torch.Tensor) else ""))
+    bump("materializations")
+    bump(f"materializations.{trigger}")
+    by_device: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t._node.metas[t._out].index, []).append(i)
+    results: list[Any] = [None] * len(tensors)
+    for index, positions in by_device.items():
+        targets = [(tensors[i]._node, tensors[i]._out) for i in positions]
+        for i, v in zip(positions, executor.run_targets(targets, index)):
+            results[i] = v
+    return results[0] if len(tensors) == 1 else tuple(results)
 
-    __slots__ = ("__weakref__",)
 
-
-def track(t: LazyTensor, node: Node, out: int) -> None:
-    """Make ``node.outputs[out]`` follow the liveness of ``t`` (after binding ``t`` to it)."""
-    if node.graph.keep_nodes:
-        node.outputs[out] = weakref.ref(t)
-    else:
-        a = t._alive = Alive()
-        node.outputs[out] = weakref.ref(a)
+def materialize_one(t: Any, trigger: str) -> torch.Tensor:
+    return materialize(t, trigger=trigger)
 
 
 # --- recording --------------------------------------------------------------------------------
@@ -180,42 +200,6 @@ def _where() -> str | None:
             return f"{fn}:{f.f_lineno}"
         f = f.f_back
     return None
-
-
-def _infer(func: Any, leaves: list[Any], spec: Any, index: int) -> tuple:
-    """Run ``func`` on meta tensors; returns (flat output metas, output spec, non-tensor outputs)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    mleaves = [meta_tensor(x._node.metas[x._out]) if isinstance(x, LazyTensor) else x
-               for x in leaves]
-    margs, mkwargs = optree.tree_unflatten(spec, mleaves)
-    dev = mkwargs.get("device")
-    if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE:
-        mkwargs["device"] = torch.device("meta")
-    bump("meta_cache_misses")
-    try:
-        with _disable_current_modes():
-            out = func(*margs, **mkwargs)
-    except NotImplementedError as e:
-        raise UnsupportedOpError(func, f"no meta kernel to infer its output shape ({e}). "
-                                 "Move the tensor to the CPU for this op, or report it.") from None
-    except Exception as e:
-        raise _rename_device(e, index) from None
-    flat, out_spec = optree.tree_flatten(out, none_is_leaf=True)
-    out_index = dev.index if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE and \
-        dev.index is not None else index
-    metas = [TensorMeta.of(o, out_index) if isinstance(o, torch.Tensor) else None for o in flat]
-    consts = [None if isinstance(o, torch.Tensor) else o for o in flat]
-    return metas, out_spec, consts
-
-
-def _rename_device(e: Exception, index: int) -> Exception:
-    """Eager's exception type with our device's name where the meta kernel said ``meta``."""
-    msg = str(e).replace("meta", f"{DEVICE_TYPE}:{index}")
-    try:
-        return type(e)(msg)
-    except Exception:
-        return e
 
 
 def _same_device(leaves: list[Any], index: int, func: Any) -> None:
@@ -245,7 +229,7 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         special = _transfer(func, args, kwargs, leaves, index)
         if special is not _NOT_HANDLED:
             return special
-    if pol.dynamic and not _static_shape(func, leaves, spec, index):
+    if pol.dynamic and not static_shape(func, pol, _meta_leaves(leaves), spec, index):
         return _run_now(func, args, kwargs, leaves, spec, index)
     if pol.inplace_view:
         return _record_inplace_view(func, pol, args, kwargs, leaves, spec, index)
@@ -260,54 +244,15 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         # a forced materialization, rather than refuse an op that eager runs.
         return _run_now(func, args, kwargs, leaves, spec, index, trigger="no_meta_kernel")
     except Exception as e:
-        eager = _eager_error(func, leaves, spec, e)
+        eager = eager_error(func, _meta_leaves(leaves), spec, e)
         if eager is e:
             raise
         raise eager from None
 
 
-# Inputs larger than this (bytes) are not rebuilt on the host to ask eager for its error type.
-_PROBE_LIMIT = 1 << 26
-
-
-def _eager_error(func: Any, leaves: list[Any], spec: Any, err: Exception) -> Exception:
-    """The exception eager raises for this call, where the meta kernel raised ``err``.
-
-    Meta kernels check the same things as eager kernels but sometimes raise another type
-    (``IndexError`` for eager's ``RuntimeError``, a Python ``AssertionError``). Cold path: the op
-    runs on the host on zero-filled tensors with the inputs' metadata (never the user's data), and
-    its exception, if any, is the one the user gets; otherwise ``err`` stands.
-    """
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from .meta import meta_tensor
-
-    lazies = [x._node.metas[x._out] for x in leaves if type(x) is LazyTensor]
-    size = sum(meta_tensor(m).untyped_storage().nbytes() for m in lazies)
-    if size > _PROBE_LIMIT:
-        return err
-
-    def host(x: Any) -> Any:
-        if type(x) is LazyTensor:
-            m = x._node.metas[x._out]
-            base = torch.zeros(meta_tensor(m).untyped_storage().nbytes() // m.dtype.itemsize,
-                               dtype=m.dtype)
-            return base.as_strided(m.shape, m.stride, m.offset)
-        if isinstance(x, torch.Tensor):
-            return x.detach().clone()
-        if isinstance(x, torch.Generator):
-            return None
-        if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
-            return torch.device("cpu")
-        return x
-
-    try:
-        hargs, hkwargs = optree.tree_unflatten(spec, [host(x) for x in leaves])
-        with _disable_current_modes(), torch.no_grad():
-            func(*hargs, **hkwargs)
-    except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
-        return e
-    return err
+def _meta_leaves(leaves: list[Any]) -> list[Any]:
+    """``leaves`` with each LazyTensor replaced by its metadata (what :mod:`genie.meta` takes)."""
+    return [x._node.metas[x._out] if isinstance(x, LazyTensor) else x for x in leaves]
 
 
 _FLAT_TYPES = frozenset({int, float, bool, type(None), torch.dtype})
@@ -374,14 +319,16 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
         except TypeError:  # an unhashable argument: no caching for this call
             key = None
     if entry is None:
-        entry = _infer(func, leaves, spec, index)
-        entry = (*entry, _output_plan(pol, entry[0]), spec)
+        entry = infer(func, pol, _meta_leaves(leaves), spec, index)
         if key is not None:
             meta_cache.put(key, entry)
     else:
         _counts["meta_cache_hits"] += 1
+    metas = entry.metas
+    out_spec = entry.out_spec
+    plan = entry.plan
     # the cached spec equals this call's: nodes share one spec object instead of keeping their own
-    metas, out_spec, consts, plan, spec = entry
+    spec = entry.spec
 
     rng = _draw_rng(leaves, index) if pol.random else None
     if pol.metadata_only and type(rec[0]) is Ref:
@@ -398,7 +345,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
         writes = tuple(ws)
 
     storages: list[Storage | None] = [None] * len(metas)
-    results: list[Any] = list(consts)
+    results: list[Any] = list(entry.consts)
     fresh: list[int] = []
     for k, kind, pos in plan:
         if kind is None:
@@ -472,18 +419,6 @@ def _record_inplace_view(func: Any, pol: Any, args: tuple, kwargs: dict, leaves:
     return target
 
 
-def _output_plan(pol: Any, metas: list[Any]) -> tuple[tuple[int, str | None, int], ...]:
-    """Per tensor output: (flat index, "write"/"view"/None, schema position of its source)."""
-    returns = pol.returns
-    plan = []
-    for k, m in enumerate(metas):
-        if m is None:
-            continue
-        kind = returns[0] if len(returns) == 1 else (returns[k] if k < len(returns) else None)
-        plan.append((k, None, -1) if kind is None else (k, kind[0], kind[1]))
-    return tuple(plan)
-
-
 _LEAF_SPEC = optree.tree_structure(0, none_is_leaf=True)
 
 
@@ -497,8 +432,6 @@ def metas_of(ref: Ref) -> TensorMeta:
 
 def _draw_rng(leaves: list[Any], index: int) -> tuple[int, int]:
     """Take (seed, offset) from the op's generator (or the device's default) and advance it."""
-    from . import device
-
     gen = next((x for x in leaves if isinstance(x, torch.Generator)), None)
     if gen is None or gen.device.type != DEVICE_TYPE:
         if gen is not None:
@@ -514,8 +447,6 @@ def _draw_rng(leaves: list[Any], index: int) -> tuple[int, int]:
 
 def record_factory(func: Any, args: tuple, kwargs: dict) -> Any:
     """Record a factory call (``randn(..., device="remote_accelerator")``) as one node."""
-    from . import device
-
     dev = kwargs.get("device")
     index = dev.index if isinstance(dev, torch.device) and dev.index is not None else \
         device.current_device()
@@ -534,8 +465,6 @@ _NOT_HANDLED = object()
 
 def _transfer(func: Any, args: tuple, kwargs: dict, leaves: list[Any], index: int) -> Any:
     """Device <-> host copies: uploads are recorded, downloads materialize."""
-    from .executor import materialize_one, real_dispatch
-
     if func is _to_copy:
         dev = kwargs.get("device")
         if isinstance(dev, torch.device) and dev.type != DEVICE_TYPE:
@@ -601,56 +530,9 @@ _EMPTY_FACTORIES = frozenset({aten.empty.memory_format, aten.empty_strided.defau
 
 # --- data-dependent ops: run now --------------------------------------------------------------
 
-def _static_shape(func: Any, leaves: list[Any], spec: Any, index: int) -> bool:
-    """Whether a ``dynamic_output_shape`` op has a data-independent shape for these arguments.
-
-    The tag is per overload: ``aten.index.Tensor`` carries it for boolean masks, yet ``x[long_idx]``
-    (every attention-mask lookup in transformers) has a static shape, as has
-    ``repeat_interleave(r, output_size=n)``. Meta kernels decide: they raise where the shape needs
-    the data (boolean masks, ``nonzero``, ``unique``) and infer it otherwise, so an op whose meta
-    kernel succeeds on meta versions of all its tensors (host ones included) is recorded lazily.
-    """
-    if torch.Tag.data_dependent_output in func.tags:
-        return False
-    try:
-        key = (func, spec, tuple(_static_key(x) for x in leaves))
-        hit = _static_cache.get(key)
-    except TypeError:
-        key, hit = None, None
-    if hit is not None:
-        return hit
-    static = _infer_ok(func, leaves, spec, index)
-    if key is not None:
-        _static_cache[key] = static
-    return static
-
-
-_static_cache: dict[Any, bool] = {}
-
-
-def _static_key(x: Any) -> Any:
-    if type(x) is LazyTensor:
-        return x._node.metas[x._out]
-    if isinstance(x, torch.Tensor):
-        return ("T", tuple(x.shape), x.stride(), x.dtype)
-    return (type(x), x)
-
-
-def _infer_ok(func: Any, leaves: list[Any], spec: Any, index: int) -> bool:
-    as_meta = [x.to("meta") if isinstance(x, torch.Tensor) and type(x) is not LazyTensor else x
-               for x in leaves]
-    try:
-        _infer(func, as_meta, spec, index)
-    except Exception:
-        return False
-    return True
-
-
 def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
              index: int, trigger: str | None = None) -> Any:
     """Ops whose output shape or value depends on data run at once on the device."""
-    from .executor import materialize, real_device
-
     lazies = [x for x in leaves if isinstance(x, LazyTensor)]
     _same_device(leaves, index, func)
     if trigger is None:
@@ -664,10 +546,6 @@ def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
     dev = rkwargs.get("device")
     if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE:
         rkwargs["device"] = real_device(index)
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from .executor import real_dispatch
-
     with _disable_current_modes(), torch.no_grad(), real_dispatch():
         out = func(*rargs, **rkwargs)
     bump("forced_materializations")

@@ -1,5 +1,9 @@
 """Op policy from schemas and tags, and output metadata from meta tensors behind a cache.
 
+Functions here take *meta leaves*: an op call's flattened ``(args, kwargs)`` in which every lazy
+input stands as its :class:`~genie.graph.TensorMeta` (the tensor facade converts them; this module
+never sees a LazyTensor, so it sits below :mod:`genie.lazy_tensor` in the import order).
+
 Recording never touches data: the output shape, stride and dtype of an op come from running the
 op on ``meta`` tensors built from its inputs' metadata. That costs tens of microseconds, so results
 are cached by a key of (op overload, input metadata, scalar arguments, argument tree structure);
@@ -15,13 +19,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import optree
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
-from .factories import METADATA_ONLY
+from .device import DEVICE_TYPE
+from .errors import UnsupportedOpError
 from .graph import TensorMeta
 from .portable import portable_kernel
+from .stats import bump
 
 _DYNAMIC = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+aten = torch.ops.aten
+
+# Ops whose first argument is read only for shape/dtype/layout: recorded with a MetaArg.
+METADATA_ONLY = frozenset(
+    op for packet in (aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like,
+                      aten.rand_like, aten.randn_like, aten.randint_like, aten.new_empty,
+                      aten.new_empty_strided, aten.new_zeros, aten.new_ones, aten.new_full)
+    for op in (getattr(packet, name) for name in packet.overloads())
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +171,7 @@ def meta_tensor(m: TensorMeta) -> torch.Tensor:
 
 
 class MetaCache:
-    """``key -> (flat output metas, output tree spec)``; counts hits and misses in genie.stats."""
+    """``key -> MetaEntry``; bounded (cleared when full)."""
 
     def __init__(self) -> None:
         self._d: dict[Any, Any] = {}
@@ -179,3 +196,151 @@ class MetaCache:
 
 
 meta_cache = MetaCache()
+
+
+@dataclass(frozen=True, slots=True)
+class MetaEntry:
+    """The meta cache's value for one key: what recording an op call needs besides its arguments.
+
+    Interned per key (op, argument tree, input metadata, non-float constants): nodes recorded with
+    equal keys share one entry, so ``a.entry is b.entry`` proves those equal (the plan cache
+    compares nodes by identity).
+
+    Attributes:
+        metas: one :class:`TensorMeta` per flat output (None for non-tensor outputs).
+        out_spec: tree spec to rebuild the op's return value from its flat outputs.
+        consts: the non-tensor outputs (None at tensor positions).
+        plan: per tensor output ``(flat index, "write"/"view"/None, schema position of its
+            source)``, from :func:`output_plan`.
+        spec: the call's argument tree spec (equal for every call with this key; nodes share it).
+    """
+
+    metas: list[TensorMeta | None]
+    out_spec: Any
+    consts: list[Any]
+    plan: tuple[tuple[int, str | None, int], ...]
+    spec: Any
+
+
+def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -> MetaEntry:
+    """Run ``func`` on meta tensors built from the meta leaves ``leaves`` (a cache miss)."""
+    mleaves = [meta_tensor(x) if type(x) is TensorMeta else x for x in leaves]
+    margs, mkwargs = optree.tree_unflatten(spec, mleaves)
+    dev = mkwargs.get("device")
+    if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE:
+        mkwargs["device"] = torch.device("meta")
+    bump("meta_cache_misses")
+    try:
+        with _disable_current_modes():
+            out = func(*margs, **mkwargs)
+    except NotImplementedError as e:
+        raise UnsupportedOpError(func, f"no meta kernel to infer its output shape ({e}). "
+                                 "Move the tensor to the CPU for this op, or report it.") from None
+    except Exception as e:
+        raise rename_device(e, index) from None
+    flat, out_spec = optree.tree_flatten(out, none_is_leaf=True)
+    out_index = dev.index if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE and \
+        dev.index is not None else index
+    metas = [TensorMeta.of(o, out_index) if isinstance(o, torch.Tensor) else None for o in flat]
+    consts = [None if isinstance(o, torch.Tensor) else o for o in flat]
+    return MetaEntry(metas, out_spec, consts, output_plan(pol, metas), spec)
+
+
+def rename_device(e: Exception, index: int) -> Exception:
+    """Eager's exception type with our device's name where the meta kernel said ``meta``."""
+    msg = str(e).replace("meta", f"{DEVICE_TYPE}:{index}")
+    try:
+        return type(e)(msg)
+    except Exception:
+        return e
+
+
+def output_plan(pol: OpPolicy, metas: list[Any]) -> tuple[tuple[int, str | None, int], ...]:
+    """Per tensor output: (flat index, "write"/"view"/None, schema position of its source)."""
+    returns = pol.returns
+    plan = []
+    for k, m in enumerate(metas):
+        if m is None:
+            continue
+        kind = returns[0] if len(returns) == 1 else (returns[k] if k < len(returns) else None)
+        plan.append((k, None, -1) if kind is None else (k, kind[0], kind[1]))
+    return tuple(plan)
+
+
+# Inputs larger than this (bytes) are not rebuilt on the host to ask eager for its error type.
+_PROBE_LIMIT = 1 << 26
+
+
+def eager_error(func: Any, leaves: list[Any], spec: Any, err: Exception) -> Exception:
+    """The exception eager raises for this call (meta leaves), where the meta kernel raised ``err``.
+
+    Meta kernels check the same things as eager kernels but sometimes raise another type
+    (``IndexError`` for eager's ``RuntimeError``, a Python ``AssertionError``). Cold path: the op
+    runs on the host on zero-filled tensors with the inputs' metadata (never the user's data), and
+    its exception, if any, is the one the user gets; otherwise ``err`` stands.
+    """
+    lazies = [x for x in leaves if type(x) is TensorMeta]
+    size = sum(meta_tensor(m).untyped_storage().nbytes() for m in lazies)
+    if size > _PROBE_LIMIT:
+        return err
+
+    def host(x: Any) -> Any:
+        if type(x) is TensorMeta:
+            base = torch.zeros(meta_tensor(x).untyped_storage().nbytes() // x.dtype.itemsize,
+                               dtype=x.dtype)
+            return base.as_strided(x.shape, x.stride, x.offset)
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone()
+        if isinstance(x, torch.Generator):
+            return None
+        if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
+            return torch.device("cpu")
+        return x
+
+    try:
+        hargs, hkwargs = optree.tree_unflatten(spec, [host(x) for x in leaves])
+        with _disable_current_modes(), torch.no_grad():
+            func(*hargs, **hkwargs)
+    except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
+        return e
+    return err
+
+
+def static_shape(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -> bool:
+    """Whether a ``dynamic_output_shape`` op has a data-independent shape for these meta leaves.
+
+    The tag is per overload: ``aten.index.Tensor`` carries it for boolean masks, yet ``x[long_idx]``
+    (every attention-mask lookup in transformers) has a static shape, as has
+    ``repeat_interleave(r, output_size=n)``. Meta kernels decide: they raise where the shape needs
+    the data (boolean masks, ``nonzero``, ``unique``) and infer it otherwise, so an op whose meta
+    kernel succeeds on meta versions of all its tensors (host ones included) is recorded lazily.
+    """
+    if torch.Tag.data_dependent_output in func.tags:
+        return False
+    try:
+        key = (func, spec, tuple(_static_key(x) for x in leaves))
+        hit = _static_cache.get(key)
+    except TypeError:
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    as_meta = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in leaves]
+    try:
+        infer(func, pol, as_meta, spec, index)
+        static = True
+    except Exception:
+        static = False
+    if key is not None:
+        _static_cache[key] = static
+    return static
+
+
+_static_cache: dict[Any, bool] = {}
+
+
+def _static_key(x: Any) -> Any:
+    if type(x) is TensorMeta:
+        return x
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.stride(), x.dtype)
+    return (type(x), x)

@@ -59,8 +59,8 @@ from typing import Any
 
 import torch
 
-from .graph import Node, Ref, TensorMeta, gc_paused, pending_total
-from .planner import (Instr, MetaArg, PendingSlots, Slot, Tape, build_tape, held_after,
+from .graph import Alive, MetaArg, Node, Ref, TensorMeta, gc_paused, pending_total
+from .planner import (Instr, PendingSlots, Slot, Tape, build_tape, held_after,
                       slice_nodes)
 from .stats import _counts
 
@@ -385,8 +385,6 @@ def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
     by :func:`_match_slow`, which gives the same answer in every case. The tape's ``slots`` are
     built when first read (:class:`~genie.planner.PendingSlots`).
     """
-    from .lazy_tensor import Alive
-
     want_out = plan.outputs
     if not plan.fast or len(targets) != len(want_out):
         return None
@@ -498,8 +496,6 @@ def _match_slow(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
     are compared leaf by leaf. Returns None on any difference (the caller then slices and uses
     :func:`instantiate`).
     """
-    from .lazy_tensor import Alive
-
     want_out = plan.outputs
     if not plan.fast or len(targets) != len(want_out):
         return None
@@ -667,8 +663,6 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node]) 
     One pass: each node is compared with the plan's instruction at its position (op, argument
     tree, constants, output metadata, slot wiring) while its parameters are collected.
     """
-    from .lazy_tensor import Alive
-
     tmpl = plan.instrs
     if len(tmpl) != len(nodes):
         return None

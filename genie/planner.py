@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .graph import Node, Ref, Storage, TensorMeta, gc_paused
+from .graph import Alive, MetaArg, Node, Ref, Storage, TensorMeta, gc_paused
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,13 +29,6 @@ class Slot:
     """A tape value: an input (already on the device) or the output of an instruction."""
 
     id: int
-
-
-@dataclass(frozen=True, slots=True)
-class MetaArg:
-    """An argument used only for its metadata (``zeros_like(x)`` never needs ``x``'s values)."""
-
-    meta: TensorMeta
 
 
 @dataclass(slots=True)
@@ -215,16 +208,9 @@ def held_after(n: Node, k: int, in_run: set[int]) -> bool:
     t = ref() if ref is not None else None
     if t is not None:
         # t: the tensor's liveness token (default graph) or the tensor itself (capture graphs)
-        if not _lazy_types:
-            from .lazy_tensor import Alive, LazyTensor
-
-            _lazy_types[:] = [Alive, LazyTensor]
-        if type(t) is _lazy_types[0] or (isinstance(t, _lazy_types[1]) and t._node is n):
+        if type(t) is Alive or getattr(t, "_node", None) is n:
             return True
     return _has_pending_consumer(n, in_run)
-
-
-_lazy_types: list[type] = []  # (Alive, LazyTensor), imported on first use (import cycle)
 
 
 def _has_pending_consumer(n: Node, in_run: set[int]) -> bool:

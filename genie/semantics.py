@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING, Any
 import optree
 import torch
 
-from .graph import Node, Ref, Storage, TensorMeta
-from .meta import meta_tensor, policy
-from .planner import MetaArg
+from .graph import MetaArg, Node, Ref, Storage, TensorMeta
+from .meta import METADATA_ONLY, meta_tensor, policy
 
 if TYPE_CHECKING:
     from .capture import CaptureGraph
@@ -140,8 +139,6 @@ def _categorize(op: Any) -> str:
     c = _TABLE.get(op.overloadpacket)
     if c is not None:
         return c
-    from .factories import METADATA_ONLY
-
     if op in METADATA_ONLY:  # zeros_like(x), new_ones(...): a factory that reads x's metadata
         return "factory"
     schema = op._schema

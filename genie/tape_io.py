@@ -49,8 +49,8 @@ import optree
 import torch
 
 from .errors import GenieError
-from .graph import TensorMeta
-from .planner import Instr, MetaArg, Slot, Tape
+from .graph import MetaArg, TensorMeta
+from .planner import Instr, Slot, Tape
 
 VERSION = 1
 UPLOAD = "genie.upload"

@@ -16,6 +16,7 @@ from typing import Any
 import optree
 import torch
 
+from ..device import real_device
 from ..errors import ExecutionError
 from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
@@ -44,8 +45,6 @@ def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
     from torch.utils._python_dispatch import _disable_current_modes
 
     env: dict[int, Any] = dict(tape.inputs)
-    from ..executor import real_device
-
     with _disable_current_modes(), torch.no_grad():
         for ins in tape.instrs:
             try:

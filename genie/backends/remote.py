@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .. import device, executor
 from ..errors import DeviceError, GenieError
 from ..planner import Slot, Tape
 from . import BackendUnsupported, backend_order, register_backend, set_backends
@@ -69,8 +70,6 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
     except ImportError as e:
         raise GenieError(f"genie.connect() needs pyzmq and msgpack ({e}); "
                          "pip install 'genie[remote]'") from None
-    from .. import executor
-
     key_file = key_file or os.environ.get("GENIE_KEY_FILE") or None
     keys: dict[str, Any] = {}
     if key_file:
@@ -107,8 +106,6 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
     _clients[:] = new
     executor.fetch_values = fetch_values
     set_backends(["remote", *[n for n in backend_order() if n != "remote"]])
-    from .. import device
-
     if device.device_count() < len(new):
         device._native()._set_device_count(len(new))
     global _atexit

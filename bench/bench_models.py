@@ -1,0 +1,242 @@
+"""Host overhead on real models: the six workloads of issue 11, genie against eager and ``torch._lazy``.
+
+Every row runs its variants interleaved (``interleave`` in conftest.py), so each ratio is the
+median of per-round paired ratios. Each row also prints genie's host cost per recorded op,
+``(genie - eager) / ops``, where ``ops`` is what genie records for one call (ATen ops and
+factory calls, from ``genie.stats()``).
+
+| row | workload | one call |
+|---|---|---|
+| decode | GPT-2-sized (12 layers, width 768, 12 heads, vocab 1000, random weights), ``no_grad``, after a 64-token prompt | ``GENIE_BENCH_DECODE`` decode steps (default 4), the KV cache growing by one token per step, each step's logits materialized; the cache is cropped back to the prompt first (24 slicing ops, the same in every variant) |
+| generate | GPT-2 4 x 128 (4 heads, vocab 1000) | greedy ``generate`` of 32 new tokens, with a prompt length never seen before in every call (shapes new every round, as on a server); per token |
+| mlp256 | MLP 4 x Linear(256)+ReLU, batch 32, MSE, AdamW | one steady training step (``loss.item()`` the one materialization) |
+| mlp2048 | the same at 4 x Linear(2048), batch 64 | one step, default backend order |
+| record | a 2,000-op elementwise chain on 4x4 | record only (no materialization); per op |
+| warm | the same already-seen chain | record + materialize (plan cache warm); per op |
+
+``torch._lazy`` (TorchScript backend) runs the MLP and chain rows, and the GPT-2 rows with
+``GENIE_BENCH_LAZY_GPT2=1`` (off by default: it recompiles for every new shape, minutes per row on
+two cores). Settings: ``GENIE_BENCH_ROUNDS`` scales every row's rounds (default 1.0), plus the
+suite-wide ones of conftest.py (one intra-op thread by default). Run:
+``.venv/bin/python -m pytest bench/bench_models.py --benchmark-only -q``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import genie
+
+SUITE = "bench_models: host overhead on real models (issue 11)"
+SCALE = float(os.environ.get("GENIE_BENCH_ROUNDS", "1") or 1)
+DECODE_STEPS = int(os.environ.get("GENIE_BENCH_DECODE", "4"))
+LAZY_GPT2 = os.environ.get("GENIE_BENCH_LAZY_GPT2", "0") == "1"
+PROMPT = 64
+NEW_TOKENS = 32
+N_CHAIN = 2000
+
+
+def _rounds(n: int) -> int:
+    return max(3, round(n * SCALE))
+
+
+def _variants(workloads, row, lazy: bool) -> dict[str, torch.device]:
+    devs = {"eager": torch.device("cpu"), "genie": torch.device(workloads.dev)}
+    if lazy:
+        dev = workloads.lazy_device()
+        if dev is not None:
+            devs["torch._lazy"] = dev
+        else:
+            row.notes.append(f"torch._lazy: {workloads.lazy_error()}")
+    else:
+        row.notes.append("torch._lazy: not run (GENIE_BENCH_LAZY_GPT2=1 runs it)")
+    return devs
+
+
+def _ratios(lazy: bool) -> list[tuple[str, str]]:
+    out = [("genie", "eager")]
+    if lazy:
+        out += [("genie", "torch._lazy"), ("torch._lazy", "eager")]
+    return out
+
+
+def _sync(name: str, workloads) -> Callable[[torch.Tensor], object]:
+    """The variant's "compute it now" for a value kept on the device."""
+    if name == "genie":
+        return genie.materialize
+    if name == "torch._lazy":
+        return lambda t: (workloads.lazy_sync(), t)[1]
+    return lambda t: t
+
+
+def _ops_of(fn: Callable[[], object]) -> int:
+    before = genie.stats()
+    fn()
+    after = genie.stats()
+    return sum(after.get(k, 0) - before.get(k, 0) for k in ("ops_recorded", "factories_recorded"))
+
+
+def _host_us(row, ops: float) -> None:
+    """Append genie's host µs per recorded op, ``(genie - eager) / ops``, to the row."""
+    if "genie" in row.values and "eager" in row.values and ops:
+        per = (row.values["genie"] - row.values["eager"]) * 1e6 / ops
+        row.notes.append(f"genie host {per:.1f} µs/op over eager ({ops:.0f} ops)")
+
+
+def _gpt2(layers: int, width: int, heads: int, seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=1000,
+                                  n_positions=1024, bos_token_id=0, eos_token_id=0,
+                                  attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+# --- GPT-2-sized decode with a growing KV cache ------------------------------------------------
+
+def _decode_run(model, dev: torch.device, sync) -> Callable[[], object]:
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 1000, (1, PROMPT), generator=g).to(dev)
+    tokens = [torch.randint(0, 1000, (1, 1), generator=g).to(dev) for _ in range(DECODE_STEPS)]
+    with torch.no_grad():
+        cache = DynamicCache()
+        out = model(prompt, cache=cache, use_cache=True)
+        sync(out.logits)
+
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            extra = cache.get_seq_length() - PROMPT
+            if extra:
+                cache.crop(-extra)
+            logits = None
+            for t in tokens:
+                logits = model(t, cache=cache, use_cache=True).logits
+                sync(logits)
+        return logits
+
+    return run
+
+
+def test_gpt2_decode(benchmark, ratios, workloads) -> None:
+    benchmark.group = f"models: GPT-2 12 x 768 decode, {DECODE_STEPS} steps after {PROMPT} tokens"
+    row = ratios.row(SUITE, f"GPT-2 12x768 vocab 1000: decode step after a {PROMPT}-token prompt, "
+                     "KV cache growing, no_grad, logits materialized", unit="ms/step", scale=1e3,
+                     ratios=_ratios(LAZY_GPT2))
+    variants = {}
+    for name, dev in _variants(workloads, row, LAZY_GPT2).items():
+        model = _gpt2(12, 768, 12).to(dev)
+        variants[name] = _decode_run(model, dev, _sync(name, workloads))
+    ops = _ops_of(variants["genie"]) / DECODE_STEPS
+    workloads.interleave(benchmark, row, variants, rounds=_rounds(7), per=DECODE_STEPS)
+    _host_us(row, ops)
+
+
+# --- GPT-2 4 x 128 greedy generate, new prompt length every call -------------------------------
+
+def _generate_run(model, dev: torch.device, start: int) -> Callable[[], object]:
+    lengths = itertools.count(start)
+
+    def run() -> torch.Tensor:
+        n = next(lengths)  # every call a prompt length this process has not seen
+        g = torch.Generator().manual_seed(n)
+        ids = torch.randint(1, 1000, (1, n), generator=g).to(dev)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                 min_new_tokens=NEW_TOKENS, do_sample=False)
+        return out.cpu()
+
+    return run
+
+
+def test_gpt2_generate(benchmark, ratios, workloads) -> None:
+    benchmark.group = f"models: GPT-2 4 x 128 greedy generate of {NEW_TOKENS} tokens, new shapes"
+    row = ratios.row(SUITE, f"GPT-2 4x128: greedy generate {NEW_TOKENS} tokens, prompt length new "
+                     "every round", unit="ms/token", scale=1e3, ratios=_ratios(LAZY_GPT2))
+    variants = {}
+    for name, dev in _variants(workloads, row, LAZY_GPT2).items():
+        # Every variant walks the same lengths (8, 9, ...): round k uses one length in all.
+        variants[name] = _generate_run(_gpt2(4, 128, 4).to(dev), dev, start=8)
+    ops = _ops_of(_generate_run(_gpt2(4, 128, 4).to(workloads.dev), workloads.dev, 400))
+    workloads.interleave(benchmark, row, variants, rounds=_rounds(7), per=NEW_TOKENS)
+    _host_us(row, ops / NEW_TOKENS)
+
+
+# --- MLP training step ---------------------------------------------------------------------------
+
+def _train_step(workloads, dev: torch.device, name: str, width: int, batch: int):
+    model = workloads.mlp(width).to(dev)
+    torch.manual_seed(1)
+    x = torch.randn(batch, width).to(dev)
+    target = torch.randn(batch, width).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    lazy = name == "torch._lazy"
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        opt.step()
+        if lazy:
+            workloads.lazy_sync()
+        return loss.item()
+
+    return step
+
+
+@pytest.mark.parametrize("width,batch", [(256, 32), (2048, 64)], ids=["256x32", "2048x64"])
+def test_mlp_train_step(benchmark, ratios, workloads, width: int, batch: int) -> None:
+    benchmark.group = f"models: MLP 4 x Linear({width}) + ReLU, batch {batch}, AdamW step"
+    row = ratios.row(SUITE, f"MLP 4 x Linear({width})+ReLU batch {batch}, MSE, AdamW: steady "
+                     "step (default backend order)", unit="ms/step", scale=1e3,
+                     ratios=_ratios(True))
+    variants = {name: _train_step(workloads, dev, name, width, batch)
+                for name, dev in _variants(workloads, row, True).items()}
+    for fn in variants.values():  # optimizer state, plan cache
+        for _ in range(3):
+            fn()
+    ops = _ops_of(variants["genie"])
+    big = width >= 2048
+    workloads.interleave(benchmark, row, variants, rounds=_rounds(7 if big else 15),
+                         inner=1 if big else 5)
+    _host_us(row, ops)
+
+
+# --- the elementwise chain: record only, and record + materialize warm ---------------------------
+
+def test_chain_record(benchmark, ratios, workloads) -> None:
+    benchmark.group = f"models: record a {N_CHAIN:,}-op elementwise chain, 4x4"
+    row = ratios.row(SUITE, f"record a {N_CHAIN:,}-op elementwise chain (4x4), no materialization",
+                     ratios=_ratios(True))
+    variants = {}
+    for name, dev in _variants(workloads, row, True).items():
+        x = torch.randn(4, 4).to(dev)
+        if name == "genie":
+            genie.materialize(x)
+        variants[name] = lambda x=x: workloads.chain(x, N_CHAIN)
+    ops = workloads.recorded_ops(variants["genie"])
+    assert ops == N_CHAIN, f"expected {N_CHAIN} recorded ops, got {ops}"
+    workloads.interleave(benchmark, row, variants, rounds=_rounds(9), per=N_CHAIN)
+    _host_us(row, 1)  # values are already per op
+
+
+def test_chain_warm(benchmark, ratios, workloads) -> None:
+    benchmark.group = f"models: record + materialize an already-seen {N_CHAIN:,}-op chain"
+    row = ratios.row(SUITE, f"record + materialize an already-seen {N_CHAIN:,}-op chain (4x4, "
+                     "warm)", ratios=_ratios(True))
+    variants = {}
+    for name, dev in _variants(workloads, row, True).items():
+        x = torch.randn(4, 4).to(dev)
+        sync = _sync(name, workloads)
+        sync(x)
+        variants[name] = lambda x=x, sync=sync: sync(workloads.chain(x, N_CHAIN))
+    workloads.interleave(benchmark, row, variants, rounds=_rounds(9), per=N_CHAIN)
+    _host_us(row, 1)
