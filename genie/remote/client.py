@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -140,7 +140,8 @@ class Client:
             server says it is alive twice a second).
         heartbeat: run the background thread that keeps the lease and flushes frees.
         replay: keep the session's lineage and rebuild it elsewhere when the server is lost.
-        fallbacks: the addresses to rebuild on (tried in order; the own address is tried last).
+        fallbacks: the addresses to rebuild on (tried in order; the own address is tried last),
+            or a function that gives them (a pool whose members are replaced).
         replay_ops / replay_bytes: bounds on a replay's cost (ops, host bytes held) past which
             the client checkpoints (downloads the session's live values).
     """
@@ -148,7 +149,8 @@ class Client:
     def __init__(self, address: str, *, server_key: str | None = None,
                  client_public: str | None = None, client_secret: str | None = None,
                  insecure: bool = False, timeout: float = 30.0, heartbeat: bool = True,
-                 replay: bool = False, fallbacks: Sequence[str] = (),
+                 replay: bool = False,
+                 fallbacks: Sequence[str] | Callable[[], Sequence[str]] = (),
                  replay_ops: int | None = None, replay_bytes: int | None = None) -> None:
         if not insecure and not (server_key and client_public and client_secret):
             raise ServerUnavailableError(
@@ -185,7 +187,7 @@ class Client:
                 self._lineage.max_ops = replay_ops
             if replay_bytes is not None:
                 self._lineage.max_host_bytes = replay_bytes
-        self._fallbacks = [a for a in fallbacks if a != address]
+        self._fallbacks = fallbacks
 
     # --- lifecycle --------------------------------------------------------------------------
     def open(self) -> Client:
@@ -521,7 +523,7 @@ class Client:
         assert lin is not None
         t0 = time.monotonic()
         lost, first = self.lost, self.address
-        candidates = [*self._fallbacks, self.address]
+        candidates = self._candidates(first)
         if lin.sources_changed():
             self._shutdown(lost or "lost", final=True)
             raise SessionLostError(first, f"the session was lost ({lost}) and cannot be rebuilt: "
@@ -530,6 +532,7 @@ class Client:
         deadline = t0 + self.timeout
         errors: list[str] = []
         while True:
+            candidates = self._candidates(first)  # a pool may have replaced a member meanwhile
             for addr in candidates:
                 try:
                     self._reopen(addr)
@@ -560,6 +563,16 @@ class Client:
                                f"on {', '.join(candidates)} within {self.timeout:g} s: "
                                f"{errors[-1] if errors else 'no server answered'}; start a "
                                "server and genie.connect() again, then recompute")
+
+    def _candidates(self, lost: str) -> list[str]:
+        """Where to rebuild: the other pool members first, the lost address last."""
+        fb = self._fallbacks
+        try:
+            addrs = list(fb() if callable(fb) else fb)
+        except Exception as e:  # an unreadable pool file: the known addresses still work
+            logger.warning("genie: cannot read the pool's addresses: %s", e)
+            addrs = []
+        return [a for a in addrs if a != lost] + [lost]
 
     def _reopen(self, addr: str) -> None:
         for s in (self._mon, self._sock):
