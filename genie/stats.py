@@ -29,7 +29,8 @@ def stats() -> dict[str, int]:
     - engine: ``plan_cache_hits``, ``plan_cache_misses``, ``compiled_plans``, ``compiled_runs``,
       ``compiled_verified``;
     - remote: ``round_trips``, ``bytes_sent``, ``bytes_received``, ``skeletons_sent``,
-      ``frees_sent``, ``resident_tensors``, ``resident_bytes``.
+      ``frees_sent``, ``resident_tensors``, ``resident_bytes``; recovery: ``replays``,
+      ``replayed_requests``, ``checkpoints``, ``last_recovery_ms``.
 
     Example:
         >>> import torch, genie

@@ -38,7 +38,9 @@ _atexit = False
 
 def connect(address: str | Sequence[str] | None = None, *, key_file: str | None = None,
             server_key: str | None = None, client_keys: tuple[str, str] | None = None,
-            insecure: bool = False, timeout: float = 30.0, lazy: bool = False) -> None:
+            insecure: bool = False, timeout: float = 30.0, lazy: bool = False,
+            replay: bool | None = None, replay_ops: int | None = None,
+            replay_bytes: int | None = None, pool: Any = None) -> None:
     """Run ``remote_accelerator`` tensors on Genie server(s) from now on.
 
     Args:
@@ -51,6 +53,14 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
         timeout: seconds of server silence after which an operation fails with
             :class:`~genie.remote.ServerUnavailableError` (a busy server keeps saying it is alive).
         lazy: open the session at the first materialization instead of now.
+        replay: keep each session's lineage and, when its server is lost, rebuild the session on
+            another address of the list (or the same one once it is back) and go on (see
+            docs/deployment.md, "Recovery"); default on when several addresses are given.
+        replay_ops / replay_bytes: a replay's cost bounds (ops; host bytes the lineage holds)
+            past which the session is checkpointed (its live values downloaded).
+        pool: a :class:`~genie.remote.pool.Pool`, or the path of the pool file ``genie-pool``
+            printed (``GENIE_POOL``): its servers in order, keys from it, replay on, and a
+            recovering client looks there for the servers that replaced dead ones.
 
     Raises:
         ServerUnavailableError: the server cannot be reached or refuses the keys.
@@ -63,9 +73,23 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
     except ImportError as e:
         raise GenieError(f"genie.connect() needs pyzmq and msgpack ({e}); "
                          "pip install 'genie[remote]'") from None
-    key_file = key_file or os.environ.get("GENIE_KEY_FILE") or None
     keys: dict[str, Any] = {}
-    if key_file:
+    fallbacks: Any = None
+    if pool is not None:
+        from ..remote.pool import read_pool_file
+
+        if isinstance(pool, (str, os.PathLike)):
+            keys = read_pool_file(pool)
+            fallbacks = lambda: read_pool_file(pool)["address"]  # noqa: E731
+        else:
+            keys = {**(pool.keys or {}), "address": pool.addresses,
+                    "insecure": pool.keys is None}
+            fallbacks = lambda: pool.addresses  # noqa: E731
+        address = address or keys["address"]
+        insecure = insecure or bool(keys.get("insecure"))
+        replay = True if replay is None else replay
+    key_file = key_file or os.environ.get("GENIE_KEY_FILE") or None
+    if key_file and pool is None:
         path = Path(key_file).expanduser()
         try:
             keys = json.loads(path.read_text())
@@ -83,8 +107,12 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
             client_keys = (keys.get("client_public_key"), keys.get("client_secret_key"))
     disconnect()
     cpub, csec = client_keys if client_keys else (None, None)
+    if replay is None:
+        replay = len(addrs) > 1
     new = [Client(a, server_key=server_key, client_public=cpub, client_secret=csec,
-                  insecure=insecure, timeout=timeout) for a in addrs]
+                  insecure=insecure, timeout=timeout, replay=replay,
+                  fallbacks=fallbacks or addrs,
+                  replay_ops=replay_ops, replay_bytes=replay_bytes) for a in addrs]
     if not lazy:
         try:
             for c in new:
@@ -243,6 +271,10 @@ def _run_split(tape: Tape) -> dict[int, Any]:
 
 def connect_from_env() -> None:
     """``GENIE_SERVER`` at import: connect lazily (the session opens at first use)."""
+    pool = os.environ.get("GENIE_POOL", "").strip()
+    if pool:
+        connect(pool=pool, timeout=float(os.environ.get("GENIE_TIMEOUT", "30")), lazy=True)
+        return
     addr = os.environ.get("GENIE_SERVER", "").strip()
     if addr:
         connect(addr, insecure=os.environ.get("GENIE_INSECURE", "") == "1",

@@ -14,6 +14,12 @@ Failure: the client waits for an answer at most ``timeout`` seconds of server *s
 busy with a long tape says so twice a second), watches the connection (a server that dies
 mid-request is reported at once) and then raises a :class:`~genie.remote.RemoteError` naming the
 server; a client that lost its session refuses all later work with :class:`SessionLostError`.
+
+Recovery (``replay=True``): the client keeps its session's :class:`~genie.remote.lineage.Lineage`;
+when the server dies or forgets the session, it opens a new session on the next address of its
+pool (or the same one once it is back), replays the log (same handle ids, same random seeds),
+re-sends the interrupted request and goes on; handles stay valid. Only what cannot be replayed
+(no server answers within ``timeout``, or the replay itself fails) raises as without replay.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -43,6 +50,7 @@ from . import (
     ServerUnavailableError,
     SessionLostError,
 )
+from .lineage import FreeEntry, Lineage, PutEntry, RunEntry, host_sources
 from .protocol import (
     EXT_INPUT,
     PROTOCOL_VERSION,
@@ -131,11 +139,19 @@ class Client:
         timeout: seconds of server silence after which a request fails (at least 1: a busy
             server says it is alive twice a second).
         heartbeat: run the background thread that keeps the lease and flushes frees.
+        replay: keep the session's lineage and rebuild it elsewhere when the server is lost.
+        fallbacks: the addresses to rebuild on (tried in order; the own address is tried last),
+            or a function that gives them (a pool whose members are replaced).
+        replay_ops / replay_bytes: bounds on a replay's cost (ops, host bytes held) past which
+            the client checkpoints (downloads the session's live values).
     """
 
     def __init__(self, address: str, *, server_key: str | None = None,
                  client_public: str | None = None, client_secret: str | None = None,
-                 insecure: bool = False, timeout: float = 30.0, heartbeat: bool = True) -> None:
+                 insecure: bool = False, timeout: float = 30.0, heartbeat: bool = True,
+                 replay: bool = False,
+                 fallbacks: Sequence[str] | Callable[[], Sequence[str]] = (),
+                 replay_ops: int | None = None, replay_bytes: int | None = None) -> None:
         if not insecure and not (server_key and client_public and client_secret):
             raise ServerUnavailableError(
                 address, "a secure connection needs the server's public key and an authorized "
@@ -164,6 +180,14 @@ class Client:
         self.alive = True
         self.lost: str | None = None
         self.resident = (0, 0)
+        self._lineage: Lineage | None = None
+        if replay:
+            self._lineage = Lineage()
+            if replay_ops is not None:
+                self._lineage.max_ops = replay_ops
+            if replay_bytes is not None:
+                self._lineage.max_host_bytes = replay_bytes
+        self._fallbacks = fallbacks
 
     # --- lifecycle --------------------------------------------------------------------------
     def open(self) -> Client:
@@ -220,14 +244,17 @@ class Client:
                 self.timeout = saved
             self._shutdown("the client disconnected (genie.disconnect())")
 
-    def _shutdown(self, why: str) -> None:
+    def _shutdown(self, why: str, final: bool = True) -> None:
+        """Close the connection; ``final=False`` keeps what a recovery needs (uploads, frees)."""
         self.alive = False
         self.lost = self.lost or why
         self._hb_stop.set()
         if self._hb is not None and self._hb is not threading.current_thread():
             self._hb.join(timeout=5)
-        self._pending_free.clear()
-        self._uploads.clear()
+        if final:
+            self._lineage = None
+            self._pending_free.clear()
+            self._uploads.clear()
         for s in (self._mon, self._sock):
             if s is not None:
                 s.close(linger=0)
@@ -245,7 +272,7 @@ class Client:
         """Record a fatal failure, close everything, return the error to raise."""
         why = str(err).split("] ", 1)[-1]
         self.lost = why
-        self._shutdown(why)
+        self._shutdown(why, final=self._lineage is None)
         return err
 
     def _release(self, hid: int) -> None:
@@ -365,6 +392,9 @@ class Client:
             pass
         if out:
             bump("frees_sent", len(out))
+            lin = self._lineage
+            if lin is not None:
+                lin.record_free(out)
         return out
 
     # --- the requests ----------------------------------------------------------------------------
@@ -373,6 +403,13 @@ class Client:
         into ``handle.host``)."""
         with self._lock:
             self.open()
+            lin = self._lineage
+            if lin is not None and lin.stale():
+                try:
+                    self._checkpoint()
+                except (ServerUnavailableError, SessionLostError):
+                    self._recover()
+                    self._checkpoint()
             uploads: dict[int, tuple[torch.Tensor, int]] = {}
             enc = encode_tape(tape, lambda s, v, frames: self._input_const(s, v, frames, uploads))
             inputs = tape.inputs
@@ -392,17 +429,31 @@ class Client:
             else:
                 header["d"] = delta
             self._skeletons.pop(enc.key, None)
+            what = f"a tape of {len(tape.instrs)} ops"
             try:
-                h, frames = self._call_locked(header, enc.frames, f"a tape of "
-                                              f"{len(tape.instrs)} ops")
+                try:
+                    h, frames = self._call_locked(header, enc.frames, what)
+                except (ServerUnavailableError, SessionLostError):
+                    if self._lineage is None:
+                        raise
+                    self._recover()  # a new session: the interrupted tape goes whole
+                    h = {"t": "miss"}
                 if h.get("t") == "miss":  # the server forgot the skeleton: send it whole
                     header = {"t": "run", "k": enc.key, "id0": id0, "sk": enc.skeleton,
                               "c": enc.consts}
                     bump("skeletons_sent")
-                    h, frames = self._call_locked(header, enc.frames, "a tape (resent)")
+                    h, frames = self._call_locked(header, enc.frames, what + " (resent)")
             except _ExecFailure as f:
                 raise f.error(tape, self.address) from None
             self._skeletons[enc.key] = enc.consts
+            lin = self._lineage
+            if lin is not None:
+                srcs = host_sources(x for ins in tape.instrs for x in ins.leaves)
+                srcs += [(t, t._version) for t, _ in uploads.values()]
+                lin.record_run(RunEntry(enc.key, enc.skeleton, enc.consts, enc.frames, id0,
+                                        len(tape.instrs), srcs),
+                               [hid for _, hid in uploads.values()] + list(range(id0,
+                                                                                 id0 + n_new)))
             if len(self._skeletons) > SKELETON_MEMORY:
                 self._skeletons.popitem(last=False)
             remote_inputs: dict[int, Handle] = {}
@@ -437,9 +488,138 @@ class Client:
         """Download the values of ``handles`` (one round trip)."""
         with self._lock:
             self._check_alive()
-            h, frames = self._call({"t": "get", "ids": [x.id for x in handles]}, (),
-                                   f"a download of {len(handles)} value(s)")
+            header = {"t": "get", "ids": [x.id for x in handles]}
+            what = f"a download of {len(handles)} value(s)"
+            try:
+                h, frames = self._call(header, (), what)
+            except (ServerUnavailableError, SessionLostError):
+                if self._lineage is None:
+                    raise
+                self._recover()
+                h, frames = self._call_locked(header, (), what)
             return self._read_outputs(h, frames, None)
+
+    # --- lineage: checkpoints and recovery ------------------------------------------------------
+    def _checkpoint(self) -> None:
+        """Replace the lineage by the session's live values (one download)."""
+        lin = self._lineage
+        assert lin is not None
+        t0 = time.monotonic()
+        frees = self._drain_frees()
+        ids = list(lin.live)
+        header: dict[str, Any] = {"t": "get", "ids": ids}
+        if frees:
+            header["free"] = frees
+        h, frames = self._call_locked(header, (), f"a checkpoint of {len(ids)} value(s)")
+        lin.checkpoint(ids, self._read_outputs(h, frames, None))
+        bump("checkpoints")
+        logger.info("genie: checkpoint of %d values (%d bytes) from %s in %.3f s", len(ids),
+                    lin.host_bytes, self.address, time.monotonic() - t0)
+
+    def _recover(self) -> None:
+        """Open a session on a pool address and replay the lineage into it; on failure, end
+        this client as without replay and raise :class:`SessionLostError`."""
+        lin = self._lineage
+        assert lin is not None
+        t0 = time.monotonic()
+        lost, first = self.lost, self.address
+        candidates = self._candidates(first)
+        if lin.sources_changed():
+            self._shutdown(lost or "lost", final=True)
+            raise SessionLostError(first, f"the session was lost ({lost}) and cannot be rebuilt: "
+                                   "a host tensor it was built from was written since it was "
+                                   "sent; recompute from the start")
+        deadline = t0 + self.timeout
+        errors: list[str] = []
+        while True:
+            candidates = self._candidates(first)  # a pool may have replaced a member meanwhile
+            for addr in candidates:
+                try:
+                    self._reopen(addr)
+                    n = self._replay(lin)
+                except (ServerUnavailableError, SessionLostError) as e:
+                    errors.append(str(e))
+                    continue
+                except RemoteError as e:  # the replay itself failed: nothing more to try
+                    errors.append(str(e))
+                    break
+                dt = time.monotonic() - t0
+                bump("replays")
+                bump("replayed_requests", n)
+                _counts["last_recovery_ms"] = int(dt * 1000)
+                logger.warning("genie: the session on %s was lost (%s); rebuilt on %s by "
+                               "replaying %d requests (%d ops) in %.3f s", first, lost, addr, n,
+                               lin.ops, dt)
+                return
+            else:
+                if time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    continue
+            break
+        self.address = first
+        self.lost = lost
+        self._shutdown(lost or "lost", final=True)
+        raise SessionLostError(first, f"the session was lost ({lost}) and could not be rebuilt "
+                               f"on {', '.join(candidates)} within {self.timeout:g} s: "
+                               f"{errors[-1] if errors else 'no server answered'}; start a "
+                               "server and genie.connect() again, then recompute")
+
+    def _candidates(self, lost: str) -> list[str]:
+        """Where to rebuild: the other pool members first, the lost address last."""
+        fb = self._fallbacks
+        try:
+            addrs = list(fb() if callable(fb) else fb)
+        except Exception as e:  # an unreadable pool file: the known addresses still work
+            logger.warning("genie: cannot read the pool's addresses: %s", e)
+            addrs = []
+        return [a for a in addrs if a != lost] + [lost]
+
+    def _reopen(self, addr: str) -> None:
+        for s in (self._mon, self._sock):
+            if s is not None:
+                s.close(linger=0)
+        self._mon = self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        self.address = addr
+        self.alive, self.lost, self.session = True, None, None
+        self._connected = False
+        self._hb_stop = threading.Event()
+        self._skeletons.clear()
+        self.open()
+
+    def _replay(self, lin: Lineage) -> int:
+        """Send the lineage to the fresh session; the number of requests it took."""
+        n = 0
+        sent: dict[bytes, list[Any]] = {}
+        for e in list(lin.entries):
+            if type(e) is PutEntry:
+                tape = Tape([], dict(enumerate(e.values)), [], set(), [], {}, 0)
+                hids = iter(e.ids)
+                enc = encode_tape(tape, lambda _s, v, frames: msgpack.ExtType(
+                    EXT_INPUT, pack([host_ref(v, frames), next(hids)])))
+                self._call_locked({"t": "run", "k": enc.key, "id0": 0, "sk": enc.skeleton,
+                                   "c": enc.consts}, enc.frames, "a checkpoint upload")
+            elif type(e) is RunEntry:
+                header: dict[str, Any] = {"t": "run", "k": e.key, "id0": e.id0, "c": e.consts}
+                if e.key not in sent:
+                    header["sk"] = e.skeleton
+                sent[e.key] = e.consts
+                try:
+                    h, _ = self._call_locked(header, e.frames, f"a replayed tape of {e.ops} ops")
+                    if h.get("t") == "miss":
+                        header["sk"] = e.skeleton
+                        self._call_locked(header, e.frames, f"a replayed tape of {e.ops} ops")
+                except _ExecFailure as f:
+                    raise RemoteError(self.address, f"a replayed tape failed: {f}") from None
+            else:
+                assert type(e) is FreeEntry
+                self._call_locked({"t": "free", "ids": e.ids}, (), "replayed frees")
+            n += 1
+        self._skeletons.clear()
+        self._skeletons.update(sent)
+        return n
 
     def _read_outputs(self, h: dict[str, Any], frames: list[zmq.Frame],
                       into: list[Handle] | None) -> list[torch.Tensor]:
@@ -503,10 +683,17 @@ class Client:
                 if not ((self._pending_free and (idle or len(self._pending_free) > 4096))
                         or now - last_ping > every):
                     continue
-                frees = self._drain_frees()
-                rid = -next(rids)
-                sock.send_multipart([pack({"t": "free" if frees else "ping", "rid": rid,
-                                           "s": self.session, "ids": frees})])
+                # frees only while no request runs: a checkpoint reads the live ids, and a
+                # free that overtook it would make it ask for a freed value
+                locked = self._lock.acquire(blocking=False)
+                try:
+                    frees = self._drain_frees() if locked else []
+                    rid = -next(rids)
+                    sock.send_multipart([pack({"t": "free" if frees else "ping", "rid": rid,
+                                               "s": self.session, "ids": frees})])
+                finally:
+                    if locked:
+                        self._lock.release()
                 last_ping = now
                 waited = 0.0
                 while not self._hb_stop.is_set() and waited < self.timeout:

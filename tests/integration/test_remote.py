@@ -439,7 +439,7 @@ def test_killed_server_raises_not_hangs(spare: ServerProc, server: ServerProc) -
     time.sleep(2.0)  # longer than the lease: the heartbeat keeps the session
     y = x * 3
     assert isinstance(y.sum().item(), float)
-    z = torch.randn(500, 500, device=DEV)
+    z = torch.randn(800, 800, device=DEV)  # seconds of work: outlasts the 0.5 s timer
     for _ in range(200):
         z = torch.tanh(z @ z)
     threading.Timer(0.5, spare.proc.kill).start()  # killed while it runs this long tape

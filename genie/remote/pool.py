@@ -1,0 +1,364 @@
+"""A pool of genie-servers: who they are, whether they live, and their replacement.
+
+One notion of pool for recovery (a client rebuilds a lost session on another member) and for
+placement (which member runs a tape): a :class:`Pool` is an ordered list of members, each a
+server address plus the launcher's handle on it. A *launcher* starts, probes and stops servers;
+:class:`RayLauncher` runs each server as a Ray actor (one accelerator each through Ray's
+resources), :class:`ProcessLauncher` as a local ``genie-server`` process (no Ray needed).
+
+Invariants: member ``i`` is ``remote_accelerator:i`` of a client that connected to the pool; a
+dead member is replaced in place (same index, new address); the *pool file* (JSON: the addresses
+comma-separated under ``address``, the server key and an authorized client key pair, or
+``insecure``) always lists the current members, so a client that lost a server finds its
+replacement there (``genie.connect(pool=path)`` re-reads it when it recovers). ``genie-pool``
+(:func:`main`) prints the ``GENIE_*=value`` lines a client needs, checks the members' health,
+and stops them all on exit.
+
+Example::
+
+    genie-pool --servers 2 --device cpu          # prints GENIE_POOL=... GENIE_SERVER=...
+    GENIE_POOL=~/.config/genie/pool/pool.json python train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+logger = logging.getLogger("genie.pool")
+
+
+@dataclass
+class Member:
+    """One server of the pool: its address and the launcher's handle on it."""
+
+    address: str
+    handle: Any
+    pid: int = 0
+
+
+class Launcher(Protocol):
+    def start(self, index: int) -> Member: ...
+    def alive(self, m: Member) -> bool: ...
+    def stop(self, m: Member) -> None: ...
+    def close(self) -> None: ...
+
+
+class Pool:
+    """Servers started by ``launcher``; :meth:`check` replaces the dead ones.
+
+    Args:
+        launcher: how members are started (:class:`RayLauncher`, :class:`ProcessLauncher`).
+        n: how many servers.
+        pool_file: where to keep the pool file (see the module docstring); None: no file.
+        keys: the connection secrets for the pool file (server key, client key pair), or None
+            for ``--insecure`` servers.
+    """
+
+    def __init__(self, launcher: Launcher, n: int, *, pool_file: Path | None = None,
+                 keys: dict[str, str] | None = None) -> None:
+        if n < 1:
+            raise ValueError(f"[genie-pool] a pool needs at least one server, got {n}")
+        self.launcher = launcher
+        self.pool_file = pool_file
+        self.keys = keys
+        self.replaced = 0
+        self._lock = threading.Lock()
+        self.members: list[Member] = []
+        try:
+            for i in range(n):
+                self.members.append(launcher.start(i))
+        except BaseException:
+            self.stop()
+            raise
+        self._write()
+
+    @property
+    def addresses(self) -> list[str]:
+        with self._lock:
+            return [m.address for m in self.members]
+
+    def check(self) -> list[int]:
+        """Replace the members that died; the indices replaced."""
+        out = []
+        for i, m in enumerate(list(self.members)):
+            if self.launcher.alive(m):
+                continue
+            new = self.launcher.start(i)
+            with self._lock:
+                self.members[i] = new
+            self.replaced += 1
+            logger.warning("genie-pool: server %d at %s died; replaced by %s", i, m.address,
+                           new.address)
+            out.append(i)
+        if out:
+            self._write()
+        return out
+
+    def stop(self) -> None:
+        for m in self.members:
+            try:
+                self.launcher.stop(m)
+            except Exception as e:  # stopping the others matters more
+                logger.warning("genie-pool: stopping %s: %s", m.address, e)
+        self.members = []
+        self.launcher.close()
+
+    def connection(self) -> dict[str, Any]:
+        """What a client needs: ``address`` (comma-separated) and keys or ``insecure``; the
+        members' process ids (``pids``) for operators."""
+        with self._lock:
+            d: dict[str, Any] = {"address": ",".join(m.address for m in self.members),
+                                 "pids": [m.pid for m in self.members]}
+        d.update(self.keys or {"insecure": True})
+        return d
+
+    def _write(self) -> None:
+        if self.pool_file is None:
+            return
+        tmp = self.pool_file.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.connection(), f, indent=1)
+        os.replace(tmp, self.pool_file)  # readers never see half a file
+
+
+def read_pool_file(path: str | Path) -> dict[str, Any]:
+    """The pool file's contents; ``address`` as a list."""
+    p = Path(path).expanduser()
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        from ..errors import GenieError
+
+        raise GenieError(f"cannot read the Genie pool file {p}: {e}; start the pool with "
+                         "genie-pool, which writes it") from None
+    addr = d.get("address", "")
+    d["address"] = [a.strip() for a in addr.split(",") if a.strip()] if isinstance(addr, str) \
+        else list(addr)
+    return d
+
+
+# --- launchers ---------------------------------------------------------------------------------
+
+def _key_files(keys_dir: Path | None) -> dict[str, str]:
+    """The server's key files (relative path -> text), to recreate its key directory anywhere."""
+    if keys_dir is None:
+        return {}
+    return {str(p.relative_to(keys_dir)): p.read_text()
+            for p in sorted(keys_dir.rglob("*.key*")) if p.is_file()}
+
+
+class _ServerActor:
+    """A genie-server inside a Ray actor: it lives as long as the actor's process."""
+
+    def __init__(self, device: str, host: str, key_files: dict[str, str], lease: float) -> None:
+        from .. import backends
+        from .server import Server
+
+        os.environ.pop("GENIE_SERVER", None)  # the server runs tapes itself
+        backends.set_backends([n for n in backends.backend_order() if n != "remote"])
+        keys_dir = None
+        if key_files:
+            keys_dir = tempfile.mkdtemp(prefix="genie-keys-")
+            for rel, text in key_files.items():
+                p = Path(keys_dir) / rel
+                p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+        self.server = Server(device, f"{host}:0", insecure=not key_files, keys_dir=keys_dir,
+                             lease=lease)
+        self.addr = self.server.start()
+        threading.Thread(target=self.server.serve, name="genie-serve", daemon=True).start()
+
+    def info(self) -> tuple[str, int]:
+        return self.addr, os.getpid()
+
+
+class RayLauncher:
+    """Members as Ray actors (``num_gpus=1`` each for CUDA, one CPU each otherwise).
+
+    Args:
+        device: ``cuda`` or ``cpu`` (what each actor serves).
+        address: a Ray cluster (``ray.init(address=...)``); None starts a local Ray instance.
+        keys_dir: CURVE key directory to serve with (copied into each actor), None: insecure.
+    """
+
+    def __init__(self, device: str, address: str | None = None, keys_dir: Path | None = None,
+                 lease: float = 60.0) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise SystemExit("genie-pool: Ray is not installed: pip install 'genie[pool]' (or "
+                             "pip install ray), or use --launcher process") from None
+        self.ray = ray
+        self.device = device
+        self.lease = lease
+        self._own = not ray.is_initialized()
+        if self._own:
+            kw: dict[str, Any] = {"address": address} if address else {
+                "include_dashboard": False, "num_cpus": max(2, os.cpu_count() or 1)}
+            ray.init(logging_level=logging.WARNING, log_to_driver=False, **kw)
+        self.host = "127.0.0.1" if not address else ray.util.get_node_ip_address()
+        self.key_files = _key_files(keys_dir)
+        opts = {"num_gpus": 1} if device.startswith("cuda") else {"num_cpus": 1}
+        self._cls = ray.remote(**opts)(_ServerActor)
+
+    def start(self, index: int) -> Member:
+        actor = self._cls.remote("cuda" if self.device.startswith("cuda") else "cpu", self.host,
+                                 self.key_files, self.lease)
+        addr, pid = self.ray.get(actor.info.remote(), timeout=120)
+        return Member(addr, actor, pid)
+
+    def alive(self, m: Member) -> bool:
+        try:
+            self.ray.get(m.handle.info.remote(), timeout=10)
+            return True
+        except Exception:
+            return False
+
+    def stop(self, m: Member) -> None:
+        self.ray.kill(m.handle, no_restart=True)
+
+    def close(self) -> None:
+        if self._own and self.ray.is_initialized():
+            self.ray.shutdown()
+
+
+class ProcessLauncher:
+    """Members as local ``genie-server`` processes (for machines without Ray)."""
+
+    def __init__(self, device: str, keys_dir: Path | None = None, lease: float = 60.0) -> None:
+        self.device = device
+        self.keys_dir = keys_dir
+        self.lease = lease
+
+    def start(self, index: int) -> Member:
+        args = [sys.executable, "-m", "genie.remote.server", "--device", self.device,
+                "--listen", "127.0.0.1:0", "--lease", str(self.lease)]
+        args += ["--keys", str(self.keys_dir)] if self.keys_dir else ["--insecure"]
+        env = {k: v for k, v in os.environ.items() if k != "GENIE_SERVER"}
+        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=env)
+        assert p.stdout is not None
+        deadline = time.monotonic() + 120
+        line = ""
+        while time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if line.startswith("genie-server: serving") or not line:
+                break
+        addr = next((w for w in line.split() if w.startswith("tcp://")), None)
+        if addr is None:
+            p.kill()
+            raise RuntimeError(f"genie-pool: server {index} did not start: {line!r}")
+        threading.Thread(target=_drain, args=(p.stdout,), daemon=True).start()
+        return Member(addr, p, p.pid)
+
+    def alive(self, m: Member) -> bool:
+        return m.handle.poll() is None
+
+    def stop(self, m: Member) -> None:
+        p = m.handle
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=15)
+
+    def close(self) -> None:
+        pass
+
+
+def _drain(f: Any) -> None:
+    for _ in f:  # keep the child's pipe from filling up
+        pass
+
+
+# --- genie-pool ---------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``genie-pool``: start N servers, print how to connect, keep them alive."""
+    p = argparse.ArgumentParser(prog="genie-pool", description="Start a pool of genie-servers "
+                                "(Ray actors by default), replace those that die, stop them all "
+                                "on exit.")
+    p.add_argument("--servers", type=int, required=True, help="how many servers")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="what each server serves (default: cuda if present, else cpu)")
+    p.add_argument("--address", default=None,
+                   help="the Ray cluster to run on (default: a local Ray instance)")
+    p.add_argument("--launcher", choices=("ray", "process"), default="ray",
+                   help="ray: servers as Ray actors; process: local genie-server processes")
+    p.add_argument("--insecure", action="store_true",
+                   help="servers without authentication or encryption (local experiments)")
+    p.add_argument("--keys", default=None, help="CURVE key directory (default $GENIE_KEYS_DIR "
+                   "or ~/.config/genie/server)")
+    p.add_argument("--pool-file", default=None, help="where to write the pool file (default "
+                   "KEYS/pool.json, or a temporary file with --insecure)")
+    p.add_argument("--lease", type=float, default=60.0)
+    p.add_argument("--check-every", type=float, default=2.0,
+                   help="seconds between health checks (default 2)")
+    p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    import torch
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    keys_dir = None
+    secrets: dict[str, str] | None = None
+    if not a.insecure:
+        import zmq.auth
+
+        from .server import ensure_keys
+
+        keys_dir = Path(a.keys or os.environ.get("GENIE_KEYS_DIR") or
+                        Path.home() / ".config" / "genie" / "server").expanduser()
+        pub, _, _ = ensure_keys(keys_dir)
+        cpub, csec = zmq.auth.load_certificate(str(keys_dir / "client.key_secret"))
+        assert cpub is not None and csec is not None
+        secrets = {"server_public_key": pub.decode(), "client_public_key": cpub.decode(),
+                   "client_secret_key": csec.decode()}
+    if a.pool_file:
+        pool_file = Path(a.pool_file).expanduser()
+    elif keys_dir is not None:
+        pool_file = keys_dir / "pool.json"
+    else:
+        pool_file = Path(tempfile.mkdtemp(prefix="genie-pool-")) / "pool.json"
+    t0 = time.monotonic()
+    launcher: Launcher = (RayLauncher(device, a.address, keys_dir, a.lease)
+                          if a.launcher == "ray" else ProcessLauncher(device, keys_dir, a.lease))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
+        signal.signal(sig, lambda *_: stop.set())
+    pool = Pool(launcher, a.servers, pool_file=pool_file, keys=secrets)
+    try:
+        addrs = ",".join(pool.addresses)
+        print(f"genie-pool: {a.servers} {device} servers ({a.launcher}) up in "
+              f"{time.monotonic() - t0:.1f} s: {addrs}", flush=True)
+        print(f"GENIE_POOL={pool_file}", flush=True)
+        print(f"GENIE_SERVER={addrs}", flush=True)
+        print("GENIE_INSECURE=1" if a.insecure else f"GENIE_KEY_FILE={pool_file}", flush=True)
+        while not stop.wait(a.check_every):
+            for i in pool.check():
+                print(f"genie-pool: replaced server {i}: {pool.members[i].address}", flush=True)
+    finally:
+        pool.stop()
+        logger.info("genie-pool: stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The pool of servers (issue 14): started, watched, replaced; clients connect to it.
+
+``genie-pool`` runs the servers as Ray actors (tests skip with the reason when Ray is not
+installed: it is the optional extra ``genie[pool]``); the same :class:`~genie.remote.pool.Pool`
+with local processes runs without Ray. Servers are ``--insecure`` on 127.0.0.1; every
+subprocess has a timeout and is stopped in ``finally``. Values are compared with eager.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import genie
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgpack")
+
+from genie.remote.pool import Pool, ProcessLauncher, read_pool_file  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(4)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+
+
+def _forward_on(dev: str, x: torch.Tensor) -> torch.Tensor:
+    return _mlp().to(dev)(x.to(dev)).cpu()
+
+
+def _wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout} s")
+        time.sleep(0.2)
+
+
+def test_process_pool_replaces_a_dead_server(tmp_path: Path) -> None:
+    """Pool without Ray: forward on both members equals eager; a member killed with SIGKILL
+    is replaced in the pool file, and the client's session is rebuilt (replay)."""
+    pool = Pool(ProcessLauncher("cpu"), 2, pool_file=tmp_path / "pool.json")
+    try:
+        x = torch.randn(5, 8)
+        ref = _mlp()(x)
+        genie.connect(pool=str(tmp_path / "pool.json"), timeout=10)
+        for i in range(2):
+            torch.testing.assert_close(_forward_on(f"remote_accelerator:{i}", x), ref)
+        m = _mlp().to("remote_accelerator:0")
+        xd = x.to("remote_accelerator:0")
+        torch.testing.assert_close(m(xd).cpu(), ref)
+        dead = pool.members[0]
+        dead.handle.kill()
+        dead.handle.wait(timeout=10)
+        assert pool.check() == [0]
+        new = read_pool_file(tmp_path / "pool.json")["address"]
+        assert new[0] != dead.address and new[1] == pool.members[1].address
+        genie.reset_stats()
+        torch.testing.assert_close(m(xd * 2).cpu(), _mlp()(x * 2))  # resident weights: replayed
+        assert genie.stats()["replays"] == 1
+    finally:
+        genie.disconnect()
+        pool.stop()
+
+
+@pytest.fixture
+def genie_pool(tmp_path: Path):
+    pytest.importorskip("ray", reason="genie-pool runs servers as Ray actors: pip install "
+                        "'genie[pool]' (ray) to run this test")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GENIE_LOG_LEVEL": "WARNING",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("GENIE_SERVER", None)
+    env.pop("GENIE_POOL", None)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "genie.remote.pool", "--servers", "2",
+                             "--device", "cpu", "--insecure", "--check-every", "0.5",
+                             "--pool-file", str(tmp_path / "pool.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env)
+    try:
+        lines: dict[str, str] = {}
+        deadline = time.monotonic() + 120
+        while "GENIE_INSECURE" not in lines and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if "=" in line and line.startswith("GENIE_"):
+                k, v = line.strip().split("=", 1)
+                lines[k] = v
+        assert "GENIE_POOL" in lines, f"genie-pool did not start: {lines}"
+        lines["startup_s"] = f"{time.monotonic() - t0:.1f}"
+        yield proc, lines
+    finally:
+        genie.disconnect()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        proc.stdout.close()
+
+
+def test_genie_pool_ray_forward_matches_eager(genie_pool) -> None:
+    """genie-pool with 2 CPU actors: a forward on each equals eager; an actor killed with
+    SIGKILL is replaced (the pool file changes) and the client goes on by replay; SIGTERM stops
+    the pool cleanly."""
+    proc, lines = genie_pool
+    pool_file = lines["GENIE_POOL"]
+    assert lines["GENIE_SERVER"] == ",".join(read_pool_file(pool_file)["address"])
+    x = torch.randn(5, 8)
+    ref = _mlp()(x)
+    genie.connect(pool=pool_file, timeout=20)
+    for i in range(2):
+        torch.testing.assert_close(_forward_on(f"remote_accelerator:{i}", x), ref)
+    m = _mlp().to("remote_accelerator:1")
+    xd = x.to("remote_accelerator:1")
+    torch.testing.assert_close(m(xd).cpu(), ref)
+    before = json.loads(Path(pool_file).read_text())
+    os.kill(before["pids"][1], signal.SIGKILL)
+    _wait_for(lambda: json.loads(Path(pool_file).read_text())["pids"][1] != before["pids"][1],
+              60, "the pool did not replace the killed actor")
+    torch.testing.assert_close(m(xd + 1).cpu(), _mlp()(x + 1))
+    assert genie.stats()["replays"] >= 1
+    genie.disconnect()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
