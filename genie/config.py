@@ -26,6 +26,8 @@ class Config:
     meta_cache: bool = _flag("GENIE_META_CACHE", "1") != "0"
     record_source: bool = _flag("GENIE_RECORD_SOURCE", "0") == "1"
     debug: int = int(_flag("GENIE_DEBUG", "0") or 0)
+    # Output metadata of common ops from genie.shape_rules before meta kernels (0: kernels only).
+    shape_rules: bool = _flag("GENIE_SHAPE_RULES", "1") != "0"
     # Take recorded nodes that cannot close a reference cycle off the cyclic GC (genie.graph).
     gc_untrack: bool = _flag("GENIE_GC_UNTRACK", "1") != "0"
 
