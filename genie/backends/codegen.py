@@ -89,7 +89,7 @@ class Generated:
             if i is None:
                 raise
             ins = tape.instrs[i]
-            raise ExecutionError(ins.op, ins.where, e) from e
+            raise ExecutionError(ins.op, ins.where, e, i) from e
 
     def _failing(self, e: BaseException) -> int | None:
         tb = e.__traceback__

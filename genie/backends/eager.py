@@ -49,12 +49,12 @@ def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
         gen = codegen.for_tape(tape)
         if gen is not None:  # a repeated plan: its generated replay function
             return gen(tape, dev)
-        for ins in tape.instrs:
+        for i, ins in enumerate(tape.instrs):
             try:
                 outs = run_instr(ins, env, dev if ins.device == tape.index else
                                  real_device(ins.device))
             except Exception as e:
-                raise ExecutionError(ins.op, ins.where, e) from e
+                raise ExecutionError(ins.op, ins.where, e, i) from e
             for s, v in zip(ins.outs, outs):
                 if s is not None:
                     env[s] = v

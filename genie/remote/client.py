@@ -743,5 +743,5 @@ class _ExecFailure(Exception):
             cause = RuntimeError(msg)
         if type(i) is int and 0 <= i < len(tape.instrs):
             ins = tape.instrs[i]
-            return ExecutionError(ins.op, ins.where, cause)
+            return ExecutionError(ins.op, ins.where, cause, i)
         return RemoteError(address, f"a tape failed on the server: {msg}")

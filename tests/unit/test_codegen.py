@@ -91,7 +91,9 @@ def test_generated_error_names_the_op():
     codegen.set_mode("always")
     a = torch.randn(3, 3, device=D)
     idx = torch.tensor([0, 5], device=D)  # out of range: only the real kernel can tell
-    with pytest.raises(ExecutionError, match="index_select.*failed on the device: IndexError"):
+    with pytest.raises(ExecutionError, match="index_select.*failed on the device: IndexError") \
+            as e:
         (a.index_select(0, idx) + 1).cpu()
+    assert e.value.index is not None  # the failing instruction's position in its tape
     with pytest.raises(IndexError):  # eager raises the same kind of error
         torch.randn(3, 3).index_select(0, torch.tensor([0, 5]))
