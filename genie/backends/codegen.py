@@ -37,7 +37,6 @@ Example:
 
 from __future__ import annotations
 
-import linecache
 import os
 from typing import Any
 
@@ -215,8 +214,8 @@ def generate(tape: Tape) -> Generated:
     code = compile(src, filename, "exec")
     ns: dict[str, Any] = dict(consts)
     exec(code, ns)
-    # tracebacks through generated code show its lines
-    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    # Not registered in linecache (it would grow with every plan ever generated, evicted or not):
+    # the source is Generated.source, and errors name the op and its recorded line anyway.
     return Generated(ns["replay"], src, lines)
 
 
