@@ -12,7 +12,7 @@ op; others compile it or send it to a server.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,12 +22,6 @@ from .device import real_device
 from .graph import Node, pending_total
 from .planner import PendingSlots, Tape
 from .stats import bump
-
-#: Set by a backend whose values live elsewhere (``genie.backends.remote``): turns the values a
-#: materialization produced (real tensors, or handles of tensors resident on a server) into the
-#: real tensors the caller gets. None: the values are the real device tensors themselves.
-fetch_values: Callable[[list[Any]], list[Any]] | None = None
-
 
 _MATH_BIT_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative,
                   torch._C.DispatchKey.ZeroTensor)
@@ -94,9 +88,7 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
         outs = fast
     else:
         outs = run_tape(plan_cache.plan(targets), index)
-    if fetch_values is not None:
-        outs = fetch_values(outs)
-    return outs
+    return backends.fetch(outs)  # handles of values resident on a server -> real tensors
 
 
 def _ready(n: Node, out: int) -> torch.Tensor | None:
