@@ -269,6 +269,38 @@ def retrack_below(leaves: list[Any]) -> None:
     _gc_retrack_below(leaves, Ref)
 
 
+def live_nodes() -> int:
+    """How many nodes are alive in the process, GC-tracked or not (tests and benchmarks).
+
+    Untracked nodes do not appear in ``gc.get_objects()``; they are found from the tracked
+    objects that refer to them (tensors, tracked nodes, storages) and through inputs and pending
+    writes. Slow (a pass over the whole heap): never on a hot path.
+    """
+    stack: list[Node] = []
+    for o in gc.get_objects():
+        if type(o) is Node:
+            stack.append(o)
+            continue
+        for r in gc.get_referents(o):
+            t = type(r)
+            if t is Node:
+                stack.append(r)
+            elif t is Ref:
+                stack.append(r.node)
+    seen: set[int] = set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.leaves:
+            stack += [x.node for x in n.leaves if type(x) is Ref]
+        for s in n.storages:
+            if s is not None:
+                stack += s.pending_writes
+    return len(seen)
+
+
 def op_name(op: Any) -> str:
     """``aten.add.Tensor`` for an OpOverload, the pseudo-op's name otherwise."""
     return str(op)

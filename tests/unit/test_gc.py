@@ -92,3 +92,17 @@ def test_values_equal_with_and_without_untracking() -> None:
     config.gc_untrack = False
     off = run()
     assert torch.equal(on, off)
+
+
+def test_live_nodes_counts_untracked_nodes() -> None:
+    from genie.graph import live_nodes
+
+    gc.collect()
+    base = live_nodes()
+    a = torch.ones(3, device=DEV)
+    ys = [a * i for i in range(5)]  # 5 untracked nodes, plus a's factory node
+    assert not any(gc.is_tracked(y._node) for y in ys)
+    assert live_nodes() == base + 6
+    del ys, a
+    gc.collect()
+    assert live_nodes() == base
