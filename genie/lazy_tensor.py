@@ -63,6 +63,9 @@ def current_graph() -> Graph:
     return g[-1] if g else DEFAULT_GRAPH
 
 
+_TENSOR_DATA = torch.Tensor.data
+
+
 class LazyTensor(torch.Tensor):
     """A tensor on ``remote_accelerator:N``: metadata now, values on demand.
 
@@ -111,6 +114,29 @@ class LazyTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner: Any, ctx: Any, outer_size: Any, outer_stride: Any) -> Any:
         return aten.alias.default(ctx)
+
+    # `param.data = new` (nn.Module.half()/.double()/.to(dtype) on device parameters) replaces the
+    # TensorImpl's metadata in C++; the wrapper must follow it to the new value's node, or it
+    # would report the new dtype while its recorded value (and every op on it) keeps the old one.
+    @property
+    def data(self) -> torch.Tensor:
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        if type(new) is not LazyTensor:
+            raise RuntimeError(
+                f"cannot set .data of a {self.device} tensor to a tensor on {new.device}; "
+                f"move the new value to {self.device} first (new.to('{self.device}')).")
+        _TENSOR_DATA.__set__(self, new)
+        self._node, self._out = new._node, new._out
+        track(self, new._node, new._out)
+
+    def __format__(self, format_spec: str) -> str:
+        # as torch.Tensor.__format__: a 0-dim tensor formats as its Python number (f"{loss:.4f}")
+        if self.dim() == 0:
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)
 
     @property
     def _meta(self) -> TensorMeta:
@@ -213,6 +239,10 @@ def _same_device(leaves: list[Any], index: int, func: Any) -> None:
 def record(func: Any, args: tuple, kwargs: dict) -> Any:
     """Record one ATen call on LazyTensors and return LazyTensor outputs (never computes)."""
     pol = policy(func)
+    if pol.implicit:  # inference mode skips the autograd keys that decompose these
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     leaves, spec = _flatten(args, kwargs)
     index = -1
     real_inputs = False
@@ -357,6 +387,10 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             src = src[k] if kind == "write" else src[0]
         storages[k] = src._node.storages[src._out]
         if kind == "write":
+            if metas[k].shape != src._node.metas[src._out].shape:
+                # an out= argument of the wrong size: eager resizes it first (resize_output)
+                aten.resize_.default(src, metas[k].shape)
+                return record(func, args, kwargs)
             results[k] = src  # in-place and out=: the op returns its mutated argument itself
         else:
             fresh.append(k)
@@ -386,7 +420,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
 # Inplace-view ops that change *storage* (not just the view's metadata): not a re-view of the
 # same storage, so they cannot be recorded as one.
 _STORAGE_CHANGING = frozenset(
-    getattr(p, o) for p in (aten.set_, aten.resize_, aten.resize_as_) for o in p.overloads())
+    getattr(p, o) for p in (aten.set_,) for o in p.overloads())
 
 
 def _record_inplace_view(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any],
@@ -413,10 +447,24 @@ def _record_inplace_view(func: Any, pol: Any, args: tuple, kwargs: dict, leaves:
         meta_in_tls = torch._C._meta_in_tls_dispatch_include()
         torch._C._set_meta_in_tls_dispatch_include(True)
         try:
-            func(*args, **kwargs)
+            if func in _RESIZE:
+                # resize_ may need more storage than the wrapper's (data-less) one has, and its
+                # meta kernel wants a meta tensor: take a fresh wrapper's storage and metadata.
+                m = node.metas[0]
+                torch.Tensor.set_(target, torch.Tensor._make_wrapper_subclass(
+                    LazyTensor, m.shape, strides=m.stride, storage_offset=m.offset,
+                    dtype=m.dtype, device=target.device))
+            else:
+                func(*args, **kwargs)
         finally:
             torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
     return target
+
+
+# resize_/resize_as_ are recorded as a re-view of their argument's storage (see
+# _record_inplace_view): the executor resizes a fresh alias of the real value, which grows the
+# shared real storage as eager does, so every view keeps seeing the same bytes.
+_RESIZE = frozenset(getattr(p, o) for p in (aten.resize_, aten.resize_as_) for o in p.overloads())
 
 
 _LEAF_SPEC = optree.tree_structure(0, none_is_leaf=True)
