@@ -387,7 +387,8 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             src = src[k] if kind == "write" else src[0]
         storages[k] = src._node.storages[src._out]
         if kind == "write":
-            if metas[k].shape != src._node.metas[src._out].shape:
+            if metas[k].shape != src._node.metas[src._out].shape and \
+                    func._schema.arguments[pos].is_out:
                 # an out= argument of the wrong size: eager resizes it first (resize_output)
                 aten.resize_.default(src, metas[k].shape)
                 return record(func, args, kwargs)
