@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import backends, plan_cache
+from . import backends, memory, plan_cache
 from .device import real_device
 from .graph import Node, pending_total
 from .planner import PendingSlots, Tape
@@ -55,6 +55,7 @@ def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
     bump("nodes_executed", len(tape.instrs))
     outputs = [kept[s] for s in tape.outputs]
     _bind(tape, kept)
+    memory.after_run(tape, kept, index)
     return outputs
 
 
