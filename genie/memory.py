@@ -22,6 +22,7 @@ path (after a run binds its values), never while recording.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any
 
@@ -30,7 +31,10 @@ import torch
 _held: dict[int, dict[tuple[int, int], list[int]]] = {}  # index -> storage key -> [refs, bytes]
 _allocated: dict[int, int] = {}
 _peak: dict[int, int] = {}
-_refs: set[Any] = set()  # the weak references whose callbacks release their tensor's share
+# the weak references whose callbacks release their tensor's share, by a running number (a set
+# would compare two weak references by their tensors' __eq__)
+_refs: dict[int, Any] = {}
+_next_ref = itertools.count()
 
 
 _tracking = [False]  # tape high-water marks are computed once someone asks for a peak
@@ -65,15 +69,16 @@ def hold(index: int, values: Any) -> None:
             _allocated[index] = _allocated.get(index, 0) + key[1]
         else:
             e[0] += 1
-        _refs.add(weakref.ref(v, _releaser(index, key)))
+        n = next(_next_ref)
+        _refs[n] = weakref.ref(v, _releaser(index, key, n))
     a = _allocated.get(index, 0)
     if a > _peak.get(index, 0):
         _peak[index] = a
 
 
-def _releaser(index: int, key: tuple[int, int]) -> Any:
+def _releaser(index: int, key: tuple[int, int], n: int) -> Any:
     def release(r: Any) -> None:
-        _refs.discard(r)
+        _refs.pop(n, None)
         held = _held.get(index)
         e = held.get(key) if held else None
         if e is None:
