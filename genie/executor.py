@@ -21,6 +21,7 @@ from . import backends, memory, plan_cache
 from .device import real_device
 from .graph import Node, pending_total
 from .planner import PendingSlots, Tape
+from .profiling import phase
 from .stats import bump
 
 #: Set by a backend whose values live elsewhere (``genie.backends.remote``): turns the values a
@@ -94,9 +95,13 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
     if all(v is not None for v in fast):
         outs = fast
     else:
-        outs = run_tape(plan_cache.plan(targets), index)
+        with phase("plan"):
+            tape = plan_cache.plan(targets)
+        with phase("execute"):
+            outs = run_tape(tape, index)
     if fetch_values is not None:
-        outs = fetch_values(outs)
+        with phase("transfer"):
+            outs = fetch_values(outs)
     return outs
 
 

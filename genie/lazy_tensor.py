@@ -24,6 +24,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.autograd.profiler as _profiler
 
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -35,6 +36,7 @@ from .executor import real_dispatch
 from .graph import (DEFAULT_GRAPH, Graph, MetaArg, Node, Ref, Storage, TensorMeta, pending_total,
                     track)
 from .meta import eager_error, infer, meta_cache, meta_tensor, policy, static_shape
+from .profiling import phase
 from .stats import _counts, bump
 
 aten = torch.ops.aten
@@ -148,6 +150,9 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if _profiler._is_profiler_enabled:  # a genie.record range, only under torch.profiler
+            with _profiler.record_function("genie.record"):
+                return record(func, args, kwargs or {})
         return record(func, args, kwargs or {})
 
     # --- materialization triggers that Tensor does not route through an ATen op -----------------
@@ -518,14 +523,14 @@ def _transfer(func: Any, args: tuple, kwargs: dict, leaves: list[Any], index: in
         dev = kwargs.get("device")
         if isinstance(dev, torch.device) and dev.type != DEVICE_TYPE:
             real = materialize_one(args[0], "cpu" if dev.type == "cpu" else "to")
-            with real_dispatch():
+            with real_dispatch(), phase("transfer"):
                 return func(real, *args[1:], **kwargs)
         return _NOT_HANDLED
     if func is _copy:
         dst, src = args[0], args[1]
         if not isinstance(dst, LazyTensor):  # host_tensor.copy_(lazy): a download
             real = materialize_one(src, "cpu")
-            with real_dispatch():
+            with real_dispatch(), phase("transfer"):
                 return func(dst, real, *args[2:], **kwargs)
         if isinstance(src, LazyTensor):
             return _NOT_HANDLED

@@ -30,6 +30,8 @@ stamp=.venv/.genie-build-stamp
 want=$(cat setup.py pyproject.toml csrc/* 2>/dev/null | sha256sum | cut -d' ' -f1)
 if [ "$(cat $stamp 2>/dev/null)" != "$want" ] || ! $VPY -c "import genie._C" 2>/dev/null; then
   echo "setup: building genie (native runtime in csrc/, about a minute)..."
+  # the distribution was named "genie" before (a name taken on PyPI): drop that old install
+  if $VPY -m pip show -q genie >/dev/null 2>&1; then $VPY -m pip uninstall -y -q genie; fi
   MAX_JOBS=${MAX_JOBS:-2} $VPY -m pip install -q --no-build-isolation --no-deps -e .
   echo "$want" > $stamp
 fi
