@@ -7,6 +7,7 @@
 // runtime; they are private (underscored) and typed in genie/_C.pyi.
 #include <array>
 #include <cstdint>
+#include <vector>
 
 #include <pybind11/pybind11.h>
 #include <torch/csrc/Generator.h>
@@ -35,6 +36,138 @@ py::object default_generator_object(int64_t index) {
   return py::reinterpret_borrow<py::object>(obj);
 }
 
+// Take objects out of (or back into) the cyclic garbage collector's lists. Recording makes
+// several small container objects per op (genie.graph.untrack_node says which); with a large
+// heap alive (a transformers model: ~400k tracked objects), the collections their allocation
+// triggers cost more than the recording itself. Only objects that cannot be part of an
+// uncollected cycle are untracked; genie.graph.retrack_below puts them back where a write could
+// close one.
+void untrack(PyObject* o) {
+  if (PyObject_IS_GC(o) && PyObject_GC_IsTracked(o)) {
+    PyObject_GC_UnTrack(o);
+  }
+}
+
+void untrack_objects(const py::args& objects) {
+  for (const auto& o : objects) {
+    untrack(o.ptr());
+  }
+}
+
+// Untrack every element of `items` (a list) whose type is exactly `type`.
+void untrack_of_type(const py::list& items, const py::handle& type) {
+  PyObject* t = type.ptr();
+  const Py_ssize_t n = PyList_GET_SIZE(items.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = PyList_GET_ITEM(items.ptr(), i);
+    if (reinterpret_cast<PyObject*>(Py_TYPE(o)) == t) {
+      untrack(o);
+    }
+  }
+}
+
+// One recorded node and its containers (see genie.graph.untrack_node): the node, its argument
+// list and the Refs in it, its storage, output and consumer lists, the weak references in its
+// outputs, and its own weak reference. One call per recorded op, so no Python-level loop.
+void untrack_node(const py::handle& node, const py::handle& leaves, const py::handle& ref_type) {
+  static PyObject* const names[] = {
+      PyUnicode_InternFromString("storages"), PyUnicode_InternFromString("outputs"),
+      PyUnicode_InternFromString("consumers"), PyUnicode_InternFromString("_wref")};
+  untrack(node.ptr());
+  if (PyList_Check(leaves.ptr())) {
+    untrack(leaves.ptr());
+    untrack_of_type(py::reinterpret_borrow<py::list>(leaves), ref_type);
+  }
+  for (PyObject* name : names) {
+    PyObject* o = PyObject_GetAttr(node.ptr(), name);
+    if (o == nullptr) {
+      throw py::error_already_set();
+    }
+    untrack(o);
+    if (PyList_Check(o)) {
+      const Py_ssize_t n = PyList_GET_SIZE(o);
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* e = PyList_GET_ITEM(o, i);
+        if (PyWeakref_CheckRefExact(e)) {
+          untrack(e);
+        }
+      }
+    }
+    Py_DECREF(o);
+  }
+}
+
+void track(PyObject* o) {
+  if (PyObject_IS_GC(o) && !PyObject_GC_IsTracked(o)) {
+    PyObject_GC_Track(o);
+  }
+}
+
+PyObject* get_attr(PyObject* o, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(o, name);
+  if (r == nullptr) {
+    throw py::error_already_set();
+  }
+  return r;
+}
+
+// genie.graph.retrack_below: track again every untracked node reachable from the Refs in
+// `leaves`, with its containers, stopping at tracked nodes (whose inputs are tracked already).
+void retrack_below(const py::handle& leaves, const py::handle& ref_type) {
+  static PyObject* const node_name = PyUnicode_InternFromString("node");
+  static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
+  static PyObject* const names[] = {
+      PyUnicode_InternFromString("storages"), PyUnicode_InternFromString("outputs"),
+      PyUnicode_InternFromString("consumers"), PyUnicode_InternFromString("_wref")};
+  PyObject* const ref_t = ref_type.ptr();
+  std::vector<py::object> stack;  // owned references: nothing is freed during the walk
+  auto push_refs = [&](PyObject* list) {
+    const Py_ssize_t n = PyList_GET_SIZE(list);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* x = PyList_GET_ITEM(list, i);
+      if (reinterpret_cast<PyObject*>(Py_TYPE(x)) == ref_t) {
+        track(x);
+        stack.push_back(py::reinterpret_steal<py::object>(get_attr(x, node_name)));
+      }
+    }
+  };
+  if (PyList_Check(leaves.ptr())) {
+    push_refs(leaves.ptr());
+  }
+  while (!stack.empty()) {
+    py::object n = std::move(stack.back());
+    stack.pop_back();
+    if (PyObject_GC_IsTracked(n.ptr())) {
+      continue;
+    }
+    track(n.ptr());
+    for (PyObject* name : names) {
+      auto o = py::reinterpret_steal<py::object>(get_attr(n.ptr(), name));
+      track(o.ptr());
+      if (PyList_Check(o.ptr())) {
+        const Py_ssize_t k = PyList_GET_SIZE(o.ptr());
+        for (Py_ssize_t i = 0; i < k; ++i) {
+          track(PyList_GET_ITEM(o.ptr(), i));
+        }
+      }
+    }
+    auto below = py::reinterpret_steal<py::object>(get_attr(n.ptr(), leaves_name));
+    if (PyList_Check(below.ptr())) {
+      track(below.ptr());
+      push_refs(below.ptr());
+    }
+  }
+}
+
+void track_objects(const py::args& objects) {
+  for (const auto& o : objects) {
+    PyObject* p = o.ptr();
+    if (PyObject_IS_GC(p) && !PyObject_GC_IsTracked(p)) {
+      PyObject_GC_Track(p);
+    }
+  }
+}
+
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -60,5 +193,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("index"), "Set the current device and return the previous index.");
   m.def("_default_generator", &default_generator_object, py::arg("index"),
         "The default torch.Generator of device `index` (-1: current device); same object every call.");
+  m.def("_gc_untrack", &untrack_objects,
+        "Untrack the given objects from the cyclic GC (no-op for untracked or non-GC objects).");
+  m.def("_gc_untrack_of_type", &untrack_of_type, py::arg("items"), py::arg("type"),
+        "Untrack the elements of the list `items` whose type is exactly `type`.");
+  m.def("_gc_untrack_node", &untrack_node, py::arg("node"), py::arg("leaves"), py::arg("ref_type"),
+        "Untrack a recorded node, its argument list and Refs, its storage/output/consumer lists, "
+        "the weak references in those lists, and its own weak reference.");
+  m.def("_gc_retrack_below", &retrack_below, py::arg("leaves"), py::arg("ref_type"),
+        "Track again every untracked node reachable from the Refs in `leaves` (and its "
+        "containers), stopping at tracked nodes.");
+  m.def("_gc_track", &track_objects,
+        "Track the given objects again in the cyclic GC (no-op for tracked or non-GC objects).");
   m.attr("_max_devices") = static_cast<int>(genie::kMaxDevices);
 }

@@ -29,3 +29,22 @@ def _exchange_device(index: int) -> int:
 
 def _default_generator(index: int) -> torch.Generator:
     """The default generator of device ``index`` (-1: current); the same object on every call."""
+
+def _gc_untrack(*objects: object) -> None:
+    """Take ``objects`` out of the cyclic garbage collector (no-op where not tracked or not GC).
+
+    Only for objects that cannot be part of a reference cycle (see ``genie.graph.untrack_node``).
+    """
+
+def _gc_untrack_of_type(items: list[object], type: type) -> None:
+    """:func:`_gc_untrack` the elements of ``items`` whose type is exactly ``type``."""
+
+def _gc_untrack_node(node: object, leaves: object, ref_type: type) -> None:
+    """Untrack a recorded node and its containers in one call (``genie.graph.untrack_node``)."""
+
+def _gc_retrack_below(leaves: object, ref_type: type) -> None:
+    """Track again every untracked node reachable from the Refs in ``leaves``, with its
+    containers, stopping at tracked nodes (``genie.graph.retrack_below``)."""
+
+def _gc_track(*objects: object) -> None:
+    """Put ``objects`` back under the cyclic garbage collector (no-op where tracked or not GC)."""

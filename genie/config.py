@@ -1,7 +1,7 @@
 """Genie's in-process settings, read from ``GENIE_*`` environment variables once at import.
 
-``GENIE_DEVICE``, ``GENIE_DEVICE_COUNT``, ``GENIE_META_CACHE``, ``GENIE_RECORD_SOURCE`` and
-``GENIE_DEBUG`` live here; the engine and remote modules read their own (``GENIE_BACKENDS``,
+``GENIE_DEVICE``, ``GENIE_DEVICE_COUNT``, ``GENIE_META_CACHE``, ``GENIE_RECORD_SOURCE``,
+``GENIE_GC_UNTRACK`` and ``GENIE_DEBUG`` live here; the engine and remote modules read their own (``GENIE_BACKENDS``,
 ``GENIE_PLAN_CACHE``, ``GENIE_COMPILER``, ``GENIE_SERVER``, ...). docs/env.md is the one table of
 all of them, with meanings and defaults.
 """
@@ -26,6 +26,10 @@ class Config:
     meta_cache: bool = _flag("GENIE_META_CACHE", "1") != "0"
     record_source: bool = _flag("GENIE_RECORD_SOURCE", "0") == "1"
     debug: int = int(_flag("GENIE_DEBUG", "0") or 0)
+    # Output metadata of common ops from genie.shape_rules before meta kernels (0: kernels only).
+    shape_rules: bool = _flag("GENIE_SHAPE_RULES", "1") != "0"
+    # Take recorded nodes that cannot close a reference cycle off the cyclic GC (genie.graph).
+    gc_untrack: bool = _flag("GENIE_GC_UNTRACK", "1") != "0"
 
 
 config = Config()

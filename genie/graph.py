@@ -34,6 +34,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
+from ._C import _gc_retrack_below, _gc_untrack_node
+
 _record_counter = itertools.count()
 
 
@@ -230,6 +232,41 @@ def track(t: Any, node: Node, out: int) -> None:
     else:
         a = t._alive = Alive()
         node.outputs[out] = weakref.ref(a)
+
+
+# --- the cyclic garbage collector ---------------------------------------------------------------
+#
+# Recording allocates about ten small GC-tracked objects per op (the node, its argument, storage,
+# output and consumer lists, its Refs, weak references). They live until the next
+# materialization, so CPython's collector promotes them to its oldest generation, and every few
+# decode steps runs a full collection over the whole heap: with a transformers model alive
+# (~400k tracked objects) that cost a GPT-2 decode step more than recording itself (21 of 57 ms,
+# /tmp script in the issue 11 note). Objects the collector can never need to see are therefore
+# taken off its lists at record time. Invariants:
+#
+# - Only a node that cannot close a reference cycle is untracked: Node -> Ref -> Node edges go to
+#   older nodes, and Storage -> Node edges exist only in ``Storage.pending_writes``. So a cycle
+#   needs a write: storage -> writer -> (inputs ...) -> a node whose ``storages`` hold that storage.
+#   Writers, capture-graph nodes and nodes created outside ``record`` stay tracked.
+# - A tracked node's inputs, transitively, are tracked: before a writer (or a capture node) is
+#   recorded, :func:`retrack_below` tracks again everything below it, stopping at tracked nodes.
+#   Every cycle a write closes then consists of tracked objects only, and is collected as before.
+
+
+def untrack_node(node: Node, leaves: list[Any]) -> None:
+    """Take a recorded node (no writes, default graph), once its output tensors are bound, off
+    the GC: the node, ``leaves`` and its Refs, its storage, output and consumer lists, the weak
+    references in them, and its own weak reference (one native call)."""
+    _gc_untrack_node(node, leaves, Ref)
+
+
+def retrack_below(leaves: list[Any]) -> None:
+    """Track again every untracked node (and its containers) reachable from the Refs in ``leaves``.
+
+    Amortized O(1) per node: a node is re-tracked at most once and the walk stops at tracked
+    nodes, whose inputs are tracked already (the invariant above). Native: one call per write.
+    """
+    _gc_retrack_below(leaves, Ref)
 
 
 def op_name(op: Any) -> str:

@@ -34,7 +34,7 @@ from .device import DEVICE_TYPE, real_device
 from .errors import UnsupportedOpError
 from .executor import real_dispatch
 from .graph import (DEFAULT_GRAPH, Graph, MetaArg, Node, Ref, Storage, TensorMeta, pending_total,
-                    track)
+                    retrack_below, track, untrack_node)
 from .meta import eager_error, infer, meta_cache, meta_tensor, policy, static_shape
 from .profiling import phase
 from .stats import _counts, bump
@@ -401,6 +401,9 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
         else:
             fresh.append(k)
 
+    untracked = config.gc_untrack and not writes and not graph.keep_nodes
+    if not untracked and config.gc_untrack:
+        retrack_below(rec)  # a writer (or capture node) may close a cycle: keep it collectable
     node = Node(func, rec, spec, metas, out_spec, storages, writes, graph, rng)
     node.entry = entry  # interned per meta-cache key: the plan cache compares nodes by identity
     if config.record_source or graph.keep_nodes:
@@ -418,6 +421,8 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
         pending_total[0] += len(writes)
     for k in fresh:
         results[k] = LazyTensor(node, k, metas[k])
+    if untracked:
+        untrack_node(node, rec)
     if len(results) == 1 and plan_single(out_spec):
         return results[0]
     return optree.tree_unflatten(out_spec, results)

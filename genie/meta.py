@@ -23,10 +23,12 @@ import optree
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .config import config
 from .device import DEVICE_TYPE
 from .errors import UnsupportedOpError
 from .graph import TensorMeta
 from .portable import portable_kernel
+from .shape_rules import RULES
 from .stats import bump
 
 _DYNAMIC = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
@@ -227,8 +229,20 @@ class MetaEntry:
     spec: Any
 
 
+_LEAF_SPEC = optree.tree_structure(0, none_is_leaf=True)
+
+
 def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -> MetaEntry:
-    """Run ``func`` on meta tensors built from the meta leaves ``leaves`` (a cache miss)."""
+    """Output metadata for a cache miss: a shape rule (:mod:`genie.shape_rules`) where one
+    applies, else ``func`` run on meta tensors built from the meta leaves ``leaves``."""
+    rule = RULES.get(func)
+    if rule is not None and index >= 0 and config.shape_rules:
+        args, kwargs = optree.tree_unflatten(spec, leaves)
+        m = None if kwargs else rule(args, index)
+        if m is not None:
+            bump("meta_cache_misses")
+            bump("shape_rule_hits")
+            return MetaEntry([m], _LEAF_SPEC, [None], output_plan(pol, [m]), spec)
     mleaves = [meta_tensor(x) if type(x) is TensorMeta else x for x in leaves]
     margs, mkwargs = optree.tree_unflatten(spec, mleaves)
     dev = mkwargs.get("device")

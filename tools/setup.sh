@@ -28,11 +28,14 @@ $VPY -m pip install -q "setuptools>=64" wheel ninja optree numpy "pytest>=8" "py
 
 stamp=.venv/.genie-build-stamp
 want=$(cat setup.py pyproject.toml csrc/* 2>/dev/null | sha256sum | cut -d' ' -f1)
-if [ "$(cat $stamp 2>/dev/null)" != "$want" ] || ! $VPY -c "import genie._C" 2>/dev/null; then
+if [ "$(cat $stamp 2>/dev/null)" != "$want" ] || ! $VPY -c "import genie" 2>/dev/null; then
   echo "setup: building genie (native runtime in csrc/, about a minute)..."
   # the distribution was named "genie" before (a name taken on PyPI): drop that old install
   if $VPY -m pip show -q genie >/dev/null 2>&1; then $VPY -m pip uninstall -y -q genie; fi
-  MAX_JOBS=${MAX_JOBS:-2} $VPY -m pip install -q --no-build-isolation --no-deps -e .
+  # No autoload while building: setup.py imports torch, and torch would import the installed
+  # genie, whose Python may need native functions the stale genie._C does not have yet.
+  TORCH_DEVICE_BACKEND_AUTOLOAD=0 MAX_JOBS=${MAX_JOBS:-2} \
+    $VPY -m pip install -q --no-build-isolation --no-deps -e .
   echo "$want" > $stamp
 fi
-$VPY -c "import torch, genie; print('setup: genie ready, torch', torch.__version__, '| remote_accelerator ->', genie.executor.real_device(0))"
+$VPY -c "import torch, genie; print('setup: genie ready, torch', torch.__version__, '| remote_accelerator ->', genie.device.real_device(0))"

@@ -1,0 +1,88 @@
+"""The server's request queue: fair across sessions, in order within one.
+
+``genie-server`` runs requests on ``--workers`` threads. :class:`FairQueue` hands them out so
+that
+
+- requests of one session (one *key*) run one at a time, in arrival order (a session's store and
+  skeleton cache are never touched by two workers at once);
+- sessions take turns: after a worker takes a request of a session, that session goes to the
+  back of the line, so a client that queued many requests, or whose long tape occupies a
+  worker, cannot keep the others' short requests waiting while a worker is free;
+- the queued requests of a client that disconnected are dropped (:meth:`drop`), never run.
+
+Invariant: an item is returned by :meth:`get` at most once; :meth:`done` must follow each
+:meth:`get` (it frees the key for the next request of that session).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+
+class FairQueue:
+    """Round-robin over keys; one item per key in flight."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._q: collections.OrderedDict[Hashable, collections.deque[Any]] = \
+            collections.OrderedDict()
+        self._running: set[Hashable] = set()
+        self._n = 0
+        self._closed = False
+
+    def qsize(self) -> int:
+        return self._n
+
+    def put(self, key: Hashable, item: Any) -> None:
+        with self._cv:
+            self._q.setdefault(key, collections.deque()).append(item)
+            self._n += 1
+            self._cv.notify()
+
+    def get(self) -> tuple[Hashable, Any] | None:
+        """The next (key, item) whose key is not in flight; blocks; None once closed."""
+        with self._cv:
+            while True:
+                if self._closed:
+                    return None
+                for key, items in self._q.items():
+                    if key in self._running:
+                        continue
+                    item = items.popleft()
+                    if items:
+                        self._q.move_to_end(key)  # its next request waits for the others' turn
+                    else:
+                        del self._q[key]
+                    self._n -= 1
+                    self._running.add(key)
+                    return key, item
+                self._cv.wait()
+
+    def done(self, key: Hashable) -> None:
+        with self._cv:
+            self._running.discard(key)
+            if key in self._q:
+                self._cv.notify()
+
+    def drop(self, match: Callable[[Any], bool]) -> int:
+        """Remove the queued items for which ``match(item)`` holds; how many."""
+        with self._cv:
+            n = 0
+            for key in list(self._q):
+                items = self._q[key]
+                keep = collections.deque(x for x in items if not match(x))
+                n += len(items) - len(keep)
+                if keep:
+                    self._q[key] = keep
+                else:
+                    del self._q[key]
+            self._n -= n
+            return n
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()

@@ -1,0 +1,88 @@
+"""Concurrent sessions on one server (issue 14): a short request is not stuck behind another
+client's long tape.
+
+One ``--insecure`` server on 127.0.0.1 per case; the long tape runs in a client *process* (another
+client, as in production); the short request in this one. With ``--workers 4`` the short request
+completes while the long tape still runs; with ``--workers 1`` it waits for it (the contrast
+shows the test can fail), and a queued request of a client that disconnects is cancelled.
+Ordering is asserted, not timings (those are in bench/bench_remote.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import genie
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgpack")
+
+from test_recovery import ROOT, spawn_servers, stop  # noqa: E402
+
+LONG = """
+import sys, time, torch, genie
+genie.connect(sys.argv[1], insecure=True, timeout=60)
+z = torch.randn(1024, 1024, device="remote_accelerator") / 32
+for _ in range(int(sys.argv[2])):
+    z = torch.tanh(z @ z)
+print("start", flush=True)
+z.sum().item()
+print("done", time.monotonic(), flush=True)  # CLOCK_MONOTONIC: one clock for all processes
+"""
+
+
+def _long_client(addr: str, n: int = 150) -> subprocess.Popen:
+    """A client process running a chain of ``n`` 1024x1024 matmuls (seconds of work)."""
+    p = subprocess.Popen([sys.executable, "-c", LONG, addr, str(n)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    line = p.stdout.readline()
+    assert line.startswith("start"), line
+    time.sleep(1.0)  # the tape reaches the server and runs
+    return p
+
+
+@pytest.mark.parametrize("workers", [4, 1])
+def test_short_request_while_another_clients_long_tape_runs(workers: int) -> None:
+    [(srv, addr)] = spawn_servers(1, "--workers", str(workers), "--log-level", "INFO")
+    long = None
+    try:
+        genie.connect(addr, insecure=True, timeout=60)
+        x = torch.arange(6.0).reshape(2, 3)
+        assert (x.to("remote_accelerator") + 1).sum().item() == 21.0  # warm: session, paths
+        long = _long_client(addr)
+        assert long.poll() is None, "the long tape ended before the short request was sent"
+        if workers == 1:
+            import zmq  # a client that queues a request behind the tape, then disconnects
+
+            ctx = zmq.Context()
+            s = ctx.socket(zmq.DEALER)
+            s.connect(addr)
+            from genie.remote.protocol import PROTOCOL_VERSION, pack
+
+            s.send_multipart([pack({"t": "hello", "rid": 1, "v": PROTOCOL_VERSION})])
+            time.sleep(0.3)
+            s.close(linger=0)
+            ctx.term()
+        got = (x.to("remote_accelerator") * 2).sum().item()
+        short_done = time.monotonic()
+        assert got == (x * 2).sum().item()
+        out, _ = long.communicate(timeout=120)
+        assert long.returncode == 0, out
+        long_done = float(out.split("done", 1)[1].split()[0])
+        if workers > 1:
+            assert short_done < long_done, "the short request waited for the long tape"
+        else:
+            assert short_done > long_done  # one worker: it waited (what the pool fixes)
+            srv.terminate()
+            log, _ = srv.communicate(timeout=30)
+            assert "1 queued request(s) cancelled" in log
+    finally:
+        genie.disconnect()
+        if long is not None:
+            stop([long])
+        stop([srv])

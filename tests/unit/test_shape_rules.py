@@ -1,0 +1,152 @@
+"""Shape rules (genie.shape_rules) against PyTorch's meta kernels, the oracle they replace.
+
+OpInfo samples of the ops whose ATen calls the rules cover (directly, or through their
+decompositions: ``reshape`` -> ``view``, ``matmul`` -> ``bmm``/``expand``, ``stack`` -> ``cat``)
+run on meta tensors under a dispatch mode. At every ATen call with a rule, the rule's answer
+must equal the meta kernel's output metadata (shape, stride, storage offset, dtype), and where the
+meta kernel raises, the rule must have declined (None), so errors stay the kernels'.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.testing._internal.common_methods_invocations import op_db
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from genie.graph import TensorMeta
+from genie.shape_rules import RULES
+
+aten = torch.ops.aten
+OPINFOS = ["add", "sub", "mul", "eq", "ne", "le", "lt", "ge", "gt", "view", "reshape", "expand",
+           "unsqueeze", "transpose", "cat", "stack", "bmm", "matmul", "flatten", "broadcast_to"]
+DTYPES = [torch.float32, torch.int64, torch.float64]
+
+
+class _Check(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked: Counter[str] = Counter()
+        self.declined: Counter[str] = Counter()
+        self.failures: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        rule = RULES.get(func)
+        pred = None
+        if rule is not None and not kwargs:
+            margs = tree_map(lambda t: TensorMeta.of(t, 0) if isinstance(t, torch.Tensor) else t,
+                             args)
+            pred = rule(tuple(margs), 0)
+            if pred is None:
+                self.declined[str(func)] += 1
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:
+            if pred is not None:
+                self.failures.append(f"{func}: meta kernel raised {type(e).__name__} but the "
+                                     f"rule answered {pred}")
+            raise
+        if pred is not None:
+            got = TensorMeta.of(out, 0)
+            if got != pred:
+                self.failures.append(f"{func}{_describe(args)}: rule {pred} != meta {got}")
+            self.checked[str(func)] += 1
+        return out
+
+
+def _describe(args: tuple) -> str:
+    return str(tree_map(lambda t: (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+                        if isinstance(t, torch.Tensor) else t, args))
+
+
+def _to_meta(x):  # noqa: ANN001, ANN202
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+def test_rules_equal_meta_kernels_over_opinfo() -> None:
+    check = _Check()
+    ops = [op for op in op_db if op.name in OPINFOS and op.variant_test_name == ""]
+    assert {op.name for op in ops} == set(OPINFOS)
+    for op in ops:
+        for dtype in DTYPES:
+            if dtype not in op.supported_dtypes("cpu"):
+                continue
+            for s in op.sample_inputs("cpu", dtype):
+                inp, args, kwargs = tree_map(_to_meta, (s.input, s.args, s.kwargs))
+                with check:
+                    try:
+                        op.op(inp, *args, **kwargs)
+                    except Exception:  # noqa: BLE001 - an error sample: the rule declined or fails above
+                        pass
+            for e in op.error_inputs("cpu") if op.error_inputs_func else ():
+                s = e.sample_input
+                inp, args, kwargs = tree_map(_to_meta, (s.input, s.args, s.kwargs))
+                with check:
+                    try:
+                        op.op(inp, *args, **kwargs)
+                    except Exception:  # noqa: BLE001
+                        pass
+    assert not check.failures, "\n".join(check.failures[:20])
+    # every rule was exercised where it answers (not only declined): the comparison ran
+    for op in (aten.view.default, aten.expand.default, aten.unsqueeze.default,
+               aten.transpose.int, aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor,
+               aten.cat.default, aten.bmm.default, aten.eq.Tensor, aten.le.Tensor):
+        assert check.checked[str(op)] >= 3, f"{op}: rule answered only {check.checked[str(op)]}x"
+
+
+@pytest.mark.parametrize("shape,size", [((2, 3, 4), (6, 4)), ((2, 3, 4), (-1,)),
+                                        ((1, 4), (4, 1, 1)), ((5,), (5, 1)), ((2, 3), (3, 3)),
+                                        ((2, 3), (-1, -1)), ((6,), (0, -1))])
+def test_view_rule_matches_or_declines(shape, size) -> None:  # noqa: ANN001
+    check = _Check()
+    x = torch.empty(shape, device="meta")
+    with check:
+        try:
+            x.view(size)
+        except RuntimeError:
+            pass
+    assert not check.failures, check.failures
+
+
+def test_rules_decide_recording_metadata() -> None:
+    """Through genie: with rules on, metadata of recorded ops equals eager's on the CPU."""
+    import genie  # noqa: F401
+    from genie.config import config
+
+    a, b = torch.randn(2, 3, 4), torch.randn(1, 3, 4)
+    for flag in (True, False):
+        config.shape_rules = flag
+        try:
+            la, lb = a.to("remote_accelerator"), b.to("remote_accelerator")
+            for f in (lambda p, q: p + q, lambda p, q: (p * q).view(6, 4),
+                      lambda p, q: torch.cat([p, q.expand(2, 3, 4)], 1).transpose(0, 2),
+                      lambda p, q: torch.bmm(p, q.expand(2, 3, 4).transpose(1, 2)),
+                      lambda p, q: p.unsqueeze(1) <= q):
+                got, want = f(la, lb), f(a, b)
+                assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(),
+                                                                want.dtype)
+                torch.testing.assert_close(got.cpu(), want)
+        finally:
+            config.shape_rules = True
+
+
+def test_scalar_operands_match_or_decline() -> None:
+    check = _Check()
+    f = torch.empty(2, 3, device="meta")
+    i = torch.empty(2, 3, dtype=torch.int64, device="meta")
+    h = torch.empty(2, 3, dtype=torch.float16, device="meta")
+    with check:
+        for x in (f, i, h):
+            for s in (2, 0.5, True):
+                for fn in (torch.add, torch.sub, torch.mul, torch.eq, torch.ne, torch.le,
+                           torch.lt):
+                    try:
+                        fn(x, s)
+                    except RuntimeError:
+                        pass
+    assert not check.failures, check.failures
+    assert sum(check.checked.values()) >= 20, check.checked
