@@ -22,11 +22,14 @@ def autoload() -> None:
     mine = os.path.join(here, "genie", "__init__.py")
     mod = sys.modules.get("genie")
     try:
-        origin = getattr(mod, "__file__", None) if mod is not None else \
-            getattr(importlib.util.find_spec("genie"), "origin", None)
+        spec = mod.__spec__ if mod is not None else importlib.util.find_spec("genie")
+        origin = spec.origin if spec is not None else None
+        if origin is None and spec is not None:  # a folder without __init__.py
+            origin = ", ".join(spec.submodule_search_locations or ())
     except (ImportError, ValueError):
         origin = None
-    if origin is None or not os.path.exists(mine) or not os.path.samefile(origin, mine):
+    if not origin or not os.path.isfile(origin) or not os.path.exists(mine) or \
+            not os.path.samefile(origin, mine):
         warnings.warn(
             f"genie-remote-accelerator: the 'genie' Python would import ({origin}) is not the "
             f"package installed with this entry point ({mine}); remote_accelerator is not "
