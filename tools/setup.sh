@@ -21,8 +21,10 @@ VPY=.venv/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 if ! $VPY -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] in ('2.13.0', '2.11.0') else 1)" 2>/dev/null; then
+  echo "setup: installing torch==2.13.0 (a large download: a minute or more)..."
   $VPY -m pip install -q "torch==2.13.0"
 fi
+echo "setup: installing build and test dependencies..."
 $VPY -m pip install -q "setuptools>=64" wheel ninja optree numpy "pytest>=8" "pytest-benchmark>=4" \
   expecttest "transformers>=4.45" pyzmq msgpack
 
