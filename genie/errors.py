@@ -29,11 +29,14 @@ class ExecutionError(GenieError):
 
     Carries the failing op and, when it was recorded, the user's source line that created the node,
     so that an error only the data can reveal (an index out of range inside ``gather``) still points
-    at the line that caused it.
+    at the line that caused it. ``index`` is the failing instruction's position in its tape, when
+    one instruction failed (a server reports it back to the client, which names the op).
     """
 
-    def __init__(self, op: object, where: str | None, cause: BaseException) -> None:
+    def __init__(self, op: object, where: str | None, cause: BaseException,
+                 index: int | None = None) -> None:
         self.op = op
         self.where = where
+        self.index = index
         at = f" (recorded at {where})" if where else ""
         super().__init__(f"[genie] {op}{at} failed on the device: {type(cause).__name__}: {cause}")

@@ -12,7 +12,7 @@ op; others compile it or send it to a server.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,12 +23,6 @@ from .graph import Node, pending_total
 from .planner import PendingSlots, Tape
 from .profiling import phase
 from .stats import bump
-
-#: Set by a backend whose values live elsewhere (``genie.backends.remote``): turns the values a
-#: materialization produced (real tensors, or handles of tensors resident on a server) into the
-#: real tensors the caller gets. None: the values are the real device tensors themselves.
-fetch_values: Callable[[list[Any]], list[Any]] | None = None
-
 
 _MATH_BIT_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative,
                   torch._C.DispatchKey.ZeroTensor)
@@ -99,10 +93,8 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
             tape = plan_cache.plan(targets)
         with phase("execute"):
             outs = run_tape(tape, index)
-    if fetch_values is not None:
-        with phase("transfer"):
-            outs = fetch_values(outs)
-    return outs
+    with phase("transfer"):
+        return backends.fetch(outs)  # handles of values resident on a server -> real tensors
 
 
 def _ready(n: Node, out: int) -> torch.Tensor | None:

@@ -39,6 +39,9 @@ class Backend(Protocol):
 
     def run(self, tape: Tape, device: torch.device) -> dict[int, Any]: ...
 
+    # Optional: ``fetch(values) -> values``, for a backend whose values live elsewhere (handles of
+    # tensors resident on a server): the materialized values as the caller gets them. See fetch.
+
 
 class BackendUnsupported(GenieError):
     """Raised by a backend's ``run`` when it finds late that it cannot take the tape."""
@@ -114,6 +117,18 @@ def run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], str]:
             logger.warning("genie: backend '%s' skipped (%s); falling back to the next one",
                            name, reason)
     raise GenieError("no backend took the tape; the order must end with 'eager'")
+
+
+def fetch(values: list[Any]) -> list[Any]:
+    """Materialized values as the caller gets them: each available backend that keeps values
+    elsewhere (one with a ``fetch`` method: ``remote``) turns its own into real tensors; values
+    computed in this process pass through unchanged."""
+    for name in backend_order():
+        b = _registry[name]
+        f = getattr(b, "fetch", None)
+        if f is not None and b.is_available():
+            values = f(values)
+    return values
 
 
 def _load_builtin() -> None:

@@ -21,7 +21,7 @@ from ..errors import ExecutionError
 from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
 from ..stats import bump
-from . import register_backend
+from . import codegen, register_backend
 
 UPLOAD = "genie.upload"
 
@@ -46,12 +46,15 @@ def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
 
     env: dict[int, Any] = dict(tape.inputs)
     with _disable_current_modes(), torch.no_grad():
-        for ins in tape.instrs:
+        gen = codegen.for_tape(tape)
+        if gen is not None:  # a repeated plan: its generated replay function
+            return gen(tape, dev)
+        for i, ins in enumerate(tape.instrs):
             try:
                 outs = run_instr(ins, env, dev if ins.device == tape.index else
                                  real_device(ins.device))
             except Exception as e:
-                raise ExecutionError(ins.op, ins.where, e) from e
+                raise ExecutionError(ins.op, ins.where, e, i) from e
             for s, v in zip(ins.outs, outs):
                 if s is not None:
                     env[s] = v

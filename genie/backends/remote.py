@@ -4,8 +4,8 @@
 materialization becomes one request to the server that ``remote_accelerator:N`` maps to (the N-th
 address given). Values that live tensors still hold are bound to their nodes as
 :class:`~genie.remote.client.Handle` objects (the tensors stay on the server); the values the
-program asked for come back in the same reply and reach the caller through the executor's
-``fetch_values`` seam as CPU tensors.
+program asked for come back in the same reply and reach the caller through this backend's
+:meth:`RemoteBackend.fetch` (called by :func:`genie.backends.fetch`) as CPU tensors.
 
 Example (needs a server on this machine, see docs/deployment.md)::
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .. import device, executor
+from .. import device
 from ..errors import DeviceError, GenieError
 from ..planner import Slot, Tape
 from . import BackendUnsupported, backend_order, register_backend, set_backends
@@ -122,7 +122,6 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
                 c.close()
             raise
     _clients[:] = new
-    executor.fetch_values = fetch_values
     set_backends(["remote", *[n for n in backend_order() if n != "remote"]])
     if device.device_count() < len(new):
         device._native()._set_device_count(len(new))
@@ -159,7 +158,7 @@ def client_for(index: int) -> Any:
 
 
 def fetch_values(values: list[Any]) -> list[Any]:
-    """The executor's seam: materialized values as the caller gets them (CPU tensors).
+    """Materialized values as the caller gets them (CPU tensors): :meth:`RemoteBackend.fetch`.
 
     Handles give the value their reply brought along, or are downloaded (one request per server);
     a client-side tensor that was also uploaded as a tape input is read back from the server,
@@ -211,6 +210,10 @@ class RemoteBackend:
 
     def check(self, tape: Tape) -> str | None:
         return None
+
+    def fetch(self, values: list[Any]) -> list[Any]:
+        """Handles (and tensors uploaded to a server) as the CPU tensors the caller gets."""
+        return fetch_values(values)
 
     def run(self, tape: Tape, device: torch.device) -> dict[int, Any]:
         from ..remote.client import Handle

@@ -56,12 +56,13 @@ from .lineage import FreeEntry, Lineage, PutEntry, RunEntry, host_sources
 from .protocol import (
     EXT_INPUT,
     PROTOCOL_VERSION,
+    FrameRef,
     const_delta,
     dtype_of,
     encode_tape,
+    frame_tensor,
     host_ref,
     pack,
-    read_into,
     unpack,
 )
 
@@ -120,6 +121,19 @@ class Handle:
     def __repr__(self) -> str:
         return (f"Handle(#{self.id} on {self.client.address}" + ("" if self.client.alive else
                 ", session gone: reconnect and recompute") + ")")
+
+
+#: frames at least this large become the downloaded tensor's memory (no copy); smaller ones are
+#: copied (they may sit unaligned inside the message struct)
+ZERO_COPY_MIN = 1 << 16
+
+
+def _host_tensor(buf: memoryview, m: list[Any]) -> torch.Tensor:
+    """A downloaded value: over :data:`ZERO_COPY_MIN` bytes, a view of the received frame (its
+    memory is this process's alone and writable; the tensor keeps the frame alive), else a
+    copy."""
+    ref = FrameRef(0, dtype_of(m[0]), tuple(m[1]), None if m[2] is None else tuple(m[2]))
+    return frame_tensor(buf, ref, copy=buf.nbytes < ZERO_COPY_MIN)
 
 
 def _nbytes(f: Any) -> int:
@@ -636,7 +650,7 @@ class Client:
             raise self._fail(ProtocolError(self.address, "answer with a wrong number of outputs"))
         out = []
         for k, (m, f) in enumerate(zip(metas, frames, strict=True)):
-            t = read_into(f.buffer, dtype_of(m[0]), m[1], m[2])
+            t = _host_tensor(f.buffer, m)
             if into is not None:
                 into[k].host = t
             out.append(t)
@@ -736,5 +750,5 @@ class _ExecFailure(Exception):
             cause = RuntimeError(msg)
         if type(i) is int and 0 <= i < len(tape.instrs):
             ins = tape.instrs[i]
-            return ExecutionError(ins.op, ins.where, cause)
+            return ExecutionError(ins.op, ins.where, cause, i)
         return RemoteError(address, f"a tape failed on the server: {msg}")

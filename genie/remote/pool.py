@@ -75,6 +75,7 @@ class Pool:
         self.keys = keys
         self.replaced = 0
         self._lock = threading.Lock()
+        self._watch_stop: threading.Event | None = None
         self.members: list[Member] = []
         try:
             for i in range(n):
@@ -98,15 +99,30 @@ class Pool:
             new = self.launcher.start(i)
             with self._lock:
                 self.members[i] = new
+            self._write()  # before counting it: a reader of `replaced` finds the file current
             self.replaced += 1
             logger.warning("genie-pool: server %d at %s died; replaced by %s", i, m.address,
                            new.address)
             out.append(i)
-        if out:
-            self._write()
         return out
 
+    def watch(self, every: float = 2.0) -> threading.Event:
+        """Run :meth:`check` every ``every`` seconds on a daemon thread until the returned event
+        is set (or :meth:`stop`)."""
+        done = self._watch_stop = threading.Event()
+
+        def loop() -> None:
+            while not done.wait(every):
+                try:
+                    self.check()
+                except Exception as e:  # a failed start is retried at the next check
+                    logger.warning("genie-pool: health check failed: %s", e)
+        threading.Thread(target=loop, name="genie-pool-watch", daemon=True).start()
+        return done
+
     def stop(self) -> None:
+        if self._watch_stop is not None:
+            self._watch_stop.set()
         for m in self.members:
             try:
                 self.launcher.stop(m)

@@ -504,7 +504,7 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
             size = kwargs.get("size", args[0] if args else None)
             if isinstance(size, (list, tuple)) and all(type(s) is int for s in size):
                 _check_alloc(math.prod(size) * 8, max_alloc, i)
-        instrs.append(Instr(t.op, leaves, t.spec, t.outs, rng, t.free, uid=f"#{i}", where=str(i)))
+        instrs.append(Instr(t.op, leaves, t.spec, t.outs, rng, t.free, uid=f"#{i}"))
     return Tape(instrs, inputs, list(c.outputs), set(c.keep), [], {})
 
 

@@ -55,6 +55,7 @@ from . import ProtocolError
 from .protocol import (
     PROTOCOL_VERSION,
     REQUESTS,
+    UPLOAD,
     AllocationTooLarge,
     Compiled,
     InputUpload,
@@ -518,10 +519,11 @@ class Server:
                 for a in added:
                     sess.drop(a)
                 cause = e.__cause__ or e
-                where = e.where
+                # the skeleton's instruction index (fill turned its uploads into inputs)
+                ran = [i for i, t in enumerate(c.templates) if t.op != UPLOAD]
+                i = ran[e.index] if e.index is not None and e.index < len(ran) else -1
                 return {"t": "err", "kind": "exec", "etype": type(cause).__name__,
-                        "msg": str(cause), "i": int(where) if isinstance(where, str) and
-                        where.isdigit() else -1}, []
+                        "msg": str(cause), "i": i}, []
             hid = id0
             in_slots = set(c.inputs)
             for s in c.keep:

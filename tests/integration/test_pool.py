@@ -60,14 +60,25 @@ def test_process_pool_replaces_a_dead_server(tmp_path: Path) -> None:
         xd = x.to("remote_accelerator:0")
         torch.testing.assert_close(m(xd).cpu(), ref)
         dead = pool.members[0]
+        pool.watch(0.2)
         dead.handle.kill()
         dead.handle.wait(timeout=10)
-        assert pool.check() == [0]
+        _wait_for(lambda: pool.replaced == 1, 60, "the dead server was not replaced")
+        assert pool.check() == []
         new = read_pool_file(tmp_path / "pool.json")["address"]
         assert new[0] != dead.address and new[1] == pool.members[1].address
         genie.reset_stats()
         torch.testing.assert_close(m(xd * 2).cpu(), _mlp()(x * 2))  # resident weights: replayed
         assert genie.stats()["replays"] == 1
+        # GENIE_POOL at import: an unchanged program runs on the pool's members
+        prog = ("import torch, genie; x = torch.arange(6.0, device='remote_accelerator:1'); "
+                "print((x * 2).sum().item(), genie.backends.remote.clients()[1].address)")
+        env = {**os.environ, "GENIE_POOL": str(tmp_path / "pool.json"), "PYTHONPATH": str(ROOT)}
+        env.pop("GENIE_SERVER", None)
+        out = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["30.0", pool.members[1].address]
     finally:
         genie.disconnect()
         pool.stop()

@@ -267,8 +267,9 @@ def test_inplace_on_resident_and_adopted_values(remote) -> None:
 def test_execution_error_on_the_server(remote) -> None:
     x = torch.ones(3, device=DEV)
     idx = torch.tensor([7]).to(DEV)
-    with pytest.raises(genie.ExecutionError, match="index"):
+    with pytest.raises(genie.ExecutionError, match="index") as e:
         x.gather(0, idx).cpu()
+    assert "gather" in str(e.value) and e.value.index is not None  # the server named the op
     assert (x * 2).sum().item() == 6.0  # the session still works
 
 

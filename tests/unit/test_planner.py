@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import genie
-from genie.backends import backend_order, eager, set_backends
+from genie.backends import backend_order, codegen, eager, set_backends
 from genie.planner import Slot, build_tape, format_tape
 from genie.tape_io import TapeDataError, allow_only, tape_from_data, tape_to_data
 
@@ -65,6 +65,7 @@ def test_live_values_stay_bounded_during_execution(monkeypatch):
         return outs
 
     monkeypatch.setattr(eager, "run_instr", spy)
+    monkeypatch.setattr(codegen, "_mode", "0")  # the interpreter (test_codegen: generated code)
     saved = backend_order()
     set_backends(["eager"])
     x = torch.randn(1000, device=D)
