@@ -51,7 +51,8 @@ def _takes_nested_path(enc: Any, src: torch.Tensor, mask: Any, pad: Any) -> bool
     """Whether ``TransformerEncoder.forward`` (torch 2.13) would convert ``src`` to nested."""
     if pad is None or mask is not None or src.dim() != 3:
         return False
-    if not torch.backends.mha.get_fastpath_enabled() or not getattr(enc, "use_nested_tensor", False):
+    if not torch.backends.mha.get_fastpath_enabled() or \
+            not getattr(enc, "use_nested_tensor", False):
         return False
     first = enc.layers[0]
     if first.training or torch.is_autocast_enabled() or torch.compiler.is_compiling():

@@ -1,4 +1,4 @@
-"""DDP and torch.distributed collectives on remote_accelerator (backend "genie", genie/distributed.py).
+"""DDP and torch.distributed collectives on remote_accelerator (backend "genie").
 
 Two processes on loopback run DistributedDataParallel training steps and an all_reduce, once on the
 device and once eagerly on the CPU with gloo, and once without DDP in a single process on the
@@ -16,7 +16,8 @@ import torch
 
 PROG = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
-    rank, world, port, dev, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    rank, world = int(sys.argv[1]), int(sys.argv[2])
+    port, dev, out = sys.argv[3], sys.argv[4], sys.argv[5]
     import genie
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     if dev == "cpu":

@@ -24,7 +24,8 @@ ENV.pop("PYTHONPATH", None)
 def _run(args, cwd, timeout=300, env=None):
     r = subprocess.run(args, cwd=cwd, env=env or ENV, capture_output=True, text=True,
                        timeout=timeout)
-    assert r.returncode == 0, f"{args} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, \
+        f"{args} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
 
 

@@ -1,4 +1,4 @@
-"""torch.autocast("remote_accelerator") against CPU autocast: same dtypes, same values, same grads."""
+"""torch.autocast("remote_accelerator") against CPU autocast: same dtypes, values and grads."""
 
 import pytest
 import torch
