@@ -31,6 +31,10 @@ from .capture import CaptureError, CaptureGraph, annotate_phase, capture, phase
 from .device import register as _register
 from .errors import DeviceError, ExecutionError, GenieError, UnsupportedOpError
 from .factories import register_factories as _register_factories
+from .fastpaths import install as _install_fastpaths
+from .autocast import register as _register_autocast
+from .dynamo import install as _install_dynamo_skips
+from .distributed import register as _register_distributed
 from .lazy_tensor import LazyTensor, materialize
 from .planner import format_tape
 from .stats import reset_stats, stats
@@ -40,6 +44,10 @@ from .remote import (QuotaExceededError, RemoteError, ServerUnavailableError,
 
 _register()
 _register_factories()  # the PrivateUse1 factory kernels record through genie.lazy_tensor
+_install_fastpaths()  # nn fast paths that need nested tensors run densely (genie.fastpaths)
+_register_autocast()  # torch.autocast("remote_accelerator") (genie.autocast)
+_install_dynamo_skips()  # torch.compile runs Genie's own code as plain Python (genie.dynamo)
+_register_distributed()  # torch.distributed backend "genie" for remote_accelerator
 _connect_from_env()  # GENIE_SERVER=tcp://host:port: lazily, the session opens at first use
 
 __all__ = [

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from . import backends, plan_cache
+from . import backends, memory, plan_cache
 from .device import real_device
 from .graph import Node, pending_total
 from .planner import PendingSlots, Tape
+from .profiling import phase
 from .stats import bump
 
 _MATH_BIT_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative,
@@ -49,6 +50,7 @@ def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
     bump("nodes_executed", len(tape.instrs))
     outputs = [kept[s] for s in tape.outputs]
     _bind(tape, kept)
+    memory.after_run(tape, kept, index)
     return outputs
 
 
@@ -87,8 +89,12 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
     if all(v is not None for v in fast):
         outs = fast
     else:
-        outs = run_tape(plan_cache.plan(targets), index)
-    return backends.fetch(outs)  # handles of values resident on a server -> real tensors
+        with phase("plan"):
+            tape = plan_cache.plan(targets)
+        with phase("execute"):
+            outs = run_tape(tape, index)
+    with phase("transfer"):
+        return backends.fetch(outs)  # handles of values resident on a server -> real tensors
 
 
 def _ready(n: Node, out: int) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.autograd.profiler as _profiler
 
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -35,6 +36,7 @@ from .executor import real_dispatch
 from .graph import (DEFAULT_GRAPH, Graph, MetaArg, Node, Ref, Storage, TensorMeta, pending_total,
                     retrack_below, track, untrack_node)
 from .meta import eager_error, infer, meta_cache, meta_tensor, policy, static_shape
+from .profiling import phase
 from .stats import _counts, bump
 
 aten = torch.ops.aten
@@ -61,6 +63,9 @@ def current_graph() -> Graph:
     """The graph new nodes go to: the innermost ``genie.capture()`` block's, else the default."""
     g = _tls.graphs
     return g[-1] if g else DEFAULT_GRAPH
+
+
+_TENSOR_DATA = torch.Tensor.data
 
 
 class LazyTensor(torch.Tensor):
@@ -112,6 +117,29 @@ class LazyTensor(torch.Tensor):
     def __tensor_unflatten__(inner: Any, ctx: Any, outer_size: Any, outer_stride: Any) -> Any:
         return aten.alias.default(ctx)
 
+    # `param.data = new` (nn.Module.half()/.double()/.to(dtype) on device parameters) replaces the
+    # TensorImpl's metadata in C++; the wrapper must follow it to the new value's node, or it
+    # would report the new dtype while its recorded value (and every op on it) keeps the old one.
+    @property
+    def data(self) -> torch.Tensor:
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        if type(new) is not LazyTensor:
+            raise RuntimeError(
+                f"cannot set .data of a {self.device} tensor to a tensor on {new.device}; "
+                f"move the new value to {self.device} first (new.to('{self.device}')).")
+        _TENSOR_DATA.__set__(self, new)
+        self._node, self._out = new._node, new._out
+        track(self, new._node, new._out)
+
+    def __format__(self, format_spec: str) -> str:
+        # as torch.Tensor.__format__: a 0-dim tensor formats as its Python number (f"{loss:.4f}")
+        if self.dim() == 0:
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     @property
     def _meta(self) -> TensorMeta:
         return self._node.metas[self._out]
@@ -122,6 +150,9 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if _profiler._is_profiler_enabled:  # a genie.record range, only under torch.profiler
+            with _profiler.record_function("genie.record"):
+                return record(func, args, kwargs or {})
         return record(func, args, kwargs or {})
 
     # --- materialization triggers that Tensor does not route through an ATen op -----------------
@@ -213,6 +244,10 @@ def _same_device(leaves: list[Any], index: int, func: Any) -> None:
 def record(func: Any, args: tuple, kwargs: dict) -> Any:
     """Record one ATen call on LazyTensors and return LazyTensor outputs (never computes)."""
     pol = policy(func)
+    if pol.implicit:  # inference mode skips the autograd keys that decompose these
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     leaves, spec = _flatten(args, kwargs)
     index = -1
     real_inputs = False
@@ -357,6 +392,11 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             src = src[k] if kind == "write" else src[0]
         storages[k] = src._node.storages[src._out]
         if kind == "write":
+            if metas[k].shape != src._node.metas[src._out].shape and \
+                    func._schema.arguments[pos].is_out:
+                # an out= argument of the wrong size: eager resizes it first (resize_output)
+                aten.resize_.default(src, metas[k].shape)
+                return record(func, args, kwargs)
             results[k] = src  # in-place and out=: the op returns its mutated argument itself
         else:
             fresh.append(k)
@@ -391,7 +431,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
 # Inplace-view ops that change *storage* (not just the view's metadata): not a re-view of the
 # same storage, so they cannot be recorded as one.
 _STORAGE_CHANGING = frozenset(
-    getattr(p, o) for p in (aten.set_, aten.resize_, aten.resize_as_) for o in p.overloads())
+    getattr(p, o) for p in (aten.set_,) for o in p.overloads())
 
 
 def _record_inplace_view(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any],
@@ -418,10 +458,24 @@ def _record_inplace_view(func: Any, pol: Any, args: tuple, kwargs: dict, leaves:
         meta_in_tls = torch._C._meta_in_tls_dispatch_include()
         torch._C._set_meta_in_tls_dispatch_include(True)
         try:
-            func(*args, **kwargs)
+            if func in _RESIZE:
+                # resize_ may need more storage than the wrapper's (data-less) one has, and its
+                # meta kernel wants a meta tensor: take a fresh wrapper's storage and metadata.
+                m = node.metas[0]
+                torch.Tensor.set_(target, torch.Tensor._make_wrapper_subclass(
+                    LazyTensor, m.shape, strides=m.stride, storage_offset=m.offset,
+                    dtype=m.dtype, device=target.device))
+            else:
+                func(*args, **kwargs)
         finally:
             torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
     return target
+
+
+# resize_/resize_as_ are recorded as a re-view of their argument's storage (see
+# _record_inplace_view): the executor resizes a fresh alias of the real value, which grows the
+# shared real storage as eager does, so every view keeps seeing the same bytes.
+_RESIZE = frozenset(getattr(p, o) for p in (aten.resize_, aten.resize_as_) for o in p.overloads())
 
 
 _LEAF_SPEC = optree.tree_structure(0, none_is_leaf=True)
@@ -474,14 +528,14 @@ def _transfer(func: Any, args: tuple, kwargs: dict, leaves: list[Any], index: in
         dev = kwargs.get("device")
         if isinstance(dev, torch.device) and dev.type != DEVICE_TYPE:
             real = materialize_one(args[0], "cpu" if dev.type == "cpu" else "to")
-            with real_dispatch():
+            with real_dispatch(), phase("transfer"):
                 return func(real, *args[1:], **kwargs)
         return _NOT_HANDLED
     if func is _copy:
         dst, src = args[0], args[1]
         if not isinstance(dst, LazyTensor):  # host_tensor.copy_(lazy): a download
             real = materialize_one(src, "cpu")
-            with real_dispatch():
+            with real_dispatch(), phase("transfer"):
                 return func(dst, real, *args[2:], **kwargs)
         if isinstance(src, LazyTensor):
             return _NOT_HANDLED

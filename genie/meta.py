@@ -74,6 +74,9 @@ class OpPolicy:
     # so a decaying learning rate does not miss the cache every step.
     float_values_matter: bool = True
     key: int = 0  # small unique int standing for the op in meta-cache keys (cheap to hash)
+    # Has a CompositeImplicitAutograd kernel: reaches __torch_dispatch__ only when the autograd
+    # keys are skipped (``torch.inference_mode()``); recorded as its decomposition, as eager runs it.
+    implicit: bool = False
 
     def arg(self, pos: int, args: tuple, kwargs: dict) -> Any:
         if pos < len(args):
@@ -141,6 +144,8 @@ def _analyze(op: Any) -> OpPolicy:
         metadata_only=op in METADATA_ONLY,
         float_values_matter=_float_values_matter(schema),
         key=len(_policies),
+        implicit=torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), "CompositeImplicitAutograd"),
     )
 
 

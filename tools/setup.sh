@@ -21,8 +21,10 @@ VPY=.venv/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 if ! $VPY -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] in ('2.13.0', '2.11.0') else 1)" 2>/dev/null; then
+  echo "setup: installing torch==2.13.0 (a large download: a minute or more)..."
   $VPY -m pip install -q "torch==2.13.0"
 fi
+echo "setup: installing build and test dependencies..."
 $VPY -m pip install -q "setuptools>=64" wheel ninja optree numpy "pytest>=8" "pytest-benchmark>=4" \
   expecttest "transformers>=4.45" pyzmq msgpack
 
@@ -30,6 +32,8 @@ stamp=.venv/.genie-build-stamp
 want=$(cat setup.py pyproject.toml csrc/* 2>/dev/null | sha256sum | cut -d' ' -f1)
 if [ "$(cat $stamp 2>/dev/null)" != "$want" ] || ! $VPY -c "import genie" 2>/dev/null; then
   echo "setup: building genie (native runtime in csrc/, about a minute)..."
+  # the distribution was named "genie" before (a name taken on PyPI): drop that old install
+  if $VPY -m pip show -q genie >/dev/null 2>&1; then $VPY -m pip uninstall -y -q genie; fi
   # No autoload while building: setup.py imports torch, and torch would import the installed
   # genie, whose Python may need native functions the stale genie._C does not have yet.
   TORCH_DEVICE_BACKEND_AUTOLOAD=0 MAX_JOBS=${MAX_JOBS:-2} \

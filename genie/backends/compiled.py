@@ -50,6 +50,7 @@ import torch
 from ..errors import ExecutionError
 from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
+from ..progress import waiting
 from ..stats import bump
 from . import BackendUnsupported, register_backend
 from .eager import run_instr, run_instrs
@@ -263,7 +264,8 @@ def _compile(tape: Tape, dev: torch.device) -> Compiled:
 
     def counting(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         art.compiles += 1  # more than one: torch.compile specialized on something that changes
-        return inner(gm, example_inputs)
+        with waiting(f"compiling a plan of {len(tape.instrs)} ops with torch.compile"):
+            return inner(gm, example_inputs)
 
     art.fn = torch.compile(lo.gm, backend=counting, dynamic=False)
     bump("compiled_plans")

@@ -42,6 +42,8 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import ExecutionError
 from ..graph import TensorMeta
 from ..planner import Tape
+from ..progress import LARGE, transfer
+from ..progress import logger as progress
 from ..stats import _counts, bump
 from . import (
     ProtocolError,
@@ -312,13 +314,15 @@ class Client:
         if frees:
             header["free"] = frees
         data = pack(header)
+        size = sum(_nbytes(f) for f in frames)
         try:
-            self._sock.send_multipart([data, *frames], copy=False)
+            with transfer("upload", size, self.address):
+                self._sock.send_multipart([data, *frames], copy=False)
         except zmq.ZMQError as e:
             raise self._fail(ServerUnavailableError(self.address, f"cannot send {what}: {e}")
                              ) from None
         bump("round_trips")
-        bump("bytes_sent", len(data) + sum(_nbytes(f) for f in frames))
+        bump("bytes_sent", len(data) + size)
         self._last_activity = time.monotonic()
         deadline = time.monotonic() + self.timeout
         while True:
@@ -334,7 +338,10 @@ class Client:
             if self._sock not in events:
                 continue
             parts = self._sock.recv_multipart(copy=False)
-            bump("bytes_received", sum(len(p.buffer) for p in parts))
+            got = sum(len(p.buffer) for p in parts)
+            bump("bytes_received", got)
+            if got >= LARGE:
+                progress.info("genie: download of %.1f MB from %s", got / (1 << 20), self.address)
             try:
                 h = unpack(parts[0].buffer)
             except ProtocolError as e:

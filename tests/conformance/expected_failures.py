@@ -17,9 +17,6 @@ from __future__ import annotations
 _SPARSE = ("Genie gap: sparse layouts. The sample's sparse CSR tensor cannot become a "
            "LazyTensor (a strided wrapper: 'Sparse CSR tensors do not have strides'); "
            "remote_accelerator tensors are strided only.")
-_RESIZE = ("Genie gap: resize_/resize_as_ change a tensor's storage in place (Tag.inplace_view "
-           "with a new size); Genie records views of a fixed storage and raises "
-           "UnsupportedOpError.")
 _TENSOR_SPLIT = ("Not a Genie bug: with a tensor of split indices, tensor_split requires that "
                  "tensor on the CPU on every non-CPU device (eager CUDA raises the same "
                  "RuntimeError). The harness moves every sample tensor to the device, so the "
@@ -39,10 +36,6 @@ EXPECTED_FAILURES: dict[tuple[str, str], str] = {
         "shape [1] doesn't match the broadcast shape', so the device raises where eager does not."),
     ("native_batch_norm", "out"): _BN_EVAL,
     ("_native_batch_norm_legit", "out"): _BN_EVAL,
-    ("resize_", "out"): _RESIZE,
-    ("resize_", "inplace"): _RESIZE,
-    ("resize_as_", "out"): _RESIZE,
-    ("resize_as_", "inplace"): _RESIZE,
     ("sparse.mm.reduce", "out"): _SPARSE,
     ("sparse.mm.reduce", "grad"): _SPARSE,
     ("sparse.sampled_addmm", "out"): _SPARSE,

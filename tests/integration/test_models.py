@@ -255,10 +255,6 @@ def test_greedy_generate_equals_eager(name: str, counts: Any) -> None:
     counts(name, "generate 8 tokens", genie.stats())
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=(
-    "nn.TransformerEncoder's inference fast path with a src_key_padding_mask packs the batch into "
-    "a nested tensor (aten._nested_tensor_from_mask_left_aligned / _nested_tensor_from_mask); "
-    "remote_accelerator has no nested tensors (no meta kernel, and a LazyTensor is always dense)"))
 def test_transformer_encoder_padding_mask_inference() -> None:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)

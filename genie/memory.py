@@ -1,0 +1,410 @@
+"""Device memory accounting and the ``torch.cuda``-shaped memory/stream API of the device module.
+
+What the figures mean (``torch.remote_accelerator.memory_allocated()`` and friends):
+
+- real device CUDA (embedded): ``torch.cuda``'s own figures for the mapped ``cuda:N`` (everything
+  this process holds there, Genie's values included), and ``Stream``/``Event`` are CUDA streams and
+  events on it.
+- real device CPU (embedded): the bytes of the distinct real storages that Genie's executor holds
+  for this process (values that live tensors still need, and values handed back by
+  :func:`genie.materialize` while the caller holds them). The peak also counts the values alive
+  *during* a run: each tape's high-water mark of live fresh outputs (from the planner's
+  free-after-last-use lists and output metadata, as the eager interpreter holds them) is added to
+  what was held when the run began. ``Stream``/``Event`` are ordering points (work runs in
+  program order on the host).
+- server-backed: the bytes the server holds for this session, as reported in every reply
+  (``resident_bytes``); the peak is the largest figure seen in a reply (transients inside one
+  request are not reported by the server).
+
+Invariants: accounting is keyed by real storage (views are counted once); it runs only on the cold
+path (after a run binds its values), never while recording.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+
+_held: dict[int, dict[tuple[int, int], list[int]]] = {}  # index -> storage key -> [refs, bytes]
+_allocated: dict[int, int] = {}
+_peak: dict[int, int] = {}
+# the weak references whose callbacks release their tensor's share, by a running number (a set
+# would compare two weak references by their tensors' __eq__)
+_refs: dict[int, Any] = {}
+_next_ref = itertools.count()
+
+
+_tracking = [False]  # tape high-water marks are computed once someone asks for a peak
+
+
+def _remote_session(index: int) -> Any:
+    from .backends import remote
+
+    cl = remote.clients()
+    return cl[index] if index < len(cl) else None
+
+
+def _real(index: int) -> torch.device:
+    from .device import real_device
+
+    return real_device(index)
+
+
+def hold(index: int, values: Any) -> None:
+    """Count the real tensors ``values`` as held on ``remote_accelerator:index`` until they die."""
+    held = _held.setdefault(index, {})
+    for v in values:
+        if type(v) is not torch.Tensor and not isinstance(v, torch.Tensor):
+            continue  # a server handle: the server accounts for it
+        if v.device.type != "cpu":
+            continue  # CUDA: torch.cuda's allocator accounts for it
+        st = v.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        e = held.get(key)
+        if e is None:
+            held[key] = [1, key[1]]
+            _allocated[index] = _allocated.get(index, 0) + key[1]
+        else:
+            e[0] += 1
+        n = next(_next_ref)
+        _refs[n] = weakref.ref(v, _releaser(index, key, n))
+    a = _allocated.get(index, 0)
+    if a > _peak.get(index, 0):
+        _peak[index] = a
+
+
+def _releaser(index: int, key: tuple[int, int], n: int) -> Any:
+    def release(r: Any) -> None:
+        _refs.pop(n, None)
+        held = _held.get(index)
+        e = held.get(key) if held else None
+        if e is None:
+            return
+        e[0] -= 1
+        if e[0] == 0:
+            del held[key]
+            _allocated[index] -= e[1]
+
+    return release
+
+
+def after_run(tape: Any, kept: dict[int, Any], index: int) -> None:
+    """Account a finished run on ``remote_accelerator:index`` (called by the executor)."""
+    if _real(index).type != "cpu":
+        return
+    if _tracking[0]:
+        before = _allocated.get(index, 0)
+        hw = tape_high_water(tape)
+        if before + hw > _peak.get(index, 0):
+            _peak[index] = before + hw
+    hold(index, kept.values())
+
+
+def note_run(index: int, high_water: int) -> None:
+    """A run on ``index`` whose live fresh values peaked at ``high_water`` bytes."""
+    p = _allocated.get(index, 0) + high_water
+    if p > _peak.get(index, 0):
+        _peak[index] = p
+
+
+def tape_high_water(tape: Any) -> int:
+    """Bytes of fresh outputs alive at once while the eager interpreter runs ``tape`` (a bound).
+
+    Views and in-place results share their input's storage and add nothing; a fresh output is
+    alive from its instruction until the instruction that frees its slot (the planner's list).
+    """
+    from .meta import policy
+
+    live = 0
+    peak = 0
+    size: dict[int, int] = {}
+    for ins, node in zip(tape.instrs, tape.nodes):
+        if isinstance(ins.op, str):  # uploads: a fresh copy of host data
+            fresh = [(s, m) for s, m in zip(ins.outs, node.metas) if s is not None]
+        else:
+            rets = policy(ins.op).returns
+            fresh = [(s, m) for k, (s, m) in enumerate(zip(ins.outs, node.metas))
+                     if s is not None and m is not None and
+                     (rets[0] if len(rets) == 1 else (rets[k] if k < len(rets) else None)) is None]
+        for s, m in fresh:
+            b = _nbytes(m)
+            size[s] = b
+            live += b
+        peak = max(peak, live)
+        for s in ins.free:
+            live -= size.pop(s, 0)
+    return peak
+
+
+def _nbytes(m: Any) -> int:
+    if any(d == 0 for d in m.shape):
+        return 0
+    return (m.offset + 1 + sum((d - 1) * st for d, st in zip(m.shape, m.stride))) * \
+        m.dtype.itemsize
+
+
+# --- the torch.cuda-shaped API (re-exported by genie.device) -------------------------------------
+
+def _idx(device: Any) -> int:
+    from .device import _index, check_index
+
+    i = _index(device)
+    check_index(i)
+    return i
+
+
+def memory_allocated(device: Any = None) -> int:
+    """Bytes the real device holds for this process (embedded) or this session (server)."""
+    i = _idx(device)
+    s = _remote_session(i)
+    if s is not None:
+        return int(s.resident[1])
+    r = _real(i)
+    if r.type == "cuda":
+        return torch.cuda.memory_allocated(r)
+    return _allocated.get(i, 0)
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    """Peak of :func:`memory_allocated` since start or :func:`reset_peak_memory_stats`.
+
+    On the CPU, values alive only inside a run count from the first call of this function or
+    :func:`reset_peak_memory_stats` on (measuring them costs a pass over each tape).
+    """
+    _tracking[0] = True
+    i = _idx(device)
+    s = _remote_session(i)
+    if s is not None:
+        _peak[i] = max(_peak.get(i, 0), int(s.resident[1]))
+        return _peak[i]
+    r = _real(i)
+    if r.type == "cuda":
+        return torch.cuda.max_memory_allocated(r)
+    return max(_peak.get(i, 0), _allocated.get(i, 0))
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Restart the peak at the current figure (as ``torch.cuda.reset_peak_memory_stats``)."""
+    _tracking[0] = True
+    i = _idx(device)
+    r = _real(i)
+    if _remote_session(i) is None and r.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(r)
+    _peak[i] = memory_allocated(i)
+
+
+def reset_max_memory_allocated(device: Any = None) -> None:
+    reset_peak_memory_stats(device)
+
+
+def memory_reserved(device: Any = None) -> int:
+    """Bytes reserved by the real device's allocator (CUDA's caching allocator), else allocated."""
+    i = _idx(device)
+    r = _real(i)
+    if _remote_session(i) is None and r.type == "cuda":
+        return torch.cuda.memory_reserved(r)
+    return memory_allocated(i)
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    i = _idx(device)
+    r = _real(i)
+    if _remote_session(i) is None and r.type == "cuda":
+        return torch.cuda.max_memory_reserved(r)
+    return max_memory_allocated(i)
+
+
+def empty_cache() -> None:
+    """Release cached, unused blocks of the real device's allocator (CUDA); else nothing cached."""
+    if torch.cuda.is_available() and any(_real(i).type == "cuda" for i in list(_held) or [0]):
+        torch.cuda.empty_cache()
+
+
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """(free, total) bytes of the real device: CUDA's, or the host's physical memory for the CPU."""
+    i = _idx(device)
+    r = _real(i)
+    if _remote_session(i) is None and r.type == "cuda":
+        return torch.cuda.mem_get_info(r)
+    import os
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def get_device_name(device: Any = None) -> str:
+    """Name of the real device behind ``remote_accelerator:N``."""
+    i = _idx(device)
+    s = _remote_session(i)
+    if s is not None:
+        return f"genie server {s.address}"
+    r = _real(i)
+    if r.type == "cuda":
+        return torch.cuda.get_device_name(r)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+class _DeviceProperties:
+    def __init__(self, name: str, total_memory: int, real: str) -> None:
+        self.name = name
+        self.total_memory = total_memory
+        self.real_device = real
+
+    def __repr__(self) -> str:
+        return (f"_RemoteAcceleratorDeviceProperties(name='{self.name}', "
+                f"total_memory={self.total_memory >> 20}MB, real_device='{self.real_device}')")
+
+
+def get_device_properties(device: Any = None) -> Any:
+    """Properties of the real device (CUDA's own object when it is CUDA)."""
+    i = _idx(device)
+    r = _real(i)
+    if _remote_session(i) is None and r.type == "cuda":
+        return torch.cuda.get_device_properties(r)
+    return _DeviceProperties(get_device_name(i), mem_get_info(i)[1], str(r))
+
+
+# --- streams and events -----------------------------------------------------------------------
+
+class Stream:
+    """A stream of ``remote_accelerator:N``: a CUDA stream when the real device is CUDA.
+
+    Elsewhere an ordering point: Genie runs work in program order, so ``synchronize`` and
+    ``wait_stream`` only need what was already sent to have finished.
+    """
+
+    def __init__(self, device: Any = None, priority: int = 0) -> None:
+        self.index = _idx(device)
+        self.device = torch.device("remote_accelerator", self.index)
+        r = _real(self.index)
+        self.cuda = torch.cuda.Stream(r, priority=priority) if r.type == "cuda" else None
+
+    def synchronize(self) -> None:
+        if self.cuda is not None:
+            self.cuda.synchronize()
+
+    def wait_stream(self, other: Stream) -> None:
+        if self.cuda is not None and other.cuda is not None:
+            self.cuda.wait_stream(other.cuda)
+
+    def wait_event(self, event: Event) -> None:
+        if self.cuda is not None and event.cuda is not None:
+            self.cuda.wait_event(event.cuda)
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return self.cuda.query() if self.cuda is not None else True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stream) and other.index == self.index and \
+            (self.cuda == other.cuda)
+
+    def __hash__(self) -> int:
+        return hash((self.index, self.cuda))
+
+
+class Event:
+    """An event: a CUDA event when the real device is CUDA, else a point already reached."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.cuda: Any = None
+        self._kw = dict(enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+        self._t: float | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        stream = stream or current_stream()
+        if stream.cuda is not None:
+            if self.cuda is None:
+                self.cuda = torch.cuda.Event(**self._kw)
+            self.cuda.record(stream.cuda)
+        elif self.enable_timing:
+            import time
+
+            self._t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        if self.cuda is not None:
+            self.cuda.synchronize()
+
+    def wait(self, stream: Stream | None = None) -> None:
+        (stream or current_stream()).wait_event(self)
+
+    def query(self) -> bool:
+        return self.cuda.query() if self.cuda is not None else True
+
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds between this event and ``end`` (both recorded with ``enable_timing``)."""
+        if self.cuda is not None and end.cuda is not None:
+            return self.cuda.elapsed_time(end.cuda)
+        if self._t is None or end._t is None:
+            raise RuntimeError("elapsed_time needs two events created with enable_timing=True "
+                               "and recorded (event.record()) before the call")
+        return (end._t - self._t) * 1e3
+
+
+_current: dict[int, Stream] = {}
+
+
+def current_stream(device: Any = None) -> Stream:
+    """The current stream of ``device`` (the default stream unless inside ``stream(s)``)."""
+    i = _idx(device)
+    s = _current.get(i)
+    if s is None:
+        s = _current[i] = default_stream(i)
+    return s
+
+
+_defaults: dict[int, Stream] = {}
+
+
+def default_stream(device: Any = None) -> Stream:
+    i = _idx(device)
+    s = _defaults.get(i)
+    if s is None:
+        s = Stream.__new__(Stream)
+        s.index, s.device = i, torch.device("remote_accelerator", i)
+        r = _real(i)
+        s.cuda = torch.cuda.default_stream(r) if r.type == "cuda" else None
+        _defaults[i] = s
+    return s
+
+
+class stream:  # noqa: N801 (the torch.cuda.stream spelling)
+    """Context manager making ``s`` the current stream (and the CUDA one, on CUDA)."""
+
+    def __init__(self, s: Stream | None) -> None:
+        self.s = s
+        self.prev: Stream | None = None
+        self.cuda_ctx: Any = None
+
+    def __enter__(self) -> Stream | None:
+        if self.s is None:
+            return None
+        self.prev = current_stream(self.s.index)
+        _current[self.s.index] = self.s
+        if self.s.cuda is not None:
+            self.cuda_ctx = torch.cuda.stream(self.s.cuda)
+            self.cuda_ctx.__enter__()
+        return self.s
+
+    def __exit__(self, *exc: object) -> None:
+        if self.s is None:
+            return
+        if self.cuda_ctx is not None:
+            self.cuda_ctx.__exit__(*exc)
+        _current[self.s.index] = self.prev  # type: ignore[assignment]
+
+
+def set_stream(s: Stream) -> None:
+    _current[s.index] = s

@@ -1,0 +1,196 @@
+"""Everyday PyTorch on the device (issue 12's table), each against eager on the same inputs.
+
+Inference mode, dtype moves of modules, ``__format__``, ``resize_``/``resize_as_``/out= of the
+wrong size, and ``TransformerEncoder`` with a padding mask (PyTorch's nested-tensor fast path).
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import genie
+
+DEV = "remote_accelerator:0"
+
+
+def test_inference_mode_downloads_equal_eager():
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        ref = (x * 2 + 1).relu()
+        lx = x.to(DEV)
+        y = (lx * 2 + 1).relu()
+        cpu = y.cpu()
+        assert type(y) is genie.LazyTensor
+        assert y.is_inference() == ref.is_inference()
+        torch.testing.assert_close(cpu, ref)
+        assert y.tolist() == ref.tolist()
+        assert (y.numpy() == ref.numpy()).all()
+        torch.testing.assert_close(y.to("cpu", torch.float64), ref.to("cpu", torch.float64))
+        # CompositeImplicit ops reach the device directly in inference mode
+        w = torch.randn(5, 4)
+        torch.testing.assert_close(torch.nn.functional.linear(lx, w.to(DEV)).cpu(),
+                                   torch.nn.functional.linear(x, w))
+        torch.testing.assert_close(lx.reshape(2, 6).contiguous().cpu(), x.reshape(2, 6))
+
+
+@pytest.mark.parametrize("convert", ["half", "double", "to_f16", "to_f64", "bfloat16"])
+def test_module_dtype_moves_convert_parameters_in_place(convert):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    lazy = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    lazy.load_state_dict(ref.state_dict())
+    lazy = lazy.to(DEV)
+    before = [id(p) for p in lazy.parameters()]
+    fn = {"half": lambda m: m.half(), "double": lambda m: m.double(),
+          "to_f16": lambda m: m.to(torch.float16), "to_f64": lambda m: m.to(torch.float64),
+          "bfloat16": lambda m: m.bfloat16()}[convert]
+    ref, lazy = fn(ref), fn(lazy)
+    assert [id(p) for p in lazy.parameters()] == before  # converted in place, as on CUDA
+    dtype = ref[0].weight.dtype
+    for p in lazy.parameters():
+        assert p.dtype == dtype and p.t().dtype == dtype and (p * 1).dtype == dtype
+    x = torch.randn(2, 4).to(dtype)
+    torch.testing.assert_close(lazy(x.to(DEV)).cpu(), ref(x))
+
+
+def test_module_dtype_move_keeps_gradients_and_optimizer():
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3).double()
+    lazy = torch.nn.Linear(4, 3)
+    lazy.load_state_dict(ref.state_dict())
+    lazy = lazy.to(DEV).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for m, inp in ((ref, x), (lazy, x.to(DEV))):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(inp).sum().backward()
+        opt.step()
+    assert lazy.weight.grad.dtype == torch.float64
+    torch.testing.assert_close(lazy.weight.cpu(), ref.weight.detach())
+    torch.testing.assert_close(lazy.weight.grad.cpu(), ref.weight.grad)
+
+
+def test_set_data_to_a_host_tensor_says_how_to_fix():
+    p = torch.nn.Parameter(torch.randn(2).to(DEV))
+    with pytest.raises(RuntimeError, match="move the new value"):
+        p.data = torch.randn(2)
+
+
+@pytest.mark.parametrize("spec", [".4f", "", ">10.2e", "+.1%"])
+def test_format_of_zero_dim_equals_eager(spec):
+    x = torch.tensor(1.23456)
+    assert format(x.to(DEV), spec) == format(x, spec)
+
+
+def test_format_of_int_and_bool_scalars_and_non_scalars():
+    for v in (torch.tensor(7), torch.tensor(True)):
+        assert f"{v.to(DEV)}" == f"{v}"
+        assert f"{v.to(DEV):>4}" == f"{v:>4}"
+    x = torch.ones(2)
+    with pytest.raises(TypeError):
+        format(x, ".4f")  # eager refuses a format spec on a non-scalar: so do we
+    with pytest.raises(TypeError):
+        format(x.to(DEV), ".4f")
+
+
+def _both(fn):
+    """fn(tensor factory) on eager and on the device; returns (eager, device-as-cpu) results."""
+    torch.manual_seed(0)
+    base = torch.randn(12)
+    return fn(base.clone()), fn(base.clone().to(DEV))
+
+
+def test_resize_shrink_and_grow_keep_storage_contents():
+    for size in [(6,), (2, 3), (12,), (3, 4), (2, 2, 2)]:
+        eager, lazy = _both(lambda t: t[:6].clone().resize_(size))
+        n = min(6, eager.numel())
+        assert lazy.shape == eager.shape and lazy.stride() == eager.stride()
+        torch.testing.assert_close(lazy.cpu().flatten()[:n], eager.flatten()[:n])
+
+
+def test_resize_keeps_views_in_step_with_eager():
+    def run(t):
+        a = t[:6].clone()
+        v = a[2:4]  # a view taken before the storage grows
+        a.resize_(20)
+        a[:3].fill_(5.0)
+        return a[:6].clone(), v.clone()
+
+    (ea, ev), (la, lv) = _both(run)
+    torch.testing.assert_close(la.cpu(), ea)
+    torch.testing.assert_close(lv.cpu(), ev)
+
+
+def test_resize_as_and_memory_format_equal_eager():
+    eager, lazy = _both(lambda t: t.resize_as_(torch.empty(3, 2, 2, device=t.device)))
+    assert lazy.shape == eager.shape and lazy.stride() == eager.stride()
+    torch.testing.assert_close(lazy.cpu(), eager)
+    eager, lazy = _both(lambda t: t[:4].clone().resize_(1, 2, 1, 2,
+                                                        memory_format=torch.channels_last))
+    assert lazy.shape == eager.shape and lazy.stride() == eager.stride()
+
+
+def test_out_argument_of_the_wrong_size_resizes_with_eagers_warning():
+    torch.manual_seed(0)
+    a = torch.randn(5)
+    results = []
+    for d in ("cpu", DEV):
+        out = torch.empty(2, device=d)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            r = torch.add(a.to(d), 1, out=out)
+        assert r is out
+        results.append((out.shape, out.cpu(), [str(x.message)[:60] for x in w]))
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(results[1][1], results[0][1])
+    assert results[0][2] and set(results[1][2]) == set(results[0][2])
+    # out= with the right size but empty: no warning, as eager
+    out = torch.empty(0, device=DEV)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.mul(a.to(DEV), 2, out=out)
+    torch.testing.assert_close(out.cpu(), a * 2)
+
+
+def test_resize_of_a_tensor_that_requires_grad_raises_as_eager():
+    for d in ("cpu", DEV):
+        x = torch.randn(3, device=d, requires_grad=True)
+        with pytest.raises(RuntimeError, match="require grad"):
+            x.resize_(6)
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("float_mask", [False, True])
+def test_transformer_encoder_padding_mask_equals_eager_nested_path(with_norm, float_mask):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+    enc = torch.nn.TransformerEncoder(layer, 2, norm=torch.nn.LayerNorm(8) if with_norm else None)
+    enc.eval()
+    x = torch.randn(3, 5, 8)
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] + [True] * 4])
+    if float_mask:
+        mask = torch.zeros(3, 5).masked_fill(mask, float("-inf"))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager's prototype nested-tensor warning
+        ref = enc(x, src_key_padding_mask=mask)
+        enc.to(DEV)
+        out = enc(x.to(DEV), src_key_padding_mask=mask.to(DEV))
+    assert type(out) is genie.LazyTensor
+    torch.testing.assert_close(out.cpu(), ref)
+    padded = (mask != 0) if float_mask else mask
+    if not with_norm:
+        assert (out.cpu()[padded] == 0).all()  # zeros at padded positions, as eager's
+
+
+def test_transformer_encoder_outside_the_fast_path_is_pytorchs_own():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+    enc = torch.nn.TransformerEncoder(layer, 1)
+    x = torch.randn(2, 4, 8)
+    mask = torch.tensor([[False] * 4, [False, False, True, True]])
+    ref = enc(x, src_key_padding_mask=mask)  # training mode: no fast path, grads flow
+    enc.to(DEV)
+    out = enc(x.to(DEV), src_key_padding_mask=mask.to(DEV))
+    torch.testing.assert_close(out.cpu(), ref.detach())
+    out.sum().backward()
+    assert enc.layers[0].linear1.weight.grad is not None

@@ -1,0 +1,96 @@
+"""torch.remote_accelerator's memory and stream API (shaped like torch.cuda), on the embedded CPU.
+
+The figures are checked against the bytes of the same program's eager tensors: what the program
+holds, and what eager holds at once while it computes (its peak).
+"""
+
+import gc
+
+import pytest
+import torch
+
+import genie
+from genie.device import real_device
+
+ra = torch.remote_accelerator
+DEV = "remote_accelerator:0"
+
+pytestmark = pytest.mark.skipif(real_device(0).type != "cpu",
+                                reason="figures of the embedded CPU device (CUDA: torch.cuda's)")
+
+
+def _nbytes(*ts):
+    return sum(t.untyped_storage().nbytes() for t in ts)
+
+
+def test_allocated_follows_held_values_and_views_count_once():
+    gc.collect()
+    base = ra.memory_allocated()
+    x = torch.randn(256, 256, device=DEV)
+    v = x[:10]  # a view: same storage
+    genie.materialize(x, v)
+    ref = torch.randn(256, 256)
+    assert ra.memory_allocated() - base == _nbytes(ref)
+    y = x * 2
+    genie.materialize(y)
+    assert ra.memory_allocated() - base == 2 * _nbytes(ref)
+    del x, v
+    gc.collect()
+    assert ra.memory_allocated() - base == _nbytes(ref)
+    del y
+    gc.collect()
+    assert ra.memory_allocated() == base
+
+
+def test_peak_counts_values_alive_inside_a_run_as_eager_holds_them():
+    gc.collect()
+    ra.reset_peak_memory_stats()
+    start = ra.memory_allocated()
+    assert ra.max_memory_allocated() == start
+    x = torch.randn(128, 128, device=DEV)
+    s = ((x * 2) + 1).sum()
+    s.item()
+    # eager: x, x*2 and (x*2)+1 alive at once (the temporary dies after the add)
+    e = torch.randn(128, 128)
+    assert ra.max_memory_allocated() - start == 3 * _nbytes(e)
+    ra.reset_peak_memory_stats()
+    assert ra.max_memory_allocated() == ra.memory_allocated()
+    del x, s
+
+
+def test_reserved_info_name_properties():
+    assert ra.memory_reserved() >= ra.memory_allocated()
+    assert ra.max_memory_reserved() >= ra.memory_reserved()
+    free, total = ra.mem_get_info()
+    assert 0 < free <= total
+    assert ra.get_device_name().startswith("cpu")
+    p = ra.get_device_properties(0)
+    assert p.total_memory == total and p.real_device == "cpu"
+    ra.empty_cache()  # nothing cached on the CPU: a no-op that must not fail
+
+
+def test_streams_and_events_order_work_like_cuda():
+    s = ra.Stream()
+    assert ra.current_stream() == ra.default_stream()
+    start, end = ra.Event(enable_timing=True), ra.Event(enable_timing=True)
+    with ra.stream(s):
+        assert ra.current_stream() is s
+        start.record()
+        y = (torch.ones(4, device=DEV) * 3).sum()
+        end.record()
+    assert ra.current_stream() == ra.default_stream()
+    s.wait_stream(ra.default_stream())
+    s.synchronize()
+    end.synchronize()
+    assert start.query() and s.query()
+    assert start.elapsed_time(end) >= 0
+    assert y.item() == 12.0
+    with pytest.raises(RuntimeError, match="enable_timing"):
+        ra.Event().elapsed_time(ra.Event())
+
+
+def test_bad_device_is_refused_like_cuda():
+    with pytest.raises(ValueError, match="remote_accelerator"):
+        ra.memory_allocated("cpu")
+    with pytest.raises(genie.DeviceError):
+        ra.memory_allocated(7)
