@@ -252,6 +252,24 @@ def test_frees_reach_the_server(remote) -> None:
     assert genie.stats()["resident_tensors"] <= held - 8 + 1  # + the sum being read
 
 
+def test_memory_figures_are_the_sessions_bytes_on_the_server(remote) -> None:
+    ra = torch.remote_accelerator
+    torch.ones(1, device=DEV).sum().item()
+    base = ra.memory_allocated()
+    assert base == genie.stats()["resident_bytes"]
+    ra.reset_peak_memory_stats()
+    xs = [torch.randn(64, 64, device=DEV) * 2 for _ in range(4)]
+    genie.materialize(*xs)
+    held = ra.memory_allocated()
+    assert held >= 4 * torch.randn(64, 64).untyped_storage().nbytes()  # eager's bytes
+    assert ra.max_memory_allocated() >= held
+    del xs
+    torch.ones(1, device=DEV).sum().item()  # the frees ride on the next request
+    assert ra.memory_allocated() < held
+    assert ra.max_memory_allocated() >= held
+    assert remote.address in ra.get_device_name()
+
+
 def test_inplace_on_resident_and_adopted_values(remote) -> None:
     a = torch.arange(6.0)
     ad = a.to(DEV)
