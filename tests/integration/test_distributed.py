@@ -14,11 +14,14 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[2]
+
 PROG = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     port, dev, out = sys.argv[3], sys.argv[4], sys.argv[5]
     import genie
+    assert genie.__file__.startswith(sys.argv[6]), genie.__file__
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     if dev == "cpu":
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -60,7 +63,9 @@ def _run_pair(tmp: Path, dev: str) -> list[list[torch.Tensor]]:
     prog.write_text(PROG)
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_")}
-    procs = [subprocess.Popen([sys.executable, str(prog), str(r), "2", port, dev, str(tmp)],
+    env["PYTHONPATH"] = str(ROOT)  # this tree's genie, not another checkout's editable install
+    procs = [subprocess.Popen([sys.executable, str(prog), str(r), "2", port, dev, str(tmp),
+                               str(ROOT)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
     outs = []
