@@ -29,13 +29,18 @@ def _run(args, cwd, timeout=300, env=None):
     return r
 
 
-def test_import_torch_beside_a_foreign_genie_folder_warns_and_works(tmp_path):
+@pytest.mark.parametrize("init", ["raise ImportError('not Genie')\n", "VALUE = 1\n", None],
+                         ids=["broken", "another-project", "namespace-folder"])
+def test_import_torch_beside_a_foreign_genie_folder_warns_and_works(tmp_path, init):
     (tmp_path / "genie").mkdir()
-    (tmp_path / "genie" / "__init__.py").write_text("raise ImportError('not Genie')\n")
+    if init is not None:
+        (tmp_path / "genie" / "__init__.py").write_text(init)
     r = _run([sys.executable, "-c", "import torch; print(torch.ones(2).sum().item(), "
               "hasattr(torch, 'remote_accelerator'))"], cwd=tmp_path)
     assert r.stdout.split() == ["2.0", "False"]
     assert "is not the package installed with this entry point" in r.stderr
+    if init is not None:
+        return
     # elsewhere, import torch alone registers the device through the entry point
     r = _run([sys.executable, "-c", "import torch; print(torch.remote_accelerator.device_count())"],
              cwd=tmp_path.parent)
