@@ -72,7 +72,7 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
         from ..remote.client import Client
     except ImportError as e:
         raise GenieError(f"genie.connect() needs pyzmq and msgpack ({e}); "
-                         "pip install 'genie[remote]'") from None
+                         "pip install 'genie-remote-accelerator[remote]'") from None
     keys: dict[str, Any] = {}
     fallbacks: Any = None
     if pool is not None:

@@ -8,7 +8,8 @@
   :func:`genie.disconnect`.
 
 This package's ``__init__`` holds only the error classes, so that ``import genie`` needs neither
-pyzmq nor msgpack; those load when a program connects (``pip install genie[remote]``).
+pyzmq nor msgpack; those load when a program connects
+(``pip install 'genie-remote-accelerator[remote]'``).
 """
 
 from __future__ import annotations

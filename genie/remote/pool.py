@@ -217,8 +217,9 @@ class RayLauncher:
         try:
             import ray
         except ImportError:
-            raise SystemExit("genie-pool: Ray is not installed: pip install 'genie[pool]' (or "
-                             "pip install ray), or use --launcher process") from None
+            raise SystemExit("genie-pool: Ray is not installed: pip install "
+                             "'genie-remote-accelerator[pool]' (or pip install ray), or use "
+                             "--launcher process") from None
         self.ray = ray
         self.device = device
         self.lease = lease

@@ -86,3 +86,16 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_outside_the_source_tree(tmp_p
     assert (venv / "bin" / "genie-server").exists()
     r = _run([str(venv / "bin" / "genie-server"), "--help"], cwd=work)
     assert "--listen" in r.stdout
+
+
+def test_install_hints_name_this_distribution():
+    """``pip install genie[...]`` installs another project (the name is taken on the package
+    index): no message or page may suggest it."""
+    import re
+
+    bad = re.compile(r"install\s+['\"]?genie\[")
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in [*sorted((ROOT / "genie").rglob("*.py")),
+                                                 *sorted((ROOT / "docs").glob("*.md")),
+                                                 ROOT / "README.md", ROOT / "tools" / "setup.sh"]
+            for i, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]
+    assert not hits, f"install hints naming the PyPI project 'genie': {hits}"

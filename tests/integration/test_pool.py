@@ -1,8 +1,9 @@
 """The pool of servers (issue 14): started, watched, replaced; clients connect to it.
 
-``genie-pool`` runs the servers as Ray actors (tests skip with the reason when Ray is not
-installed: it is the optional extra ``genie[pool]``); the same :class:`~genie.remote.pool.Pool`
-with local processes runs without Ray. Servers are ``--insecure`` on 127.0.0.1; every
+``genie-pool`` runs the servers as Ray actors (that case skips with the reason when Ray is not
+installed: it is the optional extra ``genie-remote-accelerator[pool]``) or, with ``--launcher
+process``, as local processes (always tested); the same :class:`~genie.remote.pool.Pool` is used
+from Python without the command. Servers are ``--insecure`` on 127.0.0.1; every
 subprocess has a timeout and is stopped in ``finally``. Values are compared with eager.
 """
 
@@ -84,17 +85,22 @@ def test_process_pool_replaces_a_dead_server(tmp_path: Path) -> None:
         pool.stop()
 
 
-@pytest.fixture
-def genie_pool(tmp_path: Path):
-    pytest.importorskip("ray", reason="genie-pool runs servers as Ray actors: pip install "
-                        "'genie[pool]' (ray) to run this test")
+@pytest.fixture(params=["process", "ray"])
+def genie_pool(request, tmp_path: Path):
+    """``genie-pool --servers 2 --device cpu`` with each launcher: local processes (always), Ray
+    actors (where Ray is installed)."""
+    launcher = request.param
+    if launcher == "ray":
+        pytest.importorskip("ray", reason="genie-pool runs servers as Ray actors: pip install "
+                            "'genie-remote-accelerator[pool]' (ray) to run this case")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GENIE_LOG_LEVEL": "WARNING",
            "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("GENIE_SERVER", None)
     env.pop("GENIE_POOL", None)
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "genie.remote.pool", "--servers", "2",
-                             "--device", "cpu", "--insecure", "--check-every", "0.5",
+                             "--device", "cpu", "--launcher", launcher, "--insecure",
+                             "--check-every", "0.5",
                              "--pool-file", str(tmp_path / "pool.json")],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=env)
@@ -110,6 +116,8 @@ def genie_pool(tmp_path: Path):
                 lines[k] = v
         assert "GENIE_POOL" in lines, f"genie-pool did not start: {lines}"
         lines["startup_s"] = f"{time.monotonic() - t0:.1f}"
+        print(f"\n[genie-pool] {launcher}: 2 cpu servers up in {lines['startup_s']} s "
+              "(command start to the GENIE_* lines)")
         yield proc, lines
     finally:
         genie.disconnect()
@@ -123,10 +131,10 @@ def genie_pool(tmp_path: Path):
         proc.stdout.close()
 
 
-def test_genie_pool_ray_forward_matches_eager(genie_pool) -> None:
-    """genie-pool with 2 CPU actors: a forward on each equals eager; an actor killed with
-    SIGKILL is replaced (the pool file changes) and the client goes on by replay; SIGTERM stops
-    the pool cleanly."""
+def test_genie_pool_forward_matches_eager(genie_pool) -> None:
+    """genie-pool with 2 CPU servers (Ray actors, or local processes): a forward on each equals
+    eager; a server killed with SIGKILL is replaced (the pool file changes) and the client goes
+    on by replay; SIGTERM stops the pool cleanly."""
     proc, lines = genie_pool
     pool_file = lines["GENIE_POOL"]
     assert lines["GENIE_SERVER"] == ",".join(read_pool_file(pool_file)["address"])
