@@ -36,16 +36,34 @@ def waiting(what: str) -> Iterator[None]:
     logger.info("genie: %s: done in %.1f s", what, time.perf_counter() - t)
 
 
-@contextlib.contextmanager
-def transfer(direction: str, nbytes: int, where: str) -> Iterator[None]:
-    """Report a transfer of ``nbytes`` (``direction``: "upload"/"download") if it is large."""
+def transfer_started(direction: str, nbytes: int, where: str) -> float | None:
+    """Announce a transfer of ``nbytes`` if it is large and INFO is shown; its start time for
+    :func:`transfer_done`, or None when nothing is reported.
+
+    For transfers whose end is seen elsewhere (a request sent now whose reply comes later)."""
     if nbytes < LARGE or not logger.isEnabledFor(logging.INFO):
-        yield
-        return
+        return None
     logger.info("genie: %s of %s %s %s...", direction, _mb(nbytes),
                 "to" if direction == "upload" else "from", where)
-    t = time.perf_counter()
+    return time.perf_counter()
+
+
+def transfer_done(direction: str, nbytes: int, where: str, start: float | None,
+                  note: str = "") -> None:
+    """Report the end of a large transfer that began at ``start`` (``time.perf_counter()``;
+    None: not reported): size, duration and rate, ``note`` saying what the duration spans."""
+    if start is None or nbytes < LARGE or not logger.isEnabledFor(logging.INFO):
+        return
+    dt = max(time.perf_counter() - start, 1e-9)
+    logger.info("genie: %s of %s %s %s done in %.1f s (%s/s%s)", direction, _mb(nbytes),
+                "to" if direction == "upload" else "from", where, dt, _mb(int(nbytes / dt)),
+                f", {note}" if note else "")
+
+
+@contextlib.contextmanager
+def transfer(direction: str, nbytes: int, where: str) -> Iterator[None]:
+    """Report a transfer of ``nbytes`` (``direction``: "upload"/"download") if it is large;
+    the block is the whole transfer."""
+    start = transfer_started(direction, nbytes, where)
     yield
-    dt = max(time.perf_counter() - t, 1e-9)
-    logger.info("genie: %s of %s done in %.1f s (%s/s)", direction, _mb(nbytes), dt,
-                _mb(int(nbytes / dt)))
+    transfer_done(direction, nbytes, where, start)

@@ -42,8 +42,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import ExecutionError
 from ..graph import TensorMeta
 from ..planner import Tape
-from ..progress import LARGE, transfer
-from ..progress import logger as progress
+from ..progress import LARGE, transfer_done, transfer_started
 from ..stats import _counts, bump
 from . import (
     ProtocolError,
@@ -315,9 +314,11 @@ class Client:
             header["free"] = frees
         data = pack(header)
         size = sum(_nbytes(f) for f in frames)
+        # zmq sends in the background: an upload ends when the server answers, not here
+        up = transfer_started("upload", size, self.address)
+        sent_at = time.perf_counter()
         try:
-            with transfer("upload", size, self.address):
-                self._sock.send_multipart([data, *frames], copy=False)
+            self._sock.send_multipart([data, *frames], copy=False)
         except zmq.ZMQError as e:
             raise self._fail(ServerUnavailableError(self.address, f"cannot send {what}: {e}")
                              ) from None
@@ -340,8 +341,6 @@ class Client:
             parts = self._sock.recv_multipart(copy=False)
             got = sum(len(p.buffer) for p in parts)
             bump("bytes_received", got)
-            if got >= LARGE:
-                progress.info("genie: download of %.1f MB from %s", got / (1 << 20), self.address)
             try:
                 h = unpack(parts[0].buffer)
             except ProtocolError as e:
@@ -353,6 +352,9 @@ class Client:
                 deadline = time.monotonic() + self.timeout
                 continue
             self._last_activity = time.monotonic()
+            # durations span request to reply, the server's work included: lower bounds on rate
+            transfer_done("upload", size, self.address, up, "request to reply")
+            transfer_done("download", got, self.address, sent_at, "request to reply")
             res = h.get("res")
             if isinstance(res, list) and len(res) == 2:
                 self.resident = (res[0], res[1])
