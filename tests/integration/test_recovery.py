@@ -189,3 +189,40 @@ def test_nothing_to_rebuild_on_raises_session_lost() -> None:
     finally:
         genie.disconnect()
         stop([p])
+
+
+def test_rebuilt_on_the_same_address_once_a_server_is_back() -> None:
+    """One address with replay on: the server is killed and a new one starts at the same
+    address a moment later; the client rebuilds its session there and the loop goes on with
+    eager's losses."""
+    [(p, a)] = spawn_servers(1)
+    port = a.rsplit(":", 1)[1]
+    back: list[subprocess.Popen] = []
+    timers: list[threading.Timer] = []
+    torch.manual_seed(0)
+    data = [(torch.randn(16, 12), torch.randint(0, 4, (16,))) for _ in range(8)]
+    ref = _adamw_losses(_net(), "cpu", data)
+
+    def kill_and_restart_later(i: int) -> None:
+        if i == 3:
+            p.kill()
+            p.wait(timeout=10)
+
+            def restart() -> None:
+                back.extend(q for q, _ in spawn_servers(1, "--listen", f"127.0.0.1:{port}"))
+            timers.append(threading.Timer(1.0, restart))  # the client retries meanwhile
+            timers[0].start()
+    try:
+        genie.connect(a, insecure=True, timeout=30, replay=True)
+        genie.reset_stats()
+        got = _adamw_losses(_net(), DEV, data, kill_and_restart_later)
+        assert genie.stats()["replays"] == 1
+        timers[0].join(timeout=60)
+        assert back and back[0].poll() is None
+        assert genie.backends.remote.clients()[0].address == a
+        assert got == pytest.approx(ref, rel=1e-5)
+    finally:
+        genie.disconnect()
+        for t in timers:
+            t.join(timeout=60)
+        stop([p, *back])
