@@ -16,7 +16,10 @@
   reply is a scalar) through an ``--insecure`` server and a CURVE server, against a raw loopback
   TCP socket moving the same bytes between two threads; and the download of a resident 128 MiB
   value (``.cpu()``). Each connection first moves one untimed 128 MiB upload (first-use costs:
-  allocator, page faults, skeleton), so the rows are the steady state a training loop sees.
+  allocator, page faults, skeleton), so the rows are the steady state a training loop sees. The
+  same bytes between two plain ZeroMQ sockets, with and without CURVE (one frame; and 4 MiB
+  frames, whose encryption and decryption overlap), give the transport's and the cipher's own
+  ceilings in the same run.
 * Serving (issue 14): a short request's latency (warm ``.item()`` of a 6-element tape) while
   another client process runs a chain of 1024x1024 matmuls, on a server with ``--workers 1``
   against ``--workers 4``, and with no other client; recovery of a 20-step AdamW loop after
@@ -255,16 +258,51 @@ def _raw_socket_seconds(nbytes: int) -> float:
     return dt
 
 
+def _zmq_seconds(nbytes: int, curve: bool, frame: int | None = None) -> float:
+    """Seconds to move ``nbytes`` between two ZeroMQ sockets over loopback TCP (PUSH -> PULL, as
+    one frame or as frames of ``frame`` bytes), with CURVE or without: the transport's own speed,
+    the ceiling for Genie's transfers on the same wire."""
+    ctx = zmq.Context()
+    rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        if curve:
+            spub, ssec = zmq.curve_keypair()
+            cpub, csec = zmq.curve_keypair()
+            rx.curve_server, rx.curve_secretkey, rx.curve_publickey = True, ssec, spub
+            tx.curve_serverkey, tx.curve_publickey, tx.curve_secretkey = spub, cpub, csec
+        port = rx.bind_to_random_port("tcp://127.0.0.1")
+        tx.connect(f"tcp://127.0.0.1:{port}")
+        tx.send(b"x")  # connection and handshake, untimed
+        rx.recv()
+        buf = memoryview(bytearray(nbytes))
+        parts = [buf] if frame is None else [buf[i:i + frame] for i in range(0, nbytes, frame)]
+        t0 = time.perf_counter()
+        tx.send_multipart(parts, copy=False)
+        got = rx.recv_multipart(copy=False)
+        dt = time.perf_counter() - t0
+        assert sum(len(f.buffer) for f in got) == nbytes
+        return dt
+    finally:
+        tx.close(linger=0)
+        rx.close(linger=0)
+        ctx.term()
+
+
 def test_upload_throughput(benchmark, ratios, servers) -> None:
     benchmark.group = f"upload of {UPLOAD_MIB} MiB"
     n = UPLOAD_MIB << 20
     x = torch.randn(n // 4)
     ref = x.sum().item()
-    up: dict[str, list[float]] = {"raw socket": [], "genie insecure": [], "genie CURVE": []}
+    up: dict[str, list[float]] = {"raw socket": [], "zmq plain": [], "zmq CURVE": [],
+                                  "zmq CURVE 4 MiB frames": [], "genie insecure": [],
+                                  "genie CURVE": []}
     down: dict[str, list[float]] = {"genie insecure": [], "genie CURVE": []}
 
     def once() -> None:
         up["raw socket"].append(_raw_socket_seconds(n))
+        up["zmq plain"].append(_zmq_seconds(n, curve=False))
+        up["zmq CURVE"].append(_zmq_seconds(n, curve=True))
+        up["zmq CURVE 4 MiB frames"].append(_zmq_seconds(n, curve=True, frame=4 << 20))
         for name, key in (("genie insecure", "insecure"), ("genie CURVE", "curve")):
             servers[key].connect(insecure=key == "insecure")
             warm = x.to(DEV)
@@ -284,7 +322,9 @@ def test_upload_throughput(benchmark, ratios, servers) -> None:
 
     benchmark.pedantic(once, rounds=3, iterations=1)
     row = ratios.row(SUITE, f"upload {UPLOAD_MIB} MiB", unit="MB/s", scale=1,
-                     ratios=[("genie insecure", "raw socket"), ("genie CURVE", "raw socket")])
+                     ratios=[("genie insecure", "raw socket"), ("genie CURVE", "raw socket"),
+                             ("genie insecure", "zmq plain"), ("zmq CURVE", "raw socket"),
+                             ("genie CURVE", "zmq CURVE")])
     for k, v in up.items():
         row.values[k] = n / 1e6 / statistics.median(v)
     row = ratios.row(SUITE, f"download {UPLOAD_MIB} MiB (.cpu() of a resident value)",
