@@ -34,6 +34,31 @@ def test_inference_mode_downloads_equal_eager():
         torch.testing.assert_close(lx.reshape(2, 6).contiguous().cpu(), x.reshape(2, 6))
 
 
+def test_inference_mode_model_forward_equals_eager():
+    """A model moved and run inside inference_mode (composite ops reach Genie undecomposed):
+    embedding, layer_norm, linear, GELU, dropout in eval, conv2d, SDPA, then the downloads."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(20, 16), torch.nn.LayerNorm(16),
+                            torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Dropout(0.1)).eval()
+    conv = torch.nn.Conv2d(3, 4, 3).eval()
+    ids, img = torch.randint(0, 20, (2, 5)), torch.randn(1, 3, 8, 8)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.inference_mode():
+        ref, ref_c = m(ids), conv(img)
+        ref_a = sdpa(*[ref.view(2, 1, 5, 16)] * 3)
+        m.to(DEV), conv.to(DEV)
+        out, c = m(ids.to(DEV)), conv(img.to(DEV))
+        a = sdpa(*[out.view(2, 1, 5, 16)] * 3)
+        torch.testing.assert_close(out.cpu(), ref)
+        torch.testing.assert_close(c.cpu(), ref_c)
+        torch.testing.assert_close(a.cpu(), ref_a)
+        assert out.argmax(-1).tolist() == ref.argmax(-1).tolist()
+        torch.testing.assert_close(torch.from_numpy(out.softmax(-1).numpy()), ref.softmax(-1))
+        assert f"{out.sum():.4f}" == f"{ref.sum():.4f}"
+        h = out.half()
+        assert h.dtype == h.cpu().dtype == torch.float16
+
+
 @pytest.mark.parametrize("convert", ["half", "double", "to_f16", "to_f64", "bfloat16"])
 def test_module_dtype_moves_convert_parameters_in_place(convert):
     torch.manual_seed(0)
