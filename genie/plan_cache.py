@@ -108,7 +108,7 @@ class Plan:
 
     __slots__ = ("instrs", "metas", "specs", "wheres", "inputs", "outputs", "keep", "floats",
                  "index", "artifacts", "uses", "_key", "entries", "guide", "produced", "fast",
-                 "prefix", "guide_key", "flat", "no_where")
+                 "prefix", "guide_key", "flat", "no_where", "klasses")
 
     def __init__(self, tape: Tape, nodes: list[Node]) -> None:
         self.metas = [n.metas for n in nodes]
@@ -147,6 +147,7 @@ class Plan:
         ``flat``: the same as columns (:func:`_flatten`) for :func:`match`'s common case.
         """
         self.entries = [n.entry if n.entry is not None else _NO_ENTRY for n in nodes]
+        self.klasses = [_klass(e) for e in self.entries]
         pos = {n.index: i for i, n in enumerate(nodes)}
         nref = [0] * len(nodes)
         produced: dict[int, tuple[int, int]] = {}
@@ -443,8 +444,15 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
             return _match_slow(plan, targets, generic)
     # The plan's interned meta-cache entries, by identity: op, argument tree (so which leaves are
     # Refs, and that no node writes: the plan's nodes do not), input metadata, int/bool/str
-    # constants. Checked first: the passes below read leaves as Refs.
-    if not all(map(is_, map(_entry, found), plan.entries)) or any(map(_executed, found)):
+    # constants. Checked first: the passes below read leaves as Refs. Shape-generic: the entries'
+    # interned shape classes instead; the nodes whose entries differ are rebuilt below.
+    ents = list(map(_entry, found))
+    shaped: list[int] = []
+    if not all(map(is_, ents, plan.entries)):
+        if not generic or not all(map(is_, map(_klass, ents), plan.klasses)):
+            return _match_slow(plan, targets, generic)
+        shaped = [i for i, e in enumerate(map(is_, ents, plan.entries)) if not e]
+    if any(map(_executed, found)):
         return _match_slow(plan, targets, generic)
     xnodes = list(map(_node, xs))
     idx = list(map(_index, found))
@@ -482,20 +490,34 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
             return _match_slow(plan, targets, generic)
         if pending_total[0] and xn.storages[xo].pending_writes:
             return _match_slow(plan, targets, generic)
-        if not _bind_input(xn, xo, y, pin, islots, inputs):  # also: one value, two slots
+        if not _bind_input(xn, xo, y, pin, islots, inputs, generic):  # also: one value, two slots
             return _match_slow(plan, targets, generic)
     if len(inputs) != len(pin):
         return None
     instrs = list(tmpl)
+    differs = bool(shaped)
+    for i in shaped:
+        n, t = found[i], tmpl[i]
+        instrs[i] = Instr(n.op, _leaves_of(n.leaves, t.leaves, True), t.spec, t.outs, n.rng,
+                          t.free, n.uid, n.where, t.device)
+    if generic and not differs:
+        differs = any(v.shape != pin[s].shape or v.stride() != pin[s].stride
+                      for s, v in inputs.items())
     rngs = list(map(_rng, found))
     if rngs.count(None) != nn:  # random ops: this step's (seed, offset)
         for i, rng in enumerate(rngs):
             if rng is not None:
                 n, t = found[i], tmpl[i]
-                instrs[i] = Instr(n.op, list(t.leaves), t.spec, t.outs, rng, t.free, n.uid,
-                                  n.where, t.device)
+                instrs[i] = Instr(n.op, list(instrs[i].leaves), t.spec, t.outs, rng, t.free,
+                                  n.uid, n.where, t.device)
     return Tape(instrs, inputs, list(want_out), set(plan.keep), found, PendingSlots(outs, islots),
-                plan.index, plan)
+                plan.index, plan, differs)
+
+
+def _klass(entry: Any) -> Any:
+    """An entry's shape class (:attr:`genie.meta.MetaEntry.klass`); a node recorded without an
+    entry gets a fresh object, equal to no other (it never matches shape-generically)."""
+    return getattr(entry, "klass", None) or object()
 
 
 def _claim(found: list[Node | None], j: int, node: Node) -> bool:
