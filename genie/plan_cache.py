@@ -210,9 +210,11 @@ class PlanCache:
         plans = self._by_targets.get(_target_key(targets))
         if not plans:
             return None
-        for plan in plans:
+        for k, plan in enumerate(plans):
             tape = match(plan, targets, generic)
             if tape is not None:
+                if k:  # most recently used first: a loop's plan is tried before the others
+                    plans.insert(0, plans.pop(k))
                 bucket = self._buckets.get(plan.prefix)
                 if bucket is not None:
                     self._buckets.move_to_end(plan.prefix)
@@ -463,9 +465,14 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
             or (pending_total[0] and (
                 any(map(_pending, map(getitem, map(_storages, xnodes), ek)))
                 or any(map(_pending, map(getitem, map(_storages, map(itemgetter(0), targets)),
-                                         map(itemgetter(1), targets)))))) \
-            or list(map(len, map(_consumers, map(get, hi)))) != hn:
+                                         map(itemgetter(1), targets)))))):
         return _match_slow(plan, targets, generic)
+    cons = list(map(len, map(_consumers, map(get, hi))))
+    if cons != hn:  # consumers outside the slice (dead ones too): held only if one is pending
+        in_run = set(idx)
+        for i, k, c, n_in in zip(hi, hk, cons, hn, strict=True):
+            if c != n_in and held_after(found[i], k, in_run):
+                return _match_slow(plan, targets, generic)
     if fi:  # float arguments: the plan's values (a float that changed is rebuilt by the slow path)
         fx = list(map(getitem, map(_leaves, map(get, fi)), fp))
         if not all(map(is_, fx, fv)) and not all(map(_same_const, fx, fv)):
@@ -474,10 +481,14 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     if not all(map(is_, map(call, filter(None, map(getitem, map(_outputs, map(get, hi)), hk))),
                    repeat(None))):
         return _match_slow(plan, targets, generic)
-    for i, k in other:
+    in_run = None
+    for i, k in other:  # outputs that must be held: by a live tensor, or a pending consumer
         r = found[i].outputs[k]
         if r is None or type(r()) is not Alive:
-            return _match_slow(plan, targets, generic)
+            if in_run is None:
+                in_run = set(idx)
+            if not held_after(found[i], k, in_run):
+                return _match_slow(plan, targets, generic)
     pin = plan.inputs
     islots: dict[tuple[int, int], int] = {}
     inputs: dict[int, torch.Tensor] = {}
