@@ -47,6 +47,7 @@ from torch.nn import Parameter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import context as _context
 from . import device as _device
 from . import export as _export
 from . import ids as _ids
@@ -651,9 +652,11 @@ def phase(name: str) -> Iterator[None]:
     st = _tls.state
     prev = st.scope
     st.scope = prev.with_phase(name)
+    saved = _context.push_phase(name)  # the default path's nodes too (genie.context)
     try:
         yield
     finally:
+        _context.pop_phase(saved)
         st.scope = prev
 
 
