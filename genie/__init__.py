@@ -25,6 +25,8 @@ def _autoload() -> None:
     register()
 
 
+import atexit  # noqa: E402
+
 import torch  # noqa: E402,F401  (first import of torch happens after _autoload exists)
 
 from .capture import CaptureError, CaptureGraph, annotate_phase, capture, phase
@@ -41,6 +43,7 @@ from .stats import reset_stats, stats
 from .backends.remote import connect, connect_from_env as _connect_from_env, disconnect
 from .remote import (QuotaExceededError, RemoteError, ServerUnavailableError,
                      SessionLostError)
+from .shutdown import drain_device_threads as _drain_device_threads
 
 _register()
 _register_factories()  # the PrivateUse1 factory kernels record through genie.lazy_tensor
@@ -48,6 +51,7 @@ _install_fastpaths()  # nn fast paths that need nested tensors run densely (geni
 _register_autocast()  # torch.autocast("remote_accelerator") (genie.autocast)
 _install_dynamo_skips()  # torch.compile runs Genie's own code as plain Python (genie.dynamo)
 _register_distributed()  # torch.distributed backend "genie" for remote_accelerator
+atexit.register(_drain_device_threads)  # no abort at exit right after backward (genie.shutdown)
 _connect_from_env()  # GENIE_SERVER=tcp://host:port: lazily, the session opens at first use
 
 __all__ = [
