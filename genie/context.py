@@ -53,6 +53,7 @@ _on = os.environ.get("GENIE_CONTEXT", "1").strip() != "0"
 _compiling = torch.compiler.is_compiling
 _active = False
 _lock = threading.Lock()
+_handles: list[Any] = []
 
 
 class Call:
@@ -131,12 +132,27 @@ def activate() -> None:
         from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim
 
-        nn_module.register_module_forward_pre_hook(_pre)
-        nn_module.register_module_forward_hook(_post, with_kwargs=True, always_call=True)
-        optim.register_optimizer_step_pre_hook(_opt_pre)
-        optim.register_optimizer_step_post_hook(_opt_post)
+        _handles[:] = [
+            nn_module.register_module_forward_pre_hook(_pre),
+            nn_module.register_module_forward_hook(_post, with_kwargs=True, always_call=True),
+            optim.register_optimizer_step_pre_hook(_opt_pre),
+            optim.register_optimizer_step_post_hook(_opt_post)]
         type(current).backward = BACKWARD
         _active = True
+
+
+def deactivate() -> None:
+    """Remove the hooks (nodes recorded from now on get no context); :func:`activate` or the
+    next upload installs them again unless ``GENIE_CONTEXT=0``. For measuring what they cost."""
+    global _active
+    with _lock:
+        for h in _handles:
+            h.remove()
+        _handles.clear()
+        type(current).backward = None
+        current.ctx = None
+        _tls.modules.clear()
+        _active = False
 
 
 def active() -> bool:
