@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
 from typing import Any
@@ -52,6 +53,7 @@ _on = os.environ.get("GENIE_CONTEXT", "1").strip() != "0"
 _compiling = torch.compiler.is_compiling
 _active = False
 _lock = threading.Lock()
+_handles: list[Any] = []
 
 
 class Call:
@@ -130,12 +132,27 @@ def activate() -> None:
         from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim
 
-        nn_module.register_module_forward_pre_hook(_pre)
-        nn_module.register_module_forward_hook(_post, with_kwargs=True, always_call=True)
-        optim.register_optimizer_step_pre_hook(_opt_pre)
-        optim.register_optimizer_step_post_hook(_opt_post)
+        _handles[:] = [
+            nn_module.register_module_forward_pre_hook(_pre),
+            nn_module.register_module_forward_hook(_post, with_kwargs=True, always_call=True),
+            optim.register_optimizer_step_pre_hook(_opt_pre),
+            optim.register_optimizer_step_post_hook(_opt_post)]
         type(current).backward = BACKWARD
         _active = True
+
+
+def deactivate() -> None:
+    """Remove the hooks (nodes recorded from now on get no context); :func:`activate` or the
+    next upload installs them again unless ``GENIE_CONTEXT=0``. For measuring what they cost."""
+    global _active
+    with _lock:
+        for h in _handles:
+            h.remove()
+        _handles.clear()
+        type(current).backward = None
+        current.ctx = None
+        _tls.modules.clear()
+        _active = False
 
 
 def active() -> bool:
@@ -204,11 +221,9 @@ def _post(module: Any, args: tuple, kwargs: Any, output: Any = None) -> None:
 def _begin(module: Any, args: tuple) -> Call:
     """A call of an outermost module: a decode if it receives state an earlier call of the same
     module produced (that call, if it was not a decode, was the prefill)."""
-    from .capture import _caller_kwargs
-
     call = Call(module)
     producers: dict[int, Call] = {}
-    for t in _lazy_tensors((args, _caller_kwargs())):
+    for t in _lazy_tensors((args, caller_kwargs())):
         c = t._node.ctx
         p = c.call if c is not None else None
         if p is not None and p.root() is module:
@@ -225,18 +240,34 @@ def _begin(module: Any, args: tuple) -> Call:
     return call
 
 
-def _lazy_tensors(obj: Any) -> list[Any]:
-    """LazyTensors in a call's arguments: through lists, tuples, dicts and the attributes of
-    plain objects (cache objects), a few levels deep."""
-    from .lazy_tensor import LazyTensor
+def caller_kwargs() -> dict:
+    """The keyword arguments of the module call that runs a global forward pre-hook.
 
+    Global forward pre-hooks get no kwargs; the root call's kwargs are where models take their KV
+    cache (``past_key_values=...``). Read them from ``Module._call_impl``'s frame when it is there.
+    """
+    f = sys._getframe(2)
+    for _ in range(4):
+        if f is None:
+            break
+        if f.f_code.co_name in ("inner", "_call_impl") and "/torch/nn/modules/" in \
+                f.f_code.co_filename.replace("\\", "/"):
+            kw = f.f_locals.get("kwargs")
+            return kw if isinstance(kw, dict) else {}
+        f = f.f_back
+    return {}
+
+
+def _lazy_tensors(obj: Any) -> list[Any]:
+    """Lazy tensors (tensors with a recorded node) in a call's arguments: through lists,
+    tuples, dicts and the attributes of plain objects (cache objects), a few levels deep."""
     found: list[Any] = []
     seen: set[int] = set()  # identities only to stop cycles; never part of an id or key
     stack: list[tuple[Any, int]] = [(obj, 0)]  # iterative: a recursive closure would be a
     while stack:                               # cycle holding the tensors until a collection
         x, depth = stack.pop()
         if isinstance(x, torch.Tensor):
-            if isinstance(x, LazyTensor):
+            if getattr(x, "_node", None) is not None:
                 found.append(x)
             continue
         if depth > 6 or id(x) in seen or isinstance(x, (str, bytes, int, float, type,
@@ -292,9 +323,7 @@ def pop_phase(prev: Any) -> None:
 def role(t: torch.Tensor) -> str:
     """What ``t`` is to the program: ``weight``, ``kv_cache``, ``gradient``,
     ``optimizer_state``, ``input`` or ``activation`` (see the module docstring)."""
-    from .lazy_tensor import LazyTensor
-
-    if not isinstance(t, LazyTensor):
+    if not isinstance(t, torch.Tensor) or getattr(t, "_node", None) is None:
         raise TypeError(f"genie.context.role() takes a remote_accelerator tensor, got "
                         f"{type(t).__name__}")
     if isinstance(t, torch.nn.Parameter) or t.__dict__.get("_swap_src") is not None:
