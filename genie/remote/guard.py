@@ -306,7 +306,7 @@ def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict
 def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | None = None,
                 limit: float = 0.0) -> dict[int, Any]:
     """Vet ``tape`` against ``budget`` free bytes, then run it on ``dev`` before ``deadline``
-    (``time.monotonic()``); returns the values of ``tape.keep``."""
+    (``time.monotonic()``); returns the values of ``tape.keep`` and ``tape.outputs``."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     env: dict[int, Any] = dict(tape.inputs)
@@ -334,7 +334,7 @@ def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | No
             if i == checked:  # an op whose size depends on data ran: account, vet the rest
                 checked = vet(tape, i + 1, env, budget, resident, baseline, deadline,
                               limit).upto
-    return {s: env[s] for s in tape.keep}
+    return {s: env[s] for s in (*tape.keep, *tape.outputs)}
 
 
 def _zero(st: Any, start: int = 0) -> None:
