@@ -318,7 +318,7 @@ class Server:
         except ProtocolError as e:
             return self._send_err(ident, -1, "protocol", str(e))
         rid = h.get("rid") if isinstance(h, dict) else None
-        if type(rid) is not int or h.get("t") not in REQUESTS:
+        if type(rid) is not int or type(h.get("t")) is not str or h["t"] not in REQUESTS:
             return self._send_err(ident, -1, "protocol", "a header must be a map with a known "
                                   f"'t' ({', '.join(sorted(REQUESTS))}) and an integer 'rid'")
         if len(parts) - 2 > MAX_FRAMES:
