@@ -99,100 +99,116 @@ class Vetted:
     peak: int
 
 
+class TV:
+    """A tensor value as the vet sees it: metadata and the id of its storage."""
+
+    __slots__ = ("shape", "stride", "offset", "dtype", "conj", "neg", "sid")
+
+    def __init__(self, shape: tuple, stride: tuple, offset: int, dtype: torch.dtype,
+                 conj: bool, neg: bool, sid: int) -> None:
+        self.shape, self.stride, self.offset, self.dtype = shape, stride, offset, dtype
+        self.conj, self.neg, self.sid = conj, neg, sid
+
+
+@dataclass(frozen=True, slots=True)
+class _Out:
+    """One output of a vetted instruction: a tensor's metadata and where its storage comes
+    from (``src``: the leaf whose storage it shares, or -1 for a fresh one of ``nbytes``), or a
+    plain ``value``."""
+
+    meta: tuple | None
+    src: int
+    nbytes: int
+    value: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Effect:
+    """What an instruction does to metadata (the same for the same op, argument tree and leaf
+    metadata): its outputs, and the leaves whose storage it resized (leaf index, new bytes)."""
+
+    outs: tuple[_Out, ...]
+    grows: tuple[tuple[int, int], ...]
+
+
+_BARRIER = _Effect((), ())  # an op whose output size depends on data
+#: effects by (op, tree, leaf keys): the vet of a repeated op is a dict lookup
+_effects: dict[Any, _Effect] = {}
+MAX_EFFECTS = 8192
+
+
+class _NoKey(Exception):
+    pass
+
+
+def _const_key(x: Any, floats: bool) -> Any:
+    t = type(x)
+    if t is float:
+        return (float, x) if floats else float
+    if x is None or t is bool or t is int or t is str or t is complex or t is torch.dtype or \
+            t is torch.layout or t is torch.memory_format:
+        return (t, x)
+    if t is list or t is tuple or t is torch.Size:
+        return (t, tuple(_const_key(v, floats) for v in x))
+    raise _NoKey
+
+
 class _Ledger:
     """Bytes per storage of the tape's values; ``live`` counts what the session does not hold
     yet (fresh storages whole, resident storages by their growth)."""
 
     def __init__(self) -> None:
-        self.entries: dict[int, list[Any]] = {}  # key -> [keepalive, nbytes, slots, base]
+        self.st: dict[int, list[int]] = {}  # sid -> [nbytes, slots, base]
         self.live = 0
+        self.next_sid = -1  # fresh storages get negative ids (real ones are _cdata)
 
-    def add(self, t: torch.Tensor, base: int | None = None) -> None:
-        st = t.untyped_storage()
-        e = self.entries.get(st._cdata)
-        if e is None:
-            n = st.nbytes()
-            b = n if base is None else base
-            self.entries[st._cdata] = [t, n, 1, b]
-            self.live += n - b
-        else:
-            e[2] += 1
+    def fresh(self, nbytes: int) -> int:
+        sid = self.next_sid
+        self.next_sid -= 1
+        self.st[sid] = [nbytes, 0, 0]
+        self.live += nbytes
+        return sid
 
-    def new_bytes(self, t: torch.Tensor) -> int:
-        st = t.untyped_storage()
-        return 0 if st._cdata in self.entries else st.nbytes()
+    def hold(self, sid: int) -> None:
+        self.st[sid][1] += 1
 
-    def refresh(self, t: torch.Tensor) -> None:
-        e = self.entries.get(t.untyped_storage()._cdata)
-        if e is not None:
-            n = t.untyped_storage().nbytes()
-            self.live += max(n - e[3], 0) - max(e[1] - e[3], 0)
-            e[1] = n
+    def resize(self, sid: int, n: int) -> None:
+        e = self.st[sid]
+        self.live += max(n - e[2], 0) - max(e[0] - e[2], 0)
+        e[0] = n
 
-    def release(self, t: torch.Tensor) -> None:
-        key = t.untyped_storage()._cdata
-        e = self.entries.get(key)
-        if e is not None:
-            e[2] -= 1
-            if e[2] == 0:
-                self.live -= max(e[1] - e[3], 0)
-                del self.entries[key]
+    def release(self, sid: int) -> None:
+        e = self.st[sid]
+        e[1] -= 1
+        if e[1] == 0:
+            self.live -= max(e[0] - e[2], 0)
+            del self.st[sid]
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for t in x if isinstance(t, torch.Tensor)]
-    return []
-
-
-def check_bounds(t: torch.Tensor) -> str | None:
-    """Why ``t`` addresses memory outside its storage (None when it does not)."""
-    if t.numel() == 0:
+def check_bounds(shape: Any, stride: Any, offset: int, itemsize: int, have: int) -> str | None:
+    """Why a tensor of this layout addresses memory outside ``have`` storage bytes (None when
+    it does not)."""
+    if any(s == 0 for s in shape):
         return None
-    if any(st < 0 for st in t.stride()) or t.storage_offset() < 0:
-        return f"negative strides {list(t.stride())} or offset {t.storage_offset()}"
-    last = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    need = (last + 1) * t.element_size()
-    have = t.untyped_storage().nbytes()
+    if any(st < 0 for st in stride) or offset < 0:
+        return f"negative strides {list(stride)} or offset {offset}"
+    need = (offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1) * itemsize
     if need > have:
-        return (f"a view of shape {list(t.shape)}, strides {list(t.stride())}, offset "
-                f"{t.storage_offset()} reaches byte {need} of a storage of {have} bytes")
+        return (f"a view of shape {list(shape)}, strides {list(stride)}, offset {offset} "
+                f"reaches byte {need} of a storage of {have} bytes")
     return None
 
 
-def _meta_of(v: Any, bases: dict[int, torch.Tensor]) -> Any:
-    """The meta twin of a real value (tensors share a meta storage when they share a storage)."""
-    if not isinstance(v, torch.Tensor):
-        return v
+def _tv_of(v: torch.Tensor, ledger: _Ledger, base: int) -> TV:
     st = v.untyped_storage()
-    base = bases.get(st._cdata)
-    if base is None:
-        base = bases[st._cdata] = torch.empty(st.nbytes(), dtype=torch.uint8, device=META)
-    m = torch.empty(0, dtype=v.dtype, device=META)
-    m.set_(base.untyped_storage(), v.storage_offset(), v.shape, v.stride())
-    if v.is_conj():
-        m = m.conj()
-    if v.is_neg():
-        m = torch._neg_view(m)
-    return m
-
-
-def _meta_leaf(x: Any, env: dict[int, Any]) -> tuple[Any, int]:
-    """(meta value, transient bytes) of one instruction leaf."""
-    t = type(x)
-    if t is Slot:
-        return env[x.id], 0
-    if t is torch.device:
-        return META, 0
-    if t is MetaArg:
-        m = x.meta
-        v = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=META)
-        return v, v.untyped_storage().nbytes()
-    if isinstance(x, torch.Tensor):  # a host constant (already in memory: counted as baseline)
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=META), 0
-    return x, 0
+    sid = st._cdata
+    if sid not in ledger.st:
+        n = st.nbytes()
+        ledger.st[sid] = [n, 0, base]
+        ledger.live += max(n - base, 0)
+    ledger.hold(sid)
+    return TV(tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, v.is_conj(),
+              v.is_neg(), sid)
 
 
 def _with_meta_device(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -208,18 +224,6 @@ def _with_meta_device(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def _has_device_arg(op: Any) -> bool:
-    try:
-        return op._genie_has_device
-    except AttributeError:
-        has = any(a.name == "device" for a in op._schema.arguments)
-        try:
-            op._genie_has_device = has
-        except AttributeError:
-            pass
-        return has
-
-
 def _host_bytes(tape: Tape) -> int:
     n = 0
     for ins in tape.instrs:
@@ -229,39 +233,44 @@ def _host_bytes(tape: Tape) -> int:
     return n
 
 
-def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict[int, int],
-        baseline: int = 0, deadline: float | None = None, limit: float = 0.0) -> Vetted:
-    """Check ``tape.instrs[start:]`` on meta tensors, given the real values ``env`` before it.
-
-    ``resident`` maps the storages (``_cdata``) the session already holds to their counted
-    bytes; ``baseline`` is memory the request already uses (host constants). Raises
-    :class:`QuotaError` when the working set passes ``budget``, :class:`ExecutionError` when an
-    op refuses its meta arguments or a view leaves its storage; returns where vetting stopped
-    (an op whose output size depends on data) and the peak.
-    """
+def _infer(ins: Any, env: dict[int, Any], ledger: _Ledger, i: int) -> _Effect:
+    """Run one instruction on meta tensors built from the leaves' metadata: its effect, or
+    _BARRIER; ExecutionError when the op refuses them or a view leaves its storage."""
     bases: dict[int, torch.Tensor] = {}
-    ledger = _Ledger()
-    menv: dict[int, Any] = {}
-    for s, v in env.items():
-        m = _meta_of(v, bases)
-        menv[s] = m
-        if isinstance(v, torch.Tensor):
-            ledger.add(m, resident.get(v.untyped_storage()._cdata, 0))
-    peak = ledger.live + baseline
-    if peak > budget:
-        raise QuotaError(start, "the values so far", peak, budget)
-    n = len(tape.instrs)
-    for i in range(start, n):
-        if deadline is not None and time.monotonic() > deadline:
-            raise RunTimeout(i, n, limit)
-        ins = tape.instrs[i]
-        op = ins.op
-        transient = 0
-        leaves = []
-        for x in ins.leaves:
-            v, b = _meta_leaf(x, menv)
-            leaves.append(v)
-            transient += b
+    leaves: list[Any] = []
+    sids: list[int | None] = []
+    for x in ins.leaves:
+        t = type(x)
+        sid = None
+        if t is Slot:
+            v = env[x.id]
+            if type(v) is TV:
+                sid = v.sid
+                base = bases.get(sid)
+                if base is None:
+                    base = bases[sid] = torch.empty(ledger.st[sid][0], dtype=torch.uint8,
+                                                    device=META)
+                m = torch.empty(0, dtype=v.dtype, device=META)
+                m.set_(base.untyped_storage(), v.offset, v.shape, v.stride)
+                if v.conj:
+                    m = m.conj()
+                if v.neg:
+                    m = torch._neg_view(m)
+                v = m
+        elif t is torch.device:
+            v = META
+        elif t is MetaArg:
+            v = torch.empty_strided(x.meta.shape, x.meta.stride, dtype=x.meta.dtype, device=META)
+        elif isinstance(x, torch.Tensor):
+            v = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=META)
+        else:
+            v = x
+        leaves.append(v)
+        sids.append(sid)
+    op = ins.op
+    if op == UPLOAD:
+        out: Any = torch.empty_like(leaves[0], device=META)
+    else:
         pol = policy(op)
         if pol.inplace_view:
             leaves[0] = torch.ops.aten.alias.default(leaves[0])
@@ -272,35 +281,150 @@ def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict
             out = op(*args, **kwargs)
         except Exception as e:
             if pol.dynamic or isinstance(e, NotImplementedError):
-                return Vetted(i, peak)  # its size depends on data: run up to here first
+                return _BARRIER  # its size depends on data: run up to here first
             raise ExecutionError(op, ins.where, e, i) from e
-        outs = optree.tree_leaves(out, none_is_leaf=True)
-        for x in ins.leaves:  # in-place ops (resize_, out=) may grow what they write
-            if type(x) is Slot:
-                for t in _tensors(menv[x.id]):
-                    ledger.refresh(t)
+    where = {}
+    for j, v in enumerate(leaves):
+        if isinstance(v, torch.Tensor):
+            where.setdefault(v.untyped_storage()._cdata, j)
+    outs = []
+    for o in optree.tree_leaves(out, none_is_leaf=True):
+        if not isinstance(o, torch.Tensor):
+            outs.append(_Out(None, -1, 0, o))
+            continue
+        st = o.untyped_storage()
+        bad = check_bounds(o.shape, o.stride(), o.storage_offset(), o.element_size(),
+                           st.nbytes())
+        if bad is not None:
+            raise ExecutionError(op, ins.where, IndexError(
+                f"out of bounds: {bad}; the server refuses views past their storage"), i)
+        src = where.get(st._cdata, -1)
+        if src >= 0 and sids[src] is None:
+            src = -1  # a view of a constant: its own storage as far as the session goes
+        outs.append(_Out((tuple(o.shape), tuple(o.stride()), o.storage_offset(), o.dtype,
+                          o.is_conj(), o.is_neg()), src, st.nbytes()))
+    grows = tuple((j, leaves[j].untyped_storage().nbytes()) for j, sid in enumerate(sids)
+                  if sid is not None and isinstance(leaves[j], torch.Tensor) and
+                  leaves[j].untyped_storage().nbytes() != ledger.st[sid][0])
+    return _Effect(tuple(outs), grows)
+
+
+def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict[int, int],
+        baseline: int = 0, deadline: float | None = None, limit: float = 0.0) -> Vetted:
+    """Check ``tape.instrs[start:]`` on meta tensors, given the real values ``env`` before it.
+
+    ``resident`` maps the storages (``_cdata``) the session already holds to their counted
+    bytes; ``baseline`` is memory the request already uses (host constants). Raises
+    :class:`QuotaError` when the working set passes ``budget``, :class:`ExecutionError` when an
+    op refuses its meta arguments or a view leaves its storage; returns where vetting stopped
+    (an op whose output size depends on data) and the peak. The effect of an op on metadata is
+    cached, so a repeated tape costs a dict lookup per instruction.
+    """
+    ledger = _Ledger()
+    menv: dict[int, Any] = {}
+    for s, v in env.items():
+        if isinstance(v, torch.Tensor):
+            menv[s] = _tv_of(v, ledger, resident.get(v.untyped_storage()._cdata, 0))
+        else:
+            menv[s] = v
+    peak = ledger.live + baseline
+    if peak > budget:
+        raise QuotaError(start, "the values so far", peak, budget)
+    n = len(tape.instrs)
+    for i in range(start, n):
+        if deadline is not None and time.monotonic() > deadline:
+            raise RunTimeout(i, n, limit)
+        ins = tape.instrs[i]
+        op = ins.op
+        transient = 0
+        floats = op == UPLOAD or policy(op).float_values_matter
+        try:
+            parts: list[Any] = [op, ins.spec]
+            for x in ins.leaves:
+                t = type(x)
+                if t is Slot:
+                    v = menv[x.id]
+                    parts.append((v.shape, v.stride, v.offset, v.dtype, v.conj, v.neg,
+                                  ledger.st[v.sid][0]) if type(v) is TV
+                                 else _const_key(v, True))
+                elif t is MetaArg:
+                    m = x.meta
+                    parts.append((MetaArg, m.shape, m.stride, m.dtype))
+                elif t is torch.device:
+                    parts.append(torch.device)
+                elif isinstance(x, torch.Tensor):
+                    parts.append((torch.Tensor, tuple(x.shape), x.stride(), x.dtype))
+                else:
+                    parts.append(_const_key(x, floats))
+            key: Any = tuple(parts)
+            eff = _effects.get(key)
+        except _NoKey:
+            key, eff = None, None
+        if eff is None:
+            eff = _infer(ins, menv, ledger, i)
+            if key is not None:
+                if len(_effects) >= MAX_EFFECTS:
+                    _effects.clear()
+                _effects[key] = eff
+        if eff is _BARRIER:
+            return Vetted(i, peak)
+        for x in ins.leaves:
+            if type(x) is MetaArg:
+                transient += _meta_arg_nbytes(x.meta)
+        for j, nb in eff.grows:
+            ledger.resize(menv[ins.leaves[j].id].sid, nb)
         fresh = 0
-        for s, v in zip(ins.outs, outs):
-            for t in _tensors(v):
-                bad = check_bounds(t)
-                if bad is not None:
-                    raise ExecutionError(op, ins.where, IndexError(
-                        f"out of bounds: {bad}; the server refuses views past their storage"),
-                        i)
-                if s is None:
-                    fresh += ledger.new_bytes(t)
-        for s, v in zip(ins.outs, outs):
-            if s is not None:
-                menv[s] = v
-                for t in _tensors(v):
-                    ledger.add(t, 0)
+        for s, o in zip(ins.outs, eff.outs):
+            if o.meta is None:
+                if s is not None:
+                    menv[s] = o.value
+                continue
+            if o.src >= 0:
+                sid = menv[ins.leaves[o.src].id].sid
+            else:
+                sid = ledger.fresh(o.nbytes)
+            if s is None:
+                if o.src < 0:
+                    fresh += o.nbytes
+                    ledger.hold(sid)
+                    ledger.release(sid)
+                continue
+            ledger.hold(sid)
+            menv[s] = TV(*o.meta, sid)
         peak = max(peak, ledger.live + baseline + transient + fresh)
         if peak > budget:
             raise QuotaError(i, op, peak, budget)
         for s in ins.free:
-            for t in _tensors(menv.pop(s)):
-                ledger.release(t)
+            v = menv.pop(s)
+            if type(v) is TV:
+                ledger.release(v.sid)
     return Vetted(n, peak)
+
+
+def _meta_arg_nbytes(m: Any) -> int:
+    if any(s == 0 for s in m.shape):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(m.shape, m.stride))) * m.dtype.itemsize
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for t in x if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _has_device_arg(op: Any) -> bool:
+    try:
+        return op._genie_has_device
+    except AttributeError:
+        has = any(a.name == "device" for a in op._schema.arguments)
+        try:
+            op._genie_has_device = has
+        except AttributeError:
+            pass
+        return has
 
 
 def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | None = None,
@@ -337,6 +461,16 @@ def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | No
     return {s: env[s] for s in (*tape.keep, *tape.outputs)}
 
 
+def _zero_out(t: torch.Tensor) -> None:
+    """Zero the whole storage of ``t`` (an ``empty``-family output)."""
+    st = t.untyped_storage()
+    if t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size() == \
+            st.nbytes():
+        t.zero_()  # the common case: one memset, no extra tensor
+    else:
+        _zero(st)
+
+
 def _zero(st: Any, start: int = 0) -> None:
     n = st.nbytes() - start
     if n > 0:
@@ -344,6 +478,8 @@ def _zero(st: Any, start: int = 0) -> None:
 
 
 def _run_instr(ins: Any, env: dict[int, Any], dev: torch.device) -> list[Any]:
+    if ins.op == UPLOAD:
+        return [ins.leaves[0].to(dev, copy=dev.type == "cpu")]
     leaves = [_arg(x, env, dev) for x in ins.leaves]
     op = ins.op
     pol = policy(op)
@@ -366,7 +502,7 @@ def _run_instr(ins: Any, env: dict[int, Any], dev: torch.device) -> list[Any]:
         out = op(*args, **kwargs)
     if base in ZEROED:
         for t in _tensors(out):
-            _zero(t.untyped_storage())
+            _zero_out(t)
     elif grown is not None and grown[0].nbytes() > grown[1]:
         _zero(grown[0], grown[1])
     return optree.tree_leaves(out, none_is_leaf=True)
@@ -381,6 +517,6 @@ def _arg(x: Any, env: dict[int, Any], dev: torch.device) -> Any:
     if t is MetaArg:
         m = x.meta
         v = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=dev)
-        _zero(v.untyped_storage())
+        _zero_out(v)
         return v
     return x

@@ -495,6 +495,13 @@ class Compiled:
     consts: list[Any] | None = None  # the last call's constants (base of the next delta)
 
 
+def _is_call_tree(spec: Any) -> bool:
+    """Whether an argument tree is ``(args tuple, kwargs dict)``, as every op call's is."""
+    tree = optree.tree_unflatten(spec, [None] * spec.num_leaves)
+    return type(tree) is tuple and len(tree) == 2 and type(tree[0]) is tuple and \
+        type(tree[1]) is dict
+
+
 def _slot_list(x: Any, what: str) -> list[int]:
     if not isinstance(x, list) or not all(type(s) is int and 0 <= s < (1 << 31) for s in x):
         raise ProtocolError("?", f"bad {what} slot list")
@@ -517,6 +524,7 @@ def compile_skeleton(data: bytes, max_instrs: int = MAX_INSTRS) -> Compiled:
         raise ProtocolError("?", f"bad skeleton tables (at most {max_instrs} instructions)")
     ops = [resolve_op(n) for n in names]
     specs = [_spec(d) for d in spec_ds]
+    call_tree = [_is_call_tree(sp) for sp in specs]
     inputs, outputs, keep = (_slot_list(inputs, "input"), _slot_list(outputs, "output"),
                              _slot_list(keep, "kept"))
     live = set(inputs)
@@ -536,6 +544,8 @@ def compile_skeleton(data: bytes, max_instrs: int = MAX_INSTRS) -> Compiled:
         if (op == UPLOAD) != (si == -1) or (op == UPLOAD and code != [-1]):
             raise ProtocolError("?", f"bad upload instruction {i}")
         spec = specs[si] if si >= 0 else None
+        if spec is not None and not call_tree[si]:
+            raise ProtocolError("?", f"instruction {i}: its argument tree is not (args, kwargs)")
         if spec is not None and spec.num_leaves != len(code):
             raise ProtocolError("?", f"instruction {i}: {len(code)} leaves for a tree of "
                                      f"{spec.num_leaves}")
@@ -553,9 +563,14 @@ def compile_skeleton(data: bytes, max_instrs: int = MAX_INSTRS) -> Compiled:
         if not isinstance(outs, list) or not all(
                 o is None or (type(o) is int and 0 <= o < (1 << 31) and o not in live)
                 for o in outs):
-            raise ProtocolError("?", f"instruction {i}: bad outputs {outs!r}")
-        live.update(o for o in outs if o is not None)
+            raise ProtocolError("?", f"instruction {i}: bad outputs {outs!r:.80}")
+        named = [o for o in outs if o is not None]
+        if len(set(named)) != len(named):
+            raise ProtocolError("?", f"instruction {i}: an output slot named twice")
+        live.update(named)
         free = _slot_list(free, "free")
+        if len(set(free)) != len(free):
+            raise ProtocolError("?", f"instruction {i}: a slot freed twice")
         if not live.issuperset(free):
             raise ProtocolError("?", f"instruction {i} frees a slot that is not live")
         live.difference_update(free)

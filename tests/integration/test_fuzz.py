@@ -160,7 +160,8 @@ class Mutator:
             except Exception:
                 return self.scalar()
         if type(x) is int and r.random() < 0.5:
-            return r.choice([x + 1, x - 1, -x, x * 1000, x << 20, 0])
+            v = r.choice([x + 1, x - 1, -x, x * 1000, x << 20, 0])
+            return v if -(1 << 63) <= v < (1 << 64) else (1 << 63) - 1
         return self.scalar()
 
     def skeleton(self, sk: bytes) -> bytes:
@@ -272,6 +273,7 @@ def test_fuzz_structure_aware(server: ServerProc) -> None:
     kinds: collections.Counter[str] = collections.Counter()
     t0 = time.monotonic()
     peak = baseline
+    dbg_hwm = rss(pid, "VmHWM")
     while sent < MESSAGES:
         for _ in range(BATCH):
             rid += 1
@@ -286,6 +288,17 @@ def test_fuzz_structure_aware(server: ServerProc) -> None:
                     break
             assert server.alive(), f"genie-server died on message {sent}: {parts[0][:300]!r}"
             answered += got is not None or m.lossy
+            if os.environ.get("GENIE_FUZZ_DEBUG"):
+                hwm = rss(pid, "VmHWM")
+                if hwm > dbg_hwm + (24 << 20):
+                    print("HWM", hwm >> 20, got and got.get("t"), got and got.get("kind"),
+                          str(got and got.get("msg"))[:200], protocol.msgpack.unpackb(
+                              parts[0], raw=False, strict_map_key=False) if len(parts[0]) < 3000
+                          else len(parts[0]))
+                dbg_hwm = max(dbg_hwm, hwm)
+            if got is not None and got.get("kind") == "internal" and \
+                    os.environ.get("GENIE_FUZZ_DEBUG"):
+                print("INTERNAL", got.get("msg", "")[:300])
             if got is None and not m.lossy and os.environ.get("GENIE_FUZZ_DEBUG"):
                 print("NOANSWER", protocol.msgpack.unpackb(parts[0], raw=False,
                       strict_map_key=False), [len(p) for p in parts[1:]])
