@@ -106,17 +106,19 @@ def op_from_name(name: Any, allow: Callable[[str, str], bool] | None = None) -> 
     if not (_IDENT.fullmatch(ns) and _IDENT.fullmatch(base) and _IDENT.fullmatch(overload)):
         raise TapeDataError(f"bad op name {name!r}")
     full = f"{ns}::{base}.{overload}"
-    ok = allow(ns, base) if allow is not None else allowlist.admitted(full)
-    if not ok:
-        why = allowlist.why_refused(full) if allow is None else "refused by the allow= rule"
-        raise TapeDataError(f"op {name!r} is not on the allowlist ({why}); pass allow= to "
-                            "admit it")
+    if allow is not None and not allow(ns, base) or \
+            allow is None and ns not in ALLOWED_NAMESPACES:
+        raise TapeDataError(f"op {name!r} is not on the allowlist (refused by the "
+                            f"{'allow= rule' if allow else 'namespace rule: aten only'})")
     try:
         op = getattr(getattr(getattr(torch.ops, ns), base), overload)
     except (AttributeError, RuntimeError):
         raise TapeDataError(f"op {name!r} does not exist in PyTorch {torch.__version__}") from None
     if not isinstance(op, torch._ops.OpOverload):
         raise TapeDataError(f"{name!r} is not an op overload")
+    if allow is None and not allowlist.admitted(full):
+        raise TapeDataError(f"op {name!r} is not on the allowlist ({allowlist.why_refused(full)})"
+                            "; pass allow= to admit it")
     return op
 
 

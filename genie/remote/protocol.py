@@ -508,8 +508,8 @@ def _slot_list(x: Any, what: str) -> list[int]:
     return x
 
 
-#: the most instructions one skeleton may hold (bounds the time a compile takes)
-MAX_INSTRS = 1 << 16
+#: the most instructions one skeleton may hold (bounds the time a compile takes, ~20 us each)
+MAX_INSTRS = 1 << 18
 
 
 def compile_skeleton(data: bytes, max_instrs: int = MAX_INSTRS) -> Compiled:
@@ -521,7 +521,8 @@ def compile_skeleton(data: bytes, max_instrs: int = MAX_INSTRS) -> Compiled:
     if not isinstance(names, list) or not isinstance(spec_ds, list) or \
             not isinstance(rows, list) or len(rows) > max_instrs or len(names) > max_instrs or \
             len(spec_ds) > max_instrs:
-        raise ProtocolError("?", f"bad skeleton tables (at most {max_instrs} instructions)")
+        raise ProtocolError("?", f"bad skeleton tables, or more than {max_instrs} instructions in "
+                                 "one tape (materialize more often: genie.materialize)")
     ops = [resolve_op(n) for n in names]
     specs = [_spec(d) for d in spec_ds]
     call_tree = [_is_call_tree(sp) for sp in specs]
