@@ -368,6 +368,9 @@ def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict
                 _effects[key] = eff
         if eff is _BARRIER:
             return Vetted(i, peak)
+        if _short(len(eff.outs), ins.outs):
+            raise ExecutionError(op, ins.where, ValueError(
+                f"the op returns {len(eff.outs)} values; the tape names {len(ins.outs)}"), i)
         for x in ins.leaves:
             if type(x) is MetaArg:
                 transient += _meta_arg_nbytes(x.meta)
@@ -448,6 +451,9 @@ def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | No
                 raise RunTimeout(i, n, limit)
             try:
                 outs = _run_instr(ins, env, dev)
+                if _short(len(outs), ins.outs):
+                    raise ValueError(f"the op returned {len(outs)} values; the tape names "
+                                     f"{len(ins.outs)}")
             except Exception as e:
                 raise ExecutionError(ins.op, ins.where, e, i) from e
             for s, v in zip(ins.outs, outs):
@@ -459,6 +465,11 @@ def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | No
                 checked = vet(tape, i + 1, env, budget, resident, baseline, deadline,
                               limit).upto
     return {s: env[s] for s in (*tape.keep, *tape.outputs)}
+
+
+def _short(n: int, outs: tuple[int | None, ...]) -> bool:
+    """Whether an op's ``n`` outputs leave a slot the tape names without a value."""
+    return any(s is not None for s in outs[n:])
 
 
 def _zero_out(t: torch.Tensor) -> None:

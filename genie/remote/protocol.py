@@ -542,7 +542,9 @@ def compile_skeleton(data: bytes, max_instrs: int = MAX_INSTRS) -> Compiled:
                 not -1 <= si < len(specs) or not isinstance(code, list) or type(rng) is not bool:
             raise ProtocolError("?", f"bad instruction {i}")
         op = ops[oi]
-        if (op == UPLOAD) != (si == -1) or (op == UPLOAD and code != [-1]):
+        if (op == UPLOAD) != (si == -1) or (op == UPLOAD and (
+                code != [-1] or not isinstance(outs, list) or len(outs) != 1 or
+                outs[0] is None or free != [] or rng)):
             raise ProtocolError("?", f"bad upload instruction {i}")
         spec = specs[si] if si >= 0 else None
         if spec is not None and not call_tree[si]:
