@@ -467,6 +467,17 @@ def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | No
     return {s: env[s] for s in (*tape.keep, *tape.outputs)}
 
 
+def _memory_kind(op: Any) -> int:
+    """1: an ``empty``-family op (zero its outputs); 2: a resizing op (zero the growth); 0."""
+    try:
+        return op._genie_memory_kind
+    except AttributeError:
+        base = op._schema.name.removeprefix("aten::")
+        kind = 1 if base in ZEROED else 2 if base in RESIZING else 0
+        op._genie_memory_kind = kind
+        return kind
+
+
 def _short(n: int, outs: tuple[int | None, ...]) -> bool:
     """Whether an op's ``n`` outputs leave a slot the tape names without a value."""
     return any(s is not None for s in outs[n:])
@@ -497,9 +508,9 @@ def _run_instr(ins: Any, env: dict[int, Any], dev: torch.device) -> list[Any]:
     if pol.inplace_view:
         leaves[0] = torch.ops.aten.alias.default(leaves[0])
     args, kwargs = optree.tree_unflatten(ins.spec, leaves)
-    base = op._schema.name[len("aten::"):]
+    kind = _memory_kind(op)
     grown = None
-    if base in RESIZING:
+    if kind == 2:
         grown = args[0].untyped_storage(), args[0].untyped_storage().nbytes()
     if ins.rng is not None:
         gen = generator_for(dev)
@@ -511,7 +522,7 @@ def _run_instr(ins: Any, env: dict[int, Any], dev: torch.device) -> list[Any]:
             gen.set_state(saved)
     else:
         out = op(*args, **kwargs)
-    if base in ZEROED:
+    if kind == 1:
         for t in _tensors(out):
             _zero_out(t)
     elif grown is not None and grown[0].nbytes() > grown[1]:

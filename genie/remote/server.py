@@ -86,8 +86,9 @@ MAX_HELLO_BYTES = 64 << 10
 SKELETON_CACHE = 256
 #: cached skeletons of a session may take this share of its quota (least recently used evicted)
 SKELETON_SHARE = 0.25
-#: approximate bytes of a compiled skeleton per byte of its packed form (measured: ~10x)
-SKELETON_COST = 16
+#: bytes a compiled skeleton is counted per byte of its packed form (measured: ~24x for a
+#: 243-instruction MLP tape, tracemalloc)
+SKELETON_COST = 32
 #: default of ``--max-run-seconds``
 MAX_RUN_SECONDS = 300.0
 #: seconds between "busy" notes to clients whose requests wait or run (their timeout counts
