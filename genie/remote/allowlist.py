@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 

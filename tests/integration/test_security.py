@@ -26,7 +26,7 @@ msgpack = pytest.importorskip("msgpack")
 
 from genie.remote import protocol  # noqa: E402
 from genie.remote.protocol import EXT_DEVICE, EXT_DTYPE, EXT_HOST, EXT_INPUT, EXT_META  # noqa: E402
-from test_remote import ServerProc, _ask, _raw  # noqa: E402
+from test_remote import ServerProc, _raw  # noqa: E402
 
 DEV = "remote_accelerator:0"
 QUOTA = 64 << 20
@@ -84,8 +84,10 @@ class Session:
             h["s"] = self.tok
         self.sock.send_multipart([protocol.pack(h), *frames])
         while self.sock.poll(timeout_ms):
-            r = protocol.unpack(self.sock.recv_multipart()[0])
+            parts = self.sock.recv_multipart()
+            r = protocol.unpack(parts[0])
             if r.get("t") != "busy" and r.get("rid") in (self.rid, -1):
+                self.frames = parts[1:]  # the reply's tensor frames
                 return r  # rid -1: an answer to a message whose header did not decode
         return None
 
@@ -120,11 +122,6 @@ class Session:
 A1 = [1, [1, 0], [3, [], []]]
 A2 = [1, [1, 0, 0], [3, [], []]]
 A3 = [1, [1, 0, 0, 0], [3, [], []]]
-
-
-def list_arg(n: int) -> list:
-    """The tree of ``([n ints],)``: one list argument."""
-    return [1, [1, [2, *[0] * n]], [3, [], []]]
 
 
 def host(t: torch.Tensor, index: int) -> msgpack.ExtType:
@@ -167,7 +164,7 @@ def test_1_nested_extension_values_are_refused_not_recursed(sess: Session) -> No
         err(r, "protocol", "undecodable")
 
 
-# --- 2. frame dtypes -------------------------------------------------------------------------------
+# --- 2. frame dtypes ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["quint8", "qint8", "qint32", "quint4x2", "bits8", "uint3"])
 def test_2_quantized_and_bit_dtypes_are_refused(sess: Session, dtype: str) -> None:
@@ -185,7 +182,7 @@ def test_2_quantized_and_bit_dtypes_are_refused(sess: Session, dtype: str) -> No
         err(r, "protocol")
 
 
-# --- 3, 4, 8. the op allowlist ---------------------------------------------------------------------
+# --- 3, 4, 8. the op allowlist --------------------------------------------------------------------
 
 def test_3_reshape_alias_out_of_bounds_read_is_refused(sess: Session) -> None:
     x = torch.arange(16.0)
@@ -239,7 +236,7 @@ def test_8_the_allowlist_is_a_list(sess: Session, name: str) -> None:
     assert "does not run on a Genie server" in msg or "not on the allowlist" in msg, msg
 
 
-# --- 5. memory isolation ---------------------------------------------------------------------------
+# --- 5. memory isolation --------------------------------------------------------------------------
 
 def test_5_empty_never_returns_another_sessions_data(server: ServerProc) -> None:
     n = 1 << 16
@@ -285,28 +282,16 @@ def test_5_empty_outputs_are_zero_in_raw_replies(server: ServerProc) -> None:
         r = a.run(["aten::mul.Scalar"], [[0, 0, [-1, -1], [0], [], False]],
                   [host(x, 0), 1.0], [protocol.tensor_frame(x)[0]], specs=[A2])
         assert r and r["t"] == "ok"
-        b.sock.send_multipart([protocol.pack({"t": "run", "rid": 1, "s": b.tok, "k": b"e" * 16,
-                                              "id0": 1})])
-        sk = protocol.pack([1, ["aten::empty.memory_format"], [[1, [1, [2, 0]], [3, [], []]]],
-                            [[0, 0, [-1], [0], [], False]], [], [0], []])
-        key = hashlib.blake2b(sk, digest_size=16).digest()
-        b.rid = 10
-        b.sock.send_multipart([protocol.pack({"t": "run", "rid": 11, "s": b.tok, "k": key,
-                                              "id0": 5, "sk": sk, "c": [n]})])
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            parts = b.sock.recv_multipart()
-            h = protocol.unpack(parts[0])
-            if h.get("rid") == 11 and h["t"] != "busy":
-                break
-        assert h["t"] == "ok", h
-        assert parts[1] == b"\x00" * (4 * n)
+        r = b.run(["aten::empty.memory_format"], [[0, 0, [-1], [0], [], False]], [n],
+                  specs=[[1, [1, [2, 0]], [3, [], []]]])
+        assert r and r["t"] == "ok", r
+        assert b.frames[0] == b"\x00" * (4 * n)  # the bytes as they left the server
     finally:
         a.close()
         b.close()
 
 
-# --- 6. the quota bounds memory --------------------------------------------------------------------
+# --- 6. the quota bounds memory -------------------------------------------------------------------
 
 BIG = 1 << 28  # elements: 1 GiB of float32 under a 64 MiB quota
 
@@ -408,7 +393,7 @@ def test_6_skeletons_are_keyed_by_their_hash_and_counted(sess: Session) -> None:
     # many distinct skeletons: older ones are evicted, the session's count stays bounded
     before = rss(sess.server.proc.pid)
     for i in range(40):
-        sk = protocol.pack([1, ["aten::neg.default"] * 20000 + [f"aten::add.Tensor"], [A1],
+        sk = protocol.pack([1, ["aten::neg.default"] * 20000 + ["aten::add.Tensor"], [A1],
                             [[0, 0, [-1], [0], [], False]], [], [0], [i]])
         key = hashlib.blake2b(sk, digest_size=16).digest()
         r = sess.ask({"t": "run", "k": key, "id0": 10 + i, "sk": sk, "c": [host(x, 0)]},
@@ -421,12 +406,11 @@ def test_6_queued_bytes_are_counted_before_acceptance(server: ServerProc) -> Non
     s = Session(server)
     before = rss(server.proc.pid)
     # a tape that keeps the session busy for a while (its later requests queue behind it)
-    genie_loop = ["aten::mm.default"] * 1
     a = torch.randn(1024, 1024) / 32
     rows = [[0, 0, [-1, -1], [0], [], False]]
     for i in range(1, 100):
         rows.append([0, 0, [i - 1, i - 1], [i], [i - 1], False])
-    sk = protocol.pack([1, genie_loop, [A2], rows, [], [99], []])
+    sk = protocol.pack([1, ["aten::mm.default"], [A2], rows, [], [99], []])
     key = hashlib.blake2b(sk, digest_size=16).digest()
     fa = protocol.tensor_frame(a)[0]
     s.sock.send_multipart([protocol.pack({"t": "run", "rid": 1, "s": s.tok, "k": key, "id0": 1,
@@ -453,7 +437,7 @@ def test_6_queued_bytes_are_counted_before_acceptance(server: ServerProc) -> Non
     s.close()
 
 
-# --- 7. devices --------------------------------------------------------------------------------------
+# --- 7. devices -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", ["meta", "cuda:0", "cpu", 0])
 def test_7_string_device_constants_are_refused(sess: Session, device) -> None:
@@ -471,7 +455,7 @@ def test_7_string_device_constants_are_refused(sess: Session, device) -> None:
     err(r, "protocol", "approximate")
 
 
-# --- 9. time limit -----------------------------------------------------------------------------------
+# --- 9. time limit --------------------------------------------------------------------------------
 
 def test_9_a_tape_past_max_run_seconds_is_stopped(short: ServerProc) -> None:
     genie.connect(short.address, key_file=str(short.key_file), timeout=20)
@@ -488,7 +472,7 @@ def test_9_a_tape_past_max_run_seconds_is_stopped(short: ServerProc) -> None:
         genie.disconnect()
 
 
-# --- keys ---------------------------------------------------------------------------------------------
+# --- keys -----------------------------------------------------------------------------------------
 
 def test_secret_keys_are_written_with_a_private_umask(tmp_path: Path, monkeypatch) -> None:
     from genie.remote import server as srv
@@ -506,7 +490,7 @@ def test_secret_keys_are_written_with_a_private_umask(tmp_path: Path, monkeypatc
     assert stat.S_IMODE((tmp_path / "keys").stat().st_mode) & 0o077 == 0
 
 
-# --- what held keeps holding -----------------------------------------------------------------------
+# --- what held keeps holding ----------------------------------------------------------------------
 
 def test_genie_programs_still_run_and_errors_reach_the_call_site(server: ServerProc) -> None:
     genie.connect(server.address, key_file=str(server.key_file), timeout=20)
