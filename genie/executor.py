@@ -90,7 +90,7 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
         outs = fast
     else:
         with phase("plan"):
-            tape = plan_cache.plan(targets)
+            tape = plan_cache.plan(targets, backends.shape_generic())
         with phase("execute"):
             outs = run_tape(tape, index)
     with phase("transfer"):

@@ -28,7 +28,7 @@ import torch.autograd.profiler as _profiler
 
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import device, executor
+from . import context, device, executor
 from .config import config
 from .device import DEVICE_TYPE, real_device
 from .errors import UnsupportedOpError
@@ -291,25 +291,35 @@ def _meta_leaves(leaves: list[Any]) -> list[Any]:
 
 
 _FLAT_TYPES = frozenset({int, float, bool, type(None), torch.dtype})
-_flat_specs: dict[int, Any] = {}
+_flat_specs: dict[Any, Any] = {}
 
 
 def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
-    """``optree.tree_flatten((args, kwargs))``, with a fast path for the common call shape.
+    """``optree.tree_flatten((args, kwargs))``, with a fast path for the common call shapes.
 
     Most ops get only tensors and scalars positionally (``mul(x, 2.0)``, ``addmm(b, x, w)``):
-    their leaves are the args themselves and the spec depends only on how many there are.
+    their leaves are the args themselves and the spec depends only on how many there are. Views
+    and reshapes add one list of ints (``view(x, [1, 12, 64])``): its elements are leaves, and
+    the spec depends on the list's length and position too. Specs are cached by that signature.
     """
     if not kwargs:
-        for a in args:
-            if type(a) is not LazyTensor and type(a) not in _FLAT_TYPES:
-                break
+        sig: Any = len(args)
+        leaves = None
+        for i, a in enumerate(args):
+            ta = type(a)
+            if ta is LazyTensor or ta in _FLAT_TYPES:
+                continue
+            if (ta is list or ta is tuple) and sig.__class__ is int and \
+                    all(type(e) is int for e in a):
+                sig = (sig, i, ta, len(a))
+                leaves = [*args[:i], *a, *args[i + 1:]]
+                continue
+            break
         else:
-            spec = _flat_specs.get(len(args))
+            spec = _flat_specs.get(sig)
             if spec is None:
-                spec = _flat_specs[len(args)] = optree.tree_structure(
-                    ((0,) * len(args), {}), none_is_leaf=True)
-            return list(args), spec
+                spec = _flat_specs[sig] = optree.tree_flatten((args, {}), none_is_leaf=True)[1]
+            return (list(args) if leaves is None else leaves), spec
     return optree.tree_flatten((args, kwargs), none_is_leaf=True)
 
 
@@ -513,6 +523,8 @@ def record_factory(func: Any, args: tuple, kwargs: dict) -> Any:
     if dev is None or dev.index is None:
         kwargs = {**kwargs, "device": device_of(index)}
     bump("factories_recorded")
+    if not context._active:
+        context.activate()  # module/optimizer hooks: meaning on the default path
     leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
     return _record(func, policy(func), args, kwargs, leaves, spec, index, current_graph())
 
@@ -545,6 +557,8 @@ def _transfer(func: Any, args: tuple, kwargs: dict, leaves: list[Any], index: in
 
 def upload(src: torch.Tensor, index: int, like: TensorMeta | None = None) -> LazyTensor:
     """Record an upload node holding a snapshot of the host tensor ``src`` (one node)."""
+    if not context._active:
+        context.activate()  # module/optimizer hooks: meaning on the default path
     meta = like or TensorMeta.of(src, index)
     snap = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
     snap.copy_(src)

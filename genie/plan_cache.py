@@ -79,7 +79,9 @@ class _HostMeta:
         self.shape, self.stride, self.dtype, self.device = (tuple(t.shape), t.stride(), t.dtype,
                                                             t.device)
 
-    def matches(self, t: torch.Tensor) -> bool:
+    def matches(self, t: torch.Tensor, generic: bool = False) -> bool:
+        if generic:
+            return t.dtype == self.dtype and t.dim() == len(self.shape) and t.device == self.device
         return (t.dtype == self.dtype and tuple(t.shape) == self.shape
                 and t.stride() == self.stride and t.device == self.device)
 
@@ -106,7 +108,7 @@ class Plan:
 
     __slots__ = ("instrs", "metas", "specs", "wheres", "inputs", "outputs", "keep", "floats",
                  "index", "artifacts", "uses", "_key", "entries", "guide", "produced", "fast",
-                 "prefix", "guide_key", "flat", "no_where")
+                 "prefix", "guide_key", "flat", "no_where", "klasses")
 
     def __init__(self, tape: Tape, nodes: list[Node]) -> None:
         self.metas = [n.metas for n in nodes]
@@ -145,6 +147,7 @@ class Plan:
         ``flat``: the same as columns (:func:`_flatten`) for :func:`match`'s common case.
         """
         self.entries = [n.entry if n.entry is not None else _NO_ENTRY for n in nodes]
+        self.klasses = [_klass(e) for e in self.entries]
         pos = {n.index: i for i, n in enumerate(nodes)}
         nref = [0] * len(nodes)
         produced: dict[int, tuple[int, int]] = {}
@@ -201,15 +204,17 @@ class PlanCache:
         self._by_targets.clear()
         self._size = 0
 
-    def match(self, targets: list[tuple[Node, int]]) -> Tape | None:
+    def match(self, targets: list[tuple[Node, int]], generic: bool = False) -> Tape | None:
         """A hit found from the targets alone (no :func:`~genie.planner.slice_nodes`): the
         cached plans for these requested ops are tried with :func:`match`."""
         plans = self._by_targets.get(_target_key(targets))
         if not plans:
             return None
-        for plan in plans:
-            tape = match(plan, targets)
+        for k, plan in enumerate(plans):
+            tape = match(plan, targets, generic)
             if tape is not None:
+                if k:  # most recently used first: a loop's plan is tried before the others
+                    plans.insert(0, plans.pop(k))
                 bucket = self._buckets.get(plan.prefix)
                 if bucket is not None:
                     self._buckets.move_to_end(plan.prefix)
@@ -230,12 +235,13 @@ class PlanCache:
         """Every cached plan, least recently used first."""
         return [p for b in self._buckets.values() for p in reversed(b)]
 
-    def lookup(self, targets: list[tuple[Node, int]], nodes: list[Node]) -> Tape | None:
+    def lookup(self, targets: list[tuple[Node, int]], nodes: list[Node], generic: bool = False
+               ) -> Tape | None:
         bucket = self._buckets.get(_prefix(targets, nodes))
         if bucket is None:
             return None
         for plan in bucket:
-            tape = instantiate(plan, targets, nodes)
+            tape = instantiate(plan, targets, nodes, generic)
             if tape is not None:
                 self._buckets.move_to_end(_prefix(targets, nodes))
                 plan.uses += 1
@@ -265,6 +271,18 @@ class PlanCache:
 
 _cache = PlanCache()
 _enabled = os.environ.get("GENIE_PLAN_CACHE", "1").strip() != "0"
+_generic = os.environ.get("GENIE_SHAPE_GENERIC", "1").strip() != "0"
+
+
+def set_shape_generic(on: bool = True) -> None:
+    """Let a cached plan serve slices that differ from it only in shapes (the default;
+    ``GENIE_SHAPE_GENERIC=0`` starts with it off). See Shapes as parameters."""
+    global _generic
+    _generic = on
+
+
+def shape_generic() -> bool:
+    return _generic
 
 
 def enable(on: bool = True) -> None:
@@ -288,20 +306,30 @@ def clear() -> None:
 
 
 @gc_paused
-def plan(targets: list[tuple[Node, int]]) -> Tape:
+def plan(targets: list[tuple[Node, int]], generic: bool = True) -> Tape:
     """A :class:`~genie.planner.Tape` for ``targets``: a cached plan's when the structure
-    matches one (a hit), else a freshly built one, whose plan is cached (a miss)."""
+    matches one (a hit), else a freshly built one, whose plan is cached (a miss).
+
+    ``generic``: the backend that will run the tape takes any shapes (eager, remote: see
+    :func:`genie.backends.shape_generic`), so a plan that differs only in shapes is a hit too
+    (when :func:`shape_generic` is on).
+    """
+    generic = generic and _generic
     if _enabled and targets:
-        tape = _cache.match(targets)
+        tape = _cache.match(targets, generic)
         if tape is not None:
             _counts["plan_cache_hits"] += 1
+            if tape.generic:
+                _counts["plan_cache_generic_hits"] += 1
             return tape
     nodes = slice_nodes(targets)
     if not _enabled or not nodes:
         return build_tape(targets, nodes)
-    tape = _cache.lookup(targets, nodes)
+    tape = _cache.lookup(targets, nodes, generic)
     if tape is not None:
         _counts["plan_cache_hits"] += 1
+        if tape.generic:
+            _counts["plan_cache_generic_hits"] += 1
         return tape
     _counts["plan_cache_misses"] += 1
     tape = build_tape(targets, nodes)
@@ -373,7 +401,7 @@ def _flatten(plan: Plan) -> tuple[Any, ...]:
             [t.op for t in plan.instrs], [t.outs for t in plan.instrs])
 
 
-def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
+def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) -> Tape | None:
     """``instantiate(plan, targets, slice_nodes(targets))`` without slicing, or None.
 
     The common case (every requested value is produced by the plan, every node's meta-cache
@@ -391,7 +419,7 @@ def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
     ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs = \
         plan.flat
     if hosts:
-        return _match_slow(plan, targets)
+        return _match_slow(plan, targets, generic)
     tmpl = plan.instrs
     nn = len(tmpl)
     found: list[Any] = [None] * nn
@@ -399,7 +427,7 @@ def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
     for (node, out), want in zip(targets, want_out, strict=True):
         p = produced.get(want)
         if p is None or out != p[1] or found[p[0]] is not None:
-            return _match_slow(plan, targets)
+            return _match_slow(plan, targets, generic)
         found[p[0]] = node
     xs: list[Any] = []  # the in-plan argument references, as the walk meets them
     add = xs.append
@@ -409,18 +437,25 @@ def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
             add(x)
             found[j] = x.node
     except (AttributeError, TypeError, IndexError):
-        return _match_slow(plan, targets)
+        return _match_slow(plan, targets, generic)
     get = found.__getitem__
     if any(map(is_, map(get, roots), repeat(None))):
         return None  # an instruction no reference reaches: not this plan's slice
     for (node, _), want in zip(targets, want_out, strict=True):
         if found[produced[want][0]] is not node:  # the walk rebinds: every reference agrees
-            return _match_slow(plan, targets)
+            return _match_slow(plan, targets, generic)
     # The plan's interned meta-cache entries, by identity: op, argument tree (so which leaves are
     # Refs, and that no node writes: the plan's nodes do not), input metadata, int/bool/str
-    # constants. Checked first: the passes below read leaves as Refs.
-    if not all(map(is_, map(_entry, found), plan.entries)) or any(map(_executed, found)):
-        return _match_slow(plan, targets)
+    # constants. Checked first: the passes below read leaves as Refs. Shape-generic: the entries'
+    # interned shape classes instead; the nodes whose entries differ are rebuilt below.
+    ents = list(map(_entry, found))
+    shaped: list[int] = []
+    if not all(map(is_, ents, plan.entries)):
+        if not generic or not all(map(is_, map(_klass, ents), plan.klasses)):
+            return _match_slow(plan, targets, generic)
+        shaped = [i for i, e in enumerate(map(is_, ents, plan.entries)) if not e]
+    if any(map(_executed, found)):
+        return _match_slow(plan, targets, generic)
     xnodes = list(map(_node, xs))
     idx = list(map(_index, found))
     if xnodes != list(map(get, ej)) or list(map(_out, xs)) != ek \
@@ -430,21 +465,30 @@ def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
             or (pending_total[0] and (
                 any(map(_pending, map(getitem, map(_storages, xnodes), ek)))
                 or any(map(_pending, map(getitem, map(_storages, map(itemgetter(0), targets)),
-                                         map(itemgetter(1), targets)))))) \
-            or list(map(len, map(_consumers, map(get, hi)))) != hn:
-        return _match_slow(plan, targets)
+                                         map(itemgetter(1), targets)))))):
+        return _match_slow(plan, targets, generic)
+    cons = list(map(len, map(_consumers, map(get, hi))))
+    if cons != hn:  # consumers outside the slice (dead ones too): held only if one is pending
+        in_run = set(idx)
+        for i, k, c, n_in in zip(hi, hk, cons, hn, strict=True):
+            if c != n_in and held_after(found[i], k, in_run):
+                return _match_slow(plan, targets, generic)
     if fi:  # float arguments: the plan's values (a float that changed is rebuilt by the slow path)
         fx = list(map(getitem, map(_leaves, map(get, fi)), fp))
         if not all(map(is_, fx, fv)) and not all(map(_same_const, fx, fv)):
-            return _match_slow(plan, targets)
+            return _match_slow(plan, targets, generic)
     # outputs that must not be held: no live tensor refers to them (weak references)
     if not all(map(is_, map(call, filter(None, map(getitem, map(_outputs, map(get, hi)), hk))),
                    repeat(None))):
-        return _match_slow(plan, targets)
-    for i, k in other:
+        return _match_slow(plan, targets, generic)
+    in_run = None
+    for i, k in other:  # outputs that must be held: by a live tensor, or a pending consumer
         r = found[i].outputs[k]
         if r is None or type(r()) is not Alive:
-            return _match_slow(plan, targets)
+            if in_run is None:
+                in_run = set(idx)
+            if not held_after(found[i], k, in_run):
+                return _match_slow(plan, targets, generic)
     pin = plan.inputs
     islots: dict[tuple[int, int], int] = {}
     inputs: dict[int, torch.Tensor] = {}
@@ -454,23 +498,37 @@ def match(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
         xn, xo = x.node, x.out
         if len(xs) > 1 and (list(map(_node, xs)).count(xn) != len(xs)
                             or list(map(_out, xs)).count(xo) != len(xs)):
-            return _match_slow(plan, targets)
+            return _match_slow(plan, targets, generic)
         if pending_total[0] and xn.storages[xo].pending_writes:
-            return _match_slow(plan, targets)
-        if not _bind_input(xn, xo, y, pin, islots, inputs):  # also: one value, two slots
-            return _match_slow(plan, targets)
+            return _match_slow(plan, targets, generic)
+        if not _bind_input(xn, xo, y, pin, islots, inputs, generic):  # also: one value, two slots
+            return _match_slow(plan, targets, generic)
     if len(inputs) != len(pin):
         return None
     instrs = list(tmpl)
+    differs = bool(shaped)
+    for i in shaped:
+        n, t = found[i], tmpl[i]
+        instrs[i] = Instr(n.op, _leaves_of(n.leaves, t.leaves, True), t.spec, t.outs, n.rng,
+                          t.free, n.uid, n.where, t.device)
+    if generic and not differs:
+        differs = any(v.shape != pin[s].shape or v.stride() != pin[s].stride
+                      for s, v in inputs.items())
     rngs = list(map(_rng, found))
     if rngs.count(None) != nn:  # random ops: this step's (seed, offset)
         for i, rng in enumerate(rngs):
             if rng is not None:
                 n, t = found[i], tmpl[i]
-                instrs[i] = Instr(n.op, list(t.leaves), t.spec, t.outs, rng, t.free, n.uid,
-                                  n.where, t.device)
+                instrs[i] = Instr(n.op, list(instrs[i].leaves), t.spec, t.outs, rng, t.free,
+                                  n.uid, n.where, t.device)
     return Tape(instrs, inputs, list(want_out), set(plan.keep), found, PendingSlots(outs, islots),
-                plan.index, plan)
+                plan.index, plan, differs)
+
+
+def _klass(entry: Any) -> Any:
+    """An entry's shape class (:attr:`genie.meta.MetaEntry.klass`); a node recorded without an
+    entry gets a fresh object, equal to no other (it never matches shape-generically)."""
+    return getattr(entry, "klass", None) or object()
 
 
 def _claim(found: list[Node | None], j: int, node: Node) -> bool:
@@ -482,7 +540,8 @@ def _claim(found: list[Node | None], j: int, node: Node) -> bool:
     return cur is node
 
 
-def _match_slow(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
+def _match_slow(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False
+                ) -> Tape | None:
     """:func:`match`, node by node (every case; :func:`match` checks the common one faster).
 
     Walks the plan backwards from its outputs: instruction ``i``'s node is the one the targets
@@ -495,7 +554,12 @@ def _match_slow(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
     (identity) has the plan's op, argument tree, input metadata and non-float constants; others
     are compared leaf by leaf. Returns None on any difference (the caller then slices and uses
     :func:`instantiate`).
+
+    ``generic`` also accepts a slice that differs from the plan only in shapes (see Shapes as
+    parameters): its instructions take their int, metadata and host-tensor arguments from the
+    nodes, and the tape says so (``Tape.generic``).
     """
+    differs = False
     want_out = plan.outputs
     if not plan.fast or len(targets) != len(want_out):
         return None
@@ -514,7 +578,7 @@ def _match_slow(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
             j, k = p
             if out != k or node.executed or not _claim(found, j, node):
                 return None
-        elif not _bind_input(node, out, want, pin, slots, inputs):
+        elif not _bind_input(node, out, want, pin, slots, inputs, generic):
             return None
     entries, guide, metas, specs, wheres = (plan.entries, plan.guide, plan.metas, plan.specs,
                                             plan.wheres)
@@ -531,9 +595,12 @@ def _match_slow(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
             return None
         last = idx
         t = tmpl[i]
+        shaped = False  # this node differs from the plan in shapes only: rebuild it from n
         if n.entry is not entries[i] or n.op is not t.op:  # plan entries are never None
             if not _same_node(n, t, metas[i], specs[i]):
-                return None
+                if not generic or not _same_node(n, t, metas[i], specs[i], True):
+                    return None
+                shaped = differs = True
         if n.where is not wheres[i] and n.where != wheres[i]:
             return None
         refs, params, outs, nref = guide[i]
@@ -550,9 +617,9 @@ def _match_slow(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
             if j >= 0:
                 if xo != k or not _claim(found, j, xn):
                     return None
-            elif not _bind_input(xn, xo, y, pin, slots, inputs):
+            elif not _bind_input(xn, xo, y, pin, slots, inputs, generic):
                 return None
-        rebuild = n.rng is not None
+        rebuild = n.rng is not None or shaped
         if params:
             tl = t.leaves
             for p in params:
@@ -564,10 +631,13 @@ def _match_slow(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
                         if changed is None:
                             changed = []
                         changed.append(i)
-                elif type(y) is float or not isinstance(x, torch.Tensor) or not y.matches(x):
+                elif type(y) is float or not isinstance(x, torch.Tensor) or \
+                        not y.matches(x, generic):
                     return None
                 else:
                     rebuild = True
+                    if generic and not differs and not y.matches(x):
+                        differs = True
         outputs = n.outputs
         for k, s, held in outs:
             slots[(idx, k)] = s
@@ -590,11 +660,13 @@ def _match_slow(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
         if rebuild:
             if instrs is None:
                 instrs = list(tmpl)
-            instrs[i] = Instr(n.op, [x if isinstance(x, (torch.Tensor, float)) else y
-                                     for x, y in zip(leaves, t.leaves, strict=True)],
-                              t.spec, t.outs, n.rng, t.free, n.uid, n.where, t.device)
+            instrs[i] = Instr(n.op, _leaves_of(leaves, t.leaves, shaped), t.spec, t.outs, n.rng,
+                              t.free, n.uid, n.where, t.device)
     if len(inputs) != len(pin):
         return None
+    if generic and not differs:  # inputs of other shapes (all nodes alike) also make it generic
+        differs = any(v.shape != pin[s].shape or v.stride() != pin[s].stride
+                      for s, v in inputs.items())
     if later is not None:
         in_run = {n.index for n in found}
         for n, k, held in later:
@@ -608,12 +680,23 @@ def _match_slow(plan: Plan, targets: list[tuple[Node, int]]) -> Tape | None:
                     plan.floats.add((i, j))
     outputs = [want for want in want_out]
     return Tape(instrs if instrs is not None else list(tmpl), inputs, outputs, set(plan.keep),
-                found, slots, plan.index, plan)
+                found, slots, plan.index, plan, differs)
+
+
+def _leaves_of(leaves: list[Any], tl: list[Any], shaped: bool) -> list[Any]:
+    """An instruction's leaves for this step: the plan's slots; the node's parameters (host
+    tensors, floats) and, for a node whose shapes differ from the plan's, all its constants."""
+    if shaped:
+        return [y if type(y) is Slot else x for x, y in zip(leaves, tl, strict=True)]
+    return [x if isinstance(x, (torch.Tensor, float)) else y
+            for x, y in zip(leaves, tl, strict=True)]
 
 
 def _bind_input(node: Node, out: int, slot: int, pin: dict[int, TensorMeta],
-                slots: dict[tuple[int, int], int], inputs: dict[int, torch.Tensor]) -> bool:
-    """Bind an already computed value to the plan's input ``slot``, as build_tape would."""
+                slots: dict[tuple[int, int], int], inputs: dict[int, torch.Tensor],
+                generic: bool = False) -> bool:
+    """Bind an already computed value to the plan's input ``slot``, as build_tape would
+    (``generic``: its metadata may differ from the plan's in shape and strides)."""
     key = (node.index, out)
     s = slots.get(key)
     if s is not None:
@@ -622,19 +705,29 @@ def _bind_input(node: Node, out: int, slot: int, pin: dict[int, TensorMeta],
     if m is None or slot in inputs or not node.executed or node.values is None:
         return False
     v = node.values[out]
-    if v is None or (node.metas[out] is not m and node.metas[out] != m):
+    if v is None or (node.metas[out] is not m and node.metas[out] != m and
+                     not (generic and same_kind(node.metas[out], m))):
         return False
     slots[key] = slot
     inputs[slot] = v
     return True
 
 
-def _same_node(n: Node, t: Instr, meta: Any, spec: Any) -> bool:
-    """Op, metadata, argument tree and constants of ``n`` are the plan's (wiring aside)."""
+def _same_node(n: Node, t: Instr, meta: Any, spec: Any, generic: bool = False) -> bool:
+    """Op, metadata, argument tree and constants of ``n`` are the plan's (wiring aside).
+
+    ``generic``: shapes aside - output and metadata-argument shapes and strides, int constants
+    and host tensors' shapes may differ (see Shapes as parameters).
+    """
     if n.op is not t.op or (n.rng is None) is not (t.rng is None):
         return False
-    if (n.metas is not meta and n.metas != meta) or (n.spec is not spec and n.spec != spec):
+    if n.spec is not spec and n.spec != spec:
         return False
+    if n.metas is not meta and n.metas != meta:
+        if not generic or len(n.metas) != len(meta) or \
+                not all(a is b or (a is not None and b is not None and same_kind(a, b))
+                        for a, b in zip(n.metas, meta, strict=True)):
+            return False
     leaves = n.leaves
     if leaves is None or len(leaves) != len(t.leaves):
         return False
@@ -647,22 +740,36 @@ def _same_node(n: Node, t: Instr, meta: Any, spec: Any) -> bool:
             if type(y) is not float:
                 return False
         elif tx is MetaArg:
-            if type(y) is not MetaArg or x.meta != y.meta:
+            if type(y) is not MetaArg or (x.meta != y.meta and
+                                          not (generic and same_kind(x.meta, y.meta))):
                 return False
         elif isinstance(x, torch.Tensor):
             if type(y) is not _HostMeta:
+                return False
+        elif generic and tx is int:
+            if type(y) is not int:
                 return False
         elif type(y) in (Slot, _HostMeta) or not _same_const(x, y):
             return False
     return True
 
 
-def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node]) -> Tape | None:
+def same_kind(a: TensorMeta, b: TensorMeta) -> bool:
+    """Metadata that differ at most in shape, strides and offset (same rank, dtype, device,
+    math bits): what a shape-generic plan lets vary."""
+    return (a.dtype is b.dtype and a.index == b.index and len(a.shape) == len(b.shape)
+            and a.conj is b.conj and a.neg is b.neg)
+
+
+def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node],
+                generic: bool = False) -> Tape | None:
     """The tape ``build_tape(targets)`` would build, from ``plan``; None if the structure differs.
 
     One pass: each node is compared with the plan's instruction at its position (op, argument
     tree, constants, output metadata, slot wiring) while its parameters are collected.
+    ``generic``: shapes may differ, as in :func:`_match_slow`.
     """
+    differs = False
     tmpl = plan.instrs
     if len(tmpl) != len(nodes):
         return None
@@ -678,9 +785,13 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node]) 
         i += 1
         if n.op is not t.op or (n.rng is None) is not (t.rng is None):
             return None
-        if (n.metas is not meta and n.metas != meta) or (n.spec is not spec and n.spec != spec) \
-                or (n.where is not where and n.where != where):
+        if (n.spec is not spec and n.spec != spec) or (n.where is not where and n.where != where):
             return None
+        shaped = False
+        if n.metas is not meta and n.metas != meta:
+            if not generic or not _same_node(n, t, meta, spec, True):
+                return None
+            shaped = differs = True
         leaves = n.leaves
         tl = t.leaves
         if leaves is None or len(leaves) != len(tl):
@@ -699,7 +810,8 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node]) 
                     if m is None or y.id in inputs or not xn.executed or xn.values is None:
                         return None
                     v = xn.values[x.out]
-                    if v is None or (xn.metas[x.out] is not m and xn.metas[x.out] != m):
+                    if v is None or (xn.metas[x.out] is not m and xn.metas[x.out] != m and
+                                     not (generic and same_kind(xn.metas[x.out], m))):
                         return None
                     slots[key] = y.id
                     inputs[y.id] = v
@@ -715,13 +827,19 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node]) 
                     changed.append(i)
             elif tx is MetaArg:
                 if type(y) is not MetaArg or x.meta != y.meta:
-                    return None
+                    if not generic or type(y) is not MetaArg or not same_kind(x.meta, y.meta):
+                        return None
+                    shaped = differs = True
             elif isinstance(x, torch.Tensor):
-                if type(y) is not _HostMeta or not y.matches(x):
+                if type(y) is not _HostMeta or not y.matches(x, generic):
                     return None
+                if generic and not differs and not y.matches(x):
+                    differs = True
                 params = True
             elif not _same_const(x, y):
-                return None
+                if not generic or tx is not int or type(y) is not int:
+                    return None
+                shaped = differs = True
         outs = t.outs
         idx = n.index
         k = 0
@@ -734,17 +852,17 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node]) 
                 if held is not (s in keep) and s not in want_out:
                     return None
             k += 1
-        if params or n.rng is not None:
-            instrs[i] = Instr(n.op, [x if isinstance(x, (torch.Tensor, float)) else y
-                                     for x, y in zip(leaves, tl, strict=True)],
-                              t.spec, outs, n.rng, t.free, n.uid, n.where, t.device)
+        if params or shaped or n.rng is not None:
+            instrs[i] = Instr(n.op, _leaves_of(leaves, tl, shaped), t.spec, outs, n.rng, t.free,
+                              n.uid, n.where, t.device)
     outputs = []
     for (node, out), want in zip(targets, want_out, strict=False):  # lengths: below
         s = slots.get((node.index, out))
         if s is None:  # a requested value that is already materialized: an input slot
             m = pin.get(want)
             if m is None or want in inputs or not node.executed or node.values is None or \
-                    node.values[out] is None or node.metas[out] != m:
+                    node.values[out] is None or (node.metas[out] != m and not (
+                        generic and same_kind(node.metas[out], m))):
                 return None
             slots[(node.index, out)] = want
             inputs[want] = node.values[out]
@@ -759,7 +877,10 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node]) 
             for j, (x, y) in enumerate(zip(instrs[i].leaves, tmpl[i].leaves, strict=True)):
                 if type(x) is float and not _same_const(x, y):
                     plan.floats.add((i, j))
-    return Tape(instrs, inputs, outputs, set(keep), nodes, slots, plan.index, plan)
+    if generic and not differs:
+        differs = any(v.shape != pin[s].shape or v.stride() != pin[s].stride
+                      for s, v in inputs.items())
+    return Tape(instrs, inputs, outputs, set(keep), nodes, slots, plan.index, plan, differs)
 
 
 def _same_const(a: Any, b: Any) -> bool:

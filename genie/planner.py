@@ -63,6 +63,9 @@ class Tape:
     _slots: dict[tuple[int, int], int] | PendingSlots = field(repr=False)
     index: int = 0  # the remote_accelerator index of the requested values
     plan: Any = field(default=None, repr=False)  # genie.plan_cache.Plan this tape instantiates
+    # True when the tape differs from its plan in shapes (ints, metadata arguments, host tensor
+    # and input shapes): backends that bake the plan's shapes in must not reuse their artifact
+    generic: bool = False
 
     @property
     def slots(self) -> dict[tuple[int, int], int]:

@@ -26,8 +26,11 @@ def stats() -> dict[str, int]:
       ``repr``, ``explicit``, ``data_dependent``, ...), ``forced_materializations`` (ops that had to
       run at once because their output shape or value depends on data), ``nodes_executed``,
       ``values_freed``;
-    - engine: ``plan_cache_hits``, ``plan_cache_misses``, ``codegen_plans`` (plans given a
+    - engine: ``plan_cache_hits``, ``plan_cache_misses``, ``plan_cache_generic_hits`` (hits of
+      a plan whose shapes differ: shapes as parameters), ``codegen_plans`` (plans given a
       generated replay function), ``compiled_plans``, ``compiled_runs``, ``compiled_verified``;
+    - meaning (:mod:`genie.context`): ``phase.prefill.calls``, ``phase.decode.calls``,
+      ``phase.prefill.nodes``, ``phase.decode.nodes`` (phases found on the default path);
     - remote: ``round_trips``, ``bytes_sent``, ``bytes_received``, ``skeletons_sent``,
       ``frees_sent``, ``resident_tensors``, ``resident_bytes``; recovery: ``replays``,
       ``replayed_requests``, ``checkpoints``, ``last_recovery_ms``.

@@ -91,6 +91,14 @@ def set_backends(names: Sequence[str]) -> None:
         _order.append("eager")
 
 
+def shape_generic() -> bool:
+    """Whether the first backend in order runs every tape of a plan whatever its shapes
+    (``shape_generic = True`` on the backend: eager, remote), so that the plan cache may serve a
+    slice of new shapes from a plan of others (:func:`genie.plan_cache.plan`). A backend that
+    bakes shapes in (``compiled``) gets a plan per shape instead."""
+    return getattr(_registry[backend_order()[0]], "shape_generic", False)
+
+
 def backend_order() -> list[str]:
     if not _order:
         set_backends([n.strip() for n in os.environ.get("GENIE_BACKENDS", "eager").split(",")

@@ -112,16 +112,19 @@ def for_tape(tape: Tape) -> Generated | None:
             return generate(tape)
         except _Unspellable:
             return None
-    g = plan.artifacts.get("codegen")
+    # a tape whose shapes differ from its plan's reads every int and metadata argument from
+    # its own instructions (one function for all shapes); the plan's own tapes bake them in
+    name = "codegen_generic" if tape.generic else "codegen"
+    g = plan.artifacts.get(name)
     if g is None:
         if _mode == "repeat" and plan.uses < 2:
             return None
         try:
-            g = generate(tape)
+            g = generate(tape, generic=tape.generic)
         except _Unspellable as e:  # an argument tree codegen cannot spell: interpret this plan
             logger.debug("genie: plan interpreted, not generated (%s)", e)
             g = False
-        plan.artifacts["codegen"] = g
+        plan.artifacts[name] = g
         bump("codegen_plans")
     return g or None
 
@@ -135,10 +138,12 @@ def _simple(x: Any) -> bool:
     return x is None or t is bool or t is int or t is str
 
 
-def generate(tape: Tape) -> Generated:
-    """Generate the replay function of ``tape``'s structure (see the module docstring)."""
+def generate(tape: Tape, generic: bool = False) -> Generated:
+    """Generate the replay function of ``tape``'s structure (see the module docstring);
+    ``generic``: ints and metadata arguments are read from the step's instructions too."""
     consts: dict[str, Any] = {"_leaves": optree.tree_leaves, "_real_device": real_device,
                               "_rng_call": _rng_call, "_empty": torch.empty_strided,
+                              "_empty_meta": _empty_meta,
                               "_alias": torch.ops.aten.alias.default}
     names: dict[int, str] = {}  # id(constant) -> global name: one global per object
 
@@ -171,8 +176,13 @@ def generate(tape: Tape) -> Generated:
                     exprs.append(devx if x.type == "remote_accelerator" else const(x))
                 elif t is MetaArg:
                     m = x.meta
-                    exprs.append(f"_empty({tuple(m.shape)!r}, {tuple(m.stride)!r}, "
-                                 f"dtype={const(m.dtype)}, device={devx})")
+                    if generic:
+                        exprs.append(f"_empty_meta(I[{i}].leaves[{p}].meta, {devx})")
+                    else:
+                        exprs.append(f"_empty({tuple(m.shape)!r}, {tuple(m.stride)!r}, "
+                                     f"dtype={const(m.dtype)}, device={devx})")
+                elif generic and t is int:
+                    exprs.append(f"I[{i}].leaves[{p}]")  # a shape: a parameter of this plan
                 elif _simple(x):
                     exprs.append(repr(x))
                 elif t is float or isinstance(x, torch.Tensor) or type(x).__name__ == "_HostMeta":
@@ -217,6 +227,10 @@ def generate(tape: Tape) -> Generated:
     # Not registered in linecache (it would grow with every plan ever generated, evicted or not):
     # the source is Generated.source, and errors name the op and its recorded line anyway.
     return Generated(ns["replay"], src, lines)
+
+
+def _empty_meta(m: Any, dev: torch.device) -> torch.Tensor:
+    return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=dev)
 
 
 class _Unspellable(Exception):

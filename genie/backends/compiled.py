@@ -130,6 +130,9 @@ def refusal(tape: Tape) -> str | None:
     """Why this backend cannot take ``tape`` (None when it can)."""
     if tape.plan is None:
         return "the tape has no cached plan (GENIE_PLAN_CACHE=0), so no compilation to reuse"
+    if tape.generic:
+        return ("its shapes differ from those its plan was compiled for (a shape-generic plan "
+                "hit; GENIE_SHAPE_GENERIC=0 compiles a plan per shape instead)")
     for ins in tape.instrs:
         if ins.rng is not None:
             return ("random ops follow Genie's (seed, offset) contract on the eager generator, "
@@ -449,7 +452,7 @@ class CompiledBackend:
 
     def check(self, tape: Tape) -> str | None:
         plan = tape.plan
-        if plan is None:
+        if plan is None or tape.generic:  # the plan's artifact is for the plan's shapes only
             return refusal(tape)
         art = plan.artifacts.get("compiled")
         if art is None:

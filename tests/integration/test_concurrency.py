@@ -77,7 +77,10 @@ def test_short_request_while_another_clients_long_tape_runs(workers: int) -> Non
         if workers > 1:
             assert short_done < long_done, "the short request waited for the long tape"
         else:
-            assert short_done > long_done  # one worker: it waited (what the pool fixes)
+            # one worker: it waited (what the pool fixes). Both replies leave the server within
+            # a millisecond of each other, and which of the two client processes wakes first to
+            # read the clock is the OS's choice: allow for that, not for the tape's seconds.
+            assert short_done > long_done - 0.25, "one worker, yet the short request overtook"
             srv.terminate()
             log, _ = srv.communicate(timeout=30)
             assert "1 queued request(s) cancelled" in log

@@ -1,5 +1,6 @@
 """Plan cache: repeated structure plans once; per-step values are parameters; memory stays flat."""
 
+import contextlib
 import gc
 import os
 import subprocess
@@ -92,10 +93,67 @@ def test_a_different_structure_is_a_miss(change):
 
     assert prog(False) == prog(False)
     genie.reset_stats()
-    prog(True)
-    assert genie.stats()["plan_cache_misses"] == 1
-    prog(True)  # and that new structure hits from then on
-    assert genie.stats()["plan_cache_hits"] == 1
+    with _shape_generic(False):  # shapes as parameters (below) would make "shape" a hit
+        prog(True)
+        assert genie.stats()["plan_cache_misses"] == 1
+        prog(True)  # and that new structure hits from then on
+        assert genie.stats()["plan_cache_hits"] == 1
+
+
+@contextlib.contextmanager
+def _shape_generic(on: bool):
+    was = plan_cache.shape_generic()
+    plan_cache.set_shape_generic(on)
+    try:
+        yield
+    finally:
+        plan_cache.set_shape_generic(was)
+
+
+def test_shapes_are_plan_parameters():
+    """A slice that differs from a cached plan only in shapes (a KV cache one token longer, a
+    new batch size) reuses the plan: ints, metadata arguments and host tensors of the new
+    shapes come from the step; values equal eager's; other differences still miss."""
+    w = torch.randn(8, 8, device=D)
+    genie.materialize(w)
+    wc = w.cpu()
+    genie.reset_stats()
+    for n in (3, 5, 2, 7):
+        x = torch.arange(n * 8.0).reshape(n, 8)
+        xd = x.to(D)
+        got = (xd @ w).view(n * 2, 4).sum(0) + torch.zeros_like(xd).sum() + xd.new_ones(n).sum()
+        want = (x @ wc).view(n * 2, 4).sum(0) + 0 + n
+        torch.testing.assert_close(got.cpu(), want)
+    s = genie.stats()
+    assert (s["plan_cache_misses"], s["plan_cache_hits"], s["plan_cache_generic_hits"]) == \
+        (1, 3, 3)
+    x = torch.arange(16.0).reshape(2, 8).to(D)
+    (x @ w).view(8, 2).sum(0).cpu()  # another view rank: a different structure
+    assert genie.stats()["plan_cache_misses"] == 2
+
+
+def test_shape_generic_hits_off_and_on_give_equal_tapes():
+    """The tape a shape-generic hit builds is the one a fresh plan would (slots, frees, ops,
+    every constant), for the column path, the node-by-node path and instantiate."""
+    from genie.planner import build_tape, slice_nodes
+
+    w = torch.randn(4, 4, device=D)
+    genie.materialize(w)
+    for n in (2, 3):
+        y = torch.cat([w[:n], w[:n] * 2.0]).view(n * 2, 4, 1).expand(n * 2, 4, 3).sum(-1)
+        targets = [(y._node, y._out)]
+        nodes = slice_nodes(targets)
+        ref = build_tape(targets, nodes)
+        if n == 2:
+            plan = plan_cache.Plan(ref, nodes)
+            continue
+        for tape in (plan_cache._match_slow(plan, targets, True),
+                     plan_cache.instantiate(plan, targets, nodes, True)):
+            assert tape is not None and tape.generic
+            _assert_same_tape(tape, ref)
+        assert plan_cache._match_slow(plan, targets, False) is None
+        assert plan_cache.instantiate(plan, targets, nodes, False) is None
+        y.cpu()
 
 
 def test_float_arguments_are_parameters():
@@ -179,16 +237,23 @@ def _step(wiring: str, c: int, a, b):
     return (v + c).sum()
 
 
+@pytest.mark.parametrize("generic", [False, True])
 @pytest.mark.parametrize("other", [("uu", 1), ("ub", 2)])
-def test_same_op_sequence_other_wiring_or_constant_is_a_miss(other):
+def test_same_op_sequence_other_wiring_or_constant_is_a_miss(other, generic):
+    """Other wiring is always a miss; another int constant is one unless shapes are plan
+    parameters (ints then are, as they may be shapes): a hit that runs the step's constant."""
     a = torch.randn(4, device=D)
     b = torch.randn(4, device=D)
     genie.materialize(a, b)
-    first = _step("ub", 1, a, b).item()
-    genie.reset_stats()
-    got = _step(*other, a, b).item()
+    with _shape_generic(generic):
+        first = _step("ub", 1, a, b).item()
+        genie.reset_stats()
+        got = _step(*other, a, b).item()
     st = genie.stats()
-    assert st.get("plan_cache_misses", 0) == 1 and st.get("plan_cache_hits", 0) == 0
+    if generic and other[0] == "ub":
+        assert st.get("plan_cache_generic_hits", 0) == 1 and st.get("plan_cache_misses", 0) == 0
+    else:
+        assert st.get("plan_cache_misses", 0) == 1 and st.get("plan_cache_hits", 0) == 0
     ra, rb = genie.materialize(a, b)
     ra, rb = ra.cpu(), rb.cpu()
     u = ra * 2.0 + rb
