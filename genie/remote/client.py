@@ -42,7 +42,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import ExecutionError
 from ..graph import TensorMeta
 from ..planner import Tape
-from ..progress import LARGE, transfer_done, transfer_started
+from ..progress import transfer_done, transfer_started
 from ..stats import _counts, bump
 from . import (
     ProtocolError,
