@@ -1,0 +1,258 @@
+"""Recomputation under a memory budget: activations are freed after their forward use and
+recomputed before their backward use (checkpointing, Chen et al. 2016, chosen from sizes).
+
+Active only with a budget (``GENIE_MEMORY_BUDGET``, :func:`genie.passes.set_memory_budget`) and
+only when the tape's peak - what the device holds when it starts plus the high-water mark of
+the values it creates (:func:`genie.memory.tape_high_water`) - exceeds it.
+
+Candidates: fresh values (not views) that no one writes, that the program does not keep, made
+by a pure op (no written argument, not data-dependent; random ops qualify: a copy replays the
+same ``(seed, offset)``, so its values are bit-equal), and whose reads (through any view) fall
+in two clusters - the largest gap between uses, "forward" and "backward" - spanning the part
+of the tape that is over budget. A dropped value is freed after its last early read; its first
+late read recomputes it right before, from its producer's arguments: those alive then are read,
+those dropped or freed are recomputed in turn (a chain back to the nearest value that is alive:
+a checkpoint). A recomputed copy serves every later read. An argument written between the
+producer and the recomputation makes the candidate ineligible.
+
+Schedules tried: no chains (only values whose arguments are still alive), Chen's segments
+(every k-th candidate kept as a checkpoint, k from 2 to about 2 sqrt(n)), all candidates. The
+cheapest (fewest recomputed instructions) within budget wins, else the lowest peak.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import optree
+import torch
+
+from .. import memory
+from ..meta import policy
+from ..planner import Instr, Slot, Tape
+from . import PassReport, rebuild
+
+MIN_BYTES = 1 << 10  # values smaller than this are not worth a recomputation
+
+
+def recompute(tape: Tape) -> tuple[Tape, PassReport]:
+    """Free and recompute activations so that the tape's peak fits the memory budget."""
+    from .pipeline import memory_budget
+
+    budget = memory_budget()
+    if budget is None or not tape.instrs:
+        return tape, PassReport("recompute", 0)
+    target = budget - memory.memory_allocated(tape.index)
+    a = _Analysis(tape)
+    if a.peak <= target:
+        return tape, PassReport("recompute", 0)
+    cands = a.candidates(target)
+    if not cands:
+        return tape, PassReport("recompute", 0)
+    m = len(cands)
+    tries: list[set[int]] = [{c for c in cands if a.no_chain(c)}]
+    for k in range(2, max(3, 2 * math.isqrt(m) + 2)):
+        tries.append({c for j, c in enumerate(cands) if j % k != k - 1})
+    tries.append(set(cands))
+    best: tuple[Any, ...] | None = None
+    seen: set[frozenset[int]] = set()
+    for r in tries:
+        key = frozenset(r)
+        if not r or key in seen:
+            continue
+        seen.add(key)
+        got = a.schedule(r)
+        if got is None:
+            continue
+        new, added = got
+        hw = memory.tape_high_water(new)
+        fits = hw <= target
+        score = (not fits, added if fits else hw, hw)
+        if best is None or score < best[0]:
+            best = (score, new, added, hw)
+    if best is None or best[3] >= a.peak:
+        return tape, PassReport("recompute", 0)
+    _, new, added, _ = best
+    return new, PassReport("recompute", -added)
+
+
+class _Fail(Exception):
+    def __init__(self, root: int) -> None:
+        self.root = root
+
+
+class _Analysis:
+    """Producers, reads, sizes, alias roots and writes of a tape's slots."""
+
+    def __init__(self, tape: Tape) -> None:
+        self.tape = tape
+        self.prod: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+        self.root: dict[int, int] = {}
+        self.reads: dict[int, list[int]] = {}
+        self.written: dict[int, list[int]] = {}
+        self.pure: list[bool] = []
+        live = 0
+        self.live: list[int] = []
+        for i, (ins, node) in enumerate(zip(tape.instrs, tape.nodes, strict=True)):
+            for x in ins.leaves:
+                if type(x) is Slot:
+                    self.reads.setdefault(x.id, []).append(i)
+            op = ins.op
+            if not isinstance(op, torch._ops.OpOverload):  # uploads: fresh, not recomputable
+                self.pure.append(False)
+                for k, s in enumerate(ins.outs):
+                    if s is not None:
+                        self._fresh(s, i, node.metas[k])
+                        live += self.size[s]
+            else:
+                pol = policy(op)
+                args, kwargs = optree.tree_unflatten(ins.spec, ins.leaves)
+                for pos in pol.writes:
+                    for s in _slots(pol.arg(pos, args, kwargs)):
+                        self.written.setdefault(self.root.get(s, s), []).append(i)
+                self.pure.append(not pol.writes and not pol.dynamic and not pol.inplace_view
+                                 and not any(isinstance(x, torch.Tensor) for x in ins.leaves))
+                rets = pol.returns
+                for k, s in enumerate(ins.outs):
+                    if s is None:
+                        continue
+                    r = rets[0] if len(rets) == 1 else (rets[k] if k < len(rets) else None)
+                    if r is None:
+                        self._fresh(s, i, node.metas[k])
+                        live += self.size[s]
+                    else:
+                        src = _slots(pol.arg(r[1], args, kwargs))
+                        self.prod[s] = i
+                        self.root[s] = self.root.get(src[0], src[0]) if src else s
+            self.live.append(live)
+            for s in ins.free:
+                live -= self.size.get(s, 0)
+        self.peak = max(self.live, default=0)
+        self.last = {s: p[-1] for s, p in self.reads.items()}
+        self.groups: dict[int, list[int]] = {}
+        for s, r in self.root.items():
+            self.groups.setdefault(r, []).append(s)
+        self.split: dict[int, tuple[int, int]] = {}  # root -> (last early read, first late read)
+
+    def _fresh(self, s: int, i: int, meta: Any) -> None:
+        self.prod[s] = i
+        self.root[s] = s
+        self.size[s] = memory._nbytes(meta) if meta is not None else 0
+
+    def candidates(self, target: int) -> list[int]:
+        over = [i for i, v in enumerate(self.live) if v > target]
+        lo, hi = over[0], over[-1]
+        t = self.tape
+        out = []
+        for v, group in self.groups.items():
+            if self.root[v] != v or self.size.get(v, 0) < MIN_BYTES or v in t.inputs or \
+                    not self.pure[self.prod[v]] or self.written.get(v) or \
+                    any(s in t.keep for s in group):
+                continue
+            pos = sorted({self.prod[v], *(p for s in group for p in self.reads.get(s, ()))})
+            if len(pos) < 2:
+                continue
+            g = max(range(len(pos) - 1), key=lambda j: pos[j + 1] - pos[j])
+            early, late = pos[g], pos[g + 1]
+            if late - early < 2 or late <= lo or early >= hi:
+                continue
+            self.split[v] = (early, late)
+            out.append(v)
+        out.sort(key=self.prod.__getitem__)
+        return out
+
+    def no_chain(self, v: int) -> bool:
+        """Whether ``v``'s producer's arguments are all alive at its first late read."""
+        late = self.split[v][1]
+        ins = self.tape.instrs[self.prod[v]]
+        return all(self._alive(x.id, late, frozenset()) for x in ins.leaves if type(x) is Slot)
+
+    def _alive(self, y: int, t: int, dropped: frozenset[int] | set[int]) -> bool:
+        tape = self.tape
+        if y in tape.inputs or y in tape.keep:
+            return True
+        r = self.root.get(y, y)
+        if r in dropped:
+            return t <= self.split[r][0]
+        return t <= self.last.get(y, -1)
+
+    def schedule(self, dropped: set[int]) -> tuple[Tape, int] | None:
+        """The tape with ``dropped`` (roots) recomputed at their late reads, and how many
+        instructions that adds; an ineligible root is taken out and the schedule retried."""
+        dropped = set(dropped)
+        while dropped:
+            try:
+                return self._schedule(dropped)
+            except _Fail as f:
+                if f.root not in dropped:
+                    return None
+                dropped.discard(f.root)
+        return None
+
+    def _schedule(self, dropped: set[int]) -> tuple[Tape, int]:
+        tape = self.tape
+        instrs = tape.instrs
+        nxt = [max([*self.prod, *tape.inputs], default=-1) + 1]
+        cur: dict[int, int] = {}
+        out: list[Instr] = []
+        src: list[int] = []
+
+        def get(y: int, t: int) -> int:
+            if self._alive(y, t, dropped):
+                return y
+            c = cur.get(y)
+            return c if c is not None else materialize(y, t)
+
+        def materialize(y: int, t: int) -> int:
+            r = self.root.get(y, y)
+            i = self.prod.get(y)
+            if i is None or not self.pure[i] or self.written.get(r):
+                raise _Fail(r)
+            ins = instrs[i]
+            leaves = list(ins.leaves)
+            for p, x in enumerate(leaves):
+                if type(x) is Slot:
+                    w = self.written.get(self.root.get(x.id, x.id), ())
+                    if any(i < q < t for q in w):  # its argument changed since: not the value
+                        raise _Fail(r)
+                    leaves[p] = Slot(get(x.id, t))
+            outs = []
+            for s in ins.outs:
+                if s is None:
+                    outs.append(None)
+                else:
+                    outs.append(nxt[0])
+                    cur[s] = nxt[0]
+                    nxt[0] += 1
+            out.append(replace(ins, leaves=leaves, outs=tuple(outs), free=()))
+            src.append(i)
+            return cur[y]
+
+        for t, ins in enumerate(instrs):
+            leaves = ins.leaves
+            if any(type(x) is Slot and not self._alive(x.id, t, dropped) for x in leaves):
+                new_leaves = []
+                for x in leaves:
+                    if type(x) is Slot:
+                        try:
+                            x = Slot(get(x.id, t))
+                        except _Fail:  # blame the dropped value this read needs
+                            raise _Fail(self.root.get(x.id, x.id)) from None
+                    new_leaves.append(x)
+                ins = replace(ins, leaves=new_leaves)
+            out.append(ins)
+            src.append(t)
+        added = len(out) - len(instrs)
+        new = rebuild(tape, out, {})
+        return replace(new, nodes=[tape.nodes[i] for i in src]), added
+
+
+def _slots(x: Any) -> list[int]:
+    if type(x) is Slot:
+        return [x.id]
+    if isinstance(x, (list, tuple)):
+        return [y.id for y in x if type(y) is Slot]
+    return []
