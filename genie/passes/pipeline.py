@@ -31,8 +31,9 @@ Per plan (:class:`~genie.plan_cache.Plan`), state on ``plan.artifacts["passes"]`
    time by design).
 
 Tapes without a plan (``GENIE_PLAN_CACHE=0``, empty slices) run unoptimized: there is nothing
-to amortize the pass cost over nor to verify once. Tapes for a server (the ``remote`` backend
-first and connected) run unoptimized too: verification needs local copies.
+to amortize the pass cost over nor to verify once. So do tapes when another backend than
+``eager`` comes first (:func:`_not_eager`): ``compiled`` does its own CSE, DCE and fusion,
+``remote`` runs on a server (verification needs local copies there).
 
 Counters (:func:`genie.stats`): ``passes_applied`` (plans given an optimized script),
 ``passes_verified``, ``passes_rolled_back``, ``passes_rejected_slower``,
@@ -201,17 +202,15 @@ def _gate_runs() -> int:
 # --- the edit script ---------------------------------------------------------------------------
 
 class Shadow:
-    """The plan an optimized tape names (``tape.plan``): its own backend artifacts (generated
-    code, compiled module) over the optimized instructions; uses and floats from the real plan
-    (float positions mapped to the optimized instructions)."""
+    """The plan an optimized tape names (``tape.plan``): its own backend artifacts (the
+    generated replay of the optimized instructions); uses and key from the real plan."""
 
-    __slots__ = ("base", "artifacts", "origins", "_floats")
+    __slots__ = ("base", "artifacts", "origins")
 
     def __init__(self, base: Any, origins: tuple[int, ...]) -> None:
         self.base = base
         self.artifacts: dict[str, Any] = {}
         self.origins = origins
-        self._floats: tuple[int, frozenset[tuple[int, int]]] = (-1, frozenset())
 
     @property
     def uses(self) -> int:
@@ -224,17 +223,6 @@ class Shadow:
     @property
     def key(self) -> str:
         return self.base.key + ":passes"
-
-    @property
-    def floats(self) -> frozenset[tuple[int, int]]:
-        fl = self.base.floats
-        if self._floats[0] != len(fl):  # the plan's set only grows
-            by: dict[int, list[int]] = {}
-            for i, j in fl:
-                by.setdefault(i, []).append(j)
-            self._floats = (len(fl), frozenset((n, j) for n, o in enumerate(self.origins)
-                                               for j in by.get(o, ())))
-        return self._floats[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,7 +361,7 @@ def run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]:
     Returns the values of ``tape.keep`` and the tape that ran (for memory accounting).
     """
     plan = tape.plan
-    if plan is None or not active_passes() or _server_first():
+    if plan is None or not active_passes() or _not_eager():
         return backends.run(tape, device)[0], tape
     st = plan.artifacts.get("passes")
     if st is None or st.gen != _config["gen"]:
@@ -392,12 +380,15 @@ def run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]:
     return _gate_run(st, plan, tape, opt, device)
 
 
-def _server_first() -> bool:
+def _not_eager() -> bool:
+    """Whether a backend other than ``eager`` comes first and is available: ``compiled`` does
+    its own CSE, DCE and fusion (passes would double its compilations), ``remote`` runs on a
+    server (verification needs local copies)."""
     for name in backends.backend_order():
-        if name == "remote":
-            return backends.get_backend(name).is_available()
         if name == "eager":
             return False
+        if backends.get_backend(name).is_available():
+            return True
     return False
 
 
@@ -411,10 +402,11 @@ def _prepare(tape: Tape) -> Script | _Off:
                 dict(tape.slots), tape.index)
     cur = base
     changed: list[str] = []
+    renamed: dict[int, int] = {}  # merged values (CSE): old slot -> the slot that stays
     for name in active_passes():
         fn = _registry[name]
         try:
-            new, _ = fn(cur)
+            new, rep = fn(cur)
             new = _realign(new, tape.nodes, n)
             _lint(base, new)
         except Exception as e:  # a pass that fails or breaks the contract: skip it, say so
@@ -426,9 +418,10 @@ def _prepare(tape: Tape) -> Script | _Off:
         if not _same_program(cur, new):
             changed.append(name)
             cur = new
+            renamed.update(getattr(rep, "renamed", None) or {})
     if not changed:
         return _Off()
-    edits, frozen = _diff(base, cur, tape)
+    edits, frozen = _diff(base, cur, renamed)
     consts = {s: v for s, v in cur.inputs.items() if s not in base.inputs}
     for o in frozen:
         frozen[o] = list(tape.instrs[o].leaves)
@@ -490,12 +483,18 @@ def _same_program(a: Tape, b: Tape) -> bool:
     return True
 
 
-def _diff(base: Tape, opt: Tape, first: Tape) -> tuple[list[Edit], dict[int, list[Any]]]:
+def _diff(base: Tape, opt: Tape, renamed: dict[int, int]
+          ) -> tuple[list[Edit], dict[int, list[Any]]]:
     """The edits that make ``opt`` from ``base``, and the origins whose constants a decision
-    compared: both ends of a cross-instruction rewiring (CSE), and what fold folded."""
+    compared: both producers of each merged pair (``renamed`` of the passes' reports, and any
+    reader rewired to another instruction's value), and what fold folded."""
     produced = {s: i for i, ins in enumerate(base.instrs) for s in ins.outs if s is not None}
     edits = []
     frozen: dict[int, list[Any]] = {}
+    for a, b in renamed.items():
+        for s in (a, b):
+            if s in produced:
+                frozen[produced[s]] = []
     new_slots: dict[int, int] = {}  # slot of a duplicate -> its origin
     for ins in opt.instrs:
         o = int(ins.uid)

@@ -8,15 +8,17 @@ the values it creates (:func:`genie.memory.tape_high_water`) - exceeds it.
 Candidates: fresh values (not views) that no one writes, that the program does not keep, made
 by a pure op (no written argument, not data-dependent; random ops qualify: a copy replays the
 same ``(seed, offset)``, so its values are bit-equal), and whose reads (through any view) fall
-in two clusters - the largest gap between uses, "forward" and "backward" - spanning the part
-of the tape that is over budget. A dropped value is freed after its last early read; its first
+in two clusters - the largest gap between uses, "forward" and "backward" - around the tape's
+peak. A dropped value is freed after its last early read; its first
 late read recomputes it right before, from its producer's arguments: those alive then are read,
 those dropped or freed are recomputed in turn (a chain back to the nearest value that is alive:
 a checkpoint). A recomputed copy serves every later read. An argument written between the
 producer and the recomputation makes the candidate ineligible.
 
-Schedules tried: no chains (only values whose arguments are still alive), Chen's segments
-(every k-th candidate kept as a checkpoint, k from 2 to about 2 sqrt(n)), all candidates. The
+Schedules tried: no chains (only values whose arguments are still alive), all candidates, and
+Chen's greedy segments (walking forward, a candidate is kept as a checkpoint once the bytes
+dropped since the last checkpoint reach a segment size, tried around sqrt(total bytes x the
+largest value)). The
 cheapest (fewest recomputed instructions) within budget wins, else the lowest peak.
 """
 
@@ -51,11 +53,25 @@ def recompute(tape: Tape) -> tuple[Tape, PassReport]:
     cands = a.candidates(target)
     if not cands:
         return tape, PassReport("recompute", 0)
-    m = len(cands)
-    tries: list[set[int]] = [{c for c in cands if a.no_chain(c)}]
-    for k in range(2, max(3, 2 * math.isqrt(m) + 2)):
-        tries.append({c for j, c in enumerate(cands) if j % k != k - 1})
-    tries.append(set(cands))
+    tries: list[set[int]] = [{c for c in cands if a.no_chain(c)}, set(cands)]
+    # Chen's greedy: walking forward, a candidate becomes a checkpoint (kept) once the bytes
+    # dropped since the last one reach ``seg``; segment sizes around sqrt(total) and beyond
+    # (checkpoints only among the largest values: a small one, a dropout mask, rarely ends a
+    # chain of recomputation)
+    total = sum(a.size[c] for c in cands)
+    big = max(a.size[c] for c in cands)
+    root = math.isqrt(total * big)
+    for f in (0.25, 0.5, 1, 2, 4):
+        for phase in (0.0, 0.5):
+            seg = root * f
+            acc, r = seg * phase, set()
+            for c in cands:
+                if acc >= seg and 2 * a.size[c] >= big:
+                    acc = 0  # c is a checkpoint
+                    continue
+                acc += a.size[c]
+                r.add(c)
+            tries.append(r)
     best: tuple[Any, ...] | None = None
     seen: set[frozenset[int]] = set()
     for r in tries:
@@ -79,8 +95,9 @@ def recompute(tape: Tape) -> tuple[Tape, PassReport]:
 
 
 class _Fail(Exception):
-    def __init__(self, root: int) -> None:
+    def __init__(self, root: int, why: str = "") -> None:
         self.root = root
+        self.why = why
 
 
 class _Analysis:
@@ -143,12 +160,11 @@ class _Analysis:
         self.size[s] = memory._nbytes(meta) if meta is not None else 0
 
     def candidates(self, target: int) -> list[int]:
-        over = [i for i, v in enumerate(self.live) if v > target]
-        lo, hi = over[0], over[-1]
+        peak_at = self.live.index(self.peak)  # a candidate must be dead-able across the peak
         t = self.tape
         out = []
         for v, group in self.groups.items():
-            if self.root[v] != v or self.size.get(v, 0) < MIN_BYTES or v in t.inputs or \
+            if self.root.get(v) != v or self.size.get(v, 0) < MIN_BYTES or v in t.inputs or \
                     not self.pure[self.prod[v]] or self.written.get(v) or \
                     any(s in t.keep for s in group):
                 continue
@@ -157,7 +173,7 @@ class _Analysis:
                 continue
             g = max(range(len(pos) - 1), key=lambda j: pos[j + 1] - pos[j])
             early, late = pos[g], pos[g + 1]
-            if late - early < 2 or late <= lo or early >= hi:
+            if not early < peak_at < late:
                 continue
             self.split[v] = (early, late)
             out.append(v)
@@ -209,15 +225,18 @@ class _Analysis:
         def materialize(y: int, t: int) -> int:
             r = self.root.get(y, y)
             i = self.prod.get(y)
-            if i is None or not self.pure[i] or self.written.get(r):
-                raise _Fail(r)
+            if i is None or not self.pure[i]:
+                raise _Fail(r, f"%{y} (made by {i}) is not recomputable")
+            view = r != y  # a view reads its base's storage as it is now, as the original does
+            if not view and any(i < q < t for q in self.written.get(y, ())):
+                raise _Fail(r, f"%{y} is written before {t}")
             ins = instrs[i]
             leaves = list(ins.leaves)
             for p, x in enumerate(leaves):
                 if type(x) is Slot:
-                    w = self.written.get(self.root.get(x.id, x.id), ())
+                    w = () if view else self.written.get(self.root.get(x.id, x.id), ())
                     if any(i < q < t for q in w):  # its argument changed since: not the value
-                        raise _Fail(r)
+                        raise _Fail(r, f"%{x.id} read by {i} is written before {t}")
                     leaves[p] = Slot(get(x.id, t))
             outs = []
             for s in ins.outs:
@@ -239,8 +258,8 @@ class _Analysis:
                     if type(x) is Slot:
                         try:
                             x = Slot(get(x.id, t))
-                        except _Fail:  # blame the dropped value this read needs
-                            raise _Fail(self.root.get(x.id, x.id)) from None
+                        except _Fail as f:  # blame the dropped value this read needs
+                            raise _Fail(self.root.get(x.id, x.id), f.why) from None
                     new_leaves.append(x)
                 ins = replace(ins, leaves=new_leaves)
             out.append(ins)
