@@ -116,9 +116,10 @@ def _close(got: Any, want: Any, what: str, rtol: float, atol: float) -> None:
         raise AssertionError(f"[passes.verify] the rewritten tape differs in {what}: {e}") from None
 
 
-from .pipeline import (PlanReport, active_passes, format_report, memory_budget,  # noqa: E402
-                       register_pass, registered_passes, report, set_memory_budget, set_passes)
+from .pipeline import (PlanReport, active_passes, clear_reports, format_report,  # noqa: E402
+                       memory_budget, register_pass, registered_passes, report,
+                       set_memory_budget, set_passes)
 
-__all__ = ["Pass", "PassReport", "PlanReport", "active_passes", "format_report",
+__all__ = ["Pass", "PassReport", "PlanReport", "active_passes", "clear_reports", "format_report",
            "memory_budget", "optimize", "rebuild", "register_pass", "registered_passes",
            "report", "set_memory_budget", "set_passes", "verify"]

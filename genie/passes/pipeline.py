@@ -85,8 +85,12 @@ def register_pass(name: str, fn: Pass | None = None) -> Any:
     in :func:`set_passes` or ``GENIE_PASSES``.
 
     Example:
-        >>> from genie.passes import register_pass, PassReport
-        >>> register_pass("identity_doc", lambda tape: (tape, PassReport("identity_doc", 0)))
+        >>> from genie.passes import PassReport, register_pass, registered_passes
+        >>> @register_pass("identity_doc")
+        ... def identity(tape):
+        ...     return tape, PassReport("identity_doc", 0)
+        >>> "identity_doc" in registered_passes()
+        True
     """
     _load_builtin()
 

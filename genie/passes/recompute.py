@@ -3,7 +3,9 @@ recomputed before their backward use (checkpointing, Chen et al. 2016, chosen fr
 
 Active only with a budget (``GENIE_MEMORY_BUDGET``, :func:`genie.passes.set_memory_budget`) and
 only when the tape's peak - what the device holds when it starts plus the high-water mark of
-the values it creates (:func:`genie.memory.tape_high_water`) - exceeds it.
+the values it creates (:func:`genie.memory.tape_high_water`) - exceeds it, and when that peak is
+not set by what the device holds after the run anyway (held values plus the values the tape
+keeps: parameters and gradients of a training step; no schedule lowers that floor).
 
 Candidates: fresh values (not views) that no one writes, that the program does not keep, made
 by a pure op (no written argument, not data-dependent; random ops qualify: a copy replays the
@@ -46,10 +48,15 @@ def recompute(tape: Tape) -> tuple[Tape, PassReport]:
     budget = memory_budget()
     if budget is None or not tape.instrs:
         return tape, PassReport("recompute", 0)
-    target = budget - memory.memory_allocated(tape.index)
+    held = memory.memory_allocated(tape.index)
     a = _Analysis(tape)
-    if a.peak <= target:
+    before = held + a.peak
+    # what the device holds after the run (what it held, plus the values the tape keeps) is a
+    # floor no schedule lowers: a peak made of parameters and gradients is not an activation's
+    floor = held + a.kept_bytes()
+    if before <= budget or floor >= before * 0.95:
         return tape, PassReport("recompute", 0)
+    target = budget - held
     cands = a.candidates(target)
     if not cands:
         return tape, PassReport("recompute", 0)
@@ -83,12 +90,12 @@ def recompute(tape: Tape) -> tuple[Tape, PassReport]:
         if got is None:
             continue
         new, added = got
-        hw = memory.tape_high_water(new)
-        fits = hw <= target
-        score = (not fits, added if fits else hw, hw)
+        peak = max(held + memory.tape_high_water(new), floor)
+        fits = peak <= budget
+        score = (not fits, added if fits else peak, peak)
         if best is None or score < best[0]:
-            best = (score, new, added, hw)
-    if best is None or best[3] >= a.peak:
+            best = (score, new, added, peak)
+    if best is None or best[3] >= before * 0.95:  # less than 5% lower: not worth the time
         return tape, PassReport("recompute", 0)
     _, new, added, _ = best
     return new, PassReport("recompute", -added)
@@ -153,6 +160,11 @@ class _Analysis:
         for s, r in self.root.items():
             self.groups.setdefault(r, []).append(s)
         self.split: dict[int, tuple[int, int]] = {}  # root -> (last early read, first late read)
+
+    def kept_bytes(self) -> int:
+        """Bytes of the fresh values the tape keeps (through views: their bases)."""
+        roots = {self.root.get(s, s) for s in self.tape.keep}
+        return sum(self.size.get(r, 0) for r in roots)
 
     def _fresh(self, s: int, i: int, meta: Any) -> None:
         self.prod[s] = i

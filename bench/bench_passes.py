@@ -1,0 +1,156 @@
+"""Passes on the real path (issue 13): recomputation under a budget, default passes on GPT-2.
+
+A script, not a pytest-benchmark suite (it measures peaks and compares losses, which the
+ratio tables do not hold). Run::
+
+    GENIE_BENCH_ROUNDS=3 .venv/bin/python bench/bench_passes.py
+
+* Deep MLP: 16 x (Linear(W) + GELU), SGD step (forward, backward, update in one tape:
+  ``genie.materialize(loss, *params)``). Unoptimized first (``set_passes([])``), then the
+  default passes with ``recompute`` and the budget at half the unoptimized peak. Peaks from
+  ``torch.remote_accelerator.max_memory_allocated()`` after ``reset_peak_memory_stats()``
+  around each step (the embedded CPU device: values held plus each tape's high-water mark).
+  Figures after two warm-up steps (the first step of a plan verifies the optimized tape
+  against the unoptimized one, so it peaks as unoptimized). Two shapes: the issue's
+  (W=1024, batch 256), where parameters and gradients alone exceed half the peak, and an
+  activation-bound one (W=128, batch 4096).
+* GPT-2 (4 layers, width 256, 4 heads, random weights, sequence 128, batch 4) AdamW training
+  step: instructions the default passes remove, step time against no passes, the passes' cost
+  per plan against what a hit saves.
+
+``GENIE_BENCH_ROUNDS``: timed steps per variant (default 5).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import genie
+from genie import passes, plan_cache
+
+D = "remote_accelerator"
+ROUNDS = int(os.environ.get("GENIE_BENCH_ROUNDS", "5") or 5)
+
+
+def _mlp_run(width: int, batch: int, steps: int) -> tuple[list[float], list[int], list[float]]:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(16):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, width).to(D)
+    params = list(model.parameters())
+    genie.materialize(x, *params)
+    losses, peaks, times = [], [], []
+    for _ in range(steps):
+        torch.remote_accelerator.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        genie.materialize(loss, *params)
+        times.append(time.perf_counter() - t0)
+        peaks.append(torch.remote_accelerator.max_memory_allocated())
+        losses.append(loss.item())
+    return losses, peaks, times
+
+
+def mlp(width: int, batch: int) -> None:
+    steps = 2 + ROUNDS
+    plan_cache.clear()
+    passes.set_passes([])
+    passes.set_memory_budget(None)
+    l0, p0, t0 = _mlp_run(width, batch, steps)
+    peak0 = max(p0[2:])
+    params = 16 * (width * width + width) * 4
+    budget = peak0 // 2
+    plan_cache.clear()
+    passes.clear_reports()
+    passes.set_passes(None)  # the default set, recompute included
+    passes.set_memory_budget(budget)
+    l1, p1, t1 = _mlp_run(width, batch, steps)
+    peak1 = max(p1[2:])
+    s0, s1 = statistics.median(t0[2:]), statistics.median(t1[2:])
+    print(f"MLP 16 x (Linear({width}) + GELU), batch {batch}, SGD step")
+    print(f"  unoptimized peak {peak0 / 2**20:.1f} MiB (parameters {params / 2**20:.1f} MiB, "
+          f"gradients as much), step {s0 * 1e3:.1f} ms")
+    print(f"  budget {budget / 2**20:.1f} MiB (half): peak {peak1 / 2**20:.1f} MiB "
+          f"({peak1 / budget:.2f} x budget; {'within' if peak1 <= budget * 1.1 else 'over'} "
+          f"+10%), step {s1 * 1e3:.1f} ms ({s1 / s0:.2f} x), losses equal: {l0 == l1}")
+    for r in passes.report():
+        print(f"  {r}")
+    passes.set_memory_budget(None)
+
+
+def _gpt2() -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000,
+                                  n_positions=256, bos_token_id=0, eos_token_id=0,
+                                  attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _gpt2_run(steps: int) -> tuple[list[float], list[float]]:
+    model = _gpt2().to(D)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = list(model.parameters())
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1000, (4, 128), generator=g).to(D)
+    genie.materialize(ids, *params)
+    losses, times = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        genie.materialize(loss, *params)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    return losses, times
+
+
+def gpt2() -> None:
+    steps = 4 + ROUNDS  # AdamW's first steps differ (state creation); then one plan
+    plan_cache.clear()
+    passes.set_passes([])
+    l0, t0 = _gpt2_run(steps)
+    plan_cache.clear()
+    passes.clear_reports()
+    passes.set_passes(None)
+    genie.reset_stats()
+    l1, t1 = _gpt2_run(steps)
+    s = genie.stats()
+    s0, s1 = statistics.median(t0[-ROUNDS:]), statistics.median(t1[-ROUNDS:])
+    print("GPT-2 4 layers x 256, seq 128, batch 4, AdamW step, default passes "
+          f"({', '.join(passes.active_passes())}) against none")
+    print(f"  step {s0 * 1e3:.1f} ms unoptimized, {s1 * 1e3:.1f} ms with passes "
+          f"({s1 / s0:.3f} x); losses equal: {l0 == l1}")
+    print(f"  plans optimized {s.get('passes_applied', 0)}, verified "
+          f"{s.get('passes_verified', 0)}, rolled back {s.get('passes_rolled_back', 0)}, "
+          f"rejected slower {s.get('passes_rejected_slower', 0)}")
+    for r in passes.report():
+        saved = (r.time_before_ms - r.time_after_ms) if r.time_after_ms is not None else None
+        amort = (f"; a hit saves {saved:.3f} ms: the passes pay for themselves after "
+                 f"{r.cost_ms / saved:.0f} hits" if saved and saved > 0 else "")
+        print(f"  {r}{amort}")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(int(os.environ.get("GENIE_BENCH_THREADS", "1")) or
+                          torch.get_num_threads())
+    which = sys.argv[1:] or ["mlp", "gpt2"]
+    if "mlp" in which:
+        mlp(1024, 256)
+        mlp(128, 4096)
+    if "gpt2" in which:
+        gpt2()
