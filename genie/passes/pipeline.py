@@ -61,7 +61,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import compress
-from operator import is_not
+from operator import is_not, itemgetter
 from typing import Any
 
 import torch
@@ -282,6 +282,9 @@ class Script:
         self.gen = _config["gen"]
         self.edits = edits
         self.origins = tuple(e.origin for e in edits)
+        # nodes and slot lists of a step, in optimized order (a C-level gather per step)
+        self.gather = itemgetter(*self.origins) if len(edits) > 1 else \
+            (lambda xs, o=self.origins: tuple(xs[i] for i in o))
         self.by_origin: dict[int, list[int]] = {}
         for n, e in enumerate(edits):
             self.by_origin.setdefault(e.origin, []).append(n)
@@ -315,12 +318,11 @@ class Script:
         inputs = tape.inputs
         if self.consts:
             inputs = {**inputs, **self.consts}
-        nodes = tape.nodes
         pend = tape._slots
-        origins = self.origins
+        gather = self.gather
         slots: Any = pend if type(pend) is dict else \
-            PendingSlots([pend.outs[o] for o in origins], pend.inputs)
-        return Tape(out, inputs, tape.outputs, tape.keep, [nodes[o] for o in origins], slots,
+            PendingSlots(list(gather(pend.outs)), pend.inputs)
+        return Tape(out, inputs, tape.outputs, tape.keep, list(gather(tape.nodes)), slots,
                     tape.index, self.shadow, tape.generic)
 
 

@@ -263,3 +263,25 @@ def test_slot_renames_never_touch_kept_values():
         a.add_(1)
         assert torch.equal(b.cpu() + 1, a.cpu())
     assert Slot  # (imported for readers of this file: passes rewire Slot leaves only)
+
+
+def test_memory_budget_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("GENIE_MEMORY_BUDGET", "512MiB")
+    pipeline._budget[0] = False  # as at import
+    assert passes.memory_budget() == 512 << 20
+    monkeypatch.setenv("GENIE_MEMORY_BUDGET", "lots")
+    pipeline._budget[0] = False
+    with pytest.raises(ValueError, match=r"\[GENIE_MEMORY_BUDGET\] cannot read 'lots'"):
+        passes.memory_budget()
+    pipeline._budget[0] = None
+
+
+def test_tapes_without_a_plan_run_unoptimized():
+    passes.set_passes(["cse", "dce"])
+    plan_cache.enable(False)
+    try:
+        x = torch.ones(4, device=D)
+        assert ((x * 2).exp() + (x * 2).exp()).sum().item() == pytest.approx(8 * torch.e ** 2)
+    finally:
+        plan_cache.enable(True)
+    assert genie.stats().get("passes_applied", 0) == 0
