@@ -291,25 +291,35 @@ def _meta_leaves(leaves: list[Any]) -> list[Any]:
 
 
 _FLAT_TYPES = frozenset({int, float, bool, type(None), torch.dtype})
-_flat_specs: dict[int, Any] = {}
+_flat_specs: dict[Any, Any] = {}
 
 
 def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
-    """``optree.tree_flatten((args, kwargs))``, with a fast path for the common call shape.
+    """``optree.tree_flatten((args, kwargs))``, with a fast path for the common call shapes.
 
     Most ops get only tensors and scalars positionally (``mul(x, 2.0)``, ``addmm(b, x, w)``):
-    their leaves are the args themselves and the spec depends only on how many there are.
+    their leaves are the args themselves and the spec depends only on how many there are. Views
+    and reshapes add one list of ints (``view(x, [1, 12, 64])``): its elements are leaves, and
+    the spec depends on the list's length and position too. Specs are cached by that signature.
     """
     if not kwargs:
-        for a in args:
-            if type(a) is not LazyTensor and type(a) not in _FLAT_TYPES:
-                break
+        sig: Any = len(args)
+        leaves = None
+        for i, a in enumerate(args):
+            ta = type(a)
+            if ta is LazyTensor or ta in _FLAT_TYPES:
+                continue
+            if (ta is list or ta is tuple) and sig.__class__ is int and \
+                    all(type(e) is int for e in a):
+                sig = (sig, i, ta, len(a))
+                leaves = [*args[:i], *a, *args[i + 1:]]
+                continue
+            break
         else:
-            spec = _flat_specs.get(len(args))
+            spec = _flat_specs.get(sig)
             if spec is None:
-                spec = _flat_specs[len(args)] = optree.tree_structure(
-                    ((0,) * len(args), {}), none_is_leaf=True)
-            return list(args), spec
+                spec = _flat_specs[sig] = optree.tree_flatten((args, {}), none_is_leaf=True)[1]
+            return (list(args) if leaves is None else leaves), spec
     return optree.tree_flatten((args, kwargs), none_is_leaf=True)
 
 

@@ -16,7 +16,7 @@ comes only from ``op._schema`` alias annotations and ``op.tags``, never from nam
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import optree
@@ -220,6 +220,9 @@ class MetaEntry:
         plan: per tensor output ``(flat index, "write"/"view"/None, schema position of its
             source)``, from :func:`output_plan`.
         spec: the call's argument tree spec (equal for every call with this key; nodes share it).
+        klass: the call's *shape class*, interned (:func:`shape_class`): equal for calls that
+            differ at most in shapes, strides, int constants and float values, so that a
+            shape-generic plan compares nodes by ``a.entry.klass is b.entry.klass``.
     """
 
     metas: list[TensorMeta | None]
@@ -227,6 +230,41 @@ class MetaEntry:
     consts: list[Any]
     plan: tuple[tuple[int, str | None, int], ...]
     spec: Any
+    klass: Any = field(default=None, compare=False)
+
+
+_classes: dict[Any, Any] = {}
+
+
+def _kind(x: Any) -> Any:
+    t = type(x)
+    if t is TensorMeta:
+        return (x.dtype, len(x.shape), x.index, x.conj, x.neg)
+    if t is int or t is float:
+        return t
+    if isinstance(x, torch.Tensor):
+        return ("T", x.device.type, x.dim(), x.dtype)
+    if isinstance(x, torch.Generator):
+        return torch.Generator
+    return (t, x)
+
+
+def shape_class(func: Any, spec: Any, leaves: list[Any], metas: list[TensorMeta | None],
+                out_spec: Any) -> Any:
+    """The interned shape class of a call (see :attr:`MetaEntry.klass`): op, argument tree,
+    each leaf's kind (a tensor's dtype, rank, device and math bits; ``int``/``float`` for
+    numbers; other constants by value), and each output's kind."""
+    try:
+        key = (func, spec, tuple(map(_kind, leaves)),
+               tuple(None if m is None else _kind(m) for m in metas), out_spec)
+        k = _classes.get(key)
+    except TypeError:  # an unhashable constant: a class of its own
+        return object()
+    if k is None:
+        if len(_classes) >= MetaCache.limit:
+            _classes.clear()  # bounded like the meta cache; classes are compared by identity
+        k = _classes[key] = key
+    return k
 
 
 _LEAF_SPEC = optree.tree_structure(0, none_is_leaf=True)
@@ -242,7 +280,8 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
         if m is not None:
             bump("meta_cache_misses")
             bump("shape_rule_hits")
-            return MetaEntry([m], _LEAF_SPEC, [None], output_plan(pol, [m]), spec)
+            return MetaEntry([m], _LEAF_SPEC, [None], output_plan(pol, [m]), spec,
+                             shape_class(func, spec, leaves, [m], _LEAF_SPEC))
     mleaves = [meta_tensor(x) if type(x) is TensorMeta else x for x in leaves]
     margs, mkwargs = optree.tree_unflatten(spec, mleaves)
     dev = mkwargs.get("device")
@@ -262,7 +301,8 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
         dev.index is not None else index
     metas = [TensorMeta.of(o, out_index) if isinstance(o, torch.Tensor) else None for o in flat]
     consts = [None if isinstance(o, torch.Tensor) else o for o in flat]
-    return MetaEntry(metas, out_spec, consts, output_plan(pol, metas), spec)
+    return MetaEntry(metas, out_spec, consts, output_plan(pol, metas), spec,
+                     shape_class(func, spec, leaves, metas, out_spec))
 
 
 def rename_device(e: Exception, index: int) -> Exception:

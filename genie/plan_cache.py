@@ -108,7 +108,7 @@ class Plan:
 
     __slots__ = ("instrs", "metas", "specs", "wheres", "inputs", "outputs", "keep", "floats",
                  "index", "artifacts", "uses", "_key", "entries", "guide", "produced", "fast",
-                 "prefix", "guide_key", "flat", "no_where")
+                 "prefix", "guide_key", "flat", "no_where", "klasses")
 
     def __init__(self, tape: Tape, nodes: list[Node]) -> None:
         self.metas = [n.metas for n in nodes]
@@ -147,6 +147,7 @@ class Plan:
         ``flat``: the same as columns (:func:`_flatten`) for :func:`match`'s common case.
         """
         self.entries = [n.entry if n.entry is not None else _NO_ENTRY for n in nodes]
+        self.klasses = [_klass(e) for e in self.entries]
         pos = {n.index: i for i, n in enumerate(nodes)}
         nref = [0] * len(nodes)
         produced: dict[int, tuple[int, int]] = {}
@@ -209,9 +210,11 @@ class PlanCache:
         plans = self._by_targets.get(_target_key(targets))
         if not plans:
             return None
-        for plan in plans:
+        for k, plan in enumerate(plans):
             tape = match(plan, targets, generic)
             if tape is not None:
+                if k:  # most recently used first: a loop's plan is tried before the others
+                    plans.insert(0, plans.pop(k))
                 bucket = self._buckets.get(plan.prefix)
                 if bucket is not None:
                     self._buckets.move_to_end(plan.prefix)
@@ -443,8 +446,15 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
             return _match_slow(plan, targets, generic)
     # The plan's interned meta-cache entries, by identity: op, argument tree (so which leaves are
     # Refs, and that no node writes: the plan's nodes do not), input metadata, int/bool/str
-    # constants. Checked first: the passes below read leaves as Refs.
-    if not all(map(is_, map(_entry, found), plan.entries)) or any(map(_executed, found)):
+    # constants. Checked first: the passes below read leaves as Refs. Shape-generic: the entries'
+    # interned shape classes instead; the nodes whose entries differ are rebuilt below.
+    ents = list(map(_entry, found))
+    shaped: list[int] = []
+    if not all(map(is_, ents, plan.entries)):
+        if not generic or not all(map(is_, map(_klass, ents), plan.klasses)):
+            return _match_slow(plan, targets, generic)
+        shaped = [i for i, e in enumerate(map(is_, ents, plan.entries)) if not e]
+    if any(map(_executed, found)):
         return _match_slow(plan, targets, generic)
     xnodes = list(map(_node, xs))
     idx = list(map(_index, found))
@@ -455,9 +465,14 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
             or (pending_total[0] and (
                 any(map(_pending, map(getitem, map(_storages, xnodes), ek)))
                 or any(map(_pending, map(getitem, map(_storages, map(itemgetter(0), targets)),
-                                         map(itemgetter(1), targets)))))) \
-            or list(map(len, map(_consumers, map(get, hi)))) != hn:
+                                         map(itemgetter(1), targets)))))):
         return _match_slow(plan, targets, generic)
+    cons = list(map(len, map(_consumers, map(get, hi))))
+    if cons != hn:  # consumers outside the slice (dead ones too): held only if one is pending
+        in_run = set(idx)
+        for i, k, c, n_in in zip(hi, hk, cons, hn, strict=True):
+            if c != n_in and held_after(found[i], k, in_run):
+                return _match_slow(plan, targets, generic)
     if fi:  # float arguments: the plan's values (a float that changed is rebuilt by the slow path)
         fx = list(map(getitem, map(_leaves, map(get, fi)), fp))
         if not all(map(is_, fx, fv)) and not all(map(_same_const, fx, fv)):
@@ -466,10 +481,14 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     if not all(map(is_, map(call, filter(None, map(getitem, map(_outputs, map(get, hi)), hk))),
                    repeat(None))):
         return _match_slow(plan, targets, generic)
-    for i, k in other:
+    in_run = None
+    for i, k in other:  # outputs that must be held: by a live tensor, or a pending consumer
         r = found[i].outputs[k]
         if r is None or type(r()) is not Alive:
-            return _match_slow(plan, targets, generic)
+            if in_run is None:
+                in_run = set(idx)
+            if not held_after(found[i], k, in_run):
+                return _match_slow(plan, targets, generic)
     pin = plan.inputs
     islots: dict[tuple[int, int], int] = {}
     inputs: dict[int, torch.Tensor] = {}
@@ -482,20 +501,34 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
             return _match_slow(plan, targets, generic)
         if pending_total[0] and xn.storages[xo].pending_writes:
             return _match_slow(plan, targets, generic)
-        if not _bind_input(xn, xo, y, pin, islots, inputs):  # also: one value, two slots
+        if not _bind_input(xn, xo, y, pin, islots, inputs, generic):  # also: one value, two slots
             return _match_slow(plan, targets, generic)
     if len(inputs) != len(pin):
         return None
     instrs = list(tmpl)
+    differs = bool(shaped)
+    for i in shaped:
+        n, t = found[i], tmpl[i]
+        instrs[i] = Instr(n.op, _leaves_of(n.leaves, t.leaves, True), t.spec, t.outs, n.rng,
+                          t.free, n.uid, n.where, t.device)
+    if generic and not differs:
+        differs = any(v.shape != pin[s].shape or v.stride() != pin[s].stride
+                      for s, v in inputs.items())
     rngs = list(map(_rng, found))
     if rngs.count(None) != nn:  # random ops: this step's (seed, offset)
         for i, rng in enumerate(rngs):
             if rng is not None:
                 n, t = found[i], tmpl[i]
-                instrs[i] = Instr(n.op, list(t.leaves), t.spec, t.outs, rng, t.free, n.uid,
-                                  n.where, t.device)
+                instrs[i] = Instr(n.op, list(instrs[i].leaves), t.spec, t.outs, rng, t.free,
+                                  n.uid, n.where, t.device)
     return Tape(instrs, inputs, list(want_out), set(plan.keep), found, PendingSlots(outs, islots),
-                plan.index, plan)
+                plan.index, plan, differs)
+
+
+def _klass(entry: Any) -> Any:
+    """An entry's shape class (:attr:`genie.meta.MetaEntry.klass`); a node recorded without an
+    entry gets a fresh object, equal to no other (it never matches shape-generically)."""
+    return getattr(entry, "klass", None) or object()
 
 
 def _claim(found: list[Node | None], j: int, node: Node) -> bool:
