@@ -211,20 +211,15 @@ class Shadow:
     """The plan an optimized tape names (``tape.plan``): its own backend artifacts (the
     generated replay of the optimized instructions); uses and key from the real plan."""
 
-    __slots__ = ("base", "artifacts", "origins")
+    __slots__ = ("base", "artifacts")
 
-    def __init__(self, base: Any, origins: tuple[int, ...]) -> None:
+    def __init__(self, base: Any) -> None:
         self.base = base
         self.artifacts: dict[str, Any] = {}
-        self.origins = origins
 
     @property
     def uses(self) -> int:
         return self.base.uses
-
-    @property
-    def index(self) -> int:
-        return self.base.index
 
     @property
     def key(self) -> str:
@@ -291,7 +286,7 @@ class Script:
         self.tmpl = [e.apply(plan.instrs[e.origin]) for e in edits]
         self.consts = consts
         self.frozen = frozen  # origin -> its constant leaves as the passes compared them
-        self.shadow = Shadow(plan, self.origins)
+        self.shadow = Shadow(plan)
         self.changed_by = changed_by
         self.memory_pass = memory_pass
         self.state = "verify"

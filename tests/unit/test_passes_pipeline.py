@@ -1,4 +1,4 @@
-"""Passes on the real path (issue 13): once per plan, replayed on hits, verified, gated, budgeted."""
+"""Passes on the real path (issue 13): once per plan, replayed, verified, gated, budgeted."""
 
 import logging
 from dataclasses import replace
@@ -9,7 +9,6 @@ import torch
 import genie
 from genie import passes, plan_cache
 from genie.passes import PassReport, pipeline
-from genie.planner import Slot
 
 D = "remote_accelerator"
 
@@ -24,10 +23,9 @@ def _fresh_passes():
     plan_cache.clear()
 
 
-def _script(n_instrs_at_least=1):
-    plans = [p for p in plan_cache.cache().plans()
-             if isinstance(p.artifacts.get("passes"), pipeline.Script)]
-    return plans
+def _optimized_plans():
+    return [p for p in plan_cache.cache().plans()
+            if isinstance(p.artifacts.get("passes"), pipeline.Script)]
 
 
 def test_passes_run_once_per_plan_and_hits_reuse_the_script_with_floats_and_rng():
@@ -164,12 +162,12 @@ def test_generated_replay_runs_the_optimized_instructions(monkeypatch):
     for _ in range(12):
         v = ((x + 1).exp() + (x + 1).exp()).sum().item()
     assert v == pytest.approx(16 * torch.e ** 2)
-    (plan,) = _script()
+    (plan,) = _optimized_plans()
     st = plan.artifacts["passes"]
     assert st.state == "on"
     gen = st.shadow.artifacts.get("codegen")
-    assert gen and gen.source.count("aten.exp") + gen.source.count("_c") >= 1
-    assert len(gen.lines) < len(plan.instrs) + 1  # fewer instructions than the plan's
+    # the generated function runs the optimized instructions: one exp, not two
+    assert gen and len(set(gen.lines.values())) == len(plan.instrs) - 2
 
 
 def test_shape_generic_hits_apply_the_script_to_their_own_shapes():
@@ -262,7 +260,6 @@ def test_slot_renames_never_touch_kept_values():
         a, b = x.exp(), x.exp()  # both held: two tensors, never merged
         a.add_(1)
         assert torch.equal(b.cpu() + 1, a.cpu())
-    assert Slot  # (imported for readers of this file: passes rewire Slot leaves only)
 
 
 def test_memory_budget_is_read_from_the_environment(monkeypatch):
