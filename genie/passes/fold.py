@@ -36,32 +36,32 @@ _CONST = (bool, int, str, type(None), torch.dtype, torch.device, torch.layout,
 
 def fold(tape: Tape) -> tuple[Tape, PassReport]:
     """Compute constant subgraphs once; their values read elsewhere become inputs."""
-    const: set[int] = set()
-    folded: list[int] = []
-    for i, ins in enumerate(tape.instrs):
-        if not _foldable(ins, const, tape.keep):
-            continue
-        folded.append(i)
-        const.update(s for s in ins.outs if s is not None)
-    if not folded:
-        return tape, PassReport("fold", 0)
-    fset = set(folded)
-    frontier: set[int] = set()
-    bad: set[int] = set()
-    for i, ins in enumerate(tape.instrs):
-        if i in fset:
-            continue
-        reads = [x.id for x in ins.leaves if type(x) is Slot and x.id in const]
-        if not reads:
-            continue
-        pol = policy(ins.op) if isinstance(ins.op, torch._ops.OpOverload) else None
-        if pol is None or pol.writes or pol.inplace_view or any(r is not None
-                                                               for r in pol.returns):
-            bad.update(reads)  # written or viewed: the plan's tensor would be exposed
-        frontier.update(reads)
-    if bad:
-        return tape, PassReport("fold", 0)  # keep it simple: all or nothing per plan
-    if not frontier:
+    blocked: set[int] = set()  # instructions whose value must stay the program's own
+    while True:
+        const: dict[int, int] = {}  # folded slot -> its instruction
+        folded: list[int] = []
+        for i, ins in enumerate(tape.instrs):
+            if i in blocked or ins.device != tape.index or \
+                    not _foldable(ins, const, tape.keep):
+                continue
+            folded.append(i)
+            const.update((s, i) for s in ins.outs if s is not None)
+        fset = set(folded)
+        frontier: set[int] = set()
+        bad: set[int] = set()
+        for i, ins in enumerate(tape.instrs):
+            if i in fset:
+                continue
+            reads = [x.id for x in ins.leaves if type(x) is Slot and x.id in const]
+            pol = policy(ins.op) if isinstance(ins.op, torch._ops.OpOverload) else None
+            if reads and (pol is None or pol.writes or pol.inplace_view or
+                          any(r is not None for r in pol.returns)):
+                bad.update(const[s] for s in reads)  # written or viewed: it would be exposed
+            frontier.update(reads)
+        if not bad:
+            break
+        blocked |= bad
+    if not folded or not frontier:
         return tape, PassReport("fold", 0)
     dev = real_device(tape.index)
     env: dict[int, Any] = {}
@@ -81,7 +81,7 @@ def fold(tape: Tape) -> tuple[Tape, PassReport]:
     return new, PassReport("fold", len(folded))
 
 
-def _foldable(ins: Instr, const: set[int], keep: set[int]) -> bool:
+def _foldable(ins: Instr, const: dict[int, int], keep: set[int]) -> bool:
     if ins.rng is not None or not isinstance(ins.op, torch._ops.OpOverload):
         return False
     pol = policy(ins.op)

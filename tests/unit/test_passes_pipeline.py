@@ -282,3 +282,16 @@ def test_tapes_without_a_plan_run_unoptimized():
     finally:
         plan_cache.enable(True)
     assert genie.stats().get("passes_applied", 0) == 0
+
+
+def test_fold_leaves_constants_that_are_written_or_viewed_to_the_program():
+    passes.set_passes(["fold"])
+    x = torch.ones(4, device=D)
+    genie.materialize(x)
+    for step in range(4):
+        z = torch.zeros(4, device=D)
+        z.add_(x)  # written: each step needs its own zeros
+        v = torch.zeros(2, 2, device=D).view(4)  # viewed by an unfolded reader chain: kept own
+        v.mul_(2)
+        assert (z.sum() + v.sum()).item() == 4.0
+    assert genie.stats().get("passes_rolled_back", 0) == 0
