@@ -262,7 +262,19 @@ class _Analysis:
             src.append(i)
             return cur[y]
 
-        for t, ins in enumerate(instrs):
+        try:
+            self._emit(get, out, src, dropped)
+        finally:
+            # get and materialize refer to each other: a reference cycle that would keep this
+            # tape's nodes (and their values) alive until the cyclic collector runs
+            del get, materialize
+        added = len(out) - len(instrs)
+        new = rebuild(tape, out, {})
+        return replace(new, nodes=[tape.nodes[i] for i in src]), added
+
+    def _emit(self, get: Any, out: list[Instr], src: list[int], dropped: set[int]) -> None:
+        """The tape's own instructions in order, reads of dropped values rewired (``get``)."""
+        for t, ins in enumerate(self.tape.instrs):
             leaves = ins.leaves
             if any(type(x) is Slot and not self._alive(x.id, t, dropped) for x in leaves):
                 new_leaves = []
@@ -276,9 +288,6 @@ class _Analysis:
                 ins = replace(ins, leaves=new_leaves)
             out.append(ins)
             src.append(t)
-        added = len(out) - len(instrs)
-        new = rebuild(tape, out, {})
-        return replace(new, nodes=[tape.nodes[i] for i in src]), added
 
 
 def _slots(x: Any) -> list[int]:

@@ -295,3 +295,28 @@ def test_fold_leaves_constants_that_are_written_or_viewed_to_the_program():
         v.mul_(2)
         assert (z.sum() + v.sum()).item() == 4.0
     assert genie.stats().get("passes_rolled_back", 0) == 0
+
+
+def test_preparing_a_plan_leaves_no_cycle_holding_the_first_tape():
+    """The first tape's nodes (and their values: gradients) die with their tensors, not at the
+    next cyclic collection (recompute's scheduler once held them in a closure cycle)."""
+    import weakref
+
+    passes.set_passes(["cse", "dce", "fold", "recompute"])
+    passes.set_memory_budget(1)  # recompute everything it can
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 32), torch.nn.GELU()).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(256, 32).to(D)
+    genie.materialize(x, *model.parameters())
+    refs = []
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        genie.materialize(*model.parameters())
+        refs.append(weakref.ref(next(model.parameters()).grad._node))
+    opt.zero_grad()
+    assert genie.stats()["passes_applied"] == 1
+    assert all(r() is None for r in refs)
