@@ -14,8 +14,9 @@ in two clusters - the largest gap between uses, "forward" and "backward" - aroun
 peak. A dropped value is freed after its last early read; its first
 late read recomputes it right before, from its producer's arguments: those alive then are read,
 those dropped or freed are recomputed in turn (a chain back to the nearest value that is alive:
-a checkpoint). A recomputed copy serves every later read. An argument written between the
-producer and the recomputation makes the candidate ineligible.
+a checkpoint). A recomputed copy serves every later read. Where a chain cannot be recomputed
+(an op that is not pure, an argument written since the producer ran), the read takes the
+original value, which then stays alive: that candidate is simply not dropped.
 
 Schedules tried: no chains (only values whose arguments are still alive), all candidates, and
 Chen's greedy segments (walking forward, a candidate is kept as a checkpoint once the bytes
@@ -102,6 +103,8 @@ def recompute(tape: Tape) -> tuple[Tape, PassReport]:
 
 
 class _Fail(Exception):
+    """A value that cannot be recomputed where it is needed (``why``)."""
+
     def __init__(self, root: int, why: str = "") -> None:
         self.root = root
         self.why = why
@@ -209,85 +212,89 @@ class _Analysis:
 
     def schedule(self, dropped: set[int]) -> tuple[Tape, int] | None:
         """The tape with ``dropped`` (roots) recomputed at their late reads, and how many
-        instructions that adds; an ineligible root is taken out and the schedule retried."""
-        dropped = set(dropped)
-        while dropped:
-            try:
-                return self._schedule(dropped)
-            except _Fail as f:
-                if f.root not in dropped:
-                    return None
-                dropped.discard(f.root)
-        return None
-
-    def _schedule(self, dropped: set[int]) -> tuple[Tape, int]:
-        tape = self.tape
-        instrs = tape.instrs
-        nxt = [max([*self.prod, *tape.inputs], default=-1) + 1]
-        cur: dict[int, int] = {}
-        out: list[Instr] = []
-        src: list[int] = []
-
-        def get(y: int, t: int) -> int:
-            if self._alive(y, t, dropped):
-                return y
-            c = cur.get(y)
-            return c if c is not None else materialize(y, t)
-
-        def materialize(y: int, t: int) -> int:
-            r = self.root.get(y, y)
-            i = self.prod.get(y)
-            if i is None or not self.pure[i]:
-                raise _Fail(r, f"%{y} (made by {i}) is not recomputable")
-            view = r != y  # a view reads its base's storage as it is now, as the original does
-            if not view and any(i < q < t for q in self.written.get(y, ())):
-                raise _Fail(r, f"%{y} is written before {t}")
-            ins = instrs[i]
-            leaves = list(ins.leaves)
-            for p, x in enumerate(leaves):
-                if type(x) is Slot:
-                    w = () if view else self.written.get(self.root.get(x.id, x.id), ())
-                    if any(i < q < t for q in w):  # its argument changed since: not the value
-                        raise _Fail(r, f"%{x.id} read by {i} is written before {t}")
-                    leaves[p] = Slot(get(x.id, t))
-            outs = []
-            for s in ins.outs:
-                if s is None:
-                    outs.append(None)
-                else:
-                    outs.append(nxt[0])
-                    cur[s] = nxt[0]
-                    nxt[0] += 1
-            out.append(replace(ins, leaves=leaves, outs=tuple(outs), free=()))
-            src.append(i)
-            return cur[y]
-
-        try:
-            self._emit(get, out, src, dropped)
-        finally:
-            # get and materialize refer to each other: a reference cycle that would keep this
-            # tape's nodes (and their values) alive until the cyclic collector runs
-            del get, materialize
-        added = len(out) - len(instrs)
-        new = rebuild(tape, out, {})
-        return replace(new, nodes=[tape.nodes[i] for i in src]), added
-
-    def _emit(self, get: Any, out: list[Instr], src: list[int], dropped: set[int]) -> None:
-        """The tape's own instructions in order, reads of dropped values rewired (``get``)."""
+        instructions that adds (None when nothing is dropped)."""
+        if not dropped:
+            return None
+        s = _Scheduler(self, dropped)
         for t, ins in enumerate(self.tape.instrs):
-            leaves = ins.leaves
-            if any(type(x) is Slot and not self._alive(x.id, t, dropped) for x in leaves):
-                new_leaves = []
-                for x in leaves:
-                    if type(x) is Slot:
-                        try:
-                            x = Slot(get(x.id, t))
-                        except _Fail as f:  # blame the dropped value this read needs
-                            raise _Fail(self.root.get(x.id, x.id), f.why) from None
-                    new_leaves.append(x)
-                ins = replace(ins, leaves=new_leaves)
-            out.append(ins)
-            src.append(t)
+            s.emit(t, ins)
+        added = len(s.out) - len(self.tape.instrs)
+        new = rebuild(self.tape, s.out, {})
+        return replace(new, nodes=[self.tape.nodes[i] for i in s.src]), added
+
+
+class _Scheduler:
+    """One schedule being built: the instructions so far, and which copy holds a value now.
+
+    A read of a dropped value that cannot be recomputed (a chain reaches a value that is not
+    pure, or whose argument was written since) reads the original instead: that value is then
+    simply not dropped (it is never written, so it still holds what it did).
+    """
+
+    def __init__(self, a: _Analysis, dropped: set[int]) -> None:
+        self.a = a
+        self.dropped = dropped
+        self.cur: dict[int, int] = {}  # original slot -> the recomputed copy that holds it
+        self.out: list[Instr] = []
+        self.src: list[int] = []  # per instruction of out, the tape instruction it copies
+        self.nxt = max([*a.prod, *a.tape.inputs], default=-1) + 1
+        self.failed: set[int] = set()
+
+    def emit(self, t: int, ins: Instr) -> None:
+        a, dropped = self.a, self.dropped
+        leaves = ins.leaves
+        if any(type(x) is Slot and not a._alive(x.id, t, dropped) for x in leaves):
+            new = []
+            for x in leaves:
+                if type(x) is Slot and x.id not in self.failed:
+                    mark, added = len(self.out), []
+                    try:
+                        x = Slot(self.get(x.id, t, added))
+                    except _Fail:  # not recomputable from here: the original stays alive
+                        del self.out[mark:], self.src[mark:]
+                        for k in added:
+                            del self.cur[k]
+                        self.failed.add(x.id)
+                new.append(x)
+            ins = replace(ins, leaves=new)
+        self.out.append(ins)
+        self.src.append(t)
+
+    def get(self, y: int, t: int, added: list[int]) -> int:
+        if self.a._alive(y, t, self.dropped):
+            return y
+        c = self.cur.get(y)
+        return c if c is not None else self.materialize(y, t, added)
+
+    def materialize(self, y: int, t: int, added: list[int]) -> int:
+        a = self.a
+        r = a.root.get(y, y)
+        i = a.prod.get(y)
+        if i is None or not a.pure[i]:
+            raise _Fail(r, f"%{y} (made by {i}) is not recomputable")
+        view = r != y  # a view reads its base's storage as it is now, as the original does
+        if not view and any(i < q < t for q in a.written.get(y, ())):
+            raise _Fail(r, f"%{y} is written before {t}")
+        ins = a.tape.instrs[i]
+        leaves = list(ins.leaves)
+        for p, x in enumerate(leaves):
+            if type(x) is Slot:
+                w = () if view else a.written.get(a.root.get(x.id, x.id), ())
+                if any(i < q < t for q in w):  # its argument changed since: not the value
+                    raise _Fail(r, f"%{x.id} read by {i} is written before {t}")
+                leaves[p] = Slot(self.get(x.id, t, added))
+        outs: list[int | None] = []
+        for s in ins.outs:
+            if s is None:
+                outs.append(None)
+            else:
+                outs.append(self.nxt)
+                self.cur[s] = self.nxt
+                added.append(s)
+                self.nxt += 1
+        self.out.append(replace(ins, leaves=leaves, outs=tuple(outs), free=()))
+        self.src.append(i)
+        return self.cur[y]
 
 
 def _slots(x: Any) -> list[int]:
