@@ -268,6 +268,18 @@ class PlanReport:
                 f"{self.peak_after >> 10} KiB{t}; passes {self.cost_ms:.2f} ms; {self.state}")
 
 
+class _Record:
+    """What :func:`report` shows of a plan (kept apart from the :class:`Script`, so that the
+    report does not keep an evicted plan's instructions and folded constants alive)."""
+
+    __slots__ = ("figures", "state", "times")
+
+    def __init__(self, figures: dict[str, Any]) -> None:
+        self.figures = figures
+        self.state = "verify"
+        self.times: tuple[list[float], list[float]] = ([], [])  # gate: unoptimized, optimized
+
+
 class Script:
     """An optimized plan: the edits, the state of its verification and gate, its figures."""
 
@@ -289,12 +301,22 @@ class Script:
         self.shadow = Shadow(plan)
         self.changed_by = changed_by
         self.memory_pass = memory_pass
-        self.state = "verify"
-        self.times: tuple[list[float], list[float]] = ([], [])
-        self.report = dict(key=plan.key, passes=changed_by, instrs_before=len(before.instrs),
-                           instrs_after=len(after.instrs),
-                           peak_before=memory.tape_high_water(before),
-                           peak_after=memory.tape_high_water(after), cost_ms=cost * 1e3)
+        self.rec = _Record(dict(key=plan.key, passes=changed_by,
+                                instrs_before=len(before.instrs), instrs_after=len(after.instrs),
+                                peak_before=memory.tape_high_water(before),
+                                peak_after=memory.tape_high_water(after), cost_ms=cost * 1e3))
+
+    @property
+    def state(self) -> str:
+        return self.rec.state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self.rec.state = value
+
+    @property
+    def times(self) -> tuple[list[float], list[float]]:
+        return self.rec.times
 
     def apply(self, tape: Tape) -> Tape | None:
         """``tape`` (of this script's plan) with the edits applied; None when the step's
@@ -354,7 +376,7 @@ def _same_leaves(a: list[Any], b: list[Any]) -> bool:
 
 # --- running ----------------------------------------------------------------------------------
 
-_reports: deque[Script] = deque(maxlen=64)
+_reports: deque[_Record] = deque(maxlen=64)
 _warned: set[str] = set()
 
 
@@ -431,7 +453,7 @@ def _prepare(tape: Tape) -> Script | _Off:
     st = Script(tape.plan, edits, consts, frozen, tuple(changed), "recompute" in changed,
                 base, cur, time.perf_counter() - t0)
     bump("passes_applied")
-    _reports.append(st)
+    _reports.append(st.rec)
     return st
 
 
@@ -606,10 +628,10 @@ def report() -> list[PlanReport]:
         True
     """
     out = []
-    for st in _reports:
-        bt, ot = st.times
-        out.append(PlanReport(**st.report, time_before_ms=min(bt) * 1e3 if bt else None,
-                              time_after_ms=min(ot) * 1e3 if ot else None, state=st.state))
+    for rec in _reports:
+        bt, ot = rec.times
+        out.append(PlanReport(**rec.figures, time_before_ms=min(bt) * 1e3 if bt else None,
+                              time_after_ms=min(ot) * 1e3 if ot else None, state=rec.state))
     return out
 
 
