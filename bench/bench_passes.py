@@ -3,7 +3,7 @@
 A script, not a pytest-benchmark suite (it measures peaks and compares losses, which the
 ratio tables do not hold). Run::
 
-    GENIE_BENCH_ROUNDS=3 .venv/bin/python bench/bench_passes.py
+    GENIE_BENCH_ROUNDS=3 PYTHONPATH=. .venv/bin/python bench/bench_passes.py
 
 * Deep MLP: 16 x (Linear(W) + GELU), SGD step (forward, backward, update in one tape:
   ``genie.materialize(loss, *params)``). Unoptimized (``set_passes([])``) and the default
@@ -77,6 +77,7 @@ def _mlp_variant(width: int, batch: int, budget: int | None) -> tuple[list[float
 
 
 def mlp(width: int, batch: int) -> None:
+    gate = os.environ.get("GENIE_PASSES_GATE")
     os.environ["GENIE_PASSES_GATE"] = "0"  # time the optimized plan itself, from its 2nd run
     passes.clear_reports()
     l0, peak0, _ = _mlp_variant(width, batch, None)
@@ -102,7 +103,14 @@ def mlp(width: int, batch: int) -> None:
             seen.add(r.key)
             print(f"  {r}")
     passes.set_memory_budget(None)
-    del os.environ["GENIE_PASSES_GATE"]
+    _restore_gate(gate)
+
+
+def _restore_gate(gate: str | None) -> None:
+    if gate is None:
+        os.environ.pop("GENIE_PASSES_GATE", None)
+    else:
+        os.environ["GENIE_PASSES_GATE"] = gate
 
 
 def _gpt2() -> torch.nn.Module:
@@ -193,6 +201,7 @@ def gpt2_budget() -> None:
             losses.append(loss.item())
         return losses, peaks, times
 
+    gate = os.environ.get("GENIE_PASSES_GATE")
     os.environ["GENIE_PASSES_GATE"] = "0"
     passes.clear_reports()
     l0, p0, t0 = run(None)
@@ -205,7 +214,7 @@ def gpt2_budget() -> None:
     for r in passes.report():
         print(f"  {r}")
     passes.set_memory_budget(None)
-    del os.environ["GENIE_PASSES_GATE"]
+    _restore_gate(gate)
 
 
 if __name__ == "__main__":
