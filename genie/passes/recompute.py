@@ -18,11 +18,12 @@ a checkpoint). A recomputed copy serves every later read. Where a chain cannot b
 (an op that is not pure, an argument written since the producer ran), the read takes the
 original value, which then stays alive: that candidate is simply not dropped.
 
-Schedules tried: no chains (only values whose arguments are still alive), all candidates, and
-Chen's greedy segments (walking forward, a candidate is kept as a checkpoint once the bytes
-dropped since the last checkpoint reach a segment size, tried around sqrt(total bytes x the
-largest value)). The
-cheapest (fewest recomputed instructions) within budget wins, else the lowest peak.
+Schedules tried: no chains (only the *cheap* candidates, whose arguments are alive anyway), all
+candidates, and Chen's greedy segments (walking forward, a candidate is kept as a checkpoint
+once the bytes dropped since the last checkpoint reach a segment size, tried around
+sqrt(total bytes x the largest value)), over all candidates and over the others with the cheap
+ones dropped too. The least work within budget wins (recomputed output elements, times the
+reduced dimension for matrix products), else the lowest peak.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from ..planner import Instr, Slot, Tape
 from . import PassReport, rebuild
 
 MIN_BYTES = 1 << 10  # values smaller than this are not worth a recomputation
+_aten = torch.ops.aten
+_BIAS_FIRST = frozenset({_aten.addmm.default, _aten.baddbmm.default})
+_MATMUL = frozenset({_aten.mm.default, _aten.bmm.default, *_BIAS_FIRST})
 
 
 def recompute(tape: Tape) -> tuple[Tape, PassReport]:
@@ -61,25 +65,30 @@ def recompute(tape: Tape) -> tuple[Tape, PassReport]:
     cands = a.candidates(target)
     if not cands:
         return tape, PassReport("recompute", 0)
-    tries: list[set[int]] = [{c for c in cands if a.no_chain(c)}, set(cands)]
+    cheap = {c for c in cands if a.no_chain(c)}  # recomputed from values alive anyway
+    tries: list[set[int]] = [cheap, set(cands)]
     # Chen's greedy: walking forward, a candidate becomes a checkpoint (kept) once the bytes
     # dropped since the last one reach ``seg``; segment sizes around sqrt(total) and beyond
     # (checkpoints only among the largest values: a small one, a dropout mask, rarely ends a
-    # chain of recomputation)
-    total = sum(a.size[c] for c in cands)
-    big = max(a.size[c] for c in cands)
-    root = math.isqrt(total * big)
-    for f in (0.25, 0.5, 1, 2, 4):
-        for phase in (0.0, 0.5):
-            seg = root * f
-            acc, r = seg * phase, set()
-            for c in cands:
-                if acc >= seg and 2 * a.size[c] >= big:
-                    acc = 0  # c is a checkpoint
-                    continue
-                acc += a.size[c]
-                r.add(c)
-            tries.append(r)
+    # chain of recomputation), over all candidates and over those that are not cheap (with the
+    # cheap ones dropped anyway: a GELU's output recomputed from its input alive for backward)
+    for pool, extra in ((cands, set()), ([c for c in cands if c not in cheap], cheap)):
+        if not pool:
+            continue
+        total = sum(a.size[c] for c in pool)
+        big = max(a.size[c] for c in pool)
+        root = math.isqrt(total * big)
+        for f in (0.25, 0.5, 1, 2, 4):
+            for phase in (0.0, 0.5):
+                seg = root * f
+                acc, r = seg * phase, set(extra)
+                for c in pool:
+                    if acc >= seg and 2 * a.size[c] >= big:
+                        acc = 0  # c is a checkpoint
+                        continue
+                    acc += a.size[c]
+                    r.add(c)
+                tries.append(r)
     best: tuple[Any, ...] | None = None
     seen: set[frozenset[int]] = set()
     for r in tries:
@@ -93,7 +102,7 @@ def recompute(tape: Tape) -> tuple[Tape, PassReport]:
         new, added = got
         peak = max(held + memory.tape_high_water(new), floor)
         fits = peak <= budget
-        score = (not fits, added if fits else peak, peak)
+        score = (not fits, a.work(new, added) if fits else peak, peak)
         if best is None or score < best[0]:
             best = (score, new, added, peak)
     if best is None or best[3] >= before * 0.95:  # less than 5% lower: not worth the time
@@ -158,11 +167,46 @@ class _Analysis:
             for s in ins.free:
                 live -= self.size.get(s, 0)
         self.peak = max(self.live, default=0)
+        self.first_new = max([*self.prod, *tape.inputs], default=-1) + 1  # recomputed slots
         self.last = {s: p[-1] for s, p in self.reads.items()}
         self.groups: dict[int, list[int]] = {}
         for s, r in self.root.items():
             self.groups.setdefault(r, []).append(s)
         self.split: dict[int, tuple[int, int]] = {}  # root -> (last early read, first late read)
+
+    def work(self, new: Tape, added: int) -> int:
+        """Rough cost of the recomputed instructions of ``new`` (its extra ``added`` ones):
+        output elements, times the reduced dimension for matrix products."""
+        total = 0
+        for ins, node in zip(new.instrs, new.nodes, strict=True):
+            if added == 0:
+                break
+            if not any(s is not None and s >= self.first_new for s in ins.outs):
+                continue
+            added -= 1
+            m = next((m for m in node.metas if m is not None), None)
+            n = math.prod(m.shape) if m is not None else 1
+            if ins.op in _MATMUL:
+                n *= self._inner(ins)
+            total += n
+        return total
+
+    def _inner(self, ins: Instr) -> int:
+        """The reduced dimension of a matrix product: the last of its first matrix argument."""
+        slots = [x.id for x in ins.leaves if type(x) is Slot]
+        x = slots[1] if ins.op in _BIAS_FIRST and len(slots) > 1 else (slots[0] if slots else None)
+        m = self.meta_of(x) if x is not None else None
+        return m.shape[-1] if m is not None and len(m.shape) else 1
+
+    def meta_of(self, s: int) -> Any:
+        v = self.tape.inputs.get(s)
+        if v is not None:
+            return v
+        i = self.prod.get(s)
+        if i is None:
+            return None
+        ins, node = self.tape.instrs[i], self.tape.nodes[i]
+        return node.metas[ins.outs.index(s)]
 
     def kept_bytes(self) -> int:
         """Bytes of the fresh values the tape keeps (through views: their bases)."""
