@@ -8,7 +8,9 @@ Two workloads, the same ATen ops in every variant:
 
 "Record only" means the graph is built and then dropped, never run: for genie no
 ``materialize``, for ``torch._lazy`` no ``mark_step``. ``genie (no meta cache)`` turns
-``genie.config.config.meta_cache`` off, so every op pays meta inference (the cache's effect).
+``genie.config.config.meta_cache`` off, so every op pays meta inference (the cache's effect);
+``genie (no context)`` removes :mod:`genie.context`'s module hooks, so ``genie`` minus it is what
+meaning on the default path (module path, region, phase per node) costs.
 Inputs (and the MLP's parameters) are on each device, materialized, before timing. Per-op
 figures divide by the number of ATen ops genie records for one call. The variants run
 interleaved (see ``interleave`` in conftest.py), so the ratios are paired.
@@ -21,13 +23,15 @@ from collections.abc import Callable
 import torch
 
 import genie
+from genie import context
 from genie.config import config
 
 SUITE = "bench_record: recording cost per op (record only, no materialization)"
 N_CHAIN = 2000
 NO_CACHE = "genie (no meta cache)"
+NO_CONTEXT = "genie (no context)"
 RATIOS = [("genie", "eager"), ("genie", "torch._lazy"), ("torch._lazy", "eager"),
-          (NO_CACHE, "genie")]
+          (NO_CACHE, "genie"), ("genie", NO_CONTEXT)]
 
 
 def _without_meta_cache(fn: Callable[[], object]) -> Callable[[], object]:
@@ -38,6 +42,19 @@ def _without_meta_cache(fn: Callable[[], object]) -> Callable[[], object]:
             return fn()
         finally:
             config.meta_cache = saved
+
+    return run
+
+
+def _without_context(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with genie.context's module hooks removed (nodes get no module path or phase):
+    what meaning on the default path costs is ``genie`` - this, per op."""
+    def run() -> object:
+        context.deactivate()
+        try:
+            return fn()
+        finally:
+            context.activate()
 
     return run
 
@@ -64,6 +81,7 @@ def test_record_chain(benchmark, ratios, workloads) -> None:
             assert n == N_CHAIN, f"expected {N_CHAIN} recorded ops, got {n}"
         variants[name] = lambda x=x: workloads.chain(x, N_CHAIN)
     variants[NO_CACHE] = _without_meta_cache(variants["genie"])
+    variants[NO_CONTEXT] = _without_context(variants["genie"])
     workloads.interleave(benchmark, row, variants, rounds=9, per=N_CHAIN)
 
 
@@ -86,5 +104,6 @@ def test_record_mlp_forward(benchmark, ratios, workloads) -> None:
             ops = workloads.recorded_ops(run)  # the same ops in every variant: one divisor for all
         variants[name] = run
     variants[NO_CACHE] = _without_meta_cache(variants["genie"])
+    variants[NO_CONTEXT] = _without_context(variants["genie"])
     row.notes.append(f"{ops} ATen ops/forward")
     workloads.interleave(benchmark, row, variants, rounds=15, inner=20, per=ops)

@@ -35,7 +35,6 @@ without one; each node stores a reference to the current :class:`~genie.semantic
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -47,6 +46,7 @@ from torch.nn import Parameter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import context as _context
 from . import device as _device
 from . import export as _export
 from . import ids as _ids
@@ -515,7 +515,7 @@ def _module_pre(module: Any, args: tuple) -> None:
     else:
         names = g._root_names(module)
         path = names[module]
-        kwargs = _caller_kwargs()
+        kwargs = _context.caller_kwargs()
         g._tag_kv(semantics.kv_tensors((args, kwargs)))
     if path not in g.module_classes:
         g.module_classes[path] = cls
@@ -538,24 +538,6 @@ def _module_post(module: Any, args: tuple, kwargs: Any, output: Any = _RAISED) -
         g = _active(st)
         if g is not None:
             g._tag_kv(semantics.kv_tensors((args, kwargs, output)))
-
-
-def _caller_kwargs() -> dict:
-    """The keyword arguments of the module call that runs the global pre-hook.
-
-    Global forward pre-hooks get no kwargs; the root call's kwargs are where models take their KV
-    cache (``past_key_values=...``). Read them from ``Module._call_impl``'s frame when it is there.
-    """
-    f = sys._getframe(2)
-    for _ in range(3):
-        if f is None:
-            break
-        if f.f_code.co_name in ("inner", "_call_impl") and "/torch/nn/modules/" in \
-                f.f_code.co_filename.replace("\\", "/"):
-            kw = f.f_locals.get("kwargs")
-            return kw if isinstance(kw, dict) else {}
-        f = f.f_back
-    return {}
 
 
 def _opt_pre(opt: Any, args: tuple, kwargs: dict) -> None:
@@ -651,9 +633,11 @@ def phase(name: str) -> Iterator[None]:
     st = _tls.state
     prev = st.scope
     st.scope = prev.with_phase(name)
+    saved = _context.push_phase(name)  # the default path's nodes too (genie.context)
     try:
         yield
     finally:
+        _context.pop_phase(saved)
         st.scope = prev
 
 

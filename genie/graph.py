@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,20 @@ import torch
 from ._C import _gc_retrack_below, _gc_untrack_node
 
 _record_counter = itertools.count()
+_graph_task_id = torch._C._current_graph_task_id
+
+
+class _Current(threading.local):
+    """What this thread is recording under (set by :mod:`genie.context`'s hooks; nodes take
+    ``ctx`` at creation). ``backward``: the context of ops the autograd engine records outside
+    any module (None until :mod:`genie.context` is active). Class attributes are the defaults of
+    every thread."""
+
+    ctx: Any = None
+    backward: Any = None
+
+
+current = _Current()
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +186,7 @@ class Node:
     __slots__ = (
         "op", "leaves", "spec", "metas", "out_spec", "storages", "writes", "outputs",
         "values", "executed", "index", "rng", "graph", "uid", "where", "consumers",
-        "tags", "entry", "_wref", "__weakref__",
+        "tags", "entry", "ctx", "_wref", "__weakref__",
     )
 
     def __init__(self, op: Any, leaves: list[Any], spec: Any, metas: list[TensorMeta | None],
@@ -195,6 +210,12 @@ class Node:
         self.consumers: list[weakref.ref[Node]] = []
         self.tags: dict[str, Any] | None = None
         self.entry: Any = None
+        # what the program was doing (genie.context.Context: module path, region, phase); on
+        # the autograd engine's thread, outside any module, the backward region's context
+        ctx = current.ctx
+        if ctx is None and current.backward is not None and _graph_task_id() != -1:
+            ctx = current.backward
+        self.ctx: Any = ctx
         self._wref = weakref.ref(self)
         graph.on_node(self)
 

@@ -28,7 +28,7 @@ import torch.autograd.profiler as _profiler
 
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import device, executor
+from . import context, device, executor
 from .config import config
 from .device import DEVICE_TYPE, real_device
 from .errors import UnsupportedOpError
@@ -523,6 +523,8 @@ def record_factory(func: Any, args: tuple, kwargs: dict) -> Any:
     if dev is None or dev.index is None:
         kwargs = {**kwargs, "device": device_of(index)}
     bump("factories_recorded")
+    if not context._active:
+        context.activate()  # module/optimizer hooks: meaning on the default path
     leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
     return _record(func, policy(func), args, kwargs, leaves, spec, index, current_graph())
 
@@ -555,6 +557,8 @@ def _transfer(func: Any, args: tuple, kwargs: dict, leaves: list[Any], index: in
 
 def upload(src: torch.Tensor, index: int, like: TensorMeta | None = None) -> LazyTensor:
     """Record an upload node holding a snapshot of the host tensor ``src`` (one node)."""
+    if not context._active:
+        context.activate()  # module/optimizer hooks: meaning on the default path
     meta = like or TensorMeta.of(src, index)
     snap = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
     snap.copy_(src)

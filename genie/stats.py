@@ -32,6 +32,8 @@ def stats() -> dict[str, int]:
     - passes (:mod:`genie.passes.pipeline`): ``passes_applied`` (plans given an optimized tape),
       ``passes_verified``, ``passes_rolled_back``, ``passes_rejected_slower``,
       ``passes_step_unoptimized``;
+    - meaning (:mod:`genie.context`): ``phase.prefill.calls``, ``phase.decode.calls``,
+      ``phase.prefill.nodes``, ``phase.decode.nodes`` (phases found on the default path);
     - remote: ``round_trips``, ``bytes_sent``, ``bytes_received``, ``skeletons_sent``,
       ``frees_sent``, ``resident_tensors``, ``resident_bytes``; recovery: ``replays``,
       ``replayed_requests``, ``checkpoints``, ``last_recovery_ms``.

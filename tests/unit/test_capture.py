@@ -23,9 +23,15 @@ DEV = "remote_accelerator"
 
 
 def _hooks_installed() -> bool:
+    """Whether a capture's module hooks are still installed (genie.context's default-path
+    hooks stay for the process and are not counted)."""
     from torch.nn.modules import module as m
 
-    return bool(m._global_forward_pre_hooks) or bool(m._global_forward_hooks)
+    from genie import context
+
+    ours = {context._pre, context._post}
+    return any(h not in ours for h in (*m._global_forward_pre_hooks.values(),
+                                       *m._global_forward_hooks.values()))
 
 
 # --- the block ---------------------------------------------------------------------------------

@@ -1,0 +1,341 @@
+"""Meaning on the default path: every recorded node knows its module, region, phase and role.
+
+``genie.capture()`` records rich semantics inside its block (:mod:`genie.capture`,
+:mod:`genie.semantics`). This module gives every node of the *default* path (a program that
+just uses ``device="remote_accelerator"``) the part of that meaning a runtime acts on, at a cost
+of one attribute per node:
+
+- ``Node.ctx`` is an interned :class:`Context`: the ``nn.Module`` path that issued the op
+  (``transformer.h.0.attn``; ``""`` for the outermost module, ``None`` outside any module), the
+  region (``forward``, ``backward``: recorded by the autograd engine, ``optimizer``: inside
+  ``Optimizer.step``) and the phase. Contexts are shared by every node recorded in one module
+  call, so recording pays one thread-local read.
+- **Phases are found, not labelled.** Each call of an outermost module is a :class:`Call`. A call
+  that receives tensors produced by an earlier call of the same module (a KV cache: transformers'
+  ``Cache`` objects, legacy ``past_key_values`` tuples, or any state a hand-written decode loop
+  feeds back) is ``decode``; the call that produced that state, if not a decode itself, was the
+  ``prefill``. ``genie.phase(...)`` and ``genie.annotate_phase(...)`` still override.
+  ``genie.stats()`` counts ``phase.prefill.nodes`` and ``phase.decode.nodes`` (ops and
+  factories recorded in each phase's calls), and ``phase.prefill.calls`` / ``phase.decode.calls``.
+- **Roles**: :func:`role` says what a tensor is: ``weight`` (a parameter), ``kv_cache`` (state
+  carried between calls, found as above), ``gradient`` (recorded in the backward region),
+  ``optimizer_state`` (recorded by an optimizer step), ``input`` (uploaded host data) or
+  ``activation``.
+
+The hooks (global module forward and optimizer step hooks) are installed when the first tensor is
+put on the device (:func:`activate`, called by uploads and factories), not at import: programs
+that never use the device pay nothing. ``GENIE_CONTEXT=0`` leaves them off (nodes then have no
+context). Measured cost: see docs/semantics.md ("Meaning on the default path").
+
+Example:
+    >>> import torch, genie
+    >>> from genie import context
+    >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2)).to("remote_accelerator")
+    >>> y = m(torch.ones(1, 2, device="remote_accelerator"))
+    >>> y._node.ctx.path, y._node.ctx.region, context.role(m[0].weight), context.role(y)
+    ('0', 'forward', 'weight', 'activation')
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from .graph import current
+from .stats import _counts, bump
+
+_on = os.environ.get("GENIE_CONTEXT", "1").strip() != "0"
+_compiling = torch.compiler.is_compiling
+_active = False
+_lock = threading.Lock()
+_handles: list[Any] = []
+
+
+class Call:
+    """One call of an outermost module on a thread: its phase, once known, and its size."""
+
+    __slots__ = ("root", "phase", "start", "nodes", "contexts", "__weakref__")
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        self.root = weakref.ref(root)
+        self.phase: str | None = None
+        self.start = _recorded()
+        self.nodes: int | None = None  # set when the call returns
+        self.contexts: dict[tuple[Any, ...], Context] = {}
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        bump(f"phase.{phase}.calls")
+        if self.nodes:
+            bump(f"phase.{phase}.nodes", self.nodes)
+
+
+class Context:
+    """Where a node was recorded: module path and class, region, phase (immutable but for the
+    phase of its :class:`Call`, which may be found after the call)."""
+
+    __slots__ = ("path", "cls", "region", "explicit", "call")
+
+    def __init__(self, path: str | None, cls: str | None, region: str, explicit: str | None,
+                 call: Call | None) -> None:
+        self.path = path
+        self.cls = cls
+        self.region = region
+        self.explicit = explicit
+        self.call = call
+
+    @property
+    def phase(self) -> str | None:
+        """The explicit phase (``genie.phase``, ``annotate_phase``), else the detected one."""
+        if self.explicit is not None:
+            return self.explicit
+        return self.call.phase if self.call is not None else None
+
+    def __repr__(self) -> str:
+        return (f"Context({self.path!r}, {self.region}, phase={self.phase!r}"
+                f"{', ' + self.cls if self.cls else ''})")
+
+
+BACKWARD = Context(None, None, "backward", None, None)
+OPTIMIZER = Context(None, None, "optimizer", None, None)
+_phase_contexts: dict[str, Context] = {}
+
+
+def _recorded() -> int:
+    return _counts["ops_recorded"] + _counts["factories_recorded"]
+
+
+class _Stack(threading.local):
+    def __init__(self) -> None:
+        # (module, context before the call, {submodule: path} of the outermost module)
+        self.modules: list[tuple[Any, Any, dict[Any, str]]] = []
+        self.phases: list[str] = []  # genie.phase(...) blocks, innermost last
+
+
+_tls = _Stack()
+_names: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyDictionary()
+
+
+def activate() -> None:
+    """Install the module and optimizer hooks (idempotent; a no-op with ``GENIE_CONTEXT=0``)."""
+    global _active
+    if _active or not _on:
+        return
+    with _lock:
+        if _active:
+            return
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer as optim
+
+        _handles[:] = [
+            nn_module.register_module_forward_pre_hook(_pre),
+            nn_module.register_module_forward_hook(_post, with_kwargs=True, always_call=True),
+            optim.register_optimizer_step_pre_hook(_opt_pre),
+            optim.register_optimizer_step_post_hook(_opt_post)]
+        type(current).backward = BACKWARD
+        _active = True
+
+
+def deactivate() -> None:
+    """Remove the hooks (nodes recorded from now on get no context); :func:`activate` or the
+    next upload installs them again unless ``GENIE_CONTEXT=0``. For measuring what they cost."""
+    global _active
+    with _lock:
+        for h in _handles:
+            h.remove()
+        _handles.clear()
+        type(current).backward = None
+        current.ctx = None
+        _tls.modules.clear()
+        _active = False
+
+
+def active() -> bool:
+    return _active
+
+
+def _context(call: Call | None, path: str | None, cls: str | None, region: str,
+             explicit: str | None) -> Context:
+    if call is None:
+        return Context(path, cls, region, explicit, None)
+    key = (path, region, explicit)
+    c = call.contexts.get(key)
+    if c is None:
+        c = call.contexts[key] = Context(path, cls, region, explicit, call)
+    return c
+
+
+def _explicit(module: Any, outer: Context | None) -> str | None:
+    p = module.__dict__.get("_genie_phase")
+    if p is not None:
+        return p
+    if _tls.phases:
+        return _tls.phases[-1]
+    return outer.explicit if outer is not None else None
+
+
+def _pre(module: Any, args: tuple) -> None:
+    if _compiling():  # torch.compile traces module calls (Genie's compiled backend too)
+        return
+    st = _tls.modules
+    outer = current.ctx
+    if st:
+        names = st[-1][2]
+        path = names.get(module)
+        if path is None:  # built on the fly, not a submodule of the outermost module
+            parent = outer.path if outer is not None else None
+            path = f"{parent}.{type(module).__name__}" if parent else type(module).__name__
+        call = outer.call if outer is not None else None
+    else:
+        names = _names.get(module)
+        if names is None:
+            names = _names[module] = {m: n for n, m in module.named_modules()}
+        path = ""
+        call = _begin(module, args)
+    region = outer.region if outer is not None else "forward"
+    st.append((module, outer, names))
+    current.ctx = _context(call, path, type(module).__name__, region, _explicit(module, outer))
+
+
+def _post(module: Any, args: tuple, kwargs: Any, output: Any = None) -> None:
+    if _compiling():
+        return
+    st = _tls.modules
+    if not st or st[-1][0] is not module:
+        return
+    _, outer, _ = st.pop()
+    ctx = current.ctx
+    current.ctx = outer
+    if not st and ctx is not None and ctx.call is not None:
+        call = ctx.call
+        call.nodes = _recorded() - call.start
+        if call.phase is not None:
+            bump(f"phase.{call.phase}.nodes", call.nodes)
+
+
+def _begin(module: Any, args: tuple) -> Call:
+    """A call of an outermost module: a decode if it receives state an earlier call of the same
+    module produced (that call, if it was not a decode, was the prefill)."""
+    call = Call(module)
+    producers: dict[int, Call] = {}
+    for t in _lazy_tensors((args, caller_kwargs())):
+        c = t._node.ctx
+        p = c.call if c is not None else None
+        if p is not None and p.root() is module:
+            producers.setdefault(id(p), p)
+            n = t._node
+            if n.tags is None:
+                n.tags = {}
+            n.tags["role"] = "kv_cache"
+    if producers:
+        for p in producers.values():
+            if p.phase is None:
+                p.set_phase("prefill")
+        call.set_phase("decode")
+    return call
+
+
+def caller_kwargs() -> dict:
+    """The keyword arguments of the module call that runs a global forward pre-hook.
+
+    Global forward pre-hooks get no kwargs; the root call's kwargs are where models take their KV
+    cache (``past_key_values=...``). Read them from ``Module._call_impl``'s frame when it is there.
+    """
+    f = sys._getframe(2)
+    for _ in range(4):
+        if f is None:
+            break
+        if f.f_code.co_name in ("inner", "_call_impl") and "/torch/nn/modules/" in \
+                f.f_code.co_filename.replace("\\", "/"):
+            kw = f.f_locals.get("kwargs")
+            return kw if isinstance(kw, dict) else {}
+        f = f.f_back
+    return {}
+
+
+def _lazy_tensors(obj: Any) -> list[Any]:
+    """Lazy tensors (tensors with a recorded node) in a call's arguments: through lists,
+    tuples, dicts and the attributes of plain objects (cache objects), a few levels deep."""
+    found: list[Any] = []
+    seen: set[int] = set()  # identities only to stop cycles; never part of an id or key
+    stack: list[tuple[Any, int]] = [(obj, 0)]  # iterative: a recursive closure would be a
+    while stack:                               # cycle holding the tensors until a collection
+        x, depth = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if getattr(x, "_node", None) is not None:
+                found.append(x)
+            continue
+        if depth > 6 or id(x) in seen or isinstance(x, (str, bytes, int, float, type,
+                                                         torch.nn.Module)):
+            continue
+        seen.add(id(x))
+        if isinstance(x, (list, tuple)):
+            stack.extend((v, depth + 1) for v in x)
+        elif isinstance(x, dict):
+            stack.extend((v, depth + 1) for v in x.values())
+        else:
+            d = getattr(x, "__dict__", None)
+            if isinstance(d, dict):
+                stack.extend((v, depth + 1) for v in d.values())
+    return found
+
+
+def _opt_pre(opt: Any, args: tuple, kwargs: dict) -> None:
+    if _compiling():
+        return
+    _tls.modules.append((opt, current.ctx, {}))
+    current.ctx = OPTIMIZER
+
+
+def _opt_post(opt: Any, args: tuple, kwargs: dict) -> None:
+    st = _tls.modules
+    if st and st[-1][0] is opt:
+        current.ctx = st.pop()[1]
+
+
+def push_phase(name: str) -> Any:
+    """Enter a ``genie.phase(name)`` block on this thread (returns what :func:`pop_phase`
+    restores)."""
+    _tls.phases.append(name)
+    prev = current.ctx
+    if prev is None or prev.call is None:
+        c = _phase_contexts.get(name)
+        if c is None:
+            c = _phase_contexts[name] = Context(None, None, "forward", name, None)
+        current.ctx = c if prev is None or prev.region == "forward" else \
+            Context(None, None, prev.region, name, None)
+    else:
+        current.ctx = _context(prev.call, prev.path, prev.cls, prev.region, name)
+    return prev
+
+
+def pop_phase(prev: Any) -> None:
+    if _tls.phases:
+        _tls.phases.pop()
+    current.ctx = prev
+
+
+def role(t: torch.Tensor) -> str:
+    """What ``t`` is to the program: ``weight``, ``kv_cache``, ``gradient``,
+    ``optimizer_state``, ``input`` or ``activation`` (see the module docstring)."""
+    if not isinstance(t, torch.Tensor) or getattr(t, "_node", None) is None:
+        raise TypeError(f"genie.context.role() takes a remote_accelerator tensor, got "
+                        f"{type(t).__name__}")
+    if isinstance(t, torch.nn.Parameter) or t.__dict__.get("_swap_src") is not None:
+        return "weight"
+    n = t._node
+    if n.tags is not None and "role" in n.tags:
+        return n.tags["role"]
+    c = n.ctx
+    if c is not None and c.region == "backward":
+        return "gradient"
+    if c is not None and c.region == "optimizer":
+        return "optimizer_state"
+    if n.op == "genie.upload":
+        return "input"
+    return "activation"

@@ -1,0 +1,151 @@
+"""Meaning on the default path (genie.context): module paths, regions, phases found, roles.
+
+Every case runs the program on the device and eagerly: values must be equal (the context is
+recorded, never changes what runs), and the meaning Genie found must be the one the program has.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import genie
+from genie import context
+
+D = "remote_accelerator"
+
+
+def test_nodes_carry_module_path_and_region():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 2)))
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 2)))
+    m.load_state_dict(ref.state_dict())
+    m.to(D)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    h = m[0](x.to(D))
+    assert h._node.ctx.path == "" and h._node.ctx.cls == "Linear"  # the outermost call here
+    y = m(x.to(D))
+    assert y._node.ctx.path == "2.0" and y._node.ctx.region == "forward"
+    assert m[1](h)._node.ctx.path == ""
+    loss = y.sum()
+    assert loss._node.ctx is None  # outside any module
+    loss.backward()
+    g = m[0].weight.grad
+    assert g._node.ctx.region == "backward" and context.role(g) == "gradient"
+    opt.step()
+    # in-place updates are writes to the parameter's storage (the tensor keeps its node)
+    assert m[0].weight._storage.pending_writes[-1].ctx.region == "optimizer"
+    assert context.role(m[0].weight) == "weight"
+    assert context.role(y) == "activation" and context.role(x.to(D)) == "input"
+    # the same computation eagerly
+    ref(x).sum().backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    torch.testing.assert_close(m[0].weight.cpu(), ref[0].weight)
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(cfg).eval()
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+def test_generate_phases_found_and_tokens_equal_eager():
+    ref = _gpt2()
+    m = _gpt2().to(D)
+    ids = torch.randint(1, 50, (1, 7), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        want = ref.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        genie.reset_stats()
+        got = m.generate(ids.to(D), attention_mask=torch.ones_like(ids).to(D), **kw).cpu()
+    assert torch.equal(got, want)
+    s = genie.stats()
+    # one prefill (the prompt), then one decode call per further token
+    assert s["phase.prefill.calls"] == 1 and s["phase.decode.calls"] == 5
+    assert s["phase.prefill.nodes"] > 0 and s["phase.decode.nodes"] > 0
+    per_decode = s["phase.decode.nodes"] / 5
+    assert per_decode < s["phase.prefill.nodes"] * 1.5  # same model, one token
+
+
+class _Attn(nn.Module):
+    """A hand-written one-layer decoder that returns its KV cache as a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x, past=None):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=1)
+            v = torch.cat([past[1], v], dim=1)
+        a = torch.softmax(q @ k.transpose(1, 2) / 8 ** 0.5, dim=-1) @ v
+        return self.out(a), (k, v)
+
+
+def _decode_loop(model, dev, steps=4):
+    x = torch.linspace(-1, 1, 5 * 8).reshape(1, 5, 8).to(dev)
+    with torch.no_grad():
+        y, past = model(x)
+        outs = [y[:, -1:]]
+        for _ in range(steps):
+            y, past = model(outs[-1], past)
+            outs.append(y)
+    return torch.cat(outs, dim=1), past
+
+
+def test_hand_written_decode_loop_phases_and_kv_role():
+    torch.manual_seed(0)
+    ref = _Attn()
+    m = _Attn()
+    m.load_state_dict(ref.state_dict())
+    m.to(D)
+    want, _ = _decode_loop(ref, "cpu")
+    genie.reset_stats()
+    got, past = _decode_loop(m, D)
+    torch.testing.assert_close(got.cpu(), want)
+    s = genie.stats()
+    assert (s["phase.prefill.calls"], s["phase.decode.calls"]) == (1, 4)
+    assert context.role(past[0]) == "activation"  # the last cache: not fed back (yet)
+    with torch.no_grad():
+        _, past2 = m(got[:, -1:], past)
+    assert context.role(past[0]) == "kv_cache" and context.role(past[1]) == "kv_cache"
+    assert past2[0]._node.ctx.phase == "decode"
+
+
+def test_explicit_phase_overrides_detection():
+    torch.manual_seed(0)
+    m = _Attn().to(D)
+    genie.reset_stats()
+    with torch.no_grad(), genie.phase("encode"):
+        y, past = m(torch.ones(1, 3, 8, device=D))
+        z = y * 2  # outside any module, inside the block
+    assert y._node.ctx.phase == "encode" and z._node.ctx.phase == "encode"
+    with torch.no_grad():
+        y2, _ = m(y[:, -1:], past)
+    assert y2._node.ctx.phase == "decode"
+    annotated = genie.annotate_phase(_Attn().to(D), "vision")
+    with torch.no_grad():
+        assert annotated(torch.ones(1, 2, 8, device=D))[0]._node.ctx.phase == "vision"
+
+
+def test_training_loop_has_no_phase():
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4).to(D)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    genie.reset_stats()
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.randn(2, 4).to(D)).pow(2).sum().backward()
+        opt.step()
+    assert not any(k.startswith("phase.") for k in genie.stats())
+
+
+def test_role_of_a_host_tensor_is_a_type_error():
+    with pytest.raises(TypeError, match="remote_accelerator tensor"):
+        context.role(torch.ones(2))
