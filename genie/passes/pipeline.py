@@ -390,7 +390,13 @@ def run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]:
         return backends.run(tape, device)[0], tape
     st = plan.artifacts.get("passes")
     if st is None or st.gen != _config["gen"]:
-        st = plan.artifacts["passes"] = _prepare(tape)
+        try:
+            st = _prepare(tape)
+        except Exception as e:  # a bug here must not cost the program its step
+            logger.warning("genie: passes not applied to plan %s (%s: %s); it runs unoptimized",
+                           plan.key[:8], type(e).__name__, e)
+            st = _Off("failed")
+        plan.artifacts["passes"] = st
     state = st.state
     if type(st) is _Off:
         return backends.run(tape, device)[0], tape
