@@ -39,7 +39,7 @@ from .lazy_tensor import LazyTensor, materialize
 from .planner import format_tape
 from .stats import reset_stats, stats
 from .backends.remote import connect, connect_from_env as _connect_from_env, disconnect
-from .remote import (QuotaExceededError, RemoteError, ServerUnavailableError,
+from .remote import (QuotaExceededError, RemoteError, RunTimeoutError, ServerUnavailableError,
                      SessionLostError)
 
 _register()
@@ -52,7 +52,8 @@ _connect_from_env()  # GENIE_SERVER=tcp://host:port: lazily, the session opens a
 
 __all__ = [
     "CaptureError", "CaptureGraph", "DeviceError", "ExecutionError", "GenieError", "LazyTensor",
-    "QuotaExceededError", "RemoteError", "ServerUnavailableError", "SessionLostError",
+    "QuotaExceededError", "RemoteError", "RunTimeoutError", "ServerUnavailableError",
+    "SessionLostError",
     "UnsupportedOpError", "annotate_phase", "capture", "connect", "disconnect", "format_tape",
     "materialize", "phase", "reset_stats", "stats",
 ]

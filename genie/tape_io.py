@@ -51,16 +51,13 @@ import torch
 from .errors import GenieError
 from .graph import MetaArg, TensorMeta
 from .planner import Instr, Slot, Tape
+from .remote import allowlist
 
 VERSION = 1
 UPLOAD = "genie.upload"
 
 #: Namespaces whose ops a received tape may name.
 ALLOWED_NAMESPACES: tuple[str, ...] = ("aten",)
-#: aten ops refused even though they exist: they touch files or process state, or take
-#: arguments (storages, script objects) that have no business in a tape.
-DENIED_OPS = frozenset({"from_file", "_print", "set_", "_fused_sdp_choice",
-                        "_nested_tensor_from_mask"})
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DTYPES: dict[str, torch.dtype] = {
@@ -95,8 +92,9 @@ def op_to_name(op: Any) -> str:
 def op_from_name(name: Any, allow: Callable[[str, str], bool] | None = None) -> Any:
     """Resolve ``ns::op.overload`` through ``torch.ops``, if the allowlist admits it.
 
-    ``allow(namespace, op)`` replaces the default rule (namespace in :data:`ALLOWED_NAMESPACES`
-    and op not in :data:`DENIED_OPS`).
+    The default rule is the server's reviewed list (:mod:`genie.remote.allowlist`: the overload
+    is listed in ``allowlist.txt`` and the rule still admits it); ``allow(namespace, op)``
+    replaces it.
     """
     if name == UPLOAD:
         return UPLOAD
@@ -107,18 +105,20 @@ def op_from_name(name: Any, allow: Callable[[str, str], bool] | None = None) -> 
     overload = overload or "default"
     if not (_IDENT.fullmatch(ns) and _IDENT.fullmatch(base) and _IDENT.fullmatch(overload)):
         raise TapeDataError(f"bad op name {name!r}")
-    ok = allow(ns, base) if allow is not None else \
-        (ns in ALLOWED_NAMESPACES and base not in DENIED_OPS)
-    if not ok:
-        raise TapeDataError(f"op {name!r} is not on the allowlist (namespaces "
-                            f"{', '.join(ALLOWED_NAMESPACES)}, minus {sorted(DENIED_OPS)}); "
-                            "pass allow= to admit it")
+    full = f"{ns}::{base}.{overload}"
+    if allow is not None and not allow(ns, base) or \
+            allow is None and ns not in ALLOWED_NAMESPACES:
+        raise TapeDataError(f"op {name!r} is not on the allowlist (refused by the "
+                            f"{'allow= rule' if allow else 'namespace rule: aten only'})")
     try:
         op = getattr(getattr(getattr(torch.ops, ns), base), overload)
     except (AttributeError, RuntimeError):
         raise TapeDataError(f"op {name!r} does not exist in PyTorch {torch.__version__}") from None
     if not isinstance(op, torch._ops.OpOverload):
         raise TapeDataError(f"{name!r} is not an op overload")
+    if allow is None and not allowlist.admitted(full):
+        raise TapeDataError(f"op {name!r} is not on the allowlist ({allowlist.why_refused(full)})"
+                            "; pass allow= to admit it")
     return op
 
 

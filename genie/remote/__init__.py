@@ -38,8 +38,13 @@ class QuotaExceededError(RemoteError):
 
 
 class ProtocolError(RemoteError):
-    """A message that does not follow the wire format (sent or received)."""
+    """A message that does not follow the wire format (sent or received), or that the server
+    refuses (an op off its allowlist, a dtype or device it does not serve)."""
 
 
-__all__ = ["ProtocolError", "QuotaExceededError", "RemoteError", "ServerUnavailableError",
-           "SessionLostError"]
+class RunTimeoutError(RemoteError):
+    """A tape ran longer than the server's ``--max-run-seconds`` and was stopped."""
+
+
+__all__ = ["ProtocolError", "QuotaExceededError", "RemoteError", "RunTimeoutError",
+           "ServerUnavailableError", "SessionLostError"]

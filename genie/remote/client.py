@@ -49,6 +49,7 @@ from . import (
     ProtocolError,
     QuotaExceededError,
     RemoteError,
+    RunTimeoutError,
     ServerUnavailableError,
     SessionLostError,
 )
@@ -401,6 +402,8 @@ class Client:
             return ProtocolError(self.address, f"the server rejected a message: {msg}")
         if kind == "exec":
             return _ExecFailure(h)
+        if kind == "timeout":
+            return RunTimeoutError(self.address, msg)
         return RemoteError(self.address, msg)
 
     def _drain_frees(self) -> list[int]:

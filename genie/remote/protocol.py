@@ -19,8 +19,14 @@ loop) pays for its structure once:
 Values that are not plain msgpack types are msgpack extension types (``EXT_*``). Host tensors
 travel as frames: contiguous bytes, or the raw span of a dense tensor with its strides.
 
-Invariants: decoding never executes anything; every size, index and slot a message names is
-checked before use; a malformed message raises :class:`~genie.remote.ProtocolError`.
+Invariants: decoding never executes anything and never recurses: msgpack's decoder is iterative
+with a fixed stack, an extension value's payload is decoded with no extension types inside it
+(one level, whatever the message says), and byte, count and length limits are checked before
+anything is allocated. Dtypes come from :data:`WIRE_DTYPES` (no quantized, bit or sub-byte
+types), devices only as ``cpu``/``remote_accelerator``, layouts only strided; every size, index
+and slot a message names is checked before use, and every string, device, dtype and layout an op
+receives is checked against its schema (:func:`fill`); a malformed message raises
+:class:`~genie.remote.ProtocolError`.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from ..tape_io import (  # one table of names, shared
     spec_from_data,
     spec_to_data,
 )
-from . import ProtocolError
+from . import ProtocolError, allowlist
 
 PROTOCOL_VERSION = 1
 UPLOAD = "genie.upload"
@@ -62,7 +68,21 @@ EXT_DTYPE, EXT_DEVICE, EXT_LAYOUT, EXT_MEMFMT, EXT_META, EXT_HOST, EXT_COMPLEX, 
     EXT_SIZE = range(1, 10)
 
 MAX_DIMS = 64
-MAX_HEADER_BYTES = 256 << 20
+#: the largest header (msgpack frame) a server decodes; skeletons and constants travel in it
+MAX_HEADER_BYTES = 16 << 20
+#: the most elements one msgpack array or map of a header may declare (checked before the
+#: decoder allocates it)
+MAX_ITEMS = 1 << 20
+
+#: Dtypes a message may name (frames, metadata, dtype arguments): dense numeric types. Quantized
+#: types (a tensor without a quantizer crashes kernels), the ``bits*`` and sub-byte
+#: ``uint1..7``/``int1..7``/``float4`` placeholders (no kernels) are refused.
+WIRE_DTYPES: frozenset[torch.dtype] = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
+    torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.complex32, torch.complex64, torch.complex128, torch.float8_e5m2, torch.float8_e4m3fn,
+    torch.float8_e5m2fnuz, torch.float8_e4m3fnuz,
+})
 
 _DTYPE_EXT = {v: msgpack.ExtType(EXT_DTYPE, k.encode()) for k, v in _DTYPES.items()}
 
@@ -74,7 +94,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_of(name: Any) -> torch.dtype:
     d = _DTYPES.get(name) if isinstance(name, str) else None
     if d is None:
-        raise ProtocolError("?", f"unknown dtype {name!r}")
+        raise ProtocolError("?", f"unknown dtype {name!r:.40}")
+    if d not in WIRE_DTYPES:
+        raise ProtocolError("?", f"dtype {d} cannot be sent to a server (quantized, bit and "
+                                 "sub-byte dtypes are refused); convert the tensor first")
     return d
 
 
@@ -85,15 +108,31 @@ def pack(obj: Any) -> bytes:
 
 
 def unpack(data: Any, limit: int = MAX_HEADER_BYTES) -> Any:
-    """Unpack a header (or a nested blob) with extension types decoded; ProtocolError if bad."""
-    if len(data) > limit:
-        raise ProtocolError("?", f"header of {len(data)} bytes exceeds the {limit}-byte limit")
+    """Unpack a header with extension types decoded; ProtocolError if bad.
+
+    Bounded: ``limit`` bytes, :data:`MAX_ITEMS` elements per array or map (checked by msgpack
+    before it allocates), no recursion (see :func:`_ext_hook`).
+    """
+    return _unpack(data, limit, _ext_hook)
+
+
+def _unpack(data: Any, limit: int, hook: Any) -> Any:
+    n = data.nbytes if isinstance(data, memoryview) else len(data)
+    if n > limit:
+        raise ProtocolError("?", f"header of {n} bytes exceeds the {limit}-byte limit")
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_ext_hook)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=hook,
+                               max_str_len=n, max_bin_len=n, max_ext_len=n,
+                               max_array_len=min(n, MAX_ITEMS), max_map_len=min(n, MAX_ITEMS))
     except ProtocolError:
         raise
     except Exception as e:  # msgpack raises several types for garbage input
         raise ProtocolError("?", f"undecodable msgpack ({type(e).__name__}: {e})") from None
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError("?", f"an extension value (type {code}) nested inside another; the "
+                             "wire format never nests them")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,12 +180,15 @@ def _ext_hook(code: int, data: bytes) -> Any:
         table = _LAYOUTS if code == EXT_LAYOUT else _MEMFMTS
         v = table.get(data.decode("ascii", "replace"))
         if v is None:
-            raise ProtocolError("?", f"unknown layout/memory format {data!r}")
+            raise ProtocolError("?", f"unknown layout/memory format {data[:40]!r}")
+        if code == EXT_LAYOUT and v is not torch.strided:
+            raise ProtocolError("?", f"layout {v} is not served (remote tensors are dense and "
+                                     "strided); convert to a dense tensor first")
         return v
-    v = unpack(data)
+    v = _unpack(data, MAX_HEADER_BYTES, _no_ext)  # one level: payloads hold no extensions
     if code == EXT_META:
         if not isinstance(v, list) or len(v) != 4 or type(v[2]) is not int or v[2] < 0:
-            raise ProtocolError("?", f"bad metadata argument {v!r}")
+            raise ProtocolError("?", f"bad metadata argument {v!r:.80}")
         shape = _ints(v[0], "shape")
         return MetaArg(TensorMeta(shape, _ints(v[1], "stride", n=len(shape)), v[2],
                                   dtype_of(v[3]), 0))
@@ -163,6 +205,17 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if code == EXT_SIZE:
         return torch.Size(_ints(v, "size"))
     raise ProtocolError("?", f"unknown extension type {code}")
+
+
+def meta_arg_nbytes(m: TensorMeta) -> int:
+    """Bytes of the storage a metadata-only argument stands for (ProtocolError if its strides
+    are negative)."""
+    if any(st < 0 for st in m.stride) or m.offset < 0:
+        raise ProtocolError("?", f"metadata argument with negative strides {list(m.stride)}")
+    if any(s == 0 for s in m.shape):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(m.shape, m.stride, strict=True))) * \
+        m.dtype.itemsize
 
 
 # --- tensors <-> frames -----------------------------------------------------------------------
@@ -346,11 +399,70 @@ def const_delta(old: list[Any], new: list[Any]) -> list[Any] | None:
 # --- skeletons (server side) ------------------------------------------------------------------
 
 def resolve_op(name: Any) -> Any:
-    """The op a qualified name means, if the allowlist admits it (see :mod:`genie.tape_io`)."""
+    """The op a qualified name means, if the server's allowlist admits it
+    (:mod:`genie.remote.allowlist`)."""
+    if name != UPLOAD and isinstance(name, str) and not allowlist.admitted(name):
+        raise ProtocolError("?", f"op {name[:120]!r} does not run on a Genie server: "
+                                 f"{allowlist.why_refused(name)}. Compute it on the client (or "
+                                 "use an admitted op: genie/remote/allowlist.txt)")
     try:
         return op_from_name(name)
     except TapeDataError as e:
         raise ProtocolError("?", str(e)) from None
+
+
+#: schema types whose values fill checks: devices, dtypes, layouts, memory formats, strings,
+#: generators (the Python binding would otherwise convert a string to a device, or an int to a
+#: quantized dtype)
+_CHECKED_TYPES = {
+    "Device": "device", "Optional[Device]": "device", "ScalarType": "dtype",
+    "Optional[ScalarType]": "dtype", "Layout": "layout", "Optional[Layout]": "layout",
+    "MemoryFormat": "memfmt", "Optional[MemoryFormat]": "memfmt", "str": "str",
+    "Optional[str]": "str", "Optional[Generator]": "none",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ArgCheck:
+    """One argument of an op whose value :func:`fill` checks (see :data:`_CHECKED_TYPES`)."""
+
+    pos: int  # schema position (for positional arguments)
+    name: str
+    kind: str
+
+
+def arg_checks(op: Any) -> tuple[ArgCheck, ...]:
+    return tuple(ArgCheck(i, a.name, _CHECKED_TYPES[str(a.real_type)])
+                 for i, a in enumerate(op._schema.arguments)
+                 if str(a.real_type) in _CHECKED_TYPES)
+
+
+def check_args(op: Any, checks: tuple[ArgCheck, ...], args: Any, kwargs: Any, i: int) -> None:
+    """Refuse values of device, dtype, layout, memory-format, string and generator arguments
+    that are not what the schema means (ProtocolError naming the op and argument)."""
+    if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+        raise ProtocolError("?", f"instruction {i}: arguments must be a (tuple, dict) tree")
+    names = {a.name for a in op._schema.arguments}
+    for k in kwargs:
+        if k not in names:
+            raise ProtocolError("?", f"instruction {i}: {op} has no argument {k!r:.40}")
+    for c in checks:
+        v = args[c.pos] if c.pos < len(args) else kwargs.get(c.name)
+        if v is None:
+            continue
+        k = c.kind
+        ok = ((k == "device" and type(v) is torch.device) or
+              (k == "dtype" and type(v) is torch.dtype and v in WIRE_DTYPES) or
+              (k == "layout" and v is torch.strided) or
+              (k == "memfmt" and type(v) is torch.memory_format) or
+              (k == "str" and type(v) is str and v in allowlist.STR_ENUMS.get(c.name, ())))
+        if not ok:
+            want = {"device": "a device constant (cpu or remote_accelerator)",
+                    "dtype": "a dense dtype", "layout": "torch.strided",
+                    "memfmt": "a memory format", "none": "None (no generators on a server)",
+                    "str": f"one of {sorted(allowlist.STR_ENUMS.get(c.name, ()))}"}[k]
+            raise ProtocolError("?", f"instruction {i}: argument {c.name!r} of {op} must be "
+                                     f"{want}; got {v!r:.40}")
 
 
 def _spec(d: Any) -> Any:
@@ -368,7 +480,7 @@ class Template:
     outs: tuple[int | None, ...]
     free: tuple[int, ...]
     rng: bool
-    size_arg: str | None  # name of a ``size`` argument to check against the quota
+    checks: tuple[ArgCheck, ...]  # arguments whose values fill checks against the schema
 
 
 @dataclass(slots=True)
@@ -383,23 +495,37 @@ class Compiled:
     consts: list[Any] | None = None  # the last call's constants (base of the next delta)
 
 
+def _is_call_tree(spec: Any) -> bool:
+    """Whether an argument tree is ``(args tuple, kwargs dict)``, as every op call's is."""
+    tree = optree.tree_unflatten(spec, [None] * spec.num_leaves)
+    return type(tree) is tuple and len(tree) == 2 and type(tree[0]) is tuple and \
+        type(tree[1]) is dict
+
+
 def _slot_list(x: Any, what: str) -> list[int]:
     if not isinstance(x, list) or not all(type(s) is int and 0 <= s < (1 << 31) for s in x):
         raise ProtocolError("?", f"bad {what} slot list")
     return x
 
 
-def compile_skeleton(data: bytes, max_instrs: int = 1 << 20) -> Compiled:
+#: the most instructions one skeleton may hold (bounds the time a compile takes, ~20 us each)
+MAX_INSTRS = 1 << 18
+
+
+def compile_skeleton(data: bytes, max_instrs: int = MAX_INSTRS) -> Compiled:
     """Check a skeleton and resolve its ops and argument trees (ProtocolError when malformed)."""
     sk = unpack(data)
     if not isinstance(sk, list) or len(sk) != 7 or sk[0] != PROTOCOL_VERSION:
         raise ProtocolError("?", "bad skeleton (wrong shape or protocol version)")
     _, names, spec_ds, rows, inputs, outputs, keep = sk
     if not isinstance(names, list) or not isinstance(spec_ds, list) or \
-            not isinstance(rows, list) or len(rows) > max_instrs:
-        raise ProtocolError("?", "bad skeleton tables")
+            not isinstance(rows, list) or len(rows) > max_instrs or len(names) > max_instrs or \
+            len(spec_ds) > max_instrs:
+        raise ProtocolError("?", f"bad skeleton tables, or more than {max_instrs} instructions in "
+                                 "one tape (materialize more often: genie.materialize)")
     ops = [resolve_op(n) for n in names]
     specs = [_spec(d) for d in spec_ds]
+    call_tree = [_is_call_tree(sp) for sp in specs]
     inputs, outputs, keep = (_slot_list(inputs, "input"), _slot_list(outputs, "output"),
                              _slot_list(keep, "kept"))
     live = set(inputs)
@@ -416,9 +542,13 @@ def compile_skeleton(data: bytes, max_instrs: int = 1 << 20) -> Compiled:
                 not -1 <= si < len(specs) or not isinstance(code, list) or type(rng) is not bool:
             raise ProtocolError("?", f"bad instruction {i}")
         op = ops[oi]
-        if (op == UPLOAD) != (si == -1) or (op == UPLOAD and code != [-1]):
+        if (op == UPLOAD) != (si == -1) or (op == UPLOAD and (
+                code != [-1] or not isinstance(outs, list) or len(outs) != 1 or
+                outs[0] is None or free != [] or rng)):
             raise ProtocolError("?", f"bad upload instruction {i}")
         spec = specs[si] if si >= 0 else None
+        if spec is not None and not call_tree[si]:
+            raise ProtocolError("?", f"instruction {i}: its argument tree is not (args, kwargs)")
         if spec is not None and spec.num_leaves != len(code):
             raise ProtocolError("?", f"instruction {i}: {len(code)} leaves for a tree of "
                                      f"{spec.num_leaves}")
@@ -436,31 +566,36 @@ def compile_skeleton(data: bytes, max_instrs: int = 1 << 20) -> Compiled:
         if not isinstance(outs, list) or not all(
                 o is None or (type(o) is int and 0 <= o < (1 << 31) and o not in live)
                 for o in outs):
-            raise ProtocolError("?", f"instruction {i}: bad outputs {outs!r}")
-        live.update(o for o in outs if o is not None)
+            raise ProtocolError("?", f"instruction {i}: bad outputs {outs!r:.80}")
+        named = [o for o in outs if o is not None]
+        if len(set(named)) != len(named):
+            raise ProtocolError("?", f"instruction {i}: an output slot named twice")
+        live.update(named)
         free = _slot_list(free, "free")
+        if len(set(free)) != len(free):
+            raise ProtocolError("?", f"instruction {i}: a slot freed twice")
         if not live.issuperset(free):
             raise ProtocolError("?", f"instruction {i} frees a slot that is not live")
         live.difference_update(free)
         n_consts += 2 if rng else 0
-        size_arg = None
-        if op != UPLOAD and any(a.name == "size" for a in op._schema.arguments):
-            size_arg = "size"
-        templates.append(Template(op, spec, leaves, tuple(outs), tuple(free), rng, size_arg))
+        checks = arg_checks(op) if op != UPLOAD else ()
+        templates.append(Template(op, spec, leaves, tuple(outs), tuple(free), rng, checks))
     if not live.issuperset(outputs) or not live.issuperset(keep):
         raise ProtocolError("?", "outputs or kept slots are not live at the end of the tape")
     return Compiled(templates, inputs, outputs, keep, n_consts)
 
 
 def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, Any],
-         max_alloc: int, upload: Any = None) -> Tape:
+         upload: Any = None) -> Tape:
     """A runnable :class:`Tape` from a compiled skeleton and one call's constants.
 
     ``inputs`` are the values of the input slots (resolved by the caller, which owns the store).
-    Constants that are host tensors are read from ``frames``; ``max_alloc`` bounds any single
-    allocation a constant asks for (metadata-only arguments, ``size`` of factories). With
-    ``upload`` (a function from the frame's tensor to the device value), upload instructions
-    become inputs: the received frame is the value (no copy on the CPU).
+    Constants that are host tensors are read from ``frames``; device, dtype, layout, string and
+    generator arguments are checked against the op's schema (:func:`check_args`). Memory is
+    not checked here: the server vets the whole tape on meta tensors before it runs
+    (:mod:`genie.remote.guard`). With ``upload`` (a function from the frame's tensor to the
+    device value), upload instructions become inputs: the received frame is the value (no copy
+    on the CPU).
     """
     if len(consts) != c.n_consts:
         raise ProtocolError("?", f"{len(consts)} constants for a skeleton that takes "
@@ -486,7 +621,7 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
                         raise ProtocolError("?", f"tensor frame {v.index} is missing")
                     v = frame_tensor(frames[v.index], v, copy=t.op != UPLOAD)
                 elif tv is MetaArg:
-                    _check_alloc(nbytes_of(v.meta.shape, v.meta.dtype), max_alloc, i)
+                    meta_arg_nbytes(v.meta)  # refuses negative strides
                 elif tv is InputUpload:
                     raise ProtocolError("?", "an input upload used as a constant")
                 leaves.append(v)
@@ -499,22 +634,10 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
             if type(seed) is not int or type(off) is not int or seed < 0 or off < 0:
                 raise ProtocolError("?", f"instruction {i}: bad random seed/offset")
             rng = (seed, off)
-        if t.size_arg is not None:
+        if t.checks or t.op != UPLOAD and t.spec is not None and t.spec.num_leaves and \
+                any(type(x) is str for x in leaves):
             args, kwargs = optree.tree_unflatten(t.spec, leaves)
-            size = kwargs.get("size", args[0] if args else None)
-            if isinstance(size, (list, tuple)) and all(type(s) is int for s in size):
-                _check_alloc(math.prod(size) * 8, max_alloc, i)
+            check_args(t.op, t.checks, args, kwargs, i)
         instrs.append(Instr(t.op, leaves, t.spec, t.outs, rng, t.free, uid=f"#{i}"))
     return Tape(instrs, inputs, list(c.outputs), set(c.keep), [], {})
 
-
-def _check_alloc(nbytes: int, limit: int, i: int) -> None:
-    if nbytes > limit:
-        raise AllocationTooLarge(i, nbytes, limit)
-
-
-class AllocationTooLarge(ValueError):
-    def __init__(self, i: int, nbytes: int, limit: int) -> None:
-        self.index = i
-        super().__init__(f"instruction {i} would allocate {nbytes} bytes; the session has "
-                         f"{limit} bytes of quota left")

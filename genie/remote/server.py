@@ -11,20 +11,26 @@ expires sessions whose lease ran out, cancels the queued requests of clients tha
 and forwards replies. ``--workers`` threads run requests (:class:`~genie.remote.sched.FairQueue`:
 one session's requests one at a time and in order, sessions taking turns, so a long tape holds
 one worker while the others serve short requests); on CUDA each session runs on a stream of its
-own. Tapes run through the backend registry (``eager`` by default, see :mod:`genie.backends`),
-on the server's device.
+own. Tapes run through :func:`genie.remote.guard.run_guarded` (vetted on meta tensors, then
+interpreted op by op with the eager backend's semantics) on the server's device.
 
 Sessions: ``hello`` opens one and returns an unguessable token that every later request carries;
 a session's store maps client-chosen handle ids to resident tensors and is reachable only with
 its token, so clients never see each other's tensors. A session ends on ``bye``, or when no
 message came for ``lease`` seconds (its tensors are freed). Each session has a memory quota
-(bytes of distinct storages it holds); a request that would pass it is refused and undone.
+that covers the bytes of the distinct storages it holds (followed through resizes), its cached
+skeletons (approximate size, capped at :data:`SKELETON_SHARE` of the quota), the bytes of its
+queued messages (counted on the main thread before a message is accepted) and, while a tape
+runs, the tape's peak working set (vetted on meta tensors before anything runs, see
+:mod:`genie.remote.guard`); a request that would pass it is refused and undone. A tape that runs
+longer than ``--max-run-seconds`` is stopped between two instructions and its client told.
 
 Security: CURVE (authentication and encryption) by default, with keys under ``--keys``
 (generated on first start: the server's pair, and one client pair written to a connection file
 that clients pass as ``key_file``). ``--insecure`` serves plain TCP for local experiments.
-Every message is checked (sizes, types, slots, handle ids, the op allowlist); a bad one gets an
-error reply and changes nothing.
+Every message is checked (sizes, types, slots, handle ids, the op allowlist of
+:mod:`genie.remote.allowlist`); a bad one gets an error reply and changes nothing. The threat
+model (what a key holder can and cannot do) is in docs/deployment.md.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import hashlib
 import ipaddress
 import json
 import logging
@@ -52,11 +59,11 @@ from zmq.utils.monitor import recv_monitor_message
 from .. import backends
 from ..errors import ExecutionError
 from . import ProtocolError
+from .guard import QuotaError, RunTimeout, run_guarded
 from .protocol import (
     PROTOCOL_VERSION,
     REQUESTS,
     UPLOAD,
-    AllocationTooLarge,
     Compiled,
     InputUpload,
     compile_skeleton,
@@ -72,7 +79,18 @@ logger = logging.getLogger("genie.server")
 
 MAX_FRAMES = 1 << 16
 MAX_QUEUE = 1024
-SKELETON_CACHE = 1024
+#: requests one session may have queued (beyond them: a "busy" refusal)
+MAX_QUEUED_PER_SESSION = 64
+#: the largest ``hello`` (no session yet, so nothing to count it against)
+MAX_HELLO_BYTES = 64 << 10
+SKELETON_CACHE = 256
+#: cached skeletons of a session may take this share of its quota (least recently used evicted)
+SKELETON_SHARE = 0.25
+#: bytes a compiled skeleton is counted per byte of its packed form (measured: ~24x for a
+#: 243-instruction MLP tape, tracemalloc)
+SKELETON_COST = 32
+#: default of ``--max-run-seconds``
+MAX_RUN_SECONDS = 300.0
 #: seconds between "busy" notes to clients whose requests wait or run (their timeout counts
 #: server silence, so it must be larger than this)
 KEEPALIVE = 0.5
@@ -88,26 +106,35 @@ class _Refused(Exception):
 
 @dataclass
 class Session:
-    """One client's state: resident tensors by handle id, compiled skeletons, accounting."""
+    """One client's state: resident tensors by handle id, compiled skeletons, accounting.
+
+    Storages are keyed by their ``StorageImpl`` (``_cdata``), which a resize keeps (its data
+    pointer changes); each entry is ``[tensors holding it, bytes counted]``. ``queued``/``nqueued``
+    belong to the main thread's admission check (updated under the server's queue lock).
+    """
 
     token: bytes
     quota: int
     store: dict[int, torch.Tensor] = field(default_factory=dict)
-    skeletons: collections.OrderedDict[bytes, Compiled] = field(
+    skeletons: collections.OrderedDict[bytes, tuple[Compiled, int]] = field(
         default_factory=collections.OrderedDict)
-    storages: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+    storages: dict[int, list[int]] = field(default_factory=dict)
     nbytes: int = 0
+    skel_bytes: int = 0
+    queued: int = 0
+    nqueued: int = 0
     last_seen: float = field(default_factory=time.monotonic)
 
-    def put(self, hid: int, t: torch.Tensor) -> None:
+    def put(self, hid: int, t: Any) -> None:
         if hid in self.store:
             raise _Refused("protocol", f"handle id {hid} is already in use")
+        if not isinstance(t, torch.Tensor):
+            raise _Refused("protocol", f"a kept value is a {type(t).__name__}, not a tensor")
         self.store[hid] = t
         st = t.untyped_storage()
-        key = (st.data_ptr(), str(t.device))
-        e = self.storages.get(key)
+        e = self.storages.get(st._cdata)
         if e is None:
-            self.storages[key] = [1, st.nbytes()]
+            self.storages[st._cdata] = [1, st.nbytes()]
             self.nbytes += st.nbytes()
         else:
             e[0] += 1
@@ -116,19 +143,35 @@ class Session:
         t = self.store.pop(hid, None) if type(hid) is int else None
         if t is None:
             return
-        st = t.untyped_storage()
-        key = (st.data_ptr(), str(t.device))
-        e = self.storages[key]
+        key = t.untyped_storage()._cdata
+        e = self.storages.get(key)
+        if e is None:  # never: every stored tensor is counted; but freeing must not fail
+            return
         e[0] -= 1
         if e[0] == 0:
             del self.storages[key]
             self.nbytes -= e[1]
+
+    def refresh(self, tensors: Any) -> None:
+        """Recount the storages of ``tensors`` (a tape may have resized them in place)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                e = self.storages.get(st._cdata)
+                if e is not None and e[1] != st.nbytes():
+                    self.nbytes += st.nbytes() - e[1]
+                    e[1] = st.nbytes()
+
+    def used(self) -> int:
+        """Bytes counted against the quota: resident storages and cached skeletons."""
+        return self.nbytes + self.skel_bytes
 
     def clear(self) -> None:
         self.store.clear()
         self.storages.clear()
         self.skeletons.clear()
         self.nbytes = 0
+        self.skel_bytes = 0
 
     def residency(self) -> list[int]:
         return [len(self.store), self.nbytes]
@@ -140,7 +183,8 @@ class Server:
     def __init__(self, device: str = "cpu", listen: str = "127.0.0.1:5555", *,
                  insecure: bool = False, keys_dir: str | None = None, lease: float = 60.0,
                  quota: int | None = None, max_message: int = 8 << 30,
-                 max_sessions: int = 64, workers: int = 4) -> None:
+                 max_sessions: int = 64, workers: int = 4,
+                 max_run_seconds: float = MAX_RUN_SECONDS) -> None:
         self.device = torch.device(device)
         self.listen = listen
         self.insecure = insecure
@@ -150,6 +194,7 @@ class Server:
         self.quota = quota if quota is not None else default_quota(self.device)
         self.max_message = max_message
         self.max_sessions = max_sessions
+        self.max_run_seconds = max_run_seconds
         self.address = ""
         self.key_file: Path | None = None
         self.sessions: dict[bytes, Session] = {}
@@ -159,6 +204,7 @@ class Server:
         self._fd_ident: dict[int, bytes] = {}  # connection (fd) -> peer identity, to cancel
         self._streams: dict[bytes, Any] = {}  # session token -> its CUDA stream
         self._inflight: dict[bytes, tuple[int, Any]] = {}
+        self._qlock = threading.Lock()  # guards Session.queued/nqueued (main thread + workers)
         self._stop = threading.Event()
         self._ctx: zmq.Context | None = None
         self._auth: Any = None
@@ -220,7 +266,8 @@ class Server:
                    f"       or: genie.connect({self.address!r}, key_file={str(self.key_file)!r})")
             sec = "CURVE authenticated and encrypted"
         return (f"genie-server: serving {self.device} on {self.address} ({sec}); "
-                f"lease {self.lease:g} s, quota {self.quota} bytes per session\n{how}")
+                f"lease {self.lease:g} s, quota {self.quota} bytes per session, tapes stopped "
+                f"after {self.max_run_seconds:g} s\n{how}")
 
     # --- main thread: I/O ---------------------------------------------------------------------
     def serve(self) -> None:
@@ -272,12 +319,14 @@ class Server:
         except ProtocolError as e:
             return self._send_err(ident, -1, "protocol", str(e))
         rid = h.get("rid") if isinstance(h, dict) else None
-        if type(rid) is not int or h.get("t") not in REQUESTS:
+        if type(rid) is not int or type(h.get("t")) is not str or h["t"] not in REQUESTS:
             return self._send_err(ident, -1, "protocol", "a header must be a map with a known "
                                   f"'t' ({', '.join(sorted(REQUESTS))}) and an integer 'rid'")
         if len(parts) - 2 > MAX_FRAMES:
             return self._send_err(ident, rid, "protocol", f"more than {MAX_FRAMES} frames")
         token = h.get("s")
+        nbytes = sum(len(p) for p in parts[1:])
+        sess = None
         if h["t"] != "hello":
             sess = self.sessions.get(token) if isinstance(token, bytes) else None
             if sess is None:
@@ -285,13 +334,38 @@ class Server:
             sess.last_seen = time.monotonic()
             if h["t"] == "ping" and not h.get("free"):
                 return self._send(ident, {"t": "ok", "rid": rid, "res": sess.residency()})
+        elif nbytes > MAX_HELLO_BYTES:
+            return self._send_err(ident, rid, "protocol", f"a hello of {nbytes} bytes (at most "
+                                  f"{MAX_HELLO_BYTES})")
         if self._queue.qsize() > MAX_QUEUE:
             return self._send_err(ident, rid, "busy", "the server's queue is full; retry later")
+        if sess is not None:
+            with self._qlock:
+                if sess.nqueued >= MAX_QUEUED_PER_SESSION:
+                    return self._send_err(ident, rid, "busy", f"this session already has "
+                                          f"{sess.nqueued} requests queued; wait for answers")
+                if sess.queued + nbytes + sess.used() > sess.quota:
+                    return self._send_err(
+                        ident, rid, "quota", f"a message of {nbytes} bytes, with the session's "
+                        f"{sess.queued} queued bytes and {sess.used()} resident bytes, passes "
+                        f"its quota of {sess.quota} bytes (server flag --quota); send less at "
+                        "once or free tensors")
+                sess.queued += nbytes
+                sess.nqueued += 1
         self._inflight[ident] = (rid, token)
         fd = parts[1].get(zmq.SRCFD)
         if fd >= 0:
             self._fd_ident[fd] = ident
-        self._queue.put(token if h["t"] != "hello" else b"hello:" + ident, (ident, h, parts[2:]))
+        self._queue.put(token if h["t"] != "hello" else b"hello:" + ident,
+                        (ident, h, parts[2:], nbytes))
+
+    def _dequeued(self, h: dict[str, Any], nbytes: int) -> None:
+        """A request left the queue (answered or cancelled): uncount its bytes."""
+        sess = self.sessions.get(h.get("s")) if h.get("t") not in ("hello", "_expire") else None
+        if sess is not None and nbytes:
+            with self._qlock:
+                sess.queued -= nbytes
+                sess.nqueued -= 1
 
     def _disconnects(self) -> None:
         """Peers that went away: their queued requests are dropped, never run (a tape that
@@ -304,7 +378,14 @@ class Server:
             if ident is None:
                 continue
             self._inflight.pop(ident, None)
-            n = self._queue.drop(lambda item: item[0] == ident)
+
+            def mine(item: Any) -> bool:
+                if item[0] != ident:
+                    return False
+                self._dequeued(item[1], item[3])
+                return True
+
+            n = self._queue.drop(mine)
             if n:
                 logger.info("genie-server: a client disconnected; %d queued request(s) "
                             "cancelled", n)
@@ -319,7 +400,7 @@ class Server:
         busy = {tok for _, tok in self._inflight.values()}
         for tok, s in list(self.sessions.items()):
             if now - s.last_seen > self.lease and tok not in busy:
-                self._queue.put(tok, (None, {"t": "_expire", "s": tok}, []))
+                self._queue.put(tok, (None, {"t": "_expire", "s": tok}, [], 0))
 
     def _send(self, ident: bytes, h: dict[str, Any], frames: Any = ()) -> None:
         self._sock.send_multipart([ident, pack(h), *frames], copy=False)
@@ -356,10 +437,11 @@ class Server:
                 got = self._queue.get()
                 if got is None:
                     return
-                key, (ident, h, frames) = got
+                key, (ident, h, frames, nbytes) = got
                 try:
                     self._work_one(key, ident, h, frames, out)
                 finally:
+                    self._dequeued(h, nbytes)
                     self._queue.done(key)
         finally:
             out.close(linger=0)
@@ -457,22 +539,18 @@ class Server:
 
     def _run(self, sess: Session, h: dict[str, Any], frames: list[zmq.Frame]
              ) -> tuple[dict[str, Any], list]:
+        started = time.monotonic()
         key = h.get("k")
         id0 = h.get("id0")
         if not isinstance(key, bytes) or len(key) != 16 or type(id0) is not int or id0 < 0:
             raise ProtocolError("?", "a run request needs 'k' (16 bytes) and 'id0' (int)")
-        c = sess.skeletons.get(key)
+        entry = sess.skeletons.get(key)
         if "sk" in h:
-            sk = h["sk"]
-            if not isinstance(sk, bytes):
-                raise ProtocolError("?", "'sk' must be bytes")
-            c = compile_skeleton(sk)
-            sess.skeletons[key] = c
-            if len(sess.skeletons) > SKELETON_CACHE:
-                sess.skeletons.popitem(last=False)
-        if c is None:
+            entry = self._add_skeleton(sess, key, h["sk"])
+        if entry is None:
             return {"t": "miss"}, []
         sess.skeletons.move_to_end(key)
+        c = entry[0]
         consts = h.get("c")
         if consts is None:
             d = h.get("d")
@@ -508,13 +586,19 @@ class Server:
                     raise ProtocolError("?", f"bad input {v!r:.60}")
                 inputs[s] = t
             self._check_quota(sess)
+            inputs_before = set(inputs)
+            tape = fill(c, consts, frames, inputs,
+                        upload=(lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev)))
+            # uploads inside the tape are inputs now, not yet counted in the session
+            uploaded = sum(t.untyped_storage().nbytes() for sl, t in tape.inputs.items()
+                           if sl not in inputs_before)
             try:
-                tape = fill(c, consts, frames, inputs, sess.quota - sess.nbytes,
-                            upload=(lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev)))
-            except AllocationTooLarge as e:
+                kept = run_guarded(tape, dev, sess.quota - sess.used() - uploaded,
+                                   started + self.max_run_seconds, self.max_run_seconds)
+            except QuotaError as e:
                 raise _Refused("quota", str(e)) from None
-            try:
-                kept, _ = backends.run(tape, dev)
+            except RunTimeout as e:
+                raise _Refused("timeout", str(e)) from None
             except ExecutionError as e:
                 for a in added:
                     sess.drop(a)
@@ -524,6 +608,7 @@ class Server:
                 i = ran[e.index] if e.index is not None and e.index < len(ran) else -1
                 return {"t": "err", "kind": "exec", "etype": type(cause).__name__,
                         "msg": str(cause), "i": i}, []
+            sess.refresh(tape.inputs.values())  # resize_ of a resident tensor grows it
             hid = id0
             in_slots = set(c.inputs)
             for s in c.keep:
@@ -540,10 +625,37 @@ class Server:
         reply["res"] = sess.residency()
         return reply, rframes
 
+    def _add_skeleton(self, sess: Session, key: bytes, sk: Any) -> tuple[Compiled, int]:
+        """Compile and cache a skeleton under the hash of its bytes, within the session's
+        skeleton share of the quota (least recently used ones evicted; the client resends)."""
+        if not isinstance(sk, bytes):
+            raise ProtocolError("?", "'sk' must be bytes")
+        if hashlib.blake2b(sk, digest_size=16).digest() != key:
+            raise ProtocolError("?", "the skeleton's key is not the BLAKE2b-128 hash of its "
+                                     "bytes; the server caches skeletons by their hash")
+        cost = len(sk) * SKELETON_COST
+        cap = int(sess.quota * SKELETON_SHARE)
+        if cost > cap:
+            raise _Refused("quota", f"a tape skeleton of {len(sk)} bytes (~{cost} bytes "
+                                    f"compiled) passes the session's skeleton share of the "
+                                    f"quota ({cap} bytes); materialize smaller pieces")
+        old = sess.skeletons.pop(key, None)
+        if old is not None:
+            sess.skel_bytes -= old[1]
+        while sess.skeletons and (sess.skel_bytes + cost > cap or
+                                  len(sess.skeletons) >= SKELETON_CACHE):
+            _, (_, n) = sess.skeletons.popitem(last=False)
+            sess.skel_bytes -= n
+        entry = (compile_skeleton(sk), cost)
+        sess.skeletons[key] = entry
+        sess.skel_bytes += cost
+        return entry
+
     def _check_quota(self, sess: Session) -> None:
-        if sess.nbytes > sess.quota:
+        if sess.used() > sess.quota:
             raise _Refused("quota", f"the session would hold {sess.nbytes} bytes on "
-                                    f"{self.device}; its quota is {sess.quota} bytes (server "
+                                    f"{self.device} (and {sess.skel_bytes} bytes of cached "
+                                    f"tapes); its quota is {sess.quota} bytes (server "
                                     "flag --quota). Free tensors (del) or raise the quota.")
 
 
@@ -584,7 +696,11 @@ def ensure_keys(keys_dir: Path) -> tuple[bytes, bytes, Path]:
     keys_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     secret_file = keys_dir / "server.key_secret"
     if not secret_file.exists():
-        zmq.auth.create_certificates(str(keys_dir), "server")
+        old = os.umask(0o077)  # pyzmq writes the secret file world-readable otherwise
+        try:
+            zmq.auth.create_certificates(str(keys_dir), "server")
+        finally:
+            os.umask(old)
         os.chmod(secret_file, 0o600)
     pub, sec = zmq.auth.load_certificate(str(secret_file))
     authorized = keys_dir / "authorized"
@@ -669,6 +785,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-message", type=parse_bytes, default=8 << 30,
                    help="largest accepted message frame (default 8GiB)")
     p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--max-run-seconds", type=float, default=MAX_RUN_SECONDS,
+                   help="a tape running longer is stopped between two instructions and its "
+                   f"client told (default {MAX_RUN_SECONDS:g})")
     p.add_argument("--workers", type=int, default=4,
                    help="threads that run requests; sessions take turns, one session's "
                    "requests run in order (default 4)")
@@ -685,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
     backends.set_backends([n for n in backends.backend_order() if n != "remote"])
     server = Server(device, a.listen, insecure=a.insecure, keys_dir=a.keys, lease=a.lease,
                     quota=a.quota, max_message=a.max_message, max_sessions=a.max_sessions,
-                    workers=a.workers)
+                    workers=a.workers, max_run_seconds=a.max_run_seconds)
     server.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())

@@ -1,0 +1,544 @@
+"""Run a client's tape under the server's rules: vetted on meta tensors first, then run.
+
+A server never runs a received tape as it comes. :func:`run_guarded`:
+
+1. **Vets** it (:func:`vet`): every instruction runs first on ``meta`` tensors that carry the real
+   inputs' shapes, strides, offsets, dtypes and storage sizes (aliasing included: two inputs that
+   share a storage share a meta storage). Meta kernels check shapes and dtypes; the vet checks
+   storage bounds itself (a view whose elements reach past its storage is refused: some views'
+   meta kernels, ``as_strided``, do not check) and refuses negative strides. It also knows the
+   exact bytes every instruction allocates (factories whatever their size argument, ``new_*``,
+   ``empty_strided`` from its strides, ``arange``, ``resize_`` growth, metadata-only arguments,
+   host constants), follows the tape's frees, and so computes the tape's **peak working set**;
+   a tape whose peak passes the session's free quota is refused (:class:`QuotaError`) before any
+   real memory is touched.
+2. **Runs** it op by op on the device (the eager interpreter's semantics: seeded random ops,
+   in-place views applied to a fresh alias), checking a **deadline** between instructions
+   (:class:`RunTimeout`; one huge kernel cannot be interrupted, the next instruction is).
+   Memory handed to the tape is never another session's data: the outputs of the ``empty``
+   family (:data:`ZEROED`), metadata-only arguments and the growth of ``resize_`` are zeroed.
+
+Ops whose output size depends on data (``nonzero``, ``unique``, ``masked_select``, ``item``:
+tagged ``dynamic_output_shape``/``data_dependent_output``, or without a meta kernel) end a vetted
+stretch: the tape runs up to and including such an op, its result is accounted at once (refused
+if over quota), and the rest of the tape is vetted from the real values before it runs.
+
+Not covered (documented in docs/deployment.md): a kernel's own temporary buffers (a matmul's
+workspace) are not counted; a single long kernel runs to its end.
+
+Example:
+    >>> import torch
+    >>> from genie.planner import Instr, Slot, Tape
+    >>> from genie.remote.guard import QuotaError, run_guarded
+    >>> import optree
+    >>> args = (([4096],), {})
+    >>> spec = optree.tree_structure(args, none_is_leaf=True)
+    >>> ins = Instr(torch.ops.aten.zeros.default, optree.tree_leaves(args, none_is_leaf=True),
+    ...             spec, (0,), None)
+    >>> tape = Tape([ins], {}, [0], {0}, [], {})
+    >>> run_guarded(tape, torch.device("cpu"), budget=1 << 20)[0].shape
+    torch.Size([4096])
+    >>> try:
+    ...     run_guarded(tape, torch.device("cpu"), budget=1000)
+    ... except QuotaError as e:
+    ...     print(e.need)
+    16384
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from ..backends.eager import generator_for, seed_from
+from ..errors import ExecutionError
+from ..meta import policy
+from ..planner import MetaArg, Slot, Tape
+
+UPLOAD = "genie.upload"
+META = torch.device("meta")
+
+#: Ops (base names, any overload) whose fresh outputs are uninitialized memory: zeroed whole.
+ZEROED = frozenset({"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+                    "empty_permuted"})
+#: Ops that grow their first argument's storage in place: the growth is zeroed.
+RESIZING = frozenset({"resize_", "resize_as_"})
+
+
+class QuotaError(Exception):
+    """The tape's working set would pass the session's quota (nothing ran past ``index``)."""
+
+    def __init__(self, index: int, op: Any, need: int, budget: int) -> None:
+        self.index, self.op, self.need, self.budget = index, op, need, budget
+        super().__init__(
+            f"the tape needs {need} bytes at instruction {index} ({op}), counting its "
+            f"intermediates; the session has {max(budget, 0)} bytes of quota left. Free "
+            "tensors (del), split the work, or ask for a larger --quota")
+
+
+class RunTimeout(Exception):
+    """The tape ran past the server's ``--max-run-seconds``."""
+
+    def __init__(self, index: int, n: int, limit: float) -> None:
+        self.index = index
+        super().__init__(
+            f"the tape ran longer than the server's limit of {limit:g} s (--max-run-seconds) "
+            f"and was stopped before instruction {index} of {n}; its results are discarded. "
+            "Materialize smaller pieces (genie.materialize more often) or ask for a larger limit")
+
+
+@dataclass(frozen=True, slots=True)
+class Vetted:
+    """What :func:`vet` found: instructions ``[start, upto)`` are checked; ``peak`` bytes."""
+
+    upto: int
+    peak: int
+
+
+class TV:
+    """A tensor value as the vet sees it: metadata and the id of its storage."""
+
+    __slots__ = ("shape", "stride", "offset", "dtype", "conj", "neg", "sid")
+
+    def __init__(self, shape: tuple, stride: tuple, offset: int, dtype: torch.dtype,
+                 conj: bool, neg: bool, sid: int) -> None:
+        self.shape, self.stride, self.offset, self.dtype = shape, stride, offset, dtype
+        self.conj, self.neg, self.sid = conj, neg, sid
+
+
+@dataclass(frozen=True, slots=True)
+class _Out:
+    """One output of a vetted instruction: a tensor's metadata and where its storage comes
+    from (``src``: the leaf whose storage it shares, or -1 for a fresh one of ``nbytes``), or a
+    plain ``value``."""
+
+    meta: tuple | None
+    src: int
+    nbytes: int
+    value: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Effect:
+    """What an instruction does to metadata (the same for the same op, argument tree and leaf
+    metadata): its outputs, and the leaves whose storage it resized (leaf index, new bytes)."""
+
+    outs: tuple[_Out, ...]
+    grows: tuple[tuple[int, int], ...]
+
+
+_BARRIER = _Effect((), ())  # an op whose output size depends on data
+#: effects by (op, tree, leaf keys): the vet of a repeated op is a dict lookup
+_effects: dict[Any, _Effect] = {}
+MAX_EFFECTS = 8192
+
+
+class _NoKey(Exception):
+    pass
+
+
+def _const_key(x: Any, floats: bool) -> Any:
+    t = type(x)
+    if t is float:
+        return (float, x) if floats else float
+    if x is None or t is bool or t is int or t is str or t is complex or t is torch.dtype or \
+            t is torch.layout or t is torch.memory_format:
+        return (t, x)
+    if t is list or t is tuple or t is torch.Size:
+        return (t, tuple(_const_key(v, floats) for v in x))
+    raise _NoKey
+
+
+class _Ledger:
+    """Bytes per storage of the tape's values; ``live`` counts what the session does not hold
+    yet (fresh storages whole, resident storages by their growth)."""
+
+    def __init__(self) -> None:
+        self.st: dict[int, list[int]] = {}  # sid -> [nbytes, slots, base]
+        self.live = 0
+        self.next_sid = -1  # fresh storages get negative ids (real ones are _cdata)
+
+    def fresh(self, nbytes: int) -> int:
+        sid = self.next_sid
+        self.next_sid -= 1
+        self.st[sid] = [nbytes, 0, 0]
+        self.live += nbytes
+        return sid
+
+    def hold(self, sid: int) -> None:
+        self.st[sid][1] += 1
+
+    def resize(self, sid: int, n: int) -> None:
+        e = self.st[sid]
+        self.live += max(n - e[2], 0) - max(e[0] - e[2], 0)
+        e[0] = n
+
+    def release(self, sid: int) -> None:
+        e = self.st[sid]
+        e[1] -= 1
+        if e[1] == 0:
+            self.live -= max(e[0] - e[2], 0)
+            del self.st[sid]
+
+
+def check_bounds(shape: Any, stride: Any, offset: int, itemsize: int, have: int) -> str | None:
+    """Why a tensor of this layout addresses memory outside ``have`` storage bytes (None when
+    it does not)."""
+    if any(s == 0 for s in shape):
+        return None
+    if any(st < 0 for st in stride) or offset < 0:
+        return f"negative strides {list(stride)} or offset {offset}"
+    need = (offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1) * itemsize
+    if need > have:
+        return (f"a view of shape {list(shape)}, strides {list(stride)}, offset {offset} "
+                f"reaches byte {need} of a storage of {have} bytes")
+    return None
+
+
+def _tv_of(v: torch.Tensor, ledger: _Ledger, base: int) -> TV:
+    st = v.untyped_storage()
+    sid = st._cdata
+    if sid not in ledger.st:
+        n = st.nbytes()
+        ledger.st[sid] = [n, 0, base]
+        ledger.live += max(n - base, 0)
+    ledger.hold(sid)
+    return TV(tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, v.is_conj(),
+              v.is_neg(), sid)
+
+
+def _with_meta_device(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Factories without a device argument default to the CPU: on the vet they must not."""
+    for i, a in enumerate(op._schema.arguments):
+        if a.name == "device" and "Device" in str(a.real_type):
+            if i < len(args):
+                if args[i] is None:
+                    args = (*args[:i], META, *args[i + 1:])
+            elif kwargs.get("device") is None:
+                kwargs = {**kwargs, "device": META}
+            break
+    return args, kwargs
+
+
+def _host_bytes(tape: Tape) -> int:
+    n = 0
+    for ins in tape.instrs:
+        for x in ins.leaves:
+            if isinstance(x, torch.Tensor):
+                n += x.untyped_storage().nbytes()
+    return n
+
+
+def _infer(ins: Any, env: dict[int, Any], ledger: _Ledger, i: int) -> _Effect:
+    """Run one instruction on meta tensors built from the leaves' metadata: its effect, or
+    _BARRIER; ExecutionError when the op refuses them or a view leaves its storage."""
+    bases: dict[int, torch.Tensor] = {}
+    leaves: list[Any] = []
+    sids: list[int | None] = []
+    for x in ins.leaves:
+        t = type(x)
+        sid = None
+        if t is Slot:
+            v = env[x.id]
+            if type(v) is TV:
+                sid = v.sid
+                base = bases.get(sid)
+                if base is None:
+                    base = bases[sid] = torch.empty(ledger.st[sid][0], dtype=torch.uint8,
+                                                    device=META)
+                m = torch.empty(0, dtype=v.dtype, device=META)
+                m.set_(base.untyped_storage(), v.offset, v.shape, v.stride)
+                if v.conj:
+                    m = m.conj()
+                if v.neg:
+                    m = torch._neg_view(m)
+                v = m
+        elif t is torch.device:
+            v = META
+        elif t is MetaArg:
+            v = torch.empty_strided(x.meta.shape, x.meta.stride, dtype=x.meta.dtype, device=META)
+        elif isinstance(x, torch.Tensor):
+            v = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=META)
+        else:
+            v = x
+        leaves.append(v)
+        sids.append(sid)
+    op = ins.op
+    if op == UPLOAD:
+        out: Any = torch.empty_like(leaves[0], device=META)
+    else:
+        pol = policy(op)
+        if pol.inplace_view:
+            leaves[0] = torch.ops.aten.alias.default(leaves[0])
+        args, kwargs = optree.tree_unflatten(ins.spec, leaves)
+        if _has_device_arg(op):
+            args, kwargs = _with_meta_device(op, args, kwargs)
+        try:
+            out = op(*args, **kwargs)
+        except Exception as e:
+            if pol.dynamic or isinstance(e, NotImplementedError):
+                return _BARRIER  # its size depends on data: run up to here first
+            raise ExecutionError(op, ins.where, e, i) from e
+    where = {}
+    for j, v in enumerate(leaves):
+        if isinstance(v, torch.Tensor):
+            where.setdefault(v.untyped_storage()._cdata, j)
+    outs = []
+    for o in optree.tree_leaves(out, none_is_leaf=True):
+        if not isinstance(o, torch.Tensor):
+            outs.append(_Out(None, -1, 0, o))
+            continue
+        st = o.untyped_storage()
+        bad = check_bounds(o.shape, o.stride(), o.storage_offset(), o.element_size(),
+                           st.nbytes())
+        if bad is not None:
+            raise ExecutionError(op, ins.where, IndexError(
+                f"out of bounds: {bad}; the server refuses views past their storage"), i)
+        src = where.get(st._cdata, -1)
+        if src >= 0 and sids[src] is None:
+            src = -1  # a view of a constant: its own storage as far as the session goes
+        outs.append(_Out((tuple(o.shape), tuple(o.stride()), o.storage_offset(), o.dtype,
+                          o.is_conj(), o.is_neg()), src, st.nbytes()))
+    grows = tuple((j, leaves[j].untyped_storage().nbytes()) for j, sid in enumerate(sids)
+                  if sid is not None and isinstance(leaves[j], torch.Tensor) and
+                  leaves[j].untyped_storage().nbytes() != ledger.st[sid][0])
+    return _Effect(tuple(outs), grows)
+
+
+def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict[int, int],
+        baseline: int = 0, deadline: float | None = None, limit: float = 0.0) -> Vetted:
+    """Check ``tape.instrs[start:]`` on meta tensors, given the real values ``env`` before it.
+
+    ``resident`` maps the storages (``_cdata``) the session already holds to their counted
+    bytes; ``baseline`` is memory the request already uses (host constants). Raises
+    :class:`QuotaError` when the working set passes ``budget``, :class:`ExecutionError` when an
+    op refuses its meta arguments or a view leaves its storage; returns where vetting stopped
+    (an op whose output size depends on data) and the peak. The effect of an op on metadata is
+    cached, so a repeated tape costs a dict lookup per instruction.
+    """
+    ledger = _Ledger()
+    menv: dict[int, Any] = {}
+    for s, v in env.items():
+        if isinstance(v, torch.Tensor):
+            menv[s] = _tv_of(v, ledger, resident.get(v.untyped_storage()._cdata, 0))
+        else:
+            menv[s] = v
+    peak = ledger.live + baseline
+    if peak > budget:
+        raise QuotaError(start, "the values so far", peak, budget)
+    n = len(tape.instrs)
+    for i in range(start, n):
+        if deadline is not None and time.monotonic() > deadline:
+            raise RunTimeout(i, n, limit)
+        ins = tape.instrs[i]
+        op = ins.op
+        transient = 0
+        floats = op == UPLOAD or policy(op).float_values_matter
+        try:
+            parts: list[Any] = [op, ins.spec]
+            for x in ins.leaves:
+                t = type(x)
+                if t is Slot:
+                    v = menv[x.id]
+                    parts.append((v.shape, v.stride, v.offset, v.dtype, v.conj, v.neg,
+                                  ledger.st[v.sid][0]) if type(v) is TV
+                                 else _const_key(v, True))
+                elif t is MetaArg:
+                    m = x.meta
+                    parts.append((MetaArg, m.shape, m.stride, m.dtype))
+                elif t is torch.device:
+                    parts.append(torch.device)
+                elif isinstance(x, torch.Tensor):
+                    parts.append((torch.Tensor, tuple(x.shape), x.stride(), x.dtype))
+                else:
+                    parts.append(_const_key(x, floats))
+            key: Any = tuple(parts)
+            eff = _effects.get(key)
+        except _NoKey:
+            key, eff = None, None
+        if eff is None:
+            eff = _infer(ins, menv, ledger, i)
+            if key is not None:
+                if len(_effects) >= MAX_EFFECTS:
+                    _effects.clear()
+                _effects[key] = eff
+        if eff is _BARRIER:
+            return Vetted(i, peak)
+        if _short(len(eff.outs), ins.outs):
+            raise ExecutionError(op, ins.where, ValueError(
+                f"the op returns {len(eff.outs)} values; the tape names {len(ins.outs)}"), i)
+        for x in ins.leaves:
+            if type(x) is MetaArg:
+                transient += _meta_arg_nbytes(x.meta)
+        for j, nb in eff.grows:
+            ledger.resize(menv[ins.leaves[j].id].sid, nb)
+        fresh = 0
+        for s, o in zip(ins.outs, eff.outs):
+            if o.meta is None:
+                if s is not None:
+                    menv[s] = o.value
+                continue
+            if o.src >= 0:
+                sid = menv[ins.leaves[o.src].id].sid
+            else:
+                sid = ledger.fresh(o.nbytes)
+            if s is None:
+                if o.src < 0:
+                    fresh += o.nbytes
+                    ledger.hold(sid)
+                    ledger.release(sid)
+                continue
+            ledger.hold(sid)
+            menv[s] = TV(*o.meta, sid)
+        peak = max(peak, ledger.live + baseline + transient + fresh)
+        if peak > budget:
+            raise QuotaError(i, op, peak, budget)
+        for s in ins.free:
+            v = menv.pop(s)
+            if type(v) is TV:
+                ledger.release(v.sid)
+    return Vetted(n, peak)
+
+
+def _meta_arg_nbytes(m: Any) -> int:
+    if any(s == 0 for s in m.shape):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(m.shape, m.stride))) * m.dtype.itemsize
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for t in x if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _has_device_arg(op: Any) -> bool:
+    try:
+        return op._genie_has_device
+    except AttributeError:
+        has = any(a.name == "device" for a in op._schema.arguments)
+        try:
+            op._genie_has_device = has
+        except AttributeError:
+            pass
+        return has
+
+
+def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | None = None,
+                limit: float = 0.0) -> dict[int, Any]:
+    """Vet ``tape`` against ``budget`` free bytes, then run it on ``dev`` before ``deadline``
+    (``time.monotonic()``); returns the values of ``tape.keep`` and ``tape.outputs``."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    env: dict[int, Any] = dict(tape.inputs)
+    resident = {}
+    for v in env.values():
+        if isinstance(v, torch.Tensor):
+            st = v.untyped_storage()
+            resident[st._cdata] = st.nbytes()
+    baseline = _host_bytes(tape)
+    n = len(tape.instrs)
+    with _disable_current_modes(), torch.no_grad():
+        checked = vet(tape, 0, env, budget, resident, baseline, deadline, limit).upto
+        for i, ins in enumerate(tape.instrs):
+            if deadline is not None and time.monotonic() > deadline:
+                raise RunTimeout(i, n, limit)
+            try:
+                outs = _run_instr(ins, env, dev)
+                if _short(len(outs), ins.outs):
+                    raise ValueError(f"the op returned {len(outs)} values; the tape names "
+                                     f"{len(ins.outs)}")
+            except Exception as e:
+                raise ExecutionError(ins.op, ins.where, e, i) from e
+            for s, v in zip(ins.outs, outs):
+                if s is not None:
+                    env[s] = v
+            for s in ins.free:
+                del env[s]
+            if i == checked:  # an op whose size depends on data ran: account, vet the rest
+                checked = vet(tape, i + 1, env, budget, resident, baseline, deadline,
+                              limit).upto
+    return {s: env[s] for s in (*tape.keep, *tape.outputs)}
+
+
+def _memory_kind(op: Any) -> int:
+    """1: an ``empty``-family op (zero its outputs); 2: a resizing op (zero the growth); 0."""
+    try:
+        return op._genie_memory_kind
+    except AttributeError:
+        base = op._schema.name.removeprefix("aten::")
+        kind = 1 if base in ZEROED else 2 if base in RESIZING else 0
+        op._genie_memory_kind = kind
+        return kind
+
+
+def _short(n: int, outs: tuple[int | None, ...]) -> bool:
+    """Whether an op's ``n`` outputs leave a slot the tape names without a value."""
+    return any(s is not None for s in outs[n:])
+
+
+def _zero_out(t: torch.Tensor) -> None:
+    """Zero the whole storage of ``t`` (an ``empty``-family output)."""
+    st = t.untyped_storage()
+    if t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size() == \
+            st.nbytes():
+        t.zero_()  # the common case: one memset, no extra tensor
+    else:
+        _zero(st)
+
+
+def _zero(st: Any, start: int = 0) -> None:
+    n = st.nbytes() - start
+    if n > 0:
+        torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, start, (n,), (1,)).zero_()
+
+
+def _run_instr(ins: Any, env: dict[int, Any], dev: torch.device) -> list[Any]:
+    if ins.op == UPLOAD:
+        return [ins.leaves[0].to(dev, copy=dev.type == "cpu")]
+    leaves = [_arg(x, env, dev) for x in ins.leaves]
+    op = ins.op
+    pol = policy(op)
+    if pol.inplace_view:
+        leaves[0] = torch.ops.aten.alias.default(leaves[0])
+    args, kwargs = optree.tree_unflatten(ins.spec, leaves)
+    kind = _memory_kind(op)
+    grown = None
+    if kind == 2:
+        grown = args[0].untyped_storage(), args[0].untyped_storage().nbytes()
+    if ins.rng is not None:
+        gen = generator_for(dev)
+        saved = gen.get_state()
+        gen.manual_seed(seed_from(*ins.rng))
+        try:
+            out = op(*args, **kwargs)
+        finally:
+            gen.set_state(saved)
+    else:
+        out = op(*args, **kwargs)
+    if kind == 1:
+        for t in _tensors(out):
+            _zero_out(t)
+    elif grown is not None and grown[0].nbytes() > grown[1]:
+        _zero(grown[0], grown[1])
+    return optree.tree_leaves(out, none_is_leaf=True)
+
+
+def _arg(x: Any, env: dict[int, Any], dev: torch.device) -> Any:
+    t = type(x)
+    if t is Slot:
+        return env[x.id]
+    if t is torch.device:
+        return dev if x.type == "remote_accelerator" else x
+    if t is MetaArg:
+        m = x.meta
+        v = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=dev)
+        _zero_out(v)
+        return v
+    return x
