@@ -29,6 +29,9 @@ def stats() -> dict[str, int]:
     - engine: ``plan_cache_hits``, ``plan_cache_misses``, ``plan_cache_generic_hits`` (hits of
       a plan whose shapes differ: shapes as parameters), ``codegen_plans`` (plans given a
       generated replay function), ``compiled_plans``, ``compiled_runs``, ``compiled_verified``;
+    - passes (:mod:`genie.passes.pipeline`): ``passes_applied`` (plans given an optimized tape),
+      ``passes_verified``, ``passes_rolled_back``, ``passes_rejected_slower``,
+      ``passes_step_unoptimized``;
     - meaning (:mod:`genie.context`): ``phase.prefill.calls``, ``phase.decode.calls``,
       ``phase.prefill.nodes``, ``phase.decode.nodes`` (phases found on the default path);
     - remote: ``round_trips``, ``bytes_sent``, ``bytes_received``, ``skeletons_sent``,

@@ -3,14 +3,15 @@
 A pass never mutates its input tape; it returns a new one and a :class:`PassReport` saying what
 it did, so every stage can be printed (``genie.format_tape``). Which ops a pass may touch comes
 from schemas and tags (:func:`genie.meta.policy`): ops that write an argument, alias one, or are
-random are left alone.
+random are not merged or folded (``recompute`` replays a random op with its ``(seed, offset)``).
 
 :func:`verify` runs the original and the rewritten tape with the eager interpreter on copies of
 the same inputs and compares every value the original keeps and every input it mutates: the
 oracle for every pass.
 
-Passes are not in the default materialization path yet: cached plans (:mod:`genie.plan_cache`)
-match recorded nodes to instructions one to one, which a pass that removes instructions breaks.
+On the real path, :mod:`genie.passes.pipeline` applies the configured passes (``GENIE_PASSES``,
+:func:`set_passes`; default ``cse``, ``dce``, ``fold``, ``recompute``) once per cached plan and
+replays the result on every hit as an edit script, verified and timed (see there).
 
 Example:
     >>> import torch, genie
@@ -114,3 +115,12 @@ def _close(got: Any, want: Any, what: str, rtol: float, atol: float) -> None:
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
     except AssertionError as e:
         raise AssertionError(f"[passes.verify] the rewritten tape differs in {what}: {e}") from None
+
+
+from .pipeline import (PlanReport, active_passes, clear_reports, format_report,  # noqa: E402
+                       memory_budget, register_pass, registered_passes, report,
+                       set_memory_budget, set_passes)
+
+__all__ = ["Pass", "PassReport", "PlanReport", "active_passes", "clear_reports", "format_report",
+           "memory_budget", "optimize", "rebuild", "register_pass", "registered_passes",
+           "report", "set_memory_budget", "set_passes", "verify"]

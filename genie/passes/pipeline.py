@@ -1,0 +1,662 @@
+"""Passes on the real path: a cached plan's tape is rewritten once and replayed on every hit.
+
+Call site: :func:`run` stands in for ``backends.run`` in :func:`genie.executor.run_tape` (the one
+place materialization runs a tape). It returns the kept values of the *unoptimized* tape's
+slots, so binding values back to nodes (``executor._bind``) is unchanged: passes never rename
+or drop a slot the tape keeps (:func:`_lint` refuses a pass that does).
+
+Per plan (:class:`~genie.plan_cache.Plan`), state on ``plan.artifacts["passes"]`` (a
+:class:`Script`):
+
+1. First tape of the plan (its miss): the configured passes (``GENIE_PASSES``,
+   :func:`set_passes`) run on it, each ``fn(tape) -> (tape, PassReport)``. The result becomes an
+   *edit script*: for each optimized instruction, the plan instruction it comes from (its
+   *origin*: dropped instructions have none, recomputed ones share one), the slot arguments it
+   reads instead, its output slots and frees; plus new inputs (folded constants). Passes see
+   instructions tagged with their origin in ``uid`` and must keep op, argument tree, constants
+   and ``rng`` of an origin (they rewire, drop, duplicate; they do not invent ops).
+2. Every tape of the plan (hits, that first tape too) is rewritten by applying the script to its
+   *own* instructions, so per-step parameters (host tensors, floats, ``(seed, offset)``, the
+   ints of a shape-generic hit) flow through. Instructions a hit shares with the plan map to
+   shared optimized instructions; only the rebuilt ones are edited again. A decision that
+   compared constants (CSE merging two instructions, a folded constant) is checked against
+   the step: if a step's constants differ there, that step runs unoptimized.
+3. Verification, on the first run: the optimized tape runs (eager interpreter) on copies of the
+   inputs while the unoptimized tape runs for real; every kept value and every input after
+   the run must agree (eager is the oracle). A mismatch or an error rolls the plan back to
+   unoptimized, with one warning naming the pass(es); the program has eager's values anyway.
+4. Gate: the next ``GENIE_PASSES_GATE`` (default 3) runs each of both tapes alternate, timed;
+   the optimized plan stays only if its best time is not slower than the unoptimized one's
+   (allowing 5% + 10 µs of timer noise). A plan that ``recompute`` changed skips the gate (it
+   buys memory with time by design).
+
+Tapes without a plan (``GENIE_PLAN_CACHE=0``, empty slices) run unoptimized: there is nothing
+to amortize the pass cost over nor to verify once. So do tapes when another backend than
+``eager`` comes first (:func:`_not_eager`): ``compiled`` does its own CSE, DCE and fusion,
+``remote`` runs on a server (verification needs local copies there).
+
+Counters (:func:`genie.stats`): ``passes_applied`` (plans given an optimized script),
+``passes_verified``, ``passes_rolled_back``, ``passes_rejected_slower``,
+``passes_step_unoptimized`` (steps whose constants differ where a pass compared them).
+:func:`report` lists each optimized plan: instructions, peak bytes and time before and after.
+
+Example:
+    >>> import torch, genie
+    >>> from genie import passes
+    >>> passes.set_passes(["cse", "dce"])
+    >>> x = torch.ones(4, device="remote_accelerator")
+    >>> for _ in range(3):
+    ...     v = ((x * 2).exp() + (x * 2).exp()).sum().item()
+    >>> [r.instrs_before - r.instrs_after for r in passes.report()][-1]
+    2
+    >>> passes.set_passes(None)  # back to GENIE_PASSES or the default set
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from itertools import compress
+from operator import is_not, itemgetter
+from typing import Any
+
+import torch
+
+from .. import backends, memory
+from ..config import logger
+from ..planner import Instr, MetaArg, PendingSlots, Slot, Tape
+from ..stats import bump
+from . import PassReport
+
+Pass = Callable[[Tape], "tuple[Tape, PassReport]"]
+
+_registry: dict[str, Pass] = {}
+DEFAULT = ("cse", "dce", "fold", "recompute")
+GATE_SLACK = 1.05  # the optimized plan may be this much slower than unoptimized (timer noise)
+GATE_NOISE_S = 10e-6  # and this much (a 50 µs tape's timings vary by more than 5%)
+
+
+def register_pass(name: str, fn: Pass | None = None) -> Any:
+    """Register ``fn(tape) -> (tape, PassReport)`` as pass ``name`` (duplicates are refused).
+
+    Usable as a decorator (``@register_pass("mine")``). A registered pass runs only when named
+    in :func:`set_passes` or ``GENIE_PASSES``.
+
+    Example:
+        >>> from genie.passes import PassReport, register_pass, registered_passes
+        >>> @register_pass("identity_doc")
+        ... def identity(tape):
+        ...     return tape, PassReport("identity_doc", 0)
+        >>> "identity_doc" in registered_passes()
+        True
+    """
+    _load_builtin()
+
+    def deco(f: Pass) -> Pass:
+        if name in _registry:
+            raise ValueError(f"[register_pass] a pass named '{name}' is already registered "
+                             f"({getattr(_registry[name], '__qualname__', _registry[name])}); "
+                             "pick another name")
+        _registry[name] = f
+        return f
+
+    return deco(fn) if fn is not None else deco
+
+
+def registered_passes() -> list[str]:
+    _load_builtin()
+    return sorted(_registry)
+
+
+def _parse(names: Sequence[str], where: str) -> tuple[str, ...]:
+    _load_builtin()
+    out = tuple(n.strip() for n in names if n.strip())
+    for n in out:
+        if n not in _registry:
+            raise ValueError(f"[{where}] unknown pass '{n}'; known passes: "
+                             f"{', '.join(sorted(_registry))}")
+    return out
+
+
+_config: dict[str, Any] = {"names": None, "gen": 0}
+
+
+def set_passes(names: Sequence[str] | None) -> None:
+    """The passes applied to each new plan, in order (``None``: the default set; ``[]``: none).
+
+    Plans optimized under another setting are prepared again at their next run.
+
+    Example:
+        >>> from genie import passes
+        >>> passes.set_passes(["cse", "dce"])
+        >>> passes.active_passes()
+        ('cse', 'dce')
+        >>> passes.set_passes(None)
+    """
+    _config["names"] = None if names is None else _parse(list(names), "set_passes")
+    _config["gen"] += 1
+
+
+def active_passes() -> tuple[str, ...]:
+    """The pass names new plans get (``GENIE_PASSES``, else :func:`set_passes`, else default)."""
+    names = _config["names"]
+    if names is None:
+        env = os.environ.get("GENIE_PASSES")
+        if env is None:
+            names = DEFAULT
+        elif env.strip().lower() in ("", "0", "none"):
+            names = ()
+        else:
+            names = _parse(env.split(","), "GENIE_PASSES")
+        _config["names"] = names
+    return names
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_bytes(text: str, where: str = "GENIE_MEMORY_BUDGET") -> int:
+    """``"512MiB"``, ``"1.5GB"``, ``"1048576"`` -> bytes.
+
+    Example:
+        >>> parse_bytes("512MiB")
+        536870912
+    """
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"[{where}] cannot read {text!r} as a size: expected a number of bytes "
+                         "with an optional unit, e.g. 536870912, 512MiB, 1.5GB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+_budget: list[int | None | bool] = [False]  # False: not read yet
+
+
+def memory_budget() -> int | None:
+    """Bytes the ``recompute`` pass keeps a plan's device peak under (None: no budget)."""
+    if _budget[0] is False:
+        env = os.environ.get("GENIE_MEMORY_BUDGET", "").strip()
+        _budget[0] = parse_bytes(env) if env else None
+    return _budget[0]  # type: ignore[return-value]
+
+
+def set_memory_budget(budget: int | str | None) -> None:
+    """Set the ``recompute`` budget (bytes, or a string such as ``"512MiB"``; None: off).
+
+    Plans prepared before keep their schedule; :func:`genie.plan_cache.clear` re-plans them.
+    """
+    _budget[0] = parse_bytes(budget, "set_memory_budget") if isinstance(budget, str) else budget
+    _config["gen"] += 1
+
+
+def _gate_runs() -> int:
+    try:
+        return int(os.environ.get("GENIE_PASSES_GATE", "3"))
+    except ValueError:
+        raise ValueError("[GENIE_PASSES_GATE] expected a number of timed runs per side "
+                         f"(0 turns the gate off), got {os.environ['GENIE_PASSES_GATE']!r}"
+                         ) from None
+
+
+# --- the edit script ---------------------------------------------------------------------------
+
+class Shadow:
+    """The plan an optimized tape names (``tape.plan``): its own backend artifacts (the
+    generated replay of the optimized instructions); uses and key from the real plan."""
+
+    __slots__ = ("base", "artifacts")
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+        self.artifacts: dict[str, Any] = {}
+
+    @property
+    def uses(self) -> int:
+        return self.base.uses
+
+    @property
+    def key(self) -> str:
+        return self.base.key + ":passes"
+
+
+@dataclass(frozen=True, slots=True)
+class Edit:
+    """How optimized instruction ``n`` is made from the step's instruction ``origin``."""
+
+    origin: int
+    reads: tuple[tuple[int, int], ...]  # (leaf position, slot read instead)
+    outs: tuple[int | None, ...] | None  # new output slots (None: the origin's)
+    free: tuple[int, ...]
+
+    def apply(self, x: Instr) -> Instr:
+        leaves = x.leaves
+        if self.reads:
+            leaves = list(leaves)
+            for p, s in self.reads:
+                leaves[p] = Slot(s)
+        return Instr(x.op, leaves, x.spec, self.outs if self.outs is not None else x.outs,
+                     x.rng, self.free, x.uid, x.where, x.device)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanReport:
+    """What the passes did to one plan (:func:`report`)."""
+
+    key: str
+    passes: tuple[str, ...]  # the passes that changed it, in order
+    instrs_before: int
+    instrs_after: int
+    peak_before: int  # bytes of fresh values alive at once during a run (memory.tape_high_water)
+    peak_after: int
+    time_before_ms: float | None  # best gate run, unoptimized / optimized
+    time_after_ms: float | None
+    cost_ms: float  # running the passes and building the script, once per plan
+    state: str  # "verify", "gate", "on", "rolled back", "rejected slower"
+
+    def __str__(self) -> str:
+        t = (f", {self.time_before_ms:.3f} -> {self.time_after_ms:.3f} ms"
+             if self.time_before_ms is not None and self.time_after_ms is not None else "")
+        return (f"plan {self.key[:8]}: {','.join(self.passes)}: {self.instrs_before} -> "
+                f"{self.instrs_after} instrs, peak {self.peak_before >> 10} -> "
+                f"{self.peak_after >> 10} KiB{t}; passes {self.cost_ms:.2f} ms; {self.state}")
+
+
+class _Record:
+    """What :func:`report` shows of a plan (kept apart from the :class:`Script`, so that the
+    report does not keep an evicted plan's instructions and folded constants alive)."""
+
+    __slots__ = ("figures", "state", "times")
+
+    def __init__(self, figures: dict[str, Any]) -> None:
+        self.figures = figures
+        self.state = "verify"
+        self.times: tuple[list[float], list[float]] = ([], [])  # gate: unoptimized, optimized
+
+
+class Script:
+    """An optimized plan: the edits, the state of its verification and gate, its figures."""
+
+    def __init__(self, plan: Any, edits: list[Edit], consts: dict[int, torch.Tensor],
+                 frozen: dict[int, list[Any]], changed_by: tuple[str, ...], memory_pass: bool,
+                 before: Tape, after: Tape, cost: float) -> None:
+        self.gen = _config["gen"]
+        self.edits = edits
+        self.origins = tuple(e.origin for e in edits)
+        # nodes and slot lists of a step, in optimized order (a C-level gather per step)
+        self.gather = itemgetter(*self.origins) if len(edits) > 1 else \
+            (lambda xs, o=self.origins: tuple(xs[i] for i in o))
+        self.by_origin: dict[int, list[int]] = {}
+        for n, e in enumerate(edits):
+            self.by_origin.setdefault(e.origin, []).append(n)
+        self.tmpl = [e.apply(plan.instrs[e.origin]) for e in edits]
+        self.consts = consts
+        self.frozen = frozen  # origin -> its constant leaves as the passes compared them
+        self.shadow = Shadow(plan)
+        self.changed_by = changed_by
+        self.memory_pass = memory_pass
+        self.rec = _Record(dict(key=plan.key, passes=changed_by,
+                                instrs_before=len(before.instrs), instrs_after=len(after.instrs),
+                                peak_before=memory.tape_high_water(before),
+                                peak_after=memory.tape_high_water(after), cost_ms=cost * 1e3))
+
+    @property
+    def state(self) -> str:
+        return self.rec.state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self.rec.state = value
+
+    @property
+    def times(self) -> tuple[list[float], list[float]]:
+        return self.rec.times
+
+    def apply(self, tape: Tape) -> Tape | None:
+        """``tape`` (of this script's plan) with the edits applied; None when the step's
+        constants differ from those a pass compared (the step then runs unoptimized)."""
+        plan_instrs = tape.plan.instrs
+        mine = tape.instrs
+        out = list(self.tmpl)
+        by = self.by_origin
+        frozen = self.frozen
+        for o in compress(range(len(mine)), map(is_not, mine, plan_instrs)):
+            x = mine[o]
+            if o in frozen and not _same_leaves(x.leaves, frozen[o]):
+                return None
+            for n in by.get(o, ()):
+                out[n] = self.edits[n].apply(x)
+        inputs = tape.inputs
+        if self.consts:
+            inputs = {**inputs, **self.consts}
+        pend = tape._slots
+        gather = self.gather
+        slots: Any = pend if type(pend) is dict else \
+            PendingSlots(list(gather(pend.outs)), pend.inputs)
+        return Tape(out, inputs, tape.outputs, tape.keep, list(gather(tape.nodes)), slots,
+                    tape.index, self.shadow, tape.generic)
+
+
+class _Off:
+    """A plan the passes leave alone (nothing changed, or rolled back, or rejected)."""
+
+    __slots__ = ("gen", "state")
+
+    def __init__(self, state: str = "off") -> None:
+        self.gen = _config["gen"]
+        self.state = state
+
+
+def _same_leaves(a: list[Any], b: list[Any]) -> bool:
+    from ..plan_cache import _same_const
+
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x is y:
+            continue
+        t = type(x)
+        if t is not type(y):
+            return False
+        if t is Slot:
+            continue
+        if t is MetaArg:
+            if x.meta != y.meta:
+                return False
+        elif isinstance(x, torch.Tensor) or not _same_const(x, y):
+            return False
+    return True
+
+
+# --- running ----------------------------------------------------------------------------------
+
+_reports: deque[_Record] = deque(maxlen=64)
+_warned: set[str] = set()
+
+
+def run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]:
+    """Run ``tape`` (through :func:`genie.backends.run`), optimized when its plan has passes.
+
+    Returns the values of ``tape.keep`` and the tape that ran (for memory accounting).
+    """
+    plan = tape.plan
+    if plan is None or not active_passes() or _not_eager():
+        return backends.run(tape, device)[0], tape
+    st = plan.artifacts.get("passes")
+    if st is None or st.gen != _config["gen"]:
+        try:
+            st = _prepare(tape)
+        except Exception as e:  # a bug here must not cost the program its step
+            logger.warning("genie: passes not applied to plan %s (%s: %s); it runs unoptimized",
+                           plan.key[:8], type(e).__name__, e)
+            st = _Off("failed")
+        plan.artifacts["passes"] = st
+    state = st.state
+    if type(st) is _Off:
+        return backends.run(tape, device)[0], tape
+    opt = st.apply(tape)
+    if opt is None:
+        bump("passes_step_unoptimized")
+        return backends.run(tape, device)[0], tape
+    if state == "on":
+        return backends.run(opt, device)[0], opt
+    if state == "verify":
+        return _verify_run(st, plan, tape, opt, device)
+    return _gate_run(st, plan, tape, opt, device)
+
+
+def _not_eager() -> bool:
+    """Whether a backend other than ``eager`` comes first and is available: ``compiled`` does
+    its own CSE, DCE and fusion (passes would double its compilations), ``remote`` runs on a
+    server (verification needs local copies)."""
+    for name in backends.backend_order():
+        if name == "eager":
+            return False
+        if backends.get_backend(name).is_available():
+            return True
+    return False
+
+
+def _prepare(tape: Tape) -> Script | _Off:
+    """Run the passes on the first tape of a plan; its :class:`Script`, or :class:`_Off`."""
+    t0 = time.perf_counter()
+    _load_builtin()
+    n = len(tape.instrs)
+    base = Tape([replace(ins, uid=str(i)) for i, ins in enumerate(tape.instrs)],
+                dict(tape.inputs), list(tape.outputs), set(tape.keep), list(tape.nodes),
+                dict(tape.slots), tape.index)
+    cur = base
+    changed: list[str] = []
+    renamed: dict[int, int] = {}  # merged values (CSE): old slot -> the slot that stays
+    for name in active_passes():
+        fn = _registry[name]
+        try:
+            new, rep = fn(cur)
+            new = _realign(new, tape.nodes, n)
+            _lint(base, new)
+        except Exception as e:  # a pass that fails or breaks the contract: skip it, say so
+            if name not in _warned:
+                _warned.add(name)
+                logger.warning("genie: pass '%s' skipped on a plan: %s: %s", name,
+                               type(e).__name__, e)
+            continue
+        if not _same_program(cur, new):
+            changed.append(name)
+            cur = new
+            renamed.update(getattr(rep, "renamed", None) or {})
+    if not changed:
+        return _Off()
+    edits, frozen = _diff(base, cur, renamed)
+    consts = {s: v for s, v in cur.inputs.items() if s not in base.inputs}
+    for o in frozen:
+        frozen[o] = list(tape.instrs[o].leaves)
+    st = Script(tape.plan, edits, consts, frozen, tuple(changed), "recompute" in changed,
+                base, cur, time.perf_counter() - t0)
+    bump("passes_applied")
+    _reports.append(st.rec)
+    return st
+
+
+def _realign(t: Tape, nodes: list[Any], n: int) -> Tape:
+    """``t`` with ``nodes`` aligned with its instructions (through the origin tags in ``uid``)."""
+    try:
+        origins = [int(ins.uid) for ins in t.instrs]
+    except ValueError:
+        raise ValueError("an instruction lost its origin tag (Instr.uid): a pass must derive "
+                         "instructions from the tape's own (dataclasses.replace)") from None
+    if any(not 0 <= o < n for o in origins):
+        raise ValueError("an instruction's origin tag (Instr.uid) is out of range")
+    return replace(t, nodes=[nodes[o] for o in origins], _slots=dict(t.slots))
+
+
+def _lint(base: Tape, t: Tape) -> None:
+    """Refuse a rewritten tape an edit script cannot express or the executor cannot bind."""
+    if list(t.outputs) != list(base.outputs) or set(t.keep) != set(base.keep):
+        raise ValueError("it changed the tape's outputs or kept slots (values the program "
+                         "holds must come back under their slots)")
+    for s, v in base.inputs.items():
+        if t.inputs.get(s) is not v:
+            raise ValueError(f"it changed or dropped input %{s}")
+    defined = set(t.inputs)
+    for ins in t.instrs:
+        o = base.instrs[int(ins.uid)]
+        if ins.op is not o.op or ins.spec != o.spec or ins.rng != o.rng or \
+                ins.device != o.device or len(ins.leaves) != len(o.leaves) or \
+                len(ins.outs) != len(o.outs):
+            raise ValueError(f"it changed instruction {ins.uid} ({o.op}) beyond its slots")
+        for x, y in zip(ins.leaves, o.leaves, strict=True):
+            if type(y) is Slot:
+                if type(x) is not Slot:
+                    raise ValueError(f"it replaced a slot argument of {o.op} by a constant")
+                if x.id not in defined:
+                    raise ValueError(f"{o.op} reads %{x.id} before any instruction makes it")
+            elif x is not y:
+                raise ValueError(f"it changed a constant argument of {o.op}")
+        defined.update(s for s in ins.outs if s is not None)
+    missing = set(t.keep) - defined
+    if missing:
+        raise ValueError(f"kept slots {sorted(missing)} are no longer produced")
+
+
+def _same_program(a: Tape, b: Tape) -> bool:
+    if len(a.instrs) != len(b.instrs) or a.inputs.keys() != b.inputs.keys():
+        return False
+    for x, y in zip(a.instrs, b.instrs, strict=True):
+        if x.uid != y.uid or x.outs != y.outs or \
+                any(type(p) is Slot and p.id != q.id for p, q in zip(x.leaves, y.leaves)):
+            return False
+    return True
+
+
+def _diff(base: Tape, opt: Tape, renamed: dict[int, int]
+          ) -> tuple[list[Edit], dict[int, list[Any]]]:
+    """The edits that make ``opt`` from ``base``, and the origins whose constants a decision
+    compared: both producers of each merged pair (``renamed`` of the passes' reports, and any
+    reader rewired to another instruction's value), and what fold folded."""
+    produced = {s: i for i, ins in enumerate(base.instrs) for s in ins.outs if s is not None}
+    edits = []
+    frozen: dict[int, list[Any]] = {}
+    for a, b in renamed.items():
+        for s in (a, b):
+            if s in produced:
+                frozen[produced[s]] = []
+    new_slots: dict[int, int] = {}  # slot of a duplicate -> its origin
+    for ins in opt.instrs:
+        o = int(ins.uid)
+        src = base.instrs[o]
+        reads = []
+        for p, (x, y) in enumerate(zip(ins.leaves, src.leaves, strict=True)):
+            if type(y) is Slot and x.id != y.id:
+                reads.append((p, x.id))
+                a, b = produced.get(y.id), produced.get(x.id, new_slots.get(x.id))
+                if b is None and x.id not in base.inputs:  # a new input: a folded constant
+                    if a is not None:
+                        frozen[a] = []
+                elif a is not None and b is not None and a != b:
+                    frozen[a] = []
+                    frozen[b] = []
+        outs = None if ins.outs == src.outs else ins.outs
+        if outs is not None:
+            for s, s0 in zip(ins.outs, src.outs, strict=True):
+                if s is not None and s != s0:
+                    new_slots[s] = o
+        edits.append(Edit(o, tuple(reads), outs, tuple(ins.free)))
+    # fold: the instructions a new input (a folded constant) was computed by are frozen
+    kept_origins = {int(ins.uid) for ins in opt.instrs}
+    stack = [produced[s] for s in opt.inputs if s not in base.inputs and s in produced]
+    while stack:
+        i = stack.pop()
+        if i in frozen or i in kept_origins:
+            continue
+        frozen[i] = []
+        stack.extend(produced[x.id] for x in base.instrs[i].leaves
+                     if type(x) is Slot and x.id in produced)
+    return edits, frozen
+
+
+def _verify_run(st: Script, plan: Any, tape: Tape, opt: Tape, device: torch.device
+                ) -> tuple[dict[int, Any], Tape]:
+    """First run: eager's values are the program's; the optimized tape runs on copies."""
+    from ..backends.compiled import _copy_sharing
+    from ..backends.eager import run_instrs
+    from . import _close
+
+    order = sorted(opt.inputs)
+    copies = dict(zip(order, _copy_sharing([opt.inputs[s] for s in order]), strict=True))
+    reason = None
+    try:
+        got = run_instrs(replace(opt, inputs=copies), device)
+    except Exception as e:
+        reason = f"the optimized tape raised {type(e).__name__}: {e}"
+    kept = backends.run(tape, device)[0]
+    if reason is None:
+        try:
+            for s in sorted(tape.keep):
+                _close(got[s], kept[s], f"kept value %{s}", 1.3e-6, 1e-5)
+            for s in sorted(tape.inputs):
+                _close(copies[s], tape.inputs[s], f"input %{s} after the run", 1.3e-6, 1e-5)
+        except AssertionError as e:
+            reason = str(e).removeprefix("[passes.verify] ")
+    if reason is not None:
+        names = ", ".join(f"'{n}'" for n in st.changed_by)
+        logger.warning("genie: passes rolled back on plan %s: after pass%s %s %s; the plan runs "
+                       "unoptimized (genie.passes.set_passes to change the passes)",
+                       plan.key[:8], "es" if len(st.changed_by) > 1 else "", names,
+                       reason[:500])
+        bump("passes_rolled_back")
+        st.state = "rolled back"
+        plan.artifacts["passes"] = _Off("rolled back")
+        return kept, tape
+    bump("passes_verified")
+    st.state = "on" if st.memory_pass or _gate_runs() <= 0 else "gate"
+    return kept, tape
+
+
+def _gate_run(st: Script, plan: Any, tape: Tape, opt: Tape, device: torch.device
+              ) -> tuple[dict[int, Any], Tape]:
+    """Runs 2..: the optimized and the unoptimized tape alternate, timed, then one stays."""
+    base_t, opt_t = st.times
+    which = opt if len(opt_t) <= len(base_t) else tape
+    sync = device.type == "cuda"
+    if sync:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    kept = backends.run(which, device)[0]
+    if sync:
+        torch.cuda.synchronize(device)
+    (opt_t if which is opt else base_t).append(time.perf_counter() - t0)
+    k = _gate_runs()
+    if len(opt_t) >= k and len(base_t) >= k:
+        # the best of each: the first sample of each side may pay code generation
+        if min(opt_t) <= min(base_t) * GATE_SLACK + GATE_NOISE_S:
+            st.state = "on"
+        else:
+            bump("passes_rejected_slower")
+            logger.info("genie: optimized plan %s rejected: %.3f ms against %.3f ms unoptimized",
+                        plan.key[:8], min(opt_t) * 1e3, min(base_t) * 1e3)
+            st.state = "rejected slower"
+            plan.artifacts["passes"] = _Off("rejected slower")
+    return kept, which
+
+
+def report() -> list[PlanReport]:
+    """Per optimized plan (the 64 most recent): what the passes did and what it bought.
+
+    Example:
+        >>> from genie import passes
+        >>> isinstance(passes.report(), list)
+        True
+    """
+    out = []
+    for rec in _reports:
+        bt, ot = rec.times
+        out.append(PlanReport(**rec.figures, time_before_ms=min(bt) * 1e3 if bt else None,
+                              time_after_ms=min(ot) * 1e3 if ot else None, state=rec.state))
+    return out
+
+
+def format_report() -> str:
+    """:func:`report` as text, one plan a line."""
+    return "\n".join(str(r) for r in report()) or "no plan optimized"
+
+
+def clear_reports() -> None:
+    _reports.clear()
+
+
+def _load_builtin() -> None:
+    if "cse" in _registry:
+        return
+    from .cse import cse
+    from .dce import dce
+    from .fold import fold
+    from .recompute import recompute
+
+    for name, fn in (("cse", cse), ("dce", dce), ("fold", fold), ("recompute", recompute)):
+        _registry.setdefault(name, fn)
