@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -96,6 +97,32 @@ class Ref:
 
     def __repr__(self) -> str:
         return f"Ref({self.node.uid}, {self.out})"
+
+
+def same_const(a: Any, b: Any) -> bool:
+    """Whether two recorded constants are the same value: the one equality of constants that
+    the plan cache (is a step's constant a change?) and the wire protocol (which constants
+    travel in a delta?) both use.
+
+    Tells ``1`` from ``True`` from ``1.0`` (types must match) and ``-0.0`` from ``0.0``; a NaN
+    equals a NaN (a NaN constant that repeats is not a change). Values whose ``==`` fails or is
+    not a truth value (tensors) count as different unless they are the same object.
+
+    >>> same_const(float("nan"), float("nan")), same_const(0.0, -0.0), same_const(1, True)
+    (True, False, False)
+    """
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if type(a) is float:
+        if a != a:
+            return b != b
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 P = ParamSpec("P")

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections import OrderedDict
 from itertools import islice, repeat
@@ -60,6 +59,7 @@ from typing import Any
 import torch
 
 from .graph import Alive, MetaArg, Node, Ref, TensorMeta, gc_paused, pending_total
+from .graph import same_const as _same_const
 from .planner import (Instr, PendingSlots, Slot, Tape, build_tape, held_after,
                       slice_nodes)
 from .stats import _counts
@@ -881,22 +881,6 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node],
         differs = any(v.shape != pin[s].shape or v.stride() != pin[s].stride
                       for s, v in inputs.items())
     return Tape(instrs, inputs, outputs, set(keep), nodes, slots, plan.index, plan, differs)
-
-
-def _same_const(a: Any, b: Any) -> bool:
-    """Equality that tells 1 from True from 1.0, and -0.0 from 0.0; NaN equals NaN."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if type(a) is float:
-        if a != a:
-            return b != b
-        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
 
 
 # --- deterministic key --------------------------------------------------------------------------

@@ -68,6 +68,7 @@ import torch
 
 from .. import backends, memory
 from ..config import logger
+from ..graph import same_const
 from ..planner import Instr, MetaArg, PendingSlots, Slot, Tape
 from ..stats import bump
 from . import PassReport
@@ -354,8 +355,6 @@ class _Off:
 
 
 def _same_leaves(a: list[Any], b: list[Any]) -> bool:
-    from ..plan_cache import _same_const
-
     if len(a) != len(b):
         return False
     for x, y in zip(a, b, strict=True):
@@ -369,7 +368,7 @@ def _same_leaves(a: list[Any], b: list[Any]) -> bool:
         if t is MetaArg:
             if x.meta != y.meta:
                 return False
-        elif isinstance(x, torch.Tensor) or not _same_const(x, y):
+        elif isinstance(x, torch.Tensor) or not same_const(x, y):
             return False
     return True
 

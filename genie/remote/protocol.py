@@ -42,7 +42,7 @@ import msgpack
 import optree
 import torch
 
-from ..graph import TensorMeta
+from ..graph import TensorMeta, same_const
 from ..planner import Instr, MetaArg, Slot, Tape
 from ..tape_io import (  # one table of names, shared
     _DTYPE_NAME,
@@ -315,15 +315,6 @@ def host_ref(x: torch.Tensor, frames: list[Any]) -> list[Any]:
     buf, (dt, shape, stride) = tensor_frame(x)
     frames.append(buf)
     return [len(frames) - 1, dt, shape, stride]
-
-
-def same_const(a: Any, b: Any) -> bool:
-    """Equality that tells 1 from True from 1.0 and 0.0 from -0.0 (for constant deltas)."""
-    if a is b:
-        return True
-    if type(a) is not type(b) or a != b:
-        return False
-    return type(a) is not float or math.copysign(1.0, a) == math.copysign(1.0, b)
 
 
 # --- skeletons (client side) ------------------------------------------------------------------
