@@ -18,7 +18,10 @@ from ..errors import GenieError
 
 
 class RemoteError(GenieError):
-    """A failure of remote execution; ``server`` is the address it concerns."""
+    """A failure of remote execution; ``server`` is the address it concerns (None only for a
+    :class:`ProtocolError` raised where no address is known)."""
+
+    server: str | None
 
     def __init__(self, server: str, message: str) -> None:
         self.server = server
@@ -40,7 +43,31 @@ class QuotaExceededError(RemoteError):
 
 class ProtocolError(RemoteError):
     """A message that does not follow the wire format (sent or received), or that the server
-    refuses (an op off its allowlist, a dtype or device it does not serve)."""
+    refuses (an op off its allowlist, a dtype or device it does not serve).
+
+    The decoder and the server raise it without an address (``server`` is None and the message
+    has no ``[genie server ...]`` prefix): they do not know one. The client gives its own
+    (:meth:`at`, or ``server=``) where the error reaches the program.
+
+    >>> str(ProtocolError("bad shape")), str(ProtocolError("bad shape").at("tcp://h:1"))
+    ('bad shape', '[genie server tcp://h:1] bad shape')
+    """
+
+    def __init__(self, message: str, *, server: str | None = None) -> None:
+        self.message = message
+        if server is None:
+            self.server = None
+            GenieError.__init__(self, message)
+        else:
+            super().__init__(server, message)
+
+    def at(self, server: str) -> ProtocolError:
+        """This error, concerning ``server`` (itself when it already names an address)."""
+        if self.server is not None:
+            return self
+        e = ProtocolError(self.message, server=server)
+        e.__cause__, e.__traceback__ = self.__cause__, self.__traceback__
+        return e
 
 
 class RunTimeoutError(RemoteError):

@@ -221,7 +221,8 @@ class Client:
                                       "torch": torch.__version__}, (), "opening a session")
             sess = h.get("session")
             if not isinstance(sess, bytes):
-                raise self._fail(ProtocolError(self.address, "hello answered without a session"))
+                raise self._fail(ProtocolError("hello answered without a session",
+                                               server=self.address))
             self.session = sess
             self.info = {k: v for k, v in h.items() if k not in ("t", "rid", "session")}
             if h.get("torch") != torch.__version__:
@@ -345,7 +346,8 @@ class Client:
             try:
                 h = unpack(parts[0].buffer)
             except ProtocolError as e:
-                raise self._fail(ProtocolError(self.address, f"undecodable answer: {e}")) from None
+                raise self._fail(ProtocolError(f"undecodable answer: {e}", server=self.address)
+                                 ) from None
             if not isinstance(h, dict) or h.get("rid") != rid:
                 continue  # an answer to an earlier, abandoned request
             kind = h.get("t")
@@ -401,7 +403,7 @@ class Client:
         if kind == "quota":
             return QuotaExceededError(self.address, msg)
         if kind == "protocol":
-            return ProtocolError(self.address, f"the server rejected a message: {msg}")
+            return ProtocolError(f"the server rejected a message: {msg}", server=self.address)
         if kind == "exec":
             return _ExecFailure(h)
         if kind == "timeout":
@@ -652,10 +654,17 @@ class Client:
         metas = h.get("o")
         n = len(into) if into is not None else len(frames)
         if not isinstance(metas, list) or len(metas) != n or len(frames) != n:
-            raise self._fail(ProtocolError(self.address, "answer with a wrong number of outputs"))
+            raise self._fail(ProtocolError("answer with a wrong number of outputs",
+                                           server=self.address))
         out = []
         for k, (m, f) in enumerate(zip(metas, frames, strict=True)):
-            t = _host_tensor(f.buffer, m)
+            try:
+                t = _host_tensor(f.buffer, m)
+            except ProtocolError as e:  # a reply the decoder refuses: name this server
+                raise self._fail(e.at(self.address)) from None
+            except (TypeError, IndexError) as e:
+                raise self._fail(ProtocolError(f"bad output metadata {m!r:.80} ({e})",
+                                               server=self.address)) from None
             if into is not None:
                 into[k].host = t
             out.append(t)

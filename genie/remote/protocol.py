@@ -94,10 +94,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_of(name: Any) -> torch.dtype:
     d = _DTYPES.get(name) if isinstance(name, str) else None
     if d is None:
-        raise ProtocolError("?", f"unknown dtype {name!r:.40}")
+        raise ProtocolError(f"unknown dtype {name!r:.40}")
     if d not in WIRE_DTYPES:
-        raise ProtocolError("?", f"dtype {d} cannot be sent to a server (quantized, bit and "
-                                 "sub-byte dtypes are refused); convert the tensor first")
+        raise ProtocolError(f"dtype {d} cannot be sent to a server (quantized, bit and "
+                            "sub-byte dtypes are refused); convert the tensor first")
     return d
 
 
@@ -119,7 +119,7 @@ def unpack(data: Any, limit: int = MAX_HEADER_BYTES) -> Any:
 def _unpack(data: Any, limit: int, hook: Any) -> Any:
     n = data.nbytes if isinstance(data, memoryview) else len(data)
     if n > limit:
-        raise ProtocolError("?", f"header of {n} bytes exceeds the {limit}-byte limit")
+        raise ProtocolError(f"header of {n} bytes exceeds the {limit}-byte limit")
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=hook,
                                max_str_len=n, max_bin_len=n, max_ext_len=n,
@@ -127,12 +127,12 @@ def _unpack(data: Any, limit: int, hook: Any) -> Any:
     except ProtocolError:
         raise
     except Exception as e:  # msgpack raises several types for garbage input
-        raise ProtocolError("?", f"undecodable msgpack ({type(e).__name__}: {e})") from None
+        raise ProtocolError(f"undecodable msgpack ({type(e).__name__}: {e})") from None
 
 
 def _no_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError("?", f"an extension value (type {code}) nested inside another; the "
-                             "wire format never nests them")
+    raise ProtocolError(f"an extension value (type {code}) nested inside another; the "
+                        "wire format never nests them")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,13 +156,13 @@ class InputUpload:
 def _ints(x: Any, what: str, lo: int = 0, n: int | None = None) -> tuple[int, ...]:
     if not isinstance(x, list) or (n is not None and len(x) != n) or len(x) > MAX_DIMS or \
             not all(type(i) is int and i >= lo for i in x):
-        raise ProtocolError("?", f"bad {what}: {x!r}")
+        raise ProtocolError(f"bad {what}: {x!r}")
     return tuple(x)
 
 
 def _frame_ref(v: Any) -> FrameRef:
     if not isinstance(v, list) or len(v) != 4 or type(v[0]) is not int or v[0] < 0:
-        raise ProtocolError("?", f"bad tensor reference {v!r}")
+        raise ProtocolError(f"bad tensor reference {v!r}")
     shape = _ints(v[2], "shape")
     stride = None if v[3] is None else _ints(v[3], "stride", n=len(shape))
     return FrameRef(v[0], dtype_of(v[1]), shape, stride)
@@ -174,21 +174,21 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if code == EXT_DEVICE:
         s = data.decode("ascii", "replace")
         if not re.fullmatch(r"(remote_accelerator|cpu)(:\d{1,4})?", s):
-            raise ProtocolError("?", f"device {s!r} is not allowed in a tape")
+            raise ProtocolError(f"device {s!r} is not allowed in a tape")
         return torch.device(s)
     if code == EXT_LAYOUT or code == EXT_MEMFMT:
         table = _LAYOUTS if code == EXT_LAYOUT else _MEMFMTS
         v = table.get(data.decode("ascii", "replace"))
         if v is None:
-            raise ProtocolError("?", f"unknown layout/memory format {data[:40]!r}")
+            raise ProtocolError(f"unknown layout/memory format {data[:40]!r}")
         if code == EXT_LAYOUT and v is not torch.strided:
-            raise ProtocolError("?", f"layout {v} is not served (remote tensors are dense and "
-                                     "strided); convert to a dense tensor first")
+            raise ProtocolError(f"layout {v} is not served (remote tensors are dense and "
+                                "strided); convert to a dense tensor first")
         return v
     v = _unpack(data, MAX_HEADER_BYTES, _no_ext)  # one level: payloads hold no extensions
     if code == EXT_META:
         if not isinstance(v, list) or len(v) != 4 or type(v[2]) is not int or v[2] < 0:
-            raise ProtocolError("?", f"bad metadata argument {v!r:.80}")
+            raise ProtocolError(f"bad metadata argument {v!r:.80}")
         shape = _ints(v[0], "shape")
         return MetaArg(TensorMeta(shape, _ints(v[1], "stride", n=len(shape)), v[2],
                                   dtype_of(v[3]), 0))
@@ -196,22 +196,22 @@ def _ext_hook(code: int, data: bytes) -> Any:
         return _frame_ref(v)
     if code == EXT_INPUT:
         if not isinstance(v, list) or len(v) != 2 or type(v[1]) is not int or v[1] < 0:
-            raise ProtocolError("?", f"bad input upload {v!r}")
+            raise ProtocolError(f"bad input upload {v!r}")
         return InputUpload(_frame_ref(v[0]), v[1])
     if code == EXT_COMPLEX:
         if not isinstance(v, list) or len(v) != 2 or not all(type(x) is float for x in v):
-            raise ProtocolError("?", f"bad complex {v!r}")
+            raise ProtocolError(f"bad complex {v!r}")
         return complex(v[0], v[1])
     if code == EXT_SIZE:
         return torch.Size(_ints(v, "size"))
-    raise ProtocolError("?", f"unknown extension type {code}")
+    raise ProtocolError(f"unknown extension type {code}")
 
 
 def meta_arg_nbytes(m: TensorMeta) -> int:
     """Bytes of the storage a metadata-only argument stands for (ProtocolError if its strides
     are negative)."""
     if any(st < 0 for st in m.stride) or m.offset < 0:
-        raise ProtocolError("?", f"metadata argument with negative strides {list(m.stride)}")
+        raise ProtocolError(f"metadata argument with negative strides {list(m.stride)}")
     if any(s == 0 for s in m.shape):
         return 0
     return (1 + sum((s - 1) * st for s, st in zip(m.shape, m.stride, strict=True))) * \
@@ -250,15 +250,15 @@ def frame_tensor(buf: Any, ref: FrameRef, copy: bool) -> torch.Tensor:
     n = math.prod(ref.shape)
     size = len(buf) if not isinstance(buf, memoryview) else buf.nbytes
     if size != n * ref.dtype.itemsize:
-        raise ProtocolError("?", f"tensor frame {ref.index} has {size} bytes; "
-                                 f"{ref.dtype}{list(ref.shape)} needs {n * ref.dtype.itemsize}")
+        raise ProtocolError(f"tensor frame {ref.index} has {size} bytes; "
+                            f"{ref.dtype}{list(ref.shape)} needs {n * ref.dtype.itemsize}")
     if ref.stride is not None:
         # the frame is the raw span of a dense tensor: the strides must address exactly n elements
         span = 1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride, strict=True)) \
             if n else 0
         if span != n:
-            raise ProtocolError("?", f"strides {list(ref.stride)} do not describe a dense layout "
-                                     f"of {list(ref.shape)}")
+            raise ProtocolError(f"strides {list(ref.stride)} do not describe a dense layout "
+                                f"of {list(ref.shape)}")
     if n == 0:
         return torch.empty(ref.shape, dtype=ref.dtype)
     with warnings.catch_warnings():
@@ -393,13 +393,13 @@ def resolve_op(name: Any) -> Any:
     """The op a qualified name means, if the server's allowlist admits it
     (:mod:`genie.remote.allowlist`)."""
     if name != UPLOAD and isinstance(name, str) and not allowlist.admitted(name):
-        raise ProtocolError("?", f"op {name[:120]!r} does not run on a Genie server: "
-                                 f"{allowlist.why_refused(name)}. Compute it on the client (or "
-                                 "use an admitted op: genie/remote/allowlist.txt)")
+        raise ProtocolError(f"op {name[:120]!r} does not run on a Genie server: "
+                            f"{allowlist.why_refused(name)}. Compute it on the client (or "
+                            "use an admitted op: genie/remote/allowlist.txt)")
     try:
         return op_from_name(name)
     except TapeDataError as e:
-        raise ProtocolError("?", str(e)) from None
+        raise ProtocolError(str(e)) from None
 
 
 #: schema types whose values fill checks: devices, dtypes, layouts, memory formats, strings,
@@ -432,11 +432,11 @@ def check_args(op: Any, checks: tuple[ArgCheck, ...], args: Any, kwargs: Any, i:
     """Refuse values of device, dtype, layout, memory-format, string and generator arguments
     that are not what the schema means (ProtocolError naming the op and argument)."""
     if not isinstance(args, tuple) or not isinstance(kwargs, dict):
-        raise ProtocolError("?", f"instruction {i}: arguments must be a (tuple, dict) tree")
+        raise ProtocolError(f"instruction {i}: arguments must be a (tuple, dict) tree")
     names = {a.name for a in op._schema.arguments}
     for k in kwargs:
         if k not in names:
-            raise ProtocolError("?", f"instruction {i}: {op} has no argument {k!r:.40}")
+            raise ProtocolError(f"instruction {i}: {op} has no argument {k!r:.40}")
     for c in checks:
         v = args[c.pos] if c.pos < len(args) else kwargs.get(c.name)
         if v is None:
@@ -452,15 +452,15 @@ def check_args(op: Any, checks: tuple[ArgCheck, ...], args: Any, kwargs: Any, i:
                     "dtype": "a dense dtype", "layout": "torch.strided",
                     "memfmt": "a memory format", "none": "None (no generators on a server)",
                     "str": f"one of {sorted(allowlist.STR_ENUMS.get(c.name, ()))}"}[k]
-            raise ProtocolError("?", f"instruction {i}: argument {c.name!r} of {op} must be "
-                                     f"{want}; got {v!r:.40}")
+            raise ProtocolError(f"instruction {i}: argument {c.name!r} of {op} must be "
+                                f"{want}; got {v!r:.40}")
 
 
 def _spec(d: Any) -> Any:
     try:
         return spec_from_data(d)
     except TapeDataError as e:
-        raise ProtocolError("?", str(e)) from None
+        raise ProtocolError(str(e)) from None
 
 
 @dataclass(slots=True)
@@ -495,7 +495,7 @@ def _is_call_tree(spec: Any) -> bool:
 
 def _slot_list(x: Any, what: str) -> list[int]:
     if not isinstance(x, list) or not all(type(s) is int and 0 <= s < (1 << 31) for s in x):
-        raise ProtocolError("?", f"bad {what} slot list")
+        raise ProtocolError(f"bad {what} slot list")
     return x
 
 
@@ -507,13 +507,13 @@ def compile_skeleton(data: bytes, max_instrs: int = MAX_INSTRS) -> Compiled:
     """Check a skeleton and resolve its ops and argument trees (ProtocolError when malformed)."""
     sk = unpack(data)
     if not isinstance(sk, list) or len(sk) != 7 or sk[0] != PROTOCOL_VERSION:
-        raise ProtocolError("?", "bad skeleton (wrong shape or protocol version)")
+        raise ProtocolError("bad skeleton (wrong shape or protocol version)")
     _, names, spec_ds, rows, inputs, outputs, keep = sk
     if not isinstance(names, list) or not isinstance(spec_ds, list) or \
             not isinstance(rows, list) or len(rows) > max_instrs or len(names) > max_instrs or \
             len(spec_ds) > max_instrs:
-        raise ProtocolError("?", f"bad skeleton tables, or more than {max_instrs} instructions in "
-                                 "one tape (materialize more often: genie.materialize)")
+        raise ProtocolError(f"bad skeleton tables, or more than {max_instrs} instructions in "
+                            "one tape (materialize more often: genie.materialize)")
     ops = [resolve_op(n) for n in names]
     specs = [_spec(d) for d in spec_ds]
     call_tree = [_is_call_tree(sp) for sp in specs]
@@ -521,58 +521,58 @@ def compile_skeleton(data: bytes, max_instrs: int = MAX_INSTRS) -> Compiled:
                              _slot_list(keep, "kept"))
     live = set(inputs)
     if len(live) != len(inputs):
-        raise ProtocolError("?", "duplicate input slots")
+        raise ProtocolError("duplicate input slots")
     n_consts = len(inputs)
     templates = []
     slot_objs: dict[int, Slot] = {}
     for i, row in enumerate(rows):
         if not isinstance(row, list) or len(row) != 6:
-            raise ProtocolError("?", f"bad instruction {i}")
+            raise ProtocolError(f"bad instruction {i}")
         oi, si, code, outs, free, rng = row
         if type(oi) is not int or not 0 <= oi < len(ops) or type(si) is not int or \
                 not -1 <= si < len(specs) or not isinstance(code, list) or type(rng) is not bool:
-            raise ProtocolError("?", f"bad instruction {i}")
+            raise ProtocolError(f"bad instruction {i}")
         op = ops[oi]
         if (op == UPLOAD) != (si == -1) or (op == UPLOAD and (
                 code != [-1] or not isinstance(outs, list) or len(outs) != 1 or
                 outs[0] is None or free != [] or rng)):
-            raise ProtocolError("?", f"bad upload instruction {i}")
+            raise ProtocolError(f"bad upload instruction {i}")
         spec = specs[si] if si >= 0 else None
         if spec is not None and not call_tree[si]:
-            raise ProtocolError("?", f"instruction {i}: its argument tree is not (args, kwargs)")
+            raise ProtocolError(f"instruction {i}: its argument tree is not (args, kwargs)")
         if spec is not None and spec.num_leaves != len(code):
-            raise ProtocolError("?", f"instruction {i}: {len(code)} leaves for a tree of "
-                                     f"{spec.num_leaves}")
+            raise ProtocolError(f"instruction {i}: {len(code)} leaves for a tree of "
+                                f"{spec.num_leaves}")
         leaves: list[Any] = []
         for c in code:
             if type(c) is not int or c < -1:
-                raise ProtocolError("?", f"instruction {i}: bad leaf {c!r}")
+                raise ProtocolError(f"instruction {i}: bad leaf {c!r}")
             if c == -1:
                 leaves.append(None)
                 n_consts += 1
             elif c not in live:
-                raise ProtocolError("?", f"instruction {i} reads slot {c}, which is not live")
+                raise ProtocolError(f"instruction {i} reads slot {c}, which is not live")
             else:
                 leaves.append(slot_objs.setdefault(c, Slot(c)))
         if not isinstance(outs, list) or not all(
                 o is None or (type(o) is int and 0 <= o < (1 << 31) and o not in live)
                 for o in outs):
-            raise ProtocolError("?", f"instruction {i}: bad outputs {outs!r:.80}")
+            raise ProtocolError(f"instruction {i}: bad outputs {outs!r:.80}")
         named = [o for o in outs if o is not None]
         if len(set(named)) != len(named):
-            raise ProtocolError("?", f"instruction {i}: an output slot named twice")
+            raise ProtocolError(f"instruction {i}: an output slot named twice")
         live.update(named)
         free = _slot_list(free, "free")
         if len(set(free)) != len(free):
-            raise ProtocolError("?", f"instruction {i}: a slot freed twice")
+            raise ProtocolError(f"instruction {i}: a slot freed twice")
         if not live.issuperset(free):
-            raise ProtocolError("?", f"instruction {i} frees a slot that is not live")
+            raise ProtocolError(f"instruction {i} frees a slot that is not live")
         live.difference_update(free)
         n_consts += 2 if rng else 0
         checks = arg_checks(op) if op != UPLOAD else ()
         templates.append(Template(op, spec, leaves, tuple(outs), tuple(free), rng, checks))
     if not live.issuperset(outputs) or not live.issuperset(keep):
-        raise ProtocolError("?", "outputs or kept slots are not live at the end of the tape")
+        raise ProtocolError("outputs or kept slots are not live at the end of the tape")
     return Compiled(templates, inputs, outputs, keep, n_consts)
 
 
@@ -589,8 +589,8 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
     on the CPU).
     """
     if len(consts) != c.n_consts:
-        raise ProtocolError("?", f"{len(consts)} constants for a skeleton that takes "
-                                 f"{c.n_consts}")
+        raise ProtocolError(f"{len(consts)} constants for a skeleton that takes "
+                            f"{c.n_consts}")
     k = len(c.inputs)
     instrs = []
     for i, t in enumerate(c.templates):
@@ -598,7 +598,7 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
             v = consts[k]
             k += 1
             if type(v) is not FrameRef or v.index >= len(frames):
-                raise ProtocolError("?", f"instruction {i}: an upload needs a tensor frame")
+                raise ProtocolError(f"instruction {i}: an upload needs a tensor frame")
             inputs[t.outs[0]] = upload(frame_tensor(frames[v.index], v, copy=False))
             continue
         leaves = []
@@ -609,12 +609,12 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
                 tv = type(v)
                 if tv is FrameRef:
                     if v.index >= len(frames):
-                        raise ProtocolError("?", f"tensor frame {v.index} is missing")
+                        raise ProtocolError(f"tensor frame {v.index} is missing")
                     v = frame_tensor(frames[v.index], v, copy=t.op != UPLOAD)
                 elif tv is MetaArg:
                     meta_arg_nbytes(v.meta)  # refuses negative strides
                 elif tv is InputUpload:
-                    raise ProtocolError("?", "an input upload used as a constant")
+                    raise ProtocolError("an input upload used as a constant")
                 leaves.append(v)
             else:
                 leaves.append(x)
@@ -623,7 +623,7 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
             seed, off = consts[k], consts[k + 1]
             k += 2
             if type(seed) is not int or type(off) is not int or seed < 0 or off < 0:
-                raise ProtocolError("?", f"instruction {i}: bad random seed/offset")
+                raise ProtocolError(f"instruction {i}: bad random seed/offset")
             rng = (seed, off)
         if t.checks or t.op != UPLOAD and t.spec is not None and t.spec.num_leaves and \
                 any(type(x) is str for x in leaves):

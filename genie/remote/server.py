@@ -543,7 +543,7 @@ class Server:
         key = h.get("k")
         id0 = h.get("id0")
         if not isinstance(key, bytes) or len(key) != 16 or type(id0) is not int or id0 < 0:
-            raise ProtocolError("?", "a run request needs 'k' (16 bytes) and 'id0' (int)")
+            raise ProtocolError("a run request needs 'k' (16 bytes) and 'id0' (int)")
         entry = sess.skeletons.get(key)
         if "sk" in h:
             entry = self._add_skeleton(sess, key, h["sk"])
@@ -560,11 +560,11 @@ class Server:
             for i in range(0, len(d), 2):
                 p = d[i]
                 if type(p) is not int or not 0 <= p < len(consts):
-                    raise ProtocolError("?", f"bad constant position {p!r}")
+                    raise ProtocolError(f"bad constant position {p!r}")
                 consts[p] = d[i + 1]
         if not isinstance(consts, list) or len(consts) != c.n_consts:
             c.consts = None
-            raise ProtocolError("?", f"the skeleton takes {c.n_consts} constants")
+            raise ProtocolError(f"the skeleton takes {c.n_consts} constants")
         c.consts = consts
         dev = self.device
         added: list[int] = []
@@ -578,12 +578,12 @@ class Server:
                                                    " (freed, or never created)")
                 elif type(v) is InputUpload:
                     if v.ref.index >= len(frames):
-                        raise ProtocolError("?", f"tensor frame {v.ref.index} is missing")
+                        raise ProtocolError(f"tensor frame {v.ref.index} is missing")
                     t = frame_tensor(frames[v.ref.index], v.ref, copy=False).to(dev)
                     sess.put(v.hid, t)
                     added.append(v.hid)
                 else:
-                    raise ProtocolError("?", f"bad input {v!r:.60}")
+                    raise ProtocolError(f"bad input {v!r:.60}")
                 inputs[s] = t
             self._check_quota(sess)
             inputs_before = set(inputs)
@@ -629,10 +629,10 @@ class Server:
         """Compile and cache a skeleton under the hash of its bytes, within the session's
         skeleton share of the quota (least recently used ones evicted; the client resends)."""
         if not isinstance(sk, bytes):
-            raise ProtocolError("?", "'sk' must be bytes")
+            raise ProtocolError("'sk' must be bytes")
         if hashlib.blake2b(sk, digest_size=16).digest() != key:
-            raise ProtocolError("?", "the skeleton's key is not the BLAKE2b-128 hash of its "
-                                     "bytes; the server caches skeletons by their hash")
+            raise ProtocolError("the skeleton's key is not the BLAKE2b-128 hash of its "
+                                "bytes; the server caches skeletons by their hash")
         cost = len(sk) * SKELETON_COST
         cap = int(sess.quota * SKELETON_SHARE)
         if cost > cap:
@@ -671,7 +671,7 @@ def _id_list(x: Any) -> list[int]:
     if x is None:
         return []
     if not isinstance(x, list):
-        raise ProtocolError("?", "a handle id list must be a list")
+        raise ProtocolError("a handle id list must be a list")
     return [i for i in x if type(i) is int]
 
 

@@ -313,14 +313,31 @@ def test_long_tape_keeps_the_connection(server: ServerProc) -> None:
 
 # --- isolation, authentication, hostile input --------------------------------------------------
 
+def test_protocol_errors_name_an_address_only_where_one_is_known() -> None:
+    # the decoder (server side, or in process) knows no address: none, and no placeholder
+    with pytest.raises(ProtocolError, match=r"^bad skeleton") as ei:
+        protocol.compile_skeleton(protocol.pack([99]))
+    assert ei.value.server is None and "[genie server" not in str(ei.value)
+    # a client that cannot decode a reply names its own server
+    c = Client("tcp://127.0.0.1:9", insecure=True, heartbeat=False)
+    with pytest.raises(ProtocolError, match="unknown dtype") as ei:
+        c._read_outputs({"o": [["no_such_dtype", [2], None]]}, [zmq.Frame(b"\0" * 8)], None)
+    assert ei.value.server == "tcp://127.0.0.1:9"
+    assert str(ei.value) == "[genie server tcp://127.0.0.1:9] unknown dtype 'no_such_dtype'"
+
+
 def test_two_clients_are_isolated(remote) -> None:
     x = torch.randn(8, device=DEV) + 1
     genie.materialize(x)
     h = x._node.values[x._out]
     other = _client(remote, timeout=10).open()
     try:
-        with pytest.raises(ProtocolError, match="no tensor with handle id"):
+        with pytest.raises(ProtocolError, match="no tensor with handle id") as ei:
             other.get([type(h)(h.id, other, None)])
+        # the client names the server once; the server's own error carries no placeholder
+        assert ei.value.server == other.address
+        assert str(ei.value).startswith(f"[genie server {other.address}] the server rejected")
+        assert str(ei.value).count("[genie server") == 1
         assert other.session != h.client.session
     finally:
         other.close()
