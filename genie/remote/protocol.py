@@ -49,6 +49,7 @@ from ..tape_io import (  # one table of names, shared
     _DTYPES,
     _LAYOUTS,
     _MEMFMTS,
+    UPLOAD,
     TapeDataError,
     op_from_name,
     op_to_name,
@@ -58,7 +59,6 @@ from ..tape_io import (  # one table of names, shared
 from . import ProtocolError, allowlist
 
 PROTOCOL_VERSION = 1
-UPLOAD = "genie.upload"
 
 #: request kinds: hello (open a session), run (a tape), get (download values), free (release
 #: handles), ping (keep the lease), bye (close the session).

@@ -1,6 +1,5 @@
 """Planner: the tape holds exactly the needed slice, frees at last use, prints, is plain data."""
 
-import json
 import weakref
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 import genie
 from genie.backends import backend_order, codegen, eager, set_backends
 from genie.planner import Slot, build_tape, format_tape
-from genie.tape_io import TapeDataError, allow_only, tape_from_data, tape_to_data
+from genie.tape_io import TapeDataError, allow_only, op_from_name, op_to_name
 
 D = "remote_accelerator"
 
@@ -120,12 +119,22 @@ def _program():
     return parts[1].to(torch.float64).sum(dim=(0, 1), keepdim=True)
 
 
+def _wire(tape):
+    """``tape`` through the one codec (genie.remote.protocol), as a server receives it: the
+    skeleton and the constants as msgpack bytes, the tensor frames as bytes."""
+    protocol = pytest.importorskip("genie.remote.protocol")
+    enc = protocol.encode_tape(tape, lambda slot, _v, _frames: slot)  # inputs: by slot
+    return enc, protocol.pack(enc.consts), [bytes(memoryview(f)) for f in enc.frames]
+
+
 def test_tape_round_trips_through_plain_data():
     y = _program()
     tape = _tape(y)
-    header, tensors = tape_to_data(tape)
-    text = json.dumps(header)  # plain data: JSON-ready, no pickle anywhere
-    back = tape_from_data(json.loads(text), tensors)
+    enc, consts, frames = _wire(tape)
+    from genie.remote import protocol
+
+    compiled = protocol.compile_skeleton(enc.skeleton)  # plain data: msgpack, no pickle
+    back = protocol.fill(compiled, protocol.unpack(consts), frames, dict(tape.inputs))
     assert [i.op for i in back.instrs] == [i.op for i in tape.instrs]
     assert [i.free for i in back.instrs] == [i.free for i in tape.instrs]
     assert back.outputs == tape.outputs and back.keep == tape.keep
@@ -134,51 +143,67 @@ def test_tape_round_trips_through_plain_data():
 
 
 def test_tape_data_is_deterministic():
-    def header():
-        h, _ = tape_to_data(_tape(_program()))
-        for row in h["instrs"]:
-            row[7] = ""  # node ids depend on how much the process recorded before
-        return json.dumps(h)
+    def encoded():
+        enc, consts, frames = _wire(_tape(_program()))  # node ids are not part of it
+        return enc.key, enc.skeleton, consts, frames
 
-    assert header() == header()
+    assert encoded() == encoded()
 
 
-def test_tape_data_without_inputs_names_them_by_slot():
+def test_tape_data_names_inputs_by_constant():
     x = torch.randn(4, device=D)
     genie.materialize(x)
-    y = x * 2
-    header, tensors = tape_to_data(_tape(y), include_inputs=False)
-    assert tensors == [] and header["inputs"][0][1] is None
-    with pytest.raises(TapeDataError, match="no value"):
-        tape_from_data(header, tensors)
-    back = tape_from_data(header, [], inputs={0: torch.ones(4)})
+    enc, consts, frames = _wire(_tape(x * 2))
+    from genie.remote import protocol
+
+    assert frames == [] and protocol.unpack(consts)[0] == 0  # the input is named, not sent
+    back = protocol.fill(protocol.compile_skeleton(enc.skeleton), protocol.unpack(consts),
+                         frames, {0: torch.ones(4)})
     out = eager.run_instrs(back, torch.device("cpu"))[back.outputs[0]]
     torch.testing.assert_close(out, torch.full((4,), 2.0))
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda h: h["ops"].__setitem__(0, "aten::from_file.default"), "allowlist"),
-    (lambda h: h["ops"].__setitem__(0, "os::system"), "allowlist"),
-    (lambda h: h["ops"].__setitem__(0, "aten::no_such_op.default"), "does not exist"),
-    (lambda h: h["ops"].__setitem__(0, "aten::mul.Tensor; import os"), "bad op name"),
-    (lambda h: h["instrs"][-1][2].__setitem__(0, ["slot", 99]), "not live"),
-    (lambda h: h["instrs"][0].__setitem__(0, 7), "bad instruction"),
-    (lambda h: h["instrs"][-1][2].__setitem__(0, ["pickle", "x"]), "unknown leaf tag"),
-    (lambda h: h.__setitem__("version", 0), "version"),
+    (lambda sk: sk[1].__setitem__(0, "aten::from_file.default"), "does not run on a Genie"),
+    (lambda sk: sk[1].__setitem__(0, "os::system"), "does not run on a Genie"),
+    (lambda sk: sk[1].__setitem__(0, "aten::no_such_op.default"), "does not run on a Genie"),
+    (lambda sk: sk[1].__setitem__(0, "aten::mul.Tensor; import os"), "does not run on a Genie"),
+    (lambda sk: sk[3][-1][2].__setitem__(0, 99), "not live"),
+    (lambda sk: sk[3][0].__setitem__(0, 7), "bad instruction"),
+    (lambda sk: sk[3][-1][2].__setitem__(0, "pickle"), "bad leaf"),
+    (lambda sk: sk.__setitem__(0, 0), "protocol version"),
 ])
-def test_tape_from_data_rejects_bad_headers(edit, match):
+def test_compile_skeleton_rejects_bad_skeletons(edit, match):
     x = torch.randn(4, device=D)
     genie.materialize(x)
-    header, tensors = tape_to_data(_tape((x * 2).relu()))
-    edit(header)
+    enc, _, _ = _wire(_tape((x * 2).relu()))
+    from genie.remote import ProtocolError, protocol
+
+    sk = protocol.unpack(enc.skeleton)
+    edit(sk)
+    with pytest.raises(ProtocolError, match=match):
+        protocol.compile_skeleton(protocol.pack(sk))
+
+
+@pytest.mark.parametrize("name, match", [
+    ("aten::from_file.default", "allowlist"),
+    ("os::system", "allowlist"),
+    ("aten::mul.Tensor; import os", "bad op name"),
+    ("mul", "bad op name"),
+])
+def test_op_names_resolve_checked(name, match):
     with pytest.raises(TapeDataError, match=match):
-        tape_from_data(header, tensors)
+        op_from_name(name)
+
+
+def test_an_op_that_does_not_exist_is_refused_even_when_allowed():
+    with pytest.raises(TapeDataError, match="does not exist"):
+        op_from_name("aten::no_such_op.default", lambda ns, op: True)
 
 
 def test_allowlist_can_be_narrowed():
-    x = torch.randn(4, device=D)
-    genie.materialize(x)
-    header, tensors = tape_to_data(_tape((x * 2).relu()))
-    tape_from_data(header, tensors, allow=allow_only({"aten::mul", "aten::relu"}))
+    mul, relu = op_from_name("aten::mul.Tensor"), op_from_name("aten::relu")
+    assert (op_to_name(mul), op_to_name(relu)) == ("aten::mul.Tensor", "aten::relu.default")
+    assert op_from_name("aten::mul.Tensor", allow_only({"aten::mul", "aten::relu"})) is mul
     with pytest.raises(TapeDataError, match="allowlist"):
-        tape_from_data(header, tensors, allow=allow_only({"aten::mul"}))
+        op_from_name("aten::relu.default", allow_only({"aten::mul"}))
