@@ -555,14 +555,29 @@ def _transfer(func: Any, args: tuple, kwargs: dict, leaves: list[Any], index: in
     return _NOT_HANDLED
 
 
+#: A backend's way to send a host tensor now instead of snapshotting it (set by the remote
+#: backend while connected): ``upload_now(src, meta, graph)`` returns the device value ``src``
+#: has now (the transfer done: later writes to ``src`` cannot reach it), or None to record the
+#: upload as usual. Saves the host copy of a large upload.
+upload_now: Any = None
+
+
 def upload(src: torch.Tensor, index: int, like: TensorMeta | None = None) -> LazyTensor:
-    """Record an upload node holding a snapshot of the host tensor ``src`` (one node)."""
+    """Record an upload node holding a snapshot of the host tensor ``src`` (one node); or, when
+    :data:`upload_now` sends it at once, an executed upload node holding the device value."""
     if not context._active:
         context.activate()  # module/optimizer hooks: meaning on the default path
     meta = like or TensorMeta.of(src, index)
+    graph = current_graph()
+    value = upload_now(src, meta, graph) if upload_now is not None else None
+    if value is not None:
+        node = Node(_UPLOAD, [], None, [meta], None, [Storage()], (), graph)
+        node.values, node.executed, node.leaves = [value], True, None
+        bump("uploads")
+        return LazyTensor(node, 0, meta)
     snap = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
     snap.copy_(src)
-    node = Node(_UPLOAD, [snap], None, [meta], None, [Storage()], (), current_graph())
+    node = Node(_UPLOAD, [snap], None, [meta], None, [Storage()], (), graph)
     bump("uploads")
     return LazyTensor(node, 0, meta)
 

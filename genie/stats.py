@@ -35,7 +35,8 @@ def stats() -> dict[str, int]:
     - meaning (:mod:`genie.context`): ``phase.prefill.calls``, ``phase.decode.calls``,
       ``phase.prefill.nodes``, ``phase.decode.nodes`` (phases found on the default path);
     - remote: ``round_trips``, ``bytes_sent``, ``bytes_received``, ``skeletons_sent``,
-      ``frees_sent``, ``resident_tensors``, ``resident_bytes``; recovery: ``replays``,
+      ``frees_sent``, ``resident_tensors``, ``resident_bytes``, ``uploads_sent_now`` (large
+      uploads sent at ``.to()``, from the host tensor's own memory); recovery: ``replays``,
       ``replayed_requests``, ``checkpoints``, ``last_recovery_ms``.
 
     Example:

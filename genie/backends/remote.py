@@ -27,13 +27,17 @@ from typing import Any
 
 import torch
 
-from .. import device
+from .. import device, lazy_tensor
 from ..errors import DeviceError, GenieError
 from ..planner import Slot, Tape
 from . import BackendUnsupported, backend_order, register_backend, set_backends
 
 _clients: list[Any] = []
 _atexit = False
+
+#: host tensors at least this large are sent when ``.to()`` records their upload (one round
+#: trip each, their own memory as the frame) instead of being snapshotted for the next request
+UPLOAD_NOW_MIN = 4 << 20
 
 
 def connect(address: str | Sequence[str] | None = None, *, key_file: str | None = None,
@@ -123,6 +127,7 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
             raise
     _clients[:] = new
     set_backends(["remote", *[n for n in backend_order() if n != "remote"]])
+    lazy_tensor.upload_now = _upload_now
     if device.device_count() < len(new):
         device._native()._set_device_count(len(new))
     global _atexit
@@ -137,11 +142,34 @@ def disconnect() -> None:
     Tensors whose values lived on a server cannot be used afterwards (they raise
     :class:`~genie.remote.SessionLostError`); ``.cpu()`` what you need first.
     """
+    lazy_tensor.upload_now = None
     for c in _clients:
         c.close()
     _clients.clear()
     if "remote" in backend_order():
         set_backends([n for n in backend_order() if n != "remote"])
+
+
+def _upload_now(src: torch.Tensor, meta: Any, graph: Any) -> Any:
+    """:data:`genie.lazy_tensor.upload_now`: a large, contiguous host tensor whose upload
+    needs no conversion goes to its server now, from its own memory (no snapshot copy: the
+    server holds the value when this returns); None leaves the upload to be recorded."""
+    if graph.keep_nodes or meta.index >= len(_clients) or src.layout is not torch.strided or \
+            src.device.type != "cpu" or src.numel() * src.element_size() < UPLOAD_NOW_MIN:
+        return None
+    if (type(src) is not torch.Tensor and not isinstance(src, torch.nn.Parameter)) or \
+            src.dtype != meta.dtype or tuple(src.shape) != meta.shape or \
+            tuple(src.stride()) != meta.stride or not src.is_contiguous() or \
+            src.is_conj() or src.is_neg() or meta.conj or meta.neg:
+        return None
+    c = _clients[meta.index]
+    if not c.alive or backend_order()[:1] != ["remote"]:
+        return None
+    from ..remote.protocol import WIRE_DTYPES
+
+    if src.dtype not in WIRE_DTYPES:
+        return None  # refused when the tape runs, with the protocol's message
+    return c.put(src, meta)
 
 
 def clients() -> list[Any]:

@@ -512,6 +512,40 @@ class Client:
             self._read_outputs(h, frames, [kept[s] for s in tape.outputs])
             return kept
 
+    def put(self, t: torch.Tensor, meta: TensorMeta) -> Handle:
+        """Upload the host tensor ``t`` now (one round trip) and keep it as a resident value.
+
+        Its frame is ``t``'s own memory (no host copy); the call returns once the server holds
+        the value, so later writes to ``t`` do not reach it.
+        """
+        with self._lock:
+            self.open()
+            hid = next(self._ids)
+            tape = Tape([], {0: t}, [], set(), [], {}, meta.index)
+            enc = encode_tape(tape, lambda _s, v, frames: msgpack.ExtType(
+                EXT_INPUT, pack([host_ref(v, frames), hid])))
+            header: dict[str, Any] = {"t": "run", "k": enc.key, "id0": 0, "c": enc.consts}
+            if enc.key not in self._skeletons:
+                header["sk"] = enc.skeleton
+            what = f"an upload of {t.numel() * t.element_size()} bytes"
+            try:
+                h, _ = self._call_locked(header, enc.frames, what)
+            except (ServerUnavailableError, SessionLostError):
+                if self._lineage is None:
+                    raise
+                self._recover()
+                h = {"t": "miss"}
+            if h.get("t") == "miss":
+                header["sk"] = enc.skeleton
+                self._call_locked(header, enc.frames, what + " (resent)")
+            self._skeletons[enc.key] = enc.consts
+            lin = self._lineage
+            if lin is not None:
+                lin.record_run(RunEntry(enc.key, enc.skeleton, enc.consts, enc.frames, 0, 0,
+                                        [(t, t._version)]), [hid])
+            bump("uploads_sent_now")
+            return Handle(hid, self, meta)
+
     def get(self, handles: list[Handle]) -> list[torch.Tensor]:
         """Download the values of ``handles`` (one round trip)."""
         with self._lock:

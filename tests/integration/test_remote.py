@@ -294,8 +294,11 @@ def test_execution_error_on_the_server(remote) -> None:
 def test_quota_exceeded(remote) -> None:
     with pytest.raises(QuotaExceededError, match="quota"):
         torch.zeros(8 << 20, device=DEV).sum().item()  # 32 MiB factory > 24 MiB quota
-    keep = [torch.randn(1 << 20).to(DEV) for _ in range(8)]  # 8 x 4 MiB uploads, all held
-    with pytest.raises(QuotaExceededError):
+    with pytest.raises(QuotaExceededError):  # at .to() (sent then: >= UPLOAD_NOW_MIN), as eager
+        keep = [torch.randn(1 << 20).to(DEV) for _ in range(8)]  # 8 x 4 MiB uploads, all held
+        genie.materialize(*keep)
+    with pytest.raises(QuotaExceededError):  # recorded uploads: at materialization
+        keep = [torch.randn(1 << 19).to(DEV) for _ in range(16)]  # 16 x 2 MiB
         genie.materialize(*keep)
     assert torch.ones(2, device=DEV).sum().item() == 2.0
 

@@ -65,3 +65,68 @@ def test_large_transfers_report_size_and_rate_only_when_asked(monkeypatch, caplo
     finally:
         genie.disconnect()
         stop([srv])
+
+
+def test_large_uploads_go_at_to_from_the_host_memory_and_keep_eager_values() -> None:
+    """A large contiguous upload is sent when ``.to()`` records it, from the host tensor's own
+    memory (no snapshot); the device value is the host value at ``.to()`` time, as in eager,
+    whatever the program writes to the host tensor afterwards."""
+    from genie.backends.remote import UPLOAD_NOW_MIN
+
+    [(srv, addr)] = spawn_servers(1)
+    try:
+        genie.connect(addr, insecure=True, timeout=20)
+        torch.manual_seed(0)
+        n = UPLOAD_NOW_MIN // 4 * 2
+        x = torch.randn(n)
+        orig = x.clone()
+        genie.reset_stats()
+        xd = x.to("remote_accelerator")
+        s = genie.stats()
+        assert s["uploads_sent_now"] == 1 and s["bytes_sent"] >= n * 4
+        x.add_(1)  # after .to(): eager's device value does not see it
+        x.numpy()[:10] = 7  # nor a write that bypasses the version counter
+        genie.reset_stats()
+        torch.testing.assert_close((xd * 2).cpu(), orig * 2, rtol=0, atol=0)
+        assert genie.stats()["bytes_sent"] < 1 << 16  # the value was already there
+        # copy_ into a device tensor (fresh, and a view of one) takes the same path
+        d = torch.empty(n, device="remote_accelerator")
+        d.copy_(x)
+        e = torch.zeros(2, n, device="remote_accelerator")
+        e[1].copy_(x)
+        want = x.clone()
+        x.zero_()
+        torch.testing.assert_close(d.cpu(), want, rtol=0, atol=0)
+        torch.testing.assert_close(e.cpu()[1], want, rtol=0, atol=0)
+        assert genie.stats()["uploads_sent_now"] == 2
+        # what needs a conversion or is not contiguous is snapshotted and sent with its tape
+        y = torch.randn(n // 64, 64)
+        genie.reset_stats()
+        yt, yd = y.t().to("remote_accelerator"), y.to("remote_accelerator", torch.float64)
+        yc = y.clone()
+        y.zero_()
+        assert "uploads_sent_now" not in genie.stats()
+        torch.testing.assert_close(yt.cpu(), yc.t(), rtol=0, atol=0)
+        torch.testing.assert_close(yd.cpu(), yc.double(), rtol=0, atol=0)
+    finally:
+        genie.disconnect()
+        stop([srv])
+
+
+def test_a_large_upload_sent_at_to_replays_after_its_server_dies() -> None:
+    import signal
+
+    servers = spawn_servers(2)
+    try:
+        genie.connect([a for _, a in servers[:1]], insecure=True, timeout=20, replay=True)
+        genie.backends.remote.clients()[0]._fallbacks = [servers[1][1]]
+        x = torch.randn(3 << 20)
+        xd = x.to("remote_accelerator")
+        assert genie.stats()["uploads_sent_now"] >= 1
+        servers[0][0].send_signal(signal.SIGKILL)
+        servers[0][0].wait(timeout=30)
+        torch.testing.assert_close((xd + 1).cpu(), x + 1, rtol=0, atol=0)
+        assert genie.stats()["replays"] >= 1
+    finally:
+        genie.disconnect()
+        stop([p for p, _ in servers])
