@@ -540,6 +540,8 @@ def _transfer(func: Any, args: tuple, kwargs: dict, leaves: list[Any], index: in
         dev = kwargs.get("device")
         if isinstance(dev, torch.device) and dev.type != DEVICE_TYPE:
             real = materialize_one(args[0], "cpu" if dev.type == "cpu" else "to")
+            if dev.type == "cpu" and _own_download(real, kwargs):
+                return real  # already the fresh host tensor eager's copy would be
             with real_dispatch(), phase("transfer"):
                 return func(real, *args[1:], **kwargs)
         return _NOT_HANDLED
@@ -560,6 +562,17 @@ def _transfer(func: Any, args: tuple, kwargs: dict, leaves: list[Any], index: in
 #: has now (the transfer done: later writes to ``src`` cannot reach it), or None to record the
 #: upload as usual. Saves the host copy of a large upload.
 upload_now: Any = None
+
+
+def _own_download(real: torch.Tensor, kwargs: dict) -> bool:
+    """Whether ``real`` is a download of its own (marked ``_genie_own`` by the remote client,
+    once) that a device-to-host ``_to_copy`` with ``kwargs`` would only copy again."""
+    if not real.__dict__.pop("_genie_own", False):
+        return False
+    return all(k in ("device", "non_blocking") or v is None or
+               (k == "dtype" and v == real.dtype) or (k == "layout" and v == torch.strided) or
+               (k == "memory_format" and v == torch.preserve_format) or
+               (k == "pin_memory" and not v) for k, v in kwargs.items())
 
 
 def upload(src: torch.Tensor, index: int, like: TensorMeta | None = None) -> LazyTensor:

@@ -133,7 +133,9 @@ def _host_tensor(buf: memoryview, m: list[Any]) -> torch.Tensor:
     memory is this process's alone and writable; the tensor keeps the frame alive), else a
     copy."""
     ref = FrameRef(0, dtype_of(m[0]), tuple(m[1]), None if m[2] is None else tuple(m[2]))
-    return frame_tensor(buf, ref, copy=buf.nbytes < ZERO_COPY_MIN)
+    t = frame_tensor(buf, ref, copy=buf.nbytes < ZERO_COPY_MIN)
+    t._genie_own = True  # no one else holds it: `.cpu()` returns it without another copy
+    return t
 
 
 def _nbytes(f: Any) -> int:
