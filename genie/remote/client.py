@@ -54,6 +54,7 @@ from . import (
 )
 from .lineage import FreeEntry, Lineage, PutEntry, RunEntry, host_sources
 from .protocol import (
+    ALIGN,
     EXT_INPUT,
     PROTOCOL_VERSION,
     FrameRef,
@@ -61,8 +62,11 @@ from .protocol import (
     dtype_of,
     encode_tape,
     frame_tensor,
+    frame_view,
     host_ref,
+    join_frames,
     pack,
+    split_frames,
     unpack,
 )
 
@@ -128,12 +132,14 @@ class Handle:
 ZERO_COPY_MIN = 1 << 16
 
 
-def _host_tensor(buf: memoryview, m: list[Any]) -> torch.Tensor:
-    """A downloaded value: over :data:`ZERO_COPY_MIN` bytes, a view of the received frame (its
-    memory is this process's alone and writable; the tensor keeps the frame alive), else a
-    copy."""
+def _host_tensor(buf: Any, m: list[Any]) -> torch.Tensor:
+    """A downloaded value: over :data:`ZERO_COPY_MIN` bytes, the received buffer's memory when
+    it is :data:`ALIGN`-aligned (chunks joined, see :func:`~genie.remote.protocol.join_frames`:
+    this process's alone and writable; the tensor keeps it alive), else a copy."""
     ref = FrameRef(0, dtype_of(m[0]), tuple(m[1]), None if m[2] is None else tuple(m[2]))
-    t = frame_tensor(buf, ref, copy=buf.nbytes < ZERO_COPY_MIN)
+    t = frame_tensor(buf, ref, copy=frame_view(buf).nbytes < ZERO_COPY_MIN)
+    if t.data_ptr() % ALIGN:  # a received frame: not where eager's allocator would put it
+        t = t.clone(memory_format=torch.preserve_format)
     t._genie_own = True  # no one else holds it: `.cpu()` returns it without another copy
     return t
 
@@ -316,6 +322,9 @@ class Client:
         frees = self._drain_frees()
         if frees:
             header["free"] = frees
+        frames, counts = split_frames(frames)
+        if counts is not None:
+            header["fc"] = counts
         data = pack(header)
         size = sum(_nbytes(f) for f in frames)
         # zmq sends in the background: an upload ends when the server answers, not here
@@ -367,7 +376,10 @@ class Client:
                 _counts["resident_bytes"] = res[1]
             if kind == "err":
                 raise self._error(h)
-            return h, parts[1:]
+            try:
+                return h, join_frames(parts[1:], h.get("fc"))
+            except ProtocolError as e:
+                raise self._fail(e.at(self.address)) from None
 
     def _lost_note(self) -> str:
         n, b = self.resident
@@ -695,7 +707,7 @@ class Client:
         out = []
         for k, (m, f) in enumerate(zip(metas, frames, strict=True)):
             try:
-                t = _host_tensor(f.buffer, m)
+                t = _host_tensor(getattr(f, "buffer", f), m)
             except ProtocolError as e:  # a reply the decoder refuses: name this server
                 raise self._fail(e.at(self.address)) from None
             except (TypeError, IndexError) as e:

@@ -61,6 +61,7 @@ from ..errors import ExecutionError
 from . import ProtocolError
 from .guard import QuotaError, RunTimeout, run_guarded
 from .protocol import (
+    ALIGN,
     PROTOCOL_VERSION,
     REQUESTS,
     UPLOAD,
@@ -69,7 +70,9 @@ from .protocol import (
     compile_skeleton,
     fill,
     frame_tensor,
+    join_frames,
     pack,
+    split_frames,
     tensor_frame,
     unpack,
 )
@@ -466,6 +469,9 @@ class Server:
         if ident is None:
             return
         reply["rid"] = rid
+        rframes, counts = split_frames(rframes)
+        if counts is not None:
+            reply["fc"] = counts
         out.send_multipart([ident, pack(reply), *rframes], copy=False)
 
     def _stream(self, key: Any) -> Any:
@@ -544,6 +550,7 @@ class Server:
         id0 = h.get("id0")
         if not isinstance(key, bytes) or len(key) != 16 or type(id0) is not int or id0 < 0:
             raise ProtocolError("a run request needs 'k' (16 bytes) and 'id0' (int)")
+        frames[:] = join_frames(frames, h.get("fc"))  # in place: the chunks go at once
         entry = sess.skeletons.get(key)
         if "sk" in h:
             entry = self._add_skeleton(sess, key, h["sk"])
@@ -579,7 +586,7 @@ class Server:
                 elif type(v) is InputUpload:
                     if v.ref.index >= len(frames):
                         raise ProtocolError(f"tensor frame {v.ref.index} is missing")
-                    t = frame_tensor(frames[v.ref.index], v.ref, copy=False).to(dev)
+                    t = _device_value(frame_tensor(frames[v.ref.index], v.ref, copy=False), dev)
                     sess.put(v.hid, t)
                     added.append(v.hid)
                 else:
@@ -587,8 +594,7 @@ class Server:
                 inputs[s] = t
             self._check_quota(sess)
             inputs_before = set(inputs)
-            tape = fill(c, consts, frames, inputs,
-                        upload=(lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev)))
+            tape = fill(c, consts, frames, inputs, upload=lambda t: _device_value(t, dev))
             # uploads inside the tape are inputs now, not yet counted in the session
             uploaded = sum(t.untyped_storage().nbytes() for sl, t in tape.inputs.items()
                            if sl not in inputs_before)
@@ -673,6 +679,14 @@ def _id_list(x: Any) -> list[int]:
     if not isinstance(x, list):
         raise ProtocolError("a handle id list must be a list")
     return [i for i in x if type(i) is int]
+
+
+def _device_value(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """An uploaded frame's tensor as the session's value: moved to ``dev``, or on the CPU the
+    frame's memory itself when it is :data:`ALIGN`-aligned (else an aligned copy)."""
+    if dev.type != "cpu":
+        return t.to(dev)
+    return t if t.data_ptr() % ALIGN == 0 else t.clone(memory_format=torch.preserve_format)
 
 
 def _outputs(vals: list[torch.Tensor]) -> tuple[dict[str, Any], list[Any]]:

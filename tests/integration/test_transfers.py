@@ -130,3 +130,42 @@ def test_a_large_upload_sent_at_to_replays_after_its_server_dies() -> None:
     finally:
         genie.disconnect()
         stop([p for p, _ in servers])
+
+
+@pytest.mark.parametrize("shape", [(1024, 1024), (256, 512), (300, 7)])  # chunked, one frame
+def test_transferred_values_are_aligned_and_give_eagers_bits(shape) -> None:
+    """Received frames are not where torch's allocator would put a tensor; a matrix-vector
+    product on a misaligned weight rounds differently from eager. Values on the server and
+    downloads are 64-byte aligned (chunks joined into an aligned buffer, small frames copied)."""
+    [(srv, addr)] = spawn_servers(1)
+    try:
+        genie.connect(addr, insecure=True, timeout=20)
+        torch.manual_seed(0)
+        w, x = torch.randn(*shape), torch.randn(1, shape[1])
+        wd = w.to("remote_accelerator")
+        got = (x.to("remote_accelerator") @ wd.t()).cpu()
+        assert torch.equal(got, x @ w.t())
+        back = wd.cpu()
+        assert back.data_ptr() % 64 == 0 and torch.equal(back, w)
+        assert torch.equal(x @ back.t(), x @ w.t())
+    finally:
+        genie.disconnect()
+        stop([srv])
+
+
+def test_frames_split_into_chunks_and_join_aligned() -> None:
+    from genie.remote import ProtocolError
+    from genie.remote.protocol import CHUNK, join_frames, split_frames
+
+    big = (torch.arange(2 * CHUNK + 3) % 251).to(torch.uint8).numpy()  # 3 chunks
+    small = b"abc"
+    wire, counts = split_frames([small, big])
+    assert counts == [1, 3] and len(wire) == 4 and wire[0] is small
+    assert all(memoryview(w).nbytes <= CHUNK for w in wire)
+    assert split_frames([small]) == ([small], None)
+    a, b = join_frames([bytes(w) for w in wire], counts)
+    assert a == small and bytes(b) == big.tobytes()
+    assert torch.from_numpy(b).data_ptr() % 64 == 0
+    for bad in ([1, 2], [0, 4], [4.0], "x", [1, 1, 1, 1, 1]):
+        with pytest.raises(ProtocolError, match="chunk counts"):
+            join_frames(list(wire), bad)
