@@ -118,7 +118,7 @@ class _Stack(threading.local):
 
 
 _tls = _Stack()
-_names: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyDictionary()
+_names: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def activate() -> None:
@@ -193,8 +193,9 @@ def _pre(module: Any, args: tuple) -> None:
         call = outer.call if outer is not None else None
     else:
         names = _names.get(module)
-        if names is None:
-            names = _names[module] = {m: n for n, m in module.named_modules()}
+        if names is None:  # weak both ways: a cache entry never keeps a model (or its weights)
+            names = _names[module] = weakref.WeakKeyDictionary(
+                (m, n) for n, m in module.named_modules())
         path = ""
         call = _begin(module, args)
     region = outer.region if outer is not None else "forward"
