@@ -1,9 +1,11 @@
 """Passes on the real path (issue 13): recomputation under a budget, default passes on GPT-2.
 
-A script, not a pytest-benchmark suite (it measures peaks and compares losses, which the
-ratio tables do not hold). Run::
+It measures peaks and compares losses, which the ratio tables do not hold, so each part prints
+its own figures; it runs as a script or as one pytest-benchmark case per part (timed once, the
+figures printed with ``-s``)::
 
     GENIE_BENCH_ROUNDS=3 PYTHONPATH=. .venv/bin/python bench/bench_passes.py
+    .venv/bin/python -m pytest bench/bench_passes.py --benchmark-only -q -s
 
 * Deep MLP: 16 x (Linear(W) + GELU), SGD step (forward, backward, update in one tape:
   ``genie.materialize(loss, *params)``). Unoptimized (``set_passes([])``) and the default
@@ -31,6 +33,7 @@ import os
 import sys
 import time
 
+import pytest
 import torch
 
 import genie
@@ -215,6 +218,19 @@ def gpt2_budget() -> None:
         print(f"  {r}")
     passes.set_memory_budget(None)
     _restore_gate(gate)
+
+
+@pytest.mark.parametrize("part", ["mlp1024", "mlp128", "gpt2", "gpt2_budget"])
+def test_passes(benchmark, part: str) -> None:
+    benchmark.group = f"passes: {part} (figures printed; one timed run)"
+    gate = os.environ.get("GENIE_PASSES_GATE")
+    os.environ.setdefault("GENIE_PASSES_GATE", "5")
+    try:
+        fn = {"mlp1024": lambda: mlp(1024, 256), "mlp128": lambda: mlp(128, 4096),
+              "gpt2": gpt2, "gpt2_budget": gpt2_budget}[part]
+        benchmark.pedantic(fn, rounds=1, iterations=1)
+    finally:
+        _restore_gate(gate)
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ class _Stack(threading.local):
 
 
 _tls = _Stack()
-_names: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyDictionary()
+_names: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def activate() -> None:
@@ -192,14 +192,28 @@ def _pre(module: Any, args: tuple) -> None:
             path = f"{parent}.{type(module).__name__}" if parent else type(module).__name__
         call = outer.call if outer is not None else None
     else:
+        if _host_call(args):
+            return  # a model on another device: no context, and (almost) no cost
         names = _names.get(module)
-        if names is None:
-            names = _names[module] = {m: n for n, m in module.named_modules()}
+        if names is None:  # weak both ways: a cache entry never keeps a model (or its weights)
+            names = _names[module] = weakref.WeakKeyDictionary(
+                (m, n) for n, m in module.named_modules())
         path = ""
         call = _begin(module, args)
     region = outer.region if outer is not None else "forward"
     st.append((module, outer, names))
     current.ctx = _context(call, path, type(module).__name__, region, _explicit(module, outer))
+
+
+def _host_call(args: tuple) -> bool:
+    """Whether an outermost call's positional tensors are all real (not on the device)."""
+    seen = False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if getattr(a, "_node", None) is not None:
+                return False
+            seen = True
+    return seen
 
 
 def _post(module: Any, args: tuple, kwargs: Any, output: Any = None) -> None:

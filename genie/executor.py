@@ -61,14 +61,17 @@ def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
     """Mark the run's nodes executed, keep needed values, release inputs (graph truncation)."""
     pending = tape._slots
     lazy = pending.outs if type(pending) is PendingSlots else None  # node i's slots, in order
+    slots = tape.slots if lazy is None else None
+    get = kept.get
     for i, n in enumerate(tape.nodes):
         vals: list[torch.Tensor | None] = []
         if lazy is not None:
-            vals = [kept.get(s) if s is not None else None for s in lazy[i]]
+            vals = [get(s) if s is not None else None for s in lazy[i]]
         else:
+            idx = n.index
             for k in range(len(n.metas)):
-                s = tape.slots.get((n.index, k))
-                vals.append(kept.get(s) if s is not None else None)
+                s = slots.get((idx, k))
+                vals.append(get(s) if s is not None else None)
         n.values = vals
         n.executed = True
         n.leaves = None
@@ -77,8 +80,11 @@ def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
             if n in s.pending_writes:
                 s.pending_writes.remove(n)
                 pending_total[0] -= 1
+        # Readers that ran are dead weight; short lists are left to Storage.add_reader's
+        # pruning (at doubling), which bounds them: rebuilding every list here cost more than
+        # the rest of binding on small training steps.
         for s in n.storages:
-            if s is not None and s.readers:
+            if s is not None and len(s.readers) >= 16:
                 s.readers = [r for r in s.readers if (r() is not None and not r().executed)]
 
 

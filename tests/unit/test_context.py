@@ -149,3 +149,19 @@ def test_training_loop_has_no_phase():
 def test_role_of_a_host_tensor_is_a_type_error():
     with pytest.raises(TypeError, match="remote_accelerator tensor"):
         context.role(torch.ones(2))
+
+
+def test_a_called_model_is_freed_with_its_weights():
+    """The hooks' per-model caches hold nothing strongly: a model that was called on the device
+    and dropped frees its weights (and the device bytes they hold)."""
+    import gc
+    import weakref
+
+    m = _Attn().to(D)
+    with torch.no_grad():
+        y, _ = m(torch.ones(1, 2, 8, device=D))
+    y.cpu()
+    w = weakref.ref(m.qkv.weight)
+    del m, y
+    gc.collect()
+    assert w() is None

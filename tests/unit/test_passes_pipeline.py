@@ -1,5 +1,6 @@
 """Passes on the real path (issue 13): once per plan, replayed, verified, gated, budgeted."""
 
+import gc
 import logging
 from dataclasses import replace
 
@@ -197,6 +198,10 @@ def test_fold_computes_constants_once_and_refuses_other_shapes():
 
 
 def _mlp_steps(steps, seed=0, width=32, batch=1024, depth=16):
+    """Losses, gradients and each step's peak device bytes above what was held before (values
+    other tests left alive are not this program's)."""
+    gc.collect()
+    base = torch.remote_accelerator.memory_allocated()
     torch.manual_seed(seed)
     layers = []
     for _ in range(depth):
@@ -216,7 +221,7 @@ def _mlp_steps(steps, seed=0, width=32, batch=1024, depth=16):
         # forward only, leaving backward and update to the next step's tape)
         genie.materialize(loss, *model.parameters())
         losses.append(loss.item())
-        peaks.append(torch.remote_accelerator.max_memory_allocated())
+        peaks.append(torch.remote_accelerator.max_memory_allocated() - base)
     grads = [p.grad.cpu() for p in model.parameters()]
     return losses, grads, peaks
 
