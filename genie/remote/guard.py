@@ -54,6 +54,7 @@ from typing import Any
 import optree
 import torch
 
+from ..backends.eager import arg as eager_arg
 from ..backends.eager import generator_for, seed_from
 from ..errors import ExecutionError
 from ..meta import policy
@@ -531,14 +532,8 @@ def _run_instr(ins: Any, env: dict[int, Any], dev: torch.device) -> list[Any]:
 
 
 def _arg(x: Any, env: dict[int, Any], dev: torch.device) -> Any:
-    t = type(x)
-    if t is Slot:
-        return env[x.id]
-    if t is torch.device:
-        return dev if x.type == "remote_accelerator" else x
-    if t is MetaArg:
-        m = x.meta
-        v = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=dev)
+    """The eager interpreter's argument, with metadata-only arguments zeroed (fresh memory)."""
+    v = eager_arg(x, env, dev)
+    if type(x) is MetaArg:
         _zero_out(v)
-        return v
-    return x
+    return v
