@@ -16,6 +16,10 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages(genie.__path__, "genie.")
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
+    from genie import context
+
+    if name == "genie.context" and not context._on:
+        pytest.skip("GENIE_CONTEXT=0: its example shows the context the hooks record")
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
