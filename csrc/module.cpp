@@ -69,10 +69,46 @@ void untrack_of_type(const py::list& items, const py::handle& type) {
 // One recorded node and its containers (see genie.graph.untrack_node): the node, its argument
 // list and the Refs in it, its storage, output and consumer lists, the weak references in its
 // outputs, and its own weak reference. One call per recorded op, so no Python-level loop.
+//
+// Also each output Storage with no pending write, with its two lists: a Storage reaches a node
+// only through `pending_writes`, and the write path (Storage.add_writer) tracks the storage and
+// that list again when it appends. With genie.graph.track untracking the liveness token and the
+// tensor's instance dict, what stays tracked per recorded op is the LazyTensor object itself.
+PyTypeObject* graph_type(const char* name) {
+  py::object t = py::module_::import("genie.graph").attr(name);
+  return reinterpret_cast<PyTypeObject*>(t.release().ptr());  // kept for the process
+}
+
+void untrack_storage(PyObject* s) {
+  static PyObject* const pw_name = PyUnicode_InternFromString("pending_writes");
+  static PyObject* const readers_name = PyUnicode_InternFromString("readers");
+  if (!PyObject_GC_IsTracked(s)) {
+    return;
+  }
+  PyObject* pw = PyObject_GetAttr(s, pw_name);
+  if (pw == nullptr) {
+    throw py::error_already_set();
+  }
+  const bool empty = PyList_Check(pw) && PyList_GET_SIZE(pw) == 0;
+  if (empty) {
+    PyObject* readers = PyObject_GetAttr(s, readers_name);
+    if (readers == nullptr) {
+      Py_DECREF(pw);
+      throw py::error_already_set();
+    }
+    untrack(readers);
+    Py_DECREF(readers);
+    untrack(pw);
+    untrack(s);
+  }
+  Py_DECREF(pw);
+}
+
 void untrack_node(const py::handle& node, const py::handle& leaves, const py::handle& ref_type) {
   static PyObject* const names[] = {
       PyUnicode_InternFromString("storages"), PyUnicode_InternFromString("outputs"),
       PyUnicode_InternFromString("consumers"), PyUnicode_InternFromString("_wref")};
+  static PyTypeObject* const storage_type = graph_type("Storage");
   untrack(node.ptr());
   if (PyList_Check(leaves.ptr())) {
     untrack(leaves.ptr());
@@ -90,6 +126,8 @@ void untrack_node(const py::handle& node, const py::handle& leaves, const py::ha
         PyObject* e = PyList_GET_ITEM(o, i);
         if (PyWeakref_CheckRefExact(e)) {
           untrack(e);
+        } else if (Py_TYPE(e) == storage_type) {
+          untrack_storage(e);
         }
       }
     }

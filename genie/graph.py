@@ -36,7 +36,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from ._C import _gc_retrack_below, _gc_untrack_node
+from ._C import _gc_retrack_below, _gc_track, _gc_untrack, _gc_untrack_node
+from .config import config
 
 _record_counter = itertools.count()
 _graph_task_id = torch._C._current_graph_task_id
@@ -175,6 +176,13 @@ class Storage:
         self.readers: list[weakref.ref[Node]] = []
         self._prune_at = 64
 
+    def add_writer(self, node: Node) -> None:
+        """Note a pending write. The storage and this list go back under the cyclic GC (record
+        may have taken them off): a pending writer is the one edge that can close a cycle
+        (storage -> writer -> its inputs -> a node whose ``storages`` hold this storage)."""
+        self.pending_writes.append(node)
+        _gc_track(self, self.pending_writes)
+
     def add_reader(self, r: weakref.ref[Node]) -> None:
         """Note a pending reader; readers that died or ran are pruned when the list doubles.
 
@@ -280,6 +288,11 @@ def track(t: Any, node: Node, out: int) -> None:
     else:
         a = t._alive = Alive()
         node.outputs[out] = weakref.ref(a)
+        if config.gc_untrack:
+            # Neither can close a cycle: the token holds nothing, and the tensor's dict holds the
+            # node, which never holds the tensor (outputs are weak). CPython tracks the dict again
+            # by itself when a GC-capable value is stored in it (`t.attr = obj`).
+            _gc_untrack(a, t.__dict__)
 
 
 # --- the cyclic garbage collector ---------------------------------------------------------------
@@ -321,8 +334,8 @@ def live_nodes() -> int:
     """How many nodes are alive in the process, GC-tracked or not (tests and benchmarks).
 
     Untracked nodes do not appear in ``gc.get_objects()``; they are found from the tracked
-    objects that refer to them (tensors, tracked nodes, storages) and through inputs and pending
-    writes. Slow (a pass over the whole heap): never on a hot path.
+    objects that refer to them (tensors, through their untracked dicts; tracked nodes, storages)
+    and through inputs and pending writes. Slow (a pass over the whole heap): never on a hot path.
     """
     stack: list[Node] = []
     for o in gc.get_objects():
@@ -335,6 +348,8 @@ def live_nodes() -> int:
                 stack.append(r)
             elif t is Ref:
                 stack.append(r.node)
+            elif t is dict and not gc.is_tracked(r):  # a LazyTensor's dict (graph.track)
+                stack += [v for v in r.values() if type(v) is Node]
     seen: set[int] = set()
     while stack:
         n = stack.pop()

@@ -427,7 +427,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             xn.storages[x.out].add_reader(wref)
     if writes:
         for s in writes:
-            s.pending_writes.append(node)
+            s.add_writer(node)
         pending_total[0] += len(writes)
     for k in fresh:
         results[k] = LazyTensor(node, k, metas[k])

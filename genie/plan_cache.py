@@ -362,13 +362,13 @@ def _flatten(plan: Plan) -> tuple[Any, ...]:
     ``map`` calls instead of a Python loop per node: in-plan references ``(i, p, j, k)``
     (consumer, leaf, producer, output; consumers from the last instruction back), input
     references grouped by slot ``(slot, [i], [p])`` (in the order met), float leaves
-    ``(i, p, value)``, whether any host tensor leaf exists, outputs that must not be held
+    ``(i, p, value)``, host tensor leaves ``([i], [p], [_HostMeta])``, outputs that must not be held
     ``(i, k, nref)``, outputs that must be held ``(i, k)``, the instructions no in-plan
     reference comes from, ops, output slots."""
     ei, ep, ej, ek, inrefs, fi, fp, fv, hi, hk, hn, other = ([] for _ in range(12))
     ei_, ep_, ej_, ek_, hi_, hk_, hn_ = ei.append, ep.append, ej.append, ek.append, hi.append, \
         hk.append, hn.append
-    hosts = False
+    hosts: tuple[list[int], list[int], list[Any]] = ([], [], [])  # (i, p, _HostMeta) columns
     instrs = plan.instrs
     i = len(instrs)
     for refs, params, outs, nref in reversed(plan.guide):
@@ -384,7 +384,7 @@ def _flatten(plan: Plan) -> tuple[Any, ...]:
                 if type(tl[p]) is float:
                     fi.append(i), fp.append(p), fv.append(tl[p])
                 else:
-                    hosts = True
+                    hosts[0].append(i), hosts[1].append(p), hosts[2].append(tl[p])
         for k, s, held in outs:
             if held is False:
                 hi_(i), hk_(k), hn_(nref)
@@ -405,9 +405,9 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     """``instantiate(plan, targets, slice_nodes(targets))`` without slicing, or None.
 
     The common case (every requested value is produced by the plan, every node's meta-cache
-    entry and op are the plan's, float arguments have the plan's values, no host tensors, no
-    pending write on any storage the slice reads, every value the plan keeps held by a live
-    tensor and no other one) is checked column by column (``Plan.flat``): one Python loop
+    entry and op are the plan's, float arguments have the plan's values, host tensors have its
+    metadata, no pending write on any storage the slice reads, every value the plan keeps held
+    by a live tensor and no other one) is checked column by column (``Plan.flat``): one Python loop
     finds the nodes through the plan's in-plan references, then the conditions of
     :func:`_match_slow` are checked with ``map`` over the found nodes. Anything else is decided
     by :func:`_match_slow`, which gives the same answer in every case. The tape's ``slots`` are
@@ -418,8 +418,6 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
         return None
     ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs = \
         plan.flat
-    if hosts:
-        return _match_slow(plan, targets, generic)
     tmpl = plan.instrs
     nn = len(tmpl)
     found: list[Any] = [None] * nn
@@ -448,12 +446,23 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     # Refs, and that no node writes: the plan's nodes do not), input metadata, int/bool/str
     # constants. Checked first: the passes below read leaves as Refs. Shape-generic: the entries'
     # interned shape classes instead; the nodes whose entries differ are rebuilt below.
+    # Nodes recorded without an entry (uploads) are compared leaf by leaf, as _match_slow does.
     ents = list(map(_entry, found))
     shaped: list[int] = []
     if not all(map(is_, ents, plan.entries)):
-        if not generic or not all(map(is_, map(_klass, ents), plan.klasses)):
-            return _match_slow(plan, targets, generic)
-        shaped = [i for i, e in enumerate(map(is_, ents, plan.entries)) if not e]
+        klasses = plan.klasses
+        for i in [i for i, e in enumerate(map(is_, ents, plan.entries)) if not e]:
+            e = ents[i]
+            if generic and e is not None and _klass(e) is klasses[i]:
+                shaped.append(i)
+                continue
+            n, t = found[i], tmpl[i]
+            if e is not None or n.op is not t.op or n.writes:
+                return _match_slow(plan, targets, generic)
+            if not _same_node(n, t, plan.metas[i], plan.specs[i]):
+                if not generic or not _same_node(n, t, plan.metas[i], plan.specs[i], True):
+                    return _match_slow(plan, targets, generic)
+                shaped.append(i)
     if any(map(_executed, found)):
         return _match_slow(plan, targets, generic)
     xnodes = list(map(_node, xs))
@@ -507,6 +516,20 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
         return None
     instrs = list(tmpl)
     differs = bool(shaped)
+    hsi, hsp, hsv = hosts
+    if hsi:  # host tensors (uploads, host constants): parameters of the plan's metadata
+        hx = list(map(getitem, map(_leaves, map(get, hsi)), hsp))
+        for x, y in zip(hx, hsv, strict=True):
+            if not isinstance(x, torch.Tensor) or not y.matches(x, generic):
+                return _match_slow(plan, targets, generic)
+            if generic and not differs and not y.matches(x):
+                differs = True
+        shaped_set = set(shaped)
+        for i in dict.fromkeys(hsi):
+            if i not in shaped_set:
+                n, t = found[i], tmpl[i]
+                instrs[i] = Instr(n.op, _leaves_of(n.leaves, t.leaves, False), t.spec, t.outs,
+                                  n.rng, t.free, n.uid, n.where, t.device)
     for i in shaped:
         n, t = found[i], tmpl[i]
         instrs[i] = Instr(n.op, _leaves_of(n.leaves, t.leaves, True), t.spec, t.outs, n.rng,

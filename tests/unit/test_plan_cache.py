@@ -323,3 +323,34 @@ def test_column_match_agrees_with_node_by_node_match(monkeypatch):
             genie.materialize(z)
     del held
     assert plan_cache.match(plan, targets) is None  # a kept value no longer held: not this plan
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["exact", "shape-generic"])
+def test_column_match_takes_uploads_and_host_constants(monkeypatch, generic):
+    """A decode step's slice holds uploads (the new token) and host constants (a 0-dim CPU
+    tensor): the column path matches it, with this step's host tensors, and builds the tape the
+    node-by-node path and instantiate build; values equal eager's."""
+    a = torch.randn(4, device=D)
+    genie.materialize(a)
+    ac = a.cpu()
+    with _shape_generic(generic):
+        for step, n in enumerate((3, 3, 5, 5) if generic else (3, 3, 3)):
+            x = torch.arange(n * 4.0).reshape(n, 4) + step
+            c = torch.tensor(0.5 + step)  # a host constant, a new value every step
+            z = (x.to(D) * a * c).sum(0) + 1.0
+            targets = [(z._node, z._out)]
+            nodes = plan_cache.slice_nodes(targets)
+            if step == 0:
+                plan_cache.plan(targets, generic)
+            else:
+                plan = plan_cache.cache().plans()[-1]
+                slow = plan_cache._match_slow(plan, targets, generic)
+                with monkeypatch.context() as m:
+                    m.setattr(plan_cache, "_match_slow",
+                              lambda *a: pytest.fail("not the column path"))
+                    fast = plan_cache.match(plan, targets, generic)
+                ref = plan_cache.instantiate(plan, targets, nodes, generic)
+                for other in (slow, ref):
+                    _assert_same_tape(fast, other)
+                assert fast.generic == (generic and n != 3)
+            torch.testing.assert_close(z.cpu(), (x * ac * c).sum(0) + 1.0)
