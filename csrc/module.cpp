@@ -12,6 +12,7 @@
 #include <pybind11/pybind11.h>
 #include <torch/csrc/Generator.h>
 
+#include "bind.h"
 #include "device.h"
 #include "generator.h"
 #include "hooks.h"
@@ -243,5 +244,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "containers), stopping at tracked nodes.");
   m.def("_gc_track", &track_objects,
         "Track the given objects again in the cyclic GC (no-op for tracked or non-GC objects).");
+  m.def("_bind_nodes", &genie::bind_nodes, py::arg("nodes"), py::arg("outs"), py::arg("kept"),
+        py::arg("prune_at"),
+        "Bind a run's kept values to its nodes (genie.executor._bind); returns the number of "
+        "pending-write entries removed.");
   m.attr("_max_devices") = static_cast<int>(genie::kMaxDevices);
 }

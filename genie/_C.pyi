@@ -48,3 +48,10 @@ def _gc_retrack_below(leaves: object, ref_type: type) -> None:
 
 def _gc_track(*objects: object) -> None:
     """Put ``objects`` back under the cyclic garbage collector (no-op where tracked or not GC)."""
+
+def _bind_nodes(nodes: list[object], outs: list[tuple[int | None, ...]], kept: dict[int, object],
+                prune_at: int) -> int:
+    """Bind a run's kept values to its nodes as ``genie.executor._bind`` does (node ``i`` takes
+    the values of the slots ``outs[i]``, is marked executed, drops its arguments, consumers and
+    pending-write entries; storages with ``prune_at`` readers or more are pruned). Returns how
+    many pending-write entries it removed."""

@@ -30,6 +30,8 @@ class Config:
     shape_rules: bool = _flag("GENIE_SHAPE_RULES", "1") != "0"
     # Take recorded nodes that cannot close a reference cycle off the cyclic GC (genie.graph).
     gc_untrack: bool = _flag("GENIE_GC_UNTRACK", "1") != "0"
+    # Bind a run's values to its nodes natively (csrc/bind.cpp; 0: the Python loop, the reference).
+    native_bind: bool = _flag("GENIE_NATIVE_BIND", "1") != "0"
 
 
 config = Config()

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from . import backends, memory, plan_cache
+from ._C import _bind_nodes
+from .config import config
 from .device import real_device
 from .graph import Node, pending_total
 from .passes import pipeline
@@ -57,10 +59,16 @@ def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
     return outputs
 
 
+_PRUNE_AT = 16  # readers of a storage that _bind prunes (shorter lists: Storage.add_reader)
+
+
 def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
     """Mark the run's nodes executed, keep needed values, release inputs (graph truncation)."""
     pending = tape._slots
     lazy = pending.outs if type(pending) is PendingSlots else None  # node i's slots, in order
+    if lazy is not None and config.native_bind:  # the same loop, natively (csrc/bind.cpp)
+        pending_total[0] -= _bind_nodes(tape.nodes, lazy, kept, _PRUNE_AT)
+        return
     slots = tape.slots if lazy is None else None
     get = kept.get
     for i, n in enumerate(tape.nodes):
@@ -84,8 +92,8 @@ def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
         # pruning (at doubling), which bounds them: rebuilding every list here cost more than
         # the rest of binding on small training steps.
         for s in n.storages:
-            if s is not None and len(s.readers) >= 16:
-                s.readers = [r for r in s.readers if (r() is not None and not r().executed)]
+            if s is not None and len(s.readers) >= _PRUNE_AT:
+                s.prune_readers()
 
 
 def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:

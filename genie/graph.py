@@ -183,6 +183,10 @@ class Storage:
         self.pending_writes.append(node)
         _gc_track(self, self.pending_writes)
 
+    def prune_readers(self) -> None:
+        """Drop the readers that died or ran."""
+        self.readers = [w for w in self.readers if (n := w()) is not None and not n.executed]
+
     def add_reader(self, r: weakref.ref[Node]) -> None:
         """Note a pending reader; readers that died or ran are pruned when the list doubles.
 

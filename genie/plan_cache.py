@@ -405,8 +405,7 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     """``instantiate(plan, targets, slice_nodes(targets))`` without slicing, or None.
 
     The common case (every requested value is produced by the plan, every node's meta-cache
-    entry and op are the plan's, float arguments have the plan's values, host tensors have its
-    metadata, no pending write on any storage the slice reads, every value the plan keeps held
+    entry and op are the plan's, host tensors have its metadata, no pending write on any storage the slice reads, every value the plan keeps held
     by a live tensor and no other one) is checked column by column (``Plan.flat``): one Python loop
     finds the nodes through the plan's in-plan references, then the conditions of
     :func:`_match_slow` are checked with ``map`` over the found nodes. Anything else is decided
@@ -424,7 +423,7 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     produced = plan.produced
     for (node, out), want in zip(targets, want_out, strict=True):
         p = produced.get(want)
-        if p is None or out != p[1] or found[p[0]] is not None:
+        if p is None or out != p[1] or found[p[0]] not in (None, node):  # (two outputs of one)
             return _match_slow(plan, targets, generic)
         found[p[0]] = node
     xs: list[Any] = []  # the in-plan argument references, as the walk meets them
@@ -482,10 +481,11 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
         for i, k, c, n_in in zip(hi, hk, cons, hn, strict=True):
             if c != n_in and held_after(found[i], k, in_run):
                 return _match_slow(plan, targets, generic)
-    if fi:  # float arguments: the plan's values (a float that changed is rebuilt by the slow path)
+    changed: list[int] = []  # float arguments with another value than the plan's: parameters
+    if fi:
         fx = list(map(getitem, map(_leaves, map(get, fi)), fp))
-        if not all(map(is_, fx, fv)) and not all(map(_same_const, fx, fv)):
-            return _match_slow(plan, targets, generic)
+        if not all(map(is_, fx, fv)):
+            changed = [k for k, same in enumerate(map(_same_const, fx, fv)) if not same]
     # outputs that must not be held: no live tensor refers to them (weak references)
     if not all(map(is_, map(call, filter(None, map(getitem, map(_outputs, map(get, hi)), hk))),
                    repeat(None))):
@@ -524,12 +524,15 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
                 return _match_slow(plan, targets, generic)
             if generic and not differs and not y.matches(x):
                 differs = True
+    if hsi or changed:  # instructions that take this step's host tensors or floats
         shaped_set = set(shaped)
-        for i in dict.fromkeys(hsi):
+        for i in dict.fromkeys([*hsi, *(fi[k] for k in changed)]):
             if i not in shaped_set:
                 n, t = found[i], tmpl[i]
                 instrs[i] = Instr(n.op, _leaves_of(n.leaves, t.leaves, False), t.spec, t.outs,
                                   n.rng, t.free, n.uid, n.where, t.device)
+        for k in changed:  # as _match_slow: backends that bake constants in make these inputs
+            plan.floats.add((fi[k], fp[k]))
     for i in shaped:
         n, t = found[i], tmpl[i]
         instrs[i] = Instr(n.op, _leaves_of(n.leaves, t.leaves, True), t.spec, t.outs, n.rng,
