@@ -327,9 +327,9 @@ def test_column_match_agrees_with_node_by_node_match(monkeypatch):
 
 @pytest.mark.parametrize("generic", [False, True], ids=["exact", "shape-generic"])
 def test_column_match_takes_uploads_and_host_constants(monkeypatch, generic):
-    """A decode step's slice holds uploads (the new token) and host constants (a 0-dim CPU
-    tensor): the column path matches it, with this step's host tensors, and builds the tape the
-    node-by-node path and instantiate build; values equal eager's."""
+    """A decode step's slice holds uploads (the new token), host constants (a 0-dim CPU tensor)
+    and floats that change: the column path matches it, with this step's values, and builds the
+    tape the node-by-node path and instantiate build; values equal eager's."""
     a = torch.randn(4, device=D)
     genie.materialize(a)
     ac = a.cpu()
@@ -337,7 +337,7 @@ def test_column_match_takes_uploads_and_host_constants(monkeypatch, generic):
         for step, n in enumerate((3, 3, 5, 5) if generic else (3, 3, 3)):
             x = torch.arange(n * 4.0).reshape(n, 4) + step
             c = torch.tensor(0.5 + step)  # a host constant, a new value every step
-            z = (x.to(D) * a * c).sum(0) + 1.0
+            z = (x.to(D) * a * c).sum(0) + (1.0 + step)  # a float parameter too
             targets = [(z._node, z._out)]
             nodes = plan_cache.slice_nodes(targets)
             if step == 0:
@@ -353,4 +353,4 @@ def test_column_match_takes_uploads_and_host_constants(monkeypatch, generic):
                 for other in (slow, ref):
                     _assert_same_tape(fast, other)
                 assert fast.generic == (generic and n != 3)
-            torch.testing.assert_close(z.cpu(), (x * ac * c).sum(0) + 1.0)
+            torch.testing.assert_close(z.cpu(), (x * ac * c).sum(0) + (1.0 + step))
