@@ -199,18 +199,189 @@ def _binary(args: tuple, index: int, compare: bool) -> TensorMeta | None:
     return TensorMeta(shape, contiguous_strides(shape), 0, dtype, index)
 
 
+def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...], order: Any) -> bool:
+    """``Tensor.is_contiguous`` for the dimension ``order`` (fastest first); size-1 dims free."""
+    expected = 1
+    for d in order:
+        if shape[d] != 1:
+            if stride[d] != expected:
+                return False
+            expected *= shape[d]
+    return True
+
+
+def _elementwise_strides(shape: tuple[int, ...], ops: list[TensorMeta]) -> tuple[int, ...] | None:
+    """Output strides of an elementwise op over ``ops`` broadcast to ``shape``, as the meta
+    kernels PyTorch registers for them compute it (``torch._refs``: operands expanded by
+    ``_maybe_broadcast``, then ``torch._prims._prim_elementwise_meta``'s
+    ``compute_elementwise_output_logical_to_physical_perm``: contiguous or channels-last
+    shortcuts, else an insertion sort of the dimensions by the operands' strides), or None.
+    ``shape`` has no zero-size dimension; every operand broadcasts to it (the caller checked)."""
+    n = len(shape)
+    if n == 0:
+        return ()
+    if n == 1:
+        return (1,)
+    ts = []
+    for m in ops:
+        if m.shape != shape:
+            m = _expand((m, list(shape)), m.index)
+            if m is None:
+                return None
+        ts.append(m)
+    rev = range(n - 1, -1, -1)
+    contiguous = all(_is_contiguous(shape, t.stride, rev) for t in ts)
+    channels_last = n == 4 and all(_is_contiguous(shape, t.stride, (1, 3, 2, 0)) for t in ts)
+    if contiguous and not channels_last:
+        return contiguous_strides(shape)
+    if channels_last and not contiguous:
+        perm = [0, *range(2, n), 1]
+    else:
+        def should_swap(a: int, b: int) -> int:
+            for t in ts:
+                sa, sb = t.stride[a], t.stride[b]
+                if sa == 0 or sb == 0:
+                    continue
+                if sa == sb:
+                    if shape[b] >= shape[a]:
+                        continue
+                    return 1
+                return -1 if sb >= sa else 1
+            return 0
+
+        order = list(rev)  # sorted back to front (fastest first), reversed at the end
+        for i in range(1, n):
+            d1 = i
+            for d0 in range(i - 1, -1, -1):
+                c = should_swap(order[d0], order[d1])
+                if c > 0:
+                    order[d0], order[d1] = order[d1], order[d0]
+                    d1 = d0
+                elif c < 0:
+                    break
+        perm = order[::-1]  # logical -> physical
+    out = [0] * n
+    acc = 1
+    for d in reversed(perm):  # physical order, fastest last: contiguous strides (sizes >= 1)
+        out[d] = acc
+        acc *= shape[d]
+    return tuple(out)
+
+
+def _pointwise(tensors: list[Any], dtype: torch.dtype, index: int) -> TensorMeta | None:
+    """A fresh elementwise output over ``tensors`` (broadcast) of ``dtype``."""
+    shape: tuple[int, ...] | None = ()
+    for t in tensors:
+        if not _plain(t) or t.offset < 0:
+            return None
+        shape = _broadcast(shape, t.shape)
+        if shape is None:
+            return None
+    if 0 in shape:
+        return None
+    stride = _elementwise_strides(shape, tensors)
+    return None if stride is None else TensorMeta(shape, stride, 0, dtype, index)
+
+
+def _scalar_dtype(x: TensorMeta, y: Any) -> torch.dtype | None:
+    """Result dtype of ``tensor op python scalar`` where no promotion happens, else None."""
+    if type(y) is int or type(y) is bool:
+        return x.dtype if x.dtype in _ARITH else None
+    if type(y) is float:
+        return x.dtype if x.dtype in _FLOATS else None
+    return None
+
+
+def _binary_iter(args: tuple, index: int, compare: bool) -> TensorMeta | None:
+    """Two operands of one dtype (or a tensor and a Python scalar of its category), any
+    layout. Mixed dtypes (promotion) are left to the meta kernel."""
+    if len(args) != 2 or not _plain(args[0]) or args[0].dtype not in _ARITH:
+        return None
+    x, y = args
+    if type(y) is TensorMeta:
+        if y.dtype != x.dtype:
+            return None
+        m = _pointwise([x, y], torch.bool if compare else x.dtype, index)
+    else:
+        dt = _scalar_dtype(x, y)
+        if dt is None:
+            return None
+        m = _pointwise([x], torch.bool if compare else dt, index)
+    return m
+
+
 @rule(aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)
 def _arith(args: tuple, index: int) -> TensorMeta | None:
-    return _binary(args, index, compare=False)
+    return _binary(args, index, compare=False) or _binary_iter(args, index, compare=False)
+
+
+@rule(aten.div.Tensor)
+def _div(args: tuple, index: int) -> TensorMeta | None:
+    """True division: floating operands of one dtype only (integers promote to float)."""
+    if len(args) != 2 or not _plain(args[0]) or args[0].dtype not in _FLOATS:
+        return None
+    return _binary_iter(args, index, compare=False)
+
+
+@rule(aten.where.self)
+def _where(args: tuple, index: int) -> TensorMeta | None:
+    """``where(cond, a, b)``: a bool condition, ``a`` and ``b`` of one dtype."""
+    if len(args) != 3 or not all(type(a) is TensorMeta for a in args):
+        return None
+    c, a, b = args
+    if c.dtype != torch.bool or a.dtype != b.dtype or a.dtype not in _ARITH:
+        return None
+    return _pointwise([c, a, b], a.dtype, index)
+
+
+_UNARY_FLOAT = (aten.tanh.default, aten.exp.default, aten.neg.default, aten.sqrt.default,
+                aten.rsqrt.default, aten.sigmoid.default, aten.relu.default)
+
+
+@rule(*_UNARY_FLOAT)
+def _unary(args: tuple, index: int) -> TensorMeta | None:
+    if len(args) != 1 or not _plain(args[0]) or args[0].dtype not in _FLOATS:
+        return None
+    return _pointwise([args[0]], args[0].dtype, index)
+
+
+@rule(aten.pow.Tensor_Scalar)
+def _pow(args: tuple, index: int) -> TensorMeta | None:
+    if len(args) != 2 or not _plain(args[0]) or args[0].dtype not in _FLOATS or \
+            type(args[1]) not in (int, float):
+        return None
+    return _pointwise([args[0]], args[0].dtype, index)
+
+
+@rule(aten._softmax.default, aten._log_softmax.default)
+def _softmax(args: tuple, index: int) -> TensorMeta | None:
+    """Same shape and dtype, contiguous (dense inputs only; ``half_to_float`` declines)."""
+    if len(args) != 3 or not _plain(args[0]) or args[1].__class__ is not int or args[2]:
+        return None
+    x = args[0]
+    if x.dtype not in _FLOATS or not _dense(x) or _dim(args[1], max(len(x.shape), 1)) is None:
+        return None
+    return TensorMeta(x.shape, x.stride, 0, x.dtype, index)
 
 
 @rule(aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor, aten.eq.Tensor,
       aten.ne.Tensor, aten.eq.Scalar, aten.ne.Scalar, aten.le.Scalar, aten.lt.Scalar)
 def _compare(args: tuple, index: int) -> TensorMeta | None:
-    return _binary(args, index, compare=True)
+    return _binary(args, index, compare=True) or _binary_iter(args, index, compare=True)
 
 
 # --- cat and the matmul family -----------------------------------------------------------------
+
+def _cat_contiguous(m: TensorMeta) -> bool:
+    """Contiguous as ``Tensor.is_contiguous`` says (strides of size-1 dims free: a new token's
+    key after ``view`` + ``transpose``), no empty dim, and for 4-d not also channels-last
+    contiguous (``cat`` then follows ``suggest_memory_format``: declined)."""
+    n = len(m.shape)
+    if 0 in m.shape or not _is_contiguous(m.shape, m.stride, range(n - 1, -1, -1)):
+        return False
+    return n != 4 or m.stride == contiguous_strides(m.shape) or \
+        not _is_contiguous(m.shape, m.stride, (1, 3, 2, 0))
+
 
 @rule(aten.cat.default)
 def _cat(args: tuple, index: int) -> TensorMeta | None:
@@ -218,7 +389,7 @@ def _cat(args: tuple, index: int) -> TensorMeta | None:
         return None
     ts = args[0]
     first = ts[0]
-    if not all(_plain(t) and _dense(t) and t.dtype == first.dtype for t in ts):
+    if not all(_plain(t) and _cat_contiguous(t) and t.dtype == first.dtype for t in ts):
         return None
     n = len(first.shape)
     if n == 0:
@@ -234,6 +405,31 @@ def _cat(args: tuple, index: int) -> TensorMeta | None:
         total += t.shape[d]
     shape = first.shape[:d] + (total,) + first.shape[d + 1:]
     return TensorMeta(shape, contiguous_strides(shape), 0, first.dtype, index)
+
+
+@rule(aten.mm.default)
+def _mm(args: tuple, index: int) -> TensorMeta | None:
+    if len(args) != 2 or not (_plain(args[0]) and _plain(args[1])):
+        return None
+    a, b = args
+    if a.dtype != b.dtype or a.dtype not in _FLOATS or len(a.shape) != 2 or len(b.shape) != 2:
+        return None
+    if a.shape[1] != b.shape[0] or 0 in a.shape or 0 in b.shape:
+        return None
+    shape = (a.shape[0], b.shape[1])
+    return TensorMeta(shape, contiguous_strides(shape), 0, a.dtype, index)
+
+
+@rule(aten.addmm.default)
+def _addmm(args: tuple, index: int) -> TensorMeta | None:
+    """``addmm(bias, m1, m2)`` with a bias that broadcasts to the product (no beta/alpha)."""
+    if len(args) != 3 or not _plain(args[0]):
+        return None
+    m = _mm(args[1:], index)
+    if m is None or args[0].dtype != m.dtype or len(args[0].shape) > 2 or \
+            _broadcast(args[0].shape, m.shape) != m.shape:
+        return None
+    return m
 
 
 @rule(aten.bmm.default)

@@ -22,7 +22,9 @@ from genie.shape_rules import RULES
 
 aten = torch.ops.aten
 OPINFOS = ["add", "sub", "mul", "eq", "ne", "le", "lt", "ge", "gt", "view", "reshape", "expand",
-           "unsqueeze", "transpose", "cat", "stack", "bmm", "matmul", "flatten", "broadcast_to"]
+           "unsqueeze", "transpose", "cat", "stack", "bmm", "matmul", "flatten", "broadcast_to",
+           "div.no_rounding_mode", "where", "tanh", "exp", "neg", "sqrt", "rsqrt", "sigmoid",
+           "nn.functional.relu", "pow", "softmax", "log_softmax", "mm", "addmm"]
 DTYPES = [torch.float32, torch.int64, torch.float64]
 
 
@@ -69,8 +71,11 @@ def _to_meta(x):  # noqa: ANN001, ANN202
 
 def test_rules_equal_meta_kernels_over_opinfo() -> None:
     check = _Check()
-    ops = [op for op in op_db if op.name in OPINFOS and op.variant_test_name == ""]
-    assert {op.name for op in ops} == set(OPINFOS)
+    def name(op):  # noqa: ANN001, ANN202
+        return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+    ops = [op for op in op_db if name(op) in OPINFOS]
+    assert {name(op) for op in ops} == set(OPINFOS)
     for op in ops:
         for dtype in DTYPES:
             if dtype not in op.supported_dtypes("cpu"):
@@ -94,8 +99,12 @@ def test_rules_equal_meta_kernels_over_opinfo() -> None:
     # every rule was exercised where it answers (not only declined): the comparison ran
     for op in (aten.view.default, aten.expand.default, aten.unsqueeze.default,
                aten.transpose.int, aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor,
-               aten.cat.default, aten.bmm.default, aten.eq.Tensor, aten.le.Tensor):
-        assert check.checked[str(op)] >= 3, f"{op}: rule answered only {check.checked[str(op)]}x"
+               aten.cat.default, aten.bmm.default, aten.eq.Tensor, aten.le.Tensor,
+               aten.div.Tensor, aten.where.self, aten.tanh.default, aten.exp.default,
+               aten.neg.default, aten.sqrt.default, aten.rsqrt.default, aten.sigmoid.default,
+               aten.relu.default, aten._softmax.default,
+               aten._log_softmax.default, aten.mm.default):
+        assert check.checked[str(op)] >= 2, f"{op}: rule answered only {check.checked[str(op)]}x"
 
 
 @pytest.mark.parametrize("shape,size", [((2, 3, 4), (6, 4)), ((2, 3, 4), (-1,)),
@@ -150,3 +159,61 @@ def test_scalar_operands_match_or_decline() -> None:
                         pass
     assert not check.failures, check.failures
     assert sum(check.checked.values()) >= 20, check.checked
+
+
+def _layouts(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A meta tensor of ``shape`` in a random layout: contiguous, permuted, sliced (gaps),
+    expanded from size 1, or channels-last."""
+    k = int(torch.randint(0, 5, (1,), generator=gen))
+    n = len(shape)
+    if k == 1 and n >= 2:  # permuted storage
+        perm = torch.randperm(n, generator=gen).tolist()
+        base = torch.empty([shape[p] for p in perm], device="meta")
+        return base.permute([perm.index(i) for i in range(n)])
+    if k == 2 and n >= 1:  # a slice with a gap in the last dimension
+        return torch.empty(*shape[:-1], shape[-1] * 2, device="meta")[..., ::2]
+    if k == 3 and n >= 1:  # expanded from a size-1 dimension
+        d = int(torch.randint(0, n, (1,), generator=gen))
+        return torch.empty(*shape[:d], 1, *shape[d + 1:], device="meta").expand(shape)
+    if k == 4 and n == 4:
+        return torch.empty(shape, device="meta").contiguous(memory_format=torch.channels_last)
+    return torch.empty(shape, device="meta")
+
+
+def test_pointwise_layouts_equal_meta_kernels() -> None:
+    """TensorIterator's output layout (``shape_rules._iter_strides``) against the meta kernels
+    over random operand layouts and broadcasting, for the pointwise rules."""
+    gen = torch.Generator().manual_seed(0)
+    check = _Check()
+    shapes = [(3,), (2, 3), (1, 3), (2, 1, 4), (2, 3, 4), (1, 3, 1, 5), (2, 3, 4, 5), (4, 1, 1, 1)]
+    with check:
+        for _ in range(400):
+            a = shapes[int(torch.randint(0, len(shapes), (1,), generator=gen))]
+            b = a[int(torch.randint(0, len(a), (1,), generator=gen)):]  # a suffix: broadcasts
+            if torch.rand(1, generator=gen) < 0.5:
+                a, b = b, a
+            x, y = _layouts(a, gen), _layouts(b, gen)
+            c = _layouts(b, gen).to(torch.bool)
+            torch.add(x, y)
+            torch.mul(y, x)
+            torch.div(x, y)
+            torch.where(c, x, y)
+            torch.tanh(x)
+            torch.pow(x, 2)
+            torch.add(x, 1.5)
+            torch.le(x, y)
+            torch.eq(y, 2.0)
+            m1, m2 = _layouts((a[-1], 3), gen), _layouts((3, 5), gen)
+            torch.addmm(_layouts((5,), gen), m1, m2)
+            torch.addmm(_layouts((a[-1], 5), gen), m1, m2)
+            torch.mm(m1, m2)
+            torch.cat([x, _layouts(a, gen)], -1)
+            kv = torch.empty(1, 2, 5, 4, device="meta")
+            new = torch.empty(1, 1, 2, 4, device="meta").transpose(1, 2)  # a new token's key
+            torch.cat([kv, new], -2)
+            torch.cat([_layouts((1, 2, 1, 4), gen), _layouts((1, 2, 1, 4), gen)], 2)
+    assert not check.failures, "\n".join(check.failures[:20])
+    for op in (aten.add.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.where.self,
+               aten.tanh.default, aten.pow.Tensor_Scalar, aten.addmm.default, aten.mm.default,
+               aten.le.Tensor, aten.eq.Scalar, aten.cat.default):
+        assert check.checked[str(op)] >= 200, (op, check.checked[str(op)])
