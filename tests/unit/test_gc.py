@@ -106,3 +106,37 @@ def test_live_nodes_counts_untracked_nodes() -> None:
     del ys, a
     gc.collect()
     assert live_nodes() == base
+
+
+def test_a_recorded_value_leaves_one_tracked_object() -> None:
+    """Per recorded op, only the LazyTensor itself stays under the collector: its node (with
+    lists, Refs, weak references), its output storage (with its two lists), its liveness token
+    and its instance dict are untracked."""
+    a = torch.ones(4, device=DEV)
+    x = a * 2
+    y = x * 0.5
+    n, s = y._node, y._node.storages[y._out]
+    objs = {"node": n, "leaves": n.leaves, "ref": n.leaves[0], "storages": n.storages,
+            "outputs": n.outputs, "consumers": n.consumers, "wref": n._wref, "storage": s,
+            "pending_writes": s.pending_writes, "readers": s.readers,
+            "token": n.outputs[0](), "dict": y.__dict__, "input storage": x._node.storages[0]}
+    assert {k for k, o in objs.items() if gc.is_tracked(o)} == set()
+    assert gc.is_tracked(y)
+
+
+def test_a_write_tracks_its_storage_again_and_user_attributes_track_the_dict() -> None:
+    a = torch.ones(4, device=DEV)
+    b = a * 2
+    s = b._node.storages[b._out]
+    assert not gc.is_tracked(s) and not gc.is_tracked(s.pending_writes)
+    b.add_(1)  # a pending writer: the one edge that can close a cycle through the storage
+    assert gc.is_tracked(s) and gc.is_tracked(s.pending_writes)
+    c = a * 3
+    assert not gc.is_tracked(c.__dict__)
+    c.me = c  # a cycle through the tensor's dict: CPython tracks the dict again
+    assert gc.is_tracked(c.__dict__)
+    r = weakref.ref(c._node)
+    del c
+    gc.collect()
+    assert r() is None, "a cycle through a LazyTensor's attributes leaked"
+    assert torch.equal(b.cpu(), torch.full((4,), 3.0))
