@@ -706,6 +706,7 @@ class Server:
                     raise ProtocolError(f"residency hints name handle ids {bad[:8]} that this "
                                         "session neither holds nor creates in this request; a "
                                         "hint may only name the session's own values")
+                _apply_hints(sess, [(i, c) for i, c in hints if i not in made])  # held now
             self._check_quota(sess, protect)
             inputs_before = set(inputs)
             tape = fill(c, consts, frames, inputs, upload=lambda t: _device_value(t, dev))
@@ -742,10 +743,7 @@ class Server:
             for a in added:
                 sess.drop(a)
             raise
-        for hid, code in hints:  # only ever more evictable
-            old = sess.roles.get(hid)
-            if old is None or code < old:
-                sess.roles[hid] = code
+        _apply_hints(sess, hints)  # the values this request made too, now that they exist
         reply, rframes = _outputs([kept[s] for s in c.outputs])
         reply["res"] = sess.residency()
         return reply, rframes
@@ -824,6 +822,16 @@ def _new_ids(ids: Any, id0: int, n: int) -> list[int]:
         raise ProtocolError(f"'ids' must list {n} distinct non-negative handle ids (one per new "
                             f"kept value), got {ids!r:.80}")
     return ids
+
+
+def _apply_hints(sess: Session, hints: list[tuple[int, int]]) -> None:
+    """Record role hints on the session's held values, only ever more evictable (a lower
+    code); ids the session does not hold are skipped (validated before)."""
+    for hid, code in hints:
+        if hid in sess.store:
+            old = sess.roles.get(hid)
+            if old is None or code < old:
+                sess.roles[hid] = code
 
 
 def _hints(ev: Any) -> list[tuple[int, int]]:
