@@ -513,9 +513,10 @@ class Client:
             header.update(extra)
             self._skeletons.pop(enc.key, None)
             what = f"a tape of {len(tape.instrs)} ops"
+            reads = [v.id for v in inputs.values() if type(v) is Handle and v.client is self]
             try:
                 try:
-                    h, frames = self._call_run(header, enc.frames, what)
+                    h, frames = self._call_run(header, enc.frames, what, reads)
                 except (ServerUnavailableError, SessionLostError):
                     if self._lineage is None:
                         raise
@@ -525,7 +526,7 @@ class Client:
                     header = {"t": "run", "k": enc.key, "id0": id0, "sk": enc.skeleton,
                               "c": enc.consts, **extra}
                     bump("skeletons_sent")
-                    h, frames = self._call_run(header, enc.frames, what + " (resent)")
+                    h, frames = self._call_run(header, enc.frames, what + " (resent)", reads)
             except _ExecFailure as f:
                 raise f.error(tape, self.address) from None
             self._runs += 1
@@ -819,17 +820,18 @@ class Client:
         uploads[slot] = (v, hid)
         return msgpack.ExtType(EXT_INPUT, pack([host_ref(v, frames), hid]))
 
-    def _call_run(self, header: dict[str, Any], frames: Any, what: str
-                  ) -> tuple[dict[str, Any], list[zmq.Frame]]:
-        """A run request, sent again after evicting what the server names under pressure."""
+    def _call_run(self, header: dict[str, Any], frames: Any, what: str,
+                  reads: Sequence[int] = ()) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        """A run request, sent again after evicting what the server names under pressure
+        (``reads``: the handle ids it reads, which must stay)."""
         for _ in range(MAX_PRESSURE_ROUNDS):
             try:
                 return self._call_locked(header, frames, what)
             except _Pressure as p:
                 victims = p.h.get("victims")
                 if "room" in p.h:  # the message itself does not fit: which values make room?
-                    got, _ = self._call_locked({"t": "free", "ids": [], "room": p.h["room"]},
-                                               (), "a request for room")
+                    got, _ = self._call_locked({"t": "free", "ids": [], "room": p.h["room"],
+                                                "keep": list(reads)}, (), "a request for room")
                     victims = got.get("victims")
                     if not victims:
                         raise QuotaExceededError(self.address, str(p.h.get("msg"))) from None
@@ -862,11 +864,12 @@ class Client:
         if enc.key not in self._skeletons:
             header["sk"] = enc.skeleton
         what = f"a restore of {len(ids)} evicted value(s) ({len(tape.instrs)} ops)"
+        reads = [v.id for v in tape.inputs.values() if type(v) is Handle]
         try:
-            h, _ = self._call_run(header, enc.frames, what)
+            h, _ = self._call_run(header, enc.frames, what, reads)
             if h.get("t") == "miss":
                 header["sk"] = enc.skeleton
-                self._call_run(header, enc.frames, what + " (resent)")
+                self._call_run(header, enc.frames, what + " (resent)", reads)
         except _ExecFailure as f:
             raise f.error(tape, self.address) from None
         self._skeletons[enc.key] = enc.consts

@@ -428,7 +428,8 @@ class Server:
                            f"queued bytes and {sess.used()} resident bytes, passes its quota "
                            f"of {sess.quota} bytes (server flag --quota); send less at once or "
                            "free tensors")
-                    if sess.roles and h["t"] == "run":  # hinted values: ask for room first
+                    if sess.roles and h["t"] == "run" and over <= sess.nbytes:
+                        # evicting hinted values may make room: the client asks which first
                         return self._send(ident, {"t": "err", "rid": rid, "kind": "quota",
                                                   "msg": msg, "room": over})
                     return self._send_err(ident, rid, "quota", msg)
@@ -602,7 +603,12 @@ class Server:
                 if type(room) is not int or not 0 < room <= sess.quota:
                     raise ProtocolError(f"'room' must be a byte count in 1..{sess.quota} (the "
                                         f"session's quota), got {room!r:.40}")
-                victims = sess.victims(room, set(), int(sess.quota * EVICT_SLACK))
+                keep = h.get("keep", [])  # what the refused message reads: not a victim
+                if not isinstance(keep, list) or len(keep) > MAX_HINTS:
+                    raise ProtocolError(f"'keep' must be a list of at most {MAX_HINTS} handle "
+                                        "ids")
+                victims = sess.victims(room, set(_id_list(keep)),
+                                       int(sess.quota * EVICT_SLACK))
                 return {"t": "ok", "res": sess.residency(), "victims": victims or []}, []
             return {"t": "ok", "res": sess.residency()}, []
         if kind == "ping":
