@@ -54,6 +54,10 @@ if TYPE_CHECKING:
     from .client import Client, Handle
 
 
+#: nodes from a tape's end searched for its phase
+PHASE_SCAN = 256
+
+
 @dataclass(slots=True, eq=False)
 class Recipe:
     """How a run made its kept values: enough to make them again.
@@ -145,9 +149,11 @@ class Residency:
 
     @staticmethod
     def decoding(tape: Tape) -> bool:
-        """Whether ``tape`` is a decode step (its last node recorded in a module call says so)."""
-        for n in reversed(tape.nodes):
-            c = n.ctx
+        """Whether ``tape`` is a decode step: its last node recorded in a module call (among
+        the last :data:`PHASE_SCAN` nodes) says so."""
+        nodes = tape.nodes
+        for i in range(len(nodes) - 1, max(len(nodes) - PHASE_SCAN, 0) - 1, -1):
+            c = nodes[i].ctx
             if c is not None and (c.call is not None or c.explicit is not None):
                 return c.phase == "decode"
         return False
