@@ -418,11 +418,10 @@ class Server:
         if sess is not None:
             with self._qlock:
                 if sess.nqueued >= MAX_QUEUED_PER_SESSION:
-                    self._frees_of_refused(h)
                     return self._send_err(ident, rid, "busy", f"this session already has "
                                           f"{sess.nqueued} requests queued; wait for answers")
                 if sess.queued + nbytes + sess.used() > sess.quota:
-                    self._frees_of_refused(h)
+                    self._frees_of_refused(sess, h)
                     over = sess.queued + nbytes + sess.used() - sess.quota
                     msg = (f"a message of {nbytes} bytes, with the session's {sess.queued} "
                            f"queued bytes and {sess.used()} resident bytes, passes its quota "
@@ -442,12 +441,19 @@ class Server:
         self._queue.put(token if h["t"] != "hello" else b"hello:" + ident,
                         (ident, h, parts[2:], nbytes))
 
-    def _frees_of_refused(self, h: dict[str, Any]) -> None:
-        """A message refused at the door still frees what it names: its frees go to the
-        session's queue on their own (no reply), ahead of anything it sends next."""
-        if h.get("free"):
-            self._queue.put(h["s"], (None, {"t": "free", "s": h["s"], "rid": -1,
-                                            "free": h["free"]}, [], 0))
+    def _frees_of_refused(self, sess: Session, h: dict[str, Any]) -> None:
+        """A message refused at the door for its size still frees what it names: its frees go
+        to the session's queue on their own (no reply), ahead of anything it sends next,
+        counted as a queued request of 8 bytes an id (under ``_qlock``)."""
+        frees = h.get("free")
+        if not isinstance(frees, list) or not frees or \
+                sess.nqueued >= MAX_QUEUED_PER_SESSION:
+            return
+        n = 8 * len(frees)
+        sess.queued += n
+        sess.nqueued += 1
+        self._queue.put(sess.token, (None, {"t": "free", "s": sess.token, "rid": -1,
+                                            "free": frees}, [], n))
 
     def _dequeued(self, h: dict[str, Any], nbytes: int) -> None:
         """A request left the queue (answered or cancelled): uncount its bytes."""
@@ -705,13 +711,15 @@ class Server:
                 else:
                     raise ProtocolError(f"bad input {v!r:.60}")
                 inputs[s] = t
-            if hints:  # every hinted id must be the session's: held, or made by this request
-                made = set(new_ids) | set(added)
-                bad = [hid for hid, _ in hints if hid not in made and hid not in sess.store]
+            if hints:  # every hinted id must be the session's: held, made or freed by this
+                made = set(new_ids) | set(added)  # request (a hint races its value's free)
+                freed = set(_id_list(h.get("free")))
+                bad = [hid for hid, _ in hints
+                       if hid not in made and hid not in sess.store and hid not in freed]
                 if bad:
                     raise ProtocolError(f"residency hints name handle ids {bad[:8]} that this "
-                                        "session neither holds nor creates in this request; a "
-                                        "hint may only name the session's own values")
+                                        "session neither holds nor creates (nor frees) in this "
+                                        "request; a hint may only name the session's own values")
                 _apply_hints(sess, [(i, c) for i, c in hints if i not in made])  # held now
             self._check_quota(sess, protect)
             inputs_before = set(inputs)

@@ -270,6 +270,10 @@ def test_malformed_hints_are_refused(server: ServerProc) -> None:
         other.hid = hid + 500
         err(_kept_run(other, {"ev": [hid, 0]}), "protocol", "neither")
         assert s.ask({"t": "get", "ids": [hid]})["t"] == "ok"
+        # a hint racing its value's free in the same request is no error (and changes nothing)
+        s.hid = hid + 1
+        r = _kept_run(s, {"ev": [hid + 900, 0], "free": [hid + 900]})
+        assert r and r["t"] == "ok", r
         # other malformed residency fields
         err(_kept_run(s, {"ph": 2}), "protocol", "'ph'")
         err(_kept_run(s, {"ids": [5, 5]}), "protocol", "'ids'")
