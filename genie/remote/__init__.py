@@ -4,6 +4,8 @@
   a cached *skeleton* plus a short list of per-call constants; never pickle);
 - :mod:`genie.remote.server` - ``genie-server``: sessions, resident tensors, CURVE, limits;
 - :mod:`genie.remote.client` - one ZeroMQ connection per server, handles, batched frees;
+- :mod:`genie.remote.residency` - eviction by role under memory pressure, and restore;
+- :mod:`genie.remote.cost` - the cost model (measured bandwidth and FLOP rates);
 - :mod:`genie.backends.remote` - the ``remote`` backend, :func:`genie.connect`,
   :func:`genie.disconnect`.
 
