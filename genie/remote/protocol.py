@@ -61,8 +61,10 @@ from . import ProtocolError, allowlist
 PROTOCOL_VERSION = 1
 
 #: request kinds: hello (open a session), run (a tape), get (download values), free (release
-#: handles), ping (keep the lease), bye (close the session).
-REQUESTS = frozenset({"hello", "run", "get", "free", "ping", "bye"})
+#: handles), ping (keep the lease; the reply says how busy the server is), bye (close the
+#: session), send (push values to a peer server, :mod:`genie.remote.peer`), put (a peer's values
+#: for a session, authorized by a ticket instead of the session token).
+REQUESTS = frozenset({"hello", "run", "get", "free", "ping", "bye", "send", "put"})
 
 EXT_DTYPE, EXT_DEVICE, EXT_LAYOUT, EXT_MEMFMT, EXT_META, EXT_HOST, EXT_COMPLEX, EXT_INPUT, \
     EXT_SIZE = range(1, 10)
