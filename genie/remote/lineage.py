@@ -37,6 +37,9 @@ import torch
 #: default bounds on what a replay may cost before a checkpoint replaces the log
 MAX_OPS = 200_000
 MAX_HOST_BYTES = 1 << 30
+#: values pinned on other servers for a replay (``peer`` entries): values the program may have
+#: dropped (a request's prompt KV cache) stay there until a checkpoint, so the bound is lower
+MAX_PEER_BYTES = 256 << 20
 
 
 @dataclass(slots=True)
@@ -90,7 +93,7 @@ class Lineage:
 
     max_ops: int = MAX_OPS
     max_host_bytes: int = MAX_HOST_BYTES
-    max_peer_bytes: int = MAX_HOST_BYTES
+    max_peer_bytes: int = MAX_PEER_BYTES
     entries: list[Any] = field(default_factory=list)
     live: dict[int, None] = field(default_factory=dict)  # live handle ids, in creation order
     ops: int = 0
