@@ -291,10 +291,11 @@ class Router:
         """Seconds for ``c`` to run the tape: its missing inputs' transfers, then its compute
         slowed by the other sessions' load there."""
         c.open()
-        t = 0.0
+        missing: dict[Client, int] = {}  # one send per source server
         for i in prof.inputs:
             if not self._present(i, c):
-                t += self.costs.transfer_s(i.nbytes, i.primary.client.address, c.address)
+                missing[i.primary.client] = missing.get(i.primary.client, 0) + i.nbytes
+        t = sum(self.costs.transfer_s(n, src.address, c.address) for src, n in missing.items())
         load, at = c.load
         if time.monotonic() - at > LOAD_MAX_AGE:
             load = 0.0
