@@ -88,7 +88,14 @@ def session_id(token: bytes) -> bytes:
 
 def ticket(token: bytes, nonce: int, ids: list[int], signed: list[list[Any]]) -> bytes:
     """The MAC that lets a peer write ``ids`` (dtype and shape of each in ``signed``) into the
-    session of ``token``, once (``nonce`` must exceed the session's last one)."""
+    session of ``token``, once (``nonce`` must exceed the session's last one).
+
+    Example:
+        >>> tok = bytes(16)
+        >>> t = ticket(tok, 1, [3], [["float32", [2, 2]]])
+        >>> len(t), t == ticket(tok, 1, [3], [["float32", [2, 3]]]), len(session_id(tok))
+        (16, False, 8)
+    """
     return hashlib.blake2b(pack([nonce, ids, signed]), key=token, digest_size=TICKET_BYTES,
                            person=b"genie-put").digest()
 

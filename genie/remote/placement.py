@@ -73,7 +73,16 @@ LOAD_MAX_AGE = 2.0
 
 
 def check_policy(name: str, servers: int) -> str:
-    """The policy ``name``, checked (ValueError names the policies and what fits)."""
+    """The policy ``name``, checked (ValueError names the policies and what fits).
+
+    Example:
+        >>> check_policy("semantic", 2)
+        'semantic'
+        >>> check_policy("phase-split", 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: placement 'phase-split' runs prefill and decode on two servers; 1 given: connect to at least two, or use 'fixed'
+    """
     if name not in POLICIES:
         raise ValueError(f"unknown placement policy {name!r}; the policies are "
                          f"{', '.join(POLICIES)} (GENIE_PLACEMENT, genie.connect(placement=...))")

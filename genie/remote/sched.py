@@ -12,6 +12,9 @@ that
 
 Invariant: an item is returned by :meth:`get` at most once; :meth:`done` must follow each
 :meth:`get` (it frees the key for the next request of that session).
+
+:class:`LoadMeter` measures how busy the workers are with each session's requests; ping replies
+carry it, and a client's placement sends compute-heavy tapes where compute is free.
 """
 
 from __future__ import annotations
