@@ -680,6 +680,8 @@ def test_placement_decode_beside_a_long_prefill(benchmark, ratios, pinned) -> No
     ref = model.generate(ids, max_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
     samples: dict[str, list[float]] = {"alone": [], "fixed, one server, with prefills": [],
                                        "semantic, pool of 2, with prefills": []}
+    if pinned:  # where semantic puts it beside the prefills: its server shares its core
+        samples["alone, on server 1"] = []
     prefill_s: dict[str, list[float]] = {k: [] for k in samples}
     moved: list[int] = []
     mine = os.sched_getaffinity(0) if pinned else None
@@ -698,6 +700,8 @@ def test_placement_decode_beside_a_long_prefill(benchmark, ratios, pinned) -> No
             elif name.startswith("semantic"):
                 other = _prefill_client(addrs, key_file, "semantic", cpu0)
                 genie.connect(addrs, key_file=key_file, placement="semantic", timeout=60)
+            elif name == "alone, on server 1":
+                genie.connect(addrs[::-1], key_file=key_file, placement="semantic", timeout=60)
             else:
                 genie.connect(addrs, key_file=key_file, placement="semantic", timeout=60)
             try:
@@ -731,7 +735,9 @@ def test_placement_decode_beside_a_long_prefill(benchmark, ratios, pinned) -> No
                      f"client's {PROMPT_LONG}-token prefills, {how}: time per token",
                      unit="ms/token",
                      scale=1e3, ratios=[("semantic, pool of 2, with prefills", "alone"),
-                                        ("fixed, one server, with prefills", "alone")])
+                                        ("fixed, one server, with prefills", "alone"),
+                                        ("semantic, pool of 2, with prefills",
+                                         "alone, on server 1")])
     for k, v in samples.items():
         row.values[k] = statistics.median(v)
         row.samples[k] = v
