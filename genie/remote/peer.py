@@ -70,6 +70,8 @@ SESSION_ID_BYTES = 8
 TICKET_BYTES = 16
 #: the most values one transfer may carry
 MAX_VALUES = 4096
+#: transfers one session may have under way (each holds its values until the peer has them)
+MAX_PENDING = 4
 #: peer connections a server keeps open (least recently used closed beyond)
 MAX_LINKS = 16
 #: a value span's start is rounded down to this many bytes (the largest itemsize: complex128),
@@ -244,7 +246,7 @@ class Outgoing:
     deadline: float = 0.0
     timeout: float = 30.0
     keep: list[Any] = field(default_factory=list)  # the values, alive until sent
-    done: Callable[[int], None] | None = None  # called with the bytes once B has them
+    done: Callable[[int | None], None] | None = None  # called once: the bytes, None if failed
 
 
 @dataclass
@@ -303,10 +305,10 @@ class PeerLinks:
         poller.register(self._wake_r, zmq.POLLIN)
 
         def answer(t: Outgoing, err: str | None, got: dict[str, Any] | None = None) -> None:
+            if t.done is not None:
+                t.done(t.nbytes if err is None else None)
             if err is None:
                 self.sent_bytes += t.nbytes
-                if t.done is not None:
-                    t.done(t.nbytes)
                 h = {"t": "ok", "rid": t.rid, "pb": t.nbytes}
                 logger.debug("genie-server: sent %d bytes to %s", t.nbytes, t.dest)
             else:

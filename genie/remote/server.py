@@ -132,6 +132,7 @@ class Session:
     # server-to-server transfers (genie.remote.peer): bytes [sent, received], last put's nonce
     peer_bytes: list[int] = field(default_factory=lambda: [0, 0])
     put_nonce: int = 0
+    sends: int = 0  # sends under way (the peer thread holds their values)
 
     def put(self, hid: int, t: Any) -> None:
         if hid in self.store:
@@ -629,6 +630,9 @@ class Server:
             raise ProtocolError("a send's 'sk' must be the destination's CURVE public key (Z85)")
         if not isinstance(to_s, (int, float)) or not to_s > 0:
             raise ProtocolError("a send's 'to_s' must be a positive number of seconds")
+        if sess.sends >= peer.MAX_PENDING:
+            raise _Refused("busy", f"this session already has {sess.sends} transfers under "
+                                   "way; wait for their answers")
         vals = []
         for i in ids:
             t = sess.store.get(i)
@@ -643,10 +647,15 @@ class Server:
         header = {"t": "put", "sid": h.get("sid"), "n": h.get("n"), "ids": dids,
                   "o": [g.wire() for g in geo], "tk": h.get("tk")}
 
-        def sent(nb: int) -> None:
-            sess.peer_bytes[0] += nb
+        def sent(nb: int | None) -> None:  # on the peer thread, once
+            with self._qlock:
+                sess.sends -= 1
+                if nb is not None:
+                    sess.peer_bytes[0] += nb
 
         assert self._peers is not None and ident is not None
+        with self._qlock:
+            sess.sends += 1
         self._peers.submit(peer.Outgoing(dest, sk, header, frames, nbytes, ident, h["rid"],
                                          timeout=min(float(to_s), self.peer_timeout),
                                          keep=vals, done=sent))
