@@ -307,6 +307,7 @@ class PeerLinks:
         def answer(t: Outgoing, err: str | None, got: dict[str, Any] | None = None) -> None:
             if t.done is not None:
                 t.done(t.nbytes if err is None else None)
+                t.done = None  # once
             if err is None:
                 self.sent_bytes += t.nbytes
                 h = {"t": "ok", "rid": t.rid, "pb": t.nbytes}
@@ -341,15 +342,24 @@ class PeerLinks:
                             break
                         if t is None:
                             return
-                        self._start(t, links, poller, answer, drop)
+                        try:
+                            self._start(t, links, poller, answer, drop)
+                        except Exception as e:  # one bad transfer never stops the others
+                            logger.exception("genie-server: a transfer to %s failed to start",
+                                             t.dest)
+                            answer(t, f"it could not be sent ({type(e).__name__}: {e})")
                 for dest, link in list(links.items()):
-                    if link.mon in events:
-                        why = self._monitor(link)
-                        if why is not None:
-                            drop(dest, why)
-                            continue
-                    if link.sock in events:
-                        self._replies(link, answer)
+                    try:
+                        if link.mon in events:
+                            why = self._monitor(link)
+                            if why is not None:
+                                drop(dest, why)
+                                continue
+                        if link.sock in events:
+                            self._replies(link, answer)
+                    except Exception as e:  # never let the thread die: fail this link only
+                        logger.exception("genie-server: the link to %s failed", dest)
+                        drop(dest, f"the link failed ({type(e).__name__}: {e})")
                 now = time.monotonic()
                 for dest, link in list(links.items()):
                     for rid, t in list(link.pending.items()):
@@ -391,10 +401,11 @@ class PeerLinks:
         frames, counts = split_frames(t.frames)
         if counts is not None:
             t.header["fc"] = counts
+        data = pack(t.header)
         t.deadline = time.monotonic() + t.timeout
         link.used = time.monotonic()
+        link.sock.send_multipart([data, *frames], copy=False)
         link.pending[rid] = t
-        link.sock.send_multipart([pack(t.header), *frames], copy=False)
 
     def _monitor(self, link: _Link) -> str | None:
         while link.mon.poll(0):

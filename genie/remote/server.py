@@ -628,8 +628,15 @@ class Server:
             raise ProtocolError(f"a send's destination must be tcp://host:port, got {dest!r:.80}")
         if sk is not None and (not isinstance(sk, str) or not peer.Z85_KEY.fullmatch(sk)):
             raise ProtocolError("a send's 'sk' must be the destination's CURVE public key (Z85)")
-        if not isinstance(to_s, (int, float)) or not to_s > 0:
+        if type(to_s) not in (int, float) or not to_s > 0:
             raise ProtocolError("a send's 'to_s' must be a positive number of seconds")
+        sid, n, tk = h.get("sid"), h.get("n"), h.get("tk")
+        if not isinstance(sid, bytes) or len(sid) != peer.SESSION_ID_BYTES or \
+                type(n) is not int or not 0 < n < 1 << 63 or not isinstance(tk, bytes) or \
+                len(tk) != peer.TICKET_BYTES or \
+                not all(type(i) is int and 0 <= i < 1 << 63 for i in dids):
+            raise ProtocolError("a send needs 'sid' (8 bytes), 'n' (a positive nonce), 'tk' (a "
+                                "16-byte ticket) and non-negative 'dids'")
         if sess.sends >= peer.MAX_PENDING:
             raise _Refused("busy", f"this session already has {sess.sends} transfers under "
                                    "way; wait for their answers")
@@ -644,8 +651,8 @@ class Server:
             if g.signed() != want:
                 raise _Refused("protocol", f"value {k} (handle {ids[k]}) is {g.signed()} on this "
                                            f"server; the send describes it as {want!r:.60}")
-        header = {"t": "put", "sid": h.get("sid"), "n": h.get("n"), "ids": dids,
-                  "o": [g.wire() for g in geo], "tk": h.get("tk")}
+        header = {"t": "put", "sid": sid, "n": n, "ids": dids, "o": [g.wire() for g in geo],
+                  "tk": tk}
 
         def sent(nb: int | None) -> None:  # on the peer thread, once
             with self._qlock:

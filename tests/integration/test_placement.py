@@ -28,12 +28,12 @@ import genie
 from genie.remote import PeerTransferError, PlacementError
 
 zmq = pytest.importorskip("zmq")
-pytest.importorskip("msgpack")
+msgpack = pytest.importorskip("msgpack")
 transformers = pytest.importorskip("transformers")
 
 from genie.remote import peer  # noqa: E402
 from genie.remote.client import Client  # noqa: E402
-from genie.remote.protocol import PROTOCOL_VERSION, pack, unpack  # noqa: E402
+from genie.remote.protocol import EXT_COMPLEX, PROTOCOL_VERSION, pack, unpack  # noqa: E402
 
 DEV = "remote_accelerator:0"
 ROOT = Path(__file__).resolve().parents[2]
@@ -403,9 +403,24 @@ def test_bad_peer_messages_are_refused(pool, keys) -> None:
                          ({"to": "tcp://h"}, "tcp://host:port"),
                          ({"to": pool[0].address, "ids": [123]}, "no tensor with handle id"),
                          ({"to": pool[0].address, "o": [["float32", [5]]]}, "describes it as"),
-                         ({"to": pool[0].address, "sk": "short"}, "CURVE public key")]:
+                         ({"to": pool[0].address, "sk": "short"}, "CURVE public key"),
+                         # fields the put would carry: checked here, not passed on (a value
+                         # the encoder cannot write stopped the peer thread once)
+                         ({"to": pool[0].address, "sid": [1]}, "'sid' (8 bytes)"),
+                         ({"to": pool[0].address, "tk": msgpack.ExtType(
+                             EXT_COMPLEX, pack([1.0, 2.0]))}, "16-byte ticket"),
+                         ({"to": pool[0].address, "n": -1}, "positive nonce"),
+                         ({"to": pool[0].address, "tk": 5}, "16-byte ticket"),
+                         ({"to": pool[0].address, "dids": [-3]}, "non-negative 'dids'")]:
             r = _ask(s, {**base, "rid": 50, **bad})
             assert r["t"] == "err" and why in r["msg"], (bad, r)
+        # the server still sends: a valid send into this session, on this very server
+        k = json.loads((keys / "client.json").read_text())["server_public_key"]
+        signed = [["float32", [4]]]
+        r = _ask(s, {**base, "rid": 60, "to": pool[1].address, "sk": k, "n": 100, "dids": [8],
+                     "tk": peer.ticket(tok, 100, [8], signed)})
+        assert r["t"] == "ok" and r["pb"] == 16, r
+        assert c._call({"t": "ping"})[0]["res"] == [2, 32]
     finally:
         s.close(linger=0)
         c.close()
