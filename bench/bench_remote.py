@@ -563,6 +563,8 @@ def test_genie_pool_startup(benchmark, ratios) -> None:
 # --- placement over a pool of two servers (issue 15) --------------------------------------------
 
 PROMPT_LONG = 1000
+#: interleaved rounds of the two-client scenarios (ratios: medians of per-round ratios)
+ROUNDS_2CLIENTS = 5
 
 _PREFILLS = """
 import sys, time, torch, genie, transformers
@@ -724,7 +726,7 @@ def test_placement_decode_beside_a_long_prefill(benchmark, ratios, pinned) -> No
         try:
             if pinned:
                 os.sched_setaffinity(0, {1})
-            benchmark.pedantic(once, rounds=3, iterations=1)
+            benchmark.pedantic(once, rounds=ROUNDS_2CLIENTS, iterations=1)
         finally:
             if mine is not None:
                 os.sched_setaffinity(0, mine)
@@ -746,3 +748,5 @@ def test_placement_decode_beside_a_long_prefill(benchmark, ratios, pinned) -> No
         row.notes.append(f"one prefill {statistics.median(pf) * 1e3:.0f} ms (median of {len(pf)})")
     row.notes.append(f"semantic: {moved} of the decode client's tapes ran on server 1 "
                      "(request 2 of each round)")
+    row.notes.append("per round (ms/token): " + "; ".join(
+        f"{k} {', '.join(f'{x * 1e3:.0f}' for x in v)}" for k, v in samples.items()))
