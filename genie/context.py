@@ -334,6 +334,25 @@ def pop_phase(prev: Any) -> None:
     current.ctx = prev
 
 
+def node_role(n: Any, k: int) -> str:
+    """The role of output ``k`` of node ``n`` (what :func:`role` says of a tensor, from the node
+    alone: a parameter is known by its storage, uploaded from a ``Parameter``; runtimes that
+    hold values, not tensors, ask this)."""
+    st = n.storages[k] if k < len(n.storages) else None
+    if st is not None and st.role is not None:
+        return st.role
+    if n.tags is not None and "role" in n.tags:
+        return n.tags["role"]
+    c = n.ctx
+    if c is not None and c.region == "backward":
+        return "gradient"
+    if c is not None and c.region == "optimizer":
+        return "optimizer_state"
+    if n.op == "genie.upload":
+        return "input"
+    return "activation"
+
+
 def role(t: torch.Tensor) -> str:
     """What ``t`` is to the program: ``weight``, ``kv_cache``, ``gradient``,
     ``optimizer_state``, ``input`` or ``activation`` (see the module docstring)."""

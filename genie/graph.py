@@ -166,14 +166,17 @@ class Storage:
 
     ``pending_writes`` are recorded, not yet executed nodes that mutate this storage, in record
     order. ``readers`` are weak references to pending nodes that read it (for write-after-read).
+    ``role`` is set where a storage's meaning is known for its whole life (the upload of a
+    parameter: ``weight``), so in-place updates and views keep it (:func:`genie.context.node_role`).
     """
 
-    __slots__ = ("pending_writes", "readers", "_prune_at", "__weakref__")
+    __slots__ = ("pending_writes", "readers", "_prune_at", "role", "__weakref__")
 
     def __init__(self) -> None:
         self.pending_writes: list[Node] = []
         self.readers: list[weakref.ref[Node]] = []
         self._prune_at = 64
+        self.role: str | None = None
 
     def add_reader(self, r: weakref.ref[Node]) -> None:
         """Note a pending reader; readers that died or ran are pruned when the list doubles.

@@ -608,6 +608,8 @@ def _upload_into(dst: LazyTensor, src: torch.Tensor, non_blocking: bool) -> Lazy
                    and tuple(src.shape) == dmeta.shape and dmeta.offset == 0)
     up = upload(src.expand(dmeta.shape) if tuple(src.shape) != dmeta.shape else src,
                 dmeta.index, like=dmeta)
+    if isinstance(src, torch.nn.Parameter):
+        up._node.storages[0].role = "weight"  # its in-place updates and views stay weights
     if fresh_empty:
         # `cpu.to(device)` is empty_strided + copy_: rebind the fresh empty to the upload, so the
         # transfer is one node and the empty is never run.

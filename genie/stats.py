@@ -37,7 +37,11 @@ def stats() -> dict[str, int]:
     - remote: ``round_trips``, ``bytes_sent``, ``bytes_received``, ``skeletons_sent``,
       ``frees_sent``, ``resident_tensors``, ``resident_bytes``, ``uploads_sent_now`` (large
       uploads sent at ``.to()``, from the host tensor's own memory); recovery: ``replays``,
-      ``replayed_requests``, ``checkpoints``, ``last_recovery_ms``;
+      ``replayed_requests``, ``checkpoints``, ``last_recovery_ms``; memory pressure
+      (:mod:`genie.remote.residency`): ``pressure_events``, ``evictions``,
+      ``evictions.<role>`` (``evictions.activation``, ...), ``evict_bytes``,
+      ``evictions.spilled``, ``evictions.dropped``, ``spill_bytes``, ``restores.recompute``,
+      ``restores.upload``, ``restore_bytes``;
     - a pool of servers (:mod:`genie.remote.placement`, :mod:`genie.remote.peer`):
       ``peer_transfers`` and ``peer_bytes`` (values sent server to server, never through this
       process), ``placement.tapes``, ``placement.moved`` (tapes run off their device's server),

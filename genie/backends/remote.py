@@ -195,7 +195,7 @@ def _upload_now(src: torch.Tensor, meta: Any, graph: Any) -> Any:
 
     if src.dtype not in WIRE_DTYPES:
         return None  # refused when the tape runs, with the protocol's message
-    return c.put(src, meta)
+    return c.put(src, meta, "weight" if isinstance(src, torch.nn.Parameter) else "input")
 
 
 def placement() -> str:

@@ -6,6 +6,8 @@
 - :mod:`genie.remote.client` - one ZeroMQ connection per server, handles, batched frees;
 - :mod:`genie.remote.peer` - server-to-server transfers (``send``/``put``, tickets);
 - :mod:`genie.remote.placement` - which server of the pool runs each tape (policies);
+- :mod:`genie.remote.residency` - eviction by role under memory pressure, and restore;
+- :mod:`genie.remote.cost` - the cost model (measured bandwidth and FLOP rates);
 - :mod:`genie.backends.remote` - the ``remote`` backend, :func:`genie.connect`,
   :func:`genie.disconnect`.
 

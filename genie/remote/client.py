@@ -24,6 +24,12 @@ when the server dies or forgets the session, it opens a new session on the next 
 pool (or the same one once it is back), replays the log (same handle ids, same random seeds),
 re-sends the interrupted request and goes on; handles stay valid. Only what cannot be replayed
 (no server answers within ``timeout``, or the replay itself fails) raises as without replay.
+
+Memory pressure: requests carry residency hints (roles of resident values); a request the
+server answers ``pressure`` is sent again after the client evicted the values it named, each to
+come back by recompute or re-upload as the cost model says (:mod:`genie.remote.residency`). Every
+round trip feeds the cost model (:mod:`genie.remote.cost`): bytes and network time (the reply
+says how long the server worked), and now and then a tape's FLOPs against its run time.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import ExecutionError
+from ..errors import ExecutionError, GenieError
 from ..graph import TensorMeta
 from ..planner import Tape
 from ..progress import transfer_done, transfer_started
@@ -57,6 +63,7 @@ from . import (
     ServerUnavailableError,
     SessionLostError,
 )
+from .cost import CLIENT, flops_of, model
 from .lineage import FreeEntry, Lineage, PeerEntry, PutEntry, RunEntry, host_sources
 from .peer import session_id, ticket
 from .protocol import (
@@ -70,17 +77,23 @@ from .protocol import (
     encode_tape,
     frame_tensor,
     frame_view,
+    ROLE_CODE,
     host_ref,
     join_frames,
     pack,
     split_frames,
     unpack,
 )
+from .residency import Residency, Resident, dense
 
 logger = logging.getLogger("genie.remote")
 
 #: how many skeletons a client remembers having sent (the server keeps more, so it never misses)
 SKELETON_MEMORY = 256
+#: rounds of eviction one request may go through before the client gives up
+MAX_PRESSURE_ROUNDS = 8
+#: every N-th run of a known skeleton, the tape's FLOPs and run time feed the cost model
+FLOP_SAMPLE_EVERY = 16
 #: seconds between the heartbeat's pings while :attr:`Client.watch_load` is on
 LOAD_EVERY = 0.25
 
@@ -88,16 +101,19 @@ LOAD_EVERY = 0.25
 class Handle:
     """A tensor resident in a server session: what ``node.values`` holds in remote mode.
 
-    ``host`` briefly carries the downloaded value when the handle was a requested output.
+    ``host`` briefly carries the downloaded value when the handle was a requested output;
+    ``res`` what eviction needs to know (:class:`~genie.remote.residency.Resident`; None for a
+    value never hinted).
     """
 
-    __slots__ = ("id", "client", "meta", "host", "__weakref__")
+    __slots__ = ("id", "client", "meta", "host", "res", "__weakref__")
 
     def __init__(self, hid: int, client: Client, meta: TensorMeta | None) -> None:
         self.id = hid
         self.client = client
         self.meta = meta
         self.host: torch.Tensor | None = None
+        self.res: Resident | None = None
 
     # the metadata of the resident tensor, as a tensor would answer (plan cache, debugging)
     @property
@@ -227,6 +243,9 @@ class Client:
             if replay_bytes is not None:
                 self._lineage.max_host_bytes = replay_bytes
         self._fallbacks = fallbacks
+        self.res = Residency(self)
+        self._runs = 0
+        self._decoding = False  # the last tape was a decode step (sticky for puts, restores)
 
     # --- lifecycle --------------------------------------------------------------------------
     def open(self) -> Client:
@@ -248,6 +267,7 @@ class Client:
                                                server=self.address))
             self.session = sess
             self.info = {k: v for k, v in h.items() if k not in ("t", "rid", "session")}
+            model().set_device(self.address, str(self.info.get("device", "cpu")))
             if h.get("torch") != torch.__version__:
                 logger.warning("genie: server %s runs torch %s, this client %s; ops missing on "
                                "the server will be refused", self.address, h.get("torch"),
@@ -384,6 +404,10 @@ class Client:
             # durations span request to reply, the server's work included: lower bounds on rate
             transfer_done("upload", size, self.address, up, "request to reply")
             transfer_done("download", got, self.address, sent_at, "request to reply")
+            st = h.get("st")
+            if type(st) is float or type(st) is int:
+                model().observe_transfer(len(data) + size + got,
+                                         time.perf_counter() - sent_at - st, CLIENT, self.address)
             res = h.get("res")
             if isinstance(res, list) and len(res) == 2:
                 self.resident = (res[0], res[1])
@@ -430,7 +454,11 @@ class Client:
         if kind == "session":
             return self._fail(SessionLostError(self.address, msg))
         if kind == "quota":
+            if type(h.get("room")) is int:  # refused at the door: evicting may make room
+                return _Pressure(h)
             return QuotaExceededError(self.address, msg)
+        if kind == "pressure":
+            return _Pressure(h)
         if kind == "protocol":
             return ProtocolError(f"the server rejected a message: {msg}", server=self.address)
         if kind == "exec":
@@ -469,8 +497,13 @@ class Client:
                 except (ServerUnavailableError, SessionLostError):
                     self._recover()
                     self._checkpoint()
+            res = self.res
+            if res.evicted:
+                res.before_run(tape)
             uploads: dict[int, tuple[torch.Tensor, int]] = {}
-            enc = encode_tape(tape, lambda s, v, frames: self._input_const(s, v, frames, uploads))
+            restored: list[Handle] = []
+            enc = encode_tape(tape, lambda s, v, frames: self._input_const(s, v, frames, uploads,
+                                                                           restored))
             inputs = tape.inputs
             n_new = sum(1 for s in tape.keep if s not in inputs)
             id0 = next(self._ids)
@@ -487,11 +520,20 @@ class Client:
                 header["c"] = enc.consts
             else:
                 header["d"] = delta
+            extra: dict[str, Any] = {}
+            ev = res.hints(restored)
+            if ev:
+                extra["ev"] = ev
+            self._decoding = res.decoding(tape)
+            if self._decoding:
+                extra["ph"] = 1
+            header.update(extra)
             self._skeletons.pop(enc.key, None)
             what = f"a tape of {len(tape.instrs)} ops"
+            reads = [v.id for v in inputs.values() if type(v) is Handle and v.client is self]
             try:
                 try:
-                    h, frames = self._call_locked(header, enc.frames, what)
+                    h, frames = self._call_run(header, enc.frames, what, reads)
                 except (ServerUnavailableError, SessionLostError):
                     if self._lineage is None:
                         raise
@@ -499,11 +541,17 @@ class Client:
                     h = {"t": "miss"}
                 if h.get("t") == "miss":  # the server forgot the skeleton: send it whole
                     header = {"t": "run", "k": enc.key, "id0": id0, "sk": enc.skeleton,
-                              "c": enc.consts}
+                              "c": enc.consts, **extra}
                     bump("skeletons_sent")
-                    h, frames = self._call_locked(header, enc.frames, what + " (resent)")
+                    h, frames = self._call_run(header, enc.frames, what + " (resent)", reads)
             except _ExecFailure as f:
                 raise f.error(tape, self.address) from None
+            self._runs += 1
+            st = h.get("st")
+            if base is not None and self._runs % FLOP_SAMPLE_EVERY == 0 and \
+                    (type(st) is float or type(st) is int):
+                w = flops_of(tape)
+                model().observe_run(w.flops, w.ops, st, self.address)
             self._skeletons[enc.key] = enc.consts
             lin = self._lineage
             if lin is not None:
@@ -511,8 +559,8 @@ class Client:
                 srcs += [(t, t._version) for t, _ in uploads.values()]
                 lin.record_run(RunEntry(enc.key, enc.skeleton, enc.consts, enc.frames, id0,
                                         len(tape.instrs), srcs),
-                               [hid for _, hid in uploads.values()] + list(range(id0,
-                                                                                 id0 + n_new)))
+                               [hid for _, hid in uploads.values()] +
+                               [r.id for r in restored] + list(range(id0, id0 + n_new)))
             if len(self._skeletons) > SKELETON_MEMORY:
                 self._skeletons.popitem(last=False)
             remote_inputs: dict[int, Handle] = {}
@@ -525,6 +573,7 @@ class Client:
                 elif isinstance(v, torch.Tensor):
                     remote_inputs[s] = self._uploads[id(v)][1]
             metas: dict[int, TensorMeta] = {}
+            owners: dict[int, tuple[Any, int]] = {}
             keep = tape.keep
             for n in tape.nodes:
                 for k, m in enumerate(n.metas):
@@ -532,6 +581,7 @@ class Client:
                         s = tape.slots.get((n.index, k))
                         if s in keep:
                             metas[s] = m
+                            owners[s] = (n, k)
             kept: dict[int, Any] = {}
             j = id0
             for s in sorted(keep):
@@ -541,13 +591,15 @@ class Client:
                     kept[s] = Handle(j, self, metas.get(s))
                     j += 1
             self._read_outputs(h, frames, [kept[s] for s in tape.outputs])
+            res.ran(tape, kept, owners, [remote_inputs[s] for s in uploads], restored)
             return kept
 
-    def put(self, t: torch.Tensor, meta: TensorMeta) -> Handle:
+    def put(self, t: torch.Tensor, meta: TensorMeta, role: str = "input") -> Handle:
         """Upload the host tensor ``t`` now (one round trip) and keep it as a resident value.
 
         Its frame is ``t``'s own memory (no host copy); the call returns once the server holds
-        the value, so later writes to ``t`` do not reach it.
+        the value, so later writes to ``t`` do not reach it. ``role`` (``input`` or ``weight``)
+        goes with it as its residency hint.
         """
         with self._lock:
             self.open()
@@ -558,9 +610,14 @@ class Client:
             header: dict[str, Any] = {"t": "run", "k": enc.key, "id0": 0, "c": enc.consts}
             if enc.key not in self._skeletons:
                 header["sk"] = enc.skeleton
+            hint = dense(meta)
+            if hint:
+                header["ev"] = [hid, ROLE_CODE[role]]
+            if self._decoding:
+                header["ph"] = 1
             what = f"an upload of {t.numel() * t.element_size()} bytes"
             try:
-                h, _ = self._call_locked(header, enc.frames, what)
+                h, _ = self._call_run(header, enc.frames, what)
             except (ServerUnavailableError, SessionLostError):
                 if self._lineage is None:
                     raise
@@ -568,17 +625,33 @@ class Client:
                 h = {"t": "miss"}
             if h.get("t") == "miss":
                 header["sk"] = enc.skeleton
-                self._call_locked(header, enc.frames, what + " (resent)")
+                self._call_run(header, enc.frames, what + " (resent)")
             self._skeletons[enc.key] = enc.consts
             lin = self._lineage
             if lin is not None:
                 lin.record_run(RunEntry(enc.key, enc.skeleton, enc.consts, enc.frames, 0, 0,
                                         [(t, t._version)]), [hid])
             bump("uploads_sent_now")
-            return Handle(hid, self, meta)
+            out = Handle(hid, self, meta)
+            if hint:
+                out.res = Resident(role, t.numel() * t.element_size())
+                self.res.live[hid] = out
+            return out
 
     def get(self, handles: list[Handle]) -> list[torch.Tensor]:
-        """Download the values of ``handles`` (one round trip)."""
+        """Download the values of ``handles`` (one round trip); an evicted value comes from its
+        host copy, or is recomputed first."""
+        with self._lock:
+            self._check_alive()
+            if self.res.evicted and any(h.res is not None and h.res.evicted for h in handles):
+                host = self.res.download_evicted(handles)
+                rest = [h for i, h in enumerate(handles) if i not in host]
+                got = iter(self._download(rest) if rest else ())
+                return [host[i] if i in host else next(got) for i in range(len(handles))]
+            return self._download(handles)
+
+    def _download(self, handles: list[Handle]) -> list[torch.Tensor]:
+        """Download resident values (one round trip)."""
         with self._lock:
             self._check_alive()
             header = {"t": "get", "ids": [x.id for x in handles]}
@@ -814,9 +887,19 @@ class Client:
         return out
 
     def _input_const(self, slot: int, v: Any, frames: list[Any],
-                     uploads: dict[int, tuple[torch.Tensor, int]]) -> Any:
+                     uploads: dict[int, tuple[torch.Tensor, int]],
+                     restored: list[Handle]) -> Any:
         if type(v) is Handle:
             if v.client is self:
+                r = v.res
+                if r is not None and r.evicted is not None and v not in restored:
+                    if r.evicted != "upload" or r.source is None:
+                        raise GenieError(f"[genie residency] handle #{v.id} is evicted "
+                                         f"({r.evicted}) but was not restored before a tape "
+                                         "read it; this is a bug in Genie, please report it")
+                    restored.append(v)  # back under its own id, inside this request
+                    return msgpack.ExtType(EXT_INPUT, pack([host_ref(r.source[0], frames),
+                                                            v.id]))
                 return v.id
             if not v.client.alive:
                 raise SessionLostError(v.client.address, "a tensor used here lived in a session "
@@ -831,6 +914,71 @@ class Client:
         hid = next(self._ids)
         uploads[slot] = (v, hid)
         return msgpack.ExtType(EXT_INPUT, pack([host_ref(v, frames), hid]))
+
+    def _call_run(self, header: dict[str, Any], frames: Any, what: str,
+                  reads: Sequence[int] = ()) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        """A run request, sent again after evicting what the server names under pressure
+        (``reads``: the handle ids it reads, which must stay)."""
+        for _ in range(MAX_PRESSURE_ROUNDS):
+            try:
+                return self._call_locked(header, frames, what)
+            except _Pressure as p:
+                victims = p.h.get("victims")
+                if "room" in p.h:  # the message itself does not fit: which values make room?
+                    got, _ = self._call_locked({"t": "free", "ids": [], "room": p.h["room"],
+                                                "keep": list(reads)}, (), "a request for room")
+                    victims = got.get("victims")
+                    if not victims:
+                        raise QuotaExceededError(self.address, str(p.h.get("msg"))) from None
+                if not isinstance(victims, list) or not victims:
+                    raise self._fail(ProtocolError("a pressure answer without victims",
+                                                   server=self.address)) from None
+                self.res.relieve(victims)
+        raise QuotaExceededError(self.address, f"{what} still passes the session's quota after "
+                                 f"{MAX_PRESSURE_ROUNDS} rounds of eviction; free tensors (del) "
+                                 "or ask for a larger --quota")
+
+    def _restore_run(self, tape: Tape, handles: list[Handle]) -> None:
+        """Recompute evicted ``handles`` with ``tape`` (their recipe, keeping only them), put
+        back under their own ids."""
+        uploads: dict[int, tuple[torch.Tensor, int]] = {}
+        restored: list[Handle] = []
+        enc = encode_tape(tape, lambda s, v, frames: self._input_const(s, v, frames, uploads,
+                                                                       restored))
+        ids = [h.id for h in handles]
+        ev: list[int] = []
+        for h in [*handles, *restored]:
+            if h.res is not None and h.res.role is not None:
+                ev += (h.id, ROLE_CODE[h.res.role])
+        header: dict[str, Any] = {"t": "run", "k": enc.key, "id0": 0, "ids": ids,
+                                  "c": enc.consts}
+        if ev:
+            header["ev"] = ev
+        if self._decoding:
+            header["ph"] = 1
+        if enc.key not in self._skeletons:
+            header["sk"] = enc.skeleton
+        what = f"a restore of {len(ids)} evicted value(s) ({len(tape.instrs)} ops)"
+        reads = [v.id for v in tape.inputs.values() if type(v) is Handle]
+        try:
+            h, _ = self._call_run(header, enc.frames, what, reads)
+            if h.get("t") == "miss":
+                header["sk"] = enc.skeleton
+                self._call_run(header, enc.frames, what + " (resent)", reads)
+        except _ExecFailure as f:
+            raise f.error(tape, self.address) from None
+        self._skeletons[enc.key] = enc.consts
+        up_ids = [hid for _, hid in uploads.values()]
+        lin = self._lineage
+        if lin is not None:
+            srcs = host_sources(x for ins in tape.instrs for x in ins.leaves)
+            srcs += [(t, t._version) for t, _ in uploads.values()]
+            lin.record_run(RunEntry(enc.key, enc.skeleton, enc.consts, enc.frames, 0,
+                                    len(tape.instrs), srcs),
+                           up_ids + [r.id for r in restored] + ids)
+        self._pending_free.extend(up_ids)  # host inputs of the recipe: needed only here
+        for r in restored:
+            self.res._back(r, "upload")
 
     def _remember_upload(self, t: torch.Tensor, hid: int, index: int) -> Handle:
         """A client-side value now also lives on the server: later uses send its handle."""
@@ -900,6 +1048,14 @@ class Client:
             ld = h.get("ld")
             if type(ld) in (int, float) and ld >= 0:
                 self.load = (float(ld), time.monotonic())
+
+
+class _Pressure(Exception):
+    """The server answered ``pressure``: evict its victims and send the request again."""
+
+    def __init__(self, h: dict[str, Any]) -> None:
+        super().__init__(h.get("msg"))
+        self.h = h
 
 
 class _ExecFailure(Exception):

@@ -25,9 +25,12 @@ client <-> server 500 MB/s and 1 ms per round trip (CURVE on a fast LAN: the cip
 - bandwidth from round trips that move at least :data:`LARGE_BYTES`:
   ``bytes / (network time - latency)``;
 - FLOP rate from tapes of at least :data:`FLOP_SAMPLE` FLOPs: ``flops / (run time - ops * op_s)``
-  (the run time the server reports);
-- per-op cost from tapes under it with at least :data:`OPS_SAMPLE` ops:
-  ``(run time - flops / rate) / ops``.
+  (the run time the server reports), when ``ops * op_s`` is under half the run time;
+- else per-op cost from tapes with at least :data:`OPS_SAMPLE` ops:
+  ``(run time - flops / rate) / ops``, when ``flops / rate`` is under half the run time.
+
+Clients sample a tape on every :data:`~genie.remote.client.FLOP_SAMPLE_EVERY`-th run of a
+skeleton the server already has (a first run pays compiling and vetting, not compute).
 
 A value set with ``pin=True`` (:meth:`CostModel.set_link`, :meth:`CostModel.set_compute`) is not
 moved by measurements: tests and operators force a decision that way.
@@ -315,13 +318,15 @@ class CostModel:
                 c = self._compute[server] = Compute(*DEVICE_PRIORS["cpu"])
             if c.pinned:
                 return
-            if flops >= FLOP_SAMPLE:
-                busy = max(seconds - ops * c.op_s, seconds * 0.1)
-                c.flops_per_s = _ewma(c.flops_per_s, flops / busy, c.flop_samples)
+            # a sample measures one figure when the other explains under half its time (so a
+            # poor estimate of one cannot drag the other to zero)
+            by_ops = ops * c.op_s
+            by_flops = flops / c.flops_per_s
+            if flops >= FLOP_SAMPLE and by_ops < 0.5 * seconds:
+                c.flops_per_s = _ewma(c.flops_per_s, flops / (seconds - by_ops), c.flop_samples)
                 c.flop_samples += 1
-            elif ops >= OPS_SAMPLE:
-                c.op_s = _ewma(c.op_s, max(seconds - flops / c.flops_per_s, 0.0) / ops,
-                               c.op_samples)
+            elif ops >= OPS_SAMPLE and by_flops < 0.5 * seconds:
+                c.op_s = _ewma(c.op_s, (seconds - by_flops) / ops, c.op_samples)
                 c.op_samples += 1
 
     def snapshot(self) -> dict[str, Any]:

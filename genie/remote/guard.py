@@ -75,6 +75,7 @@ class QuotaError(Exception):
 
     def __init__(self, index: int, op: Any, need: int, budget: int) -> None:
         self.index, self.op, self.need, self.budget = index, op, need, budget
+        self.ran = True  # False when refused before any instruction ran (the request undone)
         super().__init__(
             f"the tape needs {need} bytes at instruction {index} ({op}), counting its "
             f"intermediates; the session has {max(budget, 0)} bytes of quota left. Free "
@@ -446,7 +447,11 @@ def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | No
     baseline = _host_bytes(tape)
     n = len(tape.instrs)
     with _disable_current_modes(), torch.no_grad():
-        checked = vet(tape, 0, env, budget, resident, baseline, deadline, limit).upto
+        try:
+            checked = vet(tape, 0, env, budget, resident, baseline, deadline, limit).upto
+        except QuotaError as e:
+            e.ran = False
+            raise
         for i, ins in enumerate(tape.instrs):
             if deadline is not None and time.monotonic() > deadline:
                 raise RunTimeout(i, n, limit)

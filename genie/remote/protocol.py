@@ -66,6 +66,16 @@ PROTOCOL_VERSION = 1
 #: for a session, authorized by a ticket instead of the session token).
 REQUESTS = frozenset({"hello", "run", "get", "free", "ping", "bye", "send", "put"})
 
+#: Roles a residency hint may name (``ev`` in a run request: ``[handle id, code, ...]``), by
+#: code; the code is also the eviction order (activations first, KV caches last). See
+#: docs/deployment.md, "Residency under memory pressure".
+ROLES = ("activation", "gradient", "input", "optimizer_state", "weight", "kv_cache")
+ROLE_CODE = {r: i for i, r in enumerate(ROLES)}
+#: roles a server never evicts while the session decodes (its last tape was a decode step)
+DECODE_PINNED = frozenset({ROLE_CODE["weight"], ROLE_CODE["kv_cache"]})
+#: the most hints one request may carry (pairs)
+MAX_HINTS = 1 << 16
+
 EXT_DTYPE, EXT_DEVICE, EXT_LAYOUT, EXT_MEMFMT, EXT_META, EXT_HOST, EXT_COMPLEX, EXT_INPUT, \
     EXT_SIZE = range(1, 10)
 

@@ -25,6 +25,16 @@ runs, the tape's peak working set (vetted on meta tensors before anything runs, 
 :mod:`genie.remote.guard`); a request that would pass it is refused and undone. A tape that runs
 longer than ``--max-run-seconds`` is stopped between two instructions and its client told.
 
+Residency under memory pressure: a run request may carry *hints* (``ev``: handle id and role
+code pairs, :data:`~genie.remote.protocol.ROLES`) that mark the session's own values evictable.
+When a tape would pass the quota before anything ran, the server picks victims among hinted
+values (never the tape's inputs, nor a storage some unhinted value shares; weights and KV caches
+never while the session decodes), activations first, least recently used first, and answers
+``pressure`` with their ids instead of running; the client evicts them (it knows how to restore
+each: recompute from lineage or re-upload) and sends the request again. Nothing hinted frees
+enough: ``quota`` as before, saying what is resident by role. A hint never touches another
+session (it names ids of the session's own store) and never makes a value less evictable.
+
 Security: CURVE (authentication and encryption) by default, with keys under ``--keys``
 (generated on first start: the server's pair, and one client pair written to a connection file
 that clients pass as ``key_file``). ``--insecure`` serves plain TCP for local experiments.
@@ -63,8 +73,11 @@ from . import ProtocolError, peer
 from .guard import QuotaError, RunTimeout, run_guarded
 from .protocol import (
     ALIGN,
+    DECODE_PINNED,
+    MAX_HINTS,
     PROTOCOL_VERSION,
     REQUESTS,
+    ROLES,
     UPLOAD,
     Compiled,
     InputUpload,
@@ -99,14 +112,17 @@ MAX_RUN_SECONDS = 300.0
 #: seconds between "busy" notes to clients whose requests wait or run (their timeout counts
 #: server silence, so it must be larger than this)
 KEEPALIVE = 0.5
+#: under pressure, victims free the deficit plus this share of the quota (fewer pressure rounds)
+EVICT_SLACK = 0.125
 
 
 class _Refused(Exception):
     """A request the server refuses: ``kind`` goes to the client with the message."""
 
-    def __init__(self, kind: str, msg: str) -> None:
+    def __init__(self, kind: str, msg: str, **extra: Any) -> None:
         super().__init__(msg)
         self.kind = kind
+        self.extra = extra
 
 
 @dataclass
@@ -133,6 +149,12 @@ class Session:
     peer_bytes: list[int] = field(default_factory=lambda: [0, 0])
     put_nonce: int = 0
     sends: int = 0  # sends under way (the peer thread holds their values)
+    # residency: role code of hinted (evictable) handles, last use of each handle (a counter),
+    # and whether the last tape was a decode step (its weights and KV caches stay)
+    roles: dict[int, int] = field(default_factory=dict)
+    used_at: dict[int, int] = field(default_factory=dict)
+    tick: int = 0
+    decoding: bool = False
 
     def put(self, hid: int, t: Any) -> None:
         if hid in self.store:
@@ -140,6 +162,7 @@ class Session:
         if not isinstance(t, torch.Tensor):
             raise _Refused("protocol", f"a kept value is a {type(t).__name__}, not a tensor")
         self.store[hid] = t
+        self.used_at[hid] = self.tick
         st = t.untyped_storage()
         e = self.storages.get(st._cdata)
         if e is None:
@@ -152,6 +175,8 @@ class Session:
         t = self.store.pop(hid, None) if type(hid) is int else None
         if t is None:
             return
+        self.roles.pop(hid, None)
+        self.used_at.pop(hid, None)
         key = t.untyped_storage()._cdata
         e = self.storages.get(key)
         if e is None:  # never: every stored tensor is counted; but freeing must not fail
@@ -177,6 +202,8 @@ class Session:
 
     def clear(self) -> None:
         self.store.clear()
+        self.roles.clear()
+        self.used_at.clear()
         self.storages.clear()
         self.skeletons.clear()
         self.nbytes = 0
@@ -184,6 +211,52 @@ class Session:
 
     def residency(self) -> list[int]:
         return [len(self.store), self.nbytes]
+
+    def by_role(self) -> dict[str, list[int]]:
+        """``role -> [values, bytes]`` of what the session holds (``unhinted``: no hint; a
+        storage counted once, under its first value's role)."""
+        out: dict[str, list[int]] = {}
+        seen: set[int] = set()
+        for hid, t in self.store.items():
+            key = t.untyped_storage()._cdata
+            code = self.roles.get(hid)
+            e = out.setdefault(ROLES[code] if code is not None else "unhinted", [0, 0])
+            e[0] += 1
+            if key not in seen:
+                seen.add(key)
+                e[1] += self.storages[key][1] if key in self.storages else 0
+        return out
+
+    def victims(self, need: int, protect: set[int], slack: int) -> list[int] | None:
+        """Hinted values whose storages free at least ``need`` bytes (up to ``need + slack``),
+        in eviction order, or None when everything evictable frees less.
+
+        A storage is evictable when one hinted value holds it, not in ``protect``
+        (the pending tape's inputs); while the session decodes, weights and KV caches are not.
+        Order: role code (activations first), then least recently used.
+        """
+        by_st: dict[int, list[int]] = {}
+        for hid, t in self.store.items():
+            by_st.setdefault(t.untyped_storage()._cdata, []).append(hid)
+        cands = []
+        for key, hids in by_st.items():
+            codes = [self.roles.get(h) for h in hids]
+            # values sharing a storage (a view and its base) would not share it once restored
+            if len(hids) > 1 or None in codes or not protect.isdisjoint(hids):
+                continue
+            code = max(c for c in codes if c is not None)
+            if self.decoding and code in DECODE_PINNED:
+                continue
+            cands.append((code, max(self.used_at.get(h, 0) for h in hids), key, hids))
+        cands.sort()
+        out: list[int] = []
+        freed = 0
+        for _, _, key, hids in cands:
+            if freed >= need + slack:
+                break
+            out.extend(hids)
+            freed += self.storages[key][1] if key in self.storages else 0
+        return out if freed >= need else None
 
 
 class Server:
@@ -379,11 +452,17 @@ class Server:
                     return self._send_err(ident, rid, "busy", f"this session already has "
                                           f"{sess.nqueued} requests queued; wait for answers")
                 if sess.queued + nbytes + sess.used() > sess.quota:
-                    return self._send_err(
-                        ident, rid, "quota", f"a message of {nbytes} bytes, with the session's "
-                        f"{sess.queued} queued bytes and {sess.used()} resident bytes, passes "
-                        f"its quota of {sess.quota} bytes (server flag --quota); send less at "
-                        "once or free tensors")
+                    self._frees_of_refused(sess, h)
+                    over = sess.queued + nbytes + sess.used() - sess.quota
+                    msg = (f"a message of {nbytes} bytes, with the session's {sess.queued} "
+                           f"queued bytes and {sess.used()} resident bytes, passes its quota "
+                           f"of {sess.quota} bytes (server flag --quota); send less at once or "
+                           "free tensors")
+                    if sess.roles and h["t"] == "run" and over <= sess.nbytes:
+                        # evicting hinted values may make room: the client asks which first
+                        return self._send(ident, {"t": "err", "rid": rid, "kind": "quota",
+                                                  "msg": msg, "room": over})
+                    return self._send_err(ident, rid, "quota", msg)
                 sess.queued += nbytes
                 sess.nqueued += 1
         self._inflight[ident] = (rid, token)
@@ -392,6 +471,20 @@ class Server:
             self._fd_ident[fd] = ident
         self._queue.put(token if h["t"] != "hello" else b"hello:" + ident,
                         (ident, h, parts[2:], nbytes))
+
+    def _frees_of_refused(self, sess: Session, h: dict[str, Any]) -> None:
+        """A message refused at the door for its size still frees what it names: its frees go
+        to the session's queue on their own (no reply), ahead of anything it sends next,
+        counted as a queued request of 8 bytes an id (under ``_qlock``)."""
+        frees = h.get("free")
+        if not isinstance(frees, list) or not frees or \
+                sess.nqueued >= MAX_QUEUED_PER_SESSION:
+            return
+        n = 8 * len(frees)
+        sess.queued += n
+        sess.nqueued += 1
+        self._queue.put(sess.token, (None, {"t": "free", "s": sess.token, "rid": -1,
+                                            "free": frees}, [], n))
 
     def _dequeued(self, h: dict[str, Any], nbytes: int) -> None:
         """A request left the queue (answered or cancelled): uncount its bytes."""
@@ -528,13 +621,14 @@ class Server:
     def _work_one(self, key: Any, ident: bytes | None, h: dict[str, Any],
                   frames: list[zmq.Frame], out: zmq.Socket) -> None:
         rid = h.get("rid", -1)
+        t0 = time.monotonic()
         try:
             with self._stream(key):
                 reply, rframes = self._handle(h, frames, ident)
             if reply is None:  # a send: the peer thread answers once the peer has the values
                 return
         except _Refused as e:
-            reply, rframes = {"t": "err", "kind": e.kind, "msg": str(e)}, []
+            reply, rframes = {"t": "err", "kind": e.kind, "msg": str(e), **e.extra}, []
         except ProtocolError as e:
             reply, rframes = {"t": "err", "kind": "protocol", "msg": str(e)}, []
         except Exception as e:
@@ -547,6 +641,7 @@ class Server:
         if ident is None:
             return
         reply["rid"] = rid
+        reply["st"] = round(time.monotonic() - t0, 6)  # the server's own time: the cost model's
         rframes, counts = split_frames(rframes)
         if counts is not None:
             reply["fc"] = counts
@@ -588,6 +683,18 @@ class Server:
         if kind == "free":
             for hid in _id_list(h.get("ids")):
                 sess.drop(hid)
+            room = h.get("room")
+            if room is not None:  # which hinted values would make room for a message
+                if type(room) is not int or not 0 < room <= sess.quota:
+                    raise ProtocolError(f"'room' must be a byte count in 1..{sess.quota} (the "
+                                        f"session's quota), got {room!r:.40}")
+                keep = h.get("keep", [])  # what the refused message reads: not a victim
+                if not isinstance(keep, list) or len(keep) > MAX_HINTS:
+                    raise ProtocolError(f"'keep' must be a list of at most {MAX_HINTS} handle "
+                                        "ids")
+                victims = sess.victims(room, set(_id_list(keep)),
+                                       int(sess.quota * EVICT_SLACK))
+                return {"t": "ok", "res": sess.residency(), "victims": victims or []}, []
             return {"t": "ok", "res": sess.residency()}, []
         if kind == "ping":
             return self._pong(sess, None), []
@@ -735,6 +842,15 @@ class Server:
             raise ProtocolError(f"the skeleton takes {c.n_consts} constants")
         c.consts = consts
         dev = self.device
+        in_slots = set(c.inputs)
+        new_ids = _new_ids(h.get("ids"), id0, sum(1 for s in c.keep if s not in in_slots))
+        hints = _hints(h.get("ev"))
+        ph = h.get("ph", 0)
+        if ph not in (0, 1):
+            raise ProtocolError(f"'ph' (the tape is a decode step) must be 0 or 1, got {ph!r:.40}")
+        sess.decoding = ph == 1
+        sess.tick += 1
+        protect: set[int] = set()
         added: list[int] = []
         try:
             inputs: dict[int, Any] = {}
@@ -744,16 +860,29 @@ class Server:
                     if t is None:
                         raise _Refused("protocol", f"no tensor with handle id {v} in this session"
                                                    " (freed, or never created)")
+                    protect.add(v)
+                    sess.used_at[v] = sess.tick
                 elif type(v) is InputUpload:
                     if v.ref.index >= len(frames):
                         raise ProtocolError(f"tensor frame {v.ref.index} is missing")
                     t = _device_value(frame_tensor(frames[v.ref.index], v.ref, copy=False), dev)
                     sess.put(v.hid, t)
                     added.append(v.hid)
+                    protect.add(v.hid)
                 else:
                     raise ProtocolError(f"bad input {v!r:.60}")
                 inputs[s] = t
-            self._check_quota(sess)
+            if hints:  # every hinted id must be the session's: held, made or freed by this
+                made = set(new_ids) | set(added)  # request (a hint races its value's free)
+                freed = set(_id_list(h.get("free")))
+                bad = [hid for hid, _ in hints
+                       if hid not in made and hid not in sess.store and hid not in freed]
+                if bad:
+                    raise ProtocolError(f"residency hints name handle ids {bad[:8]} that this "
+                                        "session neither holds nor creates (nor frees) in this "
+                                        "request; a hint may only name the session's own values")
+                _apply_hints(sess, [(i, c) for i, c in hints if i not in made])  # held now
+            self._check_quota(sess, protect)
             inputs_before = set(inputs)
             tape = fill(c, consts, frames, inputs, upload=lambda t: _device_value(t, dev))
             # uploads inside the tape are inputs now, not yet counted in the session
@@ -763,7 +892,9 @@ class Server:
                 kept = run_guarded(tape, dev, sess.quota - sess.used() - uploaded,
                                    started + self.max_run_seconds, self.max_run_seconds)
             except QuotaError as e:
-                raise _Refused("quota", str(e)) from None
+                if not e.ran:  # nothing ran: evicting hinted values lets it run as sent
+                    self._pressure(sess, e.need - e.budget, protect)
+                raise _Refused("quota", f"{e}{self._by_role(sess)}") from None
             except RunTimeout as e:
                 raise _Refused("timeout", str(e)) from None
             except ExecutionError as e:
@@ -776,18 +907,18 @@ class Server:
                 return {"t": "err", "kind": "exec", "etype": type(cause).__name__,
                         "msg": str(cause), "i": i}, []
             sess.refresh(tape.inputs.values())  # resize_ of a resident tensor grows it
-            hid = id0
-            in_slots = set(c.inputs)
+            new = iter(new_ids)
             for s in c.keep:
                 if s not in in_slots:
+                    hid = next(new)
                     sess.put(hid, kept[s])
                     added.append(hid)
-                    hid += 1
             self._check_quota(sess)
         except BaseException:
             for a in added:
                 sess.drop(a)
             raise
+        _apply_hints(sess, hints)  # the values this request made too, now that they exist
         reply, rframes = _outputs([kept[s] for s in c.outputs])
         reply["res"] = sess.residency()
         return reply, rframes
@@ -818,12 +949,34 @@ class Server:
         sess.skel_bytes += cost
         return entry
 
-    def _check_quota(self, sess: Session) -> None:
+    def _check_quota(self, sess: Session, protect: set[int] | None = None) -> None:
         if sess.used() > sess.quota:
+            if protect is not None:
+                self._pressure(sess, sess.used() - sess.quota, protect)
             raise _Refused("quota", f"the session would hold {sess.nbytes} bytes on "
                                     f"{self.device} (and {sess.skel_bytes} bytes of cached "
                                     f"tapes); its quota is {sess.quota} bytes (server "
-                                    "flag --quota). Free tensors (del) or raise the quota.")
+                                    "flag --quota). Free tensors (del) or raise the quota."
+                                    f"{self._by_role(sess)}")
+
+    def _pressure(self, sess: Session, need: int, protect: set[int]) -> None:
+        """Raise a ``pressure`` refusal naming the values whose eviction frees ``need`` bytes,
+        if hinted values can; return when they cannot (the caller refuses with ``quota``)."""
+        victims = sess.victims(need, protect, int(sess.quota * EVICT_SLACK))
+        if victims:
+            raise _Refused("pressure", f"the request needs {need} more bytes than the session's "
+                                       f"quota of {sess.quota} leaves; evict {len(victims)} "
+                                       "values and send it again", need=need, victims=victims)
+
+    @staticmethod
+    def _by_role(sess: Session) -> str:
+        roles = sess.by_role()
+        if not roles:
+            return ""
+        what = ", ".join(f"{r} {n} values ({b} bytes)" for r, (n, b) in sorted(roles.items()))
+        return (f". Resident by role: {what}; only hinted values (activations first) can be "
+                "evicted, never the tape's own inputs, nor weights and KV caches while "
+                "decoding")
 
 
 @contextlib.contextmanager
@@ -832,6 +985,47 @@ def _on_stream(st: Any) -> Any:
     with torch.cuda.stream(st):
         yield
     st.synchronize()
+
+
+def _new_ids(ids: Any, id0: int, n: int) -> list[int]:
+    """Handle ids for a run's ``n`` new kept values: ``id0, id0 + 1, ...``, or the explicit
+    list ``ids`` (a restore puts values back under the ids they had)."""
+    if ids is None:
+        return list(range(id0, id0 + n))
+    if not isinstance(ids, list) or len(ids) != n or \
+            not all(type(i) is int and i >= 0 for i in ids) or len(set(ids)) != n:
+        raise ProtocolError(f"'ids' must list {n} distinct non-negative handle ids (one per new "
+                            f"kept value), got {ids!r:.80}")
+    return ids
+
+
+def _apply_hints(sess: Session, hints: list[tuple[int, int]]) -> None:
+    """Record role hints on the session's held values, only ever more evictable (a lower
+    code); ids the session does not hold are skipped (validated before)."""
+    for hid, code in hints:
+        if hid in sess.store:
+            old = sess.roles.get(hid)
+            if old is None or code < old:
+                sess.roles[hid] = code
+
+
+def _hints(ev: Any) -> list[tuple[int, int]]:
+    """Residency hints ``[hid, role code, ...]`` as pairs; ProtocolError when malformed."""
+    if ev is None:
+        return []
+    if not isinstance(ev, list) or len(ev) % 2 or len(ev) > 2 * MAX_HINTS:
+        raise ProtocolError(f"residency hints ('ev') must be a flat list of at most {MAX_HINTS} "
+                            "[handle id, role code] pairs")
+    out = []
+    for i in range(0, len(ev), 2):
+        hid, code = ev[i], ev[i + 1]
+        if type(hid) is not int or hid < 0 or type(code) is not int or \
+                not 0 <= code < len(ROLES):
+            raise ProtocolError(f"bad residency hint [{hid!r:.20}, {code!r:.20}]: a handle id "
+                                f"(int >= 0) and a role code 0..{len(ROLES) - 1} "
+                                f"({', '.join(ROLES)})")
+        out.append((hid, code))
+    return out
 
 
 def _id_list(x: Any) -> list[int]:
