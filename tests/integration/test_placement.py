@@ -534,10 +534,10 @@ def test_a_peer_that_dies_or_hangs_mid_transfer_is_a_clear_error(mode) -> None:
         assert fake.got_put.is_set()
         msg = str(e.value)
         assert fake.address in msg and src.address in msg
-        if mode == "die":
-            assert "dropped" in msg and dt < 5
+        if mode == "die":  # the drop, or the reconnect it refuses right after
+            assert ("dropped" in msg or "connection refused" in msg) and dt < 8, (dt, msg)
         else:
-            assert "no answer within 2 s" in msg and 1.5 < dt < 8
+            assert "no answer within 2 s" in msg and 1.5 < dt < 10, (dt, msg)
         assert (x + 1).sum().item() == sum(range(16)) * 2 + 16  # the source goes on
     finally:
         genie.disconnect()
