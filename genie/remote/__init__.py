@@ -81,7 +81,11 @@ class RunTimeoutError(RemoteError):
 class PeerTransferError(RemoteError):
     """A server-to-server transfer failed: the destination server was unreachable, dropped the
     connection, stayed silent past the timeout, or refused the values (``server`` is the
-    sending server; the message names the destination and the cause)."""
+    sending server; the message names the destination and the cause; ``refused`` is the
+    destination's own refusal kind, such as ``quota``, or None)."""
+
+    refused: str | None = None
+    room: int | None = None  # bytes the destination would need freed to take the values
 
 
 class PlacementError(RemoteError):

@@ -38,6 +38,7 @@ import builtins
 import collections
 import itertools
 import logging
+import math
 import threading
 import time
 import weakref
@@ -466,7 +467,11 @@ class Client:
         if kind == "timeout":
             return RunTimeoutError(self.address, msg)
         if kind == "peer":
-            return PeerTransferError(self.address, msg)
+            e = PeerTransferError(self.address, msg)
+            pk, room = h.get("pk"), h.get("room")
+            e.refused = pk if isinstance(pk, str) else None
+            e.room = room if type(room) is int and room > 0 else None
+            return e
         return RemoteError(self.address, msg)
 
     def _drain_frees(self) -> list[int]:
@@ -680,6 +685,7 @@ class Client:
         if any(h.meta is None for h in handles):
             raise ValueError("Client.send: a handle without metadata cannot be sent")
         signed = [[dtype_name(h.meta.dtype), list(h.meta.shape)] for h in handles]  # type: ignore[union-attr]
+        self._bring_back(handles)
         with dest._lock:
             dest.open()
             ids = [next(dest._ids) for _ in handles]
@@ -690,11 +696,45 @@ class Client:
                                       nbytes))
         return [Handle(i, dest, h.meta) for i, h in zip(ids, handles, strict=True)]
 
+    def _bring_back(self, handles: list[Handle]) -> None:
+        """Evicted values among ``handles`` back in this session (a send reads them on this
+        server): recomputed, or uploaded from their host copies under their own ids."""
+        with self._lock:
+            if not self.res.evicted:
+                return
+            ev = [h for h in handles if h.res is not None and h.res.evicted is not None]
+            rec = [h for h in ev if h.res.evicted == "recompute"]  # type: ignore[union-attr]
+            if rec:
+                self.res.restore(rec)
+            up = [h for h in ev if h.res.evicted == "upload"]  # type: ignore[union-attr]
+            if up:
+                self._restore_run(Tape([], dict(enumerate(up)), [], set(), [], {},
+                                       up[0].meta.index if up[0].meta else 0), [])
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict values of this session (by role, :mod:`genie.remote.residency`) to free
+        ``nbytes`` (what a peer's values need beyond the quota); whether any were evicted."""
+        with self._lock:
+            quota = int(self.info.get("quota", 0) or 0)
+            room = min(nbytes, quota) if quota else nbytes
+            got, _ = self._call({"t": "free", "ids": [], "room": max(1, room), "keep": []}, (),
+                                "a request for room")
+            victims = got.get("victims")
+            if not isinstance(victims, list) or not victims:
+                return False
+            self.res.relieve(victims)
+            self._call({"t": "free", "ids": []}, (), "the frees of an eviction")  # before the put
+            return True
+
     def _send_ids(self, src_ids: list[int], signed: list[list[Any]], dest: Client,
                   ids: list[int]) -> int:
-        """The ``send`` request of :meth:`send` (and of a replay); the bytes moved."""
+        """The ``send`` request of :meth:`send` (and of a replay); the bytes moved. A
+        destination short of quota makes room by eviction first (as for a tape)."""
         what = f"a transfer of {len(ids)} value(s) to {dest.address}"
-        for attempt in (0, 1):
+        need = sum(math.prod(m[1]) * dtype_of(m[0]).itemsize for m in signed) + 4096
+        rounds = 0
+        recovered = False
+        while True:
             with dest._lock:
                 dest.open()
                 dest._nonce += 1
@@ -710,12 +750,18 @@ class Client:
                     h, _ = self._call(header, (), what)
                     break
                 except (ServerUnavailableError, SessionLostError):
-                    if self._lineage is None or attempt:
+                    if self._lineage is None or recovered:
                         raise
+                    recovered = True
                     self._recover()
-                except PeerTransferError:
-                    if attempt or not dest._lost_and_rebuilt():
+                except PeerTransferError as e:
+                    if e.refused in ("quota", "pressure") and rounds < MAX_PRESSURE_ROUNDS:
+                        rounds += 1
+                        if dest._make_room(e.room or need):
+                            continue
+                    if recovered or e.refused is not None or not dest._lost_and_rebuilt():
                         raise
+                    recovered = True
         nb = h.get("pb")
         nb = nb if type(nb) is int and nb >= 0 else 0
         bump("peer_transfers")
@@ -852,6 +898,7 @@ class Client:
                     raise RemoteError(self.address, f"a replayed tape failed: {f}") from None
             elif type(e) is PeerEntry:
                 try:
+                    e.source._bring_back(e.pinned)
                     e.source._send_ids(e.src_ids, e.signed, self, e.ids)
                 except RemoteError as err:  # the source lost them too: nothing to rebuild from
                     raise RemoteError(self.address, f"values this session received from "

@@ -316,6 +316,12 @@ class PeerLinks:
                 h = {"t": "err", "rid": t.rid, "kind": "peer",
                      "msg": f"sending {len(t.header.get('ids', []))} value(s) ({t.nbytes} "
                             f"bytes) to the peer server {t.dest} failed: {err}"}
+                pk = got.get("kind") if got is not None else None
+                if isinstance(pk, str):
+                    h["pk"] = pk[:16]  # the destination's own refusal kind (quota, ...)
+                room = got.get("room") if got is not None else None
+                if type(room) is int and room > 0:
+                    h["room"] = room  # bytes the destination would need freed
                 logger.info("genie-server: %s", h["msg"])
             out.send_multipart([t.reply_to, pack(h)])
             t.keep.clear()
@@ -448,7 +454,7 @@ class PeerLinks:
             if h.get("t") == "ok":
                 answer(t, None, h)
             else:
-                answer(t, f"the peer refused it ({h.get('kind')}): {h.get('msg')}")
+                answer(t, f"the peer refused it ({h.get('kind')}): {h.get('msg')}", h)
 
 
 def load_peer_keys(path: str) -> tuple[bytes, bytes, bytes]:

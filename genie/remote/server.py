@@ -458,7 +458,7 @@ class Server:
                            f"queued bytes and {sess.used()} resident bytes, passes its quota "
                            f"of {sess.quota} bytes (server flag --quota); send less at once or "
                            "free tensors")
-                    if sess.roles and h["t"] == "run" and over <= sess.nbytes:
+                    if sess.roles and h["t"] in ("run", "put") and over <= sess.nbytes:
                         # evicting hinted values may make room: the client asks which first
                         return self._send(ident, {"t": "err", "rid": rid, "kind": "quota",
                                                   "msg": msg, "room": over})

@@ -448,6 +448,42 @@ def test_quota_applies_at_the_receiver(pool, keys) -> None:
         small.stop()
 
 
+def test_transfers_meet_residency_under_memory_pressure(pool, keys) -> None:
+    """A destination short of quota makes room by evicting its own values by role
+    (genie.remote.residency), then takes the transfer; a source value that was evicted comes
+    back on its server before it is sent. Values stay eager's."""
+    small = Srv(keys, "--quota", "1MiB")
+    try:
+        genie.connect([pool[0].address, small.address], key_file=str(keys / "client.json"),
+                      placement="fixed", timeout=20, replay=False)
+        src, dst = genie.backends.remote.clients()
+        yh = torch.randn(100 * 1024)  # 400 KiB: y fits the 1 MiB quota, y and x do not
+        y = yh.to("remote_accelerator:1") * 2  # an activation on the small server
+        assert torch.equal(y.cpu(), yh * 2)
+        (y + 1).sum().item()  # the next request tells the server y's role: it may be evicted
+        xh = torch.randn(175 * 1024)  # 700 KiB
+        x = xh.to(DEV) * 3
+        x.cpu()
+        genie.reset_stats()
+        (got,) = src.send([x._node.values[0]], dst)
+        st = genie.stats()
+        assert st["evictions"] >= 1 and st["peer_bytes"] >= xh.numel() * 4
+        assert torch.equal(dst.get([got])[0], xh * 3)
+        del got
+        dst._call({"t": "free", "ids": []})
+        assert torch.equal(y.cpu(), yh * 2)  # the evicted value, back
+        # the source side: an evicted value is brought back before it is sent
+        h = y._node.values[0]
+        dst.res.relieve([h.id])
+        dst._call({"t": "free", "ids": []})
+        assert h.res.evicted is not None
+        (back,) = dst.send([h], src)
+        assert h.res.evicted is None and torch.equal(src.get([back])[0], yh * 2)
+    finally:
+        genie.disconnect()
+        small.stop()
+
+
 def test_a_dead_decode_server_is_a_clear_error_at_the_call_site(keys) -> None:
     """phase-split without replay: the decode server dies after the prefill; the first decode
     needs the KV cache there, and the program gets PeerTransferError naming both servers and
