@@ -26,6 +26,13 @@
   ``kill -9`` of its server at step 10 (the replay, ``genie.stats()["last_recovery_ms"]``)
   against re-running the lost steps from scratch on a fresh session; ``genie-pool`` start-up for
   2 CPU servers (Ray actors when Ray is installed, local processes always).
+* Placement over a pool of two CURVE servers (issue 15), the same GPT-2 generate under each
+  policy (``fixed``, ``phase-split``, ``semantic``): tokens equal eager's; per decode token of the
+  second request (weights and skeletons already in place), bytes through the client, round trips
+  and time; ``peer_bytes`` per request against the prompt's KV cache size. Then two clients at
+  once: another process runs prefills of a 1000-token prompt back to back while this one generates;
+  the generating client's time per token alone, with both clients on one server (``fixed``), and
+  with both on the pool under ``semantic`` (target: within 1.2x of alone).
 
 Servers run on the same machine as the client, with as many intra-op threads as the client
 (``GENIE_BENCH_THREADS``, default 1): on a small shared machine both compete for the same cores,
@@ -62,14 +69,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Server:
-    def __init__(self, keys: Path, *args: str) -> None:
+    def __init__(self, keys: Path, *args: str, cpu: int | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "GENIE_LOG_LEVEL": "WARNING"}
         env.pop("GENIE_SERVER", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "genie.remote.server", "--device", "cpu", "--listen",
              "127.0.0.1:0", "--keys", str(keys), "--threads", str(torch.get_num_threads()),
              *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            preexec_fn=None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu})))
         line = self.proc.stdout.readline()
         m = re.search(r"tcp://[\d.]+:\d+", line)
         if m is None:
@@ -138,8 +146,15 @@ def _generate(model: torch.nn.Module, ids: torch.Tensor, dev: str) -> tuple[torc
     d = {k: statistics.median(b[1].get(k, 0) - a[1].get(k, 0) for a, b in pairs)
          for k in ("round_trips", "bytes_sent", "bytes_received", "materializations")}
     d["s/token"] = statistics.median(b[0] - a[0] for a, b in pairs)
+    through = [b[1].get("bytes_sent", 0) + b[1].get("bytes_received", 0)
+               - a[1].get("bytes_sent", 0) - a[1].get("bytes_received", 0) for a, b in pairs]
+    d["client B/token"] = statistics.median(through)
+    d["client B/token max"] = max(through)
     d["total s"] = total
     d["first bytes_sent"] = per.marks[1][1].get("bytes_sent", 0)
+    last = per.marks[-1][1]
+    d["peer_bytes"] = last.get("peer_bytes", 0)
+    d["placement.moved"] = last.get("placement.moved", 0)
     return out, d
 
 
@@ -543,6 +558,198 @@ def test_genie_pool_startup(benchmark, ratios) -> None:
     row.values.update(res)
     if "ray" not in launchers:
         row.notes.append("Ray not installed: the ray launcher was not measured")
+
+
+# --- placement over a pool of two servers (issue 15) --------------------------------------------
+
+PROMPT_LONG = 1000
+#: interleaved rounds of the two-client scenarios (ratios: medians of per-round ratios)
+ROUNDS_2CLIENTS = 5
+
+_PREFILLS = """
+import sys, time, torch, genie, transformers
+transformers.logging.set_verbosity_error()
+torch.set_num_threads(1)
+genie.connect(sys.argv[1].split(","), key_file=sys.argv[2], placement=sys.argv[3], timeout=120)
+cfg = transformers.GPT2Config(n_layer=4, n_head=4, n_embd=128, vocab_size=1000, n_positions=1024,
+                              bos_token_id=0, eos_token_id=999)
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(cfg).eval().to("remote_accelerator")
+ids = torch.randint(1, 999, (1, int(sys.argv[4])), generator=torch.Generator().manual_seed(2))
+with torch.no_grad():
+    model(ids.to("remote_accelerator")).logits[:, -1].argmax(-1).item()   # weights, skeleton
+    print("start", flush=True)
+    while True:
+        t0 = time.perf_counter()
+        model(ids.to("remote_accelerator")).logits[:, -1].argmax(-1).item()
+        print("prefill", time.perf_counter() - t0, flush=True)
+"""
+
+
+def _kv_bytes(model: torch.nn.Module, prompt: int) -> int:
+    c = model.config
+    return c.n_layer * 2 * prompt * c.n_embd * 4  # keys and values, float32, batch 1
+
+
+def _pool_generate(model: torch.nn.Module, ids: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Two requests on the connected pool; the figures of the second (steady state)."""
+    m = model.to(DEV)
+    try:
+        for _ in range(2):
+            out, d = _generate(m, ids, DEV)
+            assert torch.equal(out, ref), f"{genie.backends.remote.placement()}: tokens differ"
+    finally:
+        model.to("cpu")
+    return d
+
+
+def test_placement_policies(benchmark, ratios) -> None:
+    """GPT-2 4 x 128, 32 greedy tokens on a pool of two CURVE servers, under each policy."""
+    benchmark.group = "placement over a pool of two servers"
+    model, ids = _gpt2()
+    ref = model.generate(ids, max_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
+    res: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as d:
+        pool = [_Server(Path(d)), _Server(Path(d))]
+        try:
+            def once() -> None:
+                for policy in ("fixed", "phase-split", "semantic"):
+                    genie.connect([p.address for p in pool], key_file=pool[0].key_file,
+                                  placement=policy, timeout=60)
+                    try:
+                        res[policy] = _pool_generate(model, ids, ref)
+                    finally:
+                        genie.disconnect()
+
+            benchmark.pedantic(once, rounds=1, iterations=1)
+        finally:
+            for p in pool:
+                p.stop()
+    kv = _kv_bytes(model, ids.shape[1])
+    for key, unit in [("client B/token", "B/token"), ("client B/token max", "B/token"),
+                      ("round_trips", "round trips/token"), ("s/token", "ms/token")]:
+        row = ratios.row(SUITE, f"pool of 2, GPT-2 greedy {TOKENS} tokens, per decode token of "
+                         f"request 2: {key}", unit=unit, scale=1e3 if key == "s/token" else 1)
+        for k, v in res.items():
+            row.values[k] = v[key]
+    row = ratios.row(SUITE, "pool of 2: peer_bytes per request (request 2)", unit="B", scale=1)
+    for k, v in res.items():
+        row.values[k] = v["peer_bytes"]
+    row.notes.append(f"prompt KV cache {kv:,} B ({ids.shape[1]} tokens); tokens equal eager's "
+                     "under every policy")
+    row = ratios.row(SUITE, "pool of 2: tapes run off their device's server (request 2)",
+                     unit="tapes", scale=1)
+    for k, v in res.items():
+        row.values[k] = v["placement.moved"]
+    for k, v in res.items():
+        benchmark.extra_info[k] = v
+
+
+def _prefill_client(addresses: list[str], key_file: str, policy: str, cpu: int | None
+                    ) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("GENIE_SERVER", None)
+    p = subprocess.Popen([sys.executable, "-c", _PREFILLS, ",".join(addresses), key_file, policy,
+                          str(PROMPT_LONG)], stdout=subprocess.PIPE, text=True, env=env,
+                         cwd=ROOT, preexec_fn=None if cpu is None else
+                         (lambda: os.sched_setaffinity(0, {cpu})))
+    line = p.stdout.readline()
+    if not line.startswith("start"):
+        p.kill()
+        raise RuntimeError(f"the prefill client did not start: {line!r}")
+    return p
+
+
+def _stop_prefills(p: subprocess.Popen) -> list[float]:
+    p.kill()
+    out, _ = p.communicate(timeout=30)
+    return [float(x.split()[1]) for x in out.splitlines() if x.startswith("prefill ")]
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["shared-cores", "a-core-per-server"])
+def test_placement_decode_beside_a_long_prefill(benchmark, ratios, pinned) -> None:
+    """The decode stream's time per token: alone; with another client's prefills on the same
+    server (fixed, one server); with both clients on the pool under semantic.
+
+    ``shared-cores``: every process on every core (this machine as it is: the two servers
+    compete for the same cores). ``a-core-per-server``: server 0 and the prefill client on core
+    0, server 1 and this (decode) client on core 1: each server owns its compute, as each owns a
+    device in a real pool."""
+    if pinned and (not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2):
+        pytest.skip("needs two cores and sched_setaffinity")
+    benchmark.group = f"decode stream beside a long prefill ({'pinned' if pinned else 'shared'})"
+    model, ids = _gpt2()
+    ref = model.generate(ids, max_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
+    samples: dict[str, list[float]] = {"alone": [], "fixed, one server, with prefills": [],
+                                       "semantic, pool of 2, with prefills": []}
+    if pinned:  # where semantic puts it beside the prefills: its server shares its core
+        samples["alone, on server 1"] = []
+    prefill_s: dict[str, list[float]] = {k: [] for k in samples}
+    moved: list[int] = []
+    mine = os.sched_getaffinity(0) if pinned else None
+    with tempfile.TemporaryDirectory() as d:
+        pool = [_Server(Path(d), cpu=0 if pinned else None),
+                _Server(Path(d), cpu=1 if pinned else None)]
+        addrs = [p.address for p in pool]
+        key_file = pool[0].key_file
+        cpu0 = 0 if pinned else None
+
+        def scenario(name: str) -> None:
+            other = None
+            if name.startswith("fixed"):
+                other = _prefill_client(addrs[:1], key_file, "fixed", cpu0)
+                genie.connect(addrs[:1], key_file=key_file, timeout=60)
+            elif name.startswith("semantic"):
+                other = _prefill_client(addrs, key_file, "semantic", cpu0)
+                genie.connect(addrs, key_file=key_file, placement="semantic", timeout=60)
+            elif name == "alone, on server 1":
+                genie.connect(addrs[::-1], key_file=key_file, placement="semantic", timeout=60)
+            else:
+                genie.connect(addrs, key_file=key_file, placement="semantic", timeout=60)
+            try:
+                time.sleep(1.0)  # the heartbeat has read the servers' load
+                r = _pool_generate(model, ids, ref)
+                samples[name].append(r["s/token"])
+                if name.startswith("semantic"):
+                    moved.append(r["placement.moved"])
+            finally:
+                genie.disconnect()
+                if other is not None:
+                    prefill_s[name] += _stop_prefills(other)
+
+        def once() -> None:
+            names = list(samples)
+            k = len(samples["alone"]) % len(names)
+            for name in names[k:] + names[:k]:
+                scenario(name)
+
+        try:
+            if pinned:
+                os.sched_setaffinity(0, {1})
+            benchmark.pedantic(once, rounds=ROUNDS_2CLIENTS, iterations=1)
+        finally:
+            if mine is not None:
+                os.sched_setaffinity(0, mine)
+            for p in pool:
+                p.stop()
+    how = "a core per server" if pinned else "servers sharing the cores"
+    row = ratios.row(SUITE, f"decode stream (GPT-2 4 x 128, {TOKENS} tokens) beside another "
+                     f"client's {PROMPT_LONG}-token prefills, {how}: time per token",
+                     unit="ms/token",
+                     scale=1e3, ratios=[("semantic, pool of 2, with prefills", "alone"),
+                                        ("fixed, one server, with prefills", "alone"),
+                                        ("semantic, pool of 2, with prefills",
+                                         "alone, on server 1")])
+    for k, v in samples.items():
+        row.values[k] = statistics.median(v)
+        row.samples[k] = v
+    pf = [x for v in prefill_s.values() for x in v]
+    if pf:
+        row.notes.append(f"one prefill {statistics.median(pf) * 1e3:.0f} ms (median of {len(pf)})")
+    row.notes.append(f"semantic: {moved} of the decode client's tapes ran on server 1 "
+                     "(request 2 of each round)")
+    row.notes.append("per round (ms/token): " + "; ".join(
+        f"{k} {', '.join(f'{x * 1e3:.0f}' for x in v)}" for k, v in samples.items()))
 
 
 # --- residency under memory pressure (issue 15) ------------------------------------------------

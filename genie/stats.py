@@ -41,7 +41,11 @@ def stats() -> dict[str, int]:
       (:mod:`genie.remote.residency`): ``pressure_events``, ``evictions``,
       ``evictions.<role>`` (``evictions.activation``, ...), ``evict_bytes``,
       ``evictions.spilled``, ``evictions.dropped``, ``spill_bytes``, ``restores.recompute``,
-      ``restores.upload``, ``restore_bytes``.
+      ``restores.upload``, ``restore_bytes``;
+    - a pool of servers (:mod:`genie.remote.placement`, :mod:`genie.remote.peer`):
+      ``peer_transfers`` and ``peer_bytes`` (values sent server to server, never through this
+      process), ``placement.tapes``, ``placement.moved`` (tapes run off their device's server),
+      ``placement.replicas`` (values copied to another server), ``placement.migrated``.
 
     Example:
         >>> import torch, genie

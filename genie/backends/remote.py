@@ -1,8 +1,10 @@
 """The ``remote`` backend: tapes run on a ``genie-server``; values stay there as handles.
 
 :func:`connect` (or ``GENIE_SERVER=tcp://host:port`` at import) puts this backend first: every
-materialization becomes one request to the server that ``remote_accelerator:N`` maps to (the N-th
-address given). Values that live tensors still hold are bound to their nodes as
+materialization becomes one request to a server: with one server, that one; with several, the one
+the placement policy picks (:mod:`genie.remote.placement`: ``fixed`` maps ``remote_accelerator:N``
+to the N-th address; ``phase-split`` and ``semantic`` place tapes by phase, roles and measured
+costs, and move values server to server). Values that live tensors still hold are bound to their nodes as
 :class:`~genie.remote.client.Handle` objects (the tensors stay on the server); the values the
 program asked for come back in the same reply and reach the caller through this backend's
 :meth:`RemoteBackend.fetch` (called by :func:`genie.backends.fetch`) as CPU tensors.
@@ -33,6 +35,7 @@ from ..planner import Slot, Tape
 from . import BackendUnsupported, backend_order, register_backend, set_backends
 
 _clients: list[Any] = []
+_router: Any = None  # genie.remote.placement.Router, when a policy other than fixed runs
 _atexit = False
 
 #: host tensors at least this large are sent when ``.to()`` records their upload (one round
@@ -44,7 +47,8 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
             server_key: str | None = None, client_keys: tuple[str, str] | None = None,
             insecure: bool = False, timeout: float = 30.0, lazy: bool = False,
             replay: bool | None = None, replay_ops: int | None = None,
-            replay_bytes: int | None = None, pool: Any = None) -> None:
+            replay_bytes: int | None = None, pool: Any = None,
+            placement: str | None = None) -> None:
     """Run ``remote_accelerator`` tensors on Genie server(s) from now on.
 
     Args:
@@ -65,6 +69,11 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
         pool: a :class:`~genie.remote.pool.Pool`, or the path of the pool file ``genie-pool``
             printed (``GENIE_POOL``): its servers in order, keys from it, replay on, and a
             recovering client looks there for the servers that replaced dead ones.
+        placement: with several servers, where each tape runs: ``fixed`` (device N on server
+            N), ``phase-split`` (prefill on server N, decode on server N+1, the KV cache moving
+            server to server) or ``semantic`` (from phases, roles and measured costs; the
+            default with several servers); default ``$GENIE_PLACEMENT``. See
+            docs/deployment.md, "Placement".
 
     Raises:
         ServerUnavailableError: the server cannot be reached or refuses the keys.
@@ -109,6 +118,14 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
         server_key = server_key or keys.get("server_public_key")
         if client_keys is None and keys:
             client_keys = (keys.get("client_public_key"), keys.get("client_secret_key"))
+    policy = placement or os.environ.get("GENIE_PLACEMENT", "").strip() or \
+        ("semantic" if len(addrs) > 1 else "fixed")
+    try:
+        from ..remote.placement import check_policy
+
+        check_policy(policy, len(addrs))
+    except ValueError as e:
+        raise GenieError(f"[genie.connect] {e}") from None
     disconnect()
     cpub, csec = client_keys if client_keys else (None, None)
     if replay is None:
@@ -126,6 +143,11 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
                 c.close()
             raise
     _clients[:] = new
+    global _router
+    if policy != "fixed" and len(new) > 1:
+        from ..remote.placement import Router
+
+        _router = Router(policy, new)
     set_backends(["remote", *[n for n in backend_order() if n != "remote"]])
     lazy_tensor.upload_now = _upload_now
     if device.device_count() < len(new):
@@ -142,7 +164,11 @@ def disconnect() -> None:
     Tensors whose values lived on a server cannot be used afterwards (they raise
     :class:`~genie.remote.SessionLostError`); ``.cpu()`` what you need first.
     """
+    global _router
     lazy_tensor.upload_now = None
+    if _router is not None:
+        _router.close()
+        _router = None
     for c in _clients:
         c.close()
     _clients.clear()
@@ -170,6 +196,11 @@ def _upload_now(src: torch.Tensor, meta: Any, graph: Any) -> Any:
     if src.dtype not in WIRE_DTYPES:
         return None  # refused when the tape runs, with the protocol's message
     return c.put(src, meta, "weight" if isinstance(src, torch.nn.Parameter) else "input")
+
+
+def placement() -> str:
+    """The placement policy tapes run under now (``fixed`` with one server or none)."""
+    return _router.policy if _router is not None else "fixed"
 
 
 def clients() -> list[Any]:
@@ -252,7 +283,9 @@ class RemoteBackend:
             devs = {getattr(ins, "device", 0) for ins in tape.instrs}
             if len(devs) > 1:
                 return _run_split(tape)
-            return client_for(devs.pop() if devs else _index(tape)).run(tape)
+            index = devs.pop() if devs else _index(tape)
+            c = client_for(index)
+            return c.run(tape) if _router is None else _router.run(tape, index)
         except Unsendable as e:
             if any(type(v) is Handle for v in tape.inputs.values()):
                 raise GenieError(f"[genie] {e}; the tape's other values live on the server, so "
@@ -262,15 +295,19 @@ class RemoteBackend:
 
 def _run_split(tape: Tape) -> dict[int, Any]:
     """A tape whose ops run on several devices (a copy between servers): one request per run
-    of consecutive ops on the same device; values crossing over come back with the earlier
-    request's reply and go to the next server as uploads."""
+    of consecutive ops on the same device, on that device's server; values crossing over come
+    back with the earlier request's reply and go to the next server as uploads (``fixed``), or
+    go server to server (other placements)."""
     from ..remote.client import Handle
 
     segs: list[tuple[int, list[Any]]] = []
-    for ins in tape.instrs:
+    seg_nodes: list[list[Any]] = []
+    for ins, node in zip(tape.instrs, tape.nodes, strict=True):
         if not segs or segs[-1][0] != ins.device:
             segs.append((ins.device, []))
+            seg_nodes.append([])
         segs[-1][1].append(ins)
+        seg_nodes[-1].append(node)
     made: dict[int, int] = {}
     reads: list[set[int]] = []
     for k, (_, instrs) in enumerate(segs):
@@ -288,10 +325,14 @@ def _run_split(tape: Tape) -> dict[int, Any]:
         for k, (d, instrs) in enumerate(segs):
             mine = {s for s, kk in made.items() if kk == k}
             cross = later_reads[k] & mine
-            outputs = [s for s in tape.outputs if s in mine] + sorted(cross)
+            # fixed: crossing values come back in the reply (they go on as uploads); otherwise
+            # they stay resident and go server to server
+            outputs = [s for s in tape.outputs if s in mine] + \
+                (sorted(cross) if _router is None else [])
             sub = Tape(instrs, {s: values[s] for s in reads[k] if made.get(s) != k}, outputs,
                        (tape.keep & mine) | cross, tape.nodes, tape.slots, d)
-            kept = client_for(d).run(sub)
+            c = client_for(d)
+            kept = c.run(sub) if _router is None else _router.run(sub, d, seg_nodes[k], pin=True)
             crossing.extend(kept[s] for s in cross if s not in tape.outputs)
             values.update(kept)
     finally:

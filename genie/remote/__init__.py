@@ -4,6 +4,8 @@
   a cached *skeleton* plus a short list of per-call constants; never pickle);
 - :mod:`genie.remote.server` - ``genie-server``: sessions, resident tensors, CURVE, limits;
 - :mod:`genie.remote.client` - one ZeroMQ connection per server, handles, batched frees;
+- :mod:`genie.remote.peer` - server-to-server transfers (``send``/``put``, tickets);
+- :mod:`genie.remote.placement` - which server of the pool runs each tape (policies);
 - :mod:`genie.remote.residency` - eviction by role under memory pressure, and restore;
 - :mod:`genie.remote.cost` - the cost model (measured bandwidth and FLOP rates);
 - :mod:`genie.backends.remote` - the ``remote`` backend, :func:`genie.connect`,
@@ -76,5 +78,20 @@ class RunTimeoutError(RemoteError):
     """A tape ran longer than the server's ``--max-run-seconds`` and was stopped."""
 
 
-__all__ = ["ProtocolError", "QuotaExceededError", "RemoteError", "RunTimeoutError",
-           "ServerUnavailableError", "SessionLostError"]
+class PeerTransferError(RemoteError):
+    """A server-to-server transfer failed: the destination server was unreachable, dropped the
+    connection, stayed silent past the timeout, or refused the values (``server`` is the
+    sending server; the message names the destination and the cause; ``refused`` is the
+    destination's own refusal kind, such as ``quota``, or None)."""
+
+    refused: str | None = None
+    room: int | None = None  # bytes the destination would need freed to take the values
+
+
+class PlacementError(RemoteError):
+    """A placement policy cannot run a tape without breaking eager's semantics (values that
+    share memory live on different servers and the tape writes them); the message says why."""
+
+
+__all__ = ["PeerTransferError", "PlacementError", "ProtocolError", "QuotaExceededError",
+           "RemoteError", "RunTimeoutError", "ServerUnavailableError", "SessionLostError"]

@@ -15,6 +15,10 @@ busy with a long tape says so twice a second), watches the connection (a server 
 mid-request is reported at once) and then raises a :class:`~genie.remote.RemoteError` naming the
 server; a client that lost its session refuses all later work with :class:`SessionLostError`.
 
+Server to server (:meth:`Client.send`): values of this session go to another session of the same
+program on another server directly (one round trip to this server; the bytes never pass through
+the client, see :mod:`genie.remote.peer`); ``genie.stats()`` counts them in ``peer_bytes``.
+
 Recovery (``replay=True``): the client keeps its session's :class:`~genie.remote.lineage.Lineage`;
 when the server dies or forgets the session, it opens a new session on the next address of its
 pool (or the same one once it is back), replays the log (same handle ids, same random seeds),
@@ -34,6 +38,7 @@ import builtins
 import collections
 import itertools
 import logging
+import math
 import threading
 import time
 import weakref
@@ -51,6 +56,7 @@ from ..planner import Tape
 from ..progress import transfer_done, transfer_started
 from ..stats import _counts, bump
 from . import (
+    PeerTransferError,
     ProtocolError,
     QuotaExceededError,
     RemoteError,
@@ -59,13 +65,15 @@ from . import (
     SessionLostError,
 )
 from .cost import CLIENT, flops_of, model
-from .lineage import FreeEntry, Lineage, PutEntry, RunEntry, host_sources
+from .lineage import FreeEntry, Lineage, PeerEntry, PutEntry, RunEntry, host_sources
+from .peer import session_id, ticket
 from .protocol import (
     ALIGN,
     EXT_INPUT,
     PROTOCOL_VERSION,
     FrameRef,
     const_delta,
+    dtype_name,
     dtype_of,
     encode_tape,
     frame_tensor,
@@ -87,6 +95,8 @@ SKELETON_MEMORY = 256
 MAX_PRESSURE_ROUNDS = 8
 #: every N-th run of a known skeleton, the tape's FLOPs and run time feed the cost model
 FLOP_SAMPLE_EVERY = 16
+#: seconds between the heartbeat's pings while :attr:`Client.watch_load` is on
+LOAD_EVERY = 0.25
 
 
 class Handle:
@@ -220,6 +230,12 @@ class Client:
         self.alive = True
         self.lost: str | None = None
         self.resident = (0, 0)
+        #: how busy other sessions keep the server's workers (``ld`` of ping replies, see
+        #: :class:`~genie.remote.sched.LoadMeter`) and when it was read (``time.monotonic``)
+        self.load: tuple[float, float] = (0.0, float("-inf"))
+        #: ping every :data:`LOAD_EVERY` seconds to keep :attr:`load` fresh (placement sets it)
+        self.watch_load = False
+        self._nonce = 0  # the last nonce of a put ticket for this session
         self._lineage: Lineage | None = None
         if replay:
             self._lineage = Lineage()
@@ -450,6 +466,12 @@ class Client:
             return _ExecFailure(h)
         if kind == "timeout":
             return RunTimeoutError(self.address, msg)
+        if kind == "peer":
+            e = PeerTransferError(self.address, msg)
+            pk, room = h.get("pk"), h.get("room")
+            e.refused = pk if isinstance(pk, str) else None
+            e.room = room if type(room) is int and room > 0 else None
+            return e
         return RemoteError(self.address, msg)
 
     def _drain_frees(self) -> list[int]:
@@ -648,6 +670,117 @@ class Client:
                 h, frames = self._call_locked(header, (), what)
             return self._read_outputs(h, frames, None)
 
+    def send(self, handles: list[Handle], dest: Client) -> list[Handle]:
+        """Copy resident values of this session into ``dest``'s session (another server of the
+        pool), server to server: one round trip to this server, which pushes the values to
+        ``dest``'s server (:mod:`genie.remote.peer`). Returns their handles in ``dest``.
+
+        Values that share a storage here share one there. A failure raises
+        :class:`~genie.remote.PeerTransferError` naming both servers and the cause (within
+        this client's timeout); with replay on, a lost session on either side is rebuilt and
+        the transfer tried once more.
+        """
+        if any(h.client is not self for h in handles):
+            raise ValueError("Client.send: every handle must belong to this client's session")
+        if any(h.meta is None for h in handles):
+            raise ValueError("Client.send: a handle without metadata cannot be sent")
+        signed = [[dtype_name(h.meta.dtype), list(h.meta.shape)] for h in handles]  # type: ignore[union-attr]
+        self._bring_back(handles)
+        with dest._lock:
+            dest.open()
+            ids = [next(dest._ids) for _ in handles]
+        nbytes = self._send_ids([h.id for h in handles], signed, dest, ids)
+        lin = dest._lineage
+        if lin is not None:
+            lin.record_peer(PeerEntry(self, [h.id for h in handles], ids, signed, list(handles),
+                                      nbytes))
+        return [Handle(i, dest, h.meta) for i, h in zip(ids, handles, strict=True)]
+
+    def _bring_back(self, handles: list[Handle]) -> None:
+        """Evicted values among ``handles`` back in this session (a send reads them on this
+        server): recomputed, or uploaded from their host copies under their own ids."""
+        with self._lock:
+            if not self.res.evicted:
+                return
+            ev = [h for h in handles if h.res is not None and h.res.evicted is not None]
+            rec = [h for h in ev if h.res.evicted == "recompute"]  # type: ignore[union-attr]
+            if rec:
+                self.res.restore(rec)
+            up = [h for h in ev if h.res.evicted == "upload"]  # type: ignore[union-attr]
+            if up:
+                self._restore_run(Tape([], dict(enumerate(up)), [], set(), [], {},
+                                       up[0].meta.index if up[0].meta else 0), [])
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict values of this session (by role, :mod:`genie.remote.residency`) to free
+        ``nbytes`` (what a peer's values need beyond the quota); whether any were evicted."""
+        with self._lock:
+            quota = int(self.info.get("quota", 0) or 0)
+            room = min(nbytes, quota) if quota else nbytes
+            got, _ = self._call({"t": "free", "ids": [], "room": max(1, room), "keep": []}, (),
+                                "a request for room")
+            victims = got.get("victims")
+            if not isinstance(victims, list) or not victims:
+                return False
+            self.res.relieve(victims)
+            self._call({"t": "free", "ids": []}, (), "the frees of an eviction")  # before the put
+            return True
+
+    def _send_ids(self, src_ids: list[int], signed: list[list[Any]], dest: Client,
+                  ids: list[int]) -> int:
+        """The ``send`` request of :meth:`send` (and of a replay); the bytes moved. A
+        destination short of quota makes room by eviction first (as for a tape)."""
+        what = f"a transfer of {len(ids)} value(s) to {dest.address}"
+        need = sum(math.prod(m[1]) * dtype_of(m[0]).itemsize for m in signed) + 4096
+        rounds = 0
+        recovered = False
+        while True:
+            with dest._lock:
+                dest.open()
+                dest._nonce += 1
+                nonce = dest._nonce
+                assert dest.session is not None
+                header: dict[str, Any] = {
+                    "t": "send", "ids": src_ids, "to": dest.address, "sid":
+                    session_id(dest.session), "n": nonce, "dids": ids, "o": signed,
+                    "tk": ticket(dest.session, nonce, ids, signed), "to_s": self.timeout,
+                    "sk": dest._keys[0] if dest._keys is not None else None}
+            with self._lock:
+                try:
+                    h, _ = self._call(header, (), what)
+                    break
+                except (ServerUnavailableError, SessionLostError):
+                    if self._lineage is None or recovered:
+                        raise
+                    recovered = True
+                    self._recover()
+                except PeerTransferError as e:
+                    if e.refused in ("quota", "pressure") and rounds < MAX_PRESSURE_ROUNDS:
+                        rounds += 1
+                        if dest._make_room(e.room or need):
+                            continue
+                    if recovered or e.refused is not None or not dest._lost_and_rebuilt():
+                        raise
+                    recovered = True
+        nb = h.get("pb")
+        nb = nb if type(nb) is int and nb >= 0 else 0
+        bump("peer_transfers")
+        bump("peer_bytes", nb)
+        return nb
+
+    def _lost_and_rebuilt(self) -> bool:
+        """After a failed transfer into this session: whether the session was lost and has
+        been rebuilt (replay on), so the transfer can be tried again."""
+        with self._lock:
+            try:
+                self._call({"t": "ping"}, (), "a ping")
+                return False  # alive: the failure was the transfer's own
+            except (ServerUnavailableError, SessionLostError):
+                if self._lineage is None:
+                    return False
+                self._recover()
+                return True
+
     # --- lineage: checkpoints and recovery ------------------------------------------------------
     def _checkpoint(self) -> None:
         """Replace the lineage by the session's live values (one download)."""
@@ -733,6 +866,7 @@ class Client:
             self._ctx = None
         self.address = addr
         self.alive, self.lost, self.session = True, None, None
+        self._nonce = 0
         self._connected = False
         self._hb_stop = threading.Event()
         self._skeletons.clear()
@@ -762,6 +896,14 @@ class Client:
                         self._call_locked(header, e.frames, f"a replayed tape of {e.ops} ops")
                 except _ExecFailure as f:
                     raise RemoteError(self.address, f"a replayed tape failed: {f}") from None
+            elif type(e) is PeerEntry:
+                try:
+                    e.source._bring_back(e.pinned)
+                    e.source._send_ids(e.src_ids, e.signed, self, e.ids)
+                except RemoteError as err:  # the source lost them too: nothing to rebuild from
+                    raise RemoteError(self.address, f"values this session received from "
+                                      f"{e.source.address} could not be sent again: {err}"
+                                      ) from None
             else:
                 assert type(e) is FreeEntry
                 self._call_locked({"t": "free", "ids": e.ids}, (), "replayed frees")
@@ -902,14 +1044,15 @@ class Client:
     def _heartbeat(self) -> None:
         """Keep the lease and send frees while the program is idle, on a socket of its own."""
         lease = float(self.info.get("lease", 60.0))
-        every = max(0.5, min(lease / 3.0, 10.0))
+        lease_every = max(0.5, min(lease / 3.0, 10.0))
         last_ping = time.monotonic()
         sock: zmq.Socket | None = None
         rids = itertools.count(1)
         try:
             sock, _ = self._socket()
-            while not self._hb_stop.wait(0.25):
+            while not self._hb_stop.wait(LOAD_EVERY if self.watch_load else 0.25):
                 now = time.monotonic()
+                every = LOAD_EVERY if self.watch_load else lease_every
                 idle = now - self._last_activity > 0.5
                 if not ((self._pending_free and (idle or len(self._pending_free) > 4096))
                         or now - last_ping > every):
@@ -929,7 +1072,7 @@ class Client:
                 waited = 0.0
                 while not self._hb_stop.is_set() and waited < self.timeout:
                     if sock.poll(250):
-                        sock.recv_multipart()
+                        self._pong(sock.recv_multipart(), rid)
                         break
                     waited += 0.25
                 else:
@@ -940,6 +1083,18 @@ class Client:
         finally:
             if sock is not None:
                 sock.close(linger=0)
+
+
+    def _pong(self, parts: list[bytes], rid: int) -> None:
+        """Read the server's load from a heartbeat ping's answer."""
+        try:
+            h = unpack(parts[0])
+        except ProtocolError:
+            return
+        if isinstance(h, dict) and h.get("rid") == rid:
+            ld = h.get("ld")
+            if type(ld) in (int, float) and ld >= 0:
+                self.load = (float(ld), time.monotonic())
 
 
 class _Pressure(Exception):

@@ -12,7 +12,11 @@ the state-changing requests since the last *checkpoint*, in the full form a fres
 - ``free`` entries: ids the client released (a replay frees them too, so the rebuilt session
   holds what the lost one held, no more);
 - one ``put`` entry at the start after a checkpoint: the values of every live handle, downloaded
-  from the server, uploaded again under the same ids.
+  from the server, uploaded again under the same ids;
+- ``peer`` entries: values that another session of the client sent into this one, server to
+  server (:mod:`genie.remote.peer`). A replay asks that session to send them again; the entry
+  keeps the source values alive there until the next checkpoint (their bytes count against
+  ``max_peer_bytes``).
 
 Invariants: replaying the log in order on a fresh session recreates the same live handle ids
 with the same values (bit for bit on the same device type, as the tapes and seeds are the same);
@@ -33,6 +37,9 @@ import torch
 #: default bounds on what a replay may cost before a checkpoint replaces the log
 MAX_OPS = 200_000
 MAX_HOST_BYTES = 1 << 30
+#: values pinned on other servers for a replay (``peer`` entries): values the program may have
+#: dropped (a request's prompt KV cache) stay there until a checkpoint, so the bound is lower
+MAX_PEER_BYTES = 256 << 20
 
 
 @dataclass(slots=True)
@@ -61,6 +68,20 @@ class PutEntry:
     values: list[torch.Tensor]
 
 
+@dataclass(slots=True)
+class PeerEntry:
+    """Values received from the client's session ``source`` (a :class:`~genie.remote.client.
+    Client`): its handle ids, this session's ids, each value's signed dtype and shape; ``pinned``
+    holds the source handles, so the values stay there for a replay."""
+
+    source: Any
+    src_ids: list[int]
+    ids: list[int]
+    signed: list[list[Any]]
+    pinned: list[Any]
+    nbytes: int
+
+
 @dataclass
 class Lineage:
     """The replay log of one client session, bounded by checkpoints.
@@ -72,10 +93,12 @@ class Lineage:
 
     max_ops: int = MAX_OPS
     max_host_bytes: int = MAX_HOST_BYTES
+    max_peer_bytes: int = MAX_PEER_BYTES
     entries: list[Any] = field(default_factory=list)
     live: dict[int, None] = field(default_factory=dict)  # live handle ids, in creation order
     ops: int = 0
     host_bytes: int = 0
+    peer_bytes: int = 0
     checkpoints: int = 0
 
     def record_run(self, entry: RunEntry, new_ids: list[int]) -> None:
@@ -83,6 +106,12 @@ class Lineage:
         self.ops += entry.ops
         self.host_bytes += sum(_nbytes(f) for f in entry.frames)
         for i in new_ids:
+            self.live[i] = None
+
+    def record_peer(self, entry: PeerEntry) -> None:
+        self.entries.append(entry)
+        self.peer_bytes += entry.nbytes
+        for i in entry.ids:
             self.live[i] = None
 
     def record_free(self, ids: list[int]) -> None:
@@ -95,7 +124,7 @@ class Lineage:
         """True when the log must be replaced by a checkpoint before the next request: past a
         bound, or a host tensor behind a logged frame was written since it was sent."""
         return (self.ops > self.max_ops or self.host_bytes > self.max_host_bytes
-                or self.sources_changed())
+                or self.peer_bytes > self.max_peer_bytes or self.sources_changed())
 
     def sources_changed(self) -> bool:
         """True when a host tensor behind a logged frame was written since it was sent."""
@@ -111,6 +140,7 @@ class Lineage:
         self.entries = [PutEntry(list(ids), list(values))] if ids else []
         self.live = dict.fromkeys(ids)
         self.ops = 0
+        self.peer_bytes = 0
         self.host_bytes = sum(v.numel() * v.element_size() for v in values)
         self.checkpoints += 1
 

@@ -61,8 +61,10 @@ from . import ProtocolError, allowlist
 PROTOCOL_VERSION = 1
 
 #: request kinds: hello (open a session), run (a tape), get (download values), free (release
-#: handles), ping (keep the lease), bye (close the session).
-REQUESTS = frozenset({"hello", "run", "get", "free", "ping", "bye"})
+#: handles), ping (keep the lease; the reply says how busy the server is), bye (close the
+#: session), send (push values to a peer server, :mod:`genie.remote.peer`), put (a peer's values
+#: for a session, authorized by a ticket instead of the session token).
+REQUESTS = frozenset({"hello", "run", "get", "free", "ping", "bye", "send", "put"})
 
 #: Roles a residency hint may name (``ev`` in a run request: ``[handle id, code, ...]``), by
 #: code; the code is also the eviction order (activations first, KV caches last). See

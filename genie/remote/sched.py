@@ -12,12 +12,16 @@ that
 
 Invariant: an item is returned by :meth:`get` at most once; :meth:`done` must follow each
 :meth:`get` (it frees the key for the next request of that session).
+
+:class:`LoadMeter` measures how busy the workers are with each session's requests; ping replies
+carry it, and a client's placement sends compute-heavy tapes where compute is free.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -86,3 +90,47 @@ class FairQueue:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+
+
+class LoadMeter:
+    """How busy the workers were, per session, over the last ``window`` seconds.
+
+    Workers call :meth:`begin` and :meth:`end` around each request; :meth:`load` gives the
+    seconds of work that *other* sessions' requests had running in the window (requests still
+    running count up to now), divided by the window: 0 for an idle server, 1 for one worker busy
+    all the time for others, 2 for two. A client's placement reads it from ping replies
+    (``ld``) to send compute-heavy work where compute is free.
+    """
+
+    def __init__(self, window: float = 1.0) -> None:
+        self.window = window
+        self._lock = threading.Lock()
+        self._done: collections.deque[tuple[float, float, Hashable]] = collections.deque()
+        self._running: dict[int, tuple[float, Hashable]] = {}
+
+    def begin(self, key: Hashable) -> None:
+        with self._lock:
+            self._running[threading.get_ident()] = (time.monotonic(), key)
+
+    def end(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            got = self._running.pop(threading.get_ident(), None)
+            if got is not None:
+                self._done.append((got[0], now, got[1]))
+            while self._done and self._done[0][1] < now - self.window:
+                self._done.popleft()
+
+    def load(self, exclude: Hashable = None) -> float:
+        """Busy seconds of other sessions' requests in the window, per second of it."""
+        now = time.monotonic()
+        lo = now - self.window
+        busy = 0.0
+        with self._lock:
+            for start, end, key in self._done:
+                if key != exclude and end > lo:
+                    busy += end - max(start, lo)
+            for start, key in self._running.values():
+                if key != exclude:
+                    busy += now - max(start, lo)
+        return round(busy / self.window, 3)

@@ -49,6 +49,7 @@ import argparse
 import collections
 import contextlib
 import hashlib
+import hmac
 import ipaddress
 import json
 import logging
@@ -68,7 +69,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .. import backends
 from ..errors import ExecutionError
-from . import ProtocolError
+from . import ProtocolError, peer
 from .guard import QuotaError, RunTimeout, run_guarded
 from .protocol import (
     ALIGN,
@@ -83,13 +84,14 @@ from .protocol import (
     compile_skeleton,
     fill,
     frame_tensor,
+    frame_view,
     join_frames,
     pack,
     split_frames,
     tensor_frame,
     unpack,
 )
-from .sched import FairQueue
+from .sched import FairQueue, LoadMeter
 
 logger = logging.getLogger("genie.server")
 
@@ -143,6 +145,10 @@ class Session:
     queued: int = 0
     nqueued: int = 0
     last_seen: float = field(default_factory=time.monotonic)
+    # server-to-server transfers (genie.remote.peer): bytes [sent, received], last put's nonce
+    peer_bytes: list[int] = field(default_factory=lambda: [0, 0])
+    put_nonce: int = 0
+    sends: int = 0  # sends under way (the peer thread holds their values)
     # residency: role code of hinted (evictable) handles, last use of each handle (a counter),
     # and whether the last tape was a decode step (its weights and KV caches stay)
     roles: dict[int, int] = field(default_factory=dict)
@@ -260,7 +266,8 @@ class Server:
                  insecure: bool = False, keys_dir: str | None = None, lease: float = 60.0,
                  quota: int | None = None, max_message: int = 8 << 30,
                  max_sessions: int = 64, workers: int = 4,
-                 max_run_seconds: float = MAX_RUN_SECONDS) -> None:
+                 max_run_seconds: float = MAX_RUN_SECONDS, peer_keys: str | None = None,
+                 peer_timeout: float = 30.0) -> None:
         self.device = torch.device(device)
         self.listen = listen
         self.insecure = insecure
@@ -284,6 +291,10 @@ class Server:
         self._stop = threading.Event()
         self._ctx: zmq.Context | None = None
         self._auth: Any = None
+        self.peer_keys = peer_keys
+        self.peer_timeout = peer_timeout
+        self._peers: peer.PeerLinks | None = None
+        self._meter = LoadMeter()
 
     # --- setup ------------------------------------------------------------------------------
     def start(self) -> str:
@@ -315,6 +326,7 @@ class Server:
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.bind("inproc://genie-replies")
+        self._peers = peer.PeerLinks(self._ctx, self._peer_key_pair(), "inproc://genie-replies")
         if not self.insecure:
             self.key_file = write_connection_file(self.keys_dir, self.address,
                                                   self._server_public)
@@ -328,6 +340,20 @@ class Server:
         for w in self._workers:
             w.start()
         return self.address
+
+    def _peer_key_pair(self) -> tuple[bytes, bytes] | None:
+        """The key pair this server authenticates with to its peers: ``--peer-keys``' client
+        pair, else the client pair of its own key directory (what a pool's members share)."""
+        if self.insecure:
+            return None
+        if self.peer_keys:
+            _, pub, sec = peer.load_peer_keys(self.peer_keys)
+            return pub, sec
+        import zmq.auth
+
+        pub, sec = zmq.auth.load_certificate(str(self.keys_dir / "client.key_secret"))
+        assert pub is not None and sec is not None
+        return pub, sec
 
     def banner(self) -> str:
         if self.insecure:
@@ -400,6 +426,11 @@ class Server:
                                   f"'t' ({', '.join(sorted(REQUESTS))}) and an integer 'rid'")
         if len(parts) - 2 > MAX_FRAMES:
             return self._send_err(ident, rid, "protocol", f"more than {MAX_FRAMES} frames")
+        if h["t"] == "put":  # a peer's values: authorized by a ticket, not the session token
+            try:
+                h["s"] = self._put_session(h)
+            except _Refused as e:
+                return self._send_err(ident, rid, e.kind, str(e))
         token = h.get("s")
         nbytes = sum(len(p) for p in parts[1:])
         sess = None
@@ -409,7 +440,7 @@ class Server:
                 return self._send_err(ident, rid, "session", self._unknown_session())
             sess.last_seen = time.monotonic()
             if h["t"] == "ping" and not h.get("free"):
-                return self._send(ident, {"t": "ok", "rid": rid, "res": sess.residency()})
+                return self._send(ident, self._pong(sess, rid))
         elif nbytes > MAX_HELLO_BYTES:
             return self._send_err(ident, rid, "protocol", f"a hello of {nbytes} bytes (at most "
                                   f"{MAX_HELLO_BYTES})")
@@ -427,7 +458,7 @@ class Server:
                            f"queued bytes and {sess.used()} resident bytes, passes its quota "
                            f"of {sess.quota} bytes (server flag --quota); send less at once or "
                            "free tensors")
-                    if sess.roles and h["t"] == "run" and over <= sess.nbytes:
+                    if sess.roles and h["t"] in ("run", "put") and over <= sess.nbytes:
                         # evicting hinted values may make room: the client asks which first
                         return self._send(ident, {"t": "err", "rid": rid, "kind": "quota",
                                                   "msg": msg, "room": over})
@@ -486,6 +517,47 @@ class Server:
                 logger.info("genie-server: a client disconnected; %d queued request(s) "
                             "cancelled", n)
 
+    def _pong(self, sess: Session, rid: Any) -> dict[str, Any]:
+        """A ping's answer: residency, how busy other sessions kept the workers (``ld``, see
+        :class:`~genie.remote.sched.LoadMeter`) and the session's peer bytes sent, received."""
+        return {"t": "ok", "rid": rid, "res": sess.residency(),
+                "ld": self._meter.load(sess.token), "pb": sess.peer_bytes}
+
+    def _put_session(self, h: dict[str, Any]) -> bytes:
+        """The token of the session a peer's ``put`` is for, once its ticket is checked (the
+        MAC of the nonce, ids, dtypes and shapes under that session's token; see
+        :mod:`genie.remote.peer`); :class:`_Refused` otherwise. Main thread, before queueing."""
+        sid, n, ids, o, tk = h.get("sid"), h.get("n"), h.get("ids"), h.get("o"), h.get("tk")
+        if not isinstance(sid, bytes) or len(sid) != peer.SESSION_ID_BYTES or \
+                type(n) is not int or n <= 0 or not isinstance(tk, bytes) or \
+                len(tk) != peer.TICKET_BYTES:
+            raise _Refused("protocol", "a put needs 'sid' (8 bytes), 'n' (a positive nonce) "
+                                       "and 'tk' (a 16-byte ticket)")
+        if not isinstance(ids, list) or not 0 < len(ids) <= peer.MAX_VALUES or \
+                not all(type(i) is int and i >= 0 for i in ids) or len(set(ids)) != len(ids) or \
+                not isinstance(o, list) or len(o) != len(ids) or \
+                not all(isinstance(m, list) and len(m) == 6 for m in o):
+            raise _Refused("protocol", f"a put needs 'ids' (1 to {peer.MAX_VALUES} distinct "
+                                       "ids) and one geometry in 'o' per id")
+        with self._lock:
+            tok = next((t for t in self.sessions if peer.session_id(t) == sid), None)
+            sess = self.sessions.get(tok) if tok is not None else None
+        if sess is None:
+            raise _Refused("session", "the destination session of this put does not exist "
+                                      "(it expired or was closed)")
+        try:
+            expect = peer.ticket(tok, n, ids, [[m[1], m[2]] for m in o])  # type: ignore[arg-type]
+        except Exception:
+            raise _Refused("protocol", "a put whose dtypes and shapes cannot be signed") from None
+        if not hmac.compare_digest(expect, tk):
+            raise _Refused("protocol", "the put's ticket does not match its session, nonce, "
+                                       "ids, dtypes and shapes (only the session's client can "
+                                       "make one)")
+        if n <= sess.put_nonce:
+            raise _Refused("protocol", f"a put ticket used again (nonce {n}, last {sess.put_nonce})")
+        sess.put_nonce = n
+        return tok  # type: ignore[return-value]
+
     def _unknown_session(self) -> str:
         return ("this session does not exist on the server (it was restarted, or the session "
                 f"expired after {self.lease:g} s without a message); its tensors are gone")
@@ -509,6 +581,8 @@ class Server:
         self._queue.close()
         for w in self._workers:
             w.join(timeout=30)
+        if self._peers is not None:
+            self._peers.close()
         self._mon.close(linger=0)
         with self._lock:
             for s in self.sessions.values():
@@ -534,9 +608,11 @@ class Server:
                 if got is None:
                     return
                 key, (ident, h, frames, nbytes) = got
+                self._meter.begin(key)
                 try:
                     self._work_one(key, ident, h, frames, out)
                 finally:
+                    self._meter.end()
                     self._dequeued(h, nbytes)
                     self._queue.done(key)
         finally:
@@ -548,7 +624,9 @@ class Server:
         t0 = time.monotonic()
         try:
             with self._stream(key):
-                reply, rframes = self._handle(h, frames)
+                reply, rframes = self._handle(h, frames, ident)
+            if reply is None:  # a send: the peer thread answers once the peer has the values
+                return
         except _Refused as e:
             reply, rframes = {"t": "err", "kind": e.kind, "msg": str(e), **e.extra}, []
         except ProtocolError as e:
@@ -583,7 +661,8 @@ class Server:
             st = self._streams[key] = torch.cuda.Stream(self.device)
         return _on_stream(st)
 
-    def _handle(self, h: dict[str, Any], frames: list[zmq.Frame]) -> tuple[dict[str, Any], list]:
+    def _handle(self, h: dict[str, Any], frames: list[zmq.Frame], ident: bytes | None = None
+                ) -> tuple[dict[str, Any] | None, list]:
         kind = h["t"]
         if kind == "hello":
             return self._hello(h), []
@@ -618,7 +697,11 @@ class Server:
                 return {"t": "ok", "res": sess.residency(), "victims": victims or []}, []
             return {"t": "ok", "res": sess.residency()}, []
         if kind == "ping":
-            return {"t": "ok", "res": sess.residency()}, []
+            return self._pong(sess, None), []
+        if kind == "send":
+            return self._peer_send(sess, h, ident), []
+        if kind == "put":
+            return self._peer_put(sess, h, frames), []
         if kind == "bye":
             with self._lock:
                 self.sessions.pop(sess.token, None)
@@ -636,6 +719,84 @@ class Server:
             return reply, rframes
         assert kind == "run"
         return self._run(sess, h, frames)
+
+    def _peer_send(self, sess: Session, h: dict[str, Any], ident: bytes | None) -> None:
+        """Push resident values to a peer server's session (:mod:`genie.remote.peer`): checked
+        here, sent by the peer thread, which answers the client; None (no reply now)."""
+        ids, dids, dest, sk = h.get("ids"), h.get("dids"), h.get("to"), h.get("sk")
+        signed, to_s = h.get("o"), h.get("to_s", self.peer_timeout)
+        if not isinstance(ids, list) or not 0 < len(ids) <= peer.MAX_VALUES or \
+                not all(type(i) is int for i in ids) or not isinstance(dids, list) or \
+                len(dids) != len(ids) or not isinstance(signed, list) or \
+                len(signed) != len(ids):
+            raise ProtocolError(f"a send needs 'ids', 'dids' and 'o' of one length (1 to "
+                                f"{peer.MAX_VALUES})")
+        if not isinstance(dest, str) or not peer.ADDRESS.fullmatch(dest):
+            raise ProtocolError(f"a send's destination must be tcp://host:port, got {dest!r:.80}")
+        if sk is not None and (not isinstance(sk, str) or not peer.Z85_KEY.fullmatch(sk)):
+            raise ProtocolError("a send's 'sk' must be the destination's CURVE public key (Z85)")
+        if type(to_s) not in (int, float) or not to_s > 0:
+            raise ProtocolError("a send's 'to_s' must be a positive number of seconds")
+        sid, n, tk = h.get("sid"), h.get("n"), h.get("tk")
+        if not isinstance(sid, bytes) or len(sid) != peer.SESSION_ID_BYTES or \
+                type(n) is not int or not 0 < n < 1 << 63 or not isinstance(tk, bytes) or \
+                len(tk) != peer.TICKET_BYTES or \
+                not all(type(i) is int and 0 <= i < 1 << 63 for i in dids):
+            raise ProtocolError("a send needs 'sid' (8 bytes), 'n' (a positive nonce), 'tk' (a "
+                                "16-byte ticket) and non-negative 'dids'")
+        if sess.sends >= peer.MAX_PENDING:
+            raise _Refused("busy", f"this session already has {sess.sends} transfers under "
+                                   "way; wait for their answers")
+        vals = []
+        for i in ids:
+            t = sess.store.get(i)
+            if t is None:
+                raise _Refused("protocol", f"no tensor with handle id {i} in this session")
+            vals.append(t)
+        geo, frames, nbytes = peer.pack_values(vals)
+        for k, (g, want) in enumerate(zip(geo, signed, strict=True)):
+            if g.signed() != want:
+                raise _Refused("protocol", f"value {k} (handle {ids[k]}) is {g.signed()} on this "
+                                           f"server; the send describes it as {want!r:.60}")
+        header = {"t": "put", "sid": sid, "n": n, "ids": dids, "o": [g.wire() for g in geo],
+                  "tk": tk}
+
+        def sent(nb: int | None) -> None:  # on the peer thread, once
+            with self._qlock:
+                sess.sends -= 1
+                if nb is not None:
+                    sess.peer_bytes[0] += nb
+
+        assert self._peers is not None and ident is not None
+        with self._qlock:
+            sess.sends += 1
+        self._peers.submit(peer.Outgoing(dest, sk, header, frames, nbytes, ident, h["rid"],
+                                         timeout=min(float(to_s), self.peer_timeout),
+                                         keep=vals, done=sent))
+        return None
+
+    def _peer_put(self, sess: Session, h: dict[str, Any], frames: list[zmq.Frame]
+                  ) -> dict[str, Any]:
+        """Store a peer's values (ticket checked on arrival, :meth:`_put_session`): every
+        geometry checked against its bytes first; the session's quota applies."""
+        frames[:] = join_frames(frames, h.get("fc"))
+        geo = peer.read_geometry(h.get("o"), len(frames))
+        vals = peer.read_values(geo, frames, self.device)
+        added: list[int] = []
+        try:
+            for hid, v in zip(h["ids"], vals, strict=True):
+                sess.put(hid, v)
+                added.append(hid)
+            self._check_quota(sess)
+        except BaseException:
+            for a in added:
+                sess.drop(a)
+            raise
+        nb = sum(frame_view(f).nbytes for f in frames)
+        sess.peer_bytes[1] += nb
+        assert self._peers is not None
+        self._peers.received_bytes += nb
+        return {"t": "ok", "pb": nb, "res": sess.residency()}
 
     def _hello(self, h: dict[str, Any]) -> dict[str, Any]:
         if h.get("v") != PROTOCOL_VERSION:
@@ -1001,6 +1162,13 @@ def main(argv: list[str] | None = None) -> int:
                    "requests run in order (default 4)")
     p.add_argument("--threads", type=int, default=0,
                    help="intra-op CPU threads (torch.set_num_threads; default: torch's choice)")
+    p.add_argument("--peer-keys", default=None,
+                   help="connection file whose client key pair this server uses with its peers "
+                   "(server-to-server transfers; default: the client pair of --keys, which the "
+                   "members of a pool share)")
+    p.add_argument("--peer-timeout", type=float, default=30.0,
+                   help="seconds of a peer's silence after which a transfer to it fails "
+                   "(default 30)")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
@@ -1012,7 +1180,8 @@ def main(argv: list[str] | None = None) -> int:
     backends.set_backends([n for n in backends.backend_order() if n != "remote"])
     server = Server(device, a.listen, insecure=a.insecure, keys_dir=a.keys, lease=a.lease,
                     quota=a.quota, max_message=a.max_message, max_sessions=a.max_sessions,
-                    workers=a.workers, max_run_seconds=a.max_run_seconds)
+                    workers=a.workers, max_run_seconds=a.max_run_seconds,
+                    peer_keys=a.peer_keys, peer_timeout=a.peer_timeout)
     server.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())

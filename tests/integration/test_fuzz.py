@@ -333,3 +333,117 @@ def test_fuzz_report_path(tmp_path: Path) -> None:
     for h, _ in _corpus():
         names = msgpack.unpackb(h["sk"], raw=False)[1]
         assert all(n == protocol.UPLOAD or allowlist.admitted(n) for n in names), names
+
+
+# --- server-to-server messages (issue 15) ------------------------------------------------------
+
+PEER_MESSAGES = int(os.environ.get("GENIE_FUZZ_PEER_MESSAGES", 20_000 if FULL else 1500))
+
+
+def _peer_seeds(address: str, tok: bytes, nonce: int, k: int, sk: str | None = None
+                ) -> list[tuple[dict, list[bytes]]]:
+    """Valid put and send messages for the session ``tok`` (a send to this very server, of
+    the values stored under ids 1 to 4), writing fresh ids from ``k`` on."""
+    from genie.remote import peer
+
+    base = torch.arange(24.0).reshape(4, 6)
+    geo, frames, _ = peer.pack_values([base, base.t(), base[1:3, 2:5], torch.arange(5)])
+    o = [g.wire() for g in geo]
+    put = {"t": "put", "sid": peer.session_id(tok), "n": nonce, "ids": [k, k + 1, k + 2, k + 3],
+           "o": o}
+    send = {"t": "send", "s": tok, "ids": [1, 2], "to": address, "dids": [k, k + 1],
+            "o": [g.signed() for g in geo[:2]], "sid": peer.session_id(tok), "n": nonce,
+            "to_s": 2.0, "sk": sk}
+    return [(put, [bytes(memoryview(f).cast("B")) for f in frames]), (send, [])]
+
+
+def _signed(o: Any) -> Any:
+    try:
+        return [[m[1], m[2]] for m in o]
+    except Exception:
+        return []
+
+
+def test_fuzz_peer_messages(server: ServerProc) -> None:
+    """put and send, mutated field by field (geometry, ids, nonces, tickets, destinations,
+    frames): no crash, every message answered, nothing past the quota; tickets are recomputed
+    for 90% of the mutated messages so that the mutations reach the checks behind them."""
+    from genie.remote import peer
+
+    genie.disconnect()
+    sock = _raw(server)
+    rid = 1
+    nonce = 1
+
+    def session(rid: int) -> bytes:
+        """A fresh session holding values under ids 1 to 4 (what the sends read)."""
+        tok = _hello(sock, rid)
+        h, frames = _peer_seeds(server.address, tok, 1, 1)[0]
+        h = {**h, "rid": rid, "tk": peer.ticket(tok, 1, h["ids"], _signed(h["o"]))}
+        sock.send_multipart([protocol.pack(h), *frames])
+        while True:
+            assert sock.poll(15000)
+            a = protocol.unpack(sock.recv_multipart()[0])
+            if a.get("rid") == rid and a["t"] != "busy":
+                assert a["t"] == "ok", a
+                return tok
+
+    tok = session(rid)
+    nonce = 2
+    pid = server.proc.pid
+    baseline = rss(pid)
+    m = Mutator(1)
+    r = m.r
+    kinds: collections.Counter[str] = collections.Counter()
+    sent = answered = 0
+    while sent < PEER_MESSAGES:
+        for _ in range(BATCH):
+            rid += 1
+            nonce += 1
+            h, frames = r.choice(_peer_seeds(server.address, tok, nonce, 10 * rid,
+                                             server.keys["server_public_key"]))
+            h, frames = dict(h), list(frames)
+            what = r.random()
+            if what < 0.5:
+                key = r.choice(list(h))
+                if key != "t":
+                    h[key] = m.tweak(h[key]) if r.random() < 0.7 else m.scalar()
+            elif what < 0.7 and frames:
+                i = r.randrange(len(frames))
+                frames[i] = r.choice([frames[i][:-1], frames[i] * 2, b""])
+            elif what < 0.8:
+                frames.append(b"\x00" * r.choice([0, 4, 64]))
+            ids = h.get("ids") if h["t"] == "put" else h.get("dids")
+            if r.random() < 0.9:
+                try:
+                    h["tk"] = peer.ticket(tok, h.get("n"), ids,
+                                          _signed(h.get("o") if h["t"] == "put" else None)
+                                          if h["t"] == "put" else h.get("o"))
+                except Exception:
+                    h["tk"] = b"\0" * 16
+            else:
+                h["tk"] = m.tweak(b"\0" * 16)
+            h["rid"] = rid
+            sock.send_multipart([protocol.pack(h), *frames])
+            sent += 1
+            got = None
+            deadline = time.monotonic() + 15  # "busy" notes of an unanswered send never end it
+            while time.monotonic() < deadline and sock.poll(1000):
+                a = protocol.unpack(sock.recv_multipart()[0])
+                if a.get("t") != "busy" and a.get("rid") in (rid, -1):
+                    got = a
+                    break
+            assert server.alive(), f"genie-server died on peer message {sent}: {h!r:.300}"
+            assert got is not None, f"peer message {sent} got no answer: {h!r:.300}"
+            answered += got is not None
+            kinds[f"{h['t']}/{got['t']}:{got.get('kind', '')}" if got else "none"] += 1
+        rid += 1
+        sock.send_multipart([protocol.pack({"t": "bye", "rid": rid, "s": tok})])
+        rid += 1
+        tok = session(rid)
+        nonce = 2
+        assert rss(pid) <= baseline + QUOTA + RSS_SLACK
+    sock.close()
+    print(f"\n[genie fuzz] {sent} peer messages, {answered} answered; answers {dict(kinds)}")
+    assert answered == sent
+    assert kinds.get("put/err:internal", 0) == 0 and kinds.get("send/err:internal", 0) == 0
