@@ -15,6 +15,7 @@
 #include "device.h"
 #include "generator.h"
 #include "hooks.h"
+#include "record.h"
 
 namespace py = pybind11;
 
@@ -244,4 +245,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_gc_track", &track_objects,
         "Track the given objects again in the cyclic GC (no-op for tracked or non-GC objects).");
   m.attr("_max_devices") = static_cast<int>(genie::kMaxDevices);
+  genie::add_record_functions(m);
 }

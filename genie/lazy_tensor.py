@@ -28,14 +28,15 @@ import torch.autograd.profiler as _profiler
 
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import context, device, executor
+from . import _C, context, device, executor
 from .config import config
 from .device import DEVICE_TYPE, real_device
 from .errors import UnsupportedOpError
 from .executor import real_dispatch
-from .graph import (DEFAULT_GRAPH, Graph, MetaArg, Node, Ref, Storage, TensorMeta, pending_total,
-                    retrack_below, track, untrack_node)
-from .meta import eager_error, infer, meta_cache, meta_tensor, policy, static_shape
+from .graph import (DEFAULT_GRAPH, Alive, Graph, MetaArg, Node, Ref, Storage, TensorMeta,
+                    _record_counter, pending_total, retrack_below, track, untrack_node)
+from .graph import current as graph_current
+from .meta import MetaEntry, eager_error, infer, meta_cache, meta_tensor, policy, static_shape
 from .profiling import phase
 from .stats import _counts, bump
 
@@ -148,12 +149,11 @@ class LazyTensor(torch.Tensor):
     def _storage(self) -> Storage:
         return self._node.storages[self._out]
 
+    # Replaced by the native record path at import (csrc/record.cpp, see _install_native_record),
+    # which calls _dispatch for every op it does not handle itself.
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if _profiler._is_profiler_enabled:  # a genie.record range, only under torch.profiler
-            with _profiler.record_function("genie.record"):
-                return record(func, args, kwargs or {})
-        return record(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs)
 
     # --- materialization triggers that Tensor does not route through an ATen op -----------------
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
@@ -217,6 +217,14 @@ def materialize_one(t: Any, trigger: str) -> torch.Tensor:
 
 
 # --- recording --------------------------------------------------------------------------------
+
+def _dispatch(func: Any, args: tuple, kwargs: dict | None) -> Any:
+    """The Python record path of ``LazyTensor.__torch_dispatch__`` (the reference)."""
+    if _profiler._is_profiler_enabled:  # a genie.record range, only under torch.profiler
+        with _profiler.record_function("genie.record"):
+            return record(func, args, kwargs or {})
+    return record(func, args, kwargs or {})
+
 
 _copy = aten.copy_.default
 _to_copy = aten._to_copy.default
@@ -669,3 +677,32 @@ def adopt(real: torch.Tensor, index: int) -> LazyTensor:
     node.executed = True
     node.values = [real]
     return LazyTensor(node, 0, meta)
+
+
+# --- the native record path -----------------------------------------------------------------
+
+def _install_native_record() -> bool:
+    """Make ``LazyTensor.__torch_dispatch__`` the native record path (``csrc/record.cpp``).
+
+    It records the common case (a meta-cache entry it has seen for these exact arguments, no
+    writes, the default graph) as :func:`_record` would, field for field, and calls
+    :func:`_dispatch` for everything else; ``config.native_record`` (``GENIE_NATIVE_RECORD=0``)
+    sends every op to :func:`_dispatch`. False where this build of ``genie._C`` has no native
+    path (torch older than 2.13): the Python path stays.
+    """
+    objects = dict(
+        LazyTensor=LazyTensor, Node=Node, Ref=Ref, Storage=Storage, Alive=Alive, MetaArg=MetaArg,
+        TensorMeta=TensorMeta, MetaEntry=MetaEntry, Graph=Graph, fallback=_dispatch,
+        counts=_counts, profiler=vars(_profiler), tls=_tls,
+        current=graph_current,
+        default_graph=DEFAULT_GRAPH, counter=_record_counter, leaf_spec=_LEAF_SPEC,
+        copy_ops=(_copy, _to_copy), limit=meta_cache.limit)
+    if not _C._record_init(objects):
+        return False
+    config.on_change(_C._record_config)
+    # A staticmethod: torch calls it on LazyTensors only, and no method object is bound per op.
+    LazyTensor.__torch_dispatch__ = staticmethod(_C._record_dispatch)  # type: ignore[assignment]
+    return True
+
+
+_install_native_record()
