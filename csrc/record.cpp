@@ -416,13 +416,8 @@ void clear_entries() {
 // A LazyTensor's attribute (its _node, _out), new reference or nullptr: read from its instance
 // dict (materialized by graph.track), as generic attribute lookup finds it there.
 PyObject* lazy_attr(PyObject* t, PyObject* name) {
-  PyObject* d = PyObject_GenericGetDict(t, nullptr);
-  if (d == nullptr) {
-    PyErr_Clear();
-    return nullptr;
-  }
-  PyObject* v = PyDict_GetItemWithError(d, name);
-  Py_DECREF(d);
+  PyObject** dp = _PyObject_GetDictPtr(t);
+  PyObject* v = dp != nullptr && *dp != nullptr ? PyDict_GetItemWithError(*dp, name) : nullptr;
   if (v == nullptr) {
     PyErr_Clear();
     return nullptr;
@@ -747,14 +742,6 @@ void untrack_storage(PyObject* s) {
   }
 }
 
-PyObject* new_object(PyTypeObject* t) {
-  PyObject* o = t->tp_alloc(t, 0);
-  if (o == nullptr) {
-    throw py::error_already_set();
-  }
-  return o;
-}
-
 PyObject* checked(PyObject* o) {
   if (o == nullptr) {
     throw py::error_already_set();
@@ -762,10 +749,33 @@ PyObject* checked(PyObject* o) {
   return o;
 }
 
-PyObject* new_storage() {
-  PyObject* s = new_object(S.storage);
-  init_slot(s, S.st_pending, checked(PyList_New(0)));
-  init_slot(s, S.st_readers, checked(PyList_New(0)));
+// An instance of a slotted genie class, all slots empty, as object.__new__ makes it. `tracked`
+// false: never put on the GC's lists (what record would untrack at the end, made untracked at
+// once, which saves linking and unlinking it).
+PyObject* new_object(PyTypeObject* t, bool tracked) {
+  if (tracked) {
+    return checked(t->tp_alloc(t, 0));
+  }
+  PyObject* o = checked(_PyObject_GC_New(t));
+  std::memset(reinterpret_cast<char*>(o) + sizeof(PyObject), 0,
+              static_cast<size_t>(t->tp_basicsize) - sizeof(PyObject));
+  return o;
+}
+
+// A GC container (list, weak reference) made by CPython tracked: untracked right away, while
+// its neighbours on the GC list are still in cache.
+inline PyObject* fresh(PyObject* o, bool tracked) {
+  checked(o);
+  if (!tracked) {
+    PyObject_GC_UnTrack(o);
+  }
+  return o;
+}
+
+PyObject* new_storage(bool tracked) {
+  PyObject* s = new_object(S.storage, tracked);
+  init_slot(s, S.st_pending, fresh(PyList_New(0), tracked));
+  init_slot(s, S.st_readers, fresh(PyList_New(0), tracked));
   init_slot(s, S.st_prune, checked(PyLong_FromLong(64)));
   return s;
 }
@@ -836,20 +846,19 @@ PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack) {
   // descriptors of these names), in that order.
   py::object d = py::reinterpret_steal<py::object>(checked(PyObject_GenericGetDict(t.ptr(), nullptr)));
   py::object k = py::reinterpret_steal<py::object>(checked(PyLong_FromSsize_t(o.k)));
-  py::object a = py::reinterpret_steal<py::object>(new_object(S.alive));
+  py::object a = py::reinterpret_steal<py::object>(new_object(S.alive, !gc_untrack));
   if (PyDict_SetItem(d.ptr(), names->node, node) < 0 ||
       PyDict_SetItem(d.ptr(), names->out, k.ptr()) < 0 ||
       PyDict_SetItem(d.ptr(), names->alive, a.ptr()) < 0) {
     throw py::error_already_set();
   }
   PyObject* outputs = slot(node, S.n.outputs);
-  PyObject* w = checked(PyWeakref_NewRef(a.ptr(), nullptr));
+  PyObject* w = fresh(PyWeakref_NewRef(a.ptr(), nullptr), !gc_untrack);
   PyObject* old = PyList_GET_ITEM(outputs, o.k);
   PyList_SET_ITEM(outputs, o.k, w);
   Py_DECREF(old);
   if (gc_untrack) {
-    untrack(a.ptr());
-    untrack(d.ptr());
+    untrack(d.ptr());  // after its items: storing a GC object tracks a dict again
   }
   return t.release().ptr();
 #else
@@ -888,27 +897,28 @@ PyObject* current_ctx(PyObject* d) {
   return ctx;
 }
 
-PyObject* one() {
-  static PyObject* const v = PyLong_FromLong(1);
-  return v;
-}
+// Ops this path recorded since the last _record_sync_counts: each is one ops_recorded and one
+// meta_cache_hits of genie.stats (a dict update per op would cost more than the rest of it).
+uint64_t counted_ops = 0;
 
-void bump(PyObject* name) {
+void add_count(PyObject* name, uint64_t n) {
   PyObject* v = dict_get(S.counts, name);  // borrowed
-  PyObject* nv;
-  if (v == nullptr) {
-    nv = PyLong_FromLong(1);
-  } else if (PyLong_CheckExact(v)) {
-    const long long c = PyLong_AsLongLong(v);
-    nv = c == -1 && PyErr_Occurred() ? nullptr : PyLong_FromLongLong(c + 1);
-  } else {
-    nv = PyNumber_Add(v, one());
-  }
-  if (nv == nullptr || PyDict_SetItem(S.counts, name, nv) < 0) {
-    Py_XDECREF(nv);
+  py::object add = py::reinterpret_steal<py::object>(checked(PyLong_FromUnsignedLongLong(n)));
+  py::object nv = py::reinterpret_steal<py::object>(
+      v == nullptr ? new_ref(add.ptr()) : checked(PyNumber_Add(v, add.ptr())));
+  if (PyDict_SetItem(S.counts, name, nv.ptr()) < 0) {
     throw py::error_already_set();
   }
-  Py_DECREF(nv);
+}
+
+void record_sync_counts() {
+  if (counted_ops == 0 || !S.ready) {
+    return;
+  }
+  const uint64_t n = counted_ops;
+  counted_ops = 0;
+  add_count(names->ops_recorded, n);
+  add_count(names->meta_cache_hits, n);
 }
 
 // Graph.next_uid of the default graph: "op*N", N its record position (the graph's _total).
@@ -962,11 +972,11 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, Call& c
     }
     view_src.push_back(src);
   }
-  bump(names->ops_recorded);
-  bump(names->meta_cache_hits);
+  counted_ops++;  // ops_recorded and meta_cache_hits, added to genie.stats by _record_sync_counts
 
   const Py_ssize_t n_leaves = static_cast<Py_ssize_t>(call.leaves.size());
-  py::object rec = py::reinterpret_steal<py::object>(checked(PyList_New(n_leaves)));
+  const bool tracked = !gc_untrack;  // else made as graph.untrack_node leaves them: untracked
+  py::object rec = py::reinterpret_steal<py::object>(fresh(PyList_New(n_leaves), tracked));
   {
     size_t li = 0;
     for (Py_ssize_t i = 0; i < n_leaves; ++i) {
@@ -974,10 +984,10 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, Call& c
       if (li < call.lazies.size() && call.lazies[li].leaf == i) {
         const Lazy& l = call.lazies[li++];
         if (i == 0 && info.metadata_only) {
-          x = new_object(S.meta_arg);
+          x = new_object(S.meta_arg, true);  // untrack_node leaves a MetaArg tracked
           init_slot(x, S.ma_meta, new_ref(l.meta));
         } else {
-          x = new_object(S.ref);
+          x = new_object(S.ref, tracked);
           init_slot(x, S.ref_node, new_ref(l.node));
           init_slot(x, S.ref_out, new_ref(l.out));
         }
@@ -988,7 +998,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, Call& c
     }
   }
   const Py_ssize_t n_out = PyList_GET_SIZE(e.metas);
-  py::object storages = py::reinterpret_steal<py::object>(checked(PyList_New(n_out)));
+  py::object storages = py::reinterpret_steal<py::object>(fresh(PyList_New(n_out), tracked));
   for (Py_ssize_t k = 0; k < n_out; ++k) {
     PyList_SET_ITEM(storages.ptr(), k, new_ref(Py_None));
   }
@@ -996,7 +1006,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, Call& c
     const Out& o = e.outs[j];
     PyObject* s;
     if (o.pos < 0) {
-      s = new_storage();
+      s = new_storage(tracked);
     } else {
       py::object src_node = py::reinterpret_steal<py::object>(lazy_attr(view_src[j], names->node));
       py::object src_out = py::reinterpret_steal<py::object>(lazy_attr(view_src[j], names->out));
@@ -1016,9 +1026,9 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, Call& c
   }
 
   // Node.__init__
-  py::object node = py::reinterpret_steal<py::object>(new_object(S.node));
+  py::object node = py::reinterpret_steal<py::object>(new_object(S.node, tracked));
   PyObject* n = node.ptr();
-  PyObject* outputs = checked(PyList_New(n_out));
+  PyObject* outputs = fresh(PyList_New(n_out), tracked);
   for (Py_ssize_t k = 0; k < n_out; ++k) {
     PyList_SET_ITEM(outputs, k, new_ref(Py_None));
   }
@@ -1037,11 +1047,11 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, Call& c
   init_slot(n, S.n.graph, new_ref(graph));
   init_slot(n, S.n.uid, next_uid());
   init_slot(n, S.n.where, new_ref(Py_None));
-  init_slot(n, S.n.consumers, checked(PyList_New(0)));
+  init_slot(n, S.n.consumers, fresh(PyList_New(0), tracked));
   init_slot(n, S.n.tags, new_ref(Py_None));
   init_slot(n, S.n.entry, new_ref(e.entry));
   init_slot(n, S.n.ctx, current_ctx(this_thread().current));
-  PyObject* wref = checked(PyWeakref_NewRef(n, nullptr));
+  PyObject* wref = fresh(PyWeakref_NewRef(n, nullptr), tracked);
   init_slot(n, S.n.wref, wref);
 
   // consumers and readers of the inputs
@@ -1081,32 +1091,14 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, Call& c
         checked(PyObject_CallMethodOneArg(e.out_spec, names->unflatten, flat.ptr())));
   }
 
-  // graph.untrack_node
+  // graph.untrack_node: what was made here is untracked already; a view's storage (its
+  // source's) goes off the GC's lists as untrack_node takes it off
   if (gc_untrack) {
-    untrack(n);
-    untrack(rec.ptr());
-    for (Py_ssize_t i = 0; i < n_leaves; ++i) {
-      PyObject* x = PyList_GET_ITEM(rec.ptr(), i);
-      if (Py_TYPE(x) == S.ref) {
-        untrack(x);
+    for (const Out& o : e.outs) {
+      if (o.pos >= 0) {
+        untrack_storage(PyList_GET_ITEM(storages.ptr(), o.k));
       }
     }
-    untrack(storages.ptr());
-    for (Py_ssize_t k = 0; k < n_out; ++k) {
-      PyObject* s = PyList_GET_ITEM(storages.ptr(), k);
-      if (Py_TYPE(s) == S.storage) {
-        untrack_storage(s);
-      }
-    }
-    untrack(outputs);
-    for (Py_ssize_t k = 0; k < n_out; ++k) {
-      PyObject* w = PyList_GET_ITEM(outputs, k);
-      if (PyWeakref_CheckRefExact(w)) {
-        untrack(w);
-      }
-    }
-    untrack(slot(n, S.n.consumers));
-    untrack(wref);
   }
   return results.release().ptr();
 }
@@ -1381,6 +1373,9 @@ void add_record_functions(py::module_& m) {
   m.def("_record_config", &record_config, py::arg("config"),
         "Mirror genie.config.config's native_record, meta_cache, record_source and gc_untrack "
         "(genie.config calls it on every change).");
+  m.def("_record_sync_counts", &record_sync_counts,
+        "Add the ops recorded natively since the last call to genie.stats' ops_recorded and "
+        "meta_cache_hits (genie.stats.sync calls it).");
   m.def("_record_clear", &record_clear,
         "Forget every learned meta-cache entry (genie.meta.MetaCache calls it when it clears).");
   m.def("_record_stats", &record_stats,

@@ -38,7 +38,7 @@ from .graph import (DEFAULT_GRAPH, Alive, Graph, MetaArg, Node, Ref, Storage, Te
 from .graph import current as graph_current
 from .meta import MetaEntry, eager_error, infer, meta_cache, meta_tensor, policy, static_shape
 from .profiling import phase
-from .stats import _counts, bump
+from .stats import _counts, _syncs, bump
 
 aten = torch.ops.aten
 
@@ -700,6 +700,7 @@ def _install_native_record() -> bool:
     if not _C._record_init(objects):
         return False
     config.on_change(_C._record_config)
+    _syncs.append(_C._record_sync_counts)
     # A staticmethod: torch calls it on LazyTensors only, and no method object is bound per op.
     LazyTensor.__torch_dispatch__ = staticmethod(_C._record_dispatch)  # type: ignore[assignment]
     return True
