@@ -21,12 +21,17 @@
 // are finer than value keys, so a learned entry is always the one Python would use; both caches
 // are cleared together (genie.meta.MetaCache calls _record_clear).
 //
-// Objects: the Node, Refs, Storages, MetaArgs and liveness tokens are made with their types'
-// tp_alloc and their __slots__ written directly (offsets from the member descriptors, found by
-// name at init), so no Python __init__ runs; _record_init refuses classes whose slots differ
-// from the ones written here. The output tensor is made as torch's _make_wrapper_subclass makes
-// it and wrapped with THPVariable_Wrap(tensor, LazyTensor) (torch >= 2.13; older torch builds
-// this file without the fast path, and every op takes the Python one).
+// Objects: the Node, Refs, Storages, MetaArgs and liveness tokens are allocated as
+// object.__new__ does and their __slots__ written directly (offsets from the member descriptors,
+// found by name at init), so no Python __init__ runs; _record_init refuses classes whose slots
+// differ from the ones written here. What genie.graph.untrack_node and graph.track would take
+// off the cyclic GC at the end is made untracked from the start. The output tensor is made as
+// torch's _make_wrapper_subclass makes it and wrapped with THPVariable_Wrap(tensor, LazyTensor)
+// (torch >= 2.13; older torch builds this file without the fast path: every op takes Python's).
+//
+// Per op, no dict update and no thread-local lookup: ops_recorded/meta_cache_hits are counted
+// here and added to genie.stats when read (stats.sync); the config flags are mirrored on change
+// (config.on_change); the per-thread objects are cached by thread state (this_thread).
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -74,13 +79,8 @@ PyObject* intern(const char* s) {
 }
 
 struct Names {
-  PyObject* native_record = intern("native_record");
-  PyObject* meta_cache = intern("meta_cache");
-  PyObject* record_source = intern("record_source");
-  PyObject* gc_untrack = intern("gc_untrack");
   PyObject* profiler_enabled = intern("_is_profiler_enabled");
   PyObject* graphs = intern("graphs");
-  PyObject* keep_nodes = intern("keep_nodes");
   PyObject* total = intern("_total");
   PyObject* ctx = intern("ctx");
   PyObject* backward = intern("backward");
@@ -416,8 +416,14 @@ void clear_entries() {
 // A LazyTensor's attribute (its _node, _out), new reference or nullptr: read from its instance
 // dict (materialized by graph.track), as generic attribute lookup finds it there.
 PyObject* lazy_attr(PyObject* t, PyObject* name) {
+#if PY_VERSION_HEX < 0x030D0000
   PyObject** dp = _PyObject_GetDictPtr(t);
   PyObject* v = dp != nullptr && *dp != nullptr ? PyDict_GetItemWithError(*dp, name) : nullptr;
+#else
+  PyObject* d = PyObject_GenericGetDict(t, nullptr);
+  PyObject* v = d != nullptr ? PyDict_GetItemWithError(d, name) : nullptr;
+  Py_XDECREF(d);  // the tensor holds its dict
+#endif
   if (v == nullptr) {
     PyErr_Clear();
     return nullptr;
