@@ -5,12 +5,14 @@
 // is what record does for them, field for field (tests/unit/test_native_record.py compares the
 // two; GENIE_NATIVE_RECORD=0 turns this path off).
 //
-// Handled: an op whose policy has no writes, no randomness, no data dependence, no inplace-view,
-// no portable decomposition and no implicit (CompositeImplicitAutograd) kernel; no kwargs; every
-// argument a LazyTensor, int, float, bool, None or dtype, or one level of list/tuple of those;
-// all LazyTensors on one device index; the default graph (no genie.capture block), meta cache
-// on, no source recording, no profiler; and a meta-cache entry this path has seen before for
-// exactly these arguments (its outputs fresh or views, no conj/neg bits).
+// Handled: an op whose policy has no randomness, no data dependence, no inplace-view, no portable
+// decomposition and no implicit (CompositeImplicitAutograd) kernel (in-place and out= writes
+// are handled); every argument and keyword argument a LazyTensor, int, float, bool, None, str,
+// dtype, layout, memory format or device, or one level of list/tuple of those; all LazyTensors
+// on one device index; the default graph (no genie.capture block), meta cache on, no source
+// recording, no profiler; and a meta-cache entry this path has seen before for exactly these
+// arguments (its outputs fresh, views or the written arguments, none with conj/neg bits, no
+// out= argument to resize).
 //
 // The cache. Python's meta-cache key is (op, argument tree, TensorMeta of each input by value,
 // constants); hashing a TensorMeta by value is Python code. This path keys on the same things
@@ -32,6 +34,7 @@
 // Per op, no dict update and no thread-local lookup: ops_recorded/meta_cache_hits are counted
 // here and added to genie.stats when read (stats.sync); the config flags are mirrored on change
 // (config.on_change); the per-thread objects are cached by thread state (this_thread).
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -49,7 +52,10 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/SmallVector.h>
+#include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Layout.h>
+#include <torch/csrc/MemoryFormat.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -177,6 +183,8 @@ struct State {
   PyObject* counter = nullptr;  // graph._record_counter
   PyObject* leaf_spec = nullptr;
   PyObject* copy_ops = nullptr;  // a tuple of ops that always take the fallback
+  PyObject* pending_total = nullptr;  // graph.pending_total (a one-item list)
+  PyObject* retrack_below = nullptr;  // _C._gc_retrack_below(leaves, Ref)
   size_t limit = 1 << 16;       // entries, as genie.meta.MetaCache.limit
   NodeSlots n{};
   Py_ssize_t ref_node = 0, ref_out = 0;
@@ -273,6 +281,8 @@ struct OpInfo {
   bool ok = false;  // the policy allows this path at all
   bool float_values_matter = true;
   bool metadata_only = false;
+  std::vector<Py_ssize_t> writes;  // schema positions of the arguments it mutates
+  PyObject* names = nullptr;       // argument names by schema position (a tuple, held)
 };
 
 std::unordered_map<PyObject*, OpInfo> ops;  // keys hold a reference to the op
@@ -315,11 +325,20 @@ const OpInfo* op_info(PyObject* func) {
     }
     const bool has_portable = portable != Py_None;
     Py_DECREF(portable);
-    info.ok = !copy && !has_portable && !truthy_attr(pol, "writes") &&
-        !truthy_attr(pol, "random") && !truthy_attr(pol, "dynamic") &&
-        !truthy_attr(pol, "inplace_view") && !truthy_attr(pol, "implicit");
+    info.ok = !copy && !has_portable && !truthy_attr(pol, "random") &&
+        !truthy_attr(pol, "dynamic") && !truthy_attr(pol, "inplace_view") &&
+        !truthy_attr(pol, "implicit");
     info.float_values_matter = truthy_attr(pol, "float_values_matter");
     info.metadata_only = truthy_attr(pol, "metadata_only");
+    py::object writes = py::reinterpret_steal<py::object>(checked(PyObject_GetAttrString(pol, "writes")));
+    for (const auto& w : writes) {
+      info.writes.push_back(w.cast<Py_ssize_t>());
+    }
+    info.names = checked(PyObject_GetAttrString(pol, "names"));
+    if (!PyTuple_CheckExact(info.names)) {
+      Py_DECREF(info.names);
+      throw std::logic_error("OpPolicy.names is not a tuple");
+    }
   } catch (...) {
     Py_DECREF(pol);
     throw;
@@ -333,9 +352,15 @@ const OpInfo* op_info(PyObject* func) {
 //
 // One word per tag and one per payload: a LazyTensor's TensorMeta address, an int's or bool's
 // value, a float's bits (or nothing when float values cannot change the output metadata), a
-// dtype's address; a list/tuple header with its length. The op's address comes first.
+// dtype's, layout's or memory format's address (torch's singletons), a device's type and index,
+// a str's interned copy; a list/tuple header with its length; the keyword arguments after the
+// positional ones, each its (interned) name then its value, in name order (as optree flattens
+// a dict). The op's address comes first.
 
-enum Tag : uint64_t { kLazy = 1, kInt, kBool, kFloat, kNone, kDtype, kList, kTuple };
+enum Tag : uint64_t {
+  kLazy = 1, kInt, kBool, kFloat, kNone, kDtype, kStr, kSingleton, kDevice, kList, kTuple, kDict,
+  kKey
+};
 
 using Words = c10::SmallVector<uint64_t, 32>;
 
@@ -348,9 +373,12 @@ uint64_t hash_words(const Words& w) {
 }
 
 // One output tensor of a learned entry, decoded once from its TensorMeta.
+enum class Kind { kFresh, kView, kWrite };
+
 struct Out {
   Py_ssize_t k = 0;      // flat output position
-  Py_ssize_t pos = -1;   // view: schema position of the aliased argument; fresh: -1
+  Kind kind = Kind::kFresh;
+  Py_ssize_t pos = -1;   // view, write: schema position of the aliased or written argument
   std::vector<int64_t> sizes, strides;
   int64_t offset = 0;
   at::ScalarType dtype = at::kFloat;
@@ -367,7 +395,7 @@ struct Entry {
   PyObject* consts = nullptr;
   PyObject* spec = nullptr;
   bool single = false;       // out_spec is a leaf: return the tensor itself
-  bool python_only = false;  // a plan this path does not make (writes, conj/neg outputs)
+  bool python_only = false;  // a plan this path does not make (conj/neg outputs, out= resizes)
   std::vector<Out> outs;
   std::shared_ptr<Entry> next;  // same hash
 
@@ -443,6 +471,7 @@ struct Lazy {
 struct Call {
   c10::SmallVector<PyObject*, 16> leaves;  // borrowed
   c10::SmallVector<Lazy, 8> lazies;
+  c10::SmallVector<PyObject*, 4> interned;  // owned: interned strs whose addresses are in words
   Words words;
   bool nan = false;  // a NaN float key: never learned (Python keys compare NaNs by identity)
   Reason reason = kArgs;  // why flatten refused the call
@@ -452,12 +481,23 @@ struct Call {
       Py_XDECREF(l.node);
       Py_XDECREF(l.out);
     }
+    for (PyObject* s : interned) {
+      Py_DECREF(s);
+    }
   }
 };
 
+// The interned str equal to `s` (a new reference, kept by the call).
+PyObject* interned(Call& call, PyObject* s) {
+  Py_INCREF(s);
+  PyUnicode_InternInPlace(&s);
+  call.interned.push_back(s);
+  return s;
+}
+
 // Fills call.leaves/words/lazies from the positional args; false: not a call this path takes.
 // May leave a Python error set (then returns false and the caller reports it).
-bool flatten(PyObject* args, const OpInfo& info, PyObject* func, Call& call) {
+bool flatten(PyObject* args, PyObject* kwargs, const OpInfo& info, PyObject* func, Call& call) {
   call.words.push_back(reinterpret_cast<uint64_t>(func));
   int64_t index = -1;
   auto leaf = [&](PyObject* x) -> bool {
@@ -530,15 +570,24 @@ bool flatten(PyObject* args, const OpInfo& info, PyObject* func, Call& call) {
     } else if (THPDtype_Check(x)) {
       call.words.push_back(kDtype);
       call.words.push_back(reinterpret_cast<uint64_t>(x));
+    } else if (t == &PyUnicode_Type) {
+      call.words.push_back(kStr);
+      call.words.push_back(reinterpret_cast<uint64_t>(interned(call, x)));
+    } else if (THPLayout_Check(x) || THPMemoryFormat_Check(x)) {
+      call.words.push_back(kSingleton);
+      call.words.push_back(reinterpret_cast<uint64_t>(x));
+    } else if (THPDevice_Check(x)) {
+      const c10::Device d = reinterpret_cast<THPDevice*>(x)->device;
+      call.words.push_back(kDevice);
+      call.words.push_back((static_cast<uint64_t>(d.type()) << 16) |
+                           static_cast<uint16_t>(d.index()));
     } else {
       return false;
     }
     call.leaves.push_back(x);
     return true;
   };
-  const Py_ssize_t n = PyTuple_GET_SIZE(args);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* a = PyTuple_GET_ITEM(args, i);
+  auto arg = [&](PyObject* a) -> bool {
     const bool is_list = PyList_CheckExact(a);
     if (is_list || PyTuple_CheckExact(a)) {
       const Py_ssize_t k = is_list ? PyList_GET_SIZE(a) : PyTuple_GET_SIZE(a);
@@ -549,11 +598,112 @@ bool flatten(PyObject* args, const OpInfo& info, PyObject* func, Call& call) {
           return false;
         }
       }
-    } else if (!leaf(a)) {
+      return true;
+    }
+    return leaf(a);
+  };
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!arg(PyTuple_GET_ITEM(args, i))) {
       return false;
     }
   }
+  const Py_ssize_t nk = kwargs != nullptr ? PyDict_GET_SIZE(kwargs) : 0;
+  if (nk > 0) {
+    c10::SmallVector<std::pair<PyObject*, PyObject*>, 4> items;
+    Py_ssize_t it = 0;
+    PyObject* key;
+    PyObject* value;
+    while (PyDict_Next(kwargs, &it, &key, &value)) {
+      if (!PyUnicode_CheckExact(key)) {
+        return false;
+      }
+      items.emplace_back(key, value);
+    }
+    std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) {
+      return PyUnicode_Compare(a.first, b.first) < 0;
+    });
+    call.words.push_back(kDict);
+    call.words.push_back(static_cast<uint64_t>(nk));
+    for (const auto& [k, v] : items) {
+      call.words.push_back(kKey);
+      call.words.push_back(reinterpret_cast<uint64_t>(interned(call, k)));
+      if (!arg(v)) {
+        return false;
+      }
+    }
+  }
   return !call.lazies.empty();
+}
+
+// OpPolicy.arg: the argument at schema position `pos` (borrowed; nullptr when absent).
+PyObject* arg_at(const OpInfo& info, PyObject* args, PyObject* kwargs, Py_ssize_t pos) {
+  if (pos < PyTuple_GET_SIZE(args)) {
+    return PyTuple_GET_ITEM(args, pos);
+  }
+  if (kwargs == nullptr || pos >= PyTuple_GET_SIZE(info.names)) {
+    return nullptr;
+  }
+  PyObject* v = PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(info.names, pos));
+  if (v == nullptr) {
+    PyErr_Clear();
+  }
+  return v;
+}
+
+// The LazyTensor an output aliases: the argument at `o.pos`, or of a list there the k-th
+// (written) or first (viewed) element; nullptr when it is no LazyTensor.
+PyObject* alias_source(const OpInfo& info, PyObject* args, PyObject* kwargs, const Out& o) {
+  PyObject* src = arg_at(info, args, kwargs, o.pos);
+  if (src != nullptr && (PyList_CheckExact(src) || PyTuple_CheckExact(src))) {
+    const Py_ssize_t i = o.kind == Kind::kWrite ? o.k : 0;
+    src = i < PySequence_Fast_GET_SIZE(src) ? PySequence_Fast_ITEMS(src)[i] : nullptr;
+  }
+  return src != nullptr && Py_TYPE(src) == S.lazy ? src : nullptr;
+}
+
+// A LazyTensor's Storage (t._node.storages[t._out]), new reference, or nullptr.
+PyObject* storage_of(PyObject* t) {
+  py::object node = py::reinterpret_steal<py::object>(lazy_attr(t, names->node));
+  py::object out = py::reinterpret_steal<py::object>(lazy_attr(t, names->out));
+  if (!node || !out || Py_TYPE(node.ptr()) != S.node || !PyLong_CheckExact(out.ptr())) {
+    return nullptr;
+  }
+  PyObject* sts = slot(node.ptr(), S.n.storages);
+  const Py_ssize_t i = PyLong_AsSsize_t(out.ptr());
+  if (sts == nullptr || !PyList_CheckExact(sts) || i < 0 || i >= PyList_GET_SIZE(sts)) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  PyObject* st = PyList_GET_ITEM(sts, i);
+  return Py_TYPE(st) == S.storage ? new_ref(st) : nullptr;
+}
+
+// The storages the op writes, as lazy_tensor._record collects them (LazyTensor arguments at the
+// policy's write positions, and the LazyTensors in lists there), new references; false when one
+// has no storage.
+bool write_storages(const OpInfo& info, PyObject* args, PyObject* kwargs,
+                    c10::SmallVector<py::object, 4>& out) {
+  for (Py_ssize_t pos : info.writes) {
+    PyObject* a = arg_at(info, args, kwargs, pos);
+    if (a == nullptr) {
+      continue;
+    }
+    const bool seq = PyList_CheckExact(a) || PyTuple_CheckExact(a);
+    const Py_ssize_t n = seq ? PySequence_Fast_GET_SIZE(a) : 1;
+    PyObject** items = seq ? PySequence_Fast_ITEMS(a) : &a;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (Py_TYPE(items[i]) != S.lazy) {
+        continue;
+      }
+      PyObject* st = storage_of(items[i]);
+      if (st == nullptr) {
+        return false;
+      }
+      out.push_back(py::reinterpret_steal<py::object>(st));
+    }
+  }
+  return true;
 }
 
 // --- learning an entry from what the fallback recorded ----------------------------------------
@@ -622,20 +772,26 @@ bool read_plan(Entry& e, PyObject* plan) {
     o.k = PyLong_AsSsize_t(PyTuple_GET_ITEM(p, 0));
     PyObject* kind = PyTuple_GET_ITEM(p, 1);
     if (kind == Py_None) {
-      o.pos = -1;
+      o.kind = Kind::kFresh;
     } else if (PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "view") == 0) {
+      o.kind = Kind::kView;
+    } else if (PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "write") == 0) {
+      o.kind = Kind::kWrite;  // the op returns its mutated argument itself
+    } else {
+      return false;
+    }
+    if (o.kind != Kind::kFresh) {
       o.pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(p, 2));
       if (o.pos < 0) {
+        PyErr_Clear();
         return false;
       }
-    } else {
-      return false;  // "write": the op returns its mutated argument
     }
     if (PyErr_Occurred() || o.k < 0 || o.k >= PyList_GET_SIZE(e.metas)) {
       PyErr_Clear();
       return false;
     }
-    if (!decode_meta(PyList_GET_ITEM(e.metas, o.k), o)) {
+    if (o.kind != Kind::kWrite && !decode_meta(PyList_GET_ITEM(e.metas, o.k), o)) {
       return false;
     }
     e.outs.push_back(std::move(o));
@@ -643,24 +799,41 @@ bool read_plan(Entry& e, PyObject* plan) {
   return true;
 }
 
+// The node the fallback recorded for `func`: the producer of its first fresh output, or the
+// last pending write of the first storage it writes; nullptr when neither is one.
+py::object recorded_node(PyObject* func, const OpInfo& info, PyObject* args, PyObject* kwargs,
+                         PyObject* result) {
+  PyObject* t = first_lazy(result);
+  if (t != nullptr) {
+    py::object n = py::reinterpret_steal<py::object>(lazy_attr(t, names->node));
+    if (n && Py_TYPE(n.ptr()) == S.node && slot(n.ptr(), S.n.op) == func) {
+      return n;
+    }
+  }
+  c10::SmallVector<py::object, 4> writes;
+  if (!info.writes.empty() && write_storages(info, args, kwargs, writes) && !writes.empty()) {
+    PyObject* pw = slot(writes[0].ptr(), S.st_pending);
+    if (PyList_CheckExact(pw) && PyList_GET_SIZE(pw) > 0) {
+      PyObject* n = PyList_GET_ITEM(pw, PyList_GET_SIZE(pw) - 1);
+      if (Py_TYPE(n) == S.node && slot(n, S.n.op) == func) {
+        return py::reinterpret_borrow<py::object>(n);
+      }
+    }
+  }
+  return py::object();
+}
+
 // After the fallback recorded `call` and returned `result`: remember its entry under the key.
-void learn(PyObject* func, const OpInfo& info, Call& call, PyObject* result) {
+void learn(PyObject* func, const OpInfo& info, PyObject* args, PyObject* kwargs, Call& call,
+           PyObject* result) {
   if (call.nan) {
     return;
   }
-  PyObject* t = first_lazy(result);
-  if (t == nullptr) {
-    return;
-  }
-  py::object node = py::reinterpret_steal<py::object>(PyObject_GetAttr(t, names->node));
+  py::object node = recorded_node(func, info, args, kwargs, result);
   if (!node) {
-    PyErr_Clear();
     return;
   }
   PyObject* n = node.ptr();
-  if (Py_TYPE(n) != S.node || slot(n, S.n.op) != func) {
-    return;
-  }
   PyObject* entry = slot(n, S.n.entry);
   PyObject* rec = slot(n, S.n.leaves);
   if (entry == nullptr || Py_TYPE(entry) != S.meta_entry || rec == nullptr ||
@@ -691,9 +864,12 @@ void learn(PyObject* func, const OpInfo& info, Call& call, PyObject* result) {
     e->held.push_back(new_ref(l.meta));
   }
   for (PyObject* x : call.leaves) {
-    if (THPDtype_Check(x)) {
+    if (THPDtype_Check(x) || THPLayout_Check(x) || THPMemoryFormat_Check(x)) {
       e->held.push_back(new_ref(x));
     }
+  }
+  for (PyObject* x : call.interned) {
+    e->held.push_back(new_ref(x));
   }
   e->entry = new_ref(entry);
   e->metas = new_ref(slot(entry, S.me_metas));
@@ -712,6 +888,35 @@ void learn(PyObject* func, const OpInfo& info, Call& call, PyObject* result) {
     e->single = single == 1;
     if (!e->python_only && !read_plan(*e, slot(entry, S.me_plan))) {
       e->python_only = true;
+    }
+    // An out= argument of another size is resized first (lazy_tensor._record): left to Python.
+    // Its TensorMeta is in the key, so the sizes compare the same on every call with it.
+    for (const Out& o : e->outs) {
+      if (e->python_only || o.kind != Kind::kWrite) {
+        continue;
+      }
+      PyObject* src = alias_source(info, args, kwargs, o);
+      py::object sn = py::reinterpret_steal<py::object>(src ? lazy_attr(src, names->node) : nullptr);
+      py::object so = py::reinterpret_steal<py::object>(src ? lazy_attr(src, names->out) : nullptr);
+      if (!sn || !so || Py_TYPE(sn.ptr()) != S.node) {
+        e->python_only = true;
+        continue;
+      }
+      PyObject* src_meta = PySequence_GetItem(slot(sn.ptr(), S.n.metas), PyLong_AsSsize_t(so.ptr()));
+      PyObject* out_meta = PyList_GET_ITEM(e->metas, o.k);
+      if (src_meta == nullptr || Py_TYPE(src_meta) != S.tensor_meta ||
+          Py_TYPE(out_meta) != S.tensor_meta) {
+        PyErr_Clear();
+        e->python_only = true;
+      } else {
+        const int same = PyObject_RichCompareBool(slot(src_meta, S.tm_shape),
+                                                  slot(out_meta, S.tm_shape), Py_EQ);
+        if (same != 1) {
+          PyErr_Clear();
+          e->python_only = true;
+        }
+      }
+      Py_XDECREF(src_meta);
     }
   }
   if (n_entries >= S.limit) {
@@ -844,8 +1049,10 @@ PyObject* make_wrapper(const Out& o) {
 }
 #endif
 
-// LazyTensor(node, k, meta) and graph.track(t, node, k), for the default graph.
-PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack) {
+// LazyTensor(node, k, meta) and graph.track(t, node, k), for the default graph. `gc_untrack`:
+// track() takes the liveness token and the tensor's dict off the GC; `node_untracked`: so does
+// untrack_node the weak reference in node.outputs.
+PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untracked) {
 #if GENIE_NATIVE_RECORD
   py::object t = py::reinterpret_steal<py::object>(make_wrapper(o));
   // t._node, t._out, t._alive: the instance dict as `setattr` fills it (LazyTensor has no
@@ -859,7 +1066,7 @@ PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack) {
     throw py::error_already_set();
   }
   PyObject* outputs = slot(node, S.n.outputs);
-  PyObject* w = fresh(PyWeakref_NewRef(a.ptr(), nullptr), !gc_untrack);
+  PyObject* w = fresh(PyWeakref_NewRef(a.ptr(), nullptr), !node_untracked);
   PyObject* old = PyList_GET_ITEM(outputs, o.k);
   PyList_SET_ITEM(outputs, o.k, w);
   Py_DECREF(old);
@@ -871,6 +1078,7 @@ PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack) {
   (void)node;
   (void)o;
   (void)gc_untrack;
+  (void)node_untracked;
   throw std::logic_error("native record path built without THPVariable_Wrap");
 #endif
 }
@@ -957,31 +1165,42 @@ PyObject* next_uid() {
   return uid;
 }
 
-// lazy_tensor._record for a learned entry: one Node, its Refs and outputs.
-PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, Call& call,
-                     const Entry& e, PyObject* graph, bool gc_untrack) {
-  // View outputs alias the storage of their source argument (a LazyTensor or a list of them).
-  c10::SmallVector<PyObject*, 4> view_src;  // borrowed
+// lazy_tensor._record for a learned entry: one Node, its Refs and outputs; nullptr without an
+// error for a call whose aliased arguments are not what the entry needs (the fallback takes it).
+PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObject* kwargs,
+                     Call& call, const Entry& e, PyObject* graph, bool gc_untrack) {
+  // Everything that can send the call to the fallback comes before the first side effect.
+  c10::SmallVector<PyObject*, 4> sources;  // borrowed: the aliased argument of each output
   for (const Out& o : e.outs) {
     PyObject* src = nullptr;
-    if (o.pos >= 0) {
-      if (o.pos >= PyTuple_GET_SIZE(args)) {
-        return nullptr;
-      }
-      src = PyTuple_GET_ITEM(args, o.pos);
-      if (PyList_CheckExact(src) || PyTuple_CheckExact(src)) {
-        src = PySequence_Fast_GET_SIZE(src) > 0 ? PySequence_Fast_ITEMS(src)[0] : nullptr;
-      }
-      if (src == nullptr || Py_TYPE(src) != S.lazy) {
-        return nullptr;
-      }
+    if (o.kind != Kind::kFresh && (src = alias_source(info, args, kwargs, o)) == nullptr) {
+      return nullptr;
     }
-    view_src.push_back(src);
+    sources.push_back(src);
+  }
+  c10::SmallVector<py::object, 4> writes;
+  if (!info.writes.empty() && !write_storages(info, args, kwargs, writes)) {
+    return nullptr;
+  }
+  c10::SmallVector<py::object, 4> aliased;  // the storage of each aliased output
+  for (size_t j = 0; j < e.outs.size(); ++j) {
+    if (sources[j] != nullptr) {
+      PyObject* st = storage_of(sources[j]);
+      if (st == nullptr) {
+        return nullptr;
+      }
+      aliased.push_back(py::reinterpret_steal<py::object>(st));
+    } else {
+      aliased.emplace_back();
+    }
   }
   counted_ops++;  // ops_recorded and meta_cache_hits, added to genie.stats by _record_sync_counts
 
+  // A node that writes stays on the GC's lists, with what it reaches (graph.py, "the cyclic
+  // garbage collector"); any other is made as untrack_node leaves it.
+  const bool untracked = gc_untrack && writes.empty();
+  const bool tracked = !untracked;
   const Py_ssize_t n_leaves = static_cast<Py_ssize_t>(call.leaves.size());
-  const bool tracked = !gc_untrack;  // else made as graph.untrack_node leaves them: untracked
   py::object rec = py::reinterpret_steal<py::object>(fresh(PyList_New(n_leaves), tracked));
   {
     size_t li = 0;
@@ -1003,6 +1222,11 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, Call& c
       PyList_SET_ITEM(rec.ptr(), i, x);
     }
   }
+  if (!untracked && gc_untrack) {
+    // graph.retrack_below: a writer may close a cycle, so what it reaches goes back on the lists
+    py::object r = py::reinterpret_steal<py::object>(
+        checked(PyObject_CallFunctionObjArgs(S.retrack_below, rec.ptr(), S.ref, nullptr)));
+  }
   const Py_ssize_t n_out = PyList_GET_SIZE(e.metas);
   py::object storages = py::reinterpret_steal<py::object>(fresh(PyList_New(n_out), tracked));
   for (Py_ssize_t k = 0; k < n_out; ++k) {
@@ -1010,25 +1234,15 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, Call& c
   }
   for (size_t j = 0; j < e.outs.size(); ++j) {
     const Out& o = e.outs[j];
-    PyObject* s;
-    if (o.pos < 0) {
-      s = new_storage(tracked);
-    } else {
-      py::object src_node = py::reinterpret_steal<py::object>(lazy_attr(view_src[j], names->node));
-      py::object src_out = py::reinterpret_steal<py::object>(lazy_attr(view_src[j], names->out));
-      PyObject* sts = src_node && src_out && Py_TYPE(src_node.ptr()) == S.node
-          ? slot(src_node.ptr(), S.n.storages)
-          : nullptr;
-      const Py_ssize_t so = PyLong_AsSsize_t(src_out.ptr());
-      if (sts == nullptr || !PyList_CheckExact(sts) || so < 0 || so >= PyList_GET_SIZE(sts)) {
-        PyErr_Clear();
-        throw std::logic_error("view source without a storage");
-      }
-      s = new_ref(PyList_GET_ITEM(sts, so));
-    }
+    PyObject* st = o.kind == Kind::kFresh ? new_storage(tracked) : new_ref(aliased[j].ptr());
     PyObject* old = PyList_GET_ITEM(storages.ptr(), o.k);
-    PyList_SET_ITEM(storages.ptr(), o.k, s);
+    PyList_SET_ITEM(storages.ptr(), o.k, st);
     Py_DECREF(old);
+  }
+  py::object write_tuple =
+      py::reinterpret_steal<py::object>(checked(PyTuple_New(static_cast<Py_ssize_t>(writes.size()))));
+  for (size_t i = 0; i < writes.size(); ++i) {
+    PyTuple_SET_ITEM(write_tuple.ptr(), static_cast<Py_ssize_t>(i), new_ref(writes[i].ptr()));
   }
 
   // Node.__init__
@@ -1045,7 +1259,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, Call& c
   init_slot(n, S.n.metas, new_ref(e.metas));
   init_slot(n, S.n.out_spec, new_ref(e.out_spec));
   init_slot(n, S.n.storages, new_ref(storages.ptr()));
-  init_slot(n, S.n.writes, checked(PyTuple_New(0)));
+  init_slot(n, S.n.writes, new_ref(write_tuple.ptr()));
   init_slot(n, S.n.values, new_ref(Py_None));
   init_slot(n, S.n.executed, new_ref(Py_False));
   init_slot(n, S.n.index, checked(PyIter_Next(S.counter)));
@@ -1080,38 +1294,81 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, Call& c
     add_reader(st, wref);
   }
 
-  // outputs
-  py::object results;
-  if (e.single) {
-    results = py::reinterpret_steal<py::object>(new_lazy(n, e.outs[0], gc_untrack));
-  } else {
-    py::object flat = py::reinterpret_steal<py::object>(checked(PyList_GetSlice(e.consts, 0,
-                                                                                 n_out)));
-    for (const Out& o : e.outs) {
-      PyObject* t = new_lazy(n, o, gc_untrack);
-      PyObject* old = PyList_GET_ITEM(flat.ptr(), o.k);
-      PyList_SET_ITEM(flat.ptr(), o.k, t);
-      Py_DECREF(old);
+  // Storage.add_writer, and graph.pending_total
+  for (const auto& w : writes) {
+    PyObject* st = w.ptr();
+    PyObject* pw = slot(st, S.st_pending);
+    if (PyList_Append(pw, n) < 0) {
+      throw py::error_already_set();
     }
-    results = py::reinterpret_steal<py::object>(
-        checked(PyObject_CallMethodOneArg(e.out_spec, names->unflatten, flat.ptr())));
-  }
-
-  // graph.untrack_node: what was made here is untracked already; a view's storage (its
-  // source's) goes off the GC's lists as untrack_node takes it off
-  if (gc_untrack) {
-    for (const Out& o : e.outs) {
-      if (o.pos >= 0) {
-        untrack_storage(PyList_GET_ITEM(storages.ptr(), o.k));
+    for (PyObject* o : {st, pw}) {
+      if (!PyObject_GC_IsTracked(o)) {
+        PyObject_GC_Track(o);
       }
     }
   }
-  return results.release().ptr();
+  if (!writes.empty()) {
+    PyObject* total = PyList_GET_ITEM(S.pending_total, 0);
+    PyObject* more = checked(PyLong_FromSsize_t(static_cast<Py_ssize_t>(writes.size())));
+    PyObject* sum = PyNumber_Add(total, more);
+    Py_DECREF(more);
+    if (sum == nullptr || PyList_SetItem(S.pending_total, 0, sum) < 0) {
+      throw py::error_already_set();
+    }
+  }
+
+  // outputs: fresh wrappers, or the written argument itself
+  py::object flat = py::reinterpret_steal<py::object>(checked(PyList_GetSlice(e.consts, 0, n_out)));
+  for (size_t j = 0; j < e.outs.size(); ++j) {
+    const Out& o = e.outs[j];
+    PyObject* t = o.kind == Kind::kWrite ? new_ref(sources[j]) : new_lazy(n, o, gc_untrack, untracked);
+    PyObject* old = PyList_GET_ITEM(flat.ptr(), o.k);
+    PyList_SET_ITEM(flat.ptr(), o.k, t);
+    Py_DECREF(old);
+  }
+
+  // graph.untrack_node: what was made here is untracked already; an aliased storage goes off
+  // the GC's lists as untrack_node takes it off
+  if (untracked) {
+    for (size_t j = 0; j < e.outs.size(); ++j) {
+      if (e.outs[j].kind != Kind::kFresh) {
+        untrack_storage(PyList_GET_ITEM(storages.ptr(), e.outs[j].k));
+      }
+    }
+  }
+  if (n_out == 1 && e.single) {
+    return new_ref(PyList_GET_ITEM(flat.ptr(), 0));
+  }
+  return checked(PyObject_CallMethodOneArg(e.out_spec, names->unflatten, flat.ptr()));
 }
 
 char not_handled_tag;
 PyObject* const kNotHandled = reinterpret_cast<PyObject*>(&not_handled_tag);
 
+
+// The record path for one call: a new reference, nullptr with an error set, or kNotHandled.
+// The fallback for a call this path has no entry for, then the entry learned from what it
+// recorded. `call` holds the arguments as they were flattened before the call, or is empty for
+// an op seen for the first time (its policy is cached by the fallback: flattened after it).
+PyObject* fallback_and_learn(PyObject* func, PyObject* args, PyObject* kwargs, Call& call) {
+  PyObject* r = PyObject_CallFunctionObjArgs(S.fallback, func, args,
+                                             kwargs != nullptr ? kwargs : Py_None, nullptr);
+  if (r == nullptr) {
+    return nullptr;
+  }
+  try {
+    const OpInfo* info = op_info(func);
+    if (info != nullptr && info->ok &&
+        (!call.words.empty() || flatten(args, kwargs, *info, func, call))) {
+      learn(func, *info, args, kwargs, call, r);
+    }
+    PyErr_Clear();  // a call that cannot be learned is still recorded
+  } catch (...) {
+    Py_DECREF(r);
+    throw;
+  }
+  return r;
+}
 
 // The record path for one call: a new reference, nullptr with an error set, or kNotHandled.
 PyObject* try_record(PyObject* func, PyObject* args, PyObject* kwargs) {
@@ -1123,8 +1380,9 @@ PyObject* try_record(PyObject* func, PyObject* args, PyObject* kwargs) {
     reasons[kProfiler]++;
     return kNotHandled;
   }
-  if (kwargs != nullptr && kwargs != Py_None &&
-      (!PyDict_CheckExact(kwargs) || PyDict_GET_SIZE(kwargs) != 0)) {
+  if (kwargs == Py_None || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) == 0)) {
+    kwargs = nullptr;
+  } else if (kwargs != nullptr && !PyDict_CheckExact(kwargs)) {
     reasons[kKwargs]++;
     return kNotHandled;
   }
@@ -1133,7 +1391,7 @@ PyObject* try_record(PyObject* func, PyObject* args, PyObject* kwargs) {
     return kNotHandled;
   }
   const OpInfo* info = op_info(func);
-  if (info == nullptr || !info->ok) {
+  if (info != nullptr && !info->ok) {
     reasons[kOpPolicy]++;
     return kNotHandled;
   }
@@ -1143,9 +1401,12 @@ PyObject* try_record(PyObject* func, PyObject* args, PyObject* kwargs) {
     reasons[kCapture]++;
     return kNotHandled;
   }
-  PyObject* graph = S.default_graph;
   Call call;
-  if (!flatten(args, *info, func, call)) {
+  if (info == nullptr) {  // the first call of this op: no policy cached yet
+    reasons[kUnseen]++;
+    return fallback_and_learn(func, args, kwargs, call);
+  }
+  if (!flatten(args, kwargs, *info, func, call)) {
     if (PyErr_Occurred()) {
       return nullptr;
     }
@@ -1155,23 +1416,13 @@ PyObject* try_record(PyObject* func, PyObject* args, PyObject* kwargs) {
   std::shared_ptr<Entry> e = find_entry(hash_words(call.words), call.words);
   if (!e) {
     reasons[kUnseen]++;
-    PyObject* r = PyObject_CallFunctionObjArgs(S.fallback, func, args,
-                                               kwargs != nullptr ? kwargs : Py_None, nullptr);
-    if (r != nullptr) {
-      try {
-        learn(func, *info, call, r);
-      } catch (...) {
-        Py_DECREF(r);
-        throw;
-      }
-    }
-    return r;
+    return fallback_and_learn(func, args, kwargs, call);
   }
   if (e->python_only) {
     reasons[kEntry]++;
     return kNotHandled;
   }
-  PyObject* r = record_hit(func, *info, args, call, *e, graph, flags.gc_untrack);
+  PyObject* r = record_hit(func, *info, args, kwargs, call, *e, S.default_graph, flags.gc_untrack);
   if (r == nullptr && !PyErr_Occurred()) {
     reasons[kEntry]++;
     return kNotHandled;
@@ -1282,6 +1533,11 @@ bool record_init(const py::dict& objs) {
   s.counter = object_of(objs, "counter");
   s.leaf_spec = object_of(objs, "leaf_spec");
   s.copy_ops = object_of(objs, "copy_ops");
+  s.pending_total = object_of(objs, "pending_total");
+  s.retrack_below = object_of(objs, "retrack_below");
+  if (!PyList_CheckExact(s.pending_total) || PyList_GET_SIZE(s.pending_total) != 1) {
+    throw std::runtime_error("pending_total must be a one-item list");
+  }
   s.limit = objs["limit"].cast<size_t>();
   if (!PyDict_Check(s.counts) || !PyDict_Check(s.profiler)) {
     throw std::runtime_error("counts and profiler must be dicts");

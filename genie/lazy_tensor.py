@@ -696,7 +696,8 @@ def _install_native_record() -> bool:
         counts=_counts, profiler=vars(_profiler), tls=_tls,
         current=graph_current,
         default_graph=DEFAULT_GRAPH, counter=_record_counter, leaf_spec=_LEAF_SPEC,
-        copy_ops=(_copy, _to_copy), limit=meta_cache.limit)
+        copy_ops=(_copy, _to_copy), pending_total=pending_total,
+        retrack_below=_C._gc_retrack_below, limit=meta_cache.limit)
     if not _C._record_init(objects):
         return False
     config.on_change(_C._record_config)

@@ -257,6 +257,45 @@ def test_in_place_ops_between_native_ones() -> None:
     assert_same(program)
 
 
+def test_keyword_arguments_writes_and_foreach() -> None:
+    x, b = _inputs()
+
+    def program() -> list[Any]:
+        y = x * 2
+        z = y.clone()
+        z.add_(x, alpha=2)
+        z.addcmul_(y, x, value=0.5)
+        w = torch.empty(4, 6, device=D)
+        torch.add(y, x, alpha=3, out=w)  # out= of the right size: written in place
+        v = torch.empty(0, device=D)
+        torch.mul(y, 2, out=v)  # out= of another size: resized first (the Python path)
+        ts = [y + 0, z + 0]
+        torch._foreach_mul_(ts, 0.5)
+        torch._foreach_add_(ts, [x, x], alpha=2)
+        return [y, z, w, v, *ts, torch.nn.functional.gelu(y, approximate="tanh"),
+                torch.ones_like(y, memory_format=torch.preserve_format),
+                torch.div(y, 3, rounding_mode="floor"), y.sum(1, keepdim=True)]
+
+    assert_same(program)
+
+
+def test_writes_with_fresh_outputs_and_an_optimizer_step() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6)).to(D)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, _ = _inputs()
+
+    def program() -> list[Any]:
+        opt.state.clear()  # the same step (and so the same constants) every run
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()  # batch norm writes its running stats in training
+        loss.backward()
+        opt.step()
+        return [loss, *model.parameters(), *model.buffers()]
+
+    assert_same(program)
+
+
 def test_multi_output_ops() -> None:
     x, b = _inputs()
 
@@ -373,6 +412,19 @@ def test_common_ops_take_the_native_path_and_the_switch_turns_it_off() -> None:
     assert y.shape == (24,)
 
 
+def test_in_place_and_keyword_calls_take_the_native_path() -> None:
+    x, _ = _inputs()
+    y = x * 1
+    for _ in range(2):
+        y.add_(x, alpha=2)
+        y.mul_(0.5)
+    _C._record_reset_stats()
+    y.add_(x, alpha=2)
+    y.mul_(0.5)
+    assert _C._record_stats()["handled"] == 2
+    assert y._node.op is torch.ops.aten.mul.Tensor  # in place: the tensor keeps its producer
+
+
 def test_environment_switch() -> None:
     code = ("import torch, genie; from genie import _C; from genie.config import config; "
             "x = torch.ones(3, device='remote_accelerator'); y = [x * 2 for _ in range(3)]; "
@@ -420,7 +472,8 @@ def test_init_refuses_classes_with_unknown_slots() -> None:
             MetaArg=MetaArg, TensorMeta=lt.TensorMeta, MetaEntry=lt.MetaEntry, Graph=lt.Graph,
             fallback=lt._dispatch, counts=lt._counts, profiler=vars(lt._profiler), tls=lt._tls,
             current=lt.graph_current, default_graph=DEFAULT_GRAPH, counter=lt._record_counter,
-            leaf_spec=lt._LEAF_SPEC, copy_ops=(), limit=16))
+            leaf_spec=lt._LEAF_SPEC, copy_ops=(), pending_total=lt.pending_total,
+            retrack_below=_C._gc_retrack_below, limit=16))
     x, _ = _inputs()  # the path still works with the classes it was given
     y = x * 9
     _C._record_reset_stats()
