@@ -1099,11 +1099,13 @@ PyObject* current_attr(PyObject* local_dict, PyObject* name) {
 
 PyObject* current_ctx(PyObject* d) {
   PyObject* ctx = current_attr(d, names->ctx);
-  if (ctx != Py_None) {
+  // Node.__init__ reads current.backward before the graph task id; both are plain reads, and
+  // the task id (a C++ thread-local) is the cheaper one to look at first
+  if (ctx != Py_None || torch::autograd::get_current_graph_task_id() == -1) {
     return ctx;
   }
   PyObject* bw = current_attr(d, names->backward);
-  if (bw != Py_None && torch::autograd::get_current_graph_task_id() != -1) {
+  if (bw != Py_None) {
     Py_DECREF(ctx);
     return bw;
   }
