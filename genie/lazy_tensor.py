@@ -6,7 +6,9 @@ above it unchanged; every ATen op that reaches it lands in :func:`record` throug
 :mod:`genie.meta` (cached), so recording never touches data.
 
 Hot path (every op pays it): policy lookup, one ``optree`` flatten, one cache key, one ``Node``,
-one wrapper per output. Everything else (meta inference on a miss, materialization) is cold.
+one wrapper per output. Everything else (meta inference on a miss, materialization) is cold. The
+common case of that path runs in C++ (``csrc/record.cpp``, ``LazyTensor.__torch_dispatch__``);
+the Python functions here are its reference and take every other call.
 
 What forces a value to exist (the "triggers", see docs/semantics.md): copying to another device
 (``.cpu()``, ``.to("cpu")``, ``.tolist()``, ``.numpy()``), ops tagged ``data_dependent_output``
@@ -684,8 +686,8 @@ def adopt(real: torch.Tensor, index: int) -> LazyTensor:
 def _install_native_record() -> bool:
     """Make ``LazyTensor.__torch_dispatch__`` the native record path (``csrc/record.cpp``).
 
-    It records the common case (a meta-cache entry it has seen for these exact arguments, no
-    writes, the default graph) as :func:`_record` would, field for field, and calls
+    It records the common case (a call whose meta-cache entry it has learned for these exact
+    arguments, outside ``genie.capture()``) as :func:`_record` would, field for field, and calls
     :func:`_dispatch` for everything else; ``config.native_record`` (``GENIE_NATIVE_RECORD=0``)
     sends every op to :func:`_dispatch`. False where this build of ``genie._C`` has no native
     path (torch older than 2.13): the Python path stays.
