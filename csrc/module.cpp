@@ -16,6 +16,7 @@
 #include "device.h"
 #include "generator.h"
 #include "hooks.h"
+#include "record.h"
 
 namespace py = pybind11;
 
@@ -249,4 +250,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Bind a run's kept values to its nodes (genie.executor._bind); returns the number of "
         "pending-write entries removed.");
   m.attr("_max_devices") = static_cast<int>(genie::kMaxDevices);
+  genie::add_record_functions(m);
 }

@@ -55,3 +55,36 @@ def _bind_nodes(nodes: list[object], outs: list[tuple[int | None, ...]], kept: d
     the values of the slots ``outs[i]``, is marked executed, drops its arguments, consumers and
     pending-write entries; storages with ``prune_at`` readers or more are pruned). Returns how
     many pending-write entries it removed."""
+_record_native: bool
+"""Whether this build has the native record path (torch 2.13 or newer)."""
+
+def _record_dispatch(func: object, types: object, args: tuple = (), kwargs: dict | None = None,
+                     ) -> object:
+    """``LazyTensor.__torch_dispatch__`` (a staticmethod): records the common case natively
+    and calls ``genie.lazy_tensor._dispatch`` for every other call."""
+
+def _record_init(objects: dict[str, object]) -> bool:
+    """Give the native record path the Python classes and objects it works with
+    (``genie.lazy_tensor._install_native_record``); RuntimeError for classes whose slots differ
+    from the ones it writes. Returns whether this build has the path."""
+
+def _record_config(config: object) -> None:
+    """Mirror ``genie.config.config``'s ``native_record``, ``meta_cache``, ``record_source`` and
+    ``gc_untrack`` (called on every change)."""
+
+def _record_sync_counts() -> None:
+    """Add the ops recorded natively since the last call to ``genie.stats``'s ``ops_recorded``
+    and ``meta_cache_hits`` (``genie.stats.sync``)."""
+
+def _record_clear() -> None:
+    """Forget every learned meta-cache entry (``genie.meta.MetaCache.clear``)."""
+
+def _record_stats() -> dict[str, int]:
+    """Calls by outcome: ``handled`` natively, ``learned`` (an entry learned from the Python
+    path), and why the others took the Python path (``off``, ``profiler``, ``kwargs``,
+    ``op_policy``, ``arguments``, ``devices``, ``capture``, ``unseen``, ``entry``); and
+    ``entries``, the learned entries held."""
+
+def _record_reset_stats() -> None:
+    """Zero the counts of :func:`_record_stats`."""
+

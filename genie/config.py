@@ -1,7 +1,7 @@
 """Genie's in-process settings, read from ``GENIE_*`` environment variables once at import.
 
 ``GENIE_DEVICE``, ``GENIE_DEVICE_COUNT``, ``GENIE_META_CACHE``, ``GENIE_RECORD_SOURCE``,
-``GENIE_GC_UNTRACK`` and ``GENIE_DEBUG`` live here; the engine and remote modules read their own (``GENIE_BACKENDS``,
+``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD`` and ``GENIE_DEBUG`` live here; the engine and remote modules read their own (``GENIE_BACKENDS``,
 ``GENIE_PLAN_CACHE``, ``GENIE_COMPILER``, ``GENIE_SERVER``, ...). docs/env.md is the one table of
 all of them, with meanings and defaults.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -32,6 +33,23 @@ class Config:
     gc_untrack: bool = _flag("GENIE_GC_UNTRACK", "1") != "0"
     # Bind a run's values to its nodes natively (csrc/bind.cpp; 0: the Python loop, the reference).
     native_bind: bool = _flag("GENIE_NATIVE_BIND", "1") != "0"
+    # Record the common case of an op natively (csrc/record.cpp); 0: every op takes the Python
+    # path, the reference (genie.lazy_tensor.record).
+    native_record: bool = _flag("GENIE_NATIVE_RECORD", "1") != "0"
+
+    def on_change(self, listener: Callable[[Config], None]) -> None:
+        """Call ``listener(self)`` now and after every change of a setting (native code that
+        mirrors some settings: the record path, csrc/record.cpp)."""
+        _listeners.append(listener)
+        listener(self)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        for listener in _listeners:
+            listener(self)
+
+
+_listeners: list[Callable[[Config], None]] = []
 
 
 config = Config()

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from .graph import current
-from .stats import _counts, bump
+from .stats import _counts, bump, sync
 
 _on = os.environ.get("GENIE_CONTEXT", "1").strip() != "0"
 _compiling = torch.compiler.is_compiling
@@ -107,6 +107,7 @@ _phase_contexts: dict[str, Context] = {}
 
 
 def _recorded() -> int:
+    sync()
     return _counts["ops_recorded"] + _counts["factories_recorded"]
 
 

@@ -34,9 +34,14 @@ def install() -> None:
 
     skip = ef._FrameExecStrategy(ef._FrameAction.SKIP, ef._FrameAction.SKIP)
     lt = lazy_tensor.LazyTensor
-    fns: list[Any] = [lt.__torch_dispatch__.__func__, lt.__repr__, lt.__format__, lt.numpy,
+    # __torch_dispatch__ is native (csrc/record.cpp) where the build has it: its Python code
+    # starts at lazy_tensor._dispatch.
+    dispatch = getattr(lt.__torch_dispatch__, "__func__", lt.__torch_dispatch__)
+    fns: list[Any] = [lazy_tensor._dispatch, lt.__repr__, lt.__format__, lt.numpy,
                       lt.tolist, lt.__reduce_ex__, lt.data.fget, lt.data.fset,
                       lazy_tensor.record_factory, lazy_tensor.copy_from, lazy_tensor.materialize]
+    if hasattr(dispatch, "__code__"):
+        fns.append(dispatch)
     for fn in fns:
         ef.set_code_exec_strategy(fn.__code__, skip)
     _done = True

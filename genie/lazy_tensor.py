@@ -6,7 +6,9 @@ above it unchanged; every ATen op that reaches it lands in :func:`record` throug
 :mod:`genie.meta` (cached), so recording never touches data.
 
 Hot path (every op pays it): policy lookup, one ``optree`` flatten, one cache key, one ``Node``,
-one wrapper per output. Everything else (meta inference on a miss, materialization) is cold.
+one wrapper per output. Everything else (meta inference on a miss, materialization) is cold. The
+common case of that path runs in C++ (``csrc/record.cpp``, ``LazyTensor.__torch_dispatch__``);
+the Python functions here are its reference and take every other call.
 
 What forces a value to exist (the "triggers", see docs/semantics.md): copying to another device
 (``.cpu()``, ``.to("cpu")``, ``.tolist()``, ``.numpy()``), ops tagged ``data_dependent_output``
@@ -28,16 +30,17 @@ import torch.autograd.profiler as _profiler
 
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import context, device, executor
+from . import _C, context, device, executor
 from .config import config
 from .device import DEVICE_TYPE, real_device
 from .errors import UnsupportedOpError
 from .executor import real_dispatch
-from .graph import (DEFAULT_GRAPH, Graph, MetaArg, Node, Ref, Storage, TensorMeta, pending_total,
-                    retrack_below, track, untrack_node)
-from .meta import eager_error, infer, meta_cache, meta_tensor, policy, static_shape
+from .graph import (DEFAULT_GRAPH, Alive, Graph, MetaArg, Node, Ref, Storage, TensorMeta,
+                    _record_counter, pending_total, retrack_below, track, untrack_node)
+from .graph import current as graph_current
+from .meta import MetaEntry, eager_error, infer, meta_cache, meta_tensor, policy, static_shape
 from .profiling import phase
-from .stats import _counts, bump
+from .stats import _counts, _syncs, bump
 
 aten = torch.ops.aten
 
@@ -148,12 +151,11 @@ class LazyTensor(torch.Tensor):
     def _storage(self) -> Storage:
         return self._node.storages[self._out]
 
+    # Replaced by the native record path at import (csrc/record.cpp, see _install_native_record),
+    # which calls _dispatch for every op it does not handle itself.
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if _profiler._is_profiler_enabled:  # a genie.record range, only under torch.profiler
-            with _profiler.record_function("genie.record"):
-                return record(func, args, kwargs or {})
-        return record(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs)
 
     # --- materialization triggers that Tensor does not route through an ATen op -----------------
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
@@ -217,6 +219,14 @@ def materialize_one(t: Any, trigger: str) -> torch.Tensor:
 
 
 # --- recording --------------------------------------------------------------------------------
+
+def _dispatch(func: Any, args: tuple, kwargs: dict | None) -> Any:
+    """The Python record path of ``LazyTensor.__torch_dispatch__`` (the reference)."""
+    if _profiler._is_profiler_enabled:  # a genie.record range, only under torch.profiler
+        with _profiler.record_function("genie.record"):
+            return record(func, args, kwargs or {})
+    return record(func, args, kwargs or {})
+
 
 _copy = aten.copy_.default
 _to_copy = aten._to_copy.default
@@ -671,3 +681,34 @@ def adopt(real: torch.Tensor, index: int) -> LazyTensor:
     node.executed = True
     node.values = [real]
     return LazyTensor(node, 0, meta)
+
+
+# --- the native record path -----------------------------------------------------------------
+
+def _install_native_record() -> bool:
+    """Make ``LazyTensor.__torch_dispatch__`` the native record path (``csrc/record.cpp``).
+
+    It records the common case (a call whose meta-cache entry it has learned for these exact
+    arguments, outside ``genie.capture()``) as :func:`_record` would, field for field, and calls
+    :func:`_dispatch` for everything else; ``config.native_record`` (``GENIE_NATIVE_RECORD=0``)
+    sends every op to :func:`_dispatch`. False where this build of ``genie._C`` has no native
+    path (torch older than 2.13): the Python path stays.
+    """
+    objects = dict(
+        LazyTensor=LazyTensor, Node=Node, Ref=Ref, Storage=Storage, Alive=Alive, MetaArg=MetaArg,
+        TensorMeta=TensorMeta, MetaEntry=MetaEntry, Graph=Graph, fallback=_dispatch,
+        counts=_counts, profiler=vars(_profiler), tls=_tls,
+        current=graph_current,
+        default_graph=DEFAULT_GRAPH, counter=_record_counter, leaf_spec=_LEAF_SPEC,
+        copy_ops=(_copy, _to_copy), pending_total=pending_total,
+        retrack_below=_C._gc_retrack_below, limit=meta_cache.limit)
+    if not _C._record_init(objects):
+        return False
+    config.on_change(_C._record_config)
+    _syncs.append(_C._record_sync_counts)
+    # A staticmethod: torch calls it on LazyTensors only, and no method object is bound per op.
+    LazyTensor.__torch_dispatch__ = staticmethod(_C._record_dispatch)  # type: ignore[assignment]
+    return True
+
+
+_install_native_record()

@@ -23,6 +23,7 @@ import optree
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ._C import _record_clear
 from .config import config
 from .device import DEVICE_TYPE
 from .errors import UnsupportedOpError
@@ -192,11 +193,12 @@ class MetaCache:
     def put(self, key: Any, value: Any) -> None:
         d = self._d
         if len(d) >= self.limit:
-            d.clear()  # rare, and cheaper on the hot path than LRU bookkeeping on every hit
+            self.clear()  # rare, and cheaper on the hot path than LRU bookkeeping on every hit
         d[key] = value
 
     def clear(self) -> None:
         self._d.clear()
+        _record_clear()  # the native record path's entries are this cache's, by identity keys
 
     def __len__(self) -> int:
         return len(self._d)

@@ -2,13 +2,26 @@
 
 Counters are plain integers in one dict, bumped on the hot path without locks (the GIL makes a
 single ``+=`` on a dict entry effectively atomic for our purposes; counts are diagnostics).
+Native code counts in C and adds its counts to the dict when they are read (:func:`sync`): a
+reader of ``_counts`` itself calls :func:`sync` first.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 _counts: Counter[str] = Counter()
+
+#: Adders of counts kept in native code (the record path, csrc/record.cpp): each adds what it
+#: counted since its last call to ``_counts``.
+_syncs: list[Callable[[], None]] = []
+
+
+def sync() -> None:
+    """Bring ``_counts`` up to date with the counts kept in native code."""
+    for f in _syncs:
+        f()
 
 
 def bump(name: str, n: int = 1) -> None:
@@ -54,9 +67,11 @@ def stats() -> dict[str, int]:
         >>> genie.stats()["factories_recorded"]
         1
     """
+    sync()
     return dict(sorted(_counts.items()))
 
 
 def reset_stats() -> None:
     """Zero every counter."""
+    sync()
     _counts.clear()

@@ -1,0 +1,1655 @@
+// genie._C recording fast path: LazyTensor.__torch_dispatch__ in C++ for the common case.
+//
+// genie.lazy_tensor.record (Python) is the reference: every call this file does not handle goes
+// to it (the "fallback", lazy_tensor._dispatch), and what this file does for the calls it handles
+// is what record does for them, field for field (tests/unit/test_native_record.py compares the
+// two; GENIE_NATIVE_RECORD=0 turns this path off).
+//
+// Handled: an op whose policy has no randomness, no data dependence, no inplace-view, no portable
+// decomposition and no implicit (CompositeImplicitAutograd) kernel (in-place and out= writes
+// are handled); every argument and keyword argument a LazyTensor, int, float, bool, None, str,
+// dtype, layout, memory format or device, or one level of list/tuple of those; all LazyTensors
+// on one device index; the default graph (no genie.capture block), meta cache on, no source
+// recording, no profiler; and a meta-cache entry this path has seen before for exactly these
+// arguments (its outputs fresh, views or the written arguments, none with conj/neg bits, no
+// out= argument to resize).
+//
+// The cache. Python's meta-cache key is (op, argument tree, TensorMeta of each input by value,
+// constants); hashing a TensorMeta by value is Python code. This path keys on the same things
+// but takes each input's TensorMeta by identity (a TensorMeta is immutable, and the key holds a
+// reference, so its address is never reused while the key lives). A key this path has not seen
+// goes to the fallback; the node the fallback records carries the meta-cache entry Python found
+// for the equal value key (Node.entry), and this path learns key -> entry from it. Identity keys
+// are finer than value keys, so a learned entry is always the one Python would use; both caches
+// are cleared together (genie.meta.MetaCache calls _record_clear).
+//
+// Objects: the Node, Refs, Storages, MetaArgs and liveness tokens are allocated as
+// object.__new__ does and their __slots__ written directly (offsets from the member descriptors,
+// found by name at init), so no Python __init__ runs; _record_init refuses classes whose slots
+// differ from the ones written here. What genie.graph.untrack_node and graph.track would take
+// off the cyclic GC at the end is made untracked from the start. The output tensor is made as
+// torch's _make_wrapper_subclass makes it and wrapped with THPVariable_Wrap(tensor, LazyTensor)
+// (torch >= 2.13; older torch builds this file without the fast path: every op takes Python's).
+//
+// Per op, no dict update and no thread-local lookup: ops_recorded/meta_cache_hits are counted
+// here and added to genie.stats when read (stats.sync); the config flags are mirrored on change
+// (config.on_change); the per-thread objects are cached by thread state (this_thread).
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <pybind11/pybind11.h>
+#include <structmember.h>
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/SmallVector.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Layout.h>
+#include <torch/csrc/MemoryFormat.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#if __has_include(<torch/headeronly/version.h>)
+#include <torch/headeronly/version.h>
+#elif __has_include(<torch/version.h>)
+#include <torch/version.h>
+#endif
+
+#include "record.h"
+
+#if defined(TORCH_VERSION_MAJOR) && defined(TORCH_VERSION_MINOR) && \
+    (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
+#define GENIE_NATIVE_RECORD 1  // THPVariable_Wrap(tensor, type) is exported from 2.13 on
+#else
+#define GENIE_NATIVE_RECORD 0
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+// --- Python objects this path reads or writes, set once by _record_init ----------------------
+
+PyObject* intern(const char* s) {
+  return PyUnicode_InternFromString(s);
+}
+
+struct Names {
+  PyObject* profiler_enabled = intern("_is_profiler_enabled");
+  PyObject* graphs = intern("graphs");
+  PyObject* total = intern("_total");
+  PyObject* ctx = intern("ctx");
+  PyObject* backward = intern("backward");
+  PyObject* node = intern("_node");
+  PyObject* out = intern("_out");
+  PyObject* alive = intern("_alive");
+  PyObject* policy = intern("_genie_policy");
+  PyObject* ops_recorded = intern("ops_recorded");
+  PyObject* meta_cache_hits = intern("meta_cache_hits");
+  PyObject* unflatten = intern("unflatten");
+  PyObject* dict = intern("__dict__");
+  PyObject* thread_key = intern("genie.record.thread");
+};
+
+Names* names = nullptr;
+
+// Offsets of a slotted class's fields, by name, from its member descriptors.
+Py_ssize_t slot_offset(PyTypeObject* t, const char* name) {
+  PyObject* d = PyDict_GetItemString(t->tp_dict, name);  // borrowed
+  if (d == nullptr || Py_TYPE(d) != &PyMemberDescr_Type) {
+    throw std::runtime_error(std::string(t->tp_name) + "." + name + " is not a slot");
+  }
+  PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+  if (m->type != T_OBJECT_EX) {
+    throw std::runtime_error(std::string(t->tp_name) + "." + name + " is not an object slot");
+  }
+  return m->offset;
+}
+
+// The class must have exactly these slots (besides __weakref__): a field this file does not
+// know of would be left unset, so such a class turns the fast path off instead.
+void check_slots(PyTypeObject* t, const std::vector<std::string>& expected) {
+  py::tuple slots = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(t))
+                        .attr("__slots__")
+                        .cast<py::tuple>();
+  std::vector<std::string> got;
+  for (const auto& s : slots) {
+    auto name = s.cast<std::string>();
+    if (name != "__weakref__") {
+      got.push_back(name);
+    }
+  }
+  if (got != expected) {
+    throw std::runtime_error(std::string(t->tp_name) +
+                             " has other slots than the native record path writes");
+  }
+}
+
+inline PyObject*& slot(PyObject* o, Py_ssize_t off) {
+  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
+}
+
+// Write a slot of a fresh object (empty until now); steals `v`.
+inline void init_slot(PyObject* o, Py_ssize_t off, PyObject* v) {
+  slot(o, off) = v;
+}
+
+// A borrowed item of a dict (str keys), or nullptr; a lookup error propagates.
+inline PyObject* dict_get(PyObject* d, PyObject* key) {
+  PyObject* v = PyDict_GetItemWithError(d, key);
+  if (v == nullptr && PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+  return v;
+}
+
+inline PyObject* new_ref(PyObject* o) {
+  Py_INCREF(o);
+  return o;
+}
+
+struct NodeSlots {
+  Py_ssize_t op, leaves, spec, metas, out_spec, storages, writes, outputs, values, executed, index,
+      rng, graph, uid, where, consumers, tags, entry, ctx, wref;
+};
+
+struct State {
+  PyTypeObject* lazy = nullptr;
+  PyTypeObject* node = nullptr;
+  PyTypeObject* ref = nullptr;
+  PyTypeObject* storage = nullptr;
+  PyTypeObject* alive = nullptr;
+  PyTypeObject* meta_arg = nullptr;
+  PyTypeObject* tensor_meta = nullptr;
+  PyTypeObject* meta_entry = nullptr;
+  PyTypeObject* graph_type = nullptr;
+  PyObject* fallback = nullptr;       // lazy_tensor._dispatch(func, args, kwargs)
+  PyObject* counts = nullptr;         // genie.stats._counts
+  PyObject* profiler = nullptr;       // torch.autograd.profiler.__dict__
+  PyObject* tls = nullptr;            // lazy_tensor._tls (graphs: the capture stack)
+  PyObject* current = nullptr;        // graph.current (ctx, backward)
+  PyObject* default_graph = nullptr;
+  PyObject* graph_dict = nullptr;  // default_graph.__dict__ (_total, keep_nodes)
+  PyObject* counter = nullptr;  // graph._record_counter
+  PyObject* leaf_spec = nullptr;
+  PyObject* copy_ops = nullptr;  // a tuple of ops that always take the fallback
+  PyObject* pending_total = nullptr;  // graph.pending_total (a one-item list)
+  PyObject* retrack_below = nullptr;  // _C._gc_retrack_below(leaves, Ref)
+  size_t limit = 1 << 16;       // entries, as genie.meta.MetaCache.limit
+  NodeSlots n{};
+  Py_ssize_t ref_node = 0, ref_out = 0;
+  Py_ssize_t st_pending = 0, st_readers = 0, st_prune = 0, st_role = 0;
+  Py_ssize_t tm_shape = 0, tm_stride = 0, tm_offset = 0, tm_dtype = 0, tm_index = 0,
+             tm_conj = 0, tm_neg = 0;
+  Py_ssize_t me_metas = 0, me_out_spec = 0, me_consts = 0, me_plan = 0, me_spec = 0;
+  Py_ssize_t ma_meta = 0;
+  bool ready = false;
+};
+
+// genie.config.config's flags this path reads, mirrored by _record_config on every change.
+struct Flags {
+  bool native_record = false;
+  bool meta_cache = false;
+  bool record_source = true;
+  bool gc_untrack = true;
+};
+
+Flags flags;
+
+State S;
+
+// Why calls took the fallback: read by tests and benchmarks through _record_stats().
+enum Reason {
+  kHandled,
+  kLearned,
+  kOff,
+  kProfiler,
+  kKwargs,
+  kOpPolicy,
+  kArgs,
+  kDevices,
+  kCapture,
+  kUnseen,
+  kEntry,
+  kReasons
+};
+const char* const kReasonNames[kReasons] = {
+    "handled", "learned", "off", "profiler", "kwargs", "op_policy", "arguments",
+    "devices", "capture", "unseen", "entry"};
+std::array<uint64_t, kReasons> reasons{};
+
+PyObject* checked(PyObject* o);
+
+// --- per-thread objects ----------------------------------------------------------------------
+//
+// The capture stack (lazy_tensor._tls.graphs) and genie.graph.current's dict are per thread
+// (threading.local); looking them up costs more than the rest of a node's fields. They are
+// cached per OS thread, keyed by the Python thread state's unique id, and kept alive in that
+// thread state's dict, which Python clears when the thread state goes: a cached pointer is used
+// only while the thread state that owns it lives. Neither object is replaced while its thread
+// lives (capture pushes onto the one list; a threading.local keeps one dict per thread).
+
+struct ThreadObjects {
+  uint64_t id = UINT64_MAX;
+  PyObject* graphs = nullptr;   // borrowed (held by the thread state's dict)
+  PyObject* current = nullptr;  // borrowed (held by the thread state's dict)
+};
+
+thread_local ThreadObjects thread_objects;
+
+const ThreadObjects& this_thread() {
+  PyThreadState* ts = PyThreadState_Get();
+  const uint64_t id = PyThreadState_GetID(ts);
+  ThreadObjects& t = thread_objects;
+  if (t.id == id) {
+    return t;
+  }
+  py::object graphs = py::reinterpret_steal<py::object>(checked(PyObject_GetAttr(S.tls, names->graphs)));
+  py::object current =
+      py::reinterpret_steal<py::object>(checked(PyObject_GetAttr(S.current, names->dict)));
+  if (!PyList_Check(graphs.ptr()) || !PyDict_Check(current.ptr())) {
+    throw std::logic_error("lazy_tensor._tls.graphs is not a list or graph.current has no dict");
+  }
+  PyObject* tdict = PyThreadState_GetDict();  // borrowed
+  if (tdict == nullptr) {
+    throw std::logic_error("no thread state dict");
+  }
+  py::object pair = py::reinterpret_steal<py::object>(
+      checked(PyTuple_Pack(2, graphs.ptr(), current.ptr())));
+  if (PyDict_SetItem(tdict, names->thread_key, pair.ptr()) < 0) {
+    throw py::error_already_set();
+  }
+  t.id = id;
+  t.graphs = graphs.ptr();
+  t.current = current.ptr();
+  return t;
+}
+
+// --- per-op facts from genie.meta.OpPolicy, cached by op object -----------------------------
+
+struct OpInfo {
+  bool ok = false;  // the policy allows this path at all
+  bool float_values_matter = true;
+  bool metadata_only = false;
+  std::vector<Py_ssize_t> writes;  // schema positions of the arguments it mutates
+  PyObject* names = nullptr;       // argument names by schema position (a tuple, held)
+};
+
+std::unordered_map<PyObject*, OpInfo> ops;  // keys hold a reference to the op
+
+bool truthy_attr(PyObject* o, const char* name) {
+  PyObject* v = PyObject_GetAttrString(o, name);
+  if (v == nullptr) {
+    throw py::error_already_set();
+  }
+  int r = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  if (r < 0) {
+    throw py::error_already_set();
+  }
+  return r != 0;
+}
+
+// The op's facts, or nullptr while its policy is not cached yet (genie.meta.policy stores it on
+// the op as _genie_policy the first time the fallback records it).
+const OpInfo* op_info(PyObject* func) {
+  auto it = ops.find(func);
+  if (it != ops.end()) {
+    return &it->second;
+  }
+  // The generic lookup: an OpOverload's own __getattr__ (Python) must not run here.
+  PyObject* pol = PyObject_GenericGetAttr(func, names->policy);
+  if (pol == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  OpInfo info;
+  try {
+    int copy = PySequence_Contains(S.copy_ops, func);
+    if (copy < 0) {
+      throw py::error_already_set();
+    }
+    PyObject* portable = PyObject_GetAttrString(pol, "portable");
+    if (portable == nullptr) {
+      throw py::error_already_set();
+    }
+    const bool has_portable = portable != Py_None;
+    Py_DECREF(portable);
+    info.ok = !copy && !has_portable && !truthy_attr(pol, "random") &&
+        !truthy_attr(pol, "dynamic") && !truthy_attr(pol, "inplace_view") &&
+        !truthy_attr(pol, "implicit");
+    info.float_values_matter = truthy_attr(pol, "float_values_matter");
+    info.metadata_only = truthy_attr(pol, "metadata_only");
+    py::object writes = py::reinterpret_steal<py::object>(checked(PyObject_GetAttrString(pol, "writes")));
+    for (const auto& w : writes) {
+      info.writes.push_back(w.cast<Py_ssize_t>());
+    }
+    info.names = checked(PyObject_GetAttrString(pol, "names"));
+    if (!PyTuple_CheckExact(info.names)) {
+      Py_DECREF(info.names);
+      throw std::logic_error("OpPolicy.names is not a tuple");
+    }
+  } catch (...) {
+    Py_DECREF(pol);
+    throw;
+  }
+  Py_DECREF(pol);
+  Py_INCREF(func);
+  return &ops.emplace(func, info).first->second;
+}
+
+// --- the identity key ------------------------------------------------------------------------
+//
+// One word per tag and one per payload: a LazyTensor's TensorMeta address, an int's or bool's
+// value, a float's bits (or nothing when float values cannot change the output metadata), a
+// dtype's, layout's or memory format's address (torch's singletons), a device's type and index,
+// a str's interned copy; a list/tuple header with its length; the keyword arguments after the
+// positional ones, each its (interned) name then its value, in name order (as optree flattens
+// a dict). The op's address comes first.
+
+enum Tag : uint64_t {
+  kLazy = 1, kInt, kBool, kFloat, kNone, kDtype, kStr, kSingleton, kDevice, kList, kTuple, kDict,
+  kKey
+};
+
+using Words = c10::SmallVector<uint64_t, 32>;
+
+uint64_t hash_words(const Words& w) {
+  uint64_t h = 0x9E3779B97F4A7C15ull;
+  for (uint64_t x : w) {
+    h ^= x + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+  }
+  return h;
+}
+
+// One output tensor of a learned entry, decoded once from its TensorMeta.
+enum class Kind { kFresh, kView, kWrite };
+
+struct Out {
+  Py_ssize_t k = 0;      // flat output position
+  Kind kind = Kind::kFresh;
+  Py_ssize_t pos = -1;   // view, write: schema position of the aliased or written argument
+  std::vector<int64_t> sizes, strides;
+  int64_t offset = 0;
+  at::ScalarType dtype = at::kFloat;
+  c10::DeviceIndex index = 0;
+  size_t nbytes = 0;
+};
+
+struct Entry {
+  std::vector<uint64_t> words;
+  std::vector<PyObject*> held;  // the TensorMetas and dtypes whose addresses are in `words`
+  PyObject* entry = nullptr;    // the genie.meta.MetaEntry
+  PyObject* metas = nullptr;
+  PyObject* out_spec = nullptr;
+  PyObject* consts = nullptr;
+  PyObject* spec = nullptr;
+  bool single = false;       // out_spec is a leaf: return the tensor itself
+  bool python_only = false;  // a plan this path does not make (conj/neg outputs, out= resizes)
+  std::vector<Out> outs;
+  std::shared_ptr<Entry> next;  // same hash
+
+  ~Entry() {
+    for (PyObject* o : held) {
+      Py_DECREF(o);
+    }
+    Py_XDECREF(entry);
+    Py_XDECREF(metas);
+    Py_XDECREF(out_spec);
+    Py_XDECREF(consts);
+    Py_XDECREF(spec);
+  }
+};
+
+// Never destroyed: its entries hold Python references, and C++ static destructors run after
+// the interpreter is gone.
+using EntryMap = std::unordered_map<uint64_t, std::shared_ptr<Entry>>;
+EntryMap& entries = *new EntryMap();
+size_t n_entries = 0;
+
+std::shared_ptr<Entry> find_entry(uint64_t h, const Words& w) {
+  auto it = entries.find(h);
+  if (it == entries.end()) {
+    return nullptr;
+  }
+  for (auto e = it->second; e; e = e->next) {
+    if (e->words.size() == w.size() &&
+        std::memcmp(e->words.data(), w.data(), w.size() * sizeof(uint64_t)) == 0) {
+      return e;
+    }
+  }
+  return nullptr;
+}
+
+void clear_entries() {
+  // Move out first: destructors release Python objects, which may run code that reaches here.
+  EntryMap old;
+  old.swap(entries);
+  n_entries = 0;
+  old.clear();
+}
+
+// --- one call's arguments ----------------------------------------------------------------
+
+// A LazyTensor's attribute (its _node, _out), new reference or nullptr: read from its instance
+// dict (materialized by graph.track), as generic attribute lookup finds it there.
+PyObject* lazy_attr(PyObject* t, PyObject* name) {
+#if PY_VERSION_HEX < 0x030D0000
+  PyObject** dp = _PyObject_GetDictPtr(t);
+  PyObject* v = dp != nullptr && *dp != nullptr ? PyDict_GetItemWithError(*dp, name) : nullptr;
+#else
+  PyObject* d = PyObject_GenericGetDict(t, nullptr);
+  PyObject* v = d != nullptr ? PyDict_GetItemWithError(d, name) : nullptr;
+  Py_XDECREF(d);  // the tensor holds its dict
+#endif
+  if (v == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  return new_ref(v);
+}
+
+struct Lazy {
+  PyObject* tensor;     // borrowed (the call's args hold it)
+  PyObject* node;       // owned
+  PyObject* out;        // owned
+  Py_ssize_t out_i;
+  PyObject* meta;       // borrowed from node.metas
+  Py_ssize_t leaf;      // position among the leaves
+};
+
+struct Call {
+  c10::SmallVector<PyObject*, 16> leaves;  // borrowed
+  c10::SmallVector<Lazy, 8> lazies;
+  c10::SmallVector<PyObject*, 4> interned;  // owned: interned strs whose addresses are in words
+  Words words;
+  bool nan = false;  // a NaN float key: never learned (Python keys compare NaNs by identity)
+  Reason reason = kArgs;  // why flatten refused the call
+
+  ~Call() {
+    for (auto& l : lazies) {
+      Py_XDECREF(l.node);
+      Py_XDECREF(l.out);
+    }
+    for (PyObject* s : interned) {
+      Py_DECREF(s);
+    }
+  }
+};
+
+// The interned str equal to `s` (a new reference, kept by the call).
+PyObject* interned(Call& call, PyObject* s) {
+  Py_INCREF(s);
+  PyUnicode_InternInPlace(&s);
+  call.interned.push_back(s);
+  return s;
+}
+
+// Fills call.leaves/words/lazies from the positional args; false: not a call this path takes.
+// May leave a Python error set (then returns false and the caller reports it).
+bool flatten(PyObject* args, PyObject* kwargs, const OpInfo& info, PyObject* func, Call& call) {
+  call.words.push_back(reinterpret_cast<uint64_t>(func));
+  int64_t index = -1;
+  auto leaf = [&](PyObject* x) -> bool {
+    PyTypeObject* t = Py_TYPE(x);
+    if (t == S.lazy) {
+      PyObject* node = lazy_attr(x, names->node);
+      if (node == nullptr) {
+        return false;
+      }
+      PyObject* out = lazy_attr(x, names->out);
+      if (out == nullptr) {
+        Py_DECREF(node);
+        return false;
+      }
+      call.lazies.push_back(Lazy{x, node, out, 0, nullptr,
+                                 static_cast<Py_ssize_t>(call.leaves.size())});
+      if (Py_TYPE(node) != S.node || !PyLong_CheckExact(out)) {
+        return false;
+      }
+      Lazy& l = call.lazies.back();
+      l.out_i = PyLong_AsSsize_t(out);
+      PyObject* metas = slot(node, S.n.metas);
+      if (metas == nullptr || !PyList_CheckExact(metas) || l.out_i < 0 ||
+          l.out_i >= PyList_GET_SIZE(metas)) {
+        return false;
+      }
+      l.meta = PyList_GET_ITEM(metas, l.out_i);
+      if (Py_TYPE(l.meta) != S.tensor_meta) {
+        return false;
+      }
+      PyObject* idx = slot(l.meta, S.tm_index);
+      const int64_t i = idx != nullptr ? PyLong_AsLongLong(idx) : -2;
+      if (i < 0) {
+        PyErr_Clear();
+        return false;
+      }
+      if (index < 0) {
+        index = i;
+      } else if (i != index) {
+        call.reason = kDevices;
+        return false;
+      }
+      call.words.push_back(kLazy);
+      call.words.push_back(reinterpret_cast<uint64_t>(l.meta));
+    } else if (t == &PyLong_Type) {
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+      if (overflow != 0) {
+        return false;
+      }
+      call.words.push_back(kInt);
+      call.words.push_back(static_cast<uint64_t>(v));
+    } else if (t == &PyBool_Type) {
+      call.words.push_back(kBool);
+      call.words.push_back(x == Py_True ? 1 : 0);
+    } else if (t == &PyFloat_Type) {
+      call.words.push_back(kFloat);
+      if (info.float_values_matter) {
+        const double v = PyFloat_AS_DOUBLE(x);
+        uint64_t bits;
+        std::memcpy(&bits, &v, sizeof bits);
+        call.words.push_back(bits);
+        call.nan = call.nan || std::isnan(v);
+      } else {
+        call.words.push_back(0);
+      }
+    } else if (x == Py_None) {
+      call.words.push_back(kNone);
+      call.words.push_back(0);
+    } else if (THPDtype_Check(x)) {
+      call.words.push_back(kDtype);
+      call.words.push_back(reinterpret_cast<uint64_t>(x));
+    } else if (t == &PyUnicode_Type) {
+      call.words.push_back(kStr);
+      call.words.push_back(reinterpret_cast<uint64_t>(interned(call, x)));
+    } else if (THPLayout_Check(x) || THPMemoryFormat_Check(x)) {
+      call.words.push_back(kSingleton);
+      call.words.push_back(reinterpret_cast<uint64_t>(x));
+    } else if (THPDevice_Check(x)) {
+      const c10::Device d = reinterpret_cast<THPDevice*>(x)->device;
+      call.words.push_back(kDevice);
+      call.words.push_back((static_cast<uint64_t>(d.type()) << 16) |
+                           static_cast<uint16_t>(d.index()));
+    } else {
+      return false;
+    }
+    call.leaves.push_back(x);
+    return true;
+  };
+  auto arg = [&](PyObject* a) -> bool {
+    const bool is_list = PyList_CheckExact(a);
+    if (is_list || PyTuple_CheckExact(a)) {
+      const Py_ssize_t k = is_list ? PyList_GET_SIZE(a) : PyTuple_GET_SIZE(a);
+      call.words.push_back(is_list ? kList : kTuple);
+      call.words.push_back(static_cast<uint64_t>(k));
+      for (Py_ssize_t j = 0; j < k; ++j) {
+        if (!leaf(is_list ? PyList_GET_ITEM(a, j) : PyTuple_GET_ITEM(a, j))) {
+          return false;
+        }
+      }
+      return true;
+    }
+    return leaf(a);
+  };
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!arg(PyTuple_GET_ITEM(args, i))) {
+      return false;
+    }
+  }
+  const Py_ssize_t nk = kwargs != nullptr ? PyDict_GET_SIZE(kwargs) : 0;
+  if (nk > 0) {
+    c10::SmallVector<std::pair<PyObject*, PyObject*>, 4> items;
+    Py_ssize_t it = 0;
+    PyObject* key;
+    PyObject* value;
+    while (PyDict_Next(kwargs, &it, &key, &value)) {
+      if (!PyUnicode_CheckExact(key)) {
+        return false;
+      }
+      items.emplace_back(key, value);
+    }
+    std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) {
+      return PyUnicode_Compare(a.first, b.first) < 0;
+    });
+    call.words.push_back(kDict);
+    call.words.push_back(static_cast<uint64_t>(nk));
+    for (const auto& [k, v] : items) {
+      call.words.push_back(kKey);
+      call.words.push_back(reinterpret_cast<uint64_t>(interned(call, k)));
+      if (!arg(v)) {
+        return false;
+      }
+    }
+  }
+  return !call.lazies.empty();
+}
+
+// OpPolicy.arg: the argument at schema position `pos` (borrowed; nullptr when absent).
+PyObject* arg_at(const OpInfo& info, PyObject* args, PyObject* kwargs, Py_ssize_t pos) {
+  if (pos < PyTuple_GET_SIZE(args)) {
+    return PyTuple_GET_ITEM(args, pos);
+  }
+  if (kwargs == nullptr || pos >= PyTuple_GET_SIZE(info.names)) {
+    return nullptr;
+  }
+  PyObject* v = PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(info.names, pos));
+  if (v == nullptr) {
+    PyErr_Clear();
+  }
+  return v;
+}
+
+// The LazyTensor an output aliases: the argument at `o.pos`, or of a list there the k-th
+// (written) or first (viewed) element; nullptr when it is no LazyTensor.
+PyObject* alias_source(const OpInfo& info, PyObject* args, PyObject* kwargs, const Out& o) {
+  PyObject* src = arg_at(info, args, kwargs, o.pos);
+  if (src != nullptr && (PyList_CheckExact(src) || PyTuple_CheckExact(src))) {
+    const Py_ssize_t i = o.kind == Kind::kWrite ? o.k : 0;
+    src = i < PySequence_Fast_GET_SIZE(src) ? PySequence_Fast_ITEMS(src)[i] : nullptr;
+  }
+  return src != nullptr && Py_TYPE(src) == S.lazy ? src : nullptr;
+}
+
+// A LazyTensor's Storage (t._node.storages[t._out]), new reference, or nullptr.
+PyObject* storage_of(PyObject* t) {
+  py::object node = py::reinterpret_steal<py::object>(lazy_attr(t, names->node));
+  py::object out = py::reinterpret_steal<py::object>(lazy_attr(t, names->out));
+  if (!node || !out || Py_TYPE(node.ptr()) != S.node || !PyLong_CheckExact(out.ptr())) {
+    return nullptr;
+  }
+  PyObject* sts = slot(node.ptr(), S.n.storages);
+  const Py_ssize_t i = PyLong_AsSsize_t(out.ptr());
+  if (sts == nullptr || !PyList_CheckExact(sts) || i < 0 || i >= PyList_GET_SIZE(sts)) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  PyObject* st = PyList_GET_ITEM(sts, i);
+  return Py_TYPE(st) == S.storage ? new_ref(st) : nullptr;
+}
+
+// The storages the op writes, as lazy_tensor._record collects them (LazyTensor arguments at the
+// policy's write positions, and the LazyTensors in lists there), new references; false when one
+// has no storage.
+bool write_storages(const OpInfo& info, PyObject* args, PyObject* kwargs,
+                    c10::SmallVector<py::object, 4>& out) {
+  for (Py_ssize_t pos : info.writes) {
+    PyObject* a = arg_at(info, args, kwargs, pos);
+    if (a == nullptr) {
+      continue;
+    }
+    const bool seq = PyList_CheckExact(a) || PyTuple_CheckExact(a);
+    const Py_ssize_t n = seq ? PySequence_Fast_GET_SIZE(a) : 1;
+    PyObject** items = seq ? PySequence_Fast_ITEMS(a) : &a;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (Py_TYPE(items[i]) != S.lazy) {
+        continue;
+      }
+      PyObject* st = storage_of(items[i]);
+      if (st == nullptr) {
+        return false;
+      }
+      out.push_back(py::reinterpret_steal<py::object>(st));
+    }
+  }
+  return true;
+}
+
+// --- learning an entry from what the fallback recorded ----------------------------------------
+
+PyObject* first_lazy(PyObject* result) {
+  if (Py_TYPE(result) == S.lazy) {
+    return result;
+  }
+  if (PyTuple_CheckExact(result) || PyList_CheckExact(result)) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(result);
+    PyObject** items = PySequence_Fast_ITEMS(result);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (Py_TYPE(items[i]) == S.lazy) {
+        return items[i];
+      }
+    }
+  }
+  return nullptr;
+}
+
+bool decode_meta(PyObject* m, Out& o) {
+  if (Py_TYPE(m) != S.tensor_meta) {
+    return false;
+  }
+  if (slot(m, S.tm_conj) != Py_False || slot(m, S.tm_neg) != Py_False) {
+    return false;  // the wrapper would need its math bits set: left to Python
+  }
+  PyObject* shape = slot(m, S.tm_shape);
+  PyObject* stride = slot(m, S.tm_stride);
+  PyObject* dtype = slot(m, S.tm_dtype);
+  if (!PyTuple_CheckExact(shape) || !PyTuple_CheckExact(stride) ||
+      PyTuple_GET_SIZE(shape) != PyTuple_GET_SIZE(stride) || !THPDtype_Check(dtype)) {
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); ++i) {
+    o.sizes.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i)));
+    o.strides.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(stride, i)));
+  }
+  o.offset = PyLong_AsLongLong(slot(m, S.tm_offset));
+  const long long index = PyLong_AsLongLong(slot(m, S.tm_index));
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  if (index < 0 || index > 127) {
+    return false;
+  }
+  o.index = static_cast<c10::DeviceIndex>(index);
+  o.dtype = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+  o.nbytes = at::detail::computeStorageNbytes(o.sizes, o.strides, c10::elementSize(o.dtype),
+                                              static_cast<size_t>(o.offset));
+  return true;
+}
+
+// Reads the entry's plan: per tensor output (k, None | "view" | "write", position).
+bool read_plan(Entry& e, PyObject* plan) {
+  if (!PyTuple_CheckExact(plan)) {
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(plan); ++i) {
+    PyObject* p = PyTuple_GET_ITEM(plan, i);
+    if (!PyTuple_CheckExact(p) || PyTuple_GET_SIZE(p) != 3) {
+      return false;
+    }
+    Out o;
+    o.k = PyLong_AsSsize_t(PyTuple_GET_ITEM(p, 0));
+    PyObject* kind = PyTuple_GET_ITEM(p, 1);
+    if (kind == Py_None) {
+      o.kind = Kind::kFresh;
+    } else if (PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "view") == 0) {
+      o.kind = Kind::kView;
+    } else if (PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "write") == 0) {
+      o.kind = Kind::kWrite;  // the op returns its mutated argument itself
+    } else {
+      return false;
+    }
+    if (o.kind != Kind::kFresh) {
+      o.pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(p, 2));
+      if (o.pos < 0) {
+        PyErr_Clear();
+        return false;
+      }
+    }
+    if (PyErr_Occurred() || o.k < 0 || o.k >= PyList_GET_SIZE(e.metas)) {
+      PyErr_Clear();
+      return false;
+    }
+    if (o.kind != Kind::kWrite && !decode_meta(PyList_GET_ITEM(e.metas, o.k), o)) {
+      return false;
+    }
+    e.outs.push_back(std::move(o));
+  }
+  return true;
+}
+
+// The node the fallback recorded for `func`: the producer of its first fresh output, or the
+// last pending write of the first storage it writes; nullptr when neither is one.
+py::object recorded_node(PyObject* func, const OpInfo& info, PyObject* args, PyObject* kwargs,
+                         PyObject* result) {
+  PyObject* t = first_lazy(result);
+  if (t != nullptr) {
+    py::object n = py::reinterpret_steal<py::object>(lazy_attr(t, names->node));
+    if (n && Py_TYPE(n.ptr()) == S.node && slot(n.ptr(), S.n.op) == func) {
+      return n;
+    }
+  }
+  c10::SmallVector<py::object, 4> writes;
+  if (!info.writes.empty() && write_storages(info, args, kwargs, writes) && !writes.empty()) {
+    PyObject* pw = slot(writes[0].ptr(), S.st_pending);
+    if (PyList_CheckExact(pw) && PyList_GET_SIZE(pw) > 0) {
+      PyObject* n = PyList_GET_ITEM(pw, PyList_GET_SIZE(pw) - 1);
+      if (Py_TYPE(n) == S.node && slot(n, S.n.op) == func) {
+        return py::reinterpret_borrow<py::object>(n);
+      }
+    }
+  }
+  return py::object();
+}
+
+// After the fallback recorded `call` and returned `result`: remember its entry under the key.
+void learn(PyObject* func, const OpInfo& info, PyObject* args, PyObject* kwargs, Call& call,
+           PyObject* result) {
+  if (call.nan) {
+    return;
+  }
+  py::object node = recorded_node(func, info, args, kwargs, result);
+  if (!node) {
+    return;
+  }
+  PyObject* n = node.ptr();
+  PyObject* entry = slot(n, S.n.entry);
+  PyObject* rec = slot(n, S.n.leaves);
+  if (entry == nullptr || Py_TYPE(entry) != S.meta_entry || rec == nullptr ||
+      !PyList_CheckExact(rec) || PyList_GET_SIZE(rec) != static_cast<Py_ssize_t>(call.leaves.size())) {
+    return;
+  }
+  // The node must be the one recorded from exactly these arguments.
+  size_t li = 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rec); ++i) {
+    PyObject* r = PyList_GET_ITEM(rec, i);
+    if (li < call.lazies.size() && call.lazies[li].leaf == i) {
+      const Lazy& l = call.lazies[li++];
+      if (Py_TYPE(r) == S.ref) {
+        if (slot(r, S.ref_node) != l.node || slot(r, S.ref_out) != l.out) {
+          return;
+        }
+      } else if (!(i == 0 && info.metadata_only && Py_TYPE(r) == S.meta_arg &&
+                   slot(r, S.ma_meta) == l.meta)) {
+        return;
+      }
+    } else if (r != call.leaves[i]) {
+      return;
+    }
+  }
+  auto e = std::make_shared<Entry>();
+  e->words.assign(call.words.begin(), call.words.end());
+  for (const auto& l : call.lazies) {
+    e->held.push_back(new_ref(l.meta));
+  }
+  for (PyObject* x : call.leaves) {
+    if (THPDtype_Check(x) || THPLayout_Check(x) || THPMemoryFormat_Check(x)) {
+      e->held.push_back(new_ref(x));
+    }
+  }
+  for (PyObject* x : call.interned) {
+    e->held.push_back(new_ref(x));
+  }
+  e->entry = new_ref(entry);
+  e->metas = new_ref(slot(entry, S.me_metas));
+  e->out_spec = new_ref(slot(entry, S.me_out_spec));
+  e->consts = new_ref(slot(entry, S.me_consts));
+  e->spec = new_ref(slot(entry, S.me_spec));
+  if (!PyList_CheckExact(e->metas) || !PyList_CheckExact(e->consts) ||
+      PyList_GET_SIZE(e->metas) != PyList_GET_SIZE(e->consts)) {
+    e->python_only = true;
+  } else {
+    const int single = PyObject_RichCompareBool(e->out_spec, S.leaf_spec, Py_EQ);
+    if (single < 0) {
+      PyErr_Clear();
+      e->python_only = true;
+    }
+    e->single = single == 1;
+    if (!e->python_only && !read_plan(*e, slot(entry, S.me_plan))) {
+      e->python_only = true;
+    }
+    // An out= argument of another size is resized first (lazy_tensor._record): left to Python.
+    // Its TensorMeta is in the key, so the sizes compare the same on every call with it.
+    for (const Out& o : e->outs) {
+      if (e->python_only || o.kind != Kind::kWrite) {
+        continue;
+      }
+      PyObject* src = alias_source(info, args, kwargs, o);
+      py::object sn = py::reinterpret_steal<py::object>(src ? lazy_attr(src, names->node) : nullptr);
+      py::object so = py::reinterpret_steal<py::object>(src ? lazy_attr(src, names->out) : nullptr);
+      if (!sn || !so || Py_TYPE(sn.ptr()) != S.node) {
+        e->python_only = true;
+        continue;
+      }
+      PyObject* src_meta = PySequence_GetItem(slot(sn.ptr(), S.n.metas), PyLong_AsSsize_t(so.ptr()));
+      PyObject* out_meta = PyList_GET_ITEM(e->metas, o.k);
+      if (src_meta == nullptr || Py_TYPE(src_meta) != S.tensor_meta ||
+          Py_TYPE(out_meta) != S.tensor_meta) {
+        PyErr_Clear();
+        e->python_only = true;
+      } else {
+        const int same = PyObject_RichCompareBool(slot(src_meta, S.tm_shape),
+                                                  slot(out_meta, S.tm_shape), Py_EQ);
+        if (same != 1) {
+          PyErr_Clear();
+          e->python_only = true;
+        }
+      }
+      Py_XDECREF(src_meta);
+    }
+  }
+  if (n_entries >= S.limit) {
+    clear_entries();
+  }
+  const uint64_t h = hash_words(call.words);
+  auto& head = entries[h];
+  e->next = head;
+  head = std::move(e);
+  n_entries++;
+  reasons[kLearned]++;
+}
+
+// --- making the node and its outputs -----------------------------------------------------
+
+// For objects of GC types only (PyObject_GC_UnTrack is a no-op on an untracked one).
+inline void untrack(PyObject* o) {
+  PyObject_GC_UnTrack(o);
+}
+
+// As genie.graph.untrack_node does for a Storage with no pending write: it and its lists.
+void untrack_storage(PyObject* s) {
+  if (!PyObject_GC_IsTracked(s)) {
+    return;
+  }
+  PyObject* pw = slot(s, S.st_pending);
+  if (pw != nullptr && PyList_CheckExact(pw) && PyList_GET_SIZE(pw) == 0) {
+    PyObject* readers = slot(s, S.st_readers);
+    if (readers != nullptr) {
+      untrack(readers);
+    }
+    untrack(pw);
+    untrack(s);
+  }
+}
+
+PyObject* checked(PyObject* o) {
+  if (o == nullptr) {
+    throw py::error_already_set();
+  }
+  return o;
+}
+
+// An instance of a slotted genie class, all slots empty, as object.__new__ makes it. `tracked`
+// false: never put on the GC's lists (what record would untrack at the end, made untracked at
+// once, which saves linking and unlinking it).
+PyObject* new_object(PyTypeObject* t, bool tracked) {
+  if (tracked) {
+    return checked(t->tp_alloc(t, 0));
+  }
+  PyObject* o = checked(_PyObject_GC_New(t));
+  std::memset(reinterpret_cast<char*>(o) + sizeof(PyObject), 0,
+              static_cast<size_t>(t->tp_basicsize) - sizeof(PyObject));
+  return o;
+}
+
+// A GC container (list, weak reference) made by CPython tracked: untracked right away, while
+// its neighbours on the GC list are still in cache.
+inline PyObject* fresh(PyObject* o, bool tracked) {
+  checked(o);
+  if (!tracked) {
+    PyObject_GC_UnTrack(o);
+  }
+  return o;
+}
+
+PyObject* new_storage(bool tracked) {
+  PyObject* s = new_object(S.storage, tracked);
+  init_slot(s, S.st_pending, fresh(PyList_New(0), tracked));
+  init_slot(s, S.st_readers, fresh(PyList_New(0), tracked));
+  init_slot(s, S.st_prune, checked(PyLong_FromLong(64)));
+  Py_INCREF(Py_None);
+  init_slot(s, S.st_role, Py_None);  // a role known for the storage's life (uploads only)
+  return s;
+}
+
+// genie.graph.Storage.add_reader.
+void add_reader(PyObject* storage, PyObject* wref) {
+  PyObject* readers = slot(storage, S.st_readers);
+  if (PyList_Append(readers, wref) < 0) {
+    throw py::error_already_set();
+  }
+  const Py_ssize_t prune_at = PyLong_AsSsize_t(slot(storage, S.st_prune));
+  if (PyList_GET_SIZE(readers) < prune_at) {
+    return;
+  }
+  PyObject* kept = checked(PyList_New(0));
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(readers); ++i) {
+    PyObject* w = PyList_GET_ITEM(readers, i);
+    PyObject* n = PyWeakref_GetObject(w);  // borrowed
+    if (n == nullptr) {
+      Py_DECREF(kept);
+      throw py::error_already_set();
+    }
+    if (n == Py_None) {
+      continue;
+    }
+    PyObject* executed = Py_TYPE(n) == S.node ? slot(n, S.n.executed) : nullptr;
+    int done = executed != nullptr ? PyObject_IsTrue(executed) : 0;
+    if (done < 0) {
+      Py_DECREF(kept);
+      throw py::error_already_set();
+    }
+    if (!done && PyList_Append(kept, w) < 0) {
+      Py_DECREF(kept);
+      throw py::error_already_set();
+    }
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(kept);
+  PyObject* old = slot(storage, S.st_readers);
+  slot(storage, S.st_readers) = kept;
+  Py_DECREF(old);
+  PyObject* old_prune = slot(storage, S.st_prune);
+  slot(storage, S.st_prune) = checked(PyLong_FromSsize_t(n * 2 > 64 ? n * 2 : 64));
+  Py_DECREF(old_prune);
+}
+
+#if GENIE_NATIVE_RECORD
+// torch's _make_wrapper_subclass for one output: a data-less tensor on remote_accelerator whose
+// every op reaches LazyTensor.__torch_dispatch__.
+PyObject* make_wrapper(const Out& o) {
+  c10::Storage storage(c10::Storage::use_byte_size_t{}, o.nbytes,
+                       at::DataPtr(nullptr, c10::Device(c10::DeviceType::PrivateUse1, o.index)),
+                       c10::GetAllocator(c10::kMeta), /*resizable=*/true);
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+      c10::scalarTypeToTypeMeta(o.dtype));
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  impl->set_sizes_and_strides(o.sizes, o.strides, o.offset);
+  impl->set_python_dispatch(true);
+  return checked(THPVariable_Wrap(t, S.lazy));
+}
+#endif
+
+// LazyTensor(node, k, meta) and graph.track(t, node, k), for the default graph. `gc_untrack`:
+// track() takes the liveness token and the tensor's dict off the GC; `node_untracked`: so does
+// untrack_node the weak reference in node.outputs.
+PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untracked) {
+#if GENIE_NATIVE_RECORD
+  py::object t = py::reinterpret_steal<py::object>(make_wrapper(o));
+  // t._node, t._out, t._alive: the instance dict as `setattr` fills it (LazyTensor has no
+  // descriptors of these names), in that order.
+  py::object d = py::reinterpret_steal<py::object>(checked(PyObject_GenericGetDict(t.ptr(), nullptr)));
+  py::object k = py::reinterpret_steal<py::object>(checked(PyLong_FromSsize_t(o.k)));
+  py::object a = py::reinterpret_steal<py::object>(new_object(S.alive, !gc_untrack));
+  if (PyDict_SetItem(d.ptr(), names->node, node) < 0 ||
+      PyDict_SetItem(d.ptr(), names->out, k.ptr()) < 0 ||
+      PyDict_SetItem(d.ptr(), names->alive, a.ptr()) < 0) {
+    throw py::error_already_set();
+  }
+  PyObject* outputs = slot(node, S.n.outputs);
+  PyObject* w = fresh(PyWeakref_NewRef(a.ptr(), nullptr), !node_untracked);
+  PyObject* old = PyList_GET_ITEM(outputs, o.k);
+  PyList_SET_ITEM(outputs, o.k, w);
+  Py_DECREF(old);
+  if (gc_untrack) {
+    untrack(d.ptr());  // after its items: storing a GC object tracks a dict again
+  }
+  return t.release().ptr();
+#else
+  (void)node;
+  (void)o;
+  (void)gc_untrack;
+  (void)node_untracked;
+  throw std::logic_error("native record path built without THPVariable_Wrap");
+#endif
+}
+
+// The ctx a Node takes at creation (genie.graph.Node.__init__).
+// `current` is a threading.local: its per-thread dict holds what this thread set, its class
+// the defaults (genie.context sets `type(current).backward`).
+PyObject* current_attr(PyObject* local_dict, PyObject* name) {
+  PyObject* v = dict_get(local_dict, name);
+  if (v == nullptr) {
+    v = _PyType_Lookup(Py_TYPE(S.current), name);  // borrowed
+    if (v == nullptr || Py_TYPE(v)->tp_descr_get != nullptr) {
+      return checked(PyObject_GetAttr(S.current, name));  // not a plain class default
+    }
+  }
+  return new_ref(v);
+}
+
+PyObject* current_ctx(PyObject* d) {
+  PyObject* ctx = current_attr(d, names->ctx);
+  // Node.__init__ reads current.backward before the graph task id; both are plain reads, and
+  // the task id (a C++ thread-local) is the cheaper one to look at first
+  if (ctx != Py_None || torch::autograd::get_current_graph_task_id() == -1) {
+    return ctx;
+  }
+  PyObject* bw = current_attr(d, names->backward);
+  if (bw != Py_None) {
+    Py_DECREF(ctx);
+    return bw;
+  }
+  Py_DECREF(bw);
+  return ctx;
+}
+
+// Ops this path recorded since the last _record_sync_counts: each is one ops_recorded and one
+// meta_cache_hits of genie.stats (a dict update per op would cost more than the rest of it).
+uint64_t counted_ops = 0;
+
+void add_count(PyObject* name, uint64_t n) {
+  PyObject* v = dict_get(S.counts, name);  // borrowed
+  py::object add = py::reinterpret_steal<py::object>(checked(PyLong_FromUnsignedLongLong(n)));
+  py::object nv = py::reinterpret_steal<py::object>(
+      v == nullptr ? new_ref(add.ptr()) : checked(PyNumber_Add(v, add.ptr())));
+  if (PyDict_SetItem(S.counts, name, nv.ptr()) < 0) {
+    throw py::error_already_set();
+  }
+}
+
+void record_sync_counts() {
+  if (counted_ops == 0 || !S.ready) {
+    return;
+  }
+  const uint64_t n = counted_ops;
+  counted_ops = 0;
+  add_count(names->ops_recorded, n);
+  add_count(names->meta_cache_hits, n);
+}
+
+// Graph.next_uid of the default graph: "op*N", N its record position (the graph's _total).
+PyObject* next_uid() {
+  PyObject* total = dict_get(S.graph_dict, names->total);  // borrowed
+  const long long n = total != nullptr && PyLong_CheckExact(total) ? PyLong_AsLongLong(total) : -1;
+  if (n < 0) {
+    PyErr_Clear();
+    throw std::logic_error("the default graph's _total is not a count");
+  }
+  py::object next = py::reinterpret_steal<py::object>(checked(PyLong_FromLongLong(n + 1)));
+  if (PyDict_SetItem(S.graph_dict, names->total, next.ptr()) < 0) {
+    throw py::error_already_set();
+  }
+  char digits[24];
+  int k = 0;
+  unsigned long long v = static_cast<unsigned long long>(n);
+  do {
+    digits[k++] = static_cast<char>('0' + v % 10);
+    v /= 10;
+  } while (v != 0);
+  PyObject* uid = checked(PyUnicode_New(3 + k, 127));
+  Py_UCS1* out = PyUnicode_1BYTE_DATA(uid);
+  out[0] = 'o';
+  out[1] = 'p';
+  out[2] = '*';
+  for (int i = 0; i < k; ++i) {
+    out[3 + i] = static_cast<Py_UCS1>(digits[k - 1 - i]);
+  }
+  return uid;
+}
+
+// lazy_tensor._record for a learned entry: one Node, its Refs and outputs; nullptr without an
+// error for a call whose aliased arguments are not what the entry needs (the fallback takes it).
+PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObject* kwargs,
+                     Call& call, const Entry& e, PyObject* graph, bool gc_untrack) {
+  // Everything that can send the call to the fallback comes before the first side effect.
+  c10::SmallVector<PyObject*, 4> sources;  // borrowed: the aliased argument of each output
+  for (const Out& o : e.outs) {
+    PyObject* src = nullptr;
+    if (o.kind != Kind::kFresh && (src = alias_source(info, args, kwargs, o)) == nullptr) {
+      return nullptr;
+    }
+    sources.push_back(src);
+  }
+  c10::SmallVector<py::object, 4> writes;
+  if (!info.writes.empty() && !write_storages(info, args, kwargs, writes)) {
+    return nullptr;
+  }
+  c10::SmallVector<py::object, 4> aliased;  // the storage of each aliased output
+  for (size_t j = 0; j < e.outs.size(); ++j) {
+    if (sources[j] != nullptr) {
+      PyObject* st = storage_of(sources[j]);
+      if (st == nullptr) {
+        return nullptr;
+      }
+      aliased.push_back(py::reinterpret_steal<py::object>(st));
+    } else {
+      aliased.emplace_back();
+    }
+  }
+  counted_ops++;  // ops_recorded and meta_cache_hits, added to genie.stats by _record_sync_counts
+
+  // A node that writes stays on the GC's lists, with what it reaches (graph.py, "the cyclic
+  // garbage collector"); any other is made as untrack_node leaves it.
+  const bool untracked = gc_untrack && writes.empty();
+  const bool tracked = !untracked;
+  const Py_ssize_t n_leaves = static_cast<Py_ssize_t>(call.leaves.size());
+  py::object rec = py::reinterpret_steal<py::object>(fresh(PyList_New(n_leaves), tracked));
+  {
+    size_t li = 0;
+    for (Py_ssize_t i = 0; i < n_leaves; ++i) {
+      PyObject* x;
+      if (li < call.lazies.size() && call.lazies[li].leaf == i) {
+        const Lazy& l = call.lazies[li++];
+        if (i == 0 && info.metadata_only) {
+          x = new_object(S.meta_arg, true);  // untrack_node leaves a MetaArg tracked
+          init_slot(x, S.ma_meta, new_ref(l.meta));
+        } else {
+          x = new_object(S.ref, tracked);
+          init_slot(x, S.ref_node, new_ref(l.node));
+          init_slot(x, S.ref_out, new_ref(l.out));
+        }
+      } else {
+        x = new_ref(call.leaves[i]);
+      }
+      PyList_SET_ITEM(rec.ptr(), i, x);
+    }
+  }
+  if (!untracked && gc_untrack) {
+    // graph.retrack_below: a writer may close a cycle, so what it reaches goes back on the lists
+    py::object r = py::reinterpret_steal<py::object>(
+        checked(PyObject_CallFunctionObjArgs(S.retrack_below, rec.ptr(), S.ref, nullptr)));
+  }
+  const Py_ssize_t n_out = PyList_GET_SIZE(e.metas);
+  py::object storages = py::reinterpret_steal<py::object>(fresh(PyList_New(n_out), tracked));
+  for (Py_ssize_t k = 0; k < n_out; ++k) {
+    PyList_SET_ITEM(storages.ptr(), k, new_ref(Py_None));
+  }
+  for (size_t j = 0; j < e.outs.size(); ++j) {
+    const Out& o = e.outs[j];
+    PyObject* st = o.kind == Kind::kFresh ? new_storage(tracked) : new_ref(aliased[j].ptr());
+    PyObject* old = PyList_GET_ITEM(storages.ptr(), o.k);
+    PyList_SET_ITEM(storages.ptr(), o.k, st);
+    Py_DECREF(old);
+  }
+  py::object write_tuple =
+      py::reinterpret_steal<py::object>(checked(PyTuple_New(static_cast<Py_ssize_t>(writes.size()))));
+  for (size_t i = 0; i < writes.size(); ++i) {
+    PyTuple_SET_ITEM(write_tuple.ptr(), static_cast<Py_ssize_t>(i), new_ref(writes[i].ptr()));
+  }
+
+  // Node.__init__
+  py::object node = py::reinterpret_steal<py::object>(new_object(S.node, tracked));
+  PyObject* n = node.ptr();
+  PyObject* outputs = fresh(PyList_New(n_out), tracked);
+  for (Py_ssize_t k = 0; k < n_out; ++k) {
+    PyList_SET_ITEM(outputs, k, new_ref(Py_None));
+  }
+  init_slot(n, S.n.outputs, outputs);
+  init_slot(n, S.n.op, new_ref(func));
+  init_slot(n, S.n.leaves, new_ref(rec.ptr()));
+  init_slot(n, S.n.spec, new_ref(e.spec));
+  init_slot(n, S.n.metas, new_ref(e.metas));
+  init_slot(n, S.n.out_spec, new_ref(e.out_spec));
+  init_slot(n, S.n.storages, new_ref(storages.ptr()));
+  init_slot(n, S.n.writes, new_ref(write_tuple.ptr()));
+  init_slot(n, S.n.values, new_ref(Py_None));
+  init_slot(n, S.n.executed, new_ref(Py_False));
+  init_slot(n, S.n.index, checked(PyIter_Next(S.counter)));
+  init_slot(n, S.n.rng, new_ref(Py_None));
+  init_slot(n, S.n.graph, new_ref(graph));
+  init_slot(n, S.n.uid, next_uid());
+  init_slot(n, S.n.where, new_ref(Py_None));
+  init_slot(n, S.n.consumers, fresh(PyList_New(0), tracked));
+  init_slot(n, S.n.tags, new_ref(Py_None));
+  init_slot(n, S.n.entry, new_ref(e.entry));
+  init_slot(n, S.n.ctx, current_ctx(this_thread().current));
+  PyObject* wref = fresh(PyWeakref_NewRef(n, nullptr), tracked);
+  init_slot(n, S.n.wref, wref);
+
+  // consumers and readers of the inputs
+  for (size_t li = 0; li < call.lazies.size(); ++li) {
+    const Lazy& l = call.lazies[li];
+    if (l.leaf == 0 && info.metadata_only) {
+      continue;  // a MetaArg: not a Ref, so not a read
+    }
+    PyObject* xn = l.node;
+    if (slot(xn, S.n.executed) == Py_False) {
+      if (PyList_Append(slot(xn, S.n.consumers), wref) < 0) {
+        throw py::error_already_set();
+      }
+    }
+    PyObject* sts = slot(xn, S.n.storages);
+    PyObject* st = PyList_GET_ITEM(sts, l.out_i);
+    if (Py_TYPE(st) != S.storage) {
+      throw std::logic_error("an input's storage is not a genie.graph.Storage");
+    }
+    add_reader(st, wref);
+  }
+
+  // Storage.add_writer, and graph.pending_total
+  for (const auto& w : writes) {
+    PyObject* st = w.ptr();
+    PyObject* pw = slot(st, S.st_pending);
+    if (PyList_Append(pw, n) < 0) {
+      throw py::error_already_set();
+    }
+    for (PyObject* o : {st, pw}) {
+      if (!PyObject_GC_IsTracked(o)) {
+        PyObject_GC_Track(o);
+      }
+    }
+  }
+  if (!writes.empty()) {
+    PyObject* total = PyList_GET_ITEM(S.pending_total, 0);
+    PyObject* more = checked(PyLong_FromSsize_t(static_cast<Py_ssize_t>(writes.size())));
+    PyObject* sum = PyNumber_Add(total, more);
+    Py_DECREF(more);
+    if (sum == nullptr || PyList_SetItem(S.pending_total, 0, sum) < 0) {
+      throw py::error_already_set();
+    }
+  }
+
+  // outputs: fresh wrappers, or the written argument itself
+  py::object flat = py::reinterpret_steal<py::object>(checked(PyList_GetSlice(e.consts, 0, n_out)));
+  for (size_t j = 0; j < e.outs.size(); ++j) {
+    const Out& o = e.outs[j];
+    PyObject* t = o.kind == Kind::kWrite ? new_ref(sources[j]) : new_lazy(n, o, gc_untrack, untracked);
+    PyObject* old = PyList_GET_ITEM(flat.ptr(), o.k);
+    PyList_SET_ITEM(flat.ptr(), o.k, t);
+    Py_DECREF(old);
+  }
+
+  // graph.untrack_node: what was made here is untracked already; an aliased storage goes off
+  // the GC's lists as untrack_node takes it off
+  if (untracked) {
+    for (size_t j = 0; j < e.outs.size(); ++j) {
+      if (e.outs[j].kind != Kind::kFresh) {
+        untrack_storage(PyList_GET_ITEM(storages.ptr(), e.outs[j].k));
+      }
+    }
+  }
+  if (n_out == 1 && e.single) {
+    return new_ref(PyList_GET_ITEM(flat.ptr(), 0));
+  }
+  return checked(PyObject_CallMethodOneArg(e.out_spec, names->unflatten, flat.ptr()));
+}
+
+char not_handled_tag;
+PyObject* const kNotHandled = reinterpret_cast<PyObject*>(&not_handled_tag);
+
+
+// The record path for one call: a new reference, nullptr with an error set, or kNotHandled.
+// The fallback for a call this path has no entry for, then the entry learned from what it
+// recorded. `call` holds the arguments as they were flattened before the call, or is empty for
+// an op seen for the first time (its policy is cached by the fallback: flattened after it).
+PyObject* fallback_and_learn(PyObject* func, PyObject* args, PyObject* kwargs, Call& call) {
+  PyObject* r = PyObject_CallFunctionObjArgs(S.fallback, func, args,
+                                             kwargs != nullptr ? kwargs : Py_None, nullptr);
+  if (r == nullptr) {
+    return nullptr;
+  }
+  try {
+    const OpInfo* info = op_info(func);
+    if (info != nullptr && info->ok &&
+        (!call.words.empty() || flatten(args, kwargs, *info, func, call))) {
+      learn(func, *info, args, kwargs, call, r);
+    }
+    PyErr_Clear();  // a call that cannot be learned is still recorded
+  } catch (...) {
+    Py_DECREF(r);
+    throw;
+  }
+  return r;
+}
+
+// The record path for one call: a new reference, nullptr with an error set, or kNotHandled.
+PyObject* try_record(PyObject* func, PyObject* args, PyObject* kwargs) {
+  if (!S.ready || !flags.native_record || !flags.meta_cache || flags.record_source) {
+    reasons[kOff]++;
+    return kNotHandled;
+  }
+  if (dict_get(S.profiler, names->profiler_enabled) != Py_False) {
+    reasons[kProfiler]++;
+    return kNotHandled;
+  }
+  if (kwargs == Py_None || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) == 0)) {
+    kwargs = nullptr;
+  } else if (kwargs != nullptr && !PyDict_CheckExact(kwargs)) {
+    reasons[kKwargs]++;
+    return kNotHandled;
+  }
+  if (!PyTuple_CheckExact(args)) {
+    reasons[kArgs]++;
+    return kNotHandled;
+  }
+  const OpInfo* info = op_info(func);
+  if (info != nullptr && !info->ok) {
+    reasons[kOpPolicy]++;
+    return kNotHandled;
+  }
+  // lazy_tensor.current_graph(): only the default graph (a capture block records in Python);
+  // the default graph never keeps its nodes (checked by _record_init)
+  if (PyList_GET_SIZE(this_thread().graphs) != 0) {
+    reasons[kCapture]++;
+    return kNotHandled;
+  }
+  Call call;
+  if (info == nullptr) {  // the first call of this op: no policy cached yet
+    reasons[kUnseen]++;
+    return fallback_and_learn(func, args, kwargs, call);
+  }
+  if (!flatten(args, kwargs, *info, func, call)) {
+    if (PyErr_Occurred()) {
+      return nullptr;
+    }
+    reasons[call.reason]++;
+    return kNotHandled;
+  }
+  std::shared_ptr<Entry> e = find_entry(hash_words(call.words), call.words);
+  if (!e) {
+    reasons[kUnseen]++;
+    return fallback_and_learn(func, args, kwargs, call);
+  }
+  if (e->python_only) {
+    reasons[kEntry]++;
+    return kNotHandled;
+  }
+  PyObject* r = record_hit(func, *info, args, kwargs, call, *e, S.default_graph, flags.gc_untrack);
+  if (r == nullptr && !PyErr_Occurred()) {
+    reasons[kEntry]++;
+    return kNotHandled;
+  }
+  reasons[kHandled]++;
+  return r;
+}
+
+// LazyTensor.__torch_dispatch__(func, types, args=(), kwargs=None), as a staticmethod: torch
+// calls it on LazyTensor arguments only (LazyTensor has no subclasses), and a staticmethod is
+// found without binding a method object per call.
+PyObject* record_dispatch(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t nargs,
+                          PyObject* kwnames) {
+  PyObject* func = nargs > 0 ? argv[0] : nullptr;
+  PyObject* args = nargs > 2 ? argv[2] : nullptr;
+  PyObject* kwargs = nargs > 3 ? argv[3] : nullptr;
+  if (kwnames != nullptr) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); ++i) {
+      PyObject* name = PyTuple_GET_ITEM(kwnames, i);
+      PyObject* v = argv[nargs + i];
+      if (PyUnicode_CompareWithASCIIString(name, "func") == 0) {
+        func = v;
+      } else if (PyUnicode_CompareWithASCIIString(name, "args") == 0) {
+        args = v;
+      } else if (PyUnicode_CompareWithASCIIString(name, "kwargs") == 0) {
+        kwargs = v;
+      } else if (PyUnicode_CompareWithASCIIString(name, "types") != 0) {
+        PyErr_Format(PyExc_TypeError, "__torch_dispatch__() got an unexpected keyword argument '%U'",
+                     name);
+        return nullptr;
+      }
+    }
+  }
+  if (func == nullptr || !S.ready) {
+    PyErr_SetString(PyExc_TypeError, "__torch_dispatch__() needs func (and the native record "
+                    "path initialized by genie.lazy_tensor)");
+    return nullptr;
+  }
+  py::object empty;
+  if (args == nullptr) {
+    empty = py::reinterpret_steal<py::object>(PyTuple_New(0));
+    args = empty.ptr();
+  }
+  try {
+    PyObject* r = try_record(func, args, kwargs);
+    if (r != kNotHandled) {
+      return r;
+    }
+  } catch (py::error_already_set& err) {
+    err.restore();
+    return nullptr;
+  } catch (const std::exception& err) {
+    PyErr_SetString(PyExc_RuntimeError, err.what());
+    return nullptr;
+  }
+  return PyObject_CallFunctionObjArgs(S.fallback, func, args,
+                                      kwargs != nullptr ? kwargs : Py_None, nullptr);
+}
+
+PyMethodDef methods[] = {
+    {"_record_dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_dispatch)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "LazyTensor.__torch_dispatch__ (as a staticmethod): records the common case natively and "
+     "calls genie.lazy_tensor._dispatch for every other call."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyTypeObject* type_of(const py::dict& objs, const char* name) {
+  PyObject* t = objs[name].ptr();
+  if (!PyType_Check(t)) {
+    throw std::runtime_error(std::string(name) + " is not a class");
+  }
+  Py_INCREF(t);
+  return reinterpret_cast<PyTypeObject*>(t);
+}
+
+PyObject* object_of(const py::dict& objs, const char* name) {
+  return py::object(objs[name]).release().ptr();
+}
+
+// _record_init: the Python objects this path works with. Returns whether the path is on.
+bool record_init(const py::dict& objs) {
+  if (!GENIE_NATIVE_RECORD) {
+    return false;
+  }
+  if (names == nullptr) {
+    names = new Names();
+  }
+  State s;
+  s.lazy = type_of(objs, "LazyTensor");
+  s.node = type_of(objs, "Node");
+  s.ref = type_of(objs, "Ref");
+  s.storage = type_of(objs, "Storage");
+  s.alive = type_of(objs, "Alive");
+  s.meta_arg = type_of(objs, "MetaArg");
+  s.tensor_meta = type_of(objs, "TensorMeta");
+  s.meta_entry = type_of(objs, "MetaEntry");
+  s.graph_type = type_of(objs, "Graph");
+  s.fallback = object_of(objs, "fallback");
+  s.counts = object_of(objs, "counts");
+  s.profiler = object_of(objs, "profiler");
+  s.tls = object_of(objs, "tls");
+  s.current = object_of(objs, "current");
+  s.default_graph = object_of(objs, "default_graph");
+  s.graph_dict = checked(PyObject_GenericGetDict(s.default_graph, nullptr));
+  if (PyDict_GetItemString(s.graph_dict, "keep_nodes") != Py_False) {
+    throw std::runtime_error("the default graph keeps its nodes");
+  }
+  s.counter = object_of(objs, "counter");
+  s.leaf_spec = object_of(objs, "leaf_spec");
+  s.copy_ops = object_of(objs, "copy_ops");
+  s.pending_total = object_of(objs, "pending_total");
+  s.retrack_below = object_of(objs, "retrack_below");
+  if (!PyList_CheckExact(s.pending_total) || PyList_GET_SIZE(s.pending_total) != 1) {
+    throw std::runtime_error("pending_total must be a one-item list");
+  }
+  s.limit = objs["limit"].cast<size_t>();
+  if (!PyDict_Check(s.counts) || !PyDict_Check(s.profiler)) {
+    throw std::runtime_error("counts and profiler must be dicts");
+  }
+  check_slots(s.node, {"op", "leaves", "spec", "metas", "out_spec", "storages", "writes",
+                       "outputs", "values", "executed", "index", "rng", "graph", "uid", "where",
+                       "consumers", "tags", "entry", "ctx", "_wref"});
+  check_slots(s.ref, {"node", "out"});
+  check_slots(s.storage, {"pending_writes", "readers", "_prune_at", "role"});
+  check_slots(s.alive, {});
+  check_slots(s.meta_arg, {"meta"});
+  check_slots(s.tensor_meta, {"shape", "stride", "offset", "dtype", "index", "conj", "neg"});
+  check_slots(s.meta_entry, {"metas", "out_spec", "consts", "plan", "spec", "klass"});
+  NodeSlots& n = s.n;
+  PyTypeObject* t = s.node;
+  n.op = slot_offset(t, "op");
+  n.leaves = slot_offset(t, "leaves");
+  n.spec = slot_offset(t, "spec");
+  n.metas = slot_offset(t, "metas");
+  n.out_spec = slot_offset(t, "out_spec");
+  n.storages = slot_offset(t, "storages");
+  n.writes = slot_offset(t, "writes");
+  n.outputs = slot_offset(t, "outputs");
+  n.values = slot_offset(t, "values");
+  n.executed = slot_offset(t, "executed");
+  n.index = slot_offset(t, "index");
+  n.rng = slot_offset(t, "rng");
+  n.graph = slot_offset(t, "graph");
+  n.uid = slot_offset(t, "uid");
+  n.where = slot_offset(t, "where");
+  n.consumers = slot_offset(t, "consumers");
+  n.tags = slot_offset(t, "tags");
+  n.entry = slot_offset(t, "entry");
+  n.ctx = slot_offset(t, "ctx");
+  n.wref = slot_offset(t, "_wref");
+  s.ref_node = slot_offset(s.ref, "node");
+  s.ref_out = slot_offset(s.ref, "out");
+  s.st_pending = slot_offset(s.storage, "pending_writes");
+  s.st_readers = slot_offset(s.storage, "readers");
+  s.st_prune = slot_offset(s.storage, "_prune_at");
+  s.st_role = slot_offset(s.storage, "role");
+  s.tm_shape = slot_offset(s.tensor_meta, "shape");
+  s.tm_stride = slot_offset(s.tensor_meta, "stride");
+  s.tm_offset = slot_offset(s.tensor_meta, "offset");
+  s.tm_dtype = slot_offset(s.tensor_meta, "dtype");
+  s.tm_index = slot_offset(s.tensor_meta, "index");
+  s.tm_conj = slot_offset(s.tensor_meta, "conj");
+  s.tm_neg = slot_offset(s.tensor_meta, "neg");
+  s.me_metas = slot_offset(s.meta_entry, "metas");
+  s.me_out_spec = slot_offset(s.meta_entry, "out_spec");
+  s.me_consts = slot_offset(s.meta_entry, "consts");
+  s.me_plan = slot_offset(s.meta_entry, "plan");
+  s.me_spec = slot_offset(s.meta_entry, "spec");
+  s.ma_meta = slot_offset(s.meta_arg, "meta");
+  s.ready = true;
+  clear_entries();
+  S = s;  // the previous objects (a re-init) stay referenced: init runs once per import
+  return true;
+}
+
+void record_config(const py::object& config) {
+  flags.native_record = config.attr("native_record").cast<bool>();
+  flags.meta_cache = config.attr("meta_cache").cast<bool>();
+  flags.record_source = config.attr("record_source").cast<bool>();
+  flags.gc_untrack = config.attr("gc_untrack").cast<bool>();
+}
+
+void record_clear() {
+  clear_entries();
+}
+
+py::dict record_stats() {
+  py::dict d;
+  for (int i = 0; i < kReasons; ++i) {
+    d[kReasonNames[i]] = reasons[i];
+  }
+  d["entries"] = n_entries;
+  return d;
+}
+
+void record_reset_stats() {
+  reasons.fill(0);
+}
+
+} // namespace
+
+namespace genie {
+
+void add_record_functions(py::module_& m) {
+  if (PyModule_AddFunctions(m.ptr(), methods) < 0) {
+    throw py::error_already_set();
+  }
+  m.def("_record_init", &record_init, py::arg("objects"),
+        "Give the native record path the Python objects it works with (genie.lazy_tensor calls "
+        "it once); returns whether the path is available in this build.");
+  m.def("_record_config", &record_config, py::arg("config"),
+        "Mirror genie.config.config's native_record, meta_cache, record_source and gc_untrack "
+        "(genie.config calls it on every change).");
+  m.def("_record_sync_counts", &record_sync_counts,
+        "Add the ops recorded natively since the last call to genie.stats' ops_recorded and "
+        "meta_cache_hits (genie.stats.sync calls it).");
+  m.def("_record_clear", &record_clear,
+        "Forget every learned meta-cache entry (genie.meta.MetaCache calls it when it clears).");
+  m.def("_record_stats", &record_stats,
+        "Calls by outcome: handled natively, learned, and each reason for taking the Python "
+        "path; and the number of learned entries.");
+  m.def("_record_reset_stats", &record_reset_stats, "Zero the counts of _record_stats.");
+  m.attr("_record_native") = static_cast<bool>(GENIE_NATIVE_RECORD);
+}
+
+} // namespace genie

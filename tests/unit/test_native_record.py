@@ -1,0 +1,498 @@
+"""The native record path (``csrc/record.cpp``) against the Python one it stands in for.
+
+Each program runs three times in one process: once to warm the caches (the native path learns
+a meta-cache entry from the Python path the first time it sees a call), then with
+``config.native_record`` off and on. The two recorded graphs must be equal field for field:
+every node's op, arguments, metadata, storages, liveness, consumers, counters, context, the
+interned meta-cache entry (the same object), and which objects are off the cyclic GC; and every
+output tensor's metadata, dispatch keys and attributes. ``GENIE_NATIVE_RECORD=0`` runs the whole
+unit suite on the Python path.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import genie
+from genie import _C
+from genie.config import config
+from genie.graph import DEFAULT_GRAPH, MetaArg, Node, Ref, Storage, _record_counter
+from genie.lazy_tensor import LazyTensor
+from genie.meta import meta_cache
+
+D = "remote_accelerator"
+
+pytestmark = pytest.mark.skipif(not _C._record_native, reason="genie._C built without the "
+                                "native record path (torch older than 2.13)")
+
+
+@pytest.fixture(autouse=True)
+def _native_on() -> Iterator[None]:
+    before = config.native_record
+    config.native_record = True
+    yield
+    config.native_record = before
+
+
+# --- describing a recorded graph, independently of object identities --------------------------
+
+def _nodes(results: list[Any]) -> list[Node]:
+    """Every node the tensors in ``results`` reach (through inputs and pending writes), in
+    record order."""
+    seen: dict[int, Node] = {}
+    stack = [t._node for t in results if isinstance(t, LazyTensor)]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen[id(n)] = n
+        stack += [x.node for x in n.leaves or () if type(x) is Ref]
+        for s in n.storages:
+            if s is not None:
+                stack += s.pending_writes
+    return sorted(seen.values(), key=lambda n: n.index)
+
+
+def _const(x: Any) -> Any:
+    if type(x) is float and math.isnan(x):
+        return (float, "nan")
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.dtype, tuple(x.shape), x.stride(), x.tolist())
+    return (type(x), x)
+
+
+def _uid(n: Node) -> int:
+    return int(n.uid.split("*")[1])
+
+
+def describe(results: list[Any], start: int) -> list[Any]:
+    """Each node recorded since ``start`` (a Node.index) and each result tensor, as plain data.
+
+    Objects recorded before ``start`` (the inputs) stand by identity, and of their storages only
+    what the new nodes did to them shows (their other readers differ from run to run).
+    """
+    nodes = _nodes(results)
+    new = [n for n in nodes if n.index >= start]
+    pos = {id(n): i for i, n in enumerate(new)}
+    old_storages = {id(s) for n in nodes if n.index < start for s in n.storages}
+    storages: dict[int, int] = {}
+
+    def node_id(n: Any) -> Any:
+        return ("new", pos[id(n)]) if id(n) in pos else ("old", id(n))
+
+    def new_readers(s: Storage) -> list[str]:
+        return sorted(str(node_id(w())) for w in s.readers if id(w()) in pos)
+
+    def storage_id(s: Any) -> Any:
+        if s is None:
+            return None
+        if id(s) in old_storages:
+            return ("old", id(s), [node_id(w) for w in s.pending_writes if id(w) in pos],
+                    new_readers(s))
+        if id(s) not in storages:
+            storages[id(s)] = len(storages)
+        return (storages[id(s)], [node_id(w) for w in s.pending_writes], new_readers(s),
+                s._prune_at, gc.is_tracked(s), gc.is_tracked(s.readers),
+                gc.is_tracked(s.pending_writes))
+
+    def leaf(x: Any) -> Any:
+        if type(x) is Ref:
+            return ("ref", node_id(x.node), x.out, gc.is_tracked(x))
+        if type(x) is MetaArg:
+            return ("meta", x.meta, gc.is_tracked(x))
+        return _const(x)
+
+    out: list[Any] = []
+    if not new:
+        return out
+    base = new[0]
+    for n in new:
+        ctx = n.ctx
+        out.append(dict(
+            op=n.op, leaves=None if n.leaves is None else [leaf(x) for x in n.leaves],
+            spec=n.spec, metas=n.metas, shared_metas=n.entry is not None and n.metas is
+            n.entry.metas, out_spec=n.out_spec, storages=[storage_id(s) for s in n.storages],
+            writes=[storage_id(s) for s in n.writes],
+            outputs=[None if w is None else type(w()).__name__ for w in n.outputs],
+            outputs_tracked=[w is not None and gc.is_tracked(w) for w in n.outputs],
+            values=None if n.values is None else [None if v is None else _const(v)
+                                                  for v in n.values],
+            executed=n.executed, index=n.index - base.index, rng=n.rng,
+            graph=n.graph is DEFAULT_GRAPH or type(n.graph).__name__,
+            uid=_uid(n) - _uid(base) if n.graph is DEFAULT_GRAPH else n.uid, where=n.where,
+            consumers=sorted(str(node_id(w())) for w in n.consumers if w() is not None),
+            tags=n.tags, entry=id(n.entry), ctx=None if ctx is None else repr(ctx),
+            wref=n._wref() is n,
+            tracked=[gc.is_tracked(o) for o in (n, n.leaves, n.storages, n.outputs, n.consumers,
+                                                n._wref)]))
+    for t in results:
+        if isinstance(t, LazyTensor):
+            out.append(dict(
+                type=type(t), node=node_id(t._node), out=t._out, attrs=list(vars(t)),
+                shape=tuple(t.shape), stride=t.stride(), offset=t.storage_offset(),
+                dtype=t.dtype, device=t.device, requires_grad=t.requires_grad,
+                conj=t.is_conj(), neg=t.is_neg(), keys=str(torch._C._dispatch_keys(t)),
+                nbytes=t.untyped_storage().nbytes(), dict_tracked=gc.is_tracked(vars(t)),
+                alive_tracked=gc.is_tracked(t._alive) if hasattr(t, "_alive") else None))
+        else:
+            out.append(_const(t))
+    return out
+
+
+# The recording counters (the engine's, such as plan-cache hits, move as a plan repeats).
+_RECORDING = ("ops_recorded", "factories_recorded", "uploads", "meta_cache_hits",
+              "meta_cache_misses", "shape_rule_hits", "forced_materializations")
+
+
+def both_ways(program: Callable[[], list[Any]]) -> tuple[list[Any], list[Any], dict[str, int]]:
+    """``program`` recorded by the Python path and by the native path (after a warm-up run):
+    both descriptions, and the native path's outcome counts of its run."""
+    program()  # warm: meta cache, learned entries, op policies
+    out = {}
+    counts: dict[str, int] = {}
+    for native in (False, True):
+        config.native_record = native
+        _C._record_reset_stats()
+        genie.reset_stats()
+        start = next(_record_counter)  # the next node's index (the gap is harmless)
+        results = program()
+        stats = genie.stats()
+        out[native] = (describe(results, start), {k: v for k, v in stats.items() if k in _RECORDING})
+        if native:
+            counts = _C._record_stats()
+        del results
+    assert out[False][1] == out[True][1], "genie.stats() differ"
+    return out[False][0], out[True][0], counts
+
+
+def assert_same(program: Callable[[], list[Any]], *, native_ops: bool = True) -> None:
+    python, native, counts = both_ways(program)
+    assert len(python) == len(native)
+    for i, (a, b) in enumerate(zip(python, native)):
+        assert a == b, f"item {i} differs:\n python {a}\n native {b}"
+    if native_ops:
+        assert counts["handled"] > 0, counts
+
+
+# --- programs --------------------------------------------------------------------------------
+
+def _x(*shape: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    x = torch.randn(*shape).to(D)
+    genie.materialize(x)
+    return x
+
+
+X = None
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    global X
+    if X is None:
+        X = (_x(4, 6), _x(6))
+    return X
+
+
+def test_elementwise_scalars_and_tensors() -> None:
+    x, b = _inputs()
+
+    def program() -> list[Any]:
+        y = x * 0.5
+        z = y + 1
+        w = torch.relu(z) - x
+        v = w * True
+        u = (v + b).sigmoid()
+        return [y, z, w, v, u, u > 0.5, u.mul(u), torch.where(u > 0, u, x)]
+
+    assert_same(program)
+
+
+def test_a_chain_where_tensors_die() -> None:
+    x, _ = _inputs()
+
+    def program() -> list[Any]:
+        y = x
+        for i in range(64):
+            y = y * 0.5 if i % 2 else y - x
+        return [y]
+
+    assert_same(program)
+
+
+def test_views_share_storages() -> None:
+    x, _ = _inputs()
+
+    def program() -> list[Any]:
+        y = x + 1
+        parts = [y.view(6, 4), y.t(), y[1:, ::2], y.transpose(0, 1).contiguous(),
+                 y.permute(1, 0), y.unsqueeze(0).expand(2, 4, 6), y.reshape(24), y[2],
+                 y.narrow(1, 1, 3), y.select(1, 0)]
+        return [y, *parts, *y.split(2), *y.unbind(0), *y.chunk(3, 1)]
+
+    assert_same(program)
+
+
+def test_in_place_ops_between_native_ones() -> None:
+    x, _ = _inputs()
+
+    def program() -> list[Any]:
+        y = x * 2
+        v = y.view(6, 4)
+        r = v + 1  # a read of y's storage before the write
+        y.add_(1)
+        y.mul_(x)
+        s = y.sum(1)
+        v.zero_()
+        return [y, v, r, s, y * 3]
+
+    assert_same(program)
+
+
+def test_keyword_arguments_writes_and_foreach() -> None:
+    x, b = _inputs()
+
+    def program() -> list[Any]:
+        y = x * 2
+        z = y.clone()
+        z.add_(x, alpha=2)
+        z.addcmul_(y, x, value=0.5)
+        w = torch.empty(4, 6, device=D)
+        torch.add(y, x, alpha=3, out=w)  # out= of the right size: written in place
+        v = torch.empty(0, device=D)
+        torch.mul(y, 2, out=v)  # out= of another size: resized first (the Python path)
+        ts = [y + 0, z + 0]
+        torch._foreach_mul_(ts, 0.5)
+        torch._foreach_add_(ts, [x, x], alpha=2)
+        return [y, z, w, v, *ts, torch.nn.functional.gelu(y, approximate="tanh"),
+                torch.ones_like(y, memory_format=torch.preserve_format),
+                torch.div(y, 3, rounding_mode="floor"), y.sum(1, keepdim=True)]
+
+    assert_same(program)
+
+
+def test_writes_with_fresh_outputs_and_an_optimizer_step() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6)).to(D)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, _ = _inputs()
+
+    def program() -> list[Any]:
+        opt.state.clear()  # the same step (and so the same constants) every run
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()  # batch norm writes its running stats in training
+        loss.backward()
+        opt.step()
+        return [loss, *model.parameters(), *model.buffers()]
+
+    assert_same(program)
+
+
+def test_multi_output_ops() -> None:
+    x, b = _inputs()
+
+    def program() -> list[Any]:
+        y = x + 0
+        var, mean = torch.var_mean(y, 1)
+        values, indices = y.max(dim=1)
+        ln = torch.nn.functional.layer_norm(y, (6,), b, b)
+        s, i = y.sort(1)
+        t, j = y.topk(2)
+        return [var, mean, values, indices, ln, s, i, t, j]
+
+    assert_same(program)
+
+
+def test_tensor_lists_and_metadata_only_args() -> None:
+    x, _ = _inputs()
+
+    def program() -> list[Any]:
+        y = x * 1.5
+        return [torch.cat([x, y]), torch.stack([y, x], 1), torch.zeros_like(y),
+                torch.ones_like(y, dtype=torch.float64), y.new_zeros(3), torch.empty_like(y)]
+
+    assert_same(program)
+
+
+def test_dtypes_kwargs_and_copies() -> None:
+    x, _ = _inputs()
+
+    def program() -> list[Any]:
+        y = x * 3
+        return [y.to(torch.float64), y.sum(1, dtype=torch.float64), y.int(),
+                torch.nn.functional.gelu(y, approximate="tanh"), y.clone(), y.mean(1, True)]
+
+    assert_same(program)
+
+
+def test_nan_and_negative_zero_constants() -> None:
+    x, _ = _inputs()
+
+    def program() -> list[Any]:
+        y = x * 2
+        return [y + float("nan"), y * -0.0, y * 0.0, torch.full_like(y, float("nan")),
+                y.clamp(-0.0, 1.0)]
+
+    assert_same(program)
+
+
+def test_inputs_recorded_or_executed() -> None:
+    x, _ = _inputs()
+
+    def program() -> list[Any]:
+        y = x * 2
+        z = y + 1
+        genie.materialize(z)  # z's node runs: later readers are not its consumers
+        return [y, z, z * 2, z - y, y * 4]
+
+    assert_same(program)
+
+
+def test_module_contexts_and_backward() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 2)).to(D)
+    x, _ = _inputs()
+
+    def program() -> list[Any]:
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        loss = out.square().mean()
+        loss.backward()
+        return [out, loss, *(p.grad for p in model.parameters())]
+
+    assert_same(program)
+    with torch.no_grad():
+        assert_same(lambda: [model(x), model[0](x)])
+
+
+def test_capture_mode_records_the_same() -> None:
+    x, _ = _inputs()
+
+    def program() -> list[Any]:
+        with genie.capture() as g:
+            y = x * 2
+            z = y.view(6, 4) + 1
+        return [y, z, len(g.nodes)]
+
+    assert_same(program, native_ops=False)
+
+
+def test_errors_are_the_python_paths() -> None:
+    x, _ = _inputs()
+    for native in (False, True):
+        config.native_record = native
+        with pytest.raises(RuntimeError, match="size of tensor"):
+            x + torch.ones(5, device=D)
+        with pytest.raises(TypeError):
+            torch.add(x, "nope")
+
+
+# --- the switch, the cache and the counters ---------------------------------------------------
+
+def test_common_ops_take_the_native_path_and_the_switch_turns_it_off() -> None:
+    x, _ = _inputs()
+    for _ in range(2):
+        y = (x * 2 + 1).relu().view(24)
+    _C._record_reset_stats()
+    y = (x * 2 + 1).relu().view(24)
+    assert _C._record_stats()["handled"] == 4
+    config.native_record = False
+    _C._record_reset_stats()
+    y = (x * 2 + 1).relu().view(24)
+    assert _C._record_stats()["handled"] == 0 and _C._record_stats()["off"] == 4
+    assert y.shape == (24,)
+
+
+def test_in_place_and_keyword_calls_take_the_native_path() -> None:
+    x, _ = _inputs()
+    y = x * 1
+    for _ in range(2):
+        y.add_(x, alpha=2)
+        y.mul_(0.5)
+    _C._record_reset_stats()
+    y.add_(x, alpha=2)
+    y.mul_(0.5)
+    assert _C._record_stats()["handled"] == 2
+    assert y._node.op is torch.ops.aten.mul.Tensor  # in place: the tensor keeps its producer
+
+
+def test_environment_switch() -> None:
+    code = ("import torch, genie; from genie import _C; from genie.config import config; "
+            "x = torch.ones(3, device='remote_accelerator'); y = [x * 2 for _ in range(3)]; "
+            "print(config.native_record, _C._record_stats()['handled'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, "GENIE_NATIVE_RECORD": "0"},
+                         check=True).stdout.split()
+    assert out == ["False", "0"]
+
+
+def test_clearing_the_meta_cache_forgets_learned_entries() -> None:
+    x, _ = _inputs()
+    y = x * 7
+    y = x * 7
+    assert _C._record_stats()["entries"] > 0
+    meta_cache.clear()
+    assert _C._record_stats()["entries"] == 0
+    genie.reset_stats()
+    y = x * 7  # a miss again, counted as on the Python path
+    y = x * 7
+    s = genie.stats()
+    assert s["meta_cache_misses"] == 1 and s["meta_cache_hits"] == 1 and s["ops_recorded"] == 2
+    assert y.shape == x.shape
+
+
+def test_profiler_ranges_come_from_the_python_path() -> None:
+    x, _ = _inputs()
+    y = x * 2
+    y = x * 2
+    with torch.profiler.profile() as prof:
+        y = x * 2
+    assert any(e.name == "genie.record" for e in prof.events())
+    assert y.shape == x.shape
+
+
+def test_init_refuses_classes_with_unknown_slots() -> None:
+    class Wider(Node):
+        __slots__ = ("extra",)
+
+    import genie.lazy_tensor as lt
+
+    with pytest.raises(RuntimeError, match="other slots"):
+        _C._record_init(dict(
+            LazyTensor=LazyTensor, Node=Wider, Ref=Ref, Storage=Storage, Alive=lt.Alive,
+            MetaArg=MetaArg, TensorMeta=lt.TensorMeta, MetaEntry=lt.MetaEntry, Graph=lt.Graph,
+            fallback=lt._dispatch, counts=lt._counts, profiler=vars(lt._profiler), tls=lt._tls,
+            current=lt.graph_current, default_graph=DEFAULT_GRAPH, counter=lt._record_counter,
+            leaf_spec=lt._LEAF_SPEC, copy_ops=(), pending_total=lt.pending_total,
+            retrack_below=_C._gc_retrack_below, limit=16))
+    x, _ = _inputs()  # the path still works with the classes it was given
+    y = x * 9
+    _C._record_reset_stats()
+    y = x * 9
+    assert _C._record_stats()["handled"] == 1 and type(y._node) is Node
+
+
+def test_values_equal_both_ways() -> None:
+    x, b = _inputs()
+
+    def run() -> list[float]:
+        y = x
+        for _ in range(10):
+            y = torch.tanh(y * 0.9 + b) - x.sum(0)
+        return y.cpu().flatten().tolist()
+
+    config.native_record = False
+    ref = run()
+    config.native_record = True
+    run()
+    assert run() == ref
+    assert re.fullmatch(r"op\*\d+", (x * 2)._node.uid)
