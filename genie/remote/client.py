@@ -675,10 +675,11 @@ class Client:
         pool), server to server: one round trip to this server, which pushes the values to
         ``dest``'s server (:mod:`genie.remote.peer`). Returns their handles in ``dest``.
 
-        Values that share a storage here share one there. A failure raises
-        :class:`~genie.remote.PeerTransferError` naming both servers and the cause (within
-        this client's timeout); with replay on, a lost session on either side is rebuilt and
-        the transfer tried once more.
+        Values that share a storage here share one there. Evicted values are brought back
+        here first; a destination short of quota evicts its own values by role to make room.
+        A failure raises :class:`~genie.remote.PeerTransferError` naming both servers and the
+        cause (within this client's timeout); with replay on, a lost session on either side is
+        rebuilt and the transfer tried once more.
         """
         if any(h.client is not self for h in handles):
             raise ValueError("Client.send: every handle must belong to this client's session")
