@@ -101,8 +101,8 @@ def describe(results: list[Any], start: int) -> list[Any]:
         if id(s) not in storages:
             storages[id(s)] = len(storages)
         return (storages[id(s)], [node_id(w) for w in s.pending_writes], new_readers(s),
-                s._prune_at, gc.is_tracked(s), gc.is_tracked(s.readers),
-                gc.is_tracked(s.pending_writes))
+                s._prune_at, getattr(s, "role", None), gc.is_tracked(s),
+                gc.is_tracked(s.readers), gc.is_tracked(s.pending_writes))
 
     def leaf(x: Any) -> Any:
         if type(x) is Ref:
