@@ -29,7 +29,7 @@ from .device import DEVICE_TYPE
 from .errors import UnsupportedOpError
 from .graph import TensorMeta
 from .portable import portable_kernel
-from .shape_rules import RULES
+from .shape_rules import KW_RULES, RULES
 from .stats import bump
 
 _DYNAMIC = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
@@ -276,9 +276,13 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
     """Output metadata for a cache miss: a shape rule (:mod:`genie.shape_rules`) where one
     applies, else ``func`` run on meta tensors built from the meta leaves ``leaves``."""
     rule = RULES.get(func)
-    if rule is not None and index >= 0 and config.shape_rules:
+    kw_rule = KW_RULES.get(func) if rule is None else None
+    if (rule is not None or kw_rule is not None) and index >= 0 and config.shape_rules:
         args, kwargs = optree.tree_unflatten(spec, leaves)
-        m = None if kwargs else rule(args, index)
+        if kw_rule is not None:
+            m = kw_rule(args, kwargs, index)
+        else:
+            m = None if kwargs else rule(args, index)
         if m is not None:
             bump("meta_cache_misses")
             bump("shape_rule_hits")

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .device import DEVICE_TYPE
 from .graph import TensorMeta
 
 aten = torch.ops.aten
@@ -443,3 +444,56 @@ def _bmm(args: tuple, index: int) -> TensorMeta | None:
         return None
     shape = (a.shape[0], a.shape[1], b.shape[2])
     return TensorMeta(shape, contiguous_strides(shape), 0, a.dtype, index)
+
+
+# --- factories (rules that read keyword arguments) ---------------------------------------------
+
+KwRule = Callable[[tuple, dict, int], TensorMeta | None]
+KW_RULES: dict[Any, KwRule] = {}
+
+_ARANGE_DTYPES = (None, torch.int64, torch.int32, torch.float32, torch.float64)
+
+
+def _factory_index(kwargs: dict, index: int) -> int | None:
+    """The output's device index from a factory's keyword arguments (None: decline the call)."""
+    if kwargs.get("layout") not in (None, torch.strided) or kwargs.get("pin_memory") not in (
+            None, False):
+        return None
+    dev = kwargs.get("device")
+    if dev is None:
+        return index
+    if not isinstance(dev, torch.device) or dev.type != DEVICE_TYPE:
+        return None
+    return dev.index if dev.index is not None else index
+
+
+def _arange(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
+    """``arange`` with int bounds (position ids of a decode step: a new ``start`` every step).
+    The length is exact integer arithmetic; float bounds, a zero step or bounds inconsistent
+    with the step's sign go to the meta kernel (which rounds, or raises eager's error)."""
+    if len(args) == 1:
+        start, end, step = 0, args[0], 1
+    elif len(args) == 2:
+        (start, end), step = args, 1
+    elif len(args) == 3:
+        start, end, step = args
+    else:
+        return None
+    if any(type(v) is not int for v in (start, end, step)) or step == 0 or \
+            set(kwargs) - {"dtype", "layout", "device", "pin_memory"}:
+        return None
+    dtype = kwargs.get("dtype")
+    if dtype not in _ARANGE_DTYPES:
+        return None
+    span = end - start
+    if span != 0 and (span > 0) != (step > 0):
+        return None
+    out = _factory_index(kwargs, index)
+    if out is None:
+        return None
+    n = -(-span // step)  # ceil(span / step): exact for ints
+    return TensorMeta((n,), (1,), 0, dtype or torch.int64, out)
+
+
+for _op in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+    KW_RULES[_op] = _arange

@@ -217,3 +217,51 @@ def test_pointwise_layouts_equal_meta_kernels() -> None:
                aten.tanh.default, aten.pow.Tensor_Scalar, aten.addmm.default, aten.mm.default,
                aten.le.Tensor, aten.eq.Scalar, aten.cat.default):
         assert check.checked[str(op)] >= 200, (op, check.checked[str(op)])
+
+
+@pytest.mark.parametrize("dtype", [None, torch.int64, torch.int32, torch.float32, torch.float64,
+                                   torch.float16])
+def test_arange_rule_equals_meta_kernel_or_declines(dtype) -> None:  # noqa: ANN001
+    """Factory rules read keyword arguments: ``arange`` over every bound/step combination in a
+    small range, against the meta kernel (shape, stride, offset, dtype; raises -> declined)."""
+    from genie.shape_rules import KW_RULES
+
+    checked = declined = 0
+    cases = [(e,) for e in range(-2, 6)] + [(s, e) for s in range(-3, 4) for e in range(-3, 4)]
+    cases += [(s, e, st) for s in range(-3, 4) for e in range(-3, 4) for st in (-3, -1, 0, 2, 5)]
+    cases += [(0.5, 3), (1, 2.5), (True, 3), (64, 65)]
+    ops = {1: aten.arange.default, 2: aten.arange.start, 3: aten.arange.start_step}
+    for args in cases:
+        op = ops[len(args)]
+        kw = {"dtype": dtype, "device": torch.device("remote_accelerator", 0)}
+        pred = KW_RULES[op](args, kw, 0)
+        try:
+            out = op(*args, dtype=dtype, device="meta")
+        except RuntimeError:
+            assert pred is None, (args, pred)
+            continue
+        if pred is None:
+            declined += 1
+            continue
+        assert pred == TensorMeta.of(out, 0), (args, dtype, pred, TensorMeta.of(out, 0))
+        checked += 1
+    if dtype is torch.float16:
+        assert checked == 0  # not a dtype the rule takes
+    else:
+        assert checked >= 100 and declined <= 10, (checked, declined)
+
+
+def test_arange_rule_through_genie_equals_eager() -> None:
+    """Position ids of a decode step: a new ``start`` every step takes the rule, not the meta
+    kernel; values, shape, stride and dtype equal eager's."""
+    import genie
+
+    before = genie.stats().get("shape_rule_hits", 0)
+    for past in range(3, 9):
+        got = torch.arange(past, past + 1, device="remote_accelerator")
+        want = torch.arange(past, past + 1)
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+        assert torch.equal(got.cpu(), want)
+        got = torch.arange(0, past, 2, dtype=torch.float32, device="remote_accelerator:0")
+        torch.testing.assert_close(got.cpu(), torch.arange(0, past, 2, dtype=torch.float32))
+    assert genie.stats().get("shape_rule_hits", 0) - before >= 6
