@@ -22,9 +22,10 @@ of one attribute per node:
   ``optimizer_state`` (recorded by an optimizer step), ``input`` (uploaded host data) or
   ``activation``.
 
-The hooks (global module forward and optimizer step hooks) are installed when the first tensor is
-put on the device (:func:`activate`, called by uploads and factories), not at import: programs
-that never use the device pay nothing. ``GENIE_CONTEXT=0`` leaves them off (nodes then have no
+The hooks (a wrapper around ``nn.Module.__call__`` rather than torch's global module hooks, which
+would take every module call of the process off its fast path; and global optimizer step hooks)
+are installed when the first tensor is put on the device (:func:`activate`, called by uploads and
+factories), not at import: programs that never use the device pay nothing. ``GENIE_CONTEXT=0`` leaves them off (nodes then have no
 context). Measured cost: see docs/semantics.md ("Meaning on the default path").
 
 Example:
@@ -54,6 +55,7 @@ _compiling = torch.compiler.is_compiling
 _active = False
 _lock = threading.Lock()
 _handles: list[Any] = []
+_orig_call: Any = torch.nn.Module.__call__
 
 
 class Call:
@@ -123,19 +125,23 @@ _names: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def activate() -> None:
-    """Install the module and optimizer hooks (idempotent; a no-op with ``GENIE_CONTEXT=0``)."""
-    global _active
+    """Install the module call wrapper and optimizer hooks (idempotent; a no-op with
+    ``GENIE_CONTEXT=0``)."""
+    global _active, _orig_call
     if _active or not _on:
         return
     with _lock:
         if _active:
             return
-        from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim
 
+        # Not torch's global module hooks: with any installed, every module call of the process
+        # leaves nn.Module's fast path for the hook-processing one (8.8 µs per call, measured in
+        # docs/semantics.md). One wrapper around Module.__call__ keeps the fast path and gets the
+        # call's kwargs (where models take their KV cache) without reading a frame.
+        _orig_call = torch.nn.Module.__call__
+        torch.nn.Module.__call__ = _module_call
         _handles[:] = [
-            nn_module.register_module_forward_pre_hook(_pre),
-            nn_module.register_module_forward_hook(_post, with_kwargs=True, always_call=True),
             optim.register_optimizer_step_pre_hook(_opt_pre),
             optim.register_optimizer_step_post_hook(_opt_post)]
         type(current).backward = BACKWARD
@@ -143,10 +149,13 @@ def activate() -> None:
 
 
 def deactivate() -> None:
-    """Remove the hooks (nodes recorded from now on get no context); :func:`activate` or the
-    next upload installs them again unless ``GENIE_CONTEXT=0``. For measuring what they cost."""
+    """Remove the wrapper and hooks (nodes recorded from now on get no context); :func:`activate`
+    or the next upload installs them again unless ``GENIE_CONTEXT=0``. For measuring what they
+    cost."""
     global _active
     with _lock:
+        if torch.nn.Module.__call__ is _module_call:
+            torch.nn.Module.__call__ = _orig_call
         for h in _handles:
             h.remove()
         _handles.clear()
@@ -154,6 +163,17 @@ def deactivate() -> None:
         current.ctx = None
         _tls.modules.clear()
         _active = False
+
+
+def _module_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``nn.Module.__call__`` while the context is active: the module's context around the
+    original call (popped however the call ends, as an ``always_call`` forward hook would be)."""
+    if _compiling() or not _enter(self, args, kwargs):
+        return _orig_call(self, *args, **kwargs)
+    try:
+        return _orig_call(self, *args, **kwargs)
+    finally:
+        _leave(self)
 
 
 def active() -> bool:
@@ -180,9 +200,9 @@ def _explicit(module: Any, outer: Context | None) -> str | None:
     return outer.explicit if outer is not None else None
 
 
-def _pre(module: Any, args: tuple) -> None:
-    if _compiling():  # torch.compile traces module calls (Genie's compiled backend too)
-        return
+def _enter(module: Any, args: tuple, kwargs: dict) -> bool:
+    """Push ``module``'s context for its call; False when the call gets none (an outermost call
+    on host tensors)."""
     st = _tls.modules
     outer = current.ctx
     if st:
@@ -194,16 +214,17 @@ def _pre(module: Any, args: tuple) -> None:
         call = outer.call if outer is not None else None
     else:
         if _host_call(args):
-            return  # a model on another device: no context, and (almost) no cost
+            return False  # a model on another device: no context, and (almost) no cost
         names = _names.get(module)
         if names is None:  # weak both ways: a cache entry never keeps a model (or its weights)
             names = _names[module] = weakref.WeakKeyDictionary(
                 (m, n) for n, m in module.named_modules())
         path = ""
-        call = _begin(module, args)
+        call = _begin(module, args, kwargs)
     region = outer.region if outer is not None else "forward"
     st.append((module, outer, names))
     current.ctx = _context(call, path, type(module).__name__, region, _explicit(module, outer))
+    return True
 
 
 def _host_call(args: tuple) -> bool:
@@ -217,9 +238,7 @@ def _host_call(args: tuple) -> bool:
     return seen
 
 
-def _post(module: Any, args: tuple, kwargs: Any, output: Any = None) -> None:
-    if _compiling():
-        return
+def _leave(module: Any) -> None:
     st = _tls.modules
     if not st or st[-1][0] is not module:
         return
@@ -233,12 +252,12 @@ def _post(module: Any, args: tuple, kwargs: Any, output: Any = None) -> None:
             bump(f"phase.{call.phase}.nodes", call.nodes)
 
 
-def _begin(module: Any, args: tuple) -> Call:
+def _begin(module: Any, args: tuple, kwargs: dict) -> Call:
     """A call of an outermost module: a decode if it receives state an earlier call of the same
     module produced (that call, if it was not a decode, was the prefill)."""
     call = Call(module)
     producers: dict[int, Call] = {}
-    for t in _lazy_tensors((args, caller_kwargs())):
+    for t in _lazy_tensors((args, kwargs)):
         c = t._node.ctx
         p = c.call if c is not None else None
         if p is not None and p.root() is module:

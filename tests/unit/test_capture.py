@@ -23,15 +23,11 @@ DEV = "remote_accelerator"
 
 
 def _hooks_installed() -> bool:
-    """Whether a capture's module hooks are still installed (genie.context's default-path
-    hooks stay for the process and are not counted)."""
+    """Whether a capture's module hooks are still installed (genie.context's default path
+    installs none: it wraps ``nn.Module.__call__``)."""
     from torch.nn.modules import module as m
 
-    from genie import context
-
-    ours = {context._pre, context._post}
-    return any(h not in ours for h in (*m._global_forward_pre_hooks.values(),
-                                       *m._global_forward_hooks.values()))
+    return bool(m._global_forward_pre_hooks) or bool(m._global_forward_hooks)
 
 
 # --- the block ---------------------------------------------------------------------------------

@@ -166,3 +166,44 @@ def test_a_called_model_is_freed_with_its_weights():
     del m, y
     gc.collect()
     assert w() is None
+
+
+def test_context_is_popped_when_a_forward_raises_and_modules_keep_their_fast_path():
+    """The wrapper around ``nn.Module.__call__`` pops the module's context however the call
+    ends (as an ``always_call`` hook would), the error is eager's, and no global module hook is
+    installed (every module call of the process keeps torch's hook-free fast path)."""
+    from torch.nn.modules import module as nn_module
+
+    class Boom(nn.Module):
+        def forward(self, x):  # noqa: ANN001, ANN202
+            return x.view(7)  # 4 elements: eager raises RuntimeError
+
+    outer = nn.Sequential(nn.Linear(2, 2), Boom()).to("remote_accelerator")
+    x = torch.ones(2, 2, device="remote_accelerator")
+    assert context.active()
+    with pytest.raises(RuntimeError) as got:
+        outer(x)
+    with pytest.raises(RuntimeError) as want:
+        nn.Sequential(nn.Linear(2, 2), Boom())(torch.ones(2, 2))
+    assert type(got.value) is type(want.value)
+    assert not context._tls.modules  # nothing left on the stack
+    y = nn.Linear(2, 2).to("remote_accelerator")(x)
+    assert y._node.ctx.path == "" and y._node.ctx.cls == "Linear"
+    assert (x + 1)._node.ctx is None  # outside any module again
+    assert not nn_module._global_forward_pre_hooks and not nn_module._global_forward_hooks
+    # kwargs reach the phase detection without reading frames: a KV cache passed by keyword
+    lin = nn.Linear(2, 2).to("remote_accelerator")
+
+    class Step(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x, past=None):  # noqa: ANN001, ANN202
+            return self.lin(x if past is None else x + past)
+
+    step = Step()
+    first = step(x)
+    second = step(x, past=first)
+    assert first._node.ctx.phase == "prefill" and second._node.ctx.phase == "decode"
+    assert context.role(first) == "kv_cache"
