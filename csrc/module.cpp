@@ -13,6 +13,7 @@
 #include <torch/csrc/Generator.h>
 
 #include "bind.h"
+#include "match.h"
 #include "device.h"
 #include "generator.h"
 #include "hooks.h"
@@ -246,9 +247,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_gc_track", &track_objects,
         "Track the given objects again in the cyclic GC (no-op for tracked or non-GC objects).");
   m.def("_bind_nodes", &genie::bind_nodes, py::arg("nodes"), py::arg("outs"), py::arg("kept"),
-        py::arg("prune_at"),
+        py::arg("prune_at"), py::arg("untrack"),
         "Bind a run's kept values to its nodes (genie.executor._bind); returns the number of "
         "pending-write entries removed.");
+  m.def("_match_init", &genie::match_init, "Types and Python rules genie._C._match_core uses.");
+  m.def("_match_core", &genie::match_core,
+        "genie.plan_cache.match's per-node part: None, False (decide with _match_slow) or "
+        "(nodes, shaped, changed, input slots, inputs).");
   m.attr("_max_devices") = static_cast<int>(genie::kMaxDevices);
   genie::add_record_functions(m);
 }

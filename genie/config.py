@@ -33,6 +33,9 @@ class Config:
     gc_untrack: bool = _flag("GENIE_GC_UNTRACK", "1") != "0"
     # Bind a run's values to its nodes natively (csrc/bind.cpp; 0: the Python loop, the reference).
     native_bind: bool = _flag("GENIE_NATIVE_BIND", "1") != "0"
+    # Check a plan-cache hit's nodes natively (csrc/match.cpp; 0: genie.plan_cache's columns in
+    # Python, the reference).
+    native_match: bool = _flag("GENIE_NATIVE_MATCH", "1") != "0"
     # Record the common case of an op natively (csrc/record.cpp); 0: every op takes the Python
     # path, the reference (genie.lazy_tensor.record).
     native_record: bool = _flag("GENIE_NATIVE_RECORD", "1") != "0"

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from . import backends, memory, plan_cache
-from ._C import _bind_nodes
+from ._C import _bind_nodes, _gc_untrack
 from .config import config
 from .device import real_device
 from .graph import Node, pending_total
@@ -67,10 +67,11 @@ def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
     pending = tape._slots
     lazy = pending.outs if type(pending) is PendingSlots else None  # node i's slots, in order
     if lazy is not None and config.native_bind:  # the same loop, natively (csrc/bind.cpp)
-        pending_total[0] -= _bind_nodes(tape.nodes, lazy, kept, _PRUNE_AT)
+        pending_total[0] -= _bind_nodes(tape.nodes, lazy, kept, _PRUNE_AT, config.gc_untrack)
         return
     slots = tape.slots if lazy is None else None
     get = kept.get
+    untrack = config.gc_untrack
     for i, n in enumerate(tape.nodes):
         vals: list[torch.Tensor | None] = []
         if lazy is not None:
@@ -80,10 +81,13 @@ def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
             for k in range(len(n.metas)):
                 s = slots.get((idx, k))
                 vals.append(get(s) if s is not None else None)
+        consumers: list = []
+        if untrack:  # as csrc/bind.cpp: these lists close no cycle (see there)
+            _gc_untrack(vals, consumers)
         n.values = vals
         n.executed = True
         n.leaves = None
-        n.consumers = []
+        n.consumers = consumers
         for s in n.writes:
             if n in s.pending_writes:
                 s.pending_writes.remove(n)

@@ -58,7 +58,9 @@ from typing import Any
 
 import torch
 
-from .graph import Alive, MetaArg, Node, Ref, TensorMeta, gc_paused, pending_total
+from ._C import _match_core, _match_init
+from .config import config
+from .graph import Alive, MetaArg, Node, Ref, Storage, TensorMeta, gc_paused, pending_total
 from .graph import same_const as _same_const
 from .planner import (Instr, PendingSlots, Slot, Tape, build_tape, held_after,
                       slice_nodes)
@@ -415,105 +417,25 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     want_out = plan.outputs
     if not plan.fast or len(targets) != len(want_out):
         return None
+    if config.native_match:
+        r = _match_core(plan.flat, plan.entries, plan.klasses,
+                        None if plan.no_where else plan.wheres, plan.produced, want_out,
+                        targets if type(targets) is list else list(targets), generic,
+                        bool(pending_total[0]), plan.inputs,
+                        lambda i, n: _entryless(plan, i, n, generic))
+    else:
+        r = _match_core_py(plan, targets, generic)
+    if r is None:
+        return None
+    if r is False:
+        return _match_slow(plan, targets, generic)
+    found, shaped, changed, islots, inputs = r
     ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs = \
         plan.flat
     tmpl = plan.instrs
     nn = len(tmpl)
-    found: list[Any] = [None] * nn
-    produced = plan.produced
-    for (node, out), want in zip(targets, want_out, strict=True):
-        p = produced.get(want)
-        if p is None or out != p[1] or found[p[0]] not in (None, node):  # (two outputs of one)
-            return _match_slow(plan, targets, generic)
-        found[p[0]] = node
-    xs: list[Any] = []  # the in-plan argument references, as the walk meets them
-    add = xs.append
-    try:
-        for i, p, j in zip(ei, ep, ej):
-            x = found[i].leaves[p]
-            add(x)
-            found[j] = x.node
-    except (AttributeError, TypeError, IndexError):
-        return _match_slow(plan, targets, generic)
-    get = found.__getitem__
-    if any(map(is_, map(get, roots), repeat(None))):
-        return None  # an instruction no reference reaches: not this plan's slice
-    for (node, _), want in zip(targets, want_out, strict=True):
-        if found[produced[want][0]] is not node:  # the walk rebinds: every reference agrees
-            return _match_slow(plan, targets, generic)
-    # The plan's interned meta-cache entries, by identity: op, argument tree (so which leaves are
-    # Refs, and that no node writes: the plan's nodes do not), input metadata, int/bool/str
-    # constants. Checked first: the passes below read leaves as Refs. Shape-generic: the entries'
-    # interned shape classes instead; the nodes whose entries differ are rebuilt below.
-    # Nodes recorded without an entry (uploads) are compared leaf by leaf, as _match_slow does.
-    ents = list(map(_entry, found))
-    shaped: list[int] = []
-    if not all(map(is_, ents, plan.entries)):
-        klasses = plan.klasses
-        for i in [i for i, e in enumerate(map(is_, ents, plan.entries)) if not e]:
-            e = ents[i]
-            if generic and e is not None and _klass(e) is klasses[i]:
-                shaped.append(i)
-                continue
-            n, t = found[i], tmpl[i]
-            if e is not None or n.op is not t.op or n.writes:
-                return _match_slow(plan, targets, generic)
-            if not _same_node(n, t, plan.metas[i], plan.specs[i]):
-                if not generic or not _same_node(n, t, plan.metas[i], plan.specs[i], True):
-                    return _match_slow(plan, targets, generic)
-                shaped.append(i)
-    if any(map(_executed, found)):
-        return _match_slow(plan, targets, generic)
-    xnodes = list(map(_node, xs))
-    idx = list(map(_index, found))
-    if xnodes != list(map(get, ej)) or list(map(_out, xs)) != ek \
-            or not all(map(lt, idx, islice(idx, 1, None))) \
-            or (any(map(_where, found)) if plan.no_where
-                else list(map(_where, found)) != plan.wheres) \
-            or (pending_total[0] and (
-                any(map(_pending, map(getitem, map(_storages, xnodes), ek)))
-                or any(map(_pending, map(getitem, map(_storages, map(itemgetter(0), targets)),
-                                         map(itemgetter(1), targets)))))):
-        return _match_slow(plan, targets, generic)
-    cons = list(map(len, map(_consumers, map(get, hi))))
-    if cons != hn:  # consumers outside the slice (dead ones too): held only if one is pending
-        in_run = set(idx)
-        for i, k, c, n_in in zip(hi, hk, cons, hn, strict=True):
-            if c != n_in and held_after(found[i], k, in_run):
-                return _match_slow(plan, targets, generic)
-    changed: list[int] = []  # float arguments with another value than the plan's: parameters
-    if fi:
-        fx = list(map(getitem, map(_leaves, map(get, fi)), fp))
-        if not all(map(is_, fx, fv)):
-            changed = [k for k, same in enumerate(map(_same_const, fx, fv)) if not same]
-    # outputs that must not be held: no live tensor refers to them (weak references)
-    if not all(map(is_, map(call, filter(None, map(getitem, map(_outputs, map(get, hi)), hk))),
-                   repeat(None))):
-        return _match_slow(plan, targets, generic)
-    in_run = None
-    for i, k in other:  # outputs that must be held: by a live tensor, or a pending consumer
-        r = found[i].outputs[k]
-        if r is None or type(r()) is not Alive:
-            if in_run is None:
-                in_run = set(idx)
-            if not held_after(found[i], k, in_run):
-                return _match_slow(plan, targets, generic)
     pin = plan.inputs
-    islots: dict[tuple[int, int], int] = {}
-    inputs: dict[int, torch.Tensor] = {}
-    for y, gi, gp in ingroups:  # input references, by plan slot: one value each
-        xs = list(map(getitem, map(_leaves, map(get, gi)), gp))
-        x = xs[0]
-        xn, xo = x.node, x.out
-        if len(xs) > 1 and (list(map(_node, xs)).count(xn) != len(xs)
-                            or list(map(_out, xs)).count(xo) != len(xs)):
-            return _match_slow(plan, targets, generic)
-        if pending_total[0] and xn.storages[xo].pending_writes:
-            return _match_slow(plan, targets, generic)
-        if not _bind_input(xn, xo, y, pin, islots, inputs, generic):  # also: one value, two slots
-            return _match_slow(plan, targets, generic)
-    if len(inputs) != len(pin):
-        return None
+    get = found.__getitem__
     instrs = list(tmpl)
     differs = bool(shaped)
     hsi, hsp, hsv = hosts
@@ -549,6 +471,128 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
                                   n.uid, n.where, t.device)
     return Tape(instrs, inputs, list(want_out), set(plan.keep), found, PendingSlots(outs, islots),
                 plan.index, plan, differs)
+
+
+def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -> Any:
+    """:func:`match`'s per-node part in Python (the reference of ``genie._C._match_core``,
+    csrc/match.cpp; ``GENIE_NATIVE_MATCH=0`` uses it): None (not this plan), False (decide with
+    :func:`_match_slow`) or ``(found nodes, shaped instructions, changed float columns, input
+    slots by (node index, output), input values by slot)``."""
+    want_out = plan.outputs
+    ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs = \
+        plan.flat
+    tmpl = plan.instrs
+    nn = len(tmpl)
+    found: list[Any] = [None] * nn
+    produced = plan.produced
+    for (node, out), want in zip(targets, want_out, strict=True):
+        p = produced.get(want)
+        if p is None or out != p[1] or found[p[0]] not in (None, node):  # (two outputs of one)
+            return False
+        found[p[0]] = node
+    xs: list[Any] = []  # the in-plan argument references, as the walk meets them
+    add = xs.append
+    try:
+        for i, p, j in zip(ei, ep, ej):
+            x = found[i].leaves[p]
+            add(x)
+            found[j] = x.node
+    except (AttributeError, TypeError, IndexError):
+        return False
+    get = found.__getitem__
+    if any(map(is_, map(get, roots), repeat(None))):
+        return None  # an instruction no reference reaches: not this plan's slice
+    for (node, _), want in zip(targets, want_out, strict=True):
+        if found[produced[want][0]] is not node:  # the walk rebinds: every reference agrees
+            return False
+    # The plan's interned meta-cache entries, by identity: op, argument tree (so which leaves are
+    # Refs, and that no node writes: the plan's nodes do not), input metadata, int/bool/str
+    # constants. Checked first: the passes below read leaves as Refs. Shape-generic: the entries'
+    # interned shape classes instead; the nodes whose entries differ are rebuilt below.
+    # Nodes recorded without an entry (uploads) are compared leaf by leaf, as _match_slow does.
+    ents = list(map(_entry, found))
+    shaped: list[int] = []
+    if not all(map(is_, ents, plan.entries)):
+        klasses = plan.klasses
+        for i in [i for i, e in enumerate(map(is_, ents, plan.entries)) if not e]:
+            e = ents[i]
+            if generic and e is not None and _klass(e) is klasses[i]:
+                shaped.append(i)
+                continue
+            n, t = found[i], tmpl[i]
+            if e is not None or n.op is not t.op or n.writes:
+                return False
+            if not _same_node(n, t, plan.metas[i], plan.specs[i]):
+                if not generic or not _same_node(n, t, plan.metas[i], plan.specs[i], True):
+                    return False
+                shaped.append(i)
+    if any(map(_executed, found)):
+        return False
+    xnodes = list(map(_node, xs))
+    idx = list(map(_index, found))
+    if xnodes != list(map(get, ej)) or list(map(_out, xs)) != ek \
+            or not all(map(lt, idx, islice(idx, 1, None))) \
+            or (any(map(_where, found)) if plan.no_where
+                else list(map(_where, found)) != plan.wheres) \
+            or (pending_total[0] and (
+                any(map(_pending, map(getitem, map(_storages, xnodes), ek)))
+                or any(map(_pending, map(getitem, map(_storages, map(itemgetter(0), targets)),
+                                         map(itemgetter(1), targets)))))):
+        return False
+    cons = list(map(len, map(_consumers, map(get, hi))))
+    if cons != hn:  # consumers outside the slice (dead ones too): held only if one is pending
+        in_run = set(idx)
+        for i, k, c, n_in in zip(hi, hk, cons, hn, strict=True):
+            if c != n_in and held_after(found[i], k, in_run):
+                return False
+    changed: list[int] = []  # float arguments with another value than the plan's: parameters
+    if fi:
+        fx = list(map(getitem, map(_leaves, map(get, fi)), fp))
+        if not all(map(is_, fx, fv)):
+            changed = [k for k, same in enumerate(map(_same_const, fx, fv)) if not same]
+    # outputs that must not be held: no live tensor refers to them (weak references)
+    if not all(map(is_, map(call, filter(None, map(getitem, map(_outputs, map(get, hi)), hk))),
+                   repeat(None))):
+        return False
+    in_run = None
+    for i, k in other:  # outputs that must be held: by a live tensor, or a pending consumer
+        r = found[i].outputs[k]
+        if r is None or type(r()) is not Alive:
+            if in_run is None:
+                in_run = set(idx)
+            if not held_after(found[i], k, in_run):
+                return False
+    pin = plan.inputs
+    islots: dict[tuple[int, int], int] = {}
+    inputs: dict[int, torch.Tensor] = {}
+    for y, gi, gp in ingroups:  # input references, by plan slot: one value each
+        xs = list(map(getitem, map(_leaves, map(get, gi)), gp))
+        x = xs[0]
+        xn, xo = x.node, x.out
+        if len(xs) > 1 and (list(map(_node, xs)).count(xn) != len(xs)
+                            or list(map(_out, xs)).count(xo) != len(xs)):
+            return False
+        if pending_total[0] and xn.storages[xo].pending_writes:
+            return False
+        if not _bind_input(xn, xo, y, pin, islots, inputs, generic):  # also: one value, two slots
+            return False
+    if len(inputs) != len(pin):
+        return None
+    return found, shaped, changed, islots, inputs
+
+
+def _entryless(plan: Plan, i: int, n: Node, generic: bool) -> int:
+    """A found node whose meta-cache entry is not the plan's: 0 (decide with
+    :func:`_match_slow`), 1 (the same node), 2 (the same but for shapes). Nodes recorded without
+    an entry (uploads) are compared leaf by leaf."""
+    e, t = n.entry, plan.instrs[i]
+    if e is not None or n.op is not t.op or n.writes:
+        return 0
+    if _same_node(n, t, plan.metas[i], plan.specs[i]):
+        return 1
+    if generic and _same_node(n, t, plan.metas[i], plan.specs[i], True):
+        return 2
+    return 0
 
 
 def _klass(entry: Any) -> Any:
@@ -939,3 +983,6 @@ def structure_key(plan: Plan) -> str:
                [_meta_data(m) if m is not None else None for m in plan.metas[i]]]
         h.update(json.dumps(row).encode())
     return h.hexdigest()
+
+
+_match_init(Node, Ref, Alive, Storage, held_after, _same_const, same_kind)

@@ -399,3 +399,67 @@ def test_native_bind_leaves_the_graph_as_the_python_loop_does(monkeypatch) -> No
     want = _bind_program()
     assert got == want
     assert got_pending == pending_total[0] - before
+
+
+def _match_programs() -> None:
+    """Programs whose repeated steps reach the column match in every outcome: hits (exact and
+    shape-generic, uploads, host constants, changing floats, random ops, held and dropped
+    values, two outputs of one node, several targets) and refusals (a kept value no longer
+    held, another wiring)."""
+    a = torch.randn(4, 4, device=D)
+    genie.materialize(a)
+    kept = []
+    for step in range(4):
+        x = torch.full((4, 4), float(step)).to(D)
+        y = (a @ x * (0.5 + step)).relu()
+        v, i = y.max(dim=0)
+        z = v * 2 + torch.randn(4, device=D)
+        if step % 2:
+            kept.append(y * 3)  # held by a live tensor on odd steps only
+        genie.materialize(z, i)
+        genie.materialize(z.sum())
+    kept.clear()
+    with _shape_generic(True):
+        cache = torch.randn(1, 3, 4, device=D)
+        for _ in range(5):  # a decode loop: the cache grows by one row per step
+            tok = torch.randn(1, 1, 4).to(D)
+            cache = torch.cat([cache, tok], dim=1)
+            s = torch.softmax(cache @ a / 2.0, dim=-1).sum(1)
+            genie.materialize(s)
+    for step in range(3):  # same ops, other wiring every step: the plan's wiring must refuse
+        p, q = torch.randn(4, device=D), torch.randn(4, device=D)
+        r = (p + q) * (q if step % 2 else p)
+        genie.materialize(r)
+
+
+def test_native_match_core_agrees_with_python(monkeypatch) -> None:
+    """csrc/match.cpp against its reference (plan_cache._match_core_py): for every column match
+    the programs make, the same outcome (no plan / node by node / a hit) and the same tape."""
+    from genie.config import config
+
+    outcomes = []
+    real = plan_cache.match
+
+    def both(plan, targets, generic=False):  # noqa: ANN001, ANN202
+        monkeypatch.setattr(config, "native_match", False)
+        want = real(plan, targets, generic)
+        monkeypatch.setattr(config, "native_match", True)
+        got = real(plan, targets, generic)
+        if want is None:
+            assert got is None
+        else:
+            _assert_same_tape(got, want)
+            assert got.generic == want.generic
+            assert [id(v) for v in got.inputs.values()] == [id(v) for v in want.inputs.values()]
+            assert [(i.rng, i.leaves) for i in got.instrs] == \
+                [(i.rng, i.leaves) for i in want.instrs]
+        outcomes.append("hit" if got is not None else "none")
+        return got
+
+    monkeypatch.setattr(plan_cache, "match", both)
+    core = []
+    native = plan_cache._match_core
+    monkeypatch.setattr(plan_cache, "_match_core", lambda *a: core.append(r := native(*a)) or r)
+    _match_programs()
+    assert outcomes.count("hit") >= 8 and "none" in outcomes, outcomes
+    assert any(type(r) is tuple for r in core) and any(r is None or r is False for r in core)
