@@ -50,11 +50,24 @@ def _gc_track(*objects: object) -> None:
     """Put ``objects`` back under the cyclic garbage collector (no-op where tracked or not GC)."""
 
 def _bind_nodes(nodes: list[object], outs: list[tuple[int | None, ...]], kept: dict[int, object],
-                prune_at: int) -> int:
+                prune_at: int, untrack: bool) -> int:
     """Bind a run's kept values to its nodes as ``genie.executor._bind`` does (node ``i`` takes
     the values of the slots ``outs[i]``, is marked executed, drops its arguments, consumers and
-    pending-write entries; storages with ``prune_at`` readers or more are pruned). Returns how
-    many pending-write entries it removed."""
+    pending-write entries; storages with ``prune_at`` readers or more are pruned; ``untrack``:
+    the new values and consumer lists are made off the cyclic GC). Returns how many
+    pending-write entries it removed."""
+
+def _match_init(node: type, ref: type, alive: type, storage: type, held_after: object,
+                same_const: object, same_kind: object) -> None:
+    """The classes and Python rules ``_match_core`` uses (genie.plan_cache calls it once)."""
+
+def _match_core(flat: tuple, entries: list[object], klasses: list[object],
+                wheres: list[str | None] | None, produced: dict[int, tuple[int, int]],
+                want_out: list[int], targets: list[tuple[object, int]], generic: bool,
+                pending: bool, pin: dict[int, object], entryless: object) -> object:
+    """``genie.plan_cache.match``'s per-node part (``_match_core_py`` is the reference): None
+    (not this plan), False (decide node by node) or ``(nodes, shaped, changed, input slots,
+    inputs)``."""
 _record_native: bool
 """Whether this build has the native record path (torch 2.13 or newer)."""
 
