@@ -26,8 +26,6 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -69,6 +67,100 @@ inline PyObject* get(PyObject* o, Py_ssize_t off) {
   return v;
 }
 
+// An open-addressing hash map from int64 keys to small values: the walks below do a few lookups
+// per node, and std::unordered_map's node allocations cost more than the rest of them.
+template <class V>
+class FlatMap {
+ public:
+  static constexpr int64_t kEmpty = INT64_MIN;
+
+  explicit FlatMap(size_t expected) {
+    size_t cap = 16;
+    while (cap < expected * 2) {
+      cap <<= 1;
+    }
+    keys_.assign(cap, kEmpty);
+    vals_.resize(cap);
+  }
+
+  // The value of `key`, or nullptr.
+  V* find(int64_t key) {
+    for (size_t i = hash(key);; i = (i + 1) & (keys_.size() - 1)) {
+      if (keys_[i] == key) {
+        return &vals_[i];
+      }
+      if (keys_[i] == kEmpty) {
+        return nullptr;
+      }
+    }
+  }
+
+  // Inserts `key` -> `value` if absent; returns the value slot and whether it was inserted.
+  std::pair<V*, bool> insert(int64_t key, const V& value) {
+    if ((size_ + 1) * 2 > keys_.size()) {
+      grow();
+    }
+    for (size_t i = hash(key);; i = (i + 1) & (keys_.size() - 1)) {
+      if (keys_[i] == key) {
+        return {&vals_[i], false};
+      }
+      if (keys_[i] == kEmpty) {
+        keys_[i] = key;
+        vals_[i] = value;
+        ++size_;
+        return {&vals_[i], true};
+      }
+    }
+  }
+
+  template <class F>
+  void for_each(F&& f) const {
+    for (size_t i = 0; i < keys_.size(); ++i) {
+      if (keys_[i] != kEmpty) {
+        f(keys_[i], vals_[i]);
+      }
+    }
+  }
+
+  size_t size() const { return size_; }
+
+ private:
+  size_t hash(int64_t key) const {
+    return static_cast<size_t>((static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) >> 7) &
+           (keys_.size() - 1);
+  }
+
+  void grow() {
+    std::vector<int64_t> keys(keys_.size() * 2, kEmpty);
+    std::vector<V> vals(keys.size());
+    keys.swap(keys_);
+    vals.swap(vals_);
+    size_ = 0;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i] != kEmpty) {
+        insert(keys[i], vals[i]);
+      }
+    }
+  }
+
+  std::vector<int64_t> keys_;
+  std::vector<V> vals_;
+  size_t size_ = 0;
+};
+
+// (node index, output) as one key: indices count recorded ops (far below 2^50), and a node with
+// 4096 outputs or more is left to the Python reference.
+inline int64_t out_key(int64_t index, int64_t out) {
+  if (out < 0 || out >= 4096 || index < 0 || index >= (int64_t{1} << 50)) {
+    throw Unsupported();
+  }
+  return (index << 12) | out;
+}
+
+inline int64_t ptr_key(PyObject* o) {
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(o));
+}
+
 struct State {
   bool graph_ready = false;  // slice_nodes can run
   bool plan_ready = false;   // instantiate can run too
@@ -89,7 +181,9 @@ struct State {
              n_where = 0, n_consumers = 0;
   Py_ssize_t r_node = 0, r_out = 0;            // Ref
   Py_ssize_t st_pending = 0, st_readers = 0;   // Storage
-  Py_ssize_t tm_shape = 0, tm_dtype = 0, tm_index = 0, tm_conj = 0, tm_neg = 0;  // TensorMeta
+  // TensorMeta, its fields in the order its dataclass __eq__ compares them
+  Py_ssize_t tm_shape = 0, tm_stride = 0, tm_offset = 0, tm_dtype = 0, tm_index = 0, tm_conj = 0,
+             tm_neg = 0;
   Py_ssize_t ma_meta = 0;                      // MetaArg
   Py_ssize_t sl_id = 0;                        // Slot
   // Instr
@@ -139,6 +233,8 @@ void slice_init(const py::dict& objs) {
     S.st_pending = slot_offset(S.storage, "pending_writes");
     S.st_readers = slot_offset(S.storage, "readers");
     S.tm_shape = slot_offset(S.tensor_meta, "shape");
+    S.tm_stride = slot_offset(S.tensor_meta, "stride");
+    S.tm_offset = slot_offset(S.tensor_meta, "offset");
     S.tm_dtype = slot_offset(S.tensor_meta, "dtype");
     S.tm_index = slot_offset(S.tensor_meta, "index");
     S.tm_conj = slot_offset(S.tensor_meta, "conj");
@@ -307,6 +403,44 @@ bool same_const(PyObject* a, PyObject* b) {
   return t != 0;
 }
 
+// a == b for two TensorMetas as their dataclass __eq__ (the tuples of their fields), without
+// running it; anything else by Python's ==.
+bool meta_eq(PyObject* a, PyObject* b) {
+  if (a == b) {
+    return true;
+  }
+  if (Py_TYPE(a) != S.tensor_meta || Py_TYPE(b) != S.tensor_meta) {
+    return eq(a, b);
+  }
+  for (Py_ssize_t off : {S.tm_shape, S.tm_stride, S.tm_offset, S.tm_dtype, S.tm_index, S.tm_conj,
+                         S.tm_neg}) {
+    if (!same(get(a, off), get(b, off))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// a == b for two lists of output metadata (TensorMeta or None), as list ==.
+bool metas_eq(PyObject* a, PyObject* b) {
+  if (a == b) {
+    return true;
+  }
+  if (!PyList_CheckExact(a) || !PyList_CheckExact(b)) {
+    return eq(a, b);
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(a);
+  if (n != PyList_GET_SIZE(b)) {
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!meta_eq(PyList_GET_ITEM(a, i), PyList_GET_ITEM(b, i))) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // genie.plan_cache.same_kind.
 bool same_kind(PyObject* a, PyObject* b) {
   if (Py_TYPE(a) != S.tensor_meta || Py_TYPE(b) != S.tensor_meta) {
@@ -328,34 +462,33 @@ py::object slice_nodes(const py::list& targets) {
     return py::reinterpret_borrow<py::object>(Py_NotImplemented);
   }
   try {
-    std::unordered_map<int64_t, PyObject*> needed;
-    std::unordered_map<PyObject*, int64_t> bound;  // storage -> the bound its writes were taken to
+    FlatMap<PyObject*> needed(256);
+    // storage -> (the bound its writes were taken to, the bound its readers were taken to)
+    FlatMap<std::pair<int64_t, int64_t>> bound(64);
     std::vector<PyObject*> stack;
 
     auto need = [&](PyObject* n) {
       as_node(n);
-      if (!executed(n) && needed.emplace(index_of(n), n).second) {
+      if (!executed(n) && needed.insert(index_of(n), n).second) {
         stack.push_back(n);
       }
     };
     // The pending writes of `s` recorded before `upto`, and the live pending readers of `s`
-    // recorded before one of those writes (before the latest: the union is the same).
+    // recorded before one of those writes (before the latest: the union is the same; readers
+    // below a bound already taken are needed already).
     auto need_storage = [&](PyObject* s, int64_t upto) {
       if (Py_TYPE(s) != S.storage) {
         throw Unsupported();
       }
-      auto it = bound.find(s);
-      if (it != bound.end()) {
-        if (it->second >= upto) {
+      auto [b, fresh] = bound.insert(ptr_key(s), {upto, -1});
+      if (!fresh) {
+        if (b->first >= upto) {
           return;
         }
-        it->second = upto;
-      } else {
-        bound.emplace(s, upto);
+        b->first = upto;
       }
       PyObject* writes = as_list(get(s, S.st_pending));
       int64_t last = -1;
-      bool any = false;
       for (Py_ssize_t i = 0; i < PyList_GET_SIZE(writes); ++i) {
         PyObject* w = as_node(PyList_GET_ITEM(writes, i));
         const int64_t wi = index_of(w);
@@ -363,14 +496,12 @@ py::object slice_nodes(const py::list& targets) {
           break;
         }
         need(w);
-        if (!any || wi > last) {
-          last = wi;
-        }
-        any = true;
+        last = std::max(last, wi);
       }
-      if (!any) {
+      if (last <= b->second) {
         return;
       }
+      b->second = last;
       PyObject* readers = as_list(get(s, S.st_readers));
       for (Py_ssize_t i = 0; i < PyList_GET_SIZE(readers); ++i) {
         PyObject* rn = deref(PyList_GET_ITEM(readers, i));
@@ -417,7 +548,9 @@ py::object slice_nodes(const py::list& targets) {
         throw Unsupported();
       }
     }
-    std::vector<std::pair<int64_t, PyObject*>> order(needed.begin(), needed.end());
+    std::vector<std::pair<int64_t, PyObject*>> order;
+    order.reserve(needed.size());
+    needed.for_each([&order](int64_t k, PyObject* n) { order.emplace_back(k, n); });
     std::sort(order.begin(), order.end(),
               [](const auto& a, const auto& b) { return a.first < b.first; });
     PyObject* out = PyList_New(static_cast<Py_ssize_t>(order.size()));
@@ -436,16 +569,11 @@ py::object slice_nodes(const py::list& targets) {
 
 // --- instantiate --------------------------------------------------------------------------------
 
-struct PairHash {
-  size_t operator()(const std::pair<int64_t, int64_t>& p) const noexcept {
-    return std::hash<int64_t>()(p.first * 1000003 + p.second);
-  }
-};
-
-using SlotMap = std::unordered_map<std::pair<int64_t, int64_t>, int64_t, PairHash>;
+using SlotMap = FlatMap<int64_t>;  // out_key(node index, output) -> slot
+using IndexSet = FlatMap<char>;    // node indices
 
 // genie.planner.held_after (in_run: the run's node indices).
-bool held_after(PyObject* n, Py_ssize_t k, const std::unordered_set<int64_t>& in_run) {
+bool held_after(PyObject* n, Py_ssize_t k, IndexSet& in_run) {
   static PyObject* const node_name = PyUnicode_InternFromString("_node");
   PyObject* r = item(get(n, S.n_outputs), k);
   if (r != Py_None) {
@@ -473,7 +601,7 @@ bool held_after(PyObject* n, Py_ssize_t k, const std::unordered_set<int64_t>& in
   PyObject* consumers = as_list(get(n, S.n_consumers));
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(consumers); ++i) {
     PyObject* cn = deref(PyList_GET_ITEM(consumers, i));
-    if (cn != Py_None && !executed(as_node(cn)) && in_run.count(index_of(cn)) == 0) {
+    if (cn != Py_None && !executed(as_node(cn)) && in_run.find(index_of(cn)) == nullptr) {
       return true;
     }
   }
@@ -505,7 +633,7 @@ bool same_node(PyObject* n, PyObject* t, PyObject* meta, PyObject* spec, bool ge
     return false;
   }
   PyObject* metas = get(n, S.n_metas);
-  if (!same(metas, meta)) {
+  if (!metas_eq(metas, meta)) {
     if (!generic) {
       return false;
     }
@@ -549,7 +677,7 @@ bool same_node(PyObject* n, PyObject* t, PyObject* meta, PyObject* spec, bool ge
       }
       PyObject* xm = get(x, S.ma_meta);
       PyObject* ym = get(y, S.ma_meta);
-      if (!eq(xm, ym) && !(generic && same_kind(xm, ym))) {
+      if (!meta_eq(xm, ym) && !(generic && same_kind(xm, ym))) {
         return false;
       }
     } else if (is_tensor(x)) {
@@ -609,14 +737,6 @@ PyObject* new_instr(PyObject* n, PyObject* t, PyObject* leaves) {
   return ins;
 }
 
-PyObject* attr(PyObject* o, const char* name) {
-  PyObject* r = PyObject_GetAttrString(o, name);
-  if (r == nullptr) {
-    raise();
-  }
-  return r;
-}
-
 // Whether value `v` differs from the plan's input metadata `m` in shape or strides.
 bool differs_from(PyObject* v, PyObject* m) {
   static PyObject* const shape_name = PyUnicode_InternFromString("shape");
@@ -625,7 +745,7 @@ bool differs_from(PyObject* v, PyObject* m) {
     throw Unsupported();
   }
   PyObject* shape = get(m, S.tm_shape);
-  py::object stride = py::reinterpret_steal<py::object>(attr(m, "stride"));
+  py::object stride = py::reinterpret_borrow<py::object>(get(m, S.tm_stride));
   if (THPVariable_CheckExact(v) && PyTuple_CheckExact(shape) && PyTuple_CheckExact(stride.ptr())) {
     const at::Tensor& t = THPVariable_Unpack(v);
     auto same_ints = [](c10::IntArrayRef a, PyObject* tup) {
@@ -740,10 +860,9 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
         PyList_GET_SIZE(pspecs) != nn || PyList_GET_SIZE(pwheres) != nn) {
       throw Unsupported();
     }
-    std::unordered_set<int64_t> in_run;
-    in_run.reserve(static_cast<size_t>(nn) * 2);
+    IndexSet in_run(static_cast<size_t>(nn));
     for (Py_ssize_t i = 0; i < nn; ++i) {
-      in_run.insert(index_of(as_node(PyList_GET_ITEM(nodes_p, i))));
+      in_run.insert(index_of(as_node(PyList_GET_ITEM(nodes_p, i))), 1);
       if (Py_TYPE(PyList_GET_ITEM(tmpl, i)) != S.instr) {
         throw Unsupported();
       }
@@ -757,8 +876,7 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
     };
 
     bool differs = false;
-    SlotMap slots;
-    slots.reserve(static_cast<size_t>(nn) * 2);
+    SlotMap slots(static_cast<size_t>(nn) * 2);
     Inputs inputs;
     py::object instrs = py::reinterpret_steal<py::object>(PyList_GetSlice(tmpl, 0, nn));
     if (!instrs) {
@@ -779,7 +897,7 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
         return py::none();
       }
       bool shaped = false;
-      if (!same(get(n, S.n_metas), meta)) {
+      if (!metas_eq(get(n, S.n_metas), meta)) {
         if (!generic || !same_node(n, t, meta, spec, true)) {
           return py::none();
         }
@@ -809,9 +927,9 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
           PyObject* yid = get(y, S.sl_id);
           const int64_t out = as_int(xo);
           const int64_t sid = as_int(yid);
-          const auto key = std::make_pair(index_of(xn), out);
-          auto it = slots.find(key);
-          if (it == slots.end()) {  // not produced in this run: an input
+          const int64_t key = out_key(index_of(xn), out);
+          const int64_t* it = slots.find(key);
+          if (it == nullptr) {  // not produced in this run: an input
             PyObject* pm = dict_get(pin, yid);
             if (pm == nullptr || inputs.has(yid) || !executed(xn)) {
               return py::none();
@@ -822,12 +940,12 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
             }
             PyObject* v = item(values, out);
             PyObject* xm = item(get(xn, S.n_metas), out);
-            if (v == Py_None || (!same(xm, pm) && !(generic && same_kind(xm, pm)))) {
+            if (v == Py_None || (!meta_eq(xm, pm) && !(generic && same_kind(xm, pm)))) {
               return py::none();
             }
-            slots.emplace(key, sid);
+            slots.insert(key, sid);
             inputs.bind(get(xn, S.n_index), xo, yid, v);
-          } else if (it->second != sid) {
+          } else if (*it != sid) {
             return py::none();
           }
         } else if (tx == &PyFloat_Type) {  // a parameter: only its type is structure
@@ -839,7 +957,7 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
             changed.push_back(i);
           }
         } else if (tx == S.meta_arg) {
-          if (ty != S.meta_arg || !eq(get(x, S.ma_meta), get(y, S.ma_meta))) {
+          if (ty != S.meta_arg || !meta_eq(get(x, S.ma_meta), get(y, S.ma_meta))) {
             if (!generic || ty != S.meta_arg ||
                 !same_kind(get(x, S.ma_meta), get(y, S.ma_meta))) {
               return py::none();
@@ -869,7 +987,9 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
         if (s == Py_None) {
           continue;
         }
-        slots[std::make_pair(idx, static_cast<int64_t>(k))] = as_int(s);
+        const int64_t sk = out_key(idx, k);
+        const int64_t sv = as_int(s);
+        *slots.insert(sk, sv).first = sv;
         // Which values the program still holds decides the frees: must be the plan's.
         PyObject* r = item(get(n, S.n_outputs), k);
         const bool held = (r != Py_None && Py_TYPE(deref(r)) == S.alive) ||
@@ -897,10 +1017,10 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
       PyObject* node = as_node(PyTuple_GET_ITEM(tp, 0));
       PyObject* out_o = PyTuple_GET_ITEM(tp, 1);
       const int64_t out = as_int(out_o);
-      const auto key = std::make_pair(index_of(node), out);
-      auto it = slots.find(key);
+      const int64_t key = out_key(index_of(node), out);
+      const int64_t* it = slots.find(key);
       int64_t s;
-      if (it == slots.end()) {  // a requested value that is already materialized: an input slot
+      if (it == nullptr) {  // a requested value that is already materialized: an input slot
         PyObject* pm = dict_get(pin, want);
         if (pm == nullptr || inputs.has(want) || !executed(node)) {
           return py::none();
@@ -914,14 +1034,14 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
           return py::none();
         }
         PyObject* nm = item(get(node, S.n_metas), out);
-        if (!eq(nm, pm) && !(generic && same_kind(nm, pm))) {
+        if (!meta_eq(nm, pm) && !(generic && same_kind(nm, pm))) {
           return py::none();
         }
         s = as_int(want);
-        slots.emplace(key, s);
+        slots.insert(key, s);
         inputs.bind(get(node, S.n_index), out_o, want, v);
       } else {
-        s = it->second;
+        s = *it;
       }
       if (s != as_int(want)) {
         return py::none();

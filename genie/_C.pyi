@@ -55,6 +55,21 @@ def _bind_nodes(nodes: list[object], outs: list[tuple[int | None, ...]], kept: d
     the values of the slots ``outs[i]``, is marked executed, drops its arguments, consumers and
     pending-write entries; storages with ``prune_at`` readers or more are pruned). Returns how
     many pending-write entries it removed."""
+def _slice_init(objects: dict[str, object]) -> None:
+    """Give the native slice and instantiate the classes they read and make (``genie.planner``:
+    Node, Ref, Storage, Alive, TensorMeta, MetaArg, Slot, Instr, Tape, PendingSlots;
+    ``genie.plan_cache``: HostMeta). RuntimeError for an Instr whose slots differ."""
+
+def _slice_nodes(targets: list[tuple[object, int]]) -> list[object]:
+    """``genie.planner.slice_nodes`` natively: the same nodes in the same order, or
+    ``NotImplemented`` for a graph it does not handle (the caller runs the Python loop)."""
+
+def _instantiate(plan: object, targets: list[tuple[object, int]], nodes: list[object],
+                 generic: bool) -> object:
+    """``genie.plan_cache.instantiate`` natively: the same Tape (its slots as a PendingSlots) or
+    None, the same floats added to ``plan.floats``; ``NotImplemented`` for what it does not
+    handle (the caller runs the Python function)."""
+
 _record_native: bool
 """Whether this build has the native record path (torch 2.13 or newer)."""
 
