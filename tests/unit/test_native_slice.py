@@ -177,9 +177,14 @@ def _two_outputs_many_targets(dev):
 def _constants(dev):
     x = torch.ones(3).to(dev)
     out = []
-    for c in [2.0, 2, 2.0, -0.0, 0.0, float("nan"), float("nan"), True, 3.5, 4, 4]:
+    nan = float("nan")
+    # Each op's first step after the warm-up makes its plan; the next compare with it by bits:
+    # -0.0 against 0.0 is a changed float, NaN against NaN is not.
+    for op, c in [(torch.sub, 1.0), (torch.mul, 0.0), (torch.mul, -0.0), (torch.mul, 0.0),
+                  (torch.add, nan), (torch.add, nan), (torch.add, 1.0), (torch.mul, 2),
+                  (torch.mul, 2.0), (torch.mul, True), (torch.mul, 3), (torch.mul, 3)]:
         x.mul_(1.0)  # a write: the slice never takes the column match
-        out.append((x * c + 1).cpu().clone())  # float, int, bool constants; -0.0 and NaN by bits
+        out.append((op(x, c) + 1).cpu().clone())
     return out
 
 
