@@ -18,6 +18,7 @@
 #include "generator.h"
 #include "hooks.h"
 #include "record.h"
+#include "slice.h"
 
 namespace py = pybind11;
 
@@ -256,4 +257,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(nodes, shaped, changed, input slots, inputs).");
   m.attr("_max_devices") = static_cast<int>(genie::kMaxDevices);
   genie::add_record_functions(m);
+  genie::add_slice_functions(m);
 }

@@ -68,6 +68,22 @@ def _match_core(flat: tuple, entries: list[object], klasses: list[object],
     """``genie.plan_cache.match``'s per-node part (``_match_core_py`` is the reference): None
     (not this plan), False (decide node by node) or ``(nodes, shaped, changed, input slots,
     inputs)``."""
+
+def _slice_init(objects: dict[str, object]) -> None:
+    """Give the native slice and instantiate the classes they read and make (``genie.planner``:
+    Node, Ref, Storage, Alive, TensorMeta, MetaArg, Slot, Instr, Tape, PendingSlots;
+    ``genie.plan_cache``: HostMeta). RuntimeError for an Instr whose slots differ."""
+
+def _slice_nodes(targets: list[tuple[object, int]]) -> list[object]:
+    """``genie.planner.slice_nodes`` natively: the same nodes in the same order, or
+    ``NotImplemented`` for a graph it does not handle (the caller runs the Python loop)."""
+
+def _instantiate(plan: object, targets: list[tuple[object, int]], nodes: list[object],
+                 generic: bool) -> object:
+    """``genie.plan_cache.instantiate`` natively: the same Tape (its slots as a PendingSlots) or
+    None, the same floats added to ``plan.floats``; ``NotImplemented`` for what it does not
+    handle (the caller runs the Python function)."""
+
 _record_native: bool
 """Whether this build has the native record path (torch 2.13 or newer)."""
 

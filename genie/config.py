@@ -1,7 +1,8 @@
 """Genie's in-process settings, read from ``GENIE_*`` environment variables once at import.
 
 ``GENIE_DEVICE``, ``GENIE_DEVICE_COUNT``, ``GENIE_META_CACHE``, ``GENIE_RECORD_SOURCE``,
-``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD`` and ``GENIE_DEBUG`` live here; the engine and remote modules read their own (``GENIE_BACKENDS``,
+``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD``, ``GENIE_NATIVE_BIND``, ``GENIE_NATIVE_SLICE`` and
+``GENIE_DEBUG`` live here; the engine and remote modules read their own (``GENIE_BACKENDS``,
 ``GENIE_PLAN_CACHE``, ``GENIE_COMPILER``, ``GENIE_SERVER``, ...). docs/env.md is the one table of
 all of them, with meanings and defaults.
 """
@@ -36,6 +37,9 @@ class Config:
     # Check a plan-cache hit's nodes natively (csrc/match.cpp; 0: genie.plan_cache's columns in
     # Python, the reference).
     native_match: bool = _flag("GENIE_NATIVE_MATCH", "1") != "0"
+    # Slice a materialization's graph and match the slice against cached plans natively
+    # (csrc/slice.cpp; 0: planner.slice_nodes and plan_cache.instantiate in Python, the reference).
+    native_slice: bool = _flag("GENIE_NATIVE_SLICE", "1") != "0"
     # Record the common case of an op natively (csrc/record.cpp); 0: every op takes the Python
     # path, the reference (genie.lazy_tensor.record).
     native_record: bool = _flag("GENIE_NATIVE_RECORD", "1") != "0"

@@ -58,7 +58,8 @@ from typing import Any
 
 import torch
 
-from ._C import _match_core, _match_init
+from ._C import _instantiate as _native_instantiate
+from ._C import _match_core, _match_init, _slice_init
 from .config import config
 from .graph import Alive, MetaArg, Node, Ref, Storage, TensorMeta, gc_paused, pending_total
 from .graph import same_const as _same_const
@@ -89,6 +90,9 @@ class _HostMeta:
 
     def __repr__(self) -> str:
         return f"<host {str(self.dtype).removeprefix('torch.')}{list(self.shape)}>"
+
+
+_slice_init({"HostMeta": _HostMeta})  # the native instantiate (csrc/slice.cpp) compares with it
 
 
 class Plan:
@@ -838,7 +842,17 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node],
     One pass: each node is compared with the plan's instruction at its position (op, argument
     tree, constants, output metadata, slot wiring) while its parameters are collected.
     ``generic``: shapes may differ, as in :func:`_match_slow`.
+
+    Runs natively (csrc/slice.cpp: the same pass, the same tape, with its slots as a
+    :class:`~genie.planner.PendingSlots`) unless ``config.native_slice`` is off
+    (``GENIE_NATIVE_SLICE=0``); the code below is the reference, and runs for what the native
+    pass does not handle.
     """
+    if config.native_slice:
+        tape = _native_instantiate(plan, targets, nodes, generic)
+        if tape is not NotImplemented:
+            _counts["native_instantiates"] += 1
+            return tape
     differs = False
     tmpl = plan.instrs
     if len(tmpl) != len(nodes):

@@ -21,7 +21,11 @@ from typing import Any
 
 import torch
 
+from ._C import _slice_init
+from ._C import _slice_nodes as _native_slice_nodes
+from .config import config
 from .graph import Alive, MetaArg, Node, Ref, Storage, TensorMeta, gc_paused
+from .stats import _counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +100,17 @@ class PendingSlots:
 
 @gc_paused
 def slice_nodes(targets: list[tuple[Node, int]]) -> list[Node]:
-    """Pending nodes the requested values depend on, in record order."""
+    """Pending nodes the requested values depend on, in record order.
+
+    Runs natively (csrc/slice.cpp, the same walk) unless ``config.native_slice`` is off
+    (``GENIE_NATIVE_SLICE=0``); the loop below is the reference, and runs for what the native
+    walk does not handle.
+    """
+    if config.native_slice:
+        nodes = _native_slice_nodes(targets)
+        if nodes is not NotImplemented:
+            _counts["native_slices"] += 1
+            return nodes
     needed: dict[int, Node] = {}
     bound: dict[Storage, int] = {}
     stack: list[Node] = []
@@ -198,6 +212,12 @@ def build_tape(targets: list[tuple[Node, int]], nodes: list[Node] | None = None)
         ins.free = tuple(frees.get(i, ()))
     index = targets[0][0].metas[targets[0][1]].index if targets else 0
     return Tape(instrs, inputs, outputs, keep, nodes, slots, index)
+
+
+# The classes the native slice and instantiate read and make (genie.plan_cache adds _HostMeta).
+_slice_init({"Node": Node, "Ref": Ref, "Storage": Storage, "Alive": Alive, "TensorMeta": TensorMeta,
+             "MetaArg": MetaArg, "Slot": Slot, "Instr": Instr, "Tape": Tape,
+             "PendingSlots": PendingSlots})
 
 
 def _device_index(n: Node) -> int:

@@ -41,7 +41,9 @@ def stats() -> dict[str, int]:
       ``values_freed``;
     - engine: ``plan_cache_hits``, ``plan_cache_misses``, ``plan_cache_generic_hits`` (hits of
       a plan whose shapes differ: shapes as parameters), ``codegen_plans`` (plans given a
-      generated replay function), ``compiled_plans``, ``compiled_runs``, ``compiled_verified``;
+      generated replay function), ``compiled_plans``, ``compiled_runs``, ``compiled_verified``,
+      ``native_slices`` and ``native_instantiates`` (slices and plan matches done by
+      csrc/slice.cpp; ``GENIE_NATIVE_SLICE=0`` runs the Python references);
     - passes (:mod:`genie.passes.pipeline`): ``passes_applied`` (plans given an optimized tape),
       ``passes_verified``, ``passes_rolled_back``, ``passes_rejected_slower``,
       ``passes_step_unoptimized``;
