@@ -17,6 +17,7 @@
 #include "generator.h"
 #include "hooks.h"
 #include "record.h"
+#include "replay.h"
 
 namespace py = pybind11;
 
@@ -251,4 +252,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pending-write entries removed.");
   m.attr("_max_devices") = static_cast<int>(genie::kMaxDevices);
   genie::add_record_functions(m);
+  genie::add_replay_functions(m);
 }
