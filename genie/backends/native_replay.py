@@ -75,6 +75,9 @@ class Program:
         self.others = others  # remote_accelerator indices of instructions off the tape's device
         self.freed = native.freed
 
+    def __len__(self) -> int:
+        return len(self.native)  # instructions
+
     def __call__(self, tape: Tape, dev: torch.device) -> dict[int, Any]:
         devices = [dev, *map(real_device, self.others)] if self.others else [dev]
         r = self.native.run(tape.inputs, tape.instrs, devices)
