@@ -70,7 +70,8 @@ def test_native_replay_equals_eager(mode):
     assert s["plan_cache_hits"] >= 3
     assert s["native_replays"] >= (4 if mode == "always" else 3)  # really replayed natively
     assert s["native_replay_plans"] >= 1
-    assert s.get("codegen_plans", 0) == 0  # native first: codegen never generated
+    if mode == "always":  # native first: no tape left for generated code
+        assert s.get("codegen_plans", 0) == 0
 
 
 def test_native_program_is_memoized_on_the_plan():
