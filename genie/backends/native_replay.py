@@ -29,6 +29,7 @@ Invariants:
 When: ``GENIE_NATIVE_REPLAY`` (``genie.config.native_replay``) = ``1`` (default: a plan's tapes
 from its second use on, before codegen), ``always`` (every tape), ``0`` (never: codegen and the
 interpreter as before). Counters: ``native_replay_plans`` (programs compiled),
+``native_replay_refused`` (tapes it could not compile, with the reason at ``GENIE_DEBUG=2``),
 ``native_replays`` (tapes run natively).
 
 Example:
@@ -61,7 +62,9 @@ MODES = ("1", "always", "0")
 # patch kinds of csrc/replay.cpp (enum Src)
 _SLOT, _SLOT_ALIAS, _LEAF, _META, _META_STEP, _DEVICE = range(6)
 
-_PLACEHOLDER = torch.empty(0)  # stands for a tensor in the template (a register, a MetaArg)
+# Stands for a tensor in a program's argument template (a register, a MetaArg, a host tensor:
+# the step's own is patched in), so that templates hold no step's values.
+_PLACEHOLDER = torch.zeros(())
 _CPU = torch.device("cpu")  # stands for the run's device in the template
 
 
@@ -121,6 +124,7 @@ def _compile_or_none(tape: Tape, generic: bool) -> Program | None:
         p = compile_tape(tape, generic)
     except Exception as e:  # noqa: BLE001 - anything not compilable runs as before
         logger.debug("genie: plan not replayed natively (%s)", e)
+        bump("native_replay_refused")
         return None
     bump("native_replay_plans")
     return p
@@ -164,8 +168,10 @@ def compile_tape(tape: Tape, generic: bool = False) -> Program:
                 patch = (_META_STEP, p) if generic else \
                     (_META, tuple(m.shape), tuple(m.stride), m.dtype)
                 value = _PLACEHOLDER
-            elif t is float or (generic and t is int) or isinstance(x, torch.Tensor):
-                patch = (_LEAF, p)  # a per-step parameter, as codegen reads it
+            elif isinstance(x, torch.Tensor):  # a host tensor: a per-step parameter
+                patch, value = (_LEAF, p), _PLACEHOLDER
+            elif t is float or (generic and t is int):  # per-step parameters, as codegen's
+                patch = (_LEAF, p)
             marks.append(-1 if patch is None else len(patches))
             if patch is not None:
                 patches.append(patch)
