@@ -290,7 +290,7 @@ class Program {
       unsupported("a tape of another length than its program");
     }
 
-    std::vector<c10::IValue> results;
+    std::vector<c10::IValue> stack, results;  // reused: no allocation per instruction
     for (size_t i = 0; i < steps_.size(); ++i) {
       const Step& s = steps_[i];
       const c10::Device& dev = devs.at(s.device);
@@ -307,7 +307,7 @@ class Program {
           results.emplace_back(host.to(host.options().device(dev).memory_format(std::nullopt),
                                        /*non_blocking=*/false, /*copy=*/dev.is_cpu()));
         } else {
-          std::vector<c10::IValue> stack = s.stack;
+          stack = s.stack;
           patch(s, stack, regs, leaves, dev, meta_name, shape_name, stride_name, dtype_name);
           if (s.rng) {
             py::object rng = py::reinterpret_steal<py::object>(
