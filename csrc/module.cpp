@@ -19,6 +19,7 @@
 #include "hooks.h"
 #include "record.h"
 #include "slice.h"
+#include "replay.h"
 
 namespace py = pybind11;
 
@@ -258,4 +259,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("_max_devices") = static_cast<int>(genie::kMaxDevices);
   genie::add_record_functions(m);
   genie::add_slice_functions(m);
+  genie::add_replay_functions(m);
 }

@@ -117,3 +117,24 @@ def _record_stats() -> dict[str, int]:
 def _record_reset_stats() -> None:
     """Zero the counts of :func:`_record_stats`."""
 
+
+class _ReplayProgram:
+    """A tape's structure compiled for native replay (``csrc/replay.cpp``; built and run by
+    ``genie.backends.native_replay``)."""
+
+    freed: int  # values freed per run (the tape's free lists)
+
+    def __init__(self, registers: int, keep: list[int]) -> None: ...
+    def add_upload(self, out: int, device: int, frees: list[int]) -> None:
+        """An upload: the step's host tensor ``leaves[0]`` copied to ``devices[device]``."""
+    def add_op(self, name: str, overload: str, args: tuple, kwargs: dict, margs: tuple,
+               mkwargs: dict, patches: list[tuple], outs: list[int], frees: list[int],
+               device: int, rng: bool) -> None:
+        """An op call: its argument stack built from ``args``/``kwargs`` against the schema;
+        ``margs``/``mkwargs`` mark, per leaf, -1 (a constant) or its entry in ``patches``.
+        ValueError/RuntimeError when it cannot be mapped."""
+    def run(self, inputs: dict[int, object], instrs: list, devices: list[object]) -> object:
+        """Run with the step's inputs and instructions on ``devices`` (0: the run's device).
+        Returns ``{slot: value}`` of the kept slots, or ``(index, exception)`` of the
+        instruction that raised."""
+    def __len__(self) -> int: ...

@@ -24,6 +24,8 @@ Invariants:
 When: ``GENIE_CODEGEN`` = ``repeat`` (default: a plan's tapes from its second use on; a miss
 is interpreted, since generating costs about as much as interpreting once), ``always`` (every
 tape), ``0`` (never; the interpreter only).
+A plan that :mod:`~genie.backends.native_replay` compiles (``GENIE_NATIVE_REPLAY``, on by
+default) runs as a native program instead; generated code takes what it refuses.
 
 Example:
     >>> import torch, genie

@@ -21,7 +21,7 @@ from ..errors import ExecutionError
 from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
 from ..stats import bump
-from . import codegen, register_backend
+from . import codegen, native_replay, register_backend
 
 UPLOAD = "genie.upload"
 
@@ -46,6 +46,9 @@ def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
 
     env: dict[int, Any] = dict(tape.inputs)
     with _disable_current_modes(), torch.no_grad():
+        prog = native_replay.for_tape(tape)
+        if prog is not None:  # a repeated plan: its native program (csrc/replay.cpp)
+            return prog(tape, dev)
         gen = codegen.for_tape(tape)
         if gen is not None:  # a repeated plan: its generated replay function
             return gen(tape, dev)

@@ -13,6 +13,7 @@ import torch
 
 import genie
 from genie.backends import backend_order, codegen, set_backends
+from genie.config import config
 from genie.errors import ExecutionError
 
 D = "remote_accelerator"
@@ -20,11 +21,13 @@ D = "remote_accelerator"
 
 @pytest.fixture(autouse=True)
 def _eager_backend():
-    saved, mode = backend_order(), codegen.mode()
+    saved, mode, native = backend_order(), codegen.mode(), config.native_replay
     set_backends(["eager"])
+    config.native_replay = "0"  # generated code is what these tests test (native runs first)
     yield
     set_backends(saved)
     codegen.set_mode(mode)
+    config.native_replay = native
 
 
 def _step(w: torch.Tensor, lr: float, host: torch.Tensor, dev: str) -> list[torch.Tensor]:

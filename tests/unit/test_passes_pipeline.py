@@ -10,6 +10,7 @@ import torch
 import genie
 from genie import passes, plan_cache
 from genie.backends import codegen
+from genie.config import config
 from genie.passes import PassReport, pipeline
 
 D = "remote_accelerator"
@@ -156,7 +157,8 @@ def test_memory_budget_sizes_parse_and_bad_ones_say_what_is_expected():
         pipeline.parse_bytes("12 parsecs")
 
 
-@pytest.mark.skipif(codegen.mode() == "0", reason="GENIE_CODEGEN=0: no generated replay")
+@pytest.mark.skipif(codegen.mode() == "0" and config.native_replay == "0",
+                    reason="GENIE_CODEGEN=0 GENIE_NATIVE_REPLAY=0: no replay but the interpreter")
 def test_generated_replay_runs_the_optimized_instructions(monkeypatch):
     monkeypatch.setenv("GENIE_PASSES_GATE", "0")  # kept after verification (no timing noise)
     passes.set_passes(["cse", "dce"])
@@ -168,9 +170,13 @@ def test_generated_replay_runs_the_optimized_instructions(monkeypatch):
     (plan,) = _optimized_plans()
     st = plan.artifacts["passes"]
     assert st.state == "on"
-    gen = st.shadow.artifacts.get("codegen")
-    # the generated function runs the optimized instructions: one exp, not two
-    assert gen and len(set(gen.lines.values())) == len(plan.instrs) - 2
+    # the replay runs the optimized instructions: one exp, not two
+    if config.native_replay != "0":  # a native program (csrc/replay.cpp)
+        prog = st.shadow.artifacts.get("native")
+        assert prog and len(prog) == len(plan.instrs) - 2
+    else:  # generated Python
+        gen = st.shadow.artifacts.get("codegen")
+        assert gen and len(set(gen.lines.values())) == len(plan.instrs) - 2
 
 
 def test_shape_generic_hits_apply_the_script_to_their_own_shapes():

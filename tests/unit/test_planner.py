@@ -7,6 +7,7 @@ import torch
 
 import genie
 from genie.backends import backend_order, codegen, eager, set_backends
+from genie.config import config
 from genie.planner import Slot, build_tape, format_tape
 from genie.tape_io import TapeDataError, allow_only, op_from_name, op_to_name
 
@@ -65,6 +66,7 @@ def test_live_values_stay_bounded_during_execution(monkeypatch):
 
     monkeypatch.setattr(eager, "run_instr", spy)
     monkeypatch.setattr(codegen, "_mode", "0")  # the interpreter (test_codegen: generated code)
+    monkeypatch.setattr(config, "native_replay", "0")  # (test_native_replay: native programs)
     saved = backend_order()
     set_backends(["eager"])
     x = torch.randn(1000, device=D)

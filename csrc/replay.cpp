@@ -1,0 +1,552 @@
+// genie._C._ReplayProgram: a repeated plan's tape compiled once, run without a Python call per op.
+//
+// genie/backends/eager.py's run_instrs (the interpreter) is the reference: a program computes
+// what it computes, op for op, in tape order, with the same frees. What the interpreter decides
+// per step from Python objects is decided here once per plan (genie/backends/native_replay.py
+// compiles, memoized on Plan.artifacts):
+//
+// * each instruction's c10::OperatorHandle, and its argument stack built against the schema from
+//   the recorded (args, kwargs) by torch's own createStackForSchema (the conversion
+//   OpOverload.__call__ does, numbers-as-tensors rule included), kept as a template;
+// * patches into a copy of that template for what changes per step: registers (the values of
+//   Slots, also inside lists such as cat's Tensor[]; an in-place view op's self through
+//   aten::alias), the step's own leaves (floats, host tensors, ints of a shape-generic tape:
+//   converted by toIValue with the argument's type, as OpOverload.__call__ converts them),
+//   empty_strided tensors for MetaArgs, and the run's real device;
+// * outputs (returns flattened as optree.tree_leaves(none_is_leaf=True) flattens them), frees
+//   after last use, kept slots.
+//
+// Runs hold the GIL (kernels that take it, Python kernels, re-enter it) and run under the
+// caller's no_grad and disabled dispatch modes. A failing instruction does not raise here: run
+// returns (its index, the Python exception eager would raise), and the caller raises
+// genie.errors.ExecutionError from it; nothing is re-run after a partial failure.
+#include <algorithm>
+#include <mutex>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/device_lazy_init.h>
+#include <torch/csrc/utils/python_arg_parser.h>
+
+#include "replay.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// What a patch puts into the stack (the codes genie/backends/native_replay.py uses).
+enum class Src : int {
+  Slot = 0,       // a register
+  SlotAlias = 1,  // aten::alias of a register (self of an in-place view op)
+  Leaf = 2,       // the step's leaf, converted with the argument's type
+  Meta = 3,       // empty_strided of a fixed shape/stride/dtype on the instruction's device
+  MetaStep = 4,   // empty_strided of the step's MetaArg leaf
+  Device = 5,     // the instruction's real device
+};
+
+struct Patch {
+  Src src;
+  int32_t arg;   // stack position
+  int32_t elem;  // -1: the argument itself; else an element of its list
+  int64_t a;     // Slot*: register; Leaf, MetaStep: leaf position
+  c10::TypePtr type;          // Leaf: the type to convert to
+  std::optional<int32_t> n;   // Leaf of a fixed-size list argument (int[2] takes one int)
+  std::vector<int64_t> shape, stride;  // Meta
+  at::ScalarType dtype = at::kFloat;   // Meta
+};
+
+struct Step {
+  bool upload = false;
+  std::optional<c10::OperatorHandle> op;
+  std::vector<c10::IValue> stack;  // the argument template
+  std::vector<Patch> patches;      // by (arg, elem)
+  bool reads_leaves = false;       // a Leaf or MetaStep patch (or an upload)
+  bool rng = false;
+  bool numbers_as_tensors = false;
+  int64_t device = 0;  // index into run's devices: 0 the run's device
+  std::vector<int64_t> outs;  // -1: an output not kept in a slot
+  std::vector<int64_t> frees;
+};
+
+// opAllowsNumbersAsTensors of torch/csrc/jit/python/init.cpp: what OpOverload.__call__ sets
+// around its argument conversion.
+bool numbers_as_tensors(const std::string& name) {
+  const auto sep = name.find("::");
+  if (sep == std::string::npos) {
+    return false;
+  }
+  const std::string ns = name.substr(0, sep);
+  if (ns == "prims" || ns == "nvprims") {
+    return true;
+  }
+  return ns == "aten" && torch::should_allow_numbers_as_tensors(name.substr(sep + 2));
+}
+
+bool tensor_like(const c10::TypePtr& t) {
+  if (t->kind() == c10::TypeKind::TensorType) {
+    return true;
+  }
+  if (auto o = t->cast<c10::OptionalType>()) {
+    return o->getElementType()->kind() == c10::TypeKind::TensorType;
+  }
+  return false;
+}
+
+bool device_like(const c10::TypePtr& t) {
+  if (t->kind() == c10::TypeKind::DeviceObjType) {
+    return true;
+  }
+  if (auto o = t->cast<c10::OptionalType>()) {
+    return o->getElementType()->kind() == c10::TypeKind::DeviceObjType;
+  }
+  return false;
+}
+
+c10::TypePtr list_element(const c10::TypePtr& t) {
+  c10::TypePtr u = t;
+  if (auto o = u->cast<c10::OptionalType>()) {
+    u = o->getElementType();
+  }
+  if (auto l = u->cast<c10::ListType>()) {
+    return l->getElementType();
+  }
+  return nullptr;
+}
+
+[[noreturn]] void unsupported(const std::string& why) {
+  throw std::invalid_argument("genie native replay: " + why);
+}
+
+// A returned value flattened as optree.tree_leaves(out, none_is_leaf=True) flattens what
+// OpOverload.__call__ returns (tuples and lists are nodes, everything else a leaf).
+void flatten(c10::IValue&& v, std::vector<c10::IValue>& out) {
+  if (v.isTuple()) {
+    for (const auto& e : v.toTupleRef().elements()) {
+      flatten(c10::IValue(e), out);
+    }
+  } else if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) {
+      flatten(c10::IValue(e), out);
+    }
+  } else {
+    out.push_back(std::move(v));
+  }
+}
+
+at::Generator generator_for(const c10::Device& dev) {
+  // genie.backends.eager.generator_for: the CUDA device's default generator, else the CPU one
+  if (dev.is_cuda()) {
+    return at::globalContext().defaultGenerator(
+        c10::Device(c10::kCUDA, dev.has_index() ? dev.index() : 0));
+  }
+  return at::globalContext().defaultGenerator(c10::Device(c10::kCPU));
+}
+
+// genie.backends.eager.seed_from (splitmix64); Python's & 2**64-1 is uint64 wrap-around.
+uint64_t seed_from(uint64_t seed, uint64_t offset) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ULL * (offset + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFFULL;
+}
+
+// leaves[p] of an instruction's leaf list (a list, or any sequence), as a new reference.
+py::object leaf_at(const py::object& leaves, int64_t p) {
+  PyObject* l = leaves.ptr();
+  if (PyList_Check(l) && p >= 0 && p < PyList_GET_SIZE(l)) {
+    return py::reinterpret_borrow<py::object>(PyList_GET_ITEM(l, p));
+  }
+  PyObject* r = PySequence_GetItem(l, p);
+  if (r == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(r);
+}
+
+PyObject* get_attr(PyObject* o, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(o, name);
+  if (r == nullptr) {
+    throw py::error_already_set();
+  }
+  return r;
+}
+
+std::vector<int64_t> int_tuple(PyObject* o) {
+  return py::cast<std::vector<int64_t>>(py::handle(o));
+}
+
+at::ScalarType dtype_of(PyObject* o) {
+  if (!THPDtype_Check(o)) {
+    throw std::invalid_argument("genie native replay: expected a torch.dtype");
+  }
+  return reinterpret_cast<THPDtype*>(o)->scalar_type;
+}
+
+c10::Device device_of(PyObject* o) {
+  if (!THPDevice_Check(o)) {
+    throw std::invalid_argument("genie native replay: expected a torch.device");
+  }
+  return reinterpret_cast<THPDevice*>(o)->device;
+}
+
+class Program {
+ public:
+  Program(int64_t registers, std::vector<int64_t> keep)
+      : registers_(registers), keep_(std::move(keep)) {}
+
+  void add_upload(int64_t out, int64_t device, std::vector<int64_t> frees) {
+    Step s;
+    s.upload = true;
+    s.reads_leaves = true;
+    s.device = device;
+    s.outs = {out};
+    s.frees = std::move(frees);
+    freed_ += static_cast<int64_t>(s.frees.size());
+    steps_.push_back(std::move(s));
+  }
+
+  // One op instruction. `args`/`kwargs`: the recorded argument tree with a representative
+  // value at every leaf (a placeholder tensor for Slots and MetaArgs); `margs`/`mkwargs`: the
+  // same tree with, per leaf, -1 (a constant, baked into the template) or the index of its
+  // entry in `patches`: (kind, a) or, for a fixed MetaArg, (3, shape, stride, dtype).
+  void add_op(const std::string& name, const std::string& overload, const py::tuple& args,
+              const py::dict& kwargs, const py::tuple& margs, const py::dict& mkwargs,
+              const py::list& patches, std::vector<int64_t> outs, std::vector<int64_t> frees,
+              int64_t device, bool rng) {
+    Step s;
+    s.op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+    const c10::FunctionSchema& schema = s.op->schema();
+    s.numbers_as_tensors = numbers_as_tensors(name);
+    {
+      torch::jit::ToIValueAllowNumbersAsTensors allow(s.numbers_as_tensors);
+      s.stack = torch::jit::createStackForSchema(
+          schema, torch::jit::tuple_slice(args), py::reinterpret_borrow<py::kwargs>(kwargs),
+          std::nullopt);
+    }
+    for (size_t k = 0; k < margs.size(); ++k) {
+      mark(s, schema, static_cast<int32_t>(k), margs[k], patches);
+    }
+    for (const auto& item : mkwargs) {
+      const auto j = schema.argumentIndexWithName(py::cast<std::string>(item.first));
+      if (!j) {
+        unsupported("keyword argument not in the schema");
+      }
+      mark(s, schema, static_cast<int32_t>(*j), item.second, patches);
+    }
+    std::sort(s.patches.begin(), s.patches.end(), [](const Patch& x, const Patch& y) {
+      return std::make_pair(x.arg, x.elem) < std::make_pair(y.arg, y.elem);
+    });
+    s.rng = rng;
+    s.reads_leaves = rng;
+    for (const Patch& p : s.patches) {
+      s.reads_leaves |= p.src == Src::Leaf || p.src == Src::MetaStep;
+    }
+    s.device = device;
+    s.outs = std::move(outs);
+    s.frees = std::move(frees);
+    freed_ += static_cast<int64_t>(s.frees.size());
+    steps_.push_back(std::move(s));
+  }
+
+  // Run on `devices` (0: the run's device; k: remote_accelerator's other real devices) with
+  // the step's `inputs` ({slot: tensor}) and `instrs` (its tape's, read for per-step leaves).
+  // Returns {slot: value} of the kept slots, or (instruction index, exception) when one failed.
+  py::object run(const py::dict& inputs, const py::list& instrs, const py::list& devices) {
+    static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
+    static PyObject* const rng_name = PyUnicode_InternFromString("rng");
+    static PyObject* const meta_name = PyUnicode_InternFromString("meta");
+    static PyObject* const shape_name = PyUnicode_InternFromString("shape");
+    static PyObject* const stride_name = PyUnicode_InternFromString("stride");
+    static PyObject* const dtype_name = PyUnicode_InternFromString("dtype");
+
+    std::vector<c10::Device> devs;
+    devs.reserve(devices.size());
+    for (const auto& d : devices) {
+      devs.push_back(device_of(d.ptr()));
+      torch::utils::maybe_initialize_device(devs.back());  // as Python's .to / factories do
+    }
+    std::vector<c10::IValue> regs(registers_);
+    for (const auto& item : inputs) {
+      if (!THPVariable_Check(item.second.ptr())) {
+        unsupported("a tape input that is not a tensor");
+      }
+      regs.at(py::cast<int64_t>(item.first)) = THPVariable_Unpack(item.second.ptr());
+    }
+    if (static_cast<size_t>(PyList_GET_SIZE(instrs.ptr())) != steps_.size()) {
+      unsupported("a tape of another length than its program");
+    }
+
+    std::vector<c10::IValue> stack, results;  // reused: no allocation per instruction
+    for (size_t i = 0; i < steps_.size(); ++i) {
+      const Step& s = steps_[i];
+      const c10::Device& dev = devs.at(s.device);
+      try {
+        py::object leaves;  // the step's leaves of this instruction, when it reads any
+        if (s.reads_leaves) {
+          leaves = py::reinterpret_steal<py::object>(
+              get_attr(PyList_GET_ITEM(instrs.ptr(), i), leaves_name));
+        }
+        results.clear();
+        if (s.upload) {
+          // ins.leaves[0].to(dev, copy=dev.type == "cpu"), as Tensor.to(device) spells it
+          const at::Tensor& host = THPVariable_Unpack(leaf_at(leaves, 0).ptr());
+          results.emplace_back(host.to(host.options().device(dev).memory_format(std::nullopt),
+                                       /*non_blocking=*/false, /*copy=*/dev.is_cpu()));
+        } else {
+          stack = s.stack;
+          patch(s, stack, regs, leaves, dev, meta_name, shape_name, stride_name, dtype_name);
+          if (s.rng) {
+            py::object rng = py::reinterpret_steal<py::object>(
+                get_attr(PyList_GET_ITEM(instrs.ptr(), i), rng_name));
+            call_seeded(s, stack, dev, rng);
+          } else {
+            s.op->callBoxed(stack);
+          }
+          for (auto& r : stack) {
+            flatten(std::move(r), results);
+          }
+        }
+        const size_t n = std::min(results.size(), s.outs.size());
+        for (size_t k = 0; k < n; ++k) {
+          if (s.outs[k] >= 0) {
+            regs[s.outs[k]] = std::move(results[k]);
+          }
+        }
+      } catch (py::error_already_set& e) {
+        e.restore();
+        return failure(i);
+      } catch (...) {
+        torch::translate_exception_to_python(std::current_exception());
+        return failure(i);
+      }
+      for (int64_t f : s.frees) {
+        regs[f] = c10::IValue();
+      }
+    }
+    py::dict out;
+    for (int64_t k : keep_) {
+      out[py::int_(k)] = torch::jit::toPyObject(std::move(regs[k]));
+    }
+    return out;
+  }
+
+  int64_t freed() const { return freed_; }
+  size_t size() const { return steps_.size(); }
+
+ private:
+  void mark(Step& s, const c10::FunctionSchema& schema, int32_t j, const py::handle& m,
+            const py::list& patches) {
+    if (j < 0 || static_cast<size_t>(j) >= schema.arguments().size()) {
+      unsupported("an argument position outside the schema");
+    }
+    const c10::Argument& argument = schema.arguments()[j];
+    if (py::isinstance<py::int_>(m)) {
+      const auto k = py::cast<int64_t>(m);
+      if (k >= 0) {
+        add_patch(s, j, -1, argument.real_type(), argument.N(), patches[k]);
+      }
+      return;
+    }
+    if (!py::isinstance<py::list>(m) && !py::isinstance<py::tuple>(m)) {
+      unsupported("an argument tree node that is not a list or tuple");
+    }
+    const py::sequence elems = py::reinterpret_borrow<py::sequence>(m);
+    for (size_t e = 0; e < elems.size(); ++e) {
+      const py::object x = elems[e];
+      if (!py::isinstance<py::int_>(x)) {
+        unsupported("a nested list argument");
+      }
+      const auto k = py::cast<int64_t>(x);
+      if (k < 0) {
+        continue;
+      }
+      const c10::TypePtr elem_type = list_element(argument.real_type());
+      if (!elem_type || !s.stack[j].isList() || s.stack[j].toListRef().size() != elems.size()) {
+        unsupported("a list argument the schema does not take as a list");
+      }
+      add_patch(s, j, static_cast<int32_t>(e), elem_type, std::nullopt, patches[k]);
+    }
+  }
+
+  static void add_patch(Step& s, int32_t j, int32_t e, const c10::TypePtr& type,
+                        std::optional<int32_t> n, const py::handle& spec) {
+    const py::tuple t = py::reinterpret_borrow<py::tuple>(spec);
+    Patch p;
+    p.src = static_cast<Src>(py::cast<int>(t[0]));
+    p.arg = j;
+    p.elem = e;
+    switch (p.src) {
+      case Src::Slot:
+      case Src::SlotAlias:
+      case Src::MetaStep:
+        if (!tensor_like(type)) {
+          unsupported("a tensor where the schema takes " + type->str());
+        }
+        p.a = py::cast<int64_t>(t[1]);
+        break;
+      case Src::Meta:
+        if (!tensor_like(type)) {
+          unsupported("a tensor where the schema takes " + type->str());
+        }
+        p.a = -1;
+        p.shape = py::cast<std::vector<int64_t>>(t[1]);
+        p.stride = py::cast<std::vector<int64_t>>(t[2]);
+        p.dtype = dtype_of(t[3].ptr());
+        break;
+      case Src::Leaf:
+        p.a = py::cast<int64_t>(t[1]);
+        p.type = type;
+        p.n = n;
+        break;
+      case Src::Device:
+        if (!device_like(type)) {
+          unsupported("a device where the schema takes " + type->str());
+        }
+        p.a = -1;
+        break;
+      default:
+        unsupported("an unknown patch kind");
+    }
+    s.patches.push_back(std::move(p));
+  }
+
+  static void patch(const Step& s, std::vector<c10::IValue>& stack,
+                    const std::vector<c10::IValue>& regs, const py::object& leaves,
+                    const c10::Device& dev, PyObject* meta_name, PyObject* shape_name,
+                    PyObject* stride_name, PyObject* dtype_name) {
+    std::optional<c10::impl::GenericList> list;  // the list argument being patched, copied
+    int32_t list_arg = -1;
+    for (const Patch& p : s.patches) {
+      c10::IValue v;
+      switch (p.src) {
+        case Src::Slot:
+          v = regs[p.a];
+          break;
+        case Src::SlotAlias:
+          v = at::alias(regs[p.a].toTensor());
+          break;
+        case Src::Leaf: {
+          torch::jit::ToIValueAllowNumbersAsTensors allow(s.numbers_as_tensors);
+          v = torch::jit::toIValue(leaf_at(leaves, p.a), p.type, p.n);
+          break;
+        }
+        case Src::Meta:
+          v = at::empty_strided(p.shape, p.stride, at::TensorOptions().dtype(p.dtype).device(dev));
+          break;
+        case Src::MetaStep: {
+          py::object leaf = leaf_at(leaves, p.a);
+          auto m = py::reinterpret_steal<py::object>(get_attr(leaf.ptr(), meta_name));
+          auto shape = py::reinterpret_steal<py::object>(get_attr(m.ptr(), shape_name));
+          auto stride = py::reinterpret_steal<py::object>(get_attr(m.ptr(), stride_name));
+          auto dtype = py::reinterpret_steal<py::object>(get_attr(m.ptr(), dtype_name));
+          v = at::empty_strided(int_tuple(shape.ptr()), int_tuple(stride.ptr()),
+                                at::TensorOptions().dtype(dtype_of(dtype.ptr())).device(dev));
+          break;
+        }
+        case Src::Device:
+          v = dev;
+          break;
+      }
+      if (p.elem < 0) {
+        stack[p.arg] = std::move(v);
+        continue;
+      }
+      if (p.arg != list_arg) {
+        if (list) {
+          stack[list_arg] = c10::IValue(std::move(*list));
+        }
+        list = stack[p.arg].toList().copy();  // the template's list is shared by every run
+        list_arg = p.arg;
+      }
+      list->set(p.elem, std::move(v));
+    }
+    if (list) {
+      stack[list_arg] = c10::IValue(std::move(*list));
+    }
+  }
+
+  // eager.run_instr's random ops: the device's generator seeded from the step's (seed, offset)
+  // for this call, then restored (also when the op raises).
+  static void call_seeded(const Step& s, std::vector<c10::IValue>& stack, const c10::Device& dev,
+                          const py::object& rng) {
+    const py::tuple pair = py::reinterpret_borrow<py::tuple>(rng);
+    const uint64_t seed = PyLong_AsUnsignedLongLongMask(pair[0].ptr());
+    const uint64_t offset = PyLong_AsUnsignedLongLongMask(pair[1].ptr());
+    if (PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    at::Generator gen = generator_for(dev);
+    at::Tensor saved;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      saved = gen.get_state();
+      gen.set_current_seed(seed_from(seed, offset));
+    }
+    try {
+      s.op->callBoxed(stack);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(saved);
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(saved);
+  }
+
+  // The Python exception now set, returned with the failing instruction's index.
+  static py::object failure(size_t i) {
+    PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != nullptr && value != nullptr) {
+      PyException_SetTraceback(value, tb);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    if (value == nullptr) {
+      Py_INCREF(PyExc_RuntimeError);
+      value = PyExc_RuntimeError;
+    }
+    return py::make_tuple(py::int_(i), py::reinterpret_steal<py::object>(value));
+  }
+
+  int64_t registers_;
+  std::vector<int64_t> keep_;
+  std::vector<Step> steps_;
+  int64_t freed_ = 0;
+};
+
+} // namespace
+
+namespace genie {
+
+void add_replay_functions(py::module_& m) {
+  py::class_<Program>(m, "_ReplayProgram",
+                      "A tape's structure compiled for native replay "
+                      "(genie/backends/native_replay.py).")
+      .def(py::init<int64_t, std::vector<int64_t>>(), py::arg("registers"), py::arg("keep"))
+      .def("add_upload", &Program::add_upload, py::arg("out"), py::arg("device"),
+           py::arg("frees"))
+      .def("add_op", &Program::add_op, py::arg("name"), py::arg("overload"), py::arg("args"),
+           py::arg("kwargs"), py::arg("margs"), py::arg("mkwargs"), py::arg("patches"),
+           py::arg("outs"), py::arg("frees"), py::arg("device"), py::arg("rng"))
+      .def("run", &Program::run, py::arg("inputs"), py::arg("instrs"), py::arg("devices"))
+      .def_property_readonly("freed", &Program::freed)
+      .def("__len__", &Program::size);
+}
+
+} // namespace genie

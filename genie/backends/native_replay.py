@@ -1,0 +1,190 @@
+"""Native replay: a repeated plan's tape compiled once into a program of boxed dispatcher calls.
+
+:mod:`~genie.backends.codegen` runs a repeated plan as a generated Python function, and each of
+its instructions is still a Python call of an ``OpOverload`` (argument parsing from Python
+objects and a Python frame: ~3.5 µs per op on small tensors). Here the tape's structure is
+compiled once per plan into a ``genie._C._ReplayProgram`` (``csrc/replay.cpp``): per
+instruction the operator handle, the argument stack built against the schema (as
+``OpOverload.__call__`` builds it) with the constants in it, and *patches* for what varies:
+registers for :class:`~genie.planner.Slot` leaves (also inside lists such as ``cat``'s), and the
+per-step parameters read from the step's tape as codegen reads them (float arguments, host
+tensors, ``(seed, offset)`` of random ops, and every int and :class:`~genie.graph.MetaArg` of
+a shape-generic tape). A run is one native call: no Python per op.
+
+Invariants:
+
+* A program computes exactly what :func:`~genie.backends.eager.run_instrs` computes, op for op,
+  in the same order, with the same frees; ``GENIE_NATIVE_REPLAY=always`` runs every tape
+  through it (misses included) and the unit suite passes in every mode
+  (``tests/unit/test_native_replay.py`` pins the cases that could differ).
+* It depends only on the plan's structure (memoized on ``Plan.artifacts["native"]``, or
+  ``"native_generic"`` for tapes whose shapes differ from the plan's, as codegen's artifacts).
+* What it cannot compile (an op that is not an ``OpOverload``, an argument tree or type it does
+  not map) is decided once per plan (memoized as ``False``): that plan runs as generated code or
+  interpreted, as before.
+* An op that raises surfaces as :class:`~genie.errors.ExecutionError` naming the op, with the
+  exception eager raises (``IndexError``, ``RuntimeError``, ...) as its cause; the instructions
+  before it have run (an in-place write may have happened), so nothing is re-run.
+
+When: ``GENIE_NATIVE_REPLAY`` (``genie.config.native_replay``) = ``1`` (default: a plan's tapes
+from its second use on, before codegen), ``always`` (every tape), ``0`` (never: codegen and the
+interpreter as before). Counters: ``native_replay_plans`` (programs compiled),
+``native_replay_refused`` (tapes it could not compile, with the reason at ``GENIE_DEBUG=2``),
+``native_replays`` (tapes run natively).
+
+Example:
+    >>> import torch, genie
+    >>> x = torch.ones(3, device="remote_accelerator")
+    >>> for _ in range(3):
+    ...     y = ((x + 1) * 2).sum().item()
+    >>> y
+    12.0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from .. import _C
+from ..config import config, logger
+from ..device import real_device
+from ..errors import ExecutionError
+from ..meta import policy
+from ..planner import MetaArg, Slot, Tape
+from ..stats import bump
+
+UPLOAD = "genie.upload"
+MODES = ("1", "always", "0")
+
+# patch kinds of csrc/replay.cpp (enum Src)
+_SLOT, _SLOT_ALIAS, _LEAF, _META, _META_STEP, _DEVICE = range(6)
+
+# Stands for a tensor in a program's argument template (a register, a MetaArg, a host tensor:
+# the step's own is patched in), so that templates hold no step's values.
+_PLACEHOLDER = torch.zeros(())
+_CPU = torch.device("cpu")  # stands for the run's device in the template
+
+
+class Program:
+    """A compiled tape structure and what its runs need from Python."""
+
+    __slots__ = ("native", "others", "freed")
+
+    def __init__(self, native: Any, others: list[int]) -> None:
+        self.native = native
+        self.others = others  # remote_accelerator indices of instructions off the tape's device
+        self.freed = native.freed
+
+    def __len__(self) -> int:
+        return len(self.native)  # instructions
+
+    def __call__(self, tape: Tape, dev: torch.device) -> dict[int, Any]:
+        devices = [dev, *map(real_device, self.others)] if self.others else [dev]
+        r = self.native.run(tape.inputs, tape.instrs, devices)
+        if type(r) is tuple:  # (failing instruction, the exception it raised)
+            i, e = r
+            ins = tape.instrs[i]
+            raise ExecutionError(ins.op, ins.where, e, i) from e
+        if self.freed:
+            bump("values_freed", self.freed)
+        bump("native_replays")
+        return r
+
+
+def mode() -> str:
+    m = config.native_replay
+    if m not in MODES:
+        raise ValueError(f"GENIE_NATIVE_REPLAY={m!r}: expected '1' (default), 'always' or '0'")
+    return m
+
+
+def for_tape(tape: Tape) -> Program | None:
+    """The program to run ``tape`` with, or None (mode, a plan's first use, or not compilable)."""
+    m = mode()
+    if m == "0":
+        return None
+    plan = tape.plan
+    if plan is None:
+        return _compile_or_none(tape, tape.generic) if m == "always" else None
+    name = "native_generic" if tape.generic else "native"
+    p = plan.artifacts.get(name)
+    if p is None:
+        if m == "1" and plan.uses < 2:
+            return None
+        p = _compile_or_none(tape, tape.generic) or False
+        plan.artifacts[name] = p
+    return p or None
+
+
+def _compile_or_none(tape: Tape, generic: bool) -> Program | None:
+    try:
+        p = compile_tape(tape, generic)
+    except Exception as e:  # noqa: BLE001 - anything not compilable runs as before
+        logger.debug("genie: plan not replayed natively (%s)", e)
+        bump("native_replay_refused")
+        return None
+    bump("native_replay_plans")
+    return p
+
+
+def compile_tape(tape: Tape, generic: bool = False) -> Program:
+    """Compile ``tape``'s structure (see the module docstring); ``generic``: ints and MetaArgs
+    are read from each step's instructions too. Raises when an instruction cannot be mapped."""
+    others: list[int] = []
+    top = max([*tape.inputs, *tape.keep,
+               *(s for ins in tape.instrs for s in ins.outs if s is not None)], default=-1)
+    native = _C._ReplayProgram(top + 1, sorted(tape.keep))
+    for i, ins in enumerate(tape.instrs):
+        if ins.device == tape.index:
+            k = 0
+        else:
+            if ins.device not in others:
+                others.append(ins.device)
+            k = 1 + others.index(ins.device)
+        frees = list(ins.free)
+        if ins.op == UPLOAD:
+            out = ins.outs[0] if ins.outs and ins.outs[0] is not None else -1
+            native.add_upload(out, k, frees)
+            continue
+        op = ins.op
+        if not isinstance(op, torch._ops.OpOverload):
+            raise TypeError(f"instruction {i}: {op!r} is not an OpOverload")
+        values: list[Any] = []
+        marks: list[int] = []
+        patches: list[tuple[Any, ...]] = []
+        for p, x in enumerate(ins.leaves):
+            t = type(x)
+            patch: tuple[Any, ...] | None = None
+            value = x
+            if t is Slot:
+                patch, value = (_SLOT, x.id), _PLACEHOLDER
+            elif t is torch.device and x.type == "remote_accelerator":
+                patch, value = (_DEVICE,), _CPU
+            elif t is MetaArg:
+                m = x.meta
+                patch = (_META_STEP, p) if generic else \
+                    (_META, tuple(m.shape), tuple(m.stride), m.dtype)
+                value = _PLACEHOLDER
+            elif isinstance(x, torch.Tensor):  # a host tensor: a per-step parameter
+                patch, value = (_LEAF, p), _PLACEHOLDER
+            elif t is float or (generic and t is int):  # per-step parameters, as codegen's
+                patch = (_LEAF, p)
+            marks.append(-1 if patch is None else len(patches))
+            if patch is not None:
+                patches.append(patch)
+            values.append(value)
+        if ins.leaves and policy(op).inplace_view:
+            # eager.run_instr applies an in-place view op to a fresh alias of its first leaf
+            if type(ins.leaves[0]) is not Slot:
+                raise TypeError(f"instruction {i}: in-place view of a non-slot {ins.leaves[0]!r}")
+            patches[marks[0]] = (_SLOT_ALIAS, ins.leaves[0].id)
+        args, kwargs = optree.tree_unflatten(ins.spec, values)
+        margs, mkwargs = optree.tree_unflatten(ins.spec, marks)
+        s = op._schema
+        native.add_op(s.name, s.overload_name, tuple(args), dict(kwargs), tuple(margs),
+                      dict(mkwargs), patches, [-1 if o is None else o for o in ins.outs], frees,
+                      k, ins.rng is not None)
+    return Program(native, others)
