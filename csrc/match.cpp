@@ -38,6 +38,9 @@ struct State {
   PyTypeObject* ref = nullptr;
   PyTypeObject* alive = nullptr;
   PyTypeObject* storage = nullptr;
+  PyTypeObject* tensor_meta = nullptr;
+  Py_ssize_t tm_shape = 0, tm_stride = 0, tm_offset = 0, tm_dtype = 0, tm_index = 0, tm_conj = 0,
+             tm_neg = 0;
   Py_ssize_t n_leaves = 0, n_entry = 0, n_executed = 0, n_index = 0, n_where = 0,
              n_storages = 0, n_consumers = 0, n_outputs = 0, n_values = 0, n_metas = 0;
   Py_ssize_t r_node = 0, r_out = 0;
@@ -144,12 +147,62 @@ bool pending_on(PyObject* n, Py_ssize_t k, bool& ok) {
   return truthy(pw);
 }
 
+// Field by field equality of two values that are both exactly of the same kind.
+bool field_eq(PyObject* a, PyObject* b) {
+  if (a == b) {
+    return true;
+  }
+  if (a == nullptr || b == nullptr) {
+    return false;
+  }
+  const int r = PyObject_RichCompareBool(a, b, Py_EQ);
+  if (r < 0) {
+    throw py::error_already_set();
+  }
+  return r == 1;
+}
+
+// TensorMeta == TensorMeta as its dataclass __eq__ compares (the tuple of its fields), without
+// running Python; 0 or 1, or -1 when either is not exactly a TensorMeta (ask Python).
+int meta_eq(PyObject* a, PyObject* b) {
+  if (a == b) {
+    return 1;
+  }
+  if (Py_TYPE(a) != S.tensor_meta || Py_TYPE(b) != S.tensor_meta) {
+    return -1;
+  }
+  for (Py_ssize_t off : {S.tm_shape, S.tm_stride, S.tm_offset, S.tm_dtype, S.tm_index, S.tm_conj,
+                         S.tm_neg}) {
+    if (!field_eq(slot(a, off), slot(b, off))) {
+      return 0;
+    }
+  }
+  return 1;
+}
+
+// genie.plan_cache.same_kind for two TensorMetas (rank, dtype, device, math bits); -1: ask Python.
+int meta_same_kind(PyObject* a, PyObject* b) {
+  if (Py_TYPE(a) != S.tensor_meta || Py_TYPE(b) != S.tensor_meta) {
+    return -1;
+  }
+  PyObject* sa = slot(a, S.tm_shape);
+  PyObject* sb = slot(b, S.tm_shape);
+  if (sa == nullptr || sb == nullptr || !PyTuple_Check(sa) || !PyTuple_Check(sb)) {
+    return -1;
+  }
+  return slot(a, S.tm_dtype) == slot(b, S.tm_dtype) &&
+         field_eq(slot(a, S.tm_index), slot(b, S.tm_index)) &&
+         PyTuple_GET_SIZE(sa) == PyTuple_GET_SIZE(sb) &&
+         slot(a, S.tm_conj) == slot(b, S.tm_conj) && slot(a, S.tm_neg) == slot(b, S.tm_neg);
+}
+
 }  // namespace
 
 namespace genie {
 
 void match_init(py::object node, py::object ref, py::object alive, py::object storage,
-                py::object held_after, py::object same_const, py::object same_kind) {
+                py::object tensor_meta, py::object held_after, py::object same_const,
+                py::object same_kind) {
   auto type = [](py::object t) {
     if (!PyType_Check(t.ptr())) {
       throw py::type_error("genie._C._match_init: expected a class");
@@ -161,6 +214,14 @@ void match_init(py::object node, py::object ref, py::object alive, py::object st
   S.ref = type(ref);
   S.alive = type(alive);
   S.storage = type(storage);
+  S.tensor_meta = type(tensor_meta);
+  S.tm_shape = member_offset(S.tensor_meta, "shape");
+  S.tm_stride = member_offset(S.tensor_meta, "stride");
+  S.tm_offset = member_offset(S.tensor_meta, "offset");
+  S.tm_dtype = member_offset(S.tensor_meta, "dtype");
+  S.tm_index = member_offset(S.tensor_meta, "index");
+  S.tm_conj = member_offset(S.tensor_meta, "conj");
+  S.tm_neg = member_offset(S.tensor_meta, "neg");
   S.n_leaves = member_offset(S.node, "leaves");
   S.n_entry = member_offset(S.node, "entry");
   S.n_executed = member_offset(S.node, "executed");
@@ -503,17 +564,23 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       return slow;
     }
     if (meta != want) {
-      int eq = PyObject_RichCompareBool(meta, want, Py_EQ);
+      int eq = meta_eq(meta, want);
       if (eq < 0) {
-        throw py::error_already_set();
-      }
-      if (eq == 0 && generic && meta != Py_None && want != Py_None) {
-        py::object r = py::reinterpret_steal<py::object>(
-            PyObject_CallFunctionObjArgs(S.same_kind, meta, want, nullptr));
-        if (!r) {
+        eq = PyObject_RichCompareBool(meta, want, Py_EQ);
+        if (eq < 0) {
           throw py::error_already_set();
         }
-        eq = truthy(r.ptr());
+      }
+      if (eq == 0 && generic && meta != Py_None && want != Py_None) {
+        eq = meta_same_kind(meta, want);
+        if (eq < 0) {
+          py::object r = py::reinterpret_steal<py::object>(
+              PyObject_CallFunctionObjArgs(S.same_kind, meta, want, nullptr));
+          if (!r) {
+            throw py::error_already_set();
+          }
+          eq = truthy(r.ptr());
+        }
       }
       if (eq == 0) {
         return slow;

@@ -1110,6 +1110,61 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
 
 namespace genie {
 
+// instrs[i] = Instr(n.op, _leaves_of(n.leaves, t.leaves, shaped), t.spec, ...) for each i of
+// `indices`, n = found[i] and t = tmpl[i]: the instructions a plan-cache hit rebuilds from its
+// nodes (shape-generic nodes take their ints and metadata arguments; the others this step's
+// host tensors and floats). NotImplemented (nothing written) where a type is not the expected.
+py::object rebuild_instrs(const py::list& instrs, const py::list& found, const py::list& tmpl,
+                          const py::list& indices, bool shaped) {
+  if (!S.graph_ready || S.instr == nullptr) {
+    return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+  }
+  const Py_ssize_t k = PyList_GET_SIZE(indices.ptr());
+  const Py_ssize_t nn = PyList_GET_SIZE(instrs.ptr());
+  if (PyList_GET_SIZE(found.ptr()) != nn || PyList_GET_SIZE(tmpl.ptr()) != nn) {
+    return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+  }
+  std::vector<std::pair<Py_ssize_t, PyObject*>> made;
+  made.reserve(k);
+  try {
+    for (Py_ssize_t j = 0; j < k; ++j) {
+      const Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(indices.ptr(), j));
+      if (i < 0 || i >= nn) {
+        PyErr_Clear();
+        throw Unsupported();
+      }
+      PyObject* n = PyList_GET_ITEM(found.ptr(), i);
+      PyObject* t = PyList_GET_ITEM(tmpl.ptr(), i);
+      if (Py_TYPE(n) != S.node || Py_TYPE(t) != S.instr) {
+        throw Unsupported();
+      }
+      PyObject* leaves = get(n, S.n_leaves);
+      PyObject* tl = get(t, S.i_leaves);
+      if (leaves == nullptr || tl == nullptr || !PyList_CheckExact(leaves) ||
+          !PyList_CheckExact(tl) || PyList_GET_SIZE(leaves) != PyList_GET_SIZE(tl)) {
+        throw Unsupported();
+      }
+      made.emplace_back(i, new_instr(n, t, leaves_of(leaves, tl, shaped)));
+    }
+  } catch (const Unsupported&) {
+    for (auto& [i, ins] : made) {
+      Py_DECREF(ins);
+    }
+    return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+  } catch (...) {
+    for (auto& [i, ins] : made) {
+      Py_DECREF(ins);
+    }
+    throw;
+  }
+  for (auto& [i, ins] : made) {
+    if (PyList_SetItem(instrs.ptr(), i, ins) < 0) {  // steals ins
+      throw py::error_already_set();
+    }
+  }
+  return py::none();
+}
+
 void add_slice_functions(py::module_& m) {
   m.def("_slice_init", &slice_init, py::arg("objects"),
         "Give the native slice and instantiate the classes they read and make (genie.planner "
@@ -1119,6 +1174,10 @@ void add_slice_functions(py::module_& m) {
   m.def("_instantiate", &instantiate, py::arg("plan"), py::arg("targets"), py::arg("nodes"),
         py::arg("generic"),
         "genie.plan_cache.instantiate natively; NotImplemented where it does not apply.");
+  m.def("_rebuild_instrs", &rebuild_instrs, py::arg("instrs"), py::arg("found"), py::arg("tmpl"),
+        py::arg("indices"), py::arg("shaped"),
+        "The instructions a plan-cache hit rebuilds from its nodes, in place; NotImplemented "
+        "where it does not apply (nothing written).");
 }
 
 }  // namespace genie

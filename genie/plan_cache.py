@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from ._C import _instantiate as _native_instantiate
-from ._C import _match_core, _match_init, _slice_init
+from ._C import _match_core, _match_init, _rebuild_instrs, _slice_init
 from .config import config
 from .graph import Alive, MetaArg, Node, Ref, Storage, TensorMeta, gc_paused, pending_total
 from .graph import same_const as _same_const
@@ -452,17 +452,12 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
                 differs = True
     if hsi or changed:  # instructions that take this step's host tensors or floats
         shaped_set = set(shaped)
-        for i in dict.fromkeys([*hsi, *(fi[k] for k in changed)]):
-            if i not in shaped_set:
-                n, t = found[i], tmpl[i]
-                instrs[i] = Instr(n.op, _leaves_of(n.leaves, t.leaves, False), t.spec, t.outs,
-                                  n.rng, t.free, n.uid, n.where, t.device)
+        _rebuild(instrs, found, tmpl, [i for i in dict.fromkeys([*hsi, *(fi[k] for k in changed)])
+                                       if i not in shaped_set], False)
         for k in changed:  # as _match_slow: backends that bake constants in make these inputs
             plan.floats.add((fi[k], fp[k]))
-    for i in shaped:
-        n, t = found[i], tmpl[i]
-        instrs[i] = Instr(n.op, _leaves_of(n.leaves, t.leaves, True), t.spec, t.outs, n.rng,
-                          t.free, n.uid, n.where, t.device)
+    if shaped:
+        _rebuild(instrs, found, tmpl, shaped, True)
     if generic and not differs:
         differs = any(v.shape != pin[s].shape or v.stride() != pin[s].stride
                       for s, v in inputs.items())
@@ -476,6 +471,21 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     return Tape(instrs, inputs, list(want_out), set(plan.keep), found, PendingSlots(outs, islots),
                 plan.index, plan, differs)
 
+
+
+def _rebuild(instrs: list[Instr], found: list[Node], tmpl: list[Instr], indices: list[int],
+             shaped: bool) -> None:
+    """``instrs[i]`` rebuilt from node ``found[i]`` for each ``i`` of ``indices``: this step's
+    host tensors and floats, and (``shaped``) all its constants (natively with
+    ``config.native_slice``: csrc/slice.cpp, the same Instr objects)."""
+    if not indices:
+        return
+    if config.native_slice and _rebuild_instrs(instrs, found, tmpl, indices, shaped) is None:
+        return
+    for i in indices:
+        n, t = found[i], tmpl[i]
+        instrs[i] = Instr(n.op, _leaves_of(n.leaves, t.leaves, shaped), t.spec, t.outs, n.rng,
+                          t.free, n.uid, n.where, t.device)
 
 def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -> Any:
     """:func:`match`'s per-node part in Python (the reference of ``genie._C._match_core``,
@@ -999,4 +1009,4 @@ def structure_key(plan: Plan) -> str:
     return h.hexdigest()
 
 
-_match_init(Node, Ref, Alive, Storage, held_after, _same_const, same_kind)
+_match_init(Node, Ref, Alive, Storage, TensorMeta, held_after, _same_const, same_kind)

@@ -441,9 +441,12 @@ def test_native_match_core_agrees_with_python(monkeypatch) -> None:
     real = plan_cache.match
 
     def both(plan, targets, generic=False):  # noqa: ANN001, ANN202
+        # the reference: the Python columns, and instructions rebuilt in Python
         monkeypatch.setattr(config, "native_match", False)
+        monkeypatch.setattr(config, "native_slice", False)
         want = real(plan, targets, generic)
         monkeypatch.setattr(config, "native_match", True)
+        monkeypatch.setattr(config, "native_slice", True)
         got = real(plan, targets, generic)
         if want is None:
             assert got is None
@@ -451,15 +454,24 @@ def test_native_match_core_agrees_with_python(monkeypatch) -> None:
             _assert_same_tape(got, want)
             assert got.generic == want.generic
             assert [id(v) for v in got.inputs.values()] == [id(v) for v in want.inputs.values()]
-            assert [(i.rng, i.leaves) for i in got.instrs] == \
-                [(i.rng, i.leaves) for i in want.instrs]
+            fields = ("op", "spec", "outs", "rng", "free", "uid", "where", "device")
+            assert [(i.leaves, *(getattr(i, f) for f in fields)) for i in got.instrs] == \
+                [(i.leaves, *(getattr(i, f) for f in fields)) for i in want.instrs]
+            rebuilt = [k for k, (a, b) in enumerate(zip(got.instrs, plan.instrs)) if a is not b]
+            assert rebuilt == [k for k, (a, b) in enumerate(zip(want.instrs, plan.instrs))
+                               if a is not b]
         outcomes.append("hit" if got is not None else "none")
         return got
 
     monkeypatch.setattr(plan_cache, "match", both)
+    rebuilds = []
+    native_rebuild = plan_cache._rebuild_instrs
+    monkeypatch.setattr(plan_cache, "_rebuild_instrs",
+                        lambda *a: rebuilds.append(1) or native_rebuild(*a))
     core = []
     native = plan_cache._match_core
     monkeypatch.setattr(plan_cache, "_match_core", lambda *a: core.append(r := native(*a)) or r)
     _match_programs()
     assert outcomes.count("hit") >= 8 and "none" in outcomes, outcomes
+    assert rebuilds, "no hit rebuilt an instruction: the test no longer covers _rebuild_instrs"
     assert any(type(r) is tuple for r in core) and any(r is None or r is False for r in core)
