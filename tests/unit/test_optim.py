@@ -134,3 +134,21 @@ def test_clip_grad_norm_equals_eager(norm_type):
     assert torch.equal(got.cpu(), want)
     for p, q in zip(ref.parameters(), model.parameters(), strict=True):
         assert torch.equal(q.grad.cpu(), p.grad)
+
+
+def test_captured_step_records_foreach_ops_and_counts_steps_on_the_host():
+    """``genie.capture()`` of a training step: the optimizer region is a few ``_foreach_`` ops;
+    the CPU step counters (``_foreach_add_(steps, torch.tensor(1.0))``, a literal of the block)
+    are incremented on the host, as eagerly."""
+    model = _mlp().to(D)
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    _steps(model, opt, D)
+    x, y = _batch(0)
+    with genie.capture() as g:
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    ops = [str(i.op) for i in g.infos() if i.region == "optimizer"]
+    ops = [op for op in ops if op != "genie.upload"]  # the literal 1.0 (its upload is unused)
+    assert 0 < len(ops) <= 12 and all("_foreach_" in op for op in ops), ops
+    steps = [s["step"] for s in opt.state.values()]
+    assert all(type(t) is torch.Tensor and t.item() == STEPS + 1 for t in steps)
