@@ -5,7 +5,7 @@ Genie lists ``LazyTensor`` among PyTorch's foreach-capable tensor types (as DTen
 handful of ``_foreach_*`` ops per step instead of several ops per parameter. On the CPU build the
 device runs the same per-tensor kernels as eager CPU's ``foreach=True``, so the values are equal
 exactly; against eager's default (the for-loop implementation) they differ only in the rounding
-order of a few scalar factors.
+order of a few scalar factors. On CUDA (other kernels) only the tolerances hold.
 """
 
 import copy
@@ -16,6 +16,7 @@ from torch import nn
 
 import genie
 from genie.config import config
+from genie.device import real_device
 
 D = "remote_accelerator"
 STEPS = 5
@@ -89,7 +90,8 @@ def test_lazy_tensor_is_declared_foreach_capable():
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_steps_equal_eager(name):
     """Losses and parameters after ``STEPS`` steps: equal to eager CPU with ``foreach=True``
-    (the same kernels), close to eager's default for-loop implementation."""
+    (the same kernels, on the embedded CPU device), close to eager's default for-loop
+    implementation."""
     make = OPTIMIZERS[name]
     ref, ref_loop = _mlp(), _mlp()
     model = copy.deepcopy(ref).to(D)
@@ -97,11 +99,14 @@ def test_steps_equal_eager(name):
     want_loop = _steps(ref_loop, make(ref_loop.parameters()), "cpu")
     counts: list[int] = []
     got = _steps(model, make(model.parameters()), D, counts)
-    assert got == want
-    assert got == pytest.approx(want_loop, rel=1e-5, abs=1e-7)
+    exact = real_device(0).type == "cpu"
+    rtol, atol = (1e-5, 1e-7) if exact else (1e-4, 1e-5)  # CUDA: other kernels, other rounding
+    assert got == want if exact else got == pytest.approx(want, rel=rtol, abs=atol)
+    assert got == pytest.approx(want_loop, rel=rtol, abs=atol)
     for p, q, r in zip(ref.parameters(), model.parameters(), ref_loop.parameters(), strict=True):
-        assert torch.equal(q.cpu(), p)
-        torch.testing.assert_close(q.cpu(), r, rtol=1e-5, atol=1e-6)
+        if exact:
+            assert torch.equal(q.cpu(), p)
+        torch.testing.assert_close(q.cpu(), r, rtol=rtol, atol=max(atol, 1e-6))
     # the foreach path: a few _foreach_ ops per step (the first also creates the state)
     assert max(counts[1:]) <= 12, counts
 
@@ -131,9 +136,11 @@ def test_clip_grad_norm_equals_eager(norm_type):
     got = nn.utils.clip_grad_norm_(model.parameters(), 0.5, norm_type)
     recorded = genie.stats()["ops_recorded"] - before
     assert recorded <= 10, recorded  # _foreach_norm, stack, norm, the clip factor, _foreach_mul_
-    assert torch.equal(got.cpu(), want)
+    check = torch.equal if real_device(0).type == "cpu" else \
+        lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert check(got.cpu(), want)
     for p, q in zip(ref.parameters(), model.parameters(), strict=True):
-        assert torch.equal(q.grad.cpu(), p.grad)
+        assert check(q.grad.cpu(), p.grad)
 
 
 def test_captured_step_records_foreach_ops_and_counts_steps_on_the_host():
