@@ -21,7 +21,10 @@ The block pushes a ``TorchDispatchMode`` (per thread, popped even when the block
   per capture (and again only if modified: ``_version``) as ``upload`` nodes holding a snapshot;
   ops that read only host tensors run eagerly on the host (printing and ``.cpu()`` results
   stay ordinary tensors); an op that would write into such a host tensor raises
-  :class:`CaptureError` (eager would raise a device mismatch; move the tensor first);
+  :class:`CaptureError` (eager would raise a device mismatch; move the tensor first), unless
+  its only lazy operands are ``torch.tensor(...)`` literals of the block: then it runs on the
+  host with their data, as eager does (the foreach optimizers' CPU step counters:
+  ``_foreach_add_(steps, torch.tensor(1.0, device="cpu"))``);
 - nested blocks record into the innermost graph; values from an outer block are loads there.
 
 Leaving the block executes nothing. Only the usual triggers (``.item()``, ``.cpu()``, ``print``)
@@ -332,6 +335,8 @@ class CaptureMode(TorchDispatchMode):
         self.recorder = graph.recorder
         self.owner = owner
         self.default_type = torch.get_default_device().type
+        # torch.tensor(data) literals of the block -> their host data (see _literals_on_host)
+        self.literal_data: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
@@ -348,12 +353,16 @@ class CaptureMode(TorchDispatchMode):
                 if not has_lazy:  # torch.tensor(data) inside the block: a new tensor, captured
                     up = upload(args[0], self.graph.index)
                     self.graph.literals.add(_ids.position(up._node))
+                    self.literal_data[up] = args[0]
                     return up
             elif func is _to_copy and not has_lazy:
                 return self._to_device(args, kwargs)
             elif not has_lazy or func in _TRANSFERS:
                 return func(*args, **kwargs)
             else:
+                host = self._literals_on_host(func, args, kwargs)
+                if host is not None:
+                    return func(*host[0], **host[1])
                 args, kwargs = self._upload_host(func, args, kwargs)
         elif not has_lazy:
             return func(*args, **kwargs)
@@ -384,6 +393,24 @@ class CaptureMode(TorchDispatchMode):
         if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE:
             return record_factory(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _literals_on_host(self, func: Any, args: tuple, kwargs: dict
+                          ) -> tuple[tuple, dict] | None:
+        """``(args, kwargs)`` with the block's literals as their host data, when ``func``
+        writes into a host tensor and every LazyTensor among its arguments is such a literal
+        (the op then stays on the host, as eagerly); None otherwise."""
+        pol = policy(func)
+        if not any(isinstance(t, torch.Tensor) and not isinstance(t, LazyTensor)
+                   for pos in pol.writes
+                   for t in _as_list(pol.arg(pos, args, kwargs))):
+            return None
+        data = self.literal_data
+        lazy = [x for x in optree.tree_leaves((args, kwargs), none_is_leaf=True)
+                if isinstance(x, LazyTensor)]
+        if not all(x in data for x in lazy):
+            return None
+        return optree.tree_map(lambda x: data[x] if isinstance(x, LazyTensor) else x,
+                               (args, kwargs), none_is_leaf=True)
 
     def _upload_host(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         pol = policy(func)
@@ -429,6 +456,10 @@ class CaptureMode(TorchDispatchMode):
 
 
 _LAZY, _HOST = 1, 2
+
+
+def _as_list(a: Any) -> Any:
+    return a if isinstance(a, (list, tuple)) else (a,)
 _Tensor = torch.Tensor
 
 

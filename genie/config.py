@@ -2,7 +2,7 @@
 
 ``GENIE_DEVICE``, ``GENIE_DEVICE_COUNT``, ``GENIE_META_CACHE``, ``GENIE_RECORD_SOURCE``,
 ``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD``, ``GENIE_NATIVE_BIND``, ``GENIE_NATIVE_MATCH``,
-``GENIE_NATIVE_SLICE``, ``GENIE_NATIVE_REPLAY`` and ``GENIE_DEBUG`` live here; the engine and
+``GENIE_NATIVE_SLICE``, ``GENIE_NATIVE_REPLAY``, ``GENIE_FOREACH`` and ``GENIE_DEBUG`` live here; the engine and
 remote modules read their own (``GENIE_BACKENDS``, ``GENIE_PLAN_CACHE``, ``GENIE_COMPILER``,
 ``GENIE_SERVER``, ...). docs/env.md is the one table of all of them, with meanings and defaults.
 """
@@ -46,6 +46,9 @@ class Config:
     # Run a repeated plan's tape as a native program (csrc/replay.cpp): "1" from a plan's
     # second use, "always" every tape, "0" never (generated Python or the interpreter).
     native_replay: str = _flag("GENIE_NATIVE_REPLAY", "1").lower() or "1"
+    # Optimizers and clip_grad_norm_ take their multi-tensor _foreach_ path on LazyTensors
+    # (genie.lazy_tensor: ~8 recorded ops per AdamW step instead of ~10 per parameter).
+    foreach: bool = _flag("GENIE_FOREACH", "1") != "0"
 
     def on_change(self, listener: Callable[[Config], None]) -> None:
         """Call ``listener(self)`` now and after every change of a setting (native code that

@@ -29,7 +29,10 @@ warning per reason):
   The ops in that table (``addcdiv``/``addcmul``, ``add``/``sub`` with ``alpha``, ``mul``/``div``
   by a Scalar, and their in-place forms: what optimizers use for per-step factors such as Adam's
   ``addcdiv_(..., value=-lr / bias_correction)``) are lowered with the scalar in a Tensor-typed
-  argument, where it is a kernel argument, so an Adam loop compiles once;
+  argument, where it is a kernel argument, so an Adam loop compiles once. Their ``_foreach_*``
+  forms (``Scalar``, ``ScalarList`` and ``add``/``sub`` ``List`` with ``alpha``: the
+  multi-tensor optimizers' bias corrections and step sizes) are lowered as one such op per
+  tensor, the k-th float of a ScalarList going to the k-th tensor's op;
 - plans whose compilation failed, disagreed with eager in the trial, or recompiled.
 
 Tapes with fewer than ``GENIE_COMPILE_MIN_INSTRS`` (default 3) compute instructions are not worth
@@ -245,8 +248,14 @@ def to_graph_module(tape: Tape, dev: torch.device,
             if type(src) is Slot and src.id in chain:
                 chain[ins.outs[0]] = (*chain[src.id], i)
         for k, s in enumerate(ins.outs):
-            if s is not None:
-                env[s] = node if kind == "one" else g.call_function(operator.getitem, (node, k))
+            if s is None:
+                continue
+            if kind == "one":
+                env[s] = node
+            elif type(node) is list:  # a rewritten _foreach_ op: one node per tensor
+                env[s] = node[k]
+            else:
+                env[s] = g.call_function(operator.getitem, (node, k))
     keep = [s for s in sorted(tape.keep) if s not in chain]
     replayed = [s for s in sorted(tape.keep) if s in chain]
     replay = sorted({i for s in replayed for i in chain[s]})
@@ -295,14 +304,16 @@ def _changing_scalar(tape: Tape, floats: set[tuple[int, int]]) -> str | None:
         rewrite = _SCALAR_REWRITES.get(ins.op)
         if rewrite is not None:
             args, _ = optree.tree_unflatten(ins.spec, ins.leaves)
-            if all(type(a) is Slot for a in args[:rewrite.tensors]):
+            if all(_lazy(a) for a in args[:rewrite.tensors]):
                 continue
         arg = _schema_arg(ins.op, ins.spec, j)
         name = arg.name if arg is not None else "?"
         return (f"the float argument '{name}' of {ins.op} changes from step to step, and "
                 "torch.compile specializes non-Tensor arguments (it would recompile every "
                 "step); ops whose scalars can be graph inputs (with Tensor operands): "
-                + ", ".join(sorted(str(op) for op in _SCALAR_REWRITES)))
+                + ", ".join(sorted(str(op) for op in _SCALAR_REWRITES
+                                   if not op.__name__.startswith("_foreach_")))
+                + ", and their _foreach_ forms")
     return None
 
 
@@ -315,12 +326,20 @@ def _changing_scalar(tape: Tape, floats: set[tuple[int, int]]) -> str | None:
 # (aten/src/ATen/native/cpu/PointwiseOpsKernel.cpp, BinaryOpsKernel.cpp), so the values are
 # eager's up to how the compiler fuses them (checked by the trial run).
 
+def _lazy(a: Any) -> bool:
+    """A lazy value (a slot of the tape), or a list of them (a ``Tensor[]`` argument)."""
+    if type(a) in (list, tuple):
+        return bool(a) and all(type(x) is Slot for x in a)
+    return type(a) is Slot
+
+
 def _kw(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str) -> Any:
     return args[pos] if len(args) > pos else kwargs.get(name, 1)
 
 
 class _Rewrite:
-    """An fx emitter for one op; its first ``tensors`` arguments must be Tensors (lazy values)."""
+    """An fx emitter for one op; its first ``tensors`` arguments must be Tensors (lazy values),
+    or lists of them for a ``_foreach_`` op."""
 
     def __init__(self, tensors: int, emit: Any) -> None:
         self.tensors = tensors
@@ -363,6 +382,44 @@ def _as_tensor_overload(op: Any) -> _Rewrite:
     return _Rewrite(1, emit)
 
 
+def _per_tensor(elem: _Rewrite, lists: int) -> _Rewrite:
+    """A ``_foreach_`` op as ``elem`` once per tensor (a list of fx nodes, one per output).
+
+    Its first ``lists`` arguments are ``Tensor[]``; a ``Scalar[]`` argument gives the k-th
+    tensor's op its k-th float, a Scalar goes to every one. This is also how PyTorch's own
+    per-tensor (slow path) foreach kernels compute them: ``xs[k].div_(scalars[k])``.
+    """
+    def pick(a: Any, k: int) -> Any:
+        return a[k] if type(a) in (list, tuple) else a
+
+    def emit(g: torch.fx.Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return [elem(g, tuple(pick(a, k) for a in args),
+                     {name: pick(v, k) for name, v in kwargs.items()})
+                for k in range(len(args[0]))]
+
+    return _Rewrite(lists, emit)
+
+
+def _foreach_rewrites(table: dict[Any, _Rewrite]) -> None:
+    """Add the ``_foreach_`` forms of the ops in ``table`` (what multi-tensor optimizers call
+    with per-step floats: Adam's ``_foreach_div_(xs, bias_corrections)`` and
+    ``_foreach_addcdiv_(params, m, v, step_sizes)``, SGD's ``_foreach_add_(ps, gs, alpha=-lr)``
+    under a scheduler)."""
+    aten = torch.ops.aten
+    for name in ("add", "sub", "mul", "div"):
+        for suffix in ("", "_"):
+            fe = getattr(aten, f"_foreach_{name}{suffix}")
+            scalar = _per_tensor(_as_tensor_overload(getattr(aten, name + suffix).Tensor), 1)
+            table[fe.Scalar] = table[fe.ScalarList] = scalar
+            if name in ("add", "sub"):  # List with alpha
+                table[fe.List] = _per_tensor(table[getattr(aten, name + suffix).Tensor], 2)
+    for name in ("addcdiv", "addcmul"):
+        for suffix in ("", "_"):
+            fe = getattr(aten, f"_foreach_{name}{suffix}")
+            per = _per_tensor(table[getattr(aten, name + suffix).default], 3)
+            table[fe.Scalar] = table[fe.ScalarList] = per
+
+
 def _scalar_rewrites() -> dict[Any, _Rewrite]:
     aten = torch.ops.aten
     table = {
@@ -379,6 +436,7 @@ def _scalar_rewrites() -> dict[Any, _Rewrite]:
         for suffix in ("", "_"):
             packet = getattr(aten, name + suffix)
             table[packet.Scalar] = _as_tensor_overload(packet.Tensor)
+    _foreach_rewrites(table)
     return table
 
 

@@ -48,7 +48,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.testing._internal.common_methods_invocations import op_db
+from torch.testing._internal import common_methods_invocations as _cmi
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -97,7 +97,18 @@ FAST_OPS = frozenset({
     # factories, conversions, fills, random
     "zeros_like", "full", "arange", "new_zeros", "to", "fill", "zero_", "empty", "randn",
     "nn.functional.dropout",
+    # multi-tensor (what optimizers and clip_grad_norm_ call on LazyTensors)
+    "_foreach_add", "_foreach_sub", "_foreach_mul", "_foreach_div", "_foreach_addcdiv",
+    "_foreach_addcmul", "_foreach_lerp", "_foreach_sqrt", "_foreach_neg", "_foreach_maximum",
+    "_foreach_pow", "_foreach_norm", "_foreach_max", "_foreach_copy", "_foreach_zero",
 })
+
+
+# op_db and the _foreach_* OpInfos, which PyTorch keeps in databases of their own
+op_db = _cmi.op_db + [op for name in ("foreach_unary_op_db", "foreach_binary_op_db",
+                                      "foreach_pointwise_op_db", "foreach_reduce_op_db",
+                                      "foreach_other_op_db")
+                      for op in getattr(_cmi, name, ())]
 
 
 def op_name(op: Any) -> str:

@@ -238,6 +238,18 @@ def test_scalar_rewrites_equal_eager(use_compiled):
         "sub_ alpha": lambda x, y, v: (x * 1).sub_(y, alpha=v) * 2,
         "mul.Scalar": lambda x, y, v: torch.ops.aten.mul.Scalar(x, v) + y,
         "div_.Scalar": lambda x, y, v: torch.ops.aten.div_.Scalar(x * 1, v) + y,
+        # the _foreach_ forms (multi-tensor optimizers): a float list, one float per tensor
+        "_foreach_div_.ScalarList": lambda x, y, v: _foreach_sum(
+            lambda xs: torch._foreach_div_(xs, [v, 2 * v]), x, y),
+        "_foreach_addcdiv_.ScalarList": lambda x, y, v: _foreach_sum(
+            lambda xs: torch._foreach_addcdiv_(xs, [x, y], [y, x], [-v, v / 3]), x, y),
+        "_foreach_addcmul.Scalar": lambda x, y, v: sum(torch._foreach_addcmul(
+            [x, y], [y, x], [x, x], value=v)),
+        "_foreach_mul.Scalar": lambda x, y, v: sum(torch._foreach_mul([x, y], v)),
+        "_foreach_add_.List alpha": lambda x, y, v: _foreach_sum(
+            lambda xs: torch._foreach_add_(xs, [y, x], alpha=-v), x, y),
+        "_foreach_sub_.ScalarList": lambda x, y, v: _foreach_sum(
+            lambda xs: torch._foreach_sub_(xs, [v, v * v]), x, y),
     }
     for name, f in cases.items():
         genie.reset_stats()
@@ -246,6 +258,13 @@ def test_scalar_rewrites_equal_eager(use_compiled):
             torch.testing.assert_close(f(da, db, v).sum(0).cpu(), f(a, b, v).sum(0), msg=name)
         s = genie.stats()
         assert s["compiled_runs"] >= 2 and s["compiled_plans"] <= 2, (name, s)
+
+
+def _foreach_sum(update, x, y):
+    """``update`` applied in place to copies of ``x`` and ``y``, then their sum."""
+    xs = [x * 1, y * 1]
+    update(xs)
+    return xs[0] + xs[1]
 
 
 @pytest.mark.parametrize("case", ["clamp", "scalar operand"])

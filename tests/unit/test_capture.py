@@ -190,6 +190,20 @@ def test_writing_a_host_tensor_with_device_values_raises():
             host.add_(x)
 
 
+def test_writing_a_host_tensor_with_literals_of_the_block_runs_on_the_host():
+    """``torch.tensor(data)`` is a literal of the block: an op writing a host tensor with only
+    literals as device operands stays on the host, as eagerly (foreach optimizers increment their
+    CPU step counters with ``_foreach_add_(steps, torch.tensor(1.0, device="cpu"))``)."""
+    steps = [torch.zeros(()), torch.ones(())]
+    with genie.capture() as g:
+        one = torch.tensor(1.0, device="cpu")
+        torch._foreach_add_(steps, one, alpha=2.0)
+        y = one * 3  # still a literal of the graph
+    assert type(one) is genie.LazyTensor
+    assert all(type(t) is torch.Tensor for t in steps) and [t.item() for t in steps] == [2.0, 3.0]
+    assert y.item() == 3.0 and [str(n.op) for n in g.nodes] == ["genie.upload", "aten.mul.Tensor"]
+
+
 def test_host_model_weights_are_uploaded_as_parameters():
     torch.manual_seed(0)
     lin = nn.Linear(4, 3)
