@@ -493,11 +493,11 @@ def entry_for(func: Any, args: tuple, kwargs: dict | None) -> tuple[MetaEntry, l
             key_parts.append(t)
             if pol.float_values_matter:
                 key_parts.append(x)
-        elif isinstance(x, (torch.Tensor, torch.Generator)):
-            return None
-        else:
+        elif t is int or t is bool or not isinstance(x, (torch.Tensor, torch.Generator)):
             key_parts.append(t)
             key_parts.append(x)
+        else:
+            return None  # host tensors and generators: record() handles them
     before = [_counts.get(k, 0) for k in _MISS_COUNTERS]
     try:
         entry, cached = _entry(func, pol, key_parts, leaves, spec, index)
