@@ -962,6 +962,9 @@ std::shared_ptr<Entry> entry_from_python(PyObject* func, const OpInfo& info, PyO
   py::object r = py::reinterpret_steal<py::object>(PyObject_CallFunctionObjArgs(
       S.entry_for, func, args, kwargs != nullptr ? kwargs : Py_None, nullptr));
   if (!r) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+      throw py::error_already_set();  // KeyboardInterrupt, SystemExit: not the call's error
+    }
     PyErr_Clear();  // record() raises it again, from the user's call
     return nullptr;
   }

@@ -677,3 +677,28 @@ def test_errors_on_a_miss_are_eagers(bad: str) -> None:
                           {k: v for k, v in genie.stats().items() if k in _RECORDING})
     assert errors[False] == errors[True], errors
     assert errors[None][0] is errors[True][0], errors
+
+
+def test_an_interrupt_during_a_miss_propagates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only an inference that raises an Exception sends a miss to the Python path (which raises
+    eager's error); a KeyboardInterrupt while inferring reaches the user on both paths."""
+    from genie import shape_rules
+
+    calls = []
+
+    def interrupted_once(args: tuple, index: int) -> None:  # then declines: the meta kernel
+        calls.append(args)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    x, _ = _inputs()
+    monkeypatch.setitem(shape_rules.RULES, torch.ops.aten.view.default, interrupted_once)
+    for native in (False, True):
+        config.native_record = native
+        meta_cache.clear()
+        calls.clear()
+        with pytest.raises(KeyboardInterrupt):
+            x.view(3, 8)
+        assert len(calls) == 1  # not inferred again by the Python path
+    monkeypatch.undo()
+    assert x.view(3, 8).shape == (3, 8)
