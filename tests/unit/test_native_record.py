@@ -40,10 +40,10 @@ pytestmark = pytest.mark.skipif(not _C._record_native, reason="genie._C built wi
 
 @pytest.fixture(autouse=True)
 def _native_on() -> Iterator[None]:
-    before = config.native_record
-    config.native_record = True
+    before = config.native_record, config.native_record_miss
+    config.native_record = config.native_record_miss = True
     yield
-    config.native_record = before
+    config.native_record, config.native_record_miss = before
 
 
 # --- describing a recorded graph, independently of object identities --------------------------
@@ -471,6 +471,18 @@ def test_environment_switch() -> None:
     assert out == ["False", "0"]
 
 
+@pytest.mark.parametrize("env,expected", [("0", ["False", "0"]), ("1", ["True", "4"])])
+def test_environment_switch_of_the_miss_path(env: str, expected: list[str]) -> None:
+    code = ("import torch, genie; from genie import _C; from genie.config import config; "
+            "x = torch.ones(8, device='remote_accelerator'); y = x[:1] + 1; "
+            "_C._record_reset_stats(); y = [x[:n] + 1 for n in (2, 3)]; "
+            "print(config.native_record_miss, _C._record_stats()['miss_native'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, "GENIE_NATIVE_RECORD_MISS": env,
+                              "GENIE_NATIVE_RECORD": "1"}, check=True).stdout.split()
+    assert out == expected
+
+
 def test_clearing_the_meta_cache_forgets_learned_entries() -> None:
     x, _ = _inputs()
     y = x * 7
@@ -616,15 +628,12 @@ def test_new_shapes_record_natively_with_eager_values() -> None:
 
 
 def test_the_switch_sends_misses_to_the_python_path() -> None:
-    config.native_record_miss = False
-    try:
-        meta_cache.clear()
-        _C._record_reset_stats()
-        _decode(D)
-        counts = _C._record_stats()
-        assert counts["miss_native"] == 0 and counts["learned"] > 30, counts
-    finally:
-        config.native_record_miss = True
+    config.native_record_miss = False  # the fixture restores it
+    meta_cache.clear()
+    _C._record_reset_stats()
+    _decode(D)
+    counts = _C._record_stats()
+    assert counts["miss_native"] == 0 and counts["learned"] > 30, counts
 
 
 def test_a_plan_repeats_over_new_shapes_both_ways() -> None:
