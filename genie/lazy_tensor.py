@@ -336,7 +336,8 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
 def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
             index: int, graph: Graph) -> Any:
     _counts["ops_recorded"] += 1
-    # One pass over the leaves builds both the cache key and the recorded arguments.
+    # One pass over the leaves builds both the cache key and the recorded arguments (entry_for
+    # builds the same key; test_native_record's native_cold mode compares the entries found).
     key_parts: list[Any] = [pol.key, spec]
     rec: list[Any] = []
     for x in leaves:
