@@ -6,6 +6,12 @@ Two workloads, the same ATen ops in every variant:
   where eager's compute is negligible, so eager's time is PyTorch's dispatch floor;
 * an MLP forward (4 x Linear(256, 256) + ReLU, batch 32) under ``torch.no_grad()``.
 
+And genie alone on 1,000 ops each with a shape not seen before (``x[:, :n] + 1.0``,
+``flat[:4 * n].view(n, 4)`` for new n: what a decode step's attention or a new prompt length
+costs), recorded natively with the entry from Python (``genie``), through the whole Python path
+(``genie (miss to Python)``, ``GENIE_NATIVE_RECORD_MISS=0``), and the same ops with shapes seen
+before (``genie (hits)``).
+
 "Record only" means the graph is built and then dropped, never run: for genie no
 ``materialize``, for ``torch._lazy`` no ``mark_step``. ``genie (no meta cache)`` turns
 ``genie.config.config.meta_cache`` off, so every op pays meta inference (the cache's effect);
@@ -18,6 +24,7 @@ interleaved (see ``interleave`` in conftest.py), so the ratios are paired.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -107,3 +114,38 @@ def test_record_mlp_forward(benchmark, ratios, workloads) -> None:
     variants[NO_CONTEXT] = _without_context(variants["genie"])
     row.notes.append(f"{ops} ATen ops/forward")
     workloads.interleave(benchmark, row, variants, rounds=15, inner=20, per=ops)
+
+
+NEW_SHAPES = 250  # steps of 4 ops
+MISS_OFF = "genie (miss to Python)"
+HITS = "genie (hits)"
+
+
+def test_record_new_shapes(benchmark, ratios, workloads) -> None:
+    benchmark.group = "record: 1,000 ops with new shapes (slice, add, view; one round = all)"
+    row = ratios.row(SUITE, "1,000 ops, each with a shape not seen before (slice + add, slice + "
+                     "view)", ratios=[(MISS_OFF, "genie"), ("genie", HITS)])
+    rounds = 9
+    top = (rounds + 2) * 2 * NEW_SHAPES + 1  # the new shapes below it, the repeated ones above
+    x = torch.randn(2, top + NEW_SHAPES).to(workloads.dev)
+    flat = torch.randn(4 * (top + NEW_SHAPES)).to(workloads.dev)
+    genie.materialize(x, flat)
+    new = itertools.count(1)  # one counter for both variants: neither sees the other's shapes
+
+    def steps(ns: object) -> None:
+        for n in ns:
+            x[:, :n] + 1.0
+            flat[: 4 * n].view(n, 4)
+
+    def miss_off() -> None:
+        saved = config.native_record_miss
+        config.native_record_miss = False
+        try:
+            steps(itertools.islice(new, NEW_SHAPES))
+        finally:
+            config.native_record_miss = saved
+
+    fixed = range(top, top + NEW_SHAPES)
+    variants = {"genie": lambda: steps(itertools.islice(new, NEW_SHAPES)), MISS_OFF: miss_off,
+                HITS: lambda: steps(fixed)}
+    workloads.interleave(benchmark, row, variants, rounds=rounds, per=4 * NEW_SHAPES)

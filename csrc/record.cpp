@@ -10,18 +10,22 @@
 // are handled); every argument and keyword argument a LazyTensor, int, float, bool, None, str,
 // dtype, layout, memory format or device, or one level of list/tuple of those; all LazyTensors
 // on one device index; the default graph (no genie.capture block), meta cache on, no source
-// recording, no profiler; and a meta-cache entry this path has seen before for exactly these
-// arguments (its outputs fresh, views or the written arguments, none with conj/neg bits, no
-// out= argument to resize).
+// recording, no profiler; and a meta-cache entry for exactly these arguments (its outputs fresh,
+// views or the written arguments, none with conj/neg bits, no out= argument to resize).
 //
 // The cache. Python's meta-cache key is (op, argument tree, TensorMeta of each input by value,
 // constants); hashing a TensorMeta by value is Python code. This path keys on the same things
 // but takes each input's TensorMeta by identity (a TensorMeta is immutable, and the key holds a
 // reference, so its address is never reused while the key lives). A key this path has not seen
-// goes to the fallback; the node the fallback records carries the meta-cache entry Python found
-// for the equal value key (Node.entry), and this path learns key -> entry from it. Identity keys
-// are finer than value keys, so a learned entry is always the one Python would use; both caches
-// are cleared together (genie.meta.MetaCache calls _record_clear).
+// (a "miss": new shapes, every decode step and prompt length) asks genie.lazy_tensor.entry_for
+// for the entry Python's meta cache holds for the equal value key (inferring it on a miss there,
+// as _record would), checks that entry_for flattened the call into the very leaves this path
+// did, remembers key -> entry and records the node here. Where entry_for declines (its
+// inference raised: the fallback raises eager's error; config.native_record_miss off), the
+// call goes to the fallback, and this path learns key -> entry from the node it records
+// (Node.entry). Identity keys are finer than value keys, so an entry remembered is always the
+// one Python would use; both caches are cleared together (genie.meta.MetaCache calls
+// _record_clear).
 //
 // Objects: the Node, Refs, Storages, MetaArgs and liveness tokens are allocated as
 // object.__new__ does and their __slots__ written directly (offsets from the member descriptors,
@@ -174,6 +178,7 @@ struct State {
   PyTypeObject* meta_entry = nullptr;
   PyTypeObject* graph_type = nullptr;
   PyObject* fallback = nullptr;       // lazy_tensor._dispatch(func, args, kwargs)
+  PyObject* entry_for = nullptr;      // lazy_tensor.entry_for(func, args, kwargs), or nullptr
   PyObject* counts = nullptr;         // genie.stats._counts
   PyObject* profiler = nullptr;       // torch.autograd.profiler.__dict__
   PyObject* tls = nullptr;            // lazy_tensor._tls (graphs: the capture stack)
@@ -202,6 +207,7 @@ struct Flags {
   bool meta_cache = false;
   bool record_source = true;
   bool gc_untrack = true;
+  bool native_record_miss = true;
 };
 
 Flags flags;
@@ -221,11 +227,12 @@ enum Reason {
   kCapture,
   kUnseen,
   kEntry,
+  kMissNative,
   kReasons
 };
 const char* const kReasonNames[kReasons] = {
     "handled", "learned", "off", "profiler", "kwargs", "op_policy", "arguments",
-    "devices", "capture", "unseen", "entry"};
+    "devices", "capture", "unseen", "entry", "miss_native"};
 std::array<uint64_t, kReasons> reasons{};
 
 PyObject* checked(PyObject* o);
@@ -364,7 +371,8 @@ enum Tag : uint64_t {
 
 using Words = c10::SmallVector<uint64_t, 32>;
 
-uint64_t hash_words(const Words& w) {
+template <class W>
+uint64_t hash_words(const W& w) {
   uint64_t h = 0x9E3779B97F4A7C15ull;
   for (uint64_t x : w) {
     h ^= x + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
@@ -823,6 +831,86 @@ py::object recorded_node(PyObject* func, const OpInfo& info, PyObject* args, PyO
   return py::object();
 }
 
+// The native Entry for `call` from genie.meta.MetaEntry `entry` (the one Python's meta cache holds
+// for the call's value key): its outputs decoded, or python_only where this path does not make
+// them (conj/neg outputs, an out= argument to resize).
+std::shared_ptr<Entry> make_entry(const OpInfo& info, PyObject* args, PyObject* kwargs,
+                                  const Call& call, PyObject* entry) {
+  auto e = std::make_shared<Entry>();
+  e->words.assign(call.words.begin(), call.words.end());
+  for (const auto& l : call.lazies) {
+    e->held.push_back(new_ref(l.meta));
+  }
+  for (PyObject* x : call.leaves) {
+    if (THPDtype_Check(x) || THPLayout_Check(x) || THPMemoryFormat_Check(x)) {
+      e->held.push_back(new_ref(x));
+    }
+  }
+  for (PyObject* x : call.interned) {
+    e->held.push_back(new_ref(x));
+  }
+  e->entry = new_ref(entry);
+  e->metas = new_ref(slot(entry, S.me_metas));
+  e->out_spec = new_ref(slot(entry, S.me_out_spec));
+  e->consts = new_ref(slot(entry, S.me_consts));
+  e->spec = new_ref(slot(entry, S.me_spec));
+  if (!PyList_CheckExact(e->metas) || !PyList_CheckExact(e->consts) ||
+      PyList_GET_SIZE(e->metas) != PyList_GET_SIZE(e->consts)) {
+    e->python_only = true;
+    return e;
+  }
+  const int single = PyObject_RichCompareBool(e->out_spec, S.leaf_spec, Py_EQ);
+  if (single < 0) {
+    PyErr_Clear();
+    e->python_only = true;
+  }
+  e->single = single == 1;
+  if (!e->python_only && !read_plan(*e, slot(entry, S.me_plan))) {
+    e->python_only = true;
+  }
+  // An out= argument of another size is resized first (lazy_tensor._record): left to Python.
+  // Its TensorMeta is in the key, so the sizes compare the same on every call with it.
+  for (const Out& o : e->outs) {
+    if (e->python_only || o.kind != Kind::kWrite) {
+      continue;
+    }
+    PyObject* src = alias_source(info, args, kwargs, o);
+    py::object sn = py::reinterpret_steal<py::object>(src ? lazy_attr(src, names->node) : nullptr);
+    py::object so = py::reinterpret_steal<py::object>(src ? lazy_attr(src, names->out) : nullptr);
+    if (!sn || !so || Py_TYPE(sn.ptr()) != S.node) {
+      e->python_only = true;
+      continue;
+    }
+    PyObject* src_meta = PySequence_GetItem(slot(sn.ptr(), S.n.metas), PyLong_AsSsize_t(so.ptr()));
+    PyObject* out_meta = PyList_GET_ITEM(e->metas, o.k);
+    if (src_meta == nullptr || Py_TYPE(src_meta) != S.tensor_meta ||
+        Py_TYPE(out_meta) != S.tensor_meta) {
+      PyErr_Clear();
+      e->python_only = true;
+    } else {
+      const int same = PyObject_RichCompareBool(slot(src_meta, S.tm_shape),
+                                                slot(out_meta, S.tm_shape), Py_EQ);
+      if (same != 1) {
+        PyErr_Clear();
+        e->python_only = true;
+      }
+    }
+    Py_XDECREF(src_meta);
+  }
+  return e;
+}
+
+// Remember `e` under its words (a full table is cleared first, as genie.meta.MetaCache.put).
+void store_entry(std::shared_ptr<Entry> e) {
+  if (n_entries >= S.limit) {
+    clear_entries();
+  }
+  auto& head = entries[hash_words(e->words)];
+  e->next = head;
+  head = std::move(e);
+  n_entries++;
+}
+
 // After the fallback recorded `call` and returned `result`: remember its entry under the key.
 void learn(PyObject* func, const OpInfo& info, PyObject* args, PyObject* kwargs, Call& call,
            PyObject* result) {
@@ -858,76 +946,47 @@ void learn(PyObject* func, const OpInfo& info, PyObject* args, PyObject* kwargs,
       return;
     }
   }
-  auto e = std::make_shared<Entry>();
-  e->words.assign(call.words.begin(), call.words.end());
-  for (const auto& l : call.lazies) {
-    e->held.push_back(new_ref(l.meta));
-  }
-  for (PyObject* x : call.leaves) {
-    if (THPDtype_Check(x) || THPLayout_Check(x) || THPMemoryFormat_Check(x)) {
-      e->held.push_back(new_ref(x));
-    }
-  }
-  for (PyObject* x : call.interned) {
-    e->held.push_back(new_ref(x));
-  }
-  e->entry = new_ref(entry);
-  e->metas = new_ref(slot(entry, S.me_metas));
-  e->out_spec = new_ref(slot(entry, S.me_out_spec));
-  e->consts = new_ref(slot(entry, S.me_consts));
-  e->spec = new_ref(slot(entry, S.me_spec));
-  if (!PyList_CheckExact(e->metas) || !PyList_CheckExact(e->consts) ||
-      PyList_GET_SIZE(e->metas) != PyList_GET_SIZE(e->consts)) {
-    e->python_only = true;
-  } else {
-    const int single = PyObject_RichCompareBool(e->out_spec, S.leaf_spec, Py_EQ);
-    if (single < 0) {
-      PyErr_Clear();
-      e->python_only = true;
-    }
-    e->single = single == 1;
-    if (!e->python_only && !read_plan(*e, slot(entry, S.me_plan))) {
-      e->python_only = true;
-    }
-    // An out= argument of another size is resized first (lazy_tensor._record): left to Python.
-    // Its TensorMeta is in the key, so the sizes compare the same on every call with it.
-    for (const Out& o : e->outs) {
-      if (e->python_only || o.kind != Kind::kWrite) {
-        continue;
-      }
-      PyObject* src = alias_source(info, args, kwargs, o);
-      py::object sn = py::reinterpret_steal<py::object>(src ? lazy_attr(src, names->node) : nullptr);
-      py::object so = py::reinterpret_steal<py::object>(src ? lazy_attr(src, names->out) : nullptr);
-      if (!sn || !so || Py_TYPE(sn.ptr()) != S.node) {
-        e->python_only = true;
-        continue;
-      }
-      PyObject* src_meta = PySequence_GetItem(slot(sn.ptr(), S.n.metas), PyLong_AsSsize_t(so.ptr()));
-      PyObject* out_meta = PyList_GET_ITEM(e->metas, o.k);
-      if (src_meta == nullptr || Py_TYPE(src_meta) != S.tensor_meta ||
-          Py_TYPE(out_meta) != S.tensor_meta) {
-        PyErr_Clear();
-        e->python_only = true;
-      } else {
-        const int same = PyObject_RichCompareBool(slot(src_meta, S.tm_shape),
-                                                  slot(out_meta, S.tm_shape), Py_EQ);
-        if (same != 1) {
-          PyErr_Clear();
-          e->python_only = true;
-        }
-      }
-      Py_XDECREF(src_meta);
-    }
-  }
-  if (n_entries >= S.limit) {
-    clear_entries();
-  }
-  const uint64_t h = hash_words(call.words);
-  auto& head = entries[h];
-  e->next = head;
-  head = std::move(e);
-  n_entries++;
+  store_entry(make_entry(info, args, kwargs, call, entry));
   reasons[kLearned]++;
+}
+
+// A call with no learned entry: its entry from genie.lazy_tensor.entry_for (Python's meta cache,
+// or inference, counted there as a hit or a miss), remembered as `learn` would remember it from
+// the node the fallback records. nullptr (no error) where entry_for declines or raises, or
+// found its entry for another flattening of the call than `call`'s: the fallback takes it.
+std::shared_ptr<Entry> entry_from_python(PyObject* func, const OpInfo& info, PyObject* args,
+                                         PyObject* kwargs, const Call& call) {
+  if (call.nan || S.entry_for == nullptr) {
+    return nullptr;
+  }
+  py::object r = py::reinterpret_steal<py::object>(PyObject_CallFunctionObjArgs(
+      S.entry_for, func, args, kwargs != nullptr ? kwargs : Py_None, nullptr));
+  if (!r) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+      throw py::error_already_set();  // KeyboardInterrupt, SystemExit: not the call's error
+    }
+    PyErr_Clear();  // record() raises it again, from the user's call
+    return nullptr;
+  }
+  if (!PyTuple_CheckExact(r.ptr()) || PyTuple_GET_SIZE(r.ptr()) != 2) {
+    return nullptr;
+  }
+  PyObject* entry = PyTuple_GET_ITEM(r.ptr(), 0);
+  PyObject* leaves = PyTuple_GET_ITEM(r.ptr(), 1);
+  const Py_ssize_t n = static_cast<Py_ssize_t>(call.leaves.size());
+  if (Py_TYPE(entry) != S.meta_entry || !PyList_CheckExact(leaves) ||
+      PyList_GET_SIZE(leaves) != n) {
+    return nullptr;
+  }
+  // Python's leaves are this call's, object for object: the entry is the one for its key.
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (PyList_GET_ITEM(leaves, i) != call.leaves[i]) {
+      return nullptr;
+    }
+  }
+  std::shared_ptr<Entry> e = make_entry(info, args, kwargs, call, entry);
+  store_entry(e);
+  return e;
 }
 
 // --- making the node and its outputs -----------------------------------------------------
@@ -1115,13 +1174,16 @@ PyObject* current_ctx(PyObject* d) {
   return ctx;
 }
 
-// Ops this path recorded since the last _record_sync_counts: each is one ops_recorded and one
-// meta_cache_hits of genie.stats (a dict update per op would cost more than the rest of it).
+// Counts since the last _record_sync_counts, added to genie.stats' ops_recorded and
+// meta_cache_hits (a dict update per op would cost more than the rest of it). A hit is a learned
+// entry used; a miss recorded here was counted by entry_for; after a miss the fallback records,
+// entry_for's lookup is one too many and its hit is taken back (counted_hits may go below 0).
 uint64_t counted_ops = 0;
+int64_t counted_hits = 0;
 
-void add_count(PyObject* name, uint64_t n) {
+void add_count(PyObject* name, int64_t n) {
   PyObject* v = dict_get(S.counts, name);  // borrowed
-  py::object add = py::reinterpret_steal<py::object>(checked(PyLong_FromUnsignedLongLong(n)));
+  py::object add = py::reinterpret_steal<py::object>(checked(PyLong_FromLongLong(n)));
   py::object nv = py::reinterpret_steal<py::object>(
       v == nullptr ? new_ref(add.ptr()) : checked(PyNumber_Add(v, add.ptr())));
   if (PyDict_SetItem(S.counts, name, nv.ptr()) < 0) {
@@ -1130,13 +1192,19 @@ void add_count(PyObject* name, uint64_t n) {
 }
 
 void record_sync_counts() {
-  if (counted_ops == 0 || !S.ready) {
+  if ((counted_ops == 0 && counted_hits == 0) || !S.ready) {
     return;
   }
-  const uint64_t n = counted_ops;
+  const int64_t ops = static_cast<int64_t>(counted_ops);
+  const int64_t hits = counted_hits;
   counted_ops = 0;
-  add_count(names->ops_recorded, n);
-  add_count(names->meta_cache_hits, n);
+  counted_hits = 0;
+  if (ops != 0) {
+    add_count(names->ops_recorded, ops);
+  }
+  if (hits != 0) {
+    add_count(names->meta_cache_hits, hits);
+  }
 }
 
 // Graph.next_uid of the default graph: "op*N", N its record position (the graph's _total).
@@ -1171,8 +1239,9 @@ PyObject* next_uid() {
 
 // lazy_tensor._record for a learned entry: one Node, its Refs and outputs; nullptr without an
 // error for a call whose aliased arguments are not what the entry needs (the fallback takes it).
+// `hit`: the entry was found here, a meta-cache hit (a miss was counted by entry_for).
 PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObject* kwargs,
-                     Call& call, const Entry& e, PyObject* graph, bool gc_untrack) {
+                     Call& call, const Entry& e, PyObject* graph, bool gc_untrack, bool hit) {
   // Everything that can send the call to the fallback comes before the first side effect.
   c10::SmallVector<PyObject*, 4> sources;  // borrowed: the aliased argument of each output
   for (const Out& o : e.outs) {
@@ -1198,7 +1267,8 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
       aliased.emplace_back();
     }
   }
-  counted_ops++;  // ops_recorded and meta_cache_hits, added to genie.stats by _record_sync_counts
+  counted_ops++;  // added to genie.stats by _record_sync_counts
+  counted_hits += hit ? 1 : 0;
 
   // A node that writes stays on the GC's lists, with what it reaches (graph.py, "the cyclic
   // garbage collector"); any other is made as untrack_node leaves it.
@@ -1418,20 +1488,25 @@ PyObject* try_record(PyObject* func, PyObject* args, PyObject* kwargs) {
     return kNotHandled;
   }
   std::shared_ptr<Entry> e = find_entry(hash_words(call.words), call.words);
+  const bool hit = e != nullptr;
+  if (!hit && flags.native_record_miss) {
+    e = entry_from_python(func, *info, args, kwargs, call);
+  }
   if (!e) {
     reasons[kUnseen]++;
     return fallback_and_learn(func, args, kwargs, call);
   }
-  if (e->python_only) {
-    reasons[kEntry]++;
-    return kNotHandled;
-  }
-  PyObject* r = record_hit(func, *info, args, kwargs, call, *e, S.default_graph, flags.gc_untrack);
+  PyObject* r = e->python_only ? nullptr
+                               : record_hit(func, *info, args, kwargs, call, *e, S.default_graph,
+                                            flags.gc_untrack, hit);
   if (r == nullptr && !PyErr_Occurred()) {
     reasons[kEntry]++;
+    if (!hit) {
+      counted_hits--;  // the fallback finds the entry entry_for counted: one lookup too many
+    }
     return kNotHandled;
   }
-  reasons[kHandled]++;
+  reasons[hit ? kHandled : kMissNative]++;
   return r;
 }
 
@@ -1525,6 +1600,7 @@ bool record_init(const py::dict& objs) {
   s.meta_entry = type_of(objs, "MetaEntry");
   s.graph_type = type_of(objs, "Graph");
   s.fallback = object_of(objs, "fallback");
+  s.entry_for = objs.contains("entry_for") ? object_of(objs, "entry_for") : nullptr;
   s.counts = object_of(objs, "counts");
   s.profiler = object_of(objs, "profiler");
   s.tls = object_of(objs, "tls");
@@ -1607,6 +1683,7 @@ void record_config(const py::object& config) {
   flags.meta_cache = config.attr("meta_cache").cast<bool>();
   flags.record_source = config.attr("record_source").cast<bool>();
   flags.gc_untrack = config.attr("gc_untrack").cast<bool>();
+  flags.native_record_miss = config.attr("native_record_miss").cast<bool>();
 }
 
 void record_clear() {
@@ -1638,7 +1715,8 @@ void add_record_functions(py::module_& m) {
         "Give the native record path the Python objects it works with (genie.lazy_tensor calls "
         "it once); returns whether the path is available in this build.");
   m.def("_record_config", &record_config, py::arg("config"),
-        "Mirror genie.config.config's native_record, meta_cache, record_source and gc_untrack "
+        "Mirror genie.config.config's native_record, native_record_miss, meta_cache, "
+        "record_source and gc_untrack "
         "(genie.config calls it on every change).");
   m.def("_record_sync_counts", &record_sync_counts,
         "Add the ops recorded natively since the last call to genie.stats' ops_recorded and "

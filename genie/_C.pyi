@@ -98,8 +98,8 @@ def _record_init(objects: dict[str, object]) -> bool:
     from the ones it writes. Returns whether this build has the path."""
 
 def _record_config(config: object) -> None:
-    """Mirror ``genie.config.config``'s ``native_record``, ``meta_cache``, ``record_source`` and
-    ``gc_untrack`` (called on every change)."""
+    """Mirror ``genie.config.config``'s ``native_record``, ``native_record_miss``,
+    ``meta_cache``, ``record_source`` and ``gc_untrack`` (called on every change)."""
 
 def _record_sync_counts() -> None:
     """Add the ops recorded natively since the last call to ``genie.stats``'s ``ops_recorded``
@@ -109,10 +109,11 @@ def _record_clear() -> None:
     """Forget every learned meta-cache entry (``genie.meta.MetaCache.clear``)."""
 
 def _record_stats() -> dict[str, int]:
-    """Calls by outcome: ``handled`` natively, ``learned`` (an entry learned from the Python
-    path), and why the others took the Python path (``off``, ``profiler``, ``kwargs``,
-    ``op_policy``, ``arguments``, ``devices``, ``capture``, ``unseen``, ``entry``); and
-    ``entries``, the learned entries held."""
+    """Calls by outcome: ``handled`` natively with a learned entry, ``miss_native`` natively
+    with an entry new to it (from ``genie.lazy_tensor.entry_for``), ``learned`` (an entry
+    learned from the Python path), and why the others took the Python path (``off``,
+    ``profiler``, ``kwargs``, ``op_policy``, ``arguments``, ``devices``, ``capture``, ``unseen``,
+    ``entry``); and ``entries``, the entries held."""
 
 def _record_reset_stats() -> None:
     """Zero the counts of :func:`_record_stats`."""

@@ -1,8 +1,9 @@
 """Genie's in-process settings, read from ``GENIE_*`` environment variables once at import.
 
 ``GENIE_DEVICE``, ``GENIE_DEVICE_COUNT``, ``GENIE_META_CACHE``, ``GENIE_RECORD_SOURCE``,
-``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD``, ``GENIE_NATIVE_BIND``, ``GENIE_NATIVE_MATCH``,
-``GENIE_NATIVE_SLICE``, ``GENIE_NATIVE_REPLAY``, ``GENIE_FOREACH`` and ``GENIE_DEBUG`` live here; the engine and
+``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD``, ``GENIE_NATIVE_RECORD_MISS``, ``GENIE_NATIVE_BIND``,
+``GENIE_NATIVE_MATCH``, ``GENIE_NATIVE_SLICE``, ``GENIE_NATIVE_REPLAY``, ``GENIE_FOREACH`` and
+``GENIE_DEBUG`` live here; the engine and
 remote modules read their own (``GENIE_BACKENDS``, ``GENIE_PLAN_CACHE``, ``GENIE_COMPILER``,
 ``GENIE_SERVER``, ...). docs/env.md is the one table of all of them, with meanings and defaults.
 """
@@ -43,6 +44,10 @@ class Config:
     # Record the common case of an op natively (csrc/record.cpp); 0: every op takes the Python
     # path, the reference (genie.lazy_tensor.record).
     native_record: bool = _flag("GENIE_NATIVE_RECORD", "1") != "0"
+    # A call the native record path has no entry for takes its meta-cache entry from Python
+    # (lazy_tensor.entry_for) and is recorded natively; 0: it takes the whole Python path, which
+    # the native path then learns the entry from.
+    native_record_miss: bool = _flag("GENIE_NATIVE_RECORD_MISS", "1") != "0"
     # Run a repeated plan's tape as a native program (csrc/replay.cpp): "1" from a plan's
     # second use, "always" every tape, "0" never (generated Python or the interpreter).
     native_replay: str = _flag("GENIE_NATIVE_REPLAY", "1").lower() or "1"

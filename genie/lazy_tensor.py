@@ -336,7 +336,8 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
 def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
             index: int, graph: Graph) -> Any:
     _counts["ops_recorded"] += 1
-    # One pass over the leaves builds both the cache key and the recorded arguments.
+    # One pass over the leaves builds both the cache key and the recorded arguments (entry_for
+    # builds the same key; test_native_record's native_cold mode compares the entries found).
     key_parts: list[Any] = [pol.key, spec]
     rec: list[Any] = []
     for x in leaves:
@@ -365,20 +366,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             key_parts.append(t)
             key_parts.append(x)
             rec.append(x)
-    entry = None
-    key: Any = None
-    if config.meta_cache:
-        try:
-            key = tuple(key_parts)
-            entry = meta_cache.get(key)
-        except TypeError:  # an unhashable argument: no caching for this call
-            key = None
-    if entry is None:
-        entry = infer(func, pol, _meta_leaves(leaves), spec, index)
-        if key is not None:
-            meta_cache.put(key, entry)
-    else:
-        _counts["meta_cache_hits"] += 1
+    entry = _entry(func, pol, key_parts, leaves, spec, index)[0]
     metas = entry.metas
     out_spec = entry.out_spec
     plan = entry.plan
@@ -446,6 +434,84 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
     if len(results) == 1 and plan_single(out_spec):
         return results[0]
     return optree.tree_unflatten(out_spec, results)
+
+
+def _entry(func: Any, pol: Any, key_parts: list[Any], leaves: list[Any], spec: Any,
+           index: int) -> tuple[MetaEntry, bool]:
+    """The meta-cache entry of a call with key ``key_parts`` (inferred and cached on a miss,
+    counted as a hit or a miss), and whether the cache holds it."""
+    entry = None
+    key: Any = None
+    if config.meta_cache:
+        try:
+            key = tuple(key_parts)
+            entry = meta_cache.get(key)
+        except TypeError:  # an unhashable argument: no caching for this call
+            key = None
+    if entry is None:
+        entry = infer(func, pol, _meta_leaves(leaves), spec, index)
+        if key is not None:
+            meta_cache.put(key, entry)
+    else:
+        _counts["meta_cache_hits"] += 1
+    return entry, key is not None
+
+
+_MISS_COUNTERS = ("meta_cache_misses", "shape_rule_hits")
+
+
+def entry_for(func: Any, args: tuple, kwargs: dict | None) -> tuple[MetaEntry, list[Any]] | None:
+    """What :func:`_record` does for a call up to having its meta-cache entry, recording nothing:
+    the entry and the flat leaves it was found for (the native record path's miss: it records
+    the node itself, after checking the leaves are its own flattening of the call).
+
+    Only for calls :func:`record` takes straight to :func:`_record` (the native path checks the
+    op's policy and the argument types first). Counts the meta-cache hit or miss as ``_record``
+    does, but not the op (the caller records it, or falls back to :func:`record`, which counts
+    it). None, with nothing counted, where the entry is not cacheable or its inference raises:
+    :func:`record` then raises eager's error as usual.
+
+    Example:
+        >>> import torch, genie
+        >>> from genie.lazy_tensor import entry_for
+        >>> x = torch.ones(2, 3, device="remote_accelerator")
+        >>> entry, leaves = entry_for(torch.ops.aten.view.default, (x, [3, 2]), None)
+        >>> entry.metas[0].shape, leaves[1:]
+        ((3, 2), [3, 2])
+    """
+    pol = policy(func)
+    leaves, spec = _flatten(args, kwargs or {})
+    key_parts: list[Any] = [pol.key, spec]
+    index = -1
+    for x in leaves:  # the key as _record builds it, for the leaf types the native path takes
+        t = type(x)
+        if t is LazyTensor:
+            m = x._node.metas[x._out]
+            key_parts.append(m)
+            if index < 0:
+                index = m.index
+        elif t is float:
+            key_parts.append(t)
+            if pol.float_values_matter:
+                key_parts.append(x)
+        elif t is int or t is bool or not isinstance(x, (torch.Tensor, torch.Generator)):
+            key_parts.append(t)
+            key_parts.append(x)
+        else:
+            return None  # host tensors and generators: record() handles them
+    before = [_counts.get(k, 0) for k in _MISS_COUNTERS]
+    try:
+        entry, cached = _entry(func, pol, key_parts, leaves, spec, index)
+    except Exception:  # noqa: BLE001 - record() raises eager's error for it, and counts it
+        cached = False
+    if not cached:  # record() infers again: its miss is the one counted
+        for k, v in zip(_MISS_COUNTERS, before):
+            if v:
+                _counts[k] = v
+            else:
+                _counts.pop(k, None)
+        return None
+    return entry, leaves
 
 
 # Inplace-view ops that change *storage* (not just the view's metadata): not a re-view of the
@@ -697,6 +763,7 @@ def _install_native_record() -> bool:
     objects = dict(
         LazyTensor=LazyTensor, Node=Node, Ref=Ref, Storage=Storage, Alive=Alive, MetaArg=MetaArg,
         TensorMeta=TensorMeta, MetaEntry=MetaEntry, Graph=Graph, fallback=_dispatch,
+        entry_for=entry_for,
         counts=_counts, profiler=vars(_profiler), tls=_tls,
         current=graph_current,
         default_graph=DEFAULT_GRAPH, counter=_record_counter, leaf_spec=_LEAF_SPEC,

@@ -3,7 +3,7 @@
 A meta-cache miss runs the op's meta kernel (~75-90 µs through the dispatcher, measured on GPT-2
 decode and generate in ``bench_models.py``). Misses are what new shapes cost: every decode step
 (the KV length grows) and every new prompt length. For the ops that miss there (views, pointwise
-arithmetic, ``cat``, ``bmm``) the output metadata is a few lines of arithmetic.
+arithmetic, ``cat``, ``bmm``, ``slice``) the output metadata is a few lines of arithmetic.
 
 Contract: a rule either returns exactly what the meta kernel would (shape, stride, storage offset,
 dtype; ``tests/unit/test_shape_rules.py`` checks it over OpInfo samples) or returns None, and the
@@ -155,6 +155,30 @@ def _transpose(args: tuple, index: int) -> TensorMeta | None:
     shape[a], shape[b] = shape[b], shape[a]
     stride[a], stride[b] = stride[b], stride[a]
     return TensorMeta(tuple(shape), tuple(stride), x.offset, x.dtype, index)
+
+
+@rule(aten.slice.Tensor)
+def _slice(args: tuple, index: int) -> TensorMeta | None:
+    """``x[..., start:end:step]`` (ATen's ``slice``: bounds wrapped once, then clamped); any
+    layout. Declines where ATen raises (a 0-dim tensor, a dim out of range, a step below 1)."""
+    if not 1 <= len(args) <= 5 or not _plain(args[0]):
+        return None
+    x = args[0]
+    dim, start, end, step = (*args[1:], *(0, None, None, 1)[len(args) - 1:])
+    n = len(x.shape)
+    d = _dim(dim, n) if n else None
+    if d is None or type(step) is not int or step < 1 or \
+            any(v is not None and type(v) is not int for v in (start, end)):
+        return None
+    size = x.shape[d]
+    lo = 0 if start is None else start + size if start < 0 else start
+    hi = size if end is None else end + size if end < 0 else end
+    lo = min(max(lo, 0), size)
+    hi = min(max(hi, lo), size)
+    shape, stride = list(x.shape), list(x.stride)
+    shape[d] = (hi - lo + step - 1) // step
+    stride[d] = x.stride[d] * step
+    return TensorMeta(tuple(shape), tuple(stride), x.offset + lo * x.stride[d], x.dtype, index)
 
 
 # --- pointwise (one dtype, dense or broadcast-dense inputs) -----------------------------------

@@ -2,7 +2,10 @@
 
 Each program runs three times in one process: once to warm the caches (the native path learns
 a meta-cache entry from the Python path the first time it sees a call), then with
-``config.native_record`` off and on. The two recorded graphs must be equal field for field:
+``config.native_record`` off and on. Each runs so again with the native path's entries
+forgotten before its run (every call a native miss: the entry comes from Python's meta cache,
+``lazy_tensor.entry_for``) and with both caches cleared before each run (every call a miss of
+both: the entry is inferred). The two recorded graphs must be equal field for field:
 every node's op, arguments, metadata, storages, liveness, consumers, counters, context, the
 interned meta-cache entry (the same object), and which objects are off the cyclic GC; and every
 output tensor's metadata, dispatch keys and attributes. ``GENIE_NATIVE_RECORD=0`` runs the whole
@@ -23,7 +26,7 @@ import pytest
 import torch
 
 import genie
-from genie import _C
+from genie import _C, plan_cache
 from genie.config import config
 from genie.graph import DEFAULT_GRAPH, MetaArg, Node, Ref, Storage, _record_counter
 from genie.lazy_tensor import LazyTensor
@@ -37,10 +40,10 @@ pytestmark = pytest.mark.skipif(not _C._record_native, reason="genie._C built wi
 
 @pytest.fixture(autouse=True)
 def _native_on() -> Iterator[None]:
-    before = config.native_record
-    config.native_record = True
+    before = config.native_record, config.native_record_miss
+    config.native_record = config.native_record_miss = True
     yield
-    config.native_record = before
+    config.native_record, config.native_record_miss = before
 
 
 # --- describing a recorded graph, independently of object identities --------------------------
@@ -119,7 +122,8 @@ def describe(results: list[Any], start: int) -> list[Any]:
         ctx = n.ctx
         out.append(dict(
             op=n.op, leaves=None if n.leaves is None else [leaf(x) for x in n.leaves],
-            spec=n.spec, metas=n.metas, shared_metas=n.entry is not None and n.metas is
+            spec=n.spec, shared_spec=n.entry is not None and n.spec is n.entry.spec,
+            metas=n.metas, shared_metas=n.entry is not None and n.metas is
             n.entry.metas, out_spec=n.out_spec, storages=[storage_id(s) for s in n.storages],
             writes=[storage_id(s) for s in n.writes],
             outputs=[None if w is None else type(w()).__name__ for w in n.outputs],
@@ -153,20 +157,50 @@ _RECORDING = ("ops_recorded", "factories_recorded", "uploads", "meta_cache_hits"
               "meta_cache_misses", "shape_rule_hits", "forced_materializations")
 
 
-def both_ways(program: Callable[[], list[Any]]) -> tuple[list[Any], list[Any], dict[str, int]]:
-    """``program`` recorded by the Python path and by the native path (after a warm-up run):
-    both descriptions, and the native path's outcome counts of its run."""
+#: How warm the caches are when each of the two runs starts: "warm" (the native path has learned
+#: every call of the program), "native_cold" (the native path's entries forgotten: each call a
+#: native miss that Python's meta cache answers), "cold" (both caches cleared: each new call
+#: inferred).
+MODES = ("warm", "native_cold", "cold")
+
+
+def _interned_entries(desc: list[Any]) -> list[Any]:
+    """``desc`` with each node's entry numbered by first appearance (entries inferred anew in
+    each run are other objects), after checking each is the one Python's meta cache holds."""
+    held = {id(v) for v in meta_cache._d.values()} | {id(None)}  # uploads have no entry
+    order: dict[int, int] = {}
+    out = []
+    for d in desc:
+        if "entry" in d:
+            assert d["entry"] in held, f"node entry not interned in the meta cache: {d}"
+            d = {**d, "entry": order.setdefault(d["entry"], len(order))}
+        out.append(d)
+    return out
+
+
+def both_ways(program: Callable[[], list[Any]], mode: str = "warm",
+              ) -> tuple[list[Any], list[Any], dict[str, int]]:
+    """``program`` recorded by the Python path and by the native path (after a warm-up run),
+    caches as ``mode`` says (:data:`MODES`): both descriptions, and the native path's outcome
+    counts of its run."""
     program()  # warm: meta cache, learned entries, op policies
     out = {}
     counts: dict[str, int] = {}
     for native in (False, True):
         config.native_record = native
+        if mode == "cold":
+            meta_cache.clear()  # the native path's entries too
+        elif mode == "native_cold" and native:
+            _C._record_clear()
         _C._record_reset_stats()
         genie.reset_stats()
         start = next(_record_counter)  # the next node's index (the gap is harmless)
         results = program()
         stats = genie.stats()
-        out[native] = (describe(results, start), {k: v for k, v in stats.items() if k in _RECORDING})
+        desc = describe(results, start)
+        if mode == "cold":
+            desc = _interned_entries(desc)
+        out[native] = (desc, {k: v for k, v in stats.items() if k in _RECORDING})
         if native:
             counts = _C._record_stats()
         del results
@@ -175,12 +209,14 @@ def both_ways(program: Callable[[], list[Any]]) -> tuple[list[Any], list[Any], d
 
 
 def assert_same(program: Callable[[], list[Any]], *, native_ops: bool = True) -> None:
-    python, native, counts = both_ways(program)
-    assert len(python) == len(native)
-    for i, (a, b) in enumerate(zip(python, native)):
-        assert a == b, f"item {i} differs:\n python {a}\n native {b}"
-    if native_ops:
-        assert counts["handled"] > 0, counts
+    for mode in MODES:
+        python, native, counts = both_ways(program, mode)
+        assert len(python) == len(native)
+        for i, (a, b) in enumerate(zip(python, native)):
+            assert a == b, f"{mode}: item {i} differs:\n python {a}\n native {b}"
+        if native_ops:
+            done = counts["handled"] if mode == "warm" else counts["miss_native"]
+            assert done > 0, (mode, counts)
 
 
 # --- programs --------------------------------------------------------------------------------
@@ -435,6 +471,18 @@ def test_environment_switch() -> None:
     assert out == ["False", "0"]
 
 
+@pytest.mark.parametrize("env,expected", [("0", ["False", "0"]), ("1", ["True", "4"])])
+def test_environment_switch_of_the_miss_path(env: str, expected: list[str]) -> None:
+    code = ("import torch, genie; from genie import _C; from genie.config import config; "
+            "x = torch.ones(8, device='remote_accelerator'); y = x[:1] + 1; "
+            "_C._record_reset_stats(); y = [x[:n] + 1 for n in (2, 3)]; "
+            "print(config.native_record_miss, _C._record_stats()['miss_native'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, "GENIE_NATIVE_RECORD_MISS": env,
+                              "GENIE_NATIVE_RECORD": "1"}, check=True).stdout.split()
+    assert out == expected
+
+
 def test_clearing_the_meta_cache_forgets_learned_entries() -> None:
     x, _ = _inputs()
     y = x * 7
@@ -496,3 +544,170 @@ def test_values_equal_both_ways() -> None:
     run()
     assert run() == ref
     assert re.fullmatch(r"op\*\d+", (x * 2)._node.uid)
+
+
+# --- new shapes every step: the native miss path ----------------------------------------------
+
+def _attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new_k: torch.Tensor,
+                    new_v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One decode step of a tiny attention with a growing KV cache: the cache's length, and so
+    the shape of every op below, is new at each step (2 heads, head size 4)."""
+    k = torch.cat([k, new_k], 1)
+    v = torch.cat([v, new_v], 1)
+    n = k.shape[1]
+    scores = torch.bmm(q, k.transpose(1, 2)) / 2.0  # (2, 1, n)
+    causal = mask[:1, :n].view(1, 1, n).expand(2, 1, n)
+    scores = torch.where(causal, scores, torch.full_like(scores, -1e4))
+    probs = torch.softmax(scores + 0.5, -1)
+    out = torch.bmm(probs, v).view(1, 2, 4).transpose(0, 1).reshape(1, 8)
+    return k, v, out
+
+
+def _decode(dev: str | torch.device, steps: int = 6) -> list[Any]:
+    torch.manual_seed(1)
+    q, k0, v0, nk, nv = (torch.randn(*s) for s in
+                         ((2, 1, 4), (2, 3, 4), (2, 3, 4), (2, steps, 4), (2, steps, 4)))
+    mask = torch.ones(1, 32, dtype=torch.bool)
+    mask[0, 5] = False  # a masked position, so `where` picks from both sides
+    q, k, v, nk, nv, mask = (t.to(dev) for t in (q, k0, v0, nk, nv, mask))
+    outs = []
+    for i in range(steps):
+        k, v, out = _attention_step(q, k, v, nk[:, i:i + 1], nv[:, i:i + 1], mask)
+        outs.append(out)
+    return [k, v, *outs, torch.cat(outs)]
+
+
+def _prefill(dev: str | torch.device, length: int) -> list[Any]:
+    """A prompt of a new length through a small MLP and a causal self-attention."""
+    torch.manual_seed(2)
+    x = torch.randn(length, 8)
+    w1, w2 = torch.randn(8, 16), torch.randn(16, 8)
+    x, w1, w2 = x.to(dev), w1.to(dev), w2.to(dev)
+    h = torch.nn.functional.gelu(x @ w1) @ w2 + x
+    scores = (h @ h.t()).masked_fill(
+        torch.ones(length, length, dtype=torch.bool, device=dev).triu(1), float("-inf"))
+    return [h, torch.softmax(scores, -1) @ h, h.mean(0), h.view(-1)[: length * 4].view(length, 4)]
+
+
+def test_a_decode_loop_with_a_growing_cache() -> None:
+    dev_inputs = _decode(D, 1)  # upload path and policies seen once
+    del dev_inputs
+    assert_same(lambda: _decode(D))
+
+
+def test_a_prefill_at_a_new_length() -> None:
+    lengths = iter(range(5, 400))
+    assert_same(lambda: _prefill(D, 7))  # one length, every mode
+    # each run a length never seen: every op with a new shape a miss of both caches
+    for length in (next(lengths) for _ in range(3)):
+        for native in (False, True):
+            config.native_record = native
+            _C._record_reset_stats()
+            got = _prefill(D, length + 100 * native)
+            want = _prefill("cpu", length + 100 * native)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5)
+            if native:
+                assert _C._record_stats()["miss_native"] > 0
+
+
+def test_new_shapes_record_natively_with_eager_values() -> None:
+    want = _decode("cpu")
+    for native in (False, True):
+        config.native_record = native
+        meta_cache.clear()
+        _C._record_reset_stats()
+        got = _decode(D)
+        counts = _C._record_stats()
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.cpu(), w)
+        if native:
+            # every op the native path takes, cache-cold, is a native miss, none a fallback
+            assert counts["miss_native"] > 30 and counts["unseen"] == 0, counts
+            assert counts["handled"] > 0  # the same shapes within one run: learned, hit
+
+
+def test_the_switch_sends_misses_to_the_python_path() -> None:
+    config.native_record_miss = False  # the fixture restores it
+    meta_cache.clear()
+    _C._record_reset_stats()
+    _decode(D)
+    counts = _C._record_stats()
+    assert counts["miss_native"] == 0 and counts["learned"] > 30, counts
+
+
+def test_a_plan_repeats_over_new_shapes_both_ways() -> None:
+    """The plan cache compares nodes by entry and shape class: a native miss gives it the same
+    entries as the Python path, so the steps of a decode hit the same plans."""
+    def hits() -> dict[str, int]:
+        meta_cache.clear()
+        plan_cache.clear()
+        _decode(D, 2)  # plans for the step's slice, first use
+        genie.reset_stats()
+        for out in _decode(D, 6)[2:]:
+            genie.materialize(out)
+        s = genie.stats()
+        return {k: s.get(k, 0) for k in ("plan_cache_hits", "plan_cache_generic_hits",
+                                          "plan_cache_misses")}
+
+    config.native_record = False
+    python = hits()
+    config.native_record = True
+    _C._record_reset_stats()
+    native = hits()
+    assert native == python and python["plan_cache_hits"] > 0, (python, native)
+    assert _C._record_stats()["miss_native"] > 0
+
+
+@pytest.mark.parametrize("bad", ["view", "matmul", "cat", "expand"])
+def test_errors_on_a_miss_are_eagers(bad: str) -> None:
+    """A call whose shapes are new and wrong raises what eager raises (the meta kernel's error,
+    through the Python path) on both paths, with no node recorded and the same counts."""
+    def call(dev: str, n: int) -> Any:
+        torch.manual_seed(0)
+        x = torch.randn(n, 3).to(dev)
+        if bad == "view":
+            return x.view(n + 1, 5)
+        if bad == "matmul":
+            return x @ torch.ones(n + 1, 2).to(dev)
+        if bad == "cat":
+            return torch.cat([x, torch.ones(2, n + 4).to(dev)])
+        return x.expand(n + 1, 7)
+
+    errors = {}
+    for native in (None, False, True):
+        config.native_record = bool(native)
+        meta_cache.clear()  # every call a miss of both caches
+        _C._record_reset_stats()
+        genie.reset_stats()
+        with pytest.raises(Exception) as info:
+            call("cpu" if native is None else D, 13)
+        errors[native] = (type(info.value), str(info.value),
+                          {k: v for k, v in genie.stats().items() if k in _RECORDING})
+    assert errors[False] == errors[True], errors
+    assert errors[None][0] is errors[True][0], errors
+
+
+def test_an_interrupt_during_a_miss_propagates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only an inference that raises an Exception sends a miss to the Python path (which raises
+    eager's error); a KeyboardInterrupt while inferring reaches the user on both paths."""
+    from genie import shape_rules
+
+    calls = []
+
+    def interrupted_once(args: tuple, index: int) -> None:  # then declines: the meta kernel
+        calls.append(args)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    x, _ = _inputs()
+    monkeypatch.setitem(shape_rules.RULES, torch.ops.aten.view.default, interrupted_once)
+    for native in (False, True):
+        config.native_record = native
+        meta_cache.clear()
+        calls.clear()
+        with pytest.raises(KeyboardInterrupt):
+            x.view(3, 8)
+        assert len(calls) == 1  # not inferred again by the Python path
+    monkeypatch.undo()
+    assert x.view(3, 8).shape == (3, 8)
