@@ -204,9 +204,13 @@ def _enter(module: Any, args: tuple, kwargs: dict) -> bool:
     """Push ``module``'s context for its call; False when the call gets none (an outermost call
     on host tensors)."""
     st = _tls.modules
+    if st and type(st[-1][2]) is _StepFrame:
+        _drop_ended_steps()
     outer = current.ctx
     if st:
         names = st[-1][2]
+        if type(names) is _StepFrame:  # a module called inside an optimizer step (a closure)
+            names = _NO_NAMES
         path = names.get(module)
         if path is None:  # built on the fly, not a submodule of the outermost module
             parent = outer.path if outer is not None else None
@@ -319,10 +323,41 @@ def _lazy_tensors(obj: Any) -> list[Any]:
     return found
 
 
+_NO_NAMES: dict[Any, str] = {}
+
+
+class _StepFrame:
+    """Marks an optimizer's entry on the context stack with the frame that runs its step (torch
+    calls step hooks from the frame that wraps ``step``), so an entry whose step raised, which no
+    post hook pops, can be told from a step still running."""
+
+    __slots__ = ("frame",)
+
+    def __init__(self, frame: Any) -> None:
+        self.frame = frame
+
+
+def _drop_ended_steps() -> None:
+    """Pop optimizer entries whose step has ended without its post hook (the step raised): their
+    frame is no longer on this thread's stack. Runs only when such an entry is on top."""
+    st = _tls.modules
+    while st and type(st[-1][2]) is _StepFrame:
+        frame = st[-1][2].frame
+        f = sys._getframe(1)
+        while f is not None and f is not frame:
+            f = f.f_back
+        if f is not None:
+            return  # still running (a closure calling the model inside ``step``)
+        current.ctx = st.pop()[1]
+
+
 def _opt_pre(opt: Any, args: tuple, kwargs: dict) -> None:
     if _compiling():
         return
-    _tls.modules.append((opt, current.ctx, {}))
+    st = _tls.modules
+    if st and type(st[-1][2]) is _StepFrame:
+        _drop_ended_steps()
+    st.append((opt, current.ctx, _StepFrame(sys._getframe(1))))
     current.ctx = OPTIMIZER
 
 

@@ -207,3 +207,39 @@ def test_context_is_popped_when_a_forward_raises_and_modules_keep_their_fast_pat
     second = step(x, past=first)
     assert first._node.ctx.phase == "prefill" and second._node.ctx.phase == "decode"
     assert context.role(first) == "kv_cache"
+
+
+def test_an_optimizer_step_that_raises_leaves_no_context_behind():
+    """Optimizer step hooks have no post hook on an exception: the entry of a step that raised is
+    dropped at the next module call or step (its frame is gone), so later nodes get their own
+    module context, not the optimizer's; a module called inside a running step (an LBFGS-style
+    closure) is still inside it."""
+
+    class Boom(torch.optim.SGD):
+        def step(self, closure=None):  # noqa: ANN001, ANN202
+            raise RuntimeError("step failed")
+
+    model = nn.Linear(2, 2).to("remote_accelerator")
+    x = torch.ones(1, 2, device="remote_accelerator")
+    opt = Boom(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="step failed"):
+        opt.step()
+    y = model(x)
+    assert y._node.ctx.region == "forward" and y._node.ctx.path == ""
+    assert not context._tls.modules
+
+    seen = []
+
+    class Closure(torch.optim.SGD):
+        def step(self, closure=None):  # noqa: ANN001, ANN202
+            seen.append(closure())
+            return super().step()
+
+    opt2 = Closure(model.parameters(), lr=0.1)
+    opt2.step(lambda: model(x))
+    assert seen[0]._node.ctx.region == "optimizer"  # the closure's forward runs inside the step
+    assert not context._tls.modules
+    with pytest.raises(RuntimeError, match="step failed"):
+        opt.step()
+    opt2.step(lambda: model(x))  # a later step drops the failed one first
+    assert seen[1]._node.ctx.region == "optimizer" and not context._tls.modules
