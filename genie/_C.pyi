@@ -84,6 +84,12 @@ def _instantiate(plan: object, targets: list[tuple[object, int]], nodes: list[ob
     None, the same floats added to ``plan.floats``; ``NotImplemented`` for what it does not
     handle (the caller runs the Python function)."""
 
+def _rebuild_instrs(instrs: list[object], found: list[object], tmpl: list[object],
+                    indices: list[int], shaped: bool) -> object:
+    """``instrs[i]`` rebuilt from node ``found[i]`` and template ``tmpl[i]`` for each ``i`` of
+    ``indices`` (``genie.plan_cache._rebuild``), in place: None, or ``NotImplemented`` with
+    nothing written where a type is not the expected one."""
+
 _record_native: bool
 """Whether this build has the native record path (torch 2.13 or newer)."""
 
