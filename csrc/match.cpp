@@ -27,6 +27,8 @@
 #include <pybind11/pybind11.h>
 
 #include "match.h"
+#include "slice.h"
+#include "slots.h"
 
 namespace py = pybind11;
 
@@ -38,9 +40,6 @@ struct State {
   PyTypeObject* ref = nullptr;
   PyTypeObject* alive = nullptr;
   PyTypeObject* storage = nullptr;
-  PyTypeObject* tensor_meta = nullptr;
-  Py_ssize_t tm_shape = 0, tm_stride = 0, tm_offset = 0, tm_dtype = 0, tm_index = 0, tm_conj = 0,
-             tm_neg = 0;
   Py_ssize_t n_leaves = 0, n_entry = 0, n_executed = 0, n_index = 0, n_where = 0,
              n_storages = 0, n_consumers = 0, n_outputs = 0, n_values = 0, n_metas = 0;
   Py_ssize_t r_node = 0, r_out = 0;
@@ -53,22 +52,10 @@ struct State {
 
 State S;
 
-Py_ssize_t member_offset(PyTypeObject* type, const char* name) {
-  PyObject* d = PyDict_GetItemString(type->tp_dict, name);  // borrowed
-  if (d == nullptr || Py_TYPE(d) != &PyMemberDescr_Type) {
-    throw py::type_error(std::string("genie._C._match_init: ") + type->tp_name + "." + name +
-                         " is not a __slots__ member");
-  }
-  PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
-  if (m->type != T_OBJECT_EX && m->type != T_OBJECT) {
-    throw py::type_error(std::string("genie._C._match_init: ") + name + " is not an object slot");
-  }
-  return m->offset;
-}
 
 // A __slots__ member read by offset: borrowed, nullptr when unset.
 inline PyObject* slot(PyObject* o, Py_ssize_t off) {
-  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
+  return genie::slot_value(o, off);
 }
 
 inline bool is_node(PyObject* o) {
@@ -147,62 +134,12 @@ bool pending_on(PyObject* n, Py_ssize_t k, bool& ok) {
   return truthy(pw);
 }
 
-// Field by field equality of two values that are both exactly of the same kind.
-bool field_eq(PyObject* a, PyObject* b) {
-  if (a == b) {
-    return true;
-  }
-  if (a == nullptr || b == nullptr) {
-    return false;
-  }
-  const int r = PyObject_RichCompareBool(a, b, Py_EQ);
-  if (r < 0) {
-    throw py::error_already_set();
-  }
-  return r == 1;
-}
-
-// TensorMeta == TensorMeta as its dataclass __eq__ compares (the tuple of its fields), without
-// running Python; 0 or 1, or -1 when either is not exactly a TensorMeta (ask Python).
-int meta_eq(PyObject* a, PyObject* b) {
-  if (a == b) {
-    return 1;
-  }
-  if (Py_TYPE(a) != S.tensor_meta || Py_TYPE(b) != S.tensor_meta) {
-    return -1;
-  }
-  for (Py_ssize_t off : {S.tm_shape, S.tm_stride, S.tm_offset, S.tm_dtype, S.tm_index, S.tm_conj,
-                         S.tm_neg}) {
-    if (!field_eq(slot(a, off), slot(b, off))) {
-      return 0;
-    }
-  }
-  return 1;
-}
-
-// genie.plan_cache.same_kind for two TensorMetas (rank, dtype, device, math bits); -1: ask Python.
-int meta_same_kind(PyObject* a, PyObject* b) {
-  if (Py_TYPE(a) != S.tensor_meta || Py_TYPE(b) != S.tensor_meta) {
-    return -1;
-  }
-  PyObject* sa = slot(a, S.tm_shape);
-  PyObject* sb = slot(b, S.tm_shape);
-  if (sa == nullptr || sb == nullptr || !PyTuple_Check(sa) || !PyTuple_Check(sb)) {
-    return -1;
-  }
-  return slot(a, S.tm_dtype) == slot(b, S.tm_dtype) &&
-         field_eq(slot(a, S.tm_index), slot(b, S.tm_index)) &&
-         PyTuple_GET_SIZE(sa) == PyTuple_GET_SIZE(sb) &&
-         slot(a, S.tm_conj) == slot(b, S.tm_conj) && slot(a, S.tm_neg) == slot(b, S.tm_neg);
-}
-
 }  // namespace
 
 namespace genie {
 
 void match_init(py::object node, py::object ref, py::object alive, py::object storage,
-                py::object tensor_meta, py::object held_after, py::object same_const,
-                py::object same_kind) {
+                py::object held_after, py::object same_const, py::object same_kind) {
   auto type = [](py::object t) {
     if (!PyType_Check(t.ptr())) {
       throw py::type_error("genie._C._match_init: expected a class");
@@ -214,27 +151,19 @@ void match_init(py::object node, py::object ref, py::object alive, py::object st
   S.ref = type(ref);
   S.alive = type(alive);
   S.storage = type(storage);
-  S.tensor_meta = type(tensor_meta);
-  S.tm_shape = member_offset(S.tensor_meta, "shape");
-  S.tm_stride = member_offset(S.tensor_meta, "stride");
-  S.tm_offset = member_offset(S.tensor_meta, "offset");
-  S.tm_dtype = member_offset(S.tensor_meta, "dtype");
-  S.tm_index = member_offset(S.tensor_meta, "index");
-  S.tm_conj = member_offset(S.tensor_meta, "conj");
-  S.tm_neg = member_offset(S.tensor_meta, "neg");
-  S.n_leaves = member_offset(S.node, "leaves");
-  S.n_entry = member_offset(S.node, "entry");
-  S.n_executed = member_offset(S.node, "executed");
-  S.n_index = member_offset(S.node, "index");
-  S.n_where = member_offset(S.node, "where");
-  S.n_storages = member_offset(S.node, "storages");
-  S.n_consumers = member_offset(S.node, "consumers");
-  S.n_outputs = member_offset(S.node, "outputs");
-  S.n_values = member_offset(S.node, "values");
-  S.n_metas = member_offset(S.node, "metas");
-  S.r_node = member_offset(S.ref, "node");
-  S.r_out = member_offset(S.ref, "out");
-  S.st_pending = member_offset(S.storage, "pending_writes");
+  S.n_leaves = genie::slot_offset(S.node, "leaves");
+  S.n_entry = genie::slot_offset(S.node, "entry");
+  S.n_executed = genie::slot_offset(S.node, "executed");
+  S.n_index = genie::slot_offset(S.node, "index");
+  S.n_where = genie::slot_offset(S.node, "where");
+  S.n_storages = genie::slot_offset(S.node, "storages");
+  S.n_consumers = genie::slot_offset(S.node, "consumers");
+  S.n_outputs = genie::slot_offset(S.node, "outputs");
+  S.n_values = genie::slot_offset(S.node, "values");
+  S.n_metas = genie::slot_offset(S.node, "metas");
+  S.r_node = genie::slot_offset(S.ref, "node");
+  S.r_out = genie::slot_offset(S.ref, "out");
+  S.st_pending = genie::slot_offset(S.storage, "pending_writes");
   S.held_after = held_after.release().ptr();
   S.same_const = same_const.release().ptr();
   S.same_kind = same_kind.release().ptr();
@@ -564,7 +493,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       return slow;
     }
     if (meta != want) {
-      int eq = meta_eq(meta, want);
+      int eq = genie::tensor_meta_eq(meta, want);
       if (eq < 0) {
         eq = PyObject_RichCompareBool(meta, want, Py_EQ);
         if (eq < 0) {
@@ -572,7 +501,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
         }
       }
       if (eq == 0 && generic && meta != Py_None && want != Py_None) {
-        eq = meta_same_kind(meta, want);
+        eq = genie::tensor_meta_same_kind(meta, want);
         if (eq < 0) {
           py::object r = py::reinterpret_steal<py::object>(
               PyObject_CallFunctionObjArgs(S.same_kind, meta, want, nullptr));

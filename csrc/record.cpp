@@ -70,6 +70,7 @@
 #endif
 
 #include "record.h"
+#include "slots.h"
 
 #if defined(TORCH_VERSION_MAJOR) && defined(TORCH_VERSION_MINOR) && \
     (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
@@ -107,18 +108,8 @@ struct Names {
 
 Names* names = nullptr;
 
-// Offsets of a slotted class's fields, by name, from its member descriptors.
-Py_ssize_t slot_offset(PyTypeObject* t, const char* name) {
-  PyObject* d = PyDict_GetItemString(t->tp_dict, name);  // borrowed
-  if (d == nullptr || Py_TYPE(d) != &PyMemberDescr_Type) {
-    throw std::runtime_error(std::string(t->tp_name) + "." + name + " is not a slot");
-  }
-  PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
-  if (m->type != T_OBJECT_EX) {
-    throw std::runtime_error(std::string(t->tp_name) + "." + name + " is not an object slot");
-  }
-  return m->offset;
-}
+// Offsets of a slotted class's fields: slots.h.
+using genie::slot_offset;
 
 // The class must have exactly these slots (besides __weakref__): a field this file does not
 // know of would be left unset, so such a class turns the fast path off instead.

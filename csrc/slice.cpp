@@ -33,6 +33,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "slice.h"
+#include "slots.h"
 
 namespace py = pybind11;
 
@@ -46,21 +47,11 @@ struct Unsupported {};
   throw py::error_already_set();
 }
 
-Py_ssize_t slot_offset(PyTypeObject* t, const char* name) {
-  PyObject* d = PyDict_GetItemString(t->tp_dict, name);  // borrowed
-  if (d == nullptr || Py_TYPE(d) != &PyMemberDescr_Type) {
-    throw std::runtime_error(std::string(t->tp_name) + "." + name + " is not a slot");
-  }
-  PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
-  if (m->type != T_OBJECT_EX) {
-    throw std::runtime_error(std::string(t->tp_name) + "." + name + " is not an object slot");
-  }
-  return m->offset;
-}
+using genie::slot_offset;
 
 // A slot's value, borrowed; Unsupported when unset (the Python reference raises AttributeError).
 inline PyObject* get(PyObject* o, Py_ssize_t off) {
-  PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
+  PyObject* v = genie::slot_value(o, off);
   if (v == nullptr) {
     throw Unsupported();
   }
@@ -1163,6 +1154,31 @@ py::object rebuild_instrs(const py::list& instrs, const py::list& found, const p
     }
   }
   return py::none();
+}
+
+int tensor_meta_eq(PyObject* a, PyObject* b) {
+  if (a == b) {
+    return 1;
+  }
+  if (S.tensor_meta == nullptr || Py_TYPE(a) != S.tensor_meta || Py_TYPE(b) != S.tensor_meta) {
+    return -1;
+  }
+  try {
+    return meta_eq(a, b) ? 1 : 0;
+  } catch (const Unsupported&) {
+    return -1;
+  }
+}
+
+int tensor_meta_same_kind(PyObject* a, PyObject* b) {
+  if (S.tensor_meta == nullptr) {
+    return -1;
+  }
+  try {
+    return same_kind(a, b) ? 1 : 0;
+  } catch (const Unsupported&) {
+    return -1;
+  }
 }
 
 void add_slice_functions(py::module_& m) {

@@ -6,7 +6,13 @@
 
 namespace genie {
 
-// Adds _slice_init, _slice_nodes and _instantiate to the genie._C module.
+// Adds _slice_init, _slice_nodes, _instantiate and _rebuild_instrs to the genie._C module.
 void add_slice_functions(pybind11::module_& m);
+
+// TensorMeta == TensorMeta (its dataclass __eq__) and genie.plan_cache.same_kind, natively, for
+// the other native paths (match.cpp): 1 or 0; -1 when either is not exactly a TensorMeta or the
+// classes are not known yet (the caller asks Python). A Python error propagates.
+int tensor_meta_eq(PyObject* a, PyObject* b);
+int tensor_meta_same_kind(PyObject* a, PyObject* b);
 
 }  // namespace genie

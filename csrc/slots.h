@@ -1,0 +1,32 @@
+// The __slots__ fields of Genie's Python classes (Node, Ref, Storage, TensorMeta, Instr, ...),
+// read and written from C++ by offset: record.cpp, slice.cpp and match.cpp find each offset once,
+// from the class's member descriptor, and check the field is an object slot.
+#pragma once
+
+#include <Python.h>
+#include <structmember.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace genie {
+
+// The offset of slot `name` of the slotted class `t`; std::runtime_error if it is not one.
+inline Py_ssize_t slot_offset(PyTypeObject* t, const char* name) {
+  PyObject* d = PyDict_GetItemString(t->tp_dict, name);  // borrowed
+  if (d == nullptr || Py_TYPE(d) != &PyMemberDescr_Type) {
+    throw std::runtime_error(std::string(t->tp_name) + "." + name + " is not a slot");
+  }
+  PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+  if (m->type != T_OBJECT_EX) {
+    throw std::runtime_error(std::string(t->tp_name) + "." + name + " is not an object slot");
+  }
+  return m->offset;
+}
+
+// The value of the slot at `off` of `o`: borrowed, nullptr when unset.
+inline PyObject* slot_value(PyObject* o, Py_ssize_t off) {
+  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
+}
+
+}  // namespace genie
