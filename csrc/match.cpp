@@ -14,14 +14,13 @@
 // Contract: the same answer as the Python function (genie.plan_cache._match_core_py, kept as the
 // reference; GENIE_NATIVE_MATCH=0 uses it): None (not this plan), False (decide with
 // _match_slow), or (found nodes, shaped instructions, changed float columns, input slots by
-// (node index, output), input values by slot). Checks that need Python's own rules call back
-// into it (held_after, same_const for non-floats, TensorMeta equality, same_kind, and
-// _entryless for nodes recorded without a meta-cache entry). tests/unit/test_plan_cache.py
-// compares the two on every plan-cache test program.
+// (node index, output), input values by slot). Constants and TensorMetas are compared by
+// slice.cpp's native same_const / TensorMeta equality / same_kind (Python's for anything else);
+// held_after and _entryless (nodes recorded without a meta-cache entry) are Python callbacks.
+// tests/unit/test_plan_cache.py compares the two on every outcome of its programs.
 #include <Python.h>
 #include <structmember.h>
 
-#include <cmath>
 #include <vector>
 
 #include <pybind11/pybind11.h>
@@ -45,13 +44,11 @@ struct State {
   Py_ssize_t r_node = 0, r_out = 0;
   Py_ssize_t st_pending = 0;
   PyObject* held_after = nullptr;
-  PyObject* same_const = nullptr;
   PyObject* same_kind = nullptr;
   PyObject* klass = nullptr;  // interned "klass"
 };
 
 State S;
-
 
 // A __slots__ member read by offset: borrowed, nullptr when unset.
 inline PyObject* slot(PyObject* o, Py_ssize_t off) {
@@ -97,28 +94,6 @@ bool truthy(PyObject* o) {
   return r == 1;
 }
 
-// genie.graph.same_const for two floats (bits: -0.0 differs from 0.0, NaN equals NaN); other
-// pairs go to the Python function.
-bool same_const(PyObject* a, PyObject* b) {
-  if (a == b) {
-    return true;
-  }
-  if (PyFloat_CheckExact(a) && PyFloat_CheckExact(b)) {
-    const double x = PyFloat_AS_DOUBLE(a);
-    const double y = PyFloat_AS_DOUBLE(b);
-    if (std::isnan(x)) {
-      return std::isnan(y);
-    }
-    return x == y && std::signbit(x) == std::signbit(y);
-  }
-  py::object r = py::reinterpret_steal<py::object>(
-      PyObject_CallFunctionObjArgs(S.same_const, a, b, nullptr));
-  if (!r) {
-    throw py::error_already_set();
-  }
-  return truthy(r.ptr());
-}
-
 // A storage of `n`'s output `k` with a pending write (a non-empty pending_writes list).
 bool pending_on(PyObject* n, Py_ssize_t k, bool& ok) {
   PyObject* st = item(slot(n, S.n_storages), k);
@@ -139,7 +114,7 @@ bool pending_on(PyObject* n, Py_ssize_t k, bool& ok) {
 namespace genie {
 
 void match_init(py::object node, py::object ref, py::object alive, py::object storage,
-                py::object held_after, py::object same_const, py::object same_kind) {
+                py::object held_after, py::object same_kind) {
   auto type = [](py::object t) {
     if (!PyType_Check(t.ptr())) {
       throw py::type_error("genie._C._match_init: expected a class");
@@ -165,7 +140,6 @@ void match_init(py::object node, py::object ref, py::object alive, py::object st
   S.r_out = genie::slot_offset(S.ref, "out");
   S.st_pending = genie::slot_offset(S.storage, "pending_writes");
   S.held_after = held_after.release().ptr();
-  S.same_const = same_const.release().ptr();
   S.same_kind = same_kind.release().ptr();
   S.klass = PyUnicode_InternFromString("klass");
   S.ready = true;
@@ -375,7 +349,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
     if (x == nullptr) {
       return slow;
     }
-    if (!same_const(x, PyList_GET_ITEM(fv, m))) {
+    if (!genie::constants_same(x, PyList_GET_ITEM(fv, m))) {
       changed.append(py::int_(static_cast<Py_ssize_t>(m)));
     }
   }

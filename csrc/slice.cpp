@@ -1156,6 +1156,10 @@ py::object rebuild_instrs(const py::list& instrs, const py::list& found, const p
   return py::none();
 }
 
+bool constants_same(PyObject* a, PyObject* b) {
+  return same_const(a, b);
+}
+
 int tensor_meta_eq(PyObject* a, PyObject* b) {
   if (a == b) {
     return 1;

@@ -13,6 +13,8 @@ void add_slice_functions(pybind11::module_& m);
 // the other native paths (match.cpp): 1 or 0; -1 when either is not exactly a TensorMeta or the
 // classes are not known yet (the caller asks Python). A Python error propagates.
 int tensor_meta_eq(PyObject* a, PyObject* b);
+// genie.graph.same_const natively (floats by bits: -0.0 is not 0.0, NaN is NaN).
+bool constants_same(PyObject* a, PyObject* b);
 int tensor_meta_same_kind(PyObject* a, PyObject* b);
 
 }  // namespace genie

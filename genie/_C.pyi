@@ -58,7 +58,7 @@ def _bind_nodes(nodes: list[object], outs: list[tuple[int | None, ...]], kept: d
     pending-write entries it removed."""
 
 def _match_init(node: type, ref: type, alive: type, storage: type, held_after: object,
-                same_const: object, same_kind: object) -> None:
+                same_kind: object) -> None:
     """The classes and Python rules ``_match_core`` uses (genie.plan_cache calls it once)."""
 
 def _match_core(flat: tuple, entries: list[object], klasses: list[object],

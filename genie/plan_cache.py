@@ -1009,4 +1009,4 @@ def structure_key(plan: Plan) -> str:
     return h.hexdigest()
 
 
-_match_init(Node, Ref, Alive, Storage, held_after, _same_const, same_kind)
+_match_init(Node, Ref, Alive, Storage, held_after, same_kind)
