@@ -63,6 +63,8 @@ from .protocol import (
     unpack,
 )
 
+_monitors = iter(range(1 << 62))  # one inproc name per peer link's monitor, never reused
+
 logger = logging.getLogger("genie.server.peer")
 
 #: bytes of a session's public id (:func:`session_id`) and of a ticket (:func:`ticket`)
@@ -332,8 +334,10 @@ class PeerLinks:
                 return
             for t in link.pending.values():
                 answer(t, why)
+            poller.unregister(link.mon)
+            poller.unregister(link.sock)
+            link.sock.disable_monitor()
             for s in (link.mon, link.sock):
-                poller.unregister(s)
                 s.close(linger=0)
 
         try:
@@ -397,7 +401,10 @@ class PeerLinks:
                                      "with CURVE only (the client sends the key it uses)")
                 sock.curve_serverkey = t.server_key.encode()
                 sock.curve_publickey, sock.curve_secretkey = self.keys
-            mon = sock.get_monitor_socket()
+            # A name of its own: pyzmq's default (inproc://monitor.s-<fd>) is reused by the next
+            # socket that gets a closed link's file descriptor while libzmq's reaper may still
+            # hold the old name, and that bind fails with "Address already in use".
+            mon = sock.get_monitor_socket(addr=f"inproc://genie-peer-monitor-{next(_monitors)}")
             sock.connect(t.dest)
             link = links[t.dest] = _Link(sock, mon)
             poller.register(sock, zmq.POLLIN)
