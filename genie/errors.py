@@ -27,16 +27,49 @@ class DeviceError(GenieError):
 class ExecutionError(GenieError):
     """An op failed while the real device ran a recorded graph.
 
+    It is also an instance of the failing op's own builtin exception class (an index out of range
+    is an ``IndexError`` here too), so ``except IndexError`` catches it where the program would
+    have caught eager's; the cause is chained (``__cause__``).
+
     Carries the failing op and, when it was recorded, the user's source line that created the node,
     so that an error only the data can reveal (an index out of range inside ``gather``) still points
     at the line that caused it. ``index`` is the failing instruction's position in its tape, when
     one instruction failed (a server reports it back to the client, which names the op).
     """
 
+    def __new__(cls, op: object, where: str | None, cause: BaseException,
+                index: int | None = None) -> ExecutionError:
+        if cls is ExecutionError:
+            cls = _with_cause_type(cause)
+        return super().__new__(cls, op, where, cause, index)
+
     def __init__(self, op: object, where: str | None, cause: BaseException,
                  index: int | None = None) -> None:
         self.op = op
         self.where = where
         self.index = index
+        self.__cause__ = cause  # also where it is made, not raised, from a cause (a server's reply)
         at = f" (recorded at {where})" if where else ""
         super().__init__(f"[genie] {op}{at} failed on the device: {type(cause).__name__}: {cause}")
+
+
+_WITH_CAUSE: dict[type, type] = {}
+
+
+def _with_cause_type(cause: BaseException) -> type:
+    """The ExecutionError class that is also ``type(cause)`` when that is a builtin exception
+    class other than RuntimeError (IndexError, ValueError, TypeError, ...), one per class; else
+    ExecutionError itself (its own base is RuntimeError, which c10 errors are)."""
+    base = type(cause)
+    if base.__module__ != "builtins" or not issubclass(base, Exception) or \
+            issubclass(ExecutionError, base):
+        return ExecutionError
+    k = _WITH_CAUSE.get(base)
+    if k is None:
+        try:
+            k = type("ExecutionError", (ExecutionError, base),
+                     {"__module__": __name__, "__doc__": ExecutionError.__doc__})
+        except TypeError:  # a base with another instance layout (OSError, ...): not combined
+            k = ExecutionError
+        _WITH_CAUSE[base] = k
+    return k

@@ -550,7 +550,8 @@ class Client:
                     bump("skeletons_sent")
                     h, frames = self._call_run(header, enc.frames, what + " (resent)", reads)
             except _ExecFailure as f:
-                raise f.error(tape, self.address) from None
+                err = f.error(tape, self.address)
+                raise err from err.__cause__  # the server's exception, rebuilt (None: none)
             self._runs += 1
             st = h.get("st")
             if base is not None and self._runs % FLOP_SAMPLE_EVERY == 0 and \
@@ -1014,7 +1015,8 @@ class Client:
                 header["sk"] = enc.skeleton
                 self._call_run(header, enc.frames, what + " (resent)", reads)
         except _ExecFailure as f:
-            raise f.error(tape, self.address) from None
+            err = f.error(tape, self.address)
+            raise err from err.__cause__  # the server's exception, rebuilt (None: none)
         self._skeletons[enc.key] = enc.consts
         up_ids = [hid for _, hid in uploads.values()]
         lin = self._lineage
