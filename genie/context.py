@@ -396,16 +396,7 @@ def node_role(n: Any, k: int) -> str:
     st = n.storages[k] if k < len(n.storages) else None
     if st is not None and st.role is not None:
         return st.role
-    if n.tags is not None and "role" in n.tags:
-        return n.tags["role"]
-    c = n.ctx
-    if c is not None and c.region == "backward":
-        return "gradient"
-    if c is not None and c.region == "optimizer":
-        return "optimizer_state"
-    if n.op == "genie.upload":
-        return "input"
-    return "activation"
+    return _recorded_role(n)
 
 
 def role(t: torch.Tensor) -> str:
@@ -416,7 +407,12 @@ def role(t: torch.Tensor) -> str:
                         f"{type(t).__name__}")
     if isinstance(t, torch.nn.Parameter) or t.__dict__.get("_swap_src") is not None:
         return "weight"
-    n = t._node
+    return _recorded_role(t._node)
+
+
+def _recorded_role(n: Any) -> str:
+    """What a node's own record says: a role tag (``kv_cache``), else its region, else whether
+    it is an upload."""
     if n.tags is not None and "role" in n.tags:
         return n.tags["role"]
     c = n.ctx

@@ -54,15 +54,19 @@ class ExecutionError(GenieError):
 
 
 _WITH_CAUSE: dict[type, type] = {}
+# The builtin classes ATen ops raise besides RuntimeError (c10's IndexError, ValueError,
+# TypeError, NotImplementedError, LinAlgError is a RuntimeError). Only these are combined: a
+# server's reply names its cause's class, and StopIteration or the like must not come of it.
+_EAGER_TYPES = frozenset({IndexError, ValueError, TypeError, NotImplementedError, KeyError,
+                          ZeroDivisionError, OverflowError, MemoryError})
 
 
 def _with_cause_type(cause: BaseException) -> type:
-    """The ExecutionError class that is also ``type(cause)`` when that is a builtin exception
-    class other than RuntimeError (IndexError, ValueError, TypeError, ...), one per class; else
+    """The ExecutionError class that is also ``type(cause)`` when that is one of the builtin
+    classes eager ops raise besides RuntimeError (``_EAGER_TYPES``), one per class; else
     ExecutionError itself (its own base is RuntimeError, which c10 errors are)."""
     base = type(cause)
-    if base.__module__ != "builtins" or not issubclass(base, Exception) or \
-            issubclass(ExecutionError, base):
+    if base not in _EAGER_TYPES:
         return ExecutionError
     k = _WITH_CAUSE.get(base)
     if k is None:

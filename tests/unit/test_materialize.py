@@ -210,3 +210,6 @@ def test_a_deferred_kernel_error_has_eagers_exception_type():
     from genie.errors import _with_cause_type
     assert _with_cause_type(RuntimeError("x")) is ExecutionError
     assert _with_cause_type(ValueError("x")) is _with_cause_type(ValueError("y"))
+    # a server's reply names its cause's class: only the classes ATen raises are taken on
+    assert _with_cause_type(StopIteration()) is ExecutionError
+    assert _with_cause_type(KeyboardInterrupt()) is ExecutionError
