@@ -11,7 +11,7 @@ factory calls, from ``genie.stats()``).
 | generate | GPT-2 4 x 128 (4 heads, vocab 1000) | greedy ``generate`` of 32 new tokens, with a prompt length never seen before in every call (shapes new every round, as on a server); per token |
 | mlp256 | MLP 4 x Linear(256)+ReLU, batch 32, MSE, AdamW | one steady training step (``loss.item()`` the one materialization) |
 | mlp2048 | the same at 4 x Linear(2048), batch 64 | one step, default backend order |
-| record | a 2,000-op elementwise chain on 4x4 | record only (no materialization); per op |
+| record | a 2,000-op elementwise chain on 4x4 | record only (no materialization); per op; also against a "dispatch floor": a ``__torch_dispatch__`` subclass that records nothing and returns its input, the least any subclass-based backend pays per op |
 | warm | the same already-seen chain | record + materialize (plan cache warm); per op |
 
 ``torch._lazy`` (TorchScript backend) runs the MLP and chain rows, and the GPT-2 rows with
@@ -209,6 +209,22 @@ def test_mlp_train_step(benchmark, ratios, workloads, width: int, batch: int) ->
 
 # --- the elementwise chain: record only, and record + materialize warm ---------------------------
 
+class _DispatchFloor(torch.Tensor):
+    """The least any ``__torch_dispatch__`` backend pays per op: torch's path from the Python op
+    call into a subclass's ``__torch_dispatch__`` and back, with nothing recorded and no new
+    tensor (every op returns its first argument). The chain row's "dispatch floor" variant; what
+    genie pays above it is its own recording."""
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> torch.Tensor:
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype,
+                                                   device=elem.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ARG003
+        return args[0]
+
+
 def test_chain_record(benchmark, ratios, workloads) -> None:
     benchmark.group = f"models: record a {N_CHAIN:,}-op elementwise chain, 4x4"
     row = ratios.row(SUITE, f"record a {N_CHAIN:,}-op elementwise chain (4x4), no materialization",
@@ -219,6 +235,9 @@ def test_chain_record(benchmark, ratios, workloads) -> None:
         if name == "genie":
             genie.materialize(x)
         variants[name] = lambda x=x: workloads.chain(x, N_CHAIN)
+    floor = _DispatchFloor(torch.randn(4, 4))
+    variants["dispatch floor"] = lambda: workloads.chain(floor, N_CHAIN)
+    row.ratios += [("genie", "dispatch floor"), ("torch._lazy", "dispatch floor")]
     ops = workloads.recorded_ops(variants["genie"])
     assert ops == N_CHAIN, f"expected {N_CHAIN} recorded ops, got {ops}"
     workloads.interleave(benchmark, row, variants, rounds=_rounds(9), per=N_CHAIN)
