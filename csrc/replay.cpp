@@ -18,8 +18,9 @@
 //
 // Runs hold the GIL (kernels that take it, Python kernels, re-enter it) and run under the
 // caller's no_grad and disabled dispatch modes. A failing instruction does not raise here: run
-// returns (its index, the Python exception eager would raise), and the caller raises
-// genie.errors.ExecutionError from it; nothing is re-run after a partial failure.
+// returns (its index, the Python exception eager would raise, the live registers {slot: value}),
+// and the caller raises genie.errors.ExecutionError from it with that progress; the executor
+// binds the nodes that ran, so nothing is re-run after a partial failure.
 #include <algorithm>
 #include <mutex>
 #include <cstdint>
@@ -264,7 +265,8 @@ class Program {
 
   // Run on `devices` (0: the run's device; k: remote_accelerator's other real devices) with
   // the step's `inputs` ({slot: tensor}) and `instrs` (its tape's, read for per-step leaves).
-  // Returns {slot: value} of the kept slots, or (instruction index, exception) when one failed.
+  // Returns {slot: value} of the kept slots, or (instruction index, exception, {slot: value} of
+  // the live registers) when one failed.
   py::object run(const py::dict& inputs, const py::list& instrs, const py::list& devices) {
     static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
     static PyObject* const rng_name = PyUnicode_InternFromString("rng");
@@ -328,10 +330,10 @@ class Program {
         }
       } catch (py::error_already_set& e) {
         e.restore();
-        return failure(i);
+        return failure(i, regs);
       } catch (...) {
         torch::translate_exception_to_python(std::current_exception());
-        return failure(i);
+        return failure(i, regs);
       }
       for (int64_t f : s.frees) {
         regs[f] = c10::IValue();
@@ -507,8 +509,10 @@ class Program {
     gen.set_state(saved);
   }
 
-  // The Python exception now set, returned with the failing instruction's index.
-  static py::object failure(size_t i) {
+  // The Python exception now set, returned with the failing instruction's index and the values
+  // computed so far that are still live ({slot: value}: the instructions before i ran; the
+  // executor binds their nodes, see genie/executor.py).
+  static py::object failure(size_t i, std::vector<c10::IValue>& regs) {
     PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
@@ -521,7 +525,14 @@ class Program {
       Py_INCREF(PyExc_RuntimeError);
       value = PyExc_RuntimeError;
     }
-    return py::make_tuple(py::int_(i), py::reinterpret_steal<py::object>(value));
+    py::object error = py::reinterpret_steal<py::object>(value);
+    py::dict live;
+    for (size_t k = 0; k < regs.size(); ++k) {
+      if (!regs[k].isNone()) {
+        live[py::int_(k)] = torch::jit::toPyObject(std::move(regs[k]));
+      }
+    }
+    return py::make_tuple(py::int_(i), error, live);
   }
 
   int64_t registers_;

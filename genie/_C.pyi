@@ -142,6 +142,7 @@ class _ReplayProgram:
         ValueError/RuntimeError when it cannot be mapped."""
     def run(self, inputs: dict[int, object], instrs: list, devices: list[object]) -> object:
         """Run with the step's inputs and instructions on ``devices`` (0: the run's device).
-        Returns ``{slot: value}`` of the kept slots, or ``(index, exception)`` of the
-        instruction that raised."""
+        Returns ``{slot: value}`` of the kept slots, or ``(index, exception, live)`` of the
+        instruction that raised, ``live`` the values computed before it still alive
+        (``{slot: value}``)."""
     def __len__(self) -> int: ...

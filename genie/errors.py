@@ -35,7 +35,15 @@ class ExecutionError(GenieError):
     so that an error only the data can reveal (an index out of range inside ``gather``) still points
     at the line that caused it. ``index`` is the failing instruction's position in its tape, when
     one instruction failed (a server reports it back to the client, which names the op).
+
+    ``partial`` is set by an in-process backend (the interpreter, generated code, native
+    replay) that knows how far it got: ``(tape, index, values)``, the tape object that failed,
+    its failing instruction (those before it ran) and the values computed so far that were
+    still live, by slot. The executor binds the nodes that ran from it (an in-place write that
+    ran is not run again), then clears it (so that the raised error holds no tensors).
     """
+
+    partial: tuple | None = None
 
     def __new__(cls, op: object, where: str | None, cause: BaseException,
                 index: int | None = None) -> ExecutionError:

@@ -21,9 +21,10 @@ from . import backends, memory, plan_cache
 from ._C import _bind_nodes, _gc_untrack
 from .config import config
 from .device import real_device
+from .errors import ExecutionError
 from .graph import Node, pending_total
 from .passes import pipeline
-from .planner import PendingSlots, Tape
+from .planner import PendingSlots, Slot, Tape
 from .profiling import phase
 from .stats import bump
 
@@ -51,7 +52,13 @@ def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
     with real_dispatch():
         # genie.passes: the plan's optimized tape when it has one (issue 13); ``ran`` is the
         # tape that ran, ``kept`` the values of ``tape.keep`` either way
-        kept, ran = pipeline.run(tape, real_device(index))
+        try:
+            kept, ran = pipeline.run(tape, real_device(index))
+        except ExecutionError as e:
+            partial, e.partial = e.partial, None  # the raised error holds no tensors
+            if partial is not None:
+                _bind_partial(tape, *partial, index)
+            raise
     bump("nodes_executed", len(ran.instrs))
     outputs = [kept[s] for s in tape.outputs]
     _bind(tape, kept)
@@ -62,17 +69,22 @@ def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
 _PRUNE_AT = 16  # readers of a storage that _bind prunes (shorter lists: Storage.add_reader)
 
 
-def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
-    """Mark the run's nodes executed, keep needed values, release inputs (graph truncation)."""
+def _bind(tape: Tape, kept: dict[int, torch.Tensor], upto: int | None = None) -> None:
+    """Mark the run's nodes executed, keep needed values, release inputs (graph truncation);
+    ``upto``: only the first ``upto`` nodes (those that ran before a failure)."""
     pending = tape._slots
     lazy = pending.outs if type(pending) is PendingSlots else None  # node i's slots, in order
+    nodes = tape.nodes
+    if upto is not None:
+        nodes = nodes[:upto]
+        lazy = None if lazy is None else list(lazy[:upto])
     if lazy is not None and config.native_bind:  # the same loop, natively (csrc/bind.cpp)
-        pending_total[0] -= _bind_nodes(tape.nodes, lazy, kept, _PRUNE_AT, config.gc_untrack)
+        pending_total[0] -= _bind_nodes(nodes, lazy, kept, _PRUNE_AT, config.gc_untrack)
         return
     slots = tape.slots if lazy is None else None
     get = kept.get
     untrack = config.gc_untrack
-    for i, n in enumerate(tape.nodes):
+    for i, n in enumerate(nodes):
         vals: list[torch.Tensor | None] = []
         if lazy is not None:
             vals = [get(s) if s is not None else None for s in lazy[i]]
@@ -98,6 +110,61 @@ def _bind(tape: Tape, kept: dict[int, torch.Tensor]) -> None:
         for s in n.storages:
             if s is not None and len(s.readers) >= _PRUNE_AT:
                 s.prune_readers()
+
+
+def _bind_partial(tape: Tape, failed: Tape, at: int, live: dict[int, Any], index: int) -> None:
+    """Bind what ran of ``tape`` before ``failed`` (the tape a backend ran: ``tape`` or its plan's
+    optimized tape) failed at instruction ``at``; ``live``: the values computed so far that were
+    still alive, by slot (:attr:`genie.errors.ExecutionError.partial`).
+
+    Eager ran the ops before the failing one, so they must not run again (an in-place write would
+    apply twice). The nodes bound are those of a prefix of ``tape`` that all ran; each keeps every
+    live value of its outputs, since the pending nodes from the failing one on (not bound: the
+    failing op did not happen, and what follows it never ran) may still read them. A value that
+    was not computed is never bound: a node whose needed output is not in ``live`` ends the
+    prefix.
+    """
+    if failed is tape:
+        upto = at
+        kept = {s: live[s] for ins in tape.instrs[:at] for s in ins.outs
+                if s is not None and s in live}
+    else:
+        upto, kept = _ran_prefix(tape, failed, at, live)
+    if upto <= 0:
+        return
+    bump("nodes_executed", upto)
+    _bind(tape, kept, upto)
+    memory.after_run(tape, kept, index)
+
+
+def _ran_prefix(tape: Tape, failed: Tape, at: int, live: dict[int, Any]
+                ) -> tuple[int, dict[int, Any]]:
+    """For an optimized tape (genie.passes: instructions merged, dropped, duplicated or moved)
+    that failed at ``at``: the longest prefix of ``tape``'s nodes whose instructions all ran
+    and whose outputs still needed are known under their own slots, and those values."""
+    pos = {id(n): j for j, n in enumerate(tape.nodes)}
+    made: dict[int, set[int]] = {}  # tape node position -> slots its instructions made
+    for ins, n in zip(failed.instrs[:at], failed.nodes[:at]):
+        j = pos.get(id(n))
+        if j is not None:
+            made.setdefault(j, set()).update(s for s in ins.outs if s is not None)
+    instrs = tape.instrs
+    upto = 0
+    while upto in made:
+        upto += 1
+    while upto > 0:
+        needed = set(tape.keep)  # what the nodes after the prefix may still read
+        for ins in instrs[upto:]:
+            needed.update(x.id for x in ins.leaves if type(x) is Slot)
+        short = next((j for j in range(upto) for s in instrs[j].outs
+                      if s is not None and s in needed and (s not in made[j] or s not in live)),
+                     None)
+        if short is None:
+            break
+        upto = short
+    kept = {s: live[s] for j in range(upto) for s in instrs[j].outs
+            if s is not None and s in made[j] and s in live}
+    return upto, kept
 
 
 def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:

@@ -19,7 +19,8 @@ Invariants:
   ``Plan.artifacts["codegen"]``).
 * An op that raises surfaces as :class:`~genie.errors.ExecutionError` naming the op and the
   source line where it was recorded, as in the interpreter (the failing instruction is found
-  from the traceback's line number: no bookkeeping on the hot path).
+  from the traceback's line number, the values computed so far from its frame's locals, for
+  the executor to bind the instructions that ran: no bookkeeping on the hot path).
 
 When: ``GENIE_CODEGEN`` = ``repeat`` (default: a plan's tapes from its second use on; a miss
 is interpreted, since generating costs about as much as interpreting once), ``always`` (every
@@ -86,20 +87,28 @@ class Generated:
         try:
             return self.fn(tape.inputs, tape.instrs, dev)
         except Exception as e:
-            i = self._failing(e)
-            if i is None:
+            found = self._failing(e)
+            if found is None:
                 raise
+            i, frame = found
             ins = tape.instrs[i]
-            raise ExecutionError(ins.op, ins.where, e, i) from e
+            err = ExecutionError(ins.op, ins.where, e, i)
+            # the instructions before i ran: their live values are the frame's locals v<slot>
+            live = {int(k[1:]): v for k, v in frame.f_locals.items()
+                    if k[:1] == "v" and k[1:].isdigit()}
+            err.partial = (tape, i, live)  # see executor.run_tape
+            raise err from e
 
-    def _failing(self, e: BaseException) -> int | None:
+    def _failing(self, e: BaseException) -> tuple[int, Any] | None:
+        """The failing instruction and the generated function's frame, from the traceback."""
         tb = e.__traceback__
-        line = None
+        line = frame = None
         while tb is not None:
             if tb.tb_frame.f_code is self.code:
-                line = tb.tb_lineno
+                line, frame = tb.tb_lineno, tb.tb_frame
             tb = tb.tb_next
-        return self.lines.get(line) if line is not None else None
+        i = self.lines.get(line) if line is not None else None
+        return None if i is None else (i, frame)
 
 
 def for_tape(tape: Tape) -> Generated | None:

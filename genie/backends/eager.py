@@ -57,7 +57,9 @@ def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
                 outs = run_instr(ins, env, dev if ins.device == tape.index else
                                  real_device(ins.device))
             except Exception as e:
-                raise ExecutionError(ins.op, ins.where, e, i) from e
+                err = ExecutionError(ins.op, ins.where, e, i)
+                err.partial = (tape, i, env)  # instructions [0, i) ran (see executor.run_tape)
+                raise err from e
             for s, v in zip(ins.outs, outs):
                 if s is not None:
                     env[s] = v

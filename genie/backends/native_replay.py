@@ -24,7 +24,8 @@ Invariants:
   interpreted, as before.
 * An op that raises surfaces as :class:`~genie.errors.ExecutionError` naming the op, with the
   exception eager raises (``IndexError``, ``RuntimeError``, ...) as its cause; the instructions
-  before it have run (an in-place write may have happened), so nothing is re-run.
+  before it have run (an in-place write may have happened): the error carries the live values
+  (``ExecutionError.partial``) and the executor binds the nodes that ran, so nothing is re-run.
 
 When: ``GENIE_NATIVE_REPLAY`` (``genie.config.native_replay``) = ``1`` (default: a plan's tapes
 from its second use on, before codegen), ``always`` (every tape), ``0`` (never: codegen and the
@@ -84,10 +85,12 @@ class Program:
     def __call__(self, tape: Tape, dev: torch.device) -> dict[int, Any]:
         devices = [dev, *map(real_device, self.others)] if self.others else [dev]
         r = self.native.run(tape.inputs, tape.instrs, devices)
-        if type(r) is tuple:  # (failing instruction, the exception it raised)
-            i, e = r
+        if type(r) is tuple:  # (failing instruction, the exception it raised, live values)
+            i, e, live = r
             ins = tape.instrs[i]
-            raise ExecutionError(ins.op, ins.where, e, i) from e
+            err = ExecutionError(ins.op, ins.where, e, i)
+            err.partial = (tape, i, live)  # instructions [0, i) ran (see executor.run_tape)
+            raise err from e
         if self.freed:
             bump("values_freed", self.freed)
         bump("native_replays")
