@@ -93,6 +93,16 @@ def _rebuild_instrs(instrs: list[object], found: list[object], tmpl: list[object
 _record_native: bool
 """Whether this build has the native record path (torch 2.13 or newer)."""
 
+def _find_torch_dispatch_rule(op: object, torch_dispatch_class: type) -> object | None:
+    """``torch._library.simple_registry.find_torch_dispatch_rule``, natively (the same lookups in
+    the dict given to :func:`_set_dispatch_rule_data`; adds no empty registry entry)."""
+
+
+def _set_dispatch_rule_data(data: dict[str, object]) -> None:
+    """The registry dict (``simple_registry.singleton._data``) :func:`_find_torch_dispatch_rule`
+    reads."""
+
+
 def _record_dispatch(func: object, types: object, args: tuple = (), kwargs: dict | None = None,
                      ) -> object:
     """``LazyTensor.__torch_dispatch__`` (a staticmethod): records the common case natively

@@ -2,7 +2,8 @@
 
 ``GENIE_DEVICE``, ``GENIE_DEVICE_COUNT``, ``GENIE_META_CACHE``, ``GENIE_RECORD_SOURCE``,
 ``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD``, ``GENIE_NATIVE_RECORD_MISS``, ``GENIE_NATIVE_BIND``,
-``GENIE_NATIVE_MATCH``, ``GENIE_NATIVE_SLICE``, ``GENIE_NATIVE_REPLAY``, ``GENIE_FOREACH`` and
+``GENIE_NATIVE_MATCH``, ``GENIE_NATIVE_SLICE``, ``GENIE_NATIVE_REPLAY``, ``GENIE_FOREACH``,
+``GENIE_NATIVE_DISPATCH_RULE`` and
 ``GENIE_DEBUG`` live here; the engine and
 remote modules read their own (``GENIE_BACKENDS``, ``GENIE_PLAN_CACHE``, ``GENIE_COMPILER``,
 ``GENIE_SERVER``, ...). docs/env.md is the one table of all of them, with meanings and defaults.
@@ -35,6 +36,9 @@ class Config:
     gc_untrack: bool = _flag("GENIE_GC_UNTRACK", "1") != "0"
     # Bind a run's values to its nodes natively (csrc/bind.cpp; 0: the Python loop, the reference).
     native_bind: bool = _flag("GENIE_NATIVE_BIND", "1") != "0"
+    # torch's per-op lookup of registered __torch_dispatch__ rules natively (genie.lazy_tensor;
+    # 0: torch's own Python function). Read once at import.
+    native_dispatch_rule: bool = _flag("GENIE_NATIVE_DISPATCH_RULE", "1") != "0"
     # Check a plan-cache hit's nodes natively (csrc/match.cpp; 0: genie.plan_cache's columns in
     # Python, the reference).
     native_match: bool = _flag("GENIE_NATIVE_MATCH", "1") != "0"

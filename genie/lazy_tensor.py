@@ -781,6 +781,36 @@ def _install_native_record() -> bool:
 _install_native_record()
 
 
+def _install_dispatch_rule_lookup() -> bool:
+    """Replace torch's ``find_torch_dispatch_rule`` with the same lookups done natively.
+
+    torch calls it (from C++, ``dispatch_on_subclass``) for every op that reaches a
+    ``__torch_dispatch__`` subclass, so once per op Genie records; as Python it is three calls.
+    The native one reads the same registry (``singleton._data``, then the entry's
+    ``torch_dispatch_rules._data``) and returns the same rule, or None. torch looks the function
+    up once, at its first subclass dispatch, so this holds only when it runs before that (as at
+    ``import genie``); otherwise torch keeps its own, and nothing changes but the speed. Declined
+    (torch's stays) where the registry does not have the expected shape (another torch version)
+    or ``GENIE_NATIVE_DISPATCH_RULE=0``.
+    """
+    if not config.native_dispatch_rule:
+        return False
+    try:
+        from torch._library import simple_registry
+    except ImportError:
+        return False
+    data = getattr(getattr(simple_registry, "singleton", None), "_data", None)
+    holder = getattr(simple_registry, "GenericTorchDispatchRuleHolder", None)
+    if type(data) is not dict or holder is None or not hasattr(holder("genie::probe"), "_data"):
+        return False
+    _C._set_dispatch_rule_data(data)
+    simple_registry.find_torch_dispatch_rule = _C._find_torch_dispatch_rule
+    return True
+
+
+_install_dispatch_rule_lookup()
+
+
 # --- optimizers: the multi-tensor (foreach) path ------------------------------------------------
 
 def _declare_foreach_capable(cfg: Any) -> None:

@@ -711,3 +711,53 @@ def test_an_interrupt_during_a_miss_propagates(monkeypatch: pytest.MonkeyPatch) 
         assert len(calls) == 1  # not inferred again by the Python path
     monkeypatch.undo()
     assert x.view(3, 8).shape == (3, 8)
+
+
+# --- torch's per-op dispatch-rule lookup, natively (GENIE_NATIVE_DISPATCH_RULE) -----------------
+
+def _torchs_find_rule(op, cls):
+    """torch's own find_torch_dispatch_rule, spelled out (the reference the native one replaces)."""
+    from torch._library import simple_registry
+    return simple_registry.singleton.find(op.__qualname__).torch_dispatch_rules.find(cls)
+
+
+class _RuleTensor(torch.Tensor):
+    """A plain wrapper subclass for the rule tests: every op it sees it answers with a plain 0
+    (so a registered rule, which answers 1, shows whether it was used)."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype,
+                                                   device=elem.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return torch.zeros(())
+
+
+def test_the_native_dispatch_rule_lookup_agrees_with_torchs_and_honours_registered_rules():
+    from torch._library import simple_registry
+
+    if not config.native_dispatch_rule:
+        pytest.skip("GENIE_NATIVE_DISPATCH_RULE=0: torch's own lookup is in place")
+    assert simple_registry.find_torch_dispatch_rule is _C._find_torch_dispatch_rule
+    aten = torch.ops.aten
+    ops = [aten.add.Tensor, aten.mul.Tensor, aten.sin.default, aten.cos.default]
+    t = _RuleTensor(torch.randn(2))
+    assert torch.sin(t).item() == 0 and torch.cos(t).item() == 0
+
+    def rule(mode_or_cls, func, types, args, kwargs):  # noqa: ARG001
+        return torch.ones(())
+
+    with torch.library._scoped_library("aten", "FRAGMENT") as lib:
+        torch.library.register_torch_dispatch("aten::sin", _RuleTensor, rule, lib=lib)
+        for op in ops:
+            for cls in (_RuleTensor, torch.Tensor, genie.LazyTensor):
+                assert _C._find_torch_dispatch_rule(op, cls) is _torchs_find_rule(op, cls)
+        assert _C._find_torch_dispatch_rule(aten.sin.default, _RuleTensor) is not None
+        assert torch.sin(t).item() == 1  # torch's dispatch found the rule (native lookup)
+        assert torch.cos(t).item() == 0
+    assert _C._find_torch_dispatch_rule(aten.sin.default, _RuleTensor) is None  # deregistered
+    assert torch.sin(t).item() == 0
+    with pytest.raises(TypeError):
+        _C._find_torch_dispatch_rule(aten.sin.default)
