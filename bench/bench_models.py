@@ -17,7 +17,10 @@ factory calls, from ``genie.stats()``).
 ``torch._lazy`` (TorchScript backend) runs the MLP and chain rows, and the GPT-2 rows with
 ``GENIE_BENCH_LAZY_GPT2=1`` (off by default: it recompiles for every new shape, minutes per row on
 two cores). Settings: ``GENIE_BENCH_ROUNDS`` scales every row's rounds (default 1.0), plus the
-suite-wide ones of conftest.py (one intra-op thread by default). Run:
+suite-wide ones of conftest.py (one intra-op thread by default). Eager runs on genie's real device
+(CUDA where present, else the CPU), and on CUDA every timed call ends with
+``torch.cuda.synchronize()`` on both sides; ``torch._lazy`` runs only where that device is the CPU.
+Run:
 ``.venv/bin/python -m pytest bench/bench_models.py --benchmark-only -q``.
 """
 
@@ -45,9 +48,26 @@ def _rounds(n: int) -> int:
     return max(3, round(n * SCALE))
 
 
+def _eager_device() -> torch.device:
+    """Where eager runs: the real device genie runs on in this process (CUDA if present, else the
+    CPU), so each ratio compares the same kernels with and without genie's host work."""
+    return genie.device.real_device(0)
+
+
+def _device_sync() -> None:
+    """Wait for queued kernels where the real device is asynchronous (CUDA), so a timed call
+    includes its own device work on every variant alike."""
+    if _eager_device().type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _variants(workloads, row, lazy: bool) -> dict[str, torch.device]:
-    devs = {"eager": torch.device("cpu"), "genie": torch.device(workloads.dev)}
-    if lazy:
+    devs = {"eager": _eager_device(), "genie": torch.device(workloads.dev)}
+    if devs["eager"].type != "cpu":
+        # torch._lazy's TorchScript backend is set up on the CPU here: a CPU peer beside CUDA
+        # eager and genie would compare different kernels.
+        row.notes.append(f"eager on {devs['eager']} (genie's real device); torch._lazy not run")
+    elif lazy:
         dev = workloads.lazy_device()
         if dev is not None:
             devs["torch._lazy"] = dev
@@ -68,10 +88,10 @@ def _ratios(lazy: bool) -> list[tuple[str, str]]:
 def _sync(name: str, workloads) -> Callable[[torch.Tensor], object]:
     """The variant's "compute it now" for a value kept on the device."""
     if name == "genie":
-        return genie.materialize
+        return lambda t: (genie.materialize(t), _device_sync(), t)[2]
     if name == "torch._lazy":
         return lambda t: (workloads.lazy_sync(), t)[1]
-    return lambda t: t
+    return lambda t: (_device_sync(), t)[1]
 
 
 def _ops_of(fn: Callable[[], object]) -> int:

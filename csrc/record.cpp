@@ -57,6 +57,7 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Device.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Layout.h>
 #include <torch/csrc/MemoryFormat.h>
@@ -72,11 +73,17 @@
 #include "record.h"
 #include "slots.h"
 
-#if defined(TORCH_VERSION_MAJOR) && defined(TORCH_VERSION_MINOR) && \
+// The output wrapper: THPVariable_Wrap(tensor, type) is exported from torch 2.13 on, so there
+// the wrapper is made here as _make_wrapper_subclass makes it. Older torch (2.11 on the GPU
+// machines) calls torch.Tensor._make_wrapper_subclass itself (a few µs more per output); the rest
+// of the native path is the same. Building with GENIE_WRAP_VIA_PYTHON=1 (setup.py) takes the
+// older path on any torch, so it is tested where only a newer torch is installed.
+#if !defined(GENIE_WRAP_VIA_PYTHON) && defined(TORCH_VERSION_MAJOR) && \
+    defined(TORCH_VERSION_MINOR) && \
     (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
-#define GENIE_NATIVE_RECORD 1  // THPVariable_Wrap(tensor, type) is exported from 2.13 on
+#define GENIE_WRAP_NATIVE 1
 #else
-#define GENIE_NATIVE_RECORD 0
+#define GENIE_WRAP_NATIVE 0
 #endif
 
 namespace py = pybind11;
@@ -1084,10 +1091,10 @@ void add_reader(PyObject* storage, PyObject* wref) {
   Py_DECREF(old_prune);
 }
 
-#if GENIE_NATIVE_RECORD
 // torch's _make_wrapper_subclass for one output: a data-less tensor on remote_accelerator whose
 // every op reaches LazyTensor.__torch_dispatch__.
 PyObject* make_wrapper(const Out& o) {
+#if GENIE_WRAP_NATIVE
   c10::Storage storage(c10::Storage::use_byte_size_t{}, o.nbytes,
                        at::DataPtr(nullptr, c10::Device(c10::DeviceType::PrivateUse1, o.index)),
                        c10::GetAllocator(c10::kMeta), /*resizable=*/true);
@@ -1098,14 +1105,34 @@ PyObject* make_wrapper(const Out& o) {
   impl->set_sizes_and_strides(o.sizes, o.strides, o.offset);
   impl->set_python_dispatch(true);
   return checked(THPVariable_Wrap(t, S.lazy));
-}
+#else
+  // torch.Tensor._make_wrapper_subclass(LazyTensor, sizes, strides=, storage_offset=, dtype=,
+  // device=, requires_grad=False), as LazyTensor.__new__ calls it
+  static PyObject* make = checked(PyObject_GetAttrString(THPVariableClass, "_make_wrapper_subclass"));
+  static PyObject* kw_names = checked(Py_BuildValue("(sssss)", "strides", "storage_offset", "dtype",
+                                                    "device", "requires_grad"));
+  auto ints = [](const std::vector<int64_t>& v) {
+    py::tuple t(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      t[i] = py::int_(v[i]);
+    }
+    return t;
+  };
+  py::tuple sizes = ints(o.sizes), strides = ints(o.strides);
+  py::object offset = py::int_(o.offset);
+  py::object device = py::reinterpret_steal<py::object>(
+      checked(THPDevice_New(c10::Device(c10::DeviceType::PrivateUse1, o.index))));
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(o.dtype));  // borrowed
+  PyObject* args[] = {reinterpret_cast<PyObject*>(S.lazy), sizes.ptr(), strides.ptr(), offset.ptr(),
+                      dtype, device.ptr(), Py_False};
+  return checked(PyObject_Vectorcall(make, args, 2, kw_names));
 #endif
+}
 
 // LazyTensor(node, k, meta) and graph.track(t, node, k), for the default graph. `gc_untrack`:
 // track() takes the liveness token and the tensor's dict off the GC; `node_untracked`: so does
 // untrack_node the weak reference in node.outputs.
 PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untracked) {
-#if GENIE_NATIVE_RECORD
   py::object t = py::reinterpret_steal<py::object>(make_wrapper(o));
   // t._node, t._out, t._alive: the instance dict as `setattr` fills it (LazyTensor has no
   // descriptors of these names), in that order.
@@ -1126,13 +1153,6 @@ PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untr
     untrack(d.ptr());  // after its items: storing a GC object tracks a dict again
   }
   return t.release().ptr();
-#else
-  (void)node;
-  (void)o;
-  (void)gc_untrack;
-  (void)node_untracked;
-  throw std::logic_error("native record path built without THPVariable_Wrap");
-#endif
 }
 
 // The ctx a Node takes at creation (genie.graph.Node.__init__).
@@ -1640,9 +1660,6 @@ PyObject* object_of(const py::dict& objs, const char* name) {
 
 // _record_init: the Python objects this path works with. Returns whether the path is on.
 bool record_init(const py::dict& objs) {
-  if (!GENIE_NATIVE_RECORD) {
-    return false;
-  }
   if (names == nullptr) {
     names = new Names();
   }
@@ -1784,7 +1801,8 @@ void add_record_functions(py::module_& m) {
         "Calls by outcome: handled natively, learned, and each reason for taking the Python "
         "path; and the number of learned entries.");
   m.def("_record_reset_stats", &record_reset_stats, "Zero the counts of _record_stats.");
-  m.attr("_record_native") = static_cast<bool>(GENIE_NATIVE_RECORD);
+  m.attr("_record_native") = true;
+  m.attr("_record_wrap") = GENIE_WRAP_NATIVE ? "native" : "python";
 }
 
 } // namespace genie

@@ -91,7 +91,12 @@ def _rebuild_instrs(instrs: list[object], found: list[object], tmpl: list[object
     nothing written where a type is not the expected one."""
 
 _record_native: bool
-"""Whether this build has the native record path (torch 2.13 or newer)."""
+"""Whether this build has the native record path (every build since it records on torch 2.11 too)."""
+
+_record_wrap: str
+"""How the native record path makes output wrappers: ``"native"`` (``THPVariable_Wrap`` with the
+LazyTensor type, torch 2.13 or newer) or ``"python"`` (``torch.Tensor._make_wrapper_subclass``:
+older torch, or a build with ``GENIE_WRAP_VIA_PYTHON=1``)."""
 
 def _find_torch_dispatch_rule(op: object, torch_dispatch_class: type) -> object | None:
     """``torch._library.simple_registry.find_torch_dispatch_rule``, natively (the same lookups in

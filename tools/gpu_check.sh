@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One check of Genie's CUDA paths on a machine with an NVIDIA GPU and a preinstalled CUDA torch
+# (the workplace's lent device machine: Python 3.12, torch 2.11 + CUDA, no network). In order of
+# what matters most, each step logged under $OUT (default /tmp/genie-gpu) so a run cut short still
+# tells what it reached:
+#   1. builds genie._C against that torch in place (the build on torch 2.11 is exercised nowhere
+#      else), 2. runs the demo (remote_accelerator -> cuda:0), 3. bench_models.py's rows with eager
+#   on CUDA too, 4. the unit suite and the model tests on CUDA, in parallel workers.
+# Python packages the machine lacks travel as wheels in .whl/ (see docs/testing.md).
+# Usage: bash tools/gpu_check.sh [bench -k expression]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/genie-gpu}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+t0=$(date +%s)
+stamp() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+
+stamp "machine"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch; print('torch', torch.__version__, '| cuda', torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))"
+  nproc; } 2>&1 | tee "$OUT/machine.txt"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+stamp "build"
+if ! TORCH_DEVICE_BACKEND_AUTOLOAD=0 MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace -q \
+    >"$OUT/build.log" 2>&1; then
+  grep -E "error|Error" "$OUT/build.log" | head -40
+  exit 1
+fi
+$PY -c "import genie, torch; from genie import _C; print('genie on', genie.device.real_device(0), '| native record', _C._record_native)" 2>&1 | tee -a "$OUT/machine.txt"
+
+stamp "demo"
+timeout 120 $PY -m genie.demo >"$OUT/demo.txt" 2>&1; echo "demo rc=$?"; tail -4 "$OUT/demo.txt"
+
+stamp "bench"
+GENIE_BENCH_ROUNDS=${GENIE_BENCH_ROUNDS:-1} timeout ${BENCH_TIMEOUT:-200} \
+  $PY -m pytest bench/bench_models.py --benchmark-only -q -p no:cacheprovider ${1:+-k "$1"} \
+  >"$OUT/bench.txt" 2>&1
+echo "bench rc=$?"; grep -E "^\[|: eager|load average" "$OUT/bench.txt" | cut -c1-400
+
+stamp "tests"
+workers=$(( $(nproc) > 12 ? 12 : $(nproc) ))
+timeout ${TEST_TIMEOUT:-240} $PY -m pytest tests/unit tests/integration/test_models.py -q \
+  -n "$workers" -p no:cacheprovider -o addopts="" >"$OUT/tests.txt" 2>&1
+echo "tests rc=$?"
+grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | cut -c1-300 | head -60
+tail -2 "$OUT/tests.txt"
+stamp "end"
