@@ -174,6 +174,7 @@ def test_in_place_metadata_ops_follow_eager():
 
 
 
+@pytest.mark.kernel_error
 @in_process
 def test_an_in_place_write_before_a_failing_op_runs_once():
     want = torch.zeros(3)
@@ -214,6 +215,7 @@ def _two_writes_then_a_failing_index(d: str, bad: int, dup: bool = False) -> lis
     return [c.cpu().tolist(), a.cpu().tolist(), b.cpu().tolist()]
 
 
+@pytest.mark.kernel_error
 @in_process
 @pytest.mark.parametrize("native,gen", [("1", "repeat"), ("always", "repeat"), ("0", "always"),
                                         ("0", "0")])
@@ -243,6 +245,7 @@ def test_writes_and_values_before_a_failing_op_are_bound_on_every_path(native, g
         codegen.set_mode(saved[1])
 
 
+@pytest.mark.kernel_error
 @in_process
 def test_a_failing_optimized_tape_binds_what_provably_ran():
     """A plan the passes optimized (once it ran well) that fails on a later step: the writes
@@ -257,6 +260,7 @@ def test_a_failing_optimized_tape_binds_what_provably_ran():
     assert _two_writes_then_a_failing_index(D, 5, dup=True) == want
 
 
+@pytest.mark.kernel_error
 def test_a_deferred_kernel_error_has_eagers_exception_type():
     """An error only the data reveals surfaces at materialization as an ExecutionError naming the
     op, and is also eager's exception class: ``except IndexError`` catches it as it catches

@@ -154,6 +154,7 @@ def test_shape_generic_decode_loop_with_growing_length():
     assert any("native_generic" in p.artifacts for p in plan_cache.cache().plans())
 
 
+@pytest.mark.kernel_error
 @pytest.mark.parametrize("mode", ["1", "always"])
 def test_error_names_the_op_with_eagers_exception(mode):
     config.native_replay = mode
@@ -186,6 +187,7 @@ def _failing_gather_after_a_write() -> list[float]:
     return a.cpu().tolist()
 
 
+@pytest.mark.kernel_error
 def test_runtime_error_keeps_its_type_and_state_after_it_is_the_interpreters():
     with pytest.raises(RuntimeError):  # what eager raises
         torch.zeros(3).gather(0, torch.tensor([7]))
