@@ -22,10 +22,9 @@ stamp "machine"
   $PY -c "import torch; print('torch', torch.__version__, '| cuda', torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))"
   nproc; } 2>&1 | tee "$OUT/machine.txt"
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
+if compgen -G ".whl/*.whl" >/dev/null; then  # into the interpreter's own environment, so the
+  # subprocesses tests start find them too (the machine is discarded after the run)
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl || exit 1
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
