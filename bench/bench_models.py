@@ -215,8 +215,17 @@ def test_mlp_train_step(benchmark, ratios, workloads, width: int, batch: int) ->
     row = ratios.row(SUITE, f"MLP 4 x Linear({width})+ReLU batch {batch}, MSE, AdamW: steady "
                      "step (default backend order)", unit="ms/step", scale=1e3,
                      ratios=_ratios(True))
+    devs = _variants(workloads, row, True)
+    if devs["eager"].type == "cuda":
+        # PyTorch's autograd engine cannot run a CUDA backward in a process where a PrivateUse1
+        # backend is registered (at::getAccelerator() is then PrivateUse1, CUDA nodes get no
+        # stream: "opt_ready_stream && opt_parent_stream" assert, pytorch/pytorch#161129; seen
+        # with torch 2.11): eager's step cannot run beside genie here.
+        del devs["eager"]
+        row.notes.append("eager CUDA backward cannot run in a process with genie imported "
+                         "(PyTorch #161129): genie only")
     variants = {name: _train_step(workloads, dev, name, width, batch)
-                for name, dev in _variants(workloads, row, True).items()}
+                for name, dev in devs.items()}
     for fn in variants.values():  # optimizer state, plan cache
         for _ in range(3):
             fn()
