@@ -36,6 +36,13 @@ if ! TORCH_DEVICE_BACKEND_AUTOLOAD=0 MAX_JOBS=$(nproc) $PY setup.py build_ext --
 fi
 $PY -c "import genie, torch; from genie import _C; print('genie on', genie.device.real_device(0), '| native record', _C._record_native)" 2>&1 | tee -a "$OUT/machine.txt"
 
+stamp "native errors"  # a C++ error raised inside genie._C must reach Python as an exception
+{ g++ --version | head -1
+  $PY -c "import torch; print('torch built with:', [l.strip() for l in torch.__config__.show().splitlines() if 'GCC' in l or 'CXX_COMPILER' in l or 'CXX11_ABI' in l][:3])"
+  $PY -c "import genie; from genie import _C; _C._set_device_count(0)" 2>&1 | tail -3
+  $PY -c "import torch, genie; torch.Generator(device='remote_accelerator:9')" 2>&1 | tail -3
+} 2>&1 | tee "$OUT/native_errors.txt"
+
 stamp "demo"
 timeout 120 $PY -m genie.demo >"$OUT/demo.txt" 2>&1; echo "demo rc=$?"; tail -4 "$OUT/demo.txt"
 

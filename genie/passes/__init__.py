@@ -90,12 +90,14 @@ def verify(before: Tape, after: Tape, device: torch.device | None = None,
     """Raise ``AssertionError`` unless ``after`` computes what ``before`` does (eager, on copies).
 
     Compared: every slot ``before`` keeps (through renames: ``after.slots`` maps the same nodes)
-    and every input value after the run (in-place updates).
+    and every input value after the run (in-place updates). Both run on ``device``, by default
+    the real device of the tape's ``remote_accelerator`` index (where its inputs live).
     """
     from ..backends.compiled import _copy_sharing
     from ..backends.eager import run_instrs
+    from ..device import real_device
 
-    dev = device or torch.device("cpu")
+    dev = device or real_device(before.index or 0)
     rename = {s: after.slots.get(k, s) for k, s in before.slots.items()}
     ins = sorted(before.inputs)
     runs = []

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import genie
+from genie.device import real_device
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -156,13 +157,19 @@ def _pair(case: Case) -> tuple[nn.Module, nn.Module]:
     return model, copy.deepcopy(model).to(D)
 
 
+# The oracle is eager on the CPU (eager CUDA backward cannot run in a process where genie is
+# imported: pytorch/pytorch#161129). On a CUDA real device the kernels are CUDA's (other reduction
+# orders), and an AdamW step turns gradient rounding into ~1e-5 parameter differences.
+_TOL = {} if real_device(0).type == "cpu" else {"rtol": 1e-3, "atol": 1e-4}
+
+
 def _close(got: torch.Tensor | None, expected: torch.Tensor | None, what: str) -> None:
     if expected is None:
         assert got is None, f"{what}: eager has None, genie has a tensor"
         return
     assert got is not None, f"{what}: genie has None, eager has a tensor"
     assert got.device.type == D, f"{what} is on {got.device}, expected {D}"
-    torch.testing.assert_close(got.cpu(), expected, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(got.cpu(), expected, msg=lambda m: f"{what}: {m}", **_TOL)
 
 
 def _train_step(model: nn.Module, x: dict[str, torch.Tensor], case: Case) -> torch.Tensor:

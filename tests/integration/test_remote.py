@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import genie
+from genie.device import real_device
 from genie.remote import ProtocolError, QuotaExceededError, ServerUnavailableError, SessionLostError
 
 zmq = pytest.importorskip("zmq")
@@ -35,12 +36,17 @@ DEV = "remote_accelerator:0"
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# The test servers serve the device this process's remote_accelerator runs on (CUDA on a GPU
+# machine, so the remote path is checked there too); GENIE_TEST_SERVER_DEVICE overrides it.
+SERVER_DEVICE = os.environ.get("GENIE_TEST_SERVER_DEVICE") or real_device(0).type
+
+
 class ServerProc:
     def __init__(self, keys: Path, *args: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "GENIE_LOG_LEVEL": "WARNING"}
         env.pop("GENIE_SERVER", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "genie.remote.server", "--device", "cpu", "--listen",
+            [sys.executable, "-m", "genie.remote.server", "--device", SERVER_DEVICE, "--listen",
              "127.0.0.1:0", "--keys", str(keys), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         deadline = time.monotonic() + 60

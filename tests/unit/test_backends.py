@@ -328,6 +328,7 @@ def test_compiler_failure_falls_back_to_eager(use_compiled, caplog):
     assert len(msgs) == 1 and "this compiler is broken" in msgs[0], [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.kernel_error
 def test_execution_errors_propagate(use_compiled):
     x = torch.randn(4, 4, device=D)
     bad = torch.tensor([[0, 9, 0, 0]]).to(D)  # index 9 is out of range: only the data says so
