@@ -21,7 +21,7 @@ from . import backends, memory, plan_cache
 from ._C import _bind_nodes, _gc_untrack
 from .config import config
 from .device import real_device
-from .errors import ExecutionError
+from .errors import DeviceError, ExecutionError
 from .graph import Node, pending_total
 from .passes import pipeline
 from .planner import PendingSlots, Slot, Tape
@@ -47,13 +47,25 @@ def real_dispatch() -> Iterator[None]:
         yield
 
 
+def _device_for(index: int) -> torch.device:
+    """The local real device of ``remote_accelerator:index``. Where this machine has none (a
+    client with one GPU connected to two servers), a connected server runs the tape and the
+    device is only named: a local fallback would raise CUDA's invalid-device error there."""
+    try:
+        return real_device(index)
+    except DeviceError:
+        if not backends.get_backend("remote").is_available():
+            raise
+        return torch.device("cuda", index)
+
+
 def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
     """Run ``tape`` for ``remote_accelerator:index`` on the first backend that takes it."""
     with real_dispatch():
         # genie.passes: the plan's optimized tape when it has one (issue 13); ``ran`` is the
         # tape that ran, ``kept`` the values of ``tape.keep`` either way
         try:
-            kept, ran = pipeline.run(tape, real_device(index))
+            kept, ran = pipeline.run(tape, _device_for(index))
         except ExecutionError as e:
             partial, e.partial = e.partial, None  # the raised error holds no tensors
             if partial is not None:

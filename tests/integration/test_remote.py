@@ -466,7 +466,22 @@ def test_oversized_message_is_dropped(server: ServerProc) -> None:
 
 # --- several servers, lost servers ---------------------------------------------------------------
 
-def test_two_servers_and_copies_between_them(server: ServerProc, spare: ServerProc) -> None:
+@pytest.mark.parametrize("local", ["both", "one"])
+def test_two_servers_and_copies_between_them(server: ServerProc, spare: ServerProc, local: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``one``: this machine has a real device for remote_accelerator:0 only (one GPU): the
+    servers run everything, and nothing asks for a local cuda:1."""
+    if local == "one":
+        from genie import executor
+        from genie.errors import DeviceError
+
+        def one_gpu(index: int) -> torch.device:
+            if index > 0:
+                raise DeviceError(f"remote_accelerator:{index} maps to cuda:{index}, but this "
+                                  "machine has 1 CUDA device(s).")
+            return real_device(0)
+
+        monkeypatch.setattr(executor, "real_device", one_gpu)
     genie.connect([server.address, spare.address], key_file=str(server.key_file), timeout=20)
     try:
         x = torch.randn(5, 5)
