@@ -245,8 +245,11 @@ def test_gpt2_greedy_generate_matches_eager(remote) -> None:
                                  pad_token_id=0).cpu()
     assert torch.equal(out, ref)
     s = genie.stats()
-    # one round trip per materialization: one per token, a few setup checks, the final .cpu()
-    assert s["round_trips"] == s["materializations"] <= 10 + 5, s
+    # one round trip per materialization: one per token, a few setup checks, the final .cpu();
+    # transformers < 5.24 also reads the attention mask on the host every token
+    # (masking_utils._ignore_causal_mask_sdpa), as it does in eager: two per token there
+    per_token = 1 if tuple(map(int, transformers.__version__.split(".")[:2])) >= (5, 24) else 2
+    assert s["round_trips"] == s["materializations"] <= per_token * 10 + 5, s
 
 
 def test_frees_reach_the_server(remote) -> None:
