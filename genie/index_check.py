@@ -396,6 +396,7 @@ class IndexCheck:
         self.known: dict[tuple[int, int | None], tuple[int, int, int]] = {}
         self.tensors = 0  # index tensors reduced
         self.syncs = 0  # device-to-host copies (one per batch and device)
+        self.refused = 0  # instructions refused (an index out of range, or an unchecked op)
         self._plan: dict[int, Any] | None = None
 
     def _planned(self) -> dict[int, Any]:
@@ -424,6 +425,14 @@ class IndexCheck:
 
     def before(self, i: int, env: dict[int, Any]) -> None:
         """Check instruction ``i``'s index arguments against the values in ``env``."""
+        try:
+            self._check(i, env)
+        except IndexOutOfRange:
+            self.refused += 1
+            bump("index_check_refusals")
+            raise
+
+    def _check(self, i: int, env: dict[int, Any]) -> None:
         plan = self._planned()
         if type(plan[i]) is str:
             raise IndexOutOfRange(RuntimeError(

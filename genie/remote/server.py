@@ -997,8 +997,10 @@ def _on_stream(st: Any) -> Any:
 
 
 def _index_counts(ix: IndexCheck | None) -> dict[str, Any]:
-    """A run reply's ``ix``: the index tensors the run checked and its syncs (when any)."""
-    return {"ix": [ix.tensors, ix.syncs]} if ix is not None and ix.tensors else {}
+    """A run reply's ``ix``: the index tensors the run checked, its syncs and the instructions
+    it refused (when it checked any)."""
+    return {"ix": [ix.tensors, ix.syncs, ix.refused]} if ix is not None and \
+        (ix.tensors or ix.refused) else {}
 
 
 def _new_ids(ids: Any, id0: int, n: int) -> list[int]:
