@@ -56,6 +56,7 @@ INDEX_NAMES = frozenset({"index", "indices", "target", "targets", "offsets", "le
                          "input_lengths", "target_lengths", "offset2bag", "maximum_indices",
                          "tensor_indices_or_sections", "counts", "is_target", "min_indices"})
 
+_ANY = 1 << 62  # a bound no index reaches: only the lower one matters
 _DIM_MSG = "index {v} is out of bounds for dimension {d} with size {n}"
 _SELF_MSG = "index out of range in self (index {v}, dimension {d} with size {n})"
 _TAKE_MSG = "out of range: tried to access index {v} on a tensor of {n} elements."
@@ -163,6 +164,9 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "adaptive_max_pool3d_backward": (_pool(3),),
     "fractional_max_pool2d_backward": (_pool(2),),
     "fractional_max_pool3d_backward": (_pool(3),),
+    # its input is the index (named self): CUDA skips eager's check when num_classes is given
+    "one_hot": (Rule("self", "rows", ref="num_classes", dim=None,
+                     message="one_hot: class value {v} is out of range [0, {n})"),),
     "max_unpool2d": (_pool(2, ref="output_size"),),
     "max_unpool3d": (_pool(3, ref="output_size"),),
 }
@@ -303,7 +307,9 @@ def _extents(rule: Rule, a: dict[str, Any]) -> list[tuple[torch.Tensor, int, int
         d = d + len(shape) if d < 0 else d
         return [(t, shape[d], d)] if 0 <= d < len(shape) else [None]
     if k == "rows":
-        return [(t, ref if isinstance(ref, int) else (shape[0] if shape else 1), 0)]
+        if isinstance(ref, int):  # a count; one_hot's -1 (as many as the largest value + 1)
+            return [(t, ref if ref >= 0 else _ANY, 0)]
+        return [(t, shape[0] if shape else 1, 0)]
     if k == "numel":
         return [(t, math.prod(shape), 0)]
     if k == "classes":

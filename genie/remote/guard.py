@@ -18,6 +18,11 @@ A server never runs a received tape as it comes. :func:`run_guarded`:
    Memory handed to the tape is never another session's data: the outputs of the ``empty``
    family (:data:`ZEROED`), metadata-only arguments and the growth of ``resize_`` are zeroed.
 
+3. With an :class:`~genie.index_check.IndexCheck` (the server's ``--index-check``, on for
+   CUDA), checks the **index arguments** of indexing ops on the device before their kernels run
+   (on CUDA an out-of-range index is a device-side assert that would break the device for every
+   session): an out-of-range one is an :class:`ExecutionError` with eager's exception.
+
 Ops whose output size depends on data (``nonzero``, ``unique``, ``masked_select``, ``item``:
 tagged ``dynamic_output_shape``/``data_dependent_output``, or without a meta kernel) end a vetted
 stretch: the tape runs up to and including such an op, its result is accounted at once (refused

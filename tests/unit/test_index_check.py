@@ -161,6 +161,7 @@ CASES: dict[str, tuple] = {
                                        lambda i: (_f(1, 1, 1, 1, 1), _f(1, 1, 2, 2, 2),
                                                   [2, 2, 2], [1, 1, 1], i), [[[[[7]]]]],
                                        [[[[[8]]]]], RuntimeError, True),
+    "one_hot": (aten.one_hot.default, lambda i: (i, 4), [3, 0], [4, 0], RuntimeError, True),
     "max_unpool2d": (aten.max_unpool2d.default, lambda i: (_f(1, 1, 1, 2), i, [2, 2]),
                      [[[[0, 3]]]], [[[[0, 4]]]], RuntimeError, True),
     "max_unpool3d": (aten.max_unpool3d.default,
@@ -207,6 +208,12 @@ def test_masks_floats_and_empty_indices_are_not_indices() -> None:
     check_call(aten.cross_entropy_loss.default, (x, torch.softmax(_f(3, 4), 1)), {})
     check_call(aten.gather.default, (x, 0, _t([[]]).reshape(1, 0)), {})
     check_call(aten.embedding.default, (torch.zeros(0, 4), _t([]).reshape(0)), {})
+
+
+def test_one_hot_without_num_classes_bounds_only_below() -> None:
+    check_call(aten.one_hot.default, (_t([0, 9]), -1), {})
+    with pytest.raises(RuntimeError, match="class value -1"):
+        check_call(aten.one_hot.default, (_t([0, -1]), -1), {})
 
 
 def _schema_index_args(op) -> list[str]:

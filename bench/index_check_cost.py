@@ -1,0 +1,117 @@
+"""Cost of the server's index checks (genie.index_check) on a GPT-2-like greedy decode.
+
+Two loopback servers on one device, ``--index-check 1`` and ``--index-check 0``; the same
+``model.generate`` (random GPT-2 weights: 4 layers, 4 heads, width 128, vocab 1000; 8-token prompt,
+32 new tokens) through each, alternating, ``ROUNDS`` times; prints the median time per token
+after the first and the index checks and syncs per decode step (``genie.stats()``). Tokens must
+equal eager's. No assertion on time: a figure to quote, with the machine it ran on.
+
+    PYTHONPATH=. python bench/index_check_cost.py            # cpu (cuda:0 if present)
+    PYTHONPATH=. python bench/index_check_cost.py --device cpu --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import genie
+
+ROOT = Path(__file__).resolve().parents[1]
+DEV = "remote_accelerator:0"
+
+
+def _server(device: str, check: str, keys: str) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GENIE_LOG_LEVEL": "WARNING"}
+    env.pop("GENIE_SERVER", None)
+    p = subprocess.Popen([sys.executable, "-m", "genie.remote.server", "--device", device,
+                          "--listen", "127.0.0.1:0", "--insecure", "--index-check", check,
+                          "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=env, cwd=keys)
+    for _ in range(200):
+        line = p.stdout.readline()
+        m = re.search(r"tcp://[\d.]+:\d+", line)
+        if m:
+            return p, m.group(0)
+    p.kill()
+    raise RuntimeError(f"genie-server did not start: {line!r}")
+
+
+def _decode(model: torch.nn.Module, ids: torch.Tensor, tokens: int) -> tuple[float, dict]:
+    """Seconds per token after the first, and the counters of the decode steps."""
+    stamps: list[float] = []
+
+    class Stamp:  # a stopping criterion called once per generated token
+        def __call__(self, input_ids, scores):  # noqa: ANN001, ANN204
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    from transformers import StoppingCriteriaList
+
+    out = model.generate(ids.to(DEV), max_new_tokens=tokens, do_sample=False, pad_token_id=0,
+                         stopping_criteria=StoppingCriteriaList([Stamp()])).cpu()
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1), {"out": out, **genie.stats()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=32)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(n_layer=4, n_head=4, n_embd=128, vocab_size=1000,
+                                  n_positions=256, bos_token_id=0, eos_token_id=999)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(1, 999, (1, 8))
+    ref = model.generate(ids, max_new_tokens=a.tokens, do_sample=False, pad_token_id=0)
+    with tempfile.TemporaryDirectory() as keys:
+        servers = {c: _server(a.device, c, keys) for c in ("1", "0")}
+        times: dict[str, list[float]] = {"1": [], "0": []}
+        counts: dict[str, dict] = {}
+        try:
+            for r in range(a.rounds + 1):  # the first round warms both servers up
+                for c, (_, addr) in servers.items():
+                    genie.connect(addr, insecure=True, timeout=60)
+                    m = copy.deepcopy(model).to(DEV)
+                    genie.reset_stats()
+                    dt, s = _decode(m, ids, a.tokens)
+                    del m
+                    genie.disconnect()
+                    assert torch.equal(s.pop("out"), ref), "tokens differ from eager's"
+                    if r:
+                        times[c].append(dt)
+                        counts[c] = s
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait()
+    for c, name in (("0", "check off"), ("1", "check on")):
+        s = counts[c]
+        steps = s.get("materializations", 1)
+        print(f"{name:9}: {statistics.median(times[c]) * 1e3:7.2f} ms/token (median of "
+              f"{a.rounds}; all: {', '.join(f'{t * 1e3:.2f}' for t in times[c])}); "
+              f"index tensors checked per materialization "
+              f"{s.get('server_index_checks', 0) / steps:.2f}, syncs "
+              f"{s.get('server_index_check_syncs', 0) / steps:.2f}")
+    on, off = statistics.median(times["1"]), statistics.median(times["0"])
+    print(f"device {a.device}: the check adds {(on - off) * 1e6:.0f} us per token "
+          f"({(on / off - 1) * 100:+.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
