@@ -274,6 +274,20 @@ def test_in_process_flag_off_by_default_and_on_with_genie_index_check(checked) -
     assert torch.equal(d.gather(0, idx.to(DEV)).cpu(), x.gather(0, idx))
 
 
+def test_a_repeated_plan_is_checked_too(checked) -> None:
+    """A plan's later uses would run as generated or native replays, which do not check: with
+    the check on they run in the interpreter."""
+    x = torch.arange(12.0).reshape(3, 4)
+    d = x.to(DEV)
+    for v in (0, 1, 2, 1):
+        idx = torch.tensor([[v, 0, 0, 0]])
+        assert torch.equal(d.gather(0, idx.to(DEV)).cpu(), x.gather(0, idx))
+    with pytest.raises(RuntimeError, match="index 3 is out of bounds"):
+        d.gather(0, torch.tensor([[3, 0, 0, 0]]).to(DEV)).cpu()
+    s = genie.stats()
+    assert s["index_check_refusals"] == 1 and s.get("plan_cache_hits", 0) >= 2, s
+
+
 def test_indices_a_tape_holds_are_reduced_in_one_sync(checked) -> None:
     w = torch.randn(10, 4)
     p = torch.randn(6, 4)
