@@ -241,6 +241,21 @@ def unchecked(op: Any) -> str | None:
     return None if isinstance(op, str) else UNCHECKED.get(base_name(op))
 
 
+def _entry(op: Any) -> tuple[Any, bool]:
+    """(the op's rules, the reason it cannot be checked, or None; whether it writes an
+    argument), cached on the op: the per-instruction cost of a tape's plan."""
+    try:
+        return op._genie_index_entry
+    except AttributeError:
+        pass
+    e = (unchecked(op) or rules_for(op), bool(policy(op).writes))
+    try:
+        op._genie_index_entry = e
+    except AttributeError:
+        pass
+    return e
+
+
 def _bind(op: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     out = {}
     for i, a in enumerate(op._schema.arguments):
@@ -392,42 +407,45 @@ def check_call(op: Any, args: tuple, kwargs: dict) -> None:
 class IndexCheck:
     """The index checks of one tape run (see the module docstring for the batching).
 
-    Call :meth:`before` before instruction ``i`` runs (it raises :class:`IndexOutOfRange`) and
-    :meth:`written` with the slots and storages that instruction writes.
+    Call :meth:`step` before each instruction runs: it checks the instruction's index arguments
+    (raising :class:`IndexOutOfRange`) and forgets the reductions the instruction will make
+    stale. Per instruction without index arguments it costs two set lookups.
     """
 
     def __init__(self, tape: Tape) -> None:
         self.tape = tape
         # reductions by (slot id, ignored value) -> (min, max, storage id)
         self.known: dict[tuple[int, int | None], tuple[int, int, int]] = {}
+        self._slots: set[int] = set()  # the slot ids of ``known``
         self.tensors = 0  # index tensors reduced
         self.syncs = 0  # device-to-host copies (one per batch and device)
         self.refused = 0  # instructions refused (an index out of range, or an unchecked op)
-        self._plan: dict[int, Any] | None = None
+        # per instruction with rules: its rules and its arguments bound to schema names (leaves
+        # as Slots), or the reason it cannot be checked (an UNCHECKED op)
+        self.plan: dict[int, Any] = {}
+        self._writers: set[int] = set()  # instructions that write an argument (in place, out=)
+        for i, ins in enumerate(tape.instrs):
+            if isinstance(ins.op, str):
+                continue
+            what, writes = _entry(ins.op)
+            if writes:
+                self._writers.add(i)
+            if what is None:
+                continue
+            if type(what) is str:
+                self.plan[i] = what
+                continue
+            args, kwargs = optree.tree_unflatten(ins.spec, list(ins.leaves))
+            a = _bind(ins.op, args, kwargs)
+            self.plan[i] = [(r, a) for r in what]
 
-    def _planned(self) -> dict[int, Any]:
-        """Per instruction with rules: its rules and its arguments bound to schema names (leaves
-        as Slots), or the reason it cannot be checked (an :data:`UNCHECKED` op); computed once
-        per run."""
-        if self._plan is None:
-            plan = {}
-            for i, ins in enumerate(self.tape.instrs):
-                if isinstance(ins.op, str):
-                    continue
-                why = unchecked(ins.op)
-                if why is not None:
-                    plan[i] = why
-                    continue
-                rules = rules_for(ins.op)
-                if rules:
-                    args, kwargs = optree.tree_unflatten(ins.spec, list(ins.leaves))
-                    a = _bind(ins.op, args, kwargs)
-                    plan[i] = [(r, a) for r in rules]
-            self._plan = plan
-        return self._plan
-
-    def needs(self, i: int) -> bool:
-        return i in self._planned()
+    def step(self, i: int, ins: Any, env: dict[int, Any]) -> None:
+        """Before instruction ``i`` (``ins``) runs: check its index arguments (raises
+        :class:`IndexOutOfRange`), then forget what it is about to write."""
+        if i in self.plan:
+            self.before(i, env)
+        if self.known and (i in self._writers or not self._slots.isdisjoint(ins.outs)):
+            self.written(ins, env)
 
     def before(self, i: int, env: dict[int, Any]) -> None:
         """Check instruction ``i``'s index arguments against the values in ``env``."""
@@ -439,7 +457,7 @@ class IndexCheck:
             raise
 
     def _check(self, i: int, env: dict[int, Any]) -> None:
-        plan = self._planned()
+        plan = self.plan
         if type(plan[i]) is str:
             raise IndexOutOfRange(RuntimeError(
                 f"{self.tape.instrs[i].op} is not served where index arguments are checked "
@@ -486,6 +504,7 @@ class IndexCheck:
         self.syncs += len({t.device for t in ts})
         for key, (lo, hi) in zip(todo, mm, strict=False):
             self.known[key] = (lo, hi, env[key[0]].untyped_storage()._cdata)
+            self._slots.add(key[0])
         for rule, key, n, d in checks:
             lo, hi, _ = self.known[key]
             _judge(rule, lo, hi, n, d)
@@ -505,6 +524,7 @@ class IndexCheck:
         for key in [k for k, (_, _, sid) in self.known.items()
                     if k[0] in slots or sid in storages]:
             del self.known[key]
+        self._slots = {k[0] for k in self.known}
 
 
 def _value(x: Any, env: dict[int, Any]) -> Any:

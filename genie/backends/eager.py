@@ -60,9 +60,7 @@ def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
         for i, ins in enumerate(tape.instrs):
             try:
                 if ix is not None:
-                    if ix.needs(i):
-                        ix.before(i, env)
-                    ix.written(ins, env)
+                    ix.step(i, ins, env)
                 outs = run_instr(ins, env, dev if ins.device == tape.index else
                                  real_device(ins.device))
             except Exception as e:

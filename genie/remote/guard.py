@@ -468,9 +468,7 @@ def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | No
                 raise RunTimeout(i, n, limit)
             try:
                 if ix is not None:
-                    if ix.needs(i):
-                        ix.before(i, env)
-                    ix.written(ins, env)
+                    ix.step(i, ins, env)
                 outs = _run_instr(ins, env, dev)
                 if _short(len(outs), ins.outs):
                     raise ValueError(f"the op returned {len(outs)} values; the tape names "
