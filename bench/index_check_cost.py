@@ -28,6 +28,7 @@ import torch
 import genie
 
 ROOT = Path(__file__).resolve().parents[1]
+CLOCK = [time.perf_counter]
 DEV = "remote_accelerator:0"
 
 
@@ -47,13 +48,21 @@ def _server(device: str, check: str, keys: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"genie-server did not start: {line!r}")
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux ``/proc``), insensitive to others' load."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _decode(model: torch.nn.Module, ids: torch.Tensor, tokens: int) -> tuple[float, dict]:
-    """Seconds per token after the first, and the counters of the decode steps."""
+    """Seconds per token after the first, and the counters of the decode steps. The clock is
+    ``CLOCK``: wall time, or this thread's CPU time (in process: insensitive to other processes'
+    load on a shared machine)."""
     stamps: list[float] = []
 
     class Stamp:  # a logits processor: called once per generated token, changes nothing
         def __call__(self, input_ids, scores):  # noqa: ANN001, ANN204
-            stamps.append(time.perf_counter())
+            stamps.append(CLOCK[0]())
             return scores
 
     from transformers import LogitsProcessorList
@@ -70,7 +79,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--in-process", action="store_true",
                    help="the embedded executor instead of servers: GENIE_INDEX_CHECK on and off, "
-                   "both in the interpreter (run with GENIE_NATIVE_REPLAY=0 GENIE_CODEGEN=0)")
+                   "both in the interpreter (run with GENIE_NATIVE_REPLAY=0 GENIE_CODEGEN=0); times are "
+                   "this thread's CPU time")
     a = p.parse_args()
     torch.set_num_threads(1)
     import transformers
@@ -83,21 +93,27 @@ def main() -> None:
     ids = torch.randint(1, 999, (1, 8))
     ref = model.generate(ids, max_new_tokens=a.tokens, do_sample=False, pad_token_id=0)
     if a.in_process:
+        CLOCK[0] = time.thread_time  # CPU time of this thread: the whole decode runs on it
         _report(a, *_in_process(a, model, ids, ref))
         return
     with tempfile.TemporaryDirectory() as keys:
         servers = {c: _server(a.device, c, keys) for c in ("1", "0")}
         times: dict[str, list[float]] = {"1": [], "0": []}
         counts: dict[str, dict] = {}
+        cpu = {"1": 0.0, "0": 0.0}  # the servers' CPU seconds over the timed rounds
         try:
             for r in range(a.rounds + 1):  # the first round warms both servers up
                 for c, (_, addr) in servers.items():
                     genie.connect(addr, insecure=True, timeout=60)
                     m = copy.deepcopy(model).to(DEV)
                     genie.reset_stats()
+                    c0 = _cpu_seconds(servers[c][0].pid)
                     dt, s = _decode(m, ids, a.tokens)
+                    c1 = _cpu_seconds(servers[c][0].pid)
                     del m
                     genie.disconnect()
+                    if r:
+                        cpu[c] += c1 - c0
                     assert torch.equal(s.pop("out"), ref), "tokens differ from eager's"
                     if r:
                         times[c].append(dt)
@@ -107,6 +123,10 @@ def main() -> None:
                 proc.terminate()
                 proc.wait()
     _report(a, times, counts)
+    per = {c: v / (a.rounds * a.tokens) for c, v in cpu.items()}
+    print(f"server CPU time per token (whole generate, /proc, {a.rounds} rounds): check off "
+          f"{per['0'] * 1e3:.2f} ms, check on {per['1'] * 1e3:.2f} ms: "
+          f"{(per['1'] - per['0']) * 1e6:+.0f} us")
 
 
 def _in_process(a: argparse.Namespace, model: torch.nn.Module, ids: torch.Tensor,
