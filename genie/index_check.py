@@ -84,6 +84,8 @@ class Rule:
         negative: eager wraps negative indices (the index may be in ``[-n, n)``).
         error: eager's exception type on the CPU.
         message: eager's text (``{v}`` the value, ``{d}`` the dimension, ``{n}`` the size).
+        cpu_checks: False where eager's CPU kernel does not bound the indices (it reads or
+            writes out of bounds): a CPU server checks these rules by default (``auto``).
     """
 
     index: str
@@ -93,6 +95,7 @@ class Rule:
     negative: bool = False
     error: type[Exception] = RuntimeError
     message: str = _DIM_MSG
+    cpu_checks: bool = True  # eager's CPU kernel bounds these indices itself (raises cleanly)
 
 
 _GATHER = Rule("index", "dim")
@@ -100,15 +103,16 @@ _FILL = Rule("index", "dim", negative=True, error=IndexError)
 _SELECT = Rule("index", "dim", error=IndexError, message=_SELF_MSG)
 _EMBED = Rule("indices", "rows", ref="weight", dim=None, error=IndexError, message=_SELF_MSG)
 _EMBED_BACK = Rule("indices", "rows", ref="num_weights", dim=None, error=IndexError,
-                   message=_SELF_MSG)
+                   message=_SELF_MSG, cpu_checks=False)
 _TAKE = Rule("index", "numel", dim=None, negative=True, error=IndexError, message=_TAKE_MSG)
 _ADVANCED = Rule("indices", "advanced", dim=None, negative=True, error=IndexError)
 _NLL = Rule("target", "classes", dim=None, error=IndexError,
             message="Target {v} is out of bounds.")
 
 
-def _pool(rank: int, index: str = "indices", ref: str = "self") -> Rule:
-    return Rule(index, "spatial", ref=ref, dim=str(rank), message=_POOL_MSG)
+def _pool(rank: int, index: str = "indices", ref: str = "self", cpu_checks: bool = True) -> Rule:
+    return Rule(index, "spatial", ref=ref, dim=str(rank), message=_POOL_MSG,
+                cpu_checks=cpu_checks)
 
 
 #: The one table: op base name -> rules of its index arguments (docs/deployment.md lists it).
@@ -123,7 +127,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "scatter_reduce_": (_GATHER,),
     "index_add": (_GATHER,),
     "index_add_": (_GATHER,),
-    "take_along_dim": (Rule("indices", "dim"),),
+    "take_along_dim": (Rule("indices", "dim", cpu_checks=False),),
     "cummaxmin_backward": (Rule("indices", "dim", ref="input"),),
     "value_selecting_reduction_backward": (Rule("indices", "dim", ref="sizes"),),
     "index_select": (_SELECT,),
@@ -158,10 +162,10 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "multi_margin_loss": (Rule("target", "classes", dim=None, message="target out of range"),),
     "multi_margin_loss_backward": (Rule("target", "classes", dim=None,
                                         message="target out of range"),),
-    "max_pool2d_with_indices_backward": (_pool(2),),
-    "max_pool3d_with_indices_backward": (_pool(3),),
-    "adaptive_max_pool2d_backward": (_pool(2),),
-    "adaptive_max_pool3d_backward": (_pool(3),),
+    "max_pool2d_with_indices_backward": (_pool(2, cpu_checks=False),),
+    "max_pool3d_with_indices_backward": (_pool(3, cpu_checks=False),),
+    "adaptive_max_pool2d_backward": (_pool(2, cpu_checks=False),),
+    "adaptive_max_pool3d_backward": (_pool(3, cpu_checks=False),),
     "fractional_max_pool2d_backward": (_pool(2),),
     "fractional_max_pool3d_backward": (_pool(3),),
     # its input is the index (named self): CUDA skips eager's check when num_classes is given
@@ -241,14 +245,17 @@ def unchecked(op: Any) -> str | None:
     return None if isinstance(op, str) else UNCHECKED.get(base_name(op))
 
 
-def _entry(op: Any) -> tuple[Any, bool]:
-    """(the op's rules, the reason it cannot be checked, or None; whether it writes an
-    argument), cached on the op: the per-instruction cost of a tape's plan."""
+def _entry(op: Any) -> tuple[Any, Any, bool]:
+    """(what scope ``"all"`` checks: the op's rules, the reason it cannot be checked, or None;
+    what scope ``"cpu"`` checks: the rules whose CPU kernels do not check, or None; whether it
+    writes an argument), cached on the op: the per-instruction cost of a tape's plan."""
     try:
         return op._genie_index_entry
     except AttributeError:
         pass
-    e = (unchecked(op) or rules_for(op), bool(policy(op).writes))
+    rules = rules_for(op)
+    cpu = tuple(r for r in rules or () if not r.cpu_checks) or None
+    e = (unchecked(op) or rules, cpu, bool(policy(op).writes))
     try:
         op._genie_index_entry = e
     except AttributeError:
@@ -349,8 +356,8 @@ def _judge(rule: Rule, lo: int, hi: int, n: int, d: int) -> None:
 
 
 def enabled(setting: str, device: torch.device) -> bool:
-    """Whether a check setting (``auto``, ``1``/``on``, ``0``/``off``) is on for ``device``:
-    ``auto`` is on where an out-of-range index is a device-side assert (CUDA)."""
+    """Whether a check setting (``auto``, ``1``/``on``, ``0``/``off``) checks every rule on
+    ``device``: ``auto`` does where an out-of-range index is a device-side assert (CUDA)."""
     s = setting.strip().lower()
     if s in ("auto", ""):
         return device.type == "cuda"
@@ -359,6 +366,16 @@ def enabled(setting: str, device: torch.device) -> bool:
     if s in ("0", "off", "false", "no"):
         return False
     raise ValueError(f"index check setting {setting!r}: expected auto, 1 (on) or 0 (off)")
+
+
+def server_scope(setting: str, device: torch.device) -> str | None:
+    """What a server checks: ``"all"`` (every rule; refuses :data:`UNCHECKED` ops), ``"cpu"``
+    (``auto`` on a CPU: only the rules whose CPU kernels do not bound their indices, which would
+    read or write out of bounds) or None (``0``)."""
+    if enabled(setting, device):
+        return "all"
+    s = setting.strip().lower()
+    return "cpu" if s in ("auto", "") and device.type != "cuda" else None
 
 
 def _reduce(ts: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -412,7 +429,7 @@ class IndexCheck:
     stale. Per instruction without index arguments it costs two set lookups.
     """
 
-    def __init__(self, tape: Tape) -> None:
+    def __init__(self, tape: Tape, scope: str = "all") -> None:
         self.tape = tape
         # reductions by (slot id, ignored value) -> (min, max, storage id)
         self.known: dict[tuple[int, int | None], tuple[int, int, int]] = {}
@@ -427,7 +444,8 @@ class IndexCheck:
         for i, ins in enumerate(tape.instrs):
             if isinstance(ins.op, str):
                 continue
-            what, writes = _entry(ins.op)
+            every, cpu, writes = _entry(ins.op)
+            what = every if scope == "all" else cpu
             if writes:
                 self._writers.add(i)
             if what is None:

@@ -70,7 +70,7 @@ from zmq.utils.monitor import recv_monitor_message
 from .. import backends
 from ..errors import ExecutionError
 from ..index_check import IndexCheck
-from ..index_check import enabled as index_check_enabled
+from ..index_check import server_scope as index_check_scope
 from . import ProtocolError, peer
 from .guard import QuotaError, RunTimeout, run_guarded
 from .protocol import (
@@ -272,7 +272,8 @@ class Server:
                  peer_timeout: float = 30.0, index_check: str | None = None) -> None:
         self.device = torch.device(device)
         # check index arguments before indexing kernels (genie.index_check): on CUDA, by default
-        self.index_check = index_check_enabled(
+        # ("all"); on a CPU, by default, those of the kernels that do not check ("cpu")
+        self.index_check = index_check_scope(
             index_check if index_check is not None else
             os.environ.get("GENIE_SERVER_INDEX_CHECK", "auto"), self.device)
         self.listen = listen
@@ -376,7 +377,7 @@ class Server:
         return (f"genie-server: serving {self.device} on {self.address} ({sec}); "
                 f"lease {self.lease:g} s, quota {self.quota} bytes per session, tapes stopped "
                 f"after {self.max_run_seconds:g} s, index checks "
-                f"{'on' if self.index_check else 'off'}\n{how}")
+                f"{_CHECKS[self.index_check]}\n{how}")
 
     # --- main thread: I/O ---------------------------------------------------------------------
     def serve(self) -> None:
@@ -895,7 +896,7 @@ class Server:
             # uploads inside the tape are inputs now, not yet counted in the session
             uploaded = sum(t.untyped_storage().nbytes() for sl, t in tape.inputs.items()
                            if sl not in inputs_before)
-            ix = IndexCheck(tape) if self.index_check else None
+            ix = IndexCheck(tape, self.index_check) if self.index_check else None
             try:
                 kept = run_guarded(tape, dev, sess.quota - sess.used() - uploaded,
                                    started + self.max_run_seconds, self.max_run_seconds, ix)
@@ -994,6 +995,9 @@ def _on_stream(st: Any) -> Any:
     with torch.cuda.stream(st):
         yield
     st.synchronize()
+
+
+_CHECKS = {"all": "on", "cpu": "on for the CPU kernels that do not check", None: "off"}
 
 
 def _index_counts(ix: IndexCheck | None) -> dict[str, Any]:
@@ -1187,8 +1191,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(default 30)")
     p.add_argument("--index-check", default=os.environ.get("GENIE_SERVER_INDEX_CHECK", "auto"),
                    help="check the index arguments of indexing ops (gather, embedding, ...) "
-                   "before their kernels run: auto (on for CUDA, where an out-of-range index "
-                   "is a device-side assert that breaks the server for every session), 1, 0 "
+                   "before their kernels run: auto (on CUDA, where an out-of-range index is a "
+                   "device-side assert that breaks the server for every session, every op; on "
+                   "a CPU the ops whose kernels do not bound their indices), 1 (every op), 0 "
                    "(a trusted single-tenant server); default $GENIE_SERVER_INDEX_CHECK or auto")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)

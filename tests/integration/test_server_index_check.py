@@ -172,3 +172,27 @@ def test_a_server_with_the_check_off_checks_nothing(keys: Path) -> None:
     finally:
         genie.disconnect()
         assert s.stop() == 0
+
+
+def test_a_cpu_server_checks_by_default_the_kernels_that_do_not(keys: Path) -> None:
+    """``auto`` on a CPU server: eager's CPU kernel of ``embedding_dense_backward`` does not bound
+    its indices (it would write out of bounds): checked; ``gather``'s kernel does: not checked."""
+    s = ServerProc(keys, "--device", "cpu")
+    try:
+        genie.connect(s.address, key_file=str(s.key_file), timeout=30)
+        g = torch.ones(1, 4)
+        with pytest.raises(IndexError, match="index out of range in self"):
+            torch.ops.aten.embedding_dense_backward(g.to(DEV), torch.tensor([5]).to(DEV), 3, -1,
+                                                    False).cpu()
+        assert genie.stats()["server_index_check_refusals"] == 1
+        i = torch.tensor([2])
+        ref = torch.ops.aten.embedding_dense_backward(g, i, 3, -1, False)
+        assert torch.equal(torch.ops.aten.embedding_dense_backward(
+            g.to(DEV), i.to(DEV), 3, -1, False).cpu(), ref)
+        genie.reset_stats()
+        x, j = X(), torch.tensor([[2, 0, 1, 0]])
+        assert torch.equal(x.to(DEV).gather(0, j.to(DEV)).cpu(), x.gather(0, j))
+        assert "server_index_checks" not in genie.stats()
+    finally:
+        genie.disconnect()
+        assert s.stop() == 0

@@ -80,7 +80,7 @@ CASES: dict[str, tuple] = {
     "index_select": (aten.index_select.default, lambda i: (_x(), 1, i), [3, 0], [4],
                      IndexError, True),
     "index_select_backward": (aten.index_select_backward.default,
-                              lambda i: (_f(3, 1), [3, 4], 1, i), [3], [4], IndexError, False),
+                              lambda i: (_f(3, 1), [3, 4], 1, i), [3], [4], IndexError, True),
     "index_reduce": (aten.index_reduce.default, lambda i: (_x(), 0, i, _f(1, 4), "prod"), [2],
                      [3], IndexError, True),
     "index_reduce_": (aten.index_reduce_.default, lambda i: (_x(), 0, i, _f(1, 4), "mean"), [2],
@@ -104,9 +104,9 @@ CASES: dict[str, tuple] = {
     "embedding": (aten.embedding.default, lambda i: (_x(), i), [[0, 2]], [[0, 3]], IndexError,
                   True),
     "embedding_renorm": (aten.embedding_renorm.default, lambda i: (_x(), i, 1.0, 2.0), [2],
-                         [-1], IndexError, False),
+                         [3], IndexError, True),
     "embedding_renorm_": (aten.embedding_renorm_.default, lambda i: (_x(), i, 1.0, 2.0), [2],
-                          [3], IndexError, False),
+                          [3], IndexError, True),
     "embedding_backward": (aten.embedding_backward.default,
                            lambda i: (_f(1, 4), i, 3, -1, False, False), [2], [3], IndexError,
                            False),
@@ -187,6 +187,13 @@ def test_each_rule_refuses_what_eager_refuses(name: str) -> None:
                               make(_t(bad)), none_is_leaf=True)
         with pytest.raises((IndexError, RuntimeError)):
             op(*cpu)
+
+
+def test_cpu_checks_says_what_eagers_cpu_kernels_do() -> None:
+    """A rule is marked ``cpu_checks=False`` exactly where eager's CPU kernel let the case's
+    out-of-range index through (a CPU server checks those by default)."""
+    for name, case in CASES.items():
+        assert case[5] == all(r.cpu_checks for r in RULES[name]), name
 
 
 def test_messages_say_eagers_words() -> None:
@@ -370,6 +377,31 @@ def test_unchecked_ops_are_refused_where_the_check_is_on(checked) -> None:
     with pytest.raises(RuntimeError, match="not served where index arguments are checked"):
         torch.nn.functional.embedding_bag(torch.tensor([1, 2]).to(DEV), w.to(DEV),
                                           torch.tensor([0]).to(DEV)).cpu()
+
+
+def test_a_cpu_server_checks_the_kernels_that_do_not_by_default() -> None:
+    """``auto`` on a CPU server: only the rules whose CPU kernels do not bound their indices
+    (refused before the kernel, so safe on any device), no refusal of unchecked ops."""
+    from genie.remote.guard import run_guarded
+
+    assert index_check.server_scope("auto", torch.device("cpu")) == "cpu"
+    assert index_check.server_scope("auto", torch.device("cuda")) == "all"
+    assert index_check.server_scope("1", torch.device("cpu")) == "all"
+    assert index_check.server_scope("0", torch.device("cuda")) is None
+    x, g = _x(), _f(1, 4)
+    tape = _tape([_ins(aten.gather.default, (Slot(0), 0, Slot(1)), (2,)),
+                  _ins(aten.embedding_bag.default, (Slot(0), Slot(1), Slot(4)), (5, 6, 7, 8)),
+                  _ins(aten.embedding_dense_backward.default, (Slot(3), Slot(1), 3, -1, False),
+                       (9,))],
+                 {0: x, 1: _t([[1, 0, 2, 0]]), 3: g.expand(1, 4, 4), 4: _t([0])}, (2, 9))
+    assert sorted(index_check.IndexCheck(tape, "cpu").plan) == [2]
+    assert sorted(index_check.IndexCheck(tape).plan) == [0, 1, 2]
+    tape = _tape([_ins(aten.embedding_dense_backward.default, (Slot(3), Slot(1), 3, -1, False),
+                       (9,))], {1: _t([[1, 0, 3, 0]]), 3: g.expand(1, 4, 4)}, (9,))
+    ix = index_check.IndexCheck(tape, "cpu")
+    with pytest.raises(IndexError, match="index out of range in self") as ei:
+        run_guarded(tape, x.device, 1 << 20, index_check=ix)
+    assert ei.value.index == 0 and ix.refused == 1
 
 
 def test_the_setting_says_what_it_takes() -> None:
