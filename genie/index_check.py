@@ -15,8 +15,14 @@ argument is found through the op's schema; only integer tensors are checked (a `
 mask of advanced indexing, or a float target of ``cross_entropy``, holds no indices). Ops whose
 schemas take index-like arguments (:data:`INDEX_NAMES`) and have no rule are listed, each with its
 reason, in :data:`NOT_INDICES` (the argument is not an index: an output, a value, host data) or
-:data:`UNCHECKED` (indices without a rule yet: refused where the check is on, so that the check has
-no hole); ``tests/unit/test_index_check.py`` fails when an op of the allowlist is in none of them.
+:data:`UNCHECKED` (indices without a rule yet: refused where every rule is checked, so that the
+check has no hole); ``tests/unit/test_index_check.py`` fails when an op of the allowlist is in
+none of them. ``one_hot``, whose index is its input, is listed by hand.
+
+Where: a server checks every rule on CUDA (scope ``"all"``) and, on a CPU, the rules whose CPU
+kernels do not bound their indices themselves (``Rule.cpu_checks``, scope ``"cpu"``), by default
+(:func:`server_scope`, ``--index-check``); in process only with ``GENIE_INDEX_CHECK``
+(:func:`enabled`), since there an out-of-range index hurts only the user's own process, as eager.
 
 Cost: a check is one ``aminmax`` per index tensor and one device-to-host copy (one sync) for
 all the index tensors that exist at that point. :class:`IndexCheck` (one per tape run) reduces,
