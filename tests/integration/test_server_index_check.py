@@ -23,7 +23,10 @@ zmq = pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
 
 from test_remote import ServerProc  # noqa: E402
+from test_security import A2, host  # noqa: E402
 from test_security import Session as RawSession  # noqa: E402
+
+from genie.remote import protocol  # noqa: E402
 
 DEV = "remote_accelerator:0"
 CUDA = torch.cuda.is_available()
@@ -196,3 +199,25 @@ def test_a_cpu_server_checks_by_default_the_kernels_that_do_not(keys: Path) -> N
     finally:
         genie.disconnect()
         assert s.stop() == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="the device-side assert is CUDA's: the attack this file "
+                    "defends against, replayed on a server with the check off")
+def test_without_the_check_one_client_breaks_a_cuda_server_for_everyone(keys: Path) -> None:
+    """The witness that the tests above can fail: with ``--index-check 0`` one out-of-range
+    ``gather`` leaves the server's CUDA context unusable, and another tenant's next request
+    fails too."""
+    s = ServerProc(keys, "--device", "cuda:0", "--index-check", "0")
+    try:
+        other = RawSession(s)
+        genie.connect(s.address, key_file=str(s.key_file), timeout=60)
+        with pytest.raises(Exception):  # noqa: B017 (whatever CUDA reports)
+            X().to(DEV).gather(0, T([[7, 0, 0, 0]]).to(DEV)).cpu()
+        genie.disconnect()
+        x = torch.arange(4.0)
+        r = other.run(["aten::mul.Scalar"], [[0, 0, [-1, -1], [0], [], False]],
+                      [host(x, 0), 3.0], [protocol.tensor_frame(x)[0]], specs=[A2])
+        assert r is None or r["t"] == "err", r  # the other tenant is broken as well
+    finally:
+        genie.disconnect()
+        s.stop()
