@@ -79,8 +79,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--in-process", action="store_true",
                    help="the embedded executor instead of servers: GENIE_INDEX_CHECK on and off, "
-                   "both in the interpreter (run with GENIE_NATIVE_REPLAY=0 GENIE_CODEGEN=0); times are "
-                   "this thread's CPU time")
+                   "both in the interpreter (run with GENIE_NATIVE_REPLAY=0 GENIE_CODEGEN=0); "
+                   "times are this thread's CPU time")
     a = p.parse_args()
     torch.set_num_threads(1)
     import transformers

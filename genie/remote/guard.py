@@ -443,9 +443,10 @@ def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | No
     """Vet ``tape`` against ``budget`` free bytes, then run it on ``dev`` before ``deadline``
     (``time.monotonic()``); returns the values of ``tape.keep`` and ``tape.outputs``.
 
-    With ``index_check`` (made for this tape), the index arguments of indexing ops are checked on the device before
-    their kernel runs (:mod:`genie.index_check`): an out-of-range one is an
-    :class:`ExecutionError` with eager's exception, never a kernel's device-side assert."""
+    With ``index_check`` (an :class:`~genie.index_check.IndexCheck` made for this tape), the
+    index arguments of indexing ops are checked on the device before their kernels run: an
+    out-of-range one is an :class:`ExecutionError` with eager's exception, never a kernel's
+    device-side assert."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     env: dict[int, Any] = dict(tape.inputs)

@@ -198,7 +198,8 @@ def test_cpu_checks_says_what_eagers_cpu_kernels_do() -> None:
 
 def test_messages_say_eagers_words() -> None:
     x = _x()
-    with pytest.raises(RuntimeError, match=r"^index 7 is out of bounds for dimension 0 with size 3$"):
+    with pytest.raises(RuntimeError,
+                       match=r"^index 7 is out of bounds for dimension 0 with size 3$"):
         check_call(aten.gather.default, (x, 0, _t([[7]])), {})
     with pytest.raises(IndexError, match=r"index -5 is out of bounds for dimension 1 with size 4"):
         check_call(aten.index.Tensor, (x, [None, _t([-5])]), {})
