@@ -3,7 +3,7 @@
 ``GENIE_DEVICE``, ``GENIE_DEVICE_COUNT``, ``GENIE_META_CACHE``, ``GENIE_RECORD_SOURCE``,
 ``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD``, ``GENIE_NATIVE_RECORD_MISS``, ``GENIE_NATIVE_BIND``,
 ``GENIE_NATIVE_MATCH``, ``GENIE_NATIVE_SLICE``, ``GENIE_NATIVE_REPLAY``, ``GENIE_FOREACH``,
-``GENIE_NATIVE_DISPATCH_RULE`` and
+``GENIE_NATIVE_DISPATCH_RULE``, ``GENIE_INDEX_CHECK`` and
 ``GENIE_DEBUG`` live here; the engine and
 remote modules read their own (``GENIE_BACKENDS``, ``GENIE_PLAN_CACHE``, ``GENIE_COMPILER``,
 ``GENIE_SERVER``, ...). docs/env.md is the one table of all of them, with meanings and defaults.
@@ -58,6 +58,12 @@ class Config:
     # Optimizers and clip_grad_norm_ take their multi-tensor _foreach_ path on LazyTensors
     # (genie.lazy_tensor: ~8 recorded ops per AdamW step instead of ~10 per parameter).
     foreach: bool = _flag("GENIE_FOREACH", "1") != "0"
+    # Check index arguments (gather, embedding, ...) on the device before their kernels run, in
+    # process (genie.index_check): "0" (as eager: on CUDA an out-of-range index is a device-side
+    # assert that breaks only this process), "1", or "auto" (on for CUDA). Tapes then run in the
+    # interpreter (no generated or native replay). A server has its own switch,
+    # GENIE_SERVER_INDEX_CHECK (default auto).
+    index_check: str = _flag("GENIE_INDEX_CHECK", "0").lower() or "0"
 
     def on_change(self, listener: Callable[[Config], None]) -> None:
         """Call ``listener(self)`` now and after every change of a setting (native code that

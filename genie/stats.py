@@ -57,6 +57,10 @@ def stats() -> dict[str, int]:
       ``evictions.<role>`` (``evictions.activation``, ...), ``evict_bytes``,
       ``evictions.spilled``, ``evictions.dropped``, ``spill_bytes``, ``restores.recompute``,
       ``restores.upload``, ``restore_bytes``;
+    - index checks (:mod:`genie.index_check`): in process (``GENIE_INDEX_CHECK``)
+      ``index_checks`` (index tensors reduced), ``index_check_syncs``,
+      ``index_check_refusals``; through a server, the server's counts for this client's runs:
+      ``server_index_checks``, ``server_index_check_syncs``, ``server_index_check_refusals``;
     - a pool of servers (:mod:`genie.remote.placement`, :mod:`genie.remote.peer`):
       ``peer_transfers`` and ``peer_bytes`` (values sent server to server, never through this
       process), ``placement.tapes``, ``placement.moved`` (tapes run off their device's server),

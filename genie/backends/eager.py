@@ -17,7 +17,10 @@ import optree
 import torch
 
 from ..device import real_device
+from ..config import config
 from ..errors import ExecutionError
+from ..index_check import IndexCheck, IndexOutOfRange
+from ..index_check import enabled as index_check_enabled
 from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
 from ..stats import bump
@@ -45,18 +48,24 @@ def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
     from torch.utils._python_dispatch import _disable_current_modes
 
     env: dict[int, Any] = dict(tape.inputs)
+    ix = IndexCheck(tape) if index_checked(dev) else None
     with _disable_current_modes(), torch.no_grad():
-        prog = native_replay.for_tape(tape)
-        if prog is not None:  # a repeated plan: its native program (csrc/replay.cpp)
-            return prog(tape, dev)
-        gen = codegen.for_tape(tape)
-        if gen is not None:  # a repeated plan: its generated replay function
-            return gen(tape, dev)
+        if ix is None:  # the replays below do not check indices: the interpreter does
+            prog = native_replay.for_tape(tape)
+            if prog is not None:  # a repeated plan: its native program (csrc/replay.cpp)
+                return prog(tape, dev)
+            gen = codegen.for_tape(tape)
+            if gen is not None:  # a repeated plan: its generated replay function
+                return gen(tape, dev)
         for i, ins in enumerate(tape.instrs):
             try:
+                if ix is not None:
+                    ix.step(i, ins, env)
                 outs = run_instr(ins, env, dev if ins.device == tape.index else
                                  real_device(ins.device))
             except Exception as e:
+                if isinstance(e, IndexOutOfRange):
+                    e = e.args[0]  # eager's own exception, raised before the kernel ran
                 err = ExecutionError(ins.op, ins.where, e, i)
                 err.partial = (tape, i, env)  # instructions [0, i) ran (see executor.run_tape)
                 raise err from e
@@ -68,6 +77,13 @@ def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
             if ins.free:
                 bump("values_freed", len(ins.free))
     return {s: env[s] for s in tape.keep}
+
+
+def index_checked(dev: torch.device) -> bool:
+    """Whether the interpreter checks index arguments on ``dev`` (``GENIE_INDEX_CHECK``:
+    ``0``, the default, as eager does not; ``1``; ``auto``: on CUDA)."""
+    s = config.index_check
+    return s != "0" and index_check_enabled(s, dev)
 
 
 def run_instr(ins: Any, env: dict[int, Any], dev: torch.device) -> list[Any]:

@@ -409,6 +409,11 @@ class Client:
             if type(st) is float or type(st) is int:
                 model().observe_transfer(len(data) + size + got,
                                          time.perf_counter() - sent_at - st, CLIENT, self.address)
+            ix = h.get("ix")  # index arguments the server checked (genie.index_check)
+            if isinstance(ix, list) and len(ix) == 3 and all(type(v) is int for v in ix):
+                bump("server_index_checks", ix[0])
+                bump("server_index_check_syncs", ix[1])
+                bump("server_index_check_refusals", ix[2])
             res = h.get("res")
             if isinstance(res, list) and len(res) == 2:
                 self.resident = (res[0], res[1])

@@ -18,6 +18,11 @@ A server never runs a received tape as it comes. :func:`run_guarded`:
    Memory handed to the tape is never another session's data: the outputs of the ``empty``
    family (:data:`ZEROED`), metadata-only arguments and the growth of ``resize_`` are zeroed.
 
+3. With an :class:`~genie.index_check.IndexCheck` (the server's ``--index-check``, on for
+   CUDA), checks the **index arguments** of indexing ops on the device before their kernels run
+   (on CUDA an out-of-range index is a device-side assert that would break the device for every
+   session): an out-of-range one is an :class:`ExecutionError` with eager's exception.
+
 Ops whose output size depends on data (``nonzero``, ``unique``, ``masked_select``, ``item``:
 tagged ``dynamic_output_shape``/``data_dependent_output``, or without a meta kernel) end a vetted
 stretch: the tape runs up to and including such an op, its result is accounted at once (refused
@@ -57,6 +62,7 @@ import torch
 from ..backends.eager import arg as eager_arg
 from ..backends.eager import generator_for, seed_from
 from ..errors import ExecutionError
+from ..index_check import IndexCheck, IndexOutOfRange
 from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
 
@@ -433,9 +439,14 @@ def _has_device_arg(op: Any) -> bool:
 
 
 def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | None = None,
-                limit: float = 0.0) -> dict[int, Any]:
+                limit: float = 0.0, index_check: IndexCheck | None = None) -> dict[int, Any]:
     """Vet ``tape`` against ``budget`` free bytes, then run it on ``dev`` before ``deadline``
-    (``time.monotonic()``); returns the values of ``tape.keep`` and ``tape.outputs``."""
+    (``time.monotonic()``); returns the values of ``tape.keep`` and ``tape.outputs``.
+
+    With ``index_check`` (an :class:`~genie.index_check.IndexCheck` made for this tape), the
+    index arguments of indexing ops are checked on the device before their kernels run: an
+    out-of-range one is an :class:`ExecutionError` with eager's exception, never a kernel's
+    device-side assert."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     env: dict[int, Any] = dict(tape.inputs)
@@ -446,6 +457,7 @@ def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | No
             resident[st._cdata] = st.nbytes()
     baseline = _host_bytes(tape)
     n = len(tape.instrs)
+    ix = index_check
     with _disable_current_modes(), torch.no_grad():
         try:
             checked = vet(tape, 0, env, budget, resident, baseline, deadline, limit).upto
@@ -456,10 +468,14 @@ def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | No
             if deadline is not None and time.monotonic() > deadline:
                 raise RunTimeout(i, n, limit)
             try:
+                if ix is not None:
+                    ix.step(i, ins, env)
                 outs = _run_instr(ins, env, dev)
                 if _short(len(outs), ins.outs):
                     raise ValueError(f"the op returned {len(outs)} values; the tape names "
                                      f"{len(ins.outs)}")
+            except IndexOutOfRange as e:
+                raise ExecutionError(ins.op, ins.where, e.args[0], i) from e.args[0]
             except Exception as e:
                 raise ExecutionError(ins.op, ins.where, e, i) from e
             for s, v in zip(ins.outs, outs):

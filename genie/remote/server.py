@@ -69,6 +69,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .. import backends
 from ..errors import ExecutionError
+from ..index_check import IndexCheck
+from ..index_check import server_scope as index_check_scope
 from . import ProtocolError, peer
 from .guard import QuotaError, RunTimeout, run_guarded
 from .protocol import (
@@ -267,8 +269,13 @@ class Server:
                  quota: int | None = None, max_message: int = 8 << 30,
                  max_sessions: int = 64, workers: int = 4,
                  max_run_seconds: float = MAX_RUN_SECONDS, peer_keys: str | None = None,
-                 peer_timeout: float = 30.0) -> None:
+                 peer_timeout: float = 30.0, index_check: str | None = None) -> None:
         self.device = torch.device(device)
+        # check index arguments before indexing kernels (genie.index_check): on CUDA, by default
+        # ("all"); on a CPU, by default, those of the kernels that do not check ("cpu")
+        self.index_check = index_check_scope(
+            index_check if index_check is not None else
+            os.environ.get("GENIE_SERVER_INDEX_CHECK", "auto"), self.device)
         self.listen = listen
         self.insecure = insecure
         self.keys_dir = Path(keys_dir or os.environ.get("GENIE_KEYS_DIR") or
@@ -369,7 +376,8 @@ class Server:
             sec = "CURVE authenticated and encrypted"
         return (f"genie-server: serving {self.device} on {self.address} ({sec}); "
                 f"lease {self.lease:g} s, quota {self.quota} bytes per session, tapes stopped "
-                f"after {self.max_run_seconds:g} s\n{how}")
+                f"after {self.max_run_seconds:g} s, index checks "
+                f"{_CHECKS[self.index_check]}\n{how}")
 
     # --- main thread: I/O ---------------------------------------------------------------------
     def serve(self) -> None:
@@ -888,9 +896,10 @@ class Server:
             # uploads inside the tape are inputs now, not yet counted in the session
             uploaded = sum(t.untyped_storage().nbytes() for sl, t in tape.inputs.items()
                            if sl not in inputs_before)
+            ix = IndexCheck(tape, self.index_check) if self.index_check else None
             try:
                 kept = run_guarded(tape, dev, sess.quota - sess.used() - uploaded,
-                                   started + self.max_run_seconds, self.max_run_seconds)
+                                   started + self.max_run_seconds, self.max_run_seconds, ix)
             except QuotaError as e:
                 if not e.ran:  # nothing ran: evicting hinted values lets it run as sent
                     self._pressure(sess, e.need - e.budget, protect)
@@ -905,7 +914,7 @@ class Server:
                 ran = [i for i, t in enumerate(c.templates) if t.op != UPLOAD]
                 i = ran[e.index] if e.index is not None and e.index < len(ran) else -1
                 return {"t": "err", "kind": "exec", "etype": type(cause).__name__,
-                        "msg": str(cause), "i": i}, []
+                        "msg": str(cause), "i": i, **_index_counts(ix)}, []
             sess.refresh(tape.inputs.values())  # resize_ of a resident tensor grows it
             new = iter(new_ids)
             for s in c.keep:
@@ -921,6 +930,7 @@ class Server:
         _apply_hints(sess, hints)  # the values this request made too, now that they exist
         reply, rframes = _outputs([kept[s] for s in c.outputs])
         reply["res"] = sess.residency()
+        reply.update(_index_counts(ix))
         return reply, rframes
 
     def _add_skeleton(self, sess: Session, key: bytes, sk: Any) -> tuple[Compiled, int]:
@@ -985,6 +995,16 @@ def _on_stream(st: Any) -> Any:
     with torch.cuda.stream(st):
         yield
     st.synchronize()
+
+
+_CHECKS = {"all": "on", "cpu": "on for the CPU kernels that do not check", None: "off"}
+
+
+def _index_counts(ix: IndexCheck | None) -> dict[str, Any]:
+    """A run reply's ``ix``: the index tensors the run checked, its syncs and the instructions
+    it refused (when it checked any)."""
+    return {"ix": [ix.tensors, ix.syncs, ix.refused]} if ix is not None and \
+        (ix.tensors or ix.refused) else {}
 
 
 def _new_ids(ids: Any, id0: int, n: int) -> list[int]:
@@ -1169,6 +1189,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-timeout", type=float, default=30.0,
                    help="seconds of a peer's silence after which a transfer to it fails "
                    "(default 30)")
+    p.add_argument("--index-check", default=os.environ.get("GENIE_SERVER_INDEX_CHECK", "auto"),
+                   help="check the index arguments of indexing ops (gather, embedding, ...) "
+                   "before their kernels run: auto (on CUDA, where an out-of-range index is a "
+                   "device-side assert that breaks the server for every session, every op; on "
+                   "a CPU the ops whose kernels do not bound their indices), 1 (every op), 0 "
+                   "(a trusted single-tenant server); default $GENIE_SERVER_INDEX_CHECK or auto")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
@@ -1181,7 +1207,8 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(device, a.listen, insecure=a.insecure, keys_dir=a.keys, lease=a.lease,
                     quota=a.quota, max_message=a.max_message, max_sessions=a.max_sessions,
                     workers=a.workers, max_run_seconds=a.max_run_seconds,
-                    peer_keys=a.peer_keys, peer_timeout=a.peer_timeout)
+                    peer_keys=a.peer_keys, peer_timeout=a.peer_timeout,
+                    index_check=a.index_check)
     server.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())

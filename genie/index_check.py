@@ -1,0 +1,572 @@
+"""Index arguments checked against their bounds on the device, before the indexing kernel runs.
+
+Why: on CUDA an out-of-range index in an indexing kernel (``gather``, ``index_select``, advanced
+indexing, ``embedding``, ``scatter``, ``nll_loss`` targets, ...) is a device-side assert, not an
+``IndexError``: it poisons the process's CUDA context for good, so every later CUDA call of the
+process fails. Meta tensors cannot see it (it depends on index values). A Genie server is shared
+by tenants, so it checks such arguments first and refuses the instruction with the exception
+eager raises on the CPU (same type, close text); see docs/deployment.md.
+
+What is checked: :data:`RULES`, one table keyed by the op's base name (every overload of the
+packet: functional, in-place, ``out=``). A rule names the schema argument that holds the indices
+(an integer tensor; for advanced indexing a list of optional tensors), the size it indexes
+(:class:`Rule` ``kind``), whether eager wraps negative indices, and eager's CPU error. The
+argument is found through the op's schema; only integer tensors are checked (a ``bool``/``uint8``
+mask of advanced indexing, or a float target of ``cross_entropy``, holds no indices). Ops whose
+schemas take index-like arguments (:data:`INDEX_NAMES`) and have no rule are listed, each with its
+reason, in :data:`NOT_INDICES` (the argument is not an index: an output, a value, host data) or
+:data:`UNCHECKED` (indices without a rule yet: refused where every rule is checked, so that the
+check has no hole); ``tests/unit/test_index_check.py`` fails when an op of the allowlist is in
+none of them. ``one_hot``, whose index is its input, is listed by hand.
+
+Where: a server checks every rule on CUDA (scope ``"all"``) and, on a CPU, the rules whose CPU
+kernels do not bound their indices themselves (``Rule.cpu_checks``, scope ``"cpu"``), by default
+(:func:`server_scope`, ``--index-check``); in process only with ``GENIE_INDEX_CHECK``
+(:func:`enabled`), since there an out-of-range index hurts only the user's own process, as eager.
+
+Cost: a check is one ``aminmax`` per index tensor and one device-to-host copy (one sync) for
+all the index tensors that exist at that point. :class:`IndexCheck` (one per tape run) reduces,
+before the first instruction that needs a check, every index argument of the rest of the tape
+that already exists (tape inputs: token ids, positions), so a tape whose indices are inputs pays
+one sync; an index computed inside the tape is reduced right before the instruction that reads
+it (with whatever else exists then). A reduction stays valid until an instruction writes the
+index's storage or its slot is written again.
+
+Example:
+    >>> import torch
+    >>> from genie.index_check import check_call
+    >>> x = torch.ones(3)
+    >>> check_call(torch.ops.aten.gather.default, (x, 0, torch.tensor([1, 2])), {})
+    >>> try:
+    ...     check_call(torch.ops.aten.gather.default, (x, 0, torch.tensor([7])), {})
+    ... except RuntimeError as e:
+    ...     print(e)
+    index 7 is out of bounds for dimension 0 with size 3
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from .meta import policy
+from .planner import Slot, Tape
+from .stats import bump
+
+#: names of schema arguments that may hold indices (the completeness test reads them)
+INDEX_NAMES = frozenset({"index", "indices", "target", "targets", "offsets", "lengths",
+                         "input_lengths", "target_lengths", "offset2bag", "maximum_indices",
+                         "tensor_indices_or_sections", "counts", "is_target", "min_indices"})
+
+_ANY = 1 << 62  # a bound no index reaches: only the lower one matters
+_DIM_MSG = "index {v} is out of bounds for dimension {d} with size {n}"
+_SELF_MSG = "index out of range in self (index {v}, dimension {d} with size {n})"
+_TAKE_MSG = "out of range: tried to access index {v} on a tensor of {n} elements."
+_POOL_MSG = "Found an invalid max index: {v} (output volumes are of size {n})"
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """How one op's index argument is bounded.
+
+    Attributes:
+        index: the schema argument holding the indices.
+        kind: the size the index is checked against:
+            ``"dim"``: ``ref.size(dim)`` (``dim`` names the dimension argument; a ``None``
+            dimension means the flattened ``ref``, as in ``take_along_dim``);
+            ``"rows"``: ``ref.size(0)``, or ``ref`` itself when it is an int (``num_weights``);
+            ``"numel"``: ``ref.numel()`` (``take``, ``put``);
+            ``"classes"``: the class dimension of ``ref`` (``size(1)``, ``size(0)`` when 1-D),
+            values equal to the ``ignore_index`` argument skipped;
+            ``"advanced"``: advanced indexing, each index tensor against the dimension it indexes;
+            ``"spatial"``: the product of the last ``dim`` sizes of ``ref`` (pooling indices), or
+            of ``ref`` itself when it is a list (``max_unpool``'s ``output_size``).
+        ref: the argument whose size bounds the index.
+        dim: the dimension argument (``"dim"``), or the spatial rank as a string (``"2"``).
+        negative: eager wraps negative indices (the index may be in ``[-n, n)``).
+        error: eager's exception type on the CPU.
+        message: eager's text (``{v}`` the value, ``{d}`` the dimension, ``{n}`` the size).
+        cpu_checks: False where eager's CPU kernel does not bound the indices (it reads or
+            writes out of bounds): a CPU server checks these rules by default (``auto``).
+    """
+
+    index: str
+    kind: str
+    ref: str = "self"
+    dim: str | None = "dim"
+    negative: bool = False
+    error: type[Exception] = RuntimeError
+    message: str = _DIM_MSG
+    cpu_checks: bool = True  # eager's CPU kernel bounds these indices itself (raises cleanly)
+
+
+_GATHER = Rule("index", "dim")
+_FILL = Rule("index", "dim", negative=True, error=IndexError)
+_SELECT = Rule("index", "dim", error=IndexError, message=_SELF_MSG)
+_EMBED = Rule("indices", "rows", ref="weight", dim=None, error=IndexError, message=_SELF_MSG)
+_EMBED_BACK = Rule("indices", "rows", ref="num_weights", dim=None, error=IndexError,
+                   message=_SELF_MSG, cpu_checks=False)
+_TAKE = Rule("index", "numel", dim=None, negative=True, error=IndexError, message=_TAKE_MSG)
+_ADVANCED = Rule("indices", "advanced", dim=None, negative=True, error=IndexError)
+_NLL = Rule("target", "classes", dim=None, error=IndexError,
+            message="Target {v} is out of bounds.")
+
+
+def _pool(rank: int, index: str = "indices", ref: str = "self", cpu_checks: bool = True) -> Rule:
+    return Rule(index, "spatial", ref=ref, dim=str(rank), message=_POOL_MSG,
+                cpu_checks=cpu_checks)
+
+
+#: The one table: op base name -> rules of its index arguments (docs/deployment.md lists it).
+RULES: dict[str, tuple[Rule, ...]] = {
+    "gather": (_GATHER,),
+    "gather_backward": (_GATHER,),
+    "scatter": (_GATHER,),
+    "scatter_": (_GATHER,),
+    "scatter_add": (_GATHER,),
+    "scatter_add_": (_GATHER,),
+    "scatter_reduce": (_GATHER,),
+    "scatter_reduce_": (_GATHER,),
+    "index_add": (_GATHER,),
+    "index_add_": (_GATHER,),
+    "take_along_dim": (Rule("indices", "dim", cpu_checks=False),),
+    "cummaxmin_backward": (Rule("indices", "dim", ref="input"),),
+    "value_selecting_reduction_backward": (Rule("indices", "dim", ref="sizes"),),
+    "index_select": (_SELECT,),
+    "index_select_backward": (Rule("index", "dim", ref="self_sizes", error=IndexError,
+                                   message=_SELF_MSG),),
+    "index_reduce": (_SELECT,),
+    "index_reduce_": (_SELECT,),
+    "index_copy": (Rule("index", "dim", error=IndexError, message="index_copy_(): " + _DIM_MSG),),
+    "index_copy_": (Rule("index", "dim", error=IndexError, message="index_copy_(): " + _DIM_MSG),),
+    "index_fill": (_FILL,),
+    "index_fill_": (_FILL,),
+    "index": (_ADVANCED,),
+    "index_put": (_ADVANCED,),
+    "index_put_": (_ADVANCED,),
+    "take": (_TAKE,),
+    "put": (_TAKE,),
+    "put_": (_TAKE,),
+    "embedding": (_EMBED,),
+    "embedding_renorm": (Rule("indices", "rows", dim=None, error=IndexError, message=_SELF_MSG),),
+    "embedding_renorm_": (Rule("indices", "rows", dim=None, error=IndexError,
+                               message=_SELF_MSG),),
+    "embedding_backward": (_EMBED_BACK,),
+    "embedding_dense_backward": (_EMBED_BACK,),
+    "nll_loss": (_NLL,),
+    "nll_loss_forward": (_NLL,),
+    "nll_loss_backward": (_NLL,),
+    "nll_loss2d": (_NLL,),
+    "nll_loss2d_forward": (_NLL,),
+    "nll_loss2d_backward": (_NLL,),
+    "nll_loss_nd": (_NLL,),
+    "cross_entropy_loss": (_NLL,),
+    "multi_margin_loss": (Rule("target", "classes", dim=None, message="target out of range"),),
+    "multi_margin_loss_backward": (Rule("target", "classes", dim=None,
+                                        message="target out of range"),),
+    "max_pool2d_with_indices_backward": (_pool(2, cpu_checks=False),),
+    "max_pool3d_with_indices_backward": (_pool(3, cpu_checks=False),),
+    "adaptive_max_pool2d_backward": (_pool(2, cpu_checks=False),),
+    "adaptive_max_pool3d_backward": (_pool(3, cpu_checks=False),),
+    "fractional_max_pool2d_backward": (_pool(2),),
+    "fractional_max_pool3d_backward": (_pool(3),),
+    # its input is the index (named self): CUDA skips eager's check when num_classes is given
+    "one_hot": (Rule("self", "rows", ref="num_classes", dim=None,
+                     message="one_hot: class value {v} is out of range [0, {n})"),),
+    "max_unpool2d": (_pool(2, ref="output_size"),),
+    "max_unpool3d": (_pool(3, ref="output_size"),),
+}
+
+#: Ops with index arguments but no rule yet: refused where the check is on (their reason says why).
+UNCHECKED: dict[str, str] = {
+    name: "offsets and per-bag indices of embedding_bag are not checked yet"
+    for name in ("embedding_bag", "_embedding_bag", "_embedding_bag_forward_only",
+                 "_embedding_bag_backward", "_embedding_bag_dense_backward",
+                 "_embedding_bag_per_sample_weights_backward")
+} | {
+    name: "CTC targets and lengths are not checked yet"
+    for name in ("ctc_loss", "_ctc_loss", "_ctc_loss_backward")
+} | {
+    name: "a target list ends at its first -1: its values cannot be bounded by min/max"
+    for name in ("multilabel_margin_loss", "multilabel_margin_loss_forward",
+                 "multilabel_margin_loss_backward")
+} | {
+    "_segment_reduce_backward": "segment lengths and offsets are not checked yet",
+}
+
+#: Ops whose index-like arguments (by name) hold no indices into device memory, with the reason.
+NOT_INDICES: dict[str, str] = {
+    name: "its indices argument is an output (written, not read)"
+    for name in ("_cummax_helper", "_cummin_helper", "cummax", "cummin", "kthvalue", "median",
+                 "nanmedian", "min", "mode", "sort", "topk", "max_pool2d_with_indices",
+                 "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d",
+                 "fractional_max_pool2d", "fractional_max_pool3d")
+} | {
+    name: "its target holds values (regression or probability targets), not class indices"
+    for name in ("binary_cross_entropy", "binary_cross_entropy_backward",
+                 "binary_cross_entropy_with_logits", "cosine_embedding_loss",
+                 "hinge_embedding_loss", "huber_loss", "huber_loss_backward", "kl_div",
+                 "l1_loss", "margin_ranking_loss", "mse_loss", "mse_loss_backward",
+                 "poisson_nll_loss", "smooth_l1_loss", "smooth_l1_loss_backward",
+                 "soft_margin_loss", "soft_margin_loss_backward")
+} | {
+    "batch_norm_gather_stats_with_counts": "counts are floating-point statistics",
+    "_pack_padded_sequence": "lengths must be a CPU tensor: checked by the host code",
+    "tensor_split": "split points must be a CPU tensor: read by the host code",
+}
+
+
+class IndexOutOfRange(Exception):
+    """Internal: carries eager's exception for an instruction whose index is out of range."""
+
+
+def base_name(op: Any) -> str:
+    return op._schema.name.split("::", 1)[-1]
+
+
+def rules_for(op: Any) -> tuple[Rule, ...] | None:
+    """The rules of ``op`` (None: it takes no index argument); cached on the op."""
+    try:
+        return op._genie_index_rules
+    except AttributeError:
+        pass
+    name = base_name(op) if not isinstance(op, str) else ""
+    rules = RULES.get(name)
+    if rules is not None:
+        args = {a.name for a in op._schema.arguments}
+        rules = tuple(r for r in rules if r.index in args) or None
+    try:
+        op._genie_index_rules = rules
+    except AttributeError:
+        pass
+    return rules
+
+
+def unchecked(op: Any) -> str | None:
+    """Why ``op``'s index arguments cannot be checked (None: they can, or it has none)."""
+    return None if isinstance(op, str) else UNCHECKED.get(base_name(op))
+
+
+def _entry(op: Any) -> tuple[Any, Any, bool]:
+    """(what scope ``"all"`` checks: the op's rules, the reason it cannot be checked, or None;
+    what scope ``"cpu"`` checks: the rules whose CPU kernels do not check, or None; whether it
+    writes an argument), cached on the op: the per-instruction cost of a tape's plan."""
+    try:
+        return op._genie_index_entry
+    except AttributeError:
+        pass
+    rules = rules_for(op)
+    cpu = tuple(r for r in rules or () if not r.cpu_checks) or None
+    e = (unchecked(op) or rules, cpu, bool(policy(op).writes))
+    try:
+        op._genie_index_entry = e
+    except AttributeError:
+        pass
+    return e
+
+
+def _bind(op: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    out = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args):
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+        else:
+            out[a.name] = None
+    return out
+
+
+def _is_index(t: Any, advanced: bool) -> bool:
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return False
+    dt = t.dtype
+    return not (dt.is_floating_point or dt.is_complex or dt is torch.bool or
+                (advanced and dt is torch.uint8))
+
+
+def _sources(rule: Rule, a: dict[str, Any]) -> list[Any]:
+    """The values (Slots or tensors) holding ``rule``'s indices in the bound arguments ``a``."""
+    v = a.get(rule.index)
+    if rule.kind == "advanced":
+        return [t for t in (v or ()) if t is not None]
+    return [] if v is None else [v]
+
+
+def _extents(rule: Rule, a: dict[str, Any]) -> list[tuple[torch.Tensor, int, int] | None]:
+    """For each index tensor of ``rule`` in the bound real arguments ``a`` (aligned with
+    :func:`_sources`): (tensor, size, dim), or None where it holds no indices (a mask, a float
+    target, an empty tensor)."""
+    ref = a.get(rule.ref)
+    k = rule.kind
+    if k == "advanced":
+        out: list[tuple[torch.Tensor, int, int] | None] = []
+        shape, pos = ref.shape, 0
+        for t in a.get(rule.index) or ():
+            if t is None:
+                pos += 1
+                continue
+            if t.dtype in (torch.bool, torch.uint8):
+                out.append(None)
+                pos += t.dim()
+                continue
+            out.append((t, shape[pos], pos) if _is_index(t, True) and pos < len(shape)
+                       else None)
+            pos += 1
+        return out
+    t = a.get(rule.index)
+    if t is None:
+        return []
+    if not _is_index(t, False):
+        return [None]
+    shape = tuple(ref.shape) if isinstance(ref, torch.Tensor) else ref
+    if k == "dim":
+        d = a.get(rule.dim)
+        if d is None:
+            return [(t, math.prod(shape), 0)]
+        if len(shape) == 0:
+            return [(t, 1, 0)]
+        d = d + len(shape) if d < 0 else d
+        return [(t, shape[d], d)] if 0 <= d < len(shape) else [None]
+    if k == "rows":
+        if isinstance(ref, int):  # a count; one_hot's -1 (as many as the largest value + 1)
+            return [(t, ref if ref >= 0 else _ANY, 0)]
+        return [(t, shape[0] if shape else 1, 0)]
+    if k == "numel":
+        return [(t, math.prod(shape), 0)]
+    if k == "classes":
+        return [(t, shape[1] if len(shape) >= 2 else (shape[0] if shape else 1), 1)]
+    if k == "spatial":
+        r = int(rule.dim or 0)
+        return [(t, math.prod(shape[-r:] if isinstance(ref, torch.Tensor) else shape), 0)]
+    raise AssertionError(f"unknown index rule kind {k!r}")
+
+
+def _ignored(rule: Rule, a: dict[str, Any]) -> int | None:
+    return a.get("ignore_index") if rule.kind == "classes" else None
+
+
+def _judge(rule: Rule, lo: int, hi: int, n: int, d: int) -> None:
+    """Raise eager's error when ``[lo, hi]`` leaves the indices' valid range for size ``n``."""
+    low = -n if rule.negative else 0
+    if low <= lo and hi < n:
+        return
+    v = hi if hi >= n else lo
+    raise IndexOutOfRange(rule.error(rule.message.format(v=v, d=d, n=n)))
+
+
+def enabled(setting: str, device: torch.device) -> bool:
+    """Whether a check setting (``auto``, ``1``/``on``, ``0``/``off``) checks every rule on
+    ``device``: ``auto`` does where an out-of-range index is a device-side assert (CUDA)."""
+    s = setting.strip().lower()
+    if s in ("auto", ""):
+        return device.type == "cuda"
+    if s in ("1", "on", "true", "yes"):
+        return True
+    if s in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"index check setting {setting!r}: expected auto, 1 (on) or 0 (off)")
+
+
+def server_scope(setting: str, device: torch.device) -> str | None:
+    """What a server checks: ``"all"`` (every rule; refuses :data:`UNCHECKED` ops), ``"cpu"``
+    (``auto`` on a CPU: only the rules whose CPU kernels do not bound their indices, which would
+    read or write out of bounds) or None (``0``)."""
+    if enabled(setting, device):
+        return "all"
+    s = setting.strip().lower()
+    return "cpu" if s in ("auto", "") and device.type != "cuda" else None
+
+
+def _reduce(ts: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """(min, max) of each tensor: one ``aminmax`` each, one copy to the host per device."""
+    by_dev: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(ts):
+        by_dev.setdefault(t.device, []).append(i)
+    out: list[tuple[int, int]] = [(0, 0)] * len(ts)
+    for ids in by_dev.values():
+        parts = []
+        for i in ids:
+            lo, hi = torch.aminmax(ts[i])
+            parts += (lo.long(), hi.long())
+        vals = torch.stack(parts).tolist()  # the one sync of this batch
+        for j, i in enumerate(ids):
+            out[i] = (vals[2 * j], vals[2 * j + 1])
+    bump("index_checks", len(ts))
+    bump("index_check_syncs", len(by_dev))
+    return out
+
+
+def _masked(t: torch.Tensor, ignore: int | None) -> torch.Tensor:
+    return t if ignore is None else t.masked_fill(t == ignore, 0)
+
+
+def check_call(op: Any, args: tuple, kwargs: dict) -> None:
+    """Check one call's index arguments now (one sync); raises eager's error when one is out
+    of range. The in-process path for single calls; tapes use :class:`IndexCheck`."""
+    rules = rules_for(op)
+    if not rules:
+        return
+    a = _bind(op, args, kwargs)
+    for rule in rules:
+        ext = [e for e in _extents(rule, a) if e is not None]
+        if not ext:
+            continue
+        ign = _ignored(rule, a)
+        mm = _reduce([_masked(t, ign) for t, _, _ in ext])
+        for (_, n, d), (lo, hi) in zip(ext, mm, strict=True):
+            try:
+                _judge(rule, lo, hi, n, d)
+            except IndexOutOfRange as e:
+                raise e.args[0] from None
+
+
+class IndexCheck:
+    """The index checks of one tape run (see the module docstring for the batching).
+
+    Call :meth:`step` before each instruction runs: it checks the instruction's index arguments
+    (raising :class:`IndexOutOfRange`) and forgets the reductions the instruction will make
+    stale. Per instruction without index arguments it costs two set lookups.
+    """
+
+    def __init__(self, tape: Tape, scope: str = "all") -> None:
+        self.tape = tape
+        # reductions by (slot id, ignored value) -> (min, max, storage id)
+        self.known: dict[tuple[int, int | None], tuple[int, int, int]] = {}
+        self._slots: set[int] = set()  # the slot ids of ``known``
+        self.tensors = 0  # index tensors reduced
+        self.syncs = 0  # device-to-host copies (one per batch and device)
+        self.refused = 0  # instructions refused (an index out of range, or an unchecked op)
+        # per instruction with rules: its rules and its arguments bound to schema names (leaves
+        # as Slots), or the reason it cannot be checked (an UNCHECKED op)
+        self.plan: dict[int, Any] = {}
+        self._writers: set[int] = set()  # instructions that write an argument (in place, out=)
+        for i, ins in enumerate(tape.instrs):
+            if isinstance(ins.op, str):
+                continue
+            every, cpu, writes = _entry(ins.op)
+            what = every if scope == "all" else cpu
+            if writes:
+                self._writers.add(i)
+            if what is None:
+                continue
+            if type(what) is str:
+                self.plan[i] = what
+                continue
+            args, kwargs = optree.tree_unflatten(ins.spec, list(ins.leaves))
+            a = _bind(ins.op, args, kwargs)
+            self.plan[i] = [(r, a) for r in what]
+
+    def step(self, i: int, ins: Any, env: dict[int, Any]) -> None:
+        """Before instruction ``i`` (``ins``) runs: check its index arguments (raises
+        :class:`IndexOutOfRange`), then forget what it is about to write."""
+        if i in self.plan:
+            self.before(i, env)
+        if self.known and (i in self._writers or not self._slots.isdisjoint(ins.outs)):
+            self.written(ins, env)
+
+    def before(self, i: int, env: dict[int, Any]) -> None:
+        """Check instruction ``i``'s index arguments against the values in ``env``."""
+        try:
+            self._check(i, env)
+        except IndexOutOfRange:
+            self.refused += 1
+            bump("index_check_refusals")
+            raise
+
+    def _check(self, i: int, env: dict[int, Any]) -> None:
+        plan = self.plan
+        if type(plan[i]) is str:
+            raise IndexOutOfRange(RuntimeError(
+                f"{self.tape.instrs[i].op} is not served where index arguments are checked "
+                f"(a Genie server on CUDA): {plan[i]}. Compute it in another way, or run it "
+                "where the check is off (in process, or GENIE_SERVER_INDEX_CHECK=0 on a "
+                "trusted single-tenant server)"))
+        todo: dict[tuple[int, int | None], torch.Tensor] = {}
+        consts: list[tuple[Rule, torch.Tensor, int, int]] = []
+        checks: list[tuple[Rule, Any, int, int]] = []
+        for rule, a in plan[i]:
+            real = {k: _value(v, env) for k, v in a.items()}
+            srcs = _sources(rule, a)
+            ext = _extents(rule, real)
+            ign = _ignored(rule, real)
+            for s, e in zip(srcs, ext, strict=True):
+                if e is None:
+                    continue
+                t, n, d = e
+                if type(s) is Slot:
+                    key = (s.id, ign)
+                    if key not in self.known:
+                        todo[key] = _masked(t, ign)
+                    checks.append((rule, key, n, d))
+                else:
+                    consts.append((rule, _masked(t, ign), n, d))
+        if not checks and not consts:
+            return
+        if todo:  # reduce every other index that exists now too: one sync for all
+            for j, later in plan.items():
+                if j <= i or type(later) is str:
+                    continue
+                for rule, a in later:
+                    ign = a.get("ignore_index") if rule.kind == "classes" else None
+                    if ign is not None and type(ign) is not int:
+                        continue
+                    for s in _sources(rule, a):
+                        if type(s) is Slot and (s.id, ign) not in self.known and s.id in env:
+                            t = env[s.id]
+                            if _is_index(t, rule.kind == "advanced"):
+                                todo.setdefault((s.id, ign), _masked(t, ign))
+        ts = list(todo.values()) + [t for _, t, _, _ in consts]
+        mm = _reduce(ts)
+        self.tensors += len(ts)
+        self.syncs += len({t.device for t in ts})
+        for key, (lo, hi) in zip(todo, mm, strict=False):
+            self.known[key] = (lo, hi, env[key[0]].untyped_storage()._cdata)
+            self._slots.add(key[0])
+        for rule, key, n, d in checks:
+            lo, hi, _ = self.known[key]
+            _judge(rule, lo, hi, n, d)
+        for (rule, _, n, d), (lo, hi) in zip(consts, mm[len(todo):], strict=True):
+            _judge(rule, lo, hi, n, d)
+
+    def written(self, ins: Any, env: dict[int, Any]) -> None:
+        """Before ``ins`` runs: forget the reductions of the slots it writes (a slot freed
+        earlier may be named again) and of the values whose storage it writes."""
+        if not self.known:
+            return
+        slots = set(ins.outs)
+        storages: set[int] = set()
+        if not isinstance(ins.op, str) and policy(ins.op).writes:
+            args, kwargs = optree.tree_unflatten(ins.spec, [_value(x, env) for x in ins.leaves])
+            storages = written_storages(ins.op, args, kwargs)
+        for key in [k for k, (_, _, sid) in self.known.items()
+                    if k[0] in slots or sid in storages]:
+            del self.known[key]
+        self._slots = {k[0] for k in self.known}
+
+
+def _value(x: Any, env: dict[int, Any]) -> Any:
+    t = type(x)
+    if t is Slot:
+        return env[x.id]
+    if t is list or t is tuple:
+        return type(x)(_value(v, env) for v in x)
+    return x
+
+
+def written_storages(op: Any, args: tuple, kwargs: dict) -> set[int]:
+    """Storages (``_cdata``) of the arguments ``op`` writes (in place, ``out=``)."""
+    pol = policy(op)
+    out: set[int] = set()
+    for pos in pol.writes:
+        v = pol.arg(pos, args, kwargs)
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                out.add(t.untyped_storage()._cdata)
+    return out

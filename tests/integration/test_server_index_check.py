@@ -1,0 +1,224 @@
+"""Out-of-range indices through a real server: refused before the kernel, everyone served after.
+
+On CUDA an out-of-range index in an indexing kernel is a device-side assert that breaks the
+server's CUDA context for every session; the server checks index arguments first
+(genie.index_check, ``--index-check``, on by default on CUDA). Here the server serves the CUDA
+device where there is one (the check on by default, the attack real), else the CPU with the check
+forced on (``--index-check 1``). Every family of indexing op gets an out-of-range case that must
+raise eager's exception type at the call site, after which the same session and another tenant's
+session still compute; in-range cases (negative and empty indices included) give eager's values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import genie
+
+zmq = pytest.importorskip("zmq")
+pytest.importorskip("msgpack")
+
+from test_remote import ServerProc  # noqa: E402
+from test_security import A2, host  # noqa: E402
+from test_security import Session as RawSession  # noqa: E402
+
+from genie.remote import protocol  # noqa: E402
+
+DEV = "remote_accelerator:0"
+CUDA = torch.cuda.is_available()
+#: the device the server serves: CUDA where present (the check on by its default, auto)
+SERVED = ("--device", "cuda:0") if CUDA else ("--index-check", "1")
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("genie-ix-keys")
+
+
+@pytest.fixture(scope="module")
+def server(keys: Path):
+    s = ServerProc(keys, "--quota", "256MiB", "--workers", "2", *SERVED)
+    yield s
+    assert s.stop() == 0, "genie-server did not shut down cleanly on SIGTERM"
+
+
+@pytest.fixture
+def remote(server: ServerProc):
+    genie.connect(server.address, key_file=str(server.key_file), timeout=30)
+    yield server
+    genie.disconnect()
+
+
+def X() -> torch.Tensor:
+    return torch.arange(12.0).reshape(3, 4)
+
+
+def T(*v) -> torch.Tensor:
+    return torch.tensor(v[0] if len(v) == 1 else list(v))
+
+
+#: family -> (program of (x, idx) on any device, in-range idx, out-of-range idx, exception type,
+#: words of eager's message)
+FAMILIES = {
+    "gather": (lambda x, i: x.gather(0, i), T([[2, 0, 1, 0]]), T([[7, 0, 0, 0]]),
+               RuntimeError, "index 7 is out of bounds for dimension 0 with size 3"),
+    "gather_negative": (lambda x, i: x.gather(1, i), T([[3], [0], [1]]), T([[-1], [0], [0]]),
+                        RuntimeError, "index -1 is out of bounds for dimension 1 with size 4"),
+    "index_select": (lambda x, i: x.index_select(0, i), T([2, 0]), T([0, 3]), IndexError,
+                     "index out of range in self"),
+    "index": (lambda x, i: x[:, i], T([-4, 3, -1]), T([4]), IndexError,
+              "index 4 is out of bounds for dimension 1 with size 4"),
+    "index_negative": (lambda x, i: x[i], T([-3, 2]), T([-4]), IndexError,
+                       "index -4 is out of bounds for dimension 0 with size 3"),
+    "embedding": (lambda x, i: F.embedding(i, x), T([[0, 2], [1, 1]]), T([[0, 3]]), IndexError,
+                  "index out of range in self"),
+    "scatter": (lambda x, i: x.clone().scatter_(0, i, 5.0), T([[2, 0, 1, 0]]),
+                T([[2, 0, 9, 0]]), RuntimeError, "index 9 is out of bounds"),
+    "scatter_add": (lambda x, i: x.scatter_add(1, i, torch.ones_like(i, dtype=x.dtype)),
+                    T([[3], [0], [1]]), T([[3], [4], [1]]), RuntimeError,
+                    "index 4 is out of bounds for dimension 1 with size 4"),
+    "index_put_": (lambda x, i: x.clone().index_put_((i,), torch.tensor(1.0)), T([0, -1]),
+                   T([3]), IndexError, "index 3 is out of bounds for dimension 0 with size 3"),
+    "index_add_": (lambda x, i: x.clone().index_add_(0, i, torch.ones(len(i), 4, device=x.device)),
+                   T([2, 2]),
+                   T([3, 0]), RuntimeError, "index 3 is out of bounds for dimension 0"),
+    "take": (lambda x, i: x.take(i), T([-12, 11, 0]), T([12]), IndexError,
+             "tried to access index 12 on a tensor of 12 elements"),
+    "nll_loss": (lambda x, i: F.nll_loss(F.log_softmax(x, 1), i), T([3, -100, 0]),
+                 T([3, 4, 0]), IndexError, "Target 4 is out of bounds"),
+    "cross_entropy": (lambda x, i: F.cross_entropy(x, i, ignore_index=1), T([3, 1, 0]),
+                      T([-1, 0, 0]), IndexError, "Target -1 is out of bounds"),
+}
+
+
+def _on(x: torch.Tensor, *ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(DEV) for t in (x, *ts)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_out_of_range_is_refused_and_everyone_is_served_after(server: ServerProc,
+                                                              family: str) -> None:
+    f, good, bad, etype, words = FAMILIES[family]
+    other = RawSession(server)  # another tenant, with a session open before the attack
+    genie.connect(server.address, key_file=str(server.key_file), timeout=30)
+    try:
+        x = X()
+        xd, bd = _on(x, bad)
+        with pytest.raises(etype, match=words) as ei:
+            f(xd, bd).cpu()
+        assert isinstance(ei.value, genie.ExecutionError), ei.value  # names the op, the line
+        assert genie.stats().get("server_index_check_refusals") == 1  # the check, not the kernel
+        xd, gd = _on(x, good)  # the same session goes on, with eager's values
+        assert torch.allclose(f(xd, gd).cpu(), f(x, good))
+    finally:
+        genie.disconnect()
+    other.alive()  # the other tenant's session, and a fresh one, still compute
+    other.close()
+
+
+def test_empty_and_negative_indices_give_eagers_values(remote) -> None:
+    x = X()
+    xd = x.to(DEV)
+    e = torch.empty(0, dtype=torch.long)
+    assert torch.equal(xd.index_select(0, e.to(DEV)).cpu(), x.index_select(0, e))
+    assert torch.equal(xd[e.to(DEV)].cpu(), x[e])
+    assert torch.equal(F.embedding(e.to(DEV), xd).cpu(), F.embedding(e, x))
+    assert torch.equal(xd.gather(0, e.reshape(0, 4).to(DEV)).cpu(), x.gather(0, e.reshape(0, 4)))
+    n = torch.tensor([-1, -3])
+    assert torch.equal(xd[n.to(DEV)].cpu(), x[n])
+    assert torch.equal(xd.take(n.to(DEV)).cpu(), x.take(n))
+    assert torch.equal(xd.index_fill(1, n.to(DEV), 7.0).cpu(), x.index_fill(1, n, 7.0))
+    m = torch.tensor([True, False, True])  # a mask holds no indices
+    assert torch.equal(xd[m.to(DEV)].cpu(), x[m])
+
+
+def test_an_index_computed_on_the_server_is_checked_before_its_use(remote) -> None:
+    x = X()
+    i = torch.tensor([0, 1]).to(DEV)
+    genie.materialize(i)
+    with pytest.raises(IndexError, match="index out of range in self"):
+        F.embedding(i * 3, x.to(DEV)).cpu()  # 3 is out of range: computed in the same tape
+    assert genie.stats()["server_index_check_refusals"] == 1
+    assert torch.equal(F.embedding(i * 2, x.to(DEV)).cpu(), F.embedding(torch.tensor([0, 2]), x))
+
+
+def test_a_decode_step_pays_one_sync_for_its_indices(remote) -> None:
+    wte, wpe = torch.randn(50, 8), torch.randn(16, 8)
+    wd, pd = wte.to(DEV), wpe.to(DEV)
+    ids, pos = torch.tensor([[3, 49]]), torch.tensor([[0, 1]])
+    genie.reset_stats()
+    h = F.embedding(ids.to(DEV), wd) + F.embedding(pos.to(DEV), pd)
+    assert torch.allclose(h.cpu(), F.embedding(ids, wte) + F.embedding(pos, wpe))
+    s = genie.stats()
+    assert s["server_index_checks"] == 2 and s["server_index_check_syncs"] == 1, s
+
+
+def test_unchecked_index_ops_are_refused_where_checks_are_on(remote) -> None:
+    w = torch.randn(5, 4)
+    with pytest.raises(RuntimeError, match="not served where index arguments are checked"):
+        F.embedding_bag(torch.tensor([1, 2]).to(DEV), w.to(DEV), torch.tensor([0]).to(DEV)).cpu()
+    assert genie.stats()["server_index_check_refusals"] == 1
+    assert (w.to(DEV) * 2).sum().item() == pytest.approx((w * 2).sum().item(), rel=1e-5)
+
+
+def test_a_server_with_the_check_off_checks_nothing(keys: Path) -> None:
+    s = ServerProc(keys, "--index-check", "0", *(("--device", "cuda:0") if CUDA else ()))
+    try:
+        genie.connect(s.address, key_file=str(s.key_file), timeout=30)
+        x = X()
+        i = torch.tensor([[2, 0, 1, 0]])
+        assert torch.equal(x.to(DEV).gather(0, i.to(DEV)).cpu(), x.gather(0, i))
+        assert "server_index_checks" not in genie.stats()
+    finally:
+        genie.disconnect()
+        assert s.stop() == 0
+
+
+def test_a_cpu_server_checks_by_default_the_kernels_that_do_not(keys: Path) -> None:
+    """``auto`` on a CPU server: eager's CPU kernel of ``embedding_dense_backward`` does not bound
+    its indices (it would write out of bounds): checked; ``gather``'s kernel does: not checked."""
+    s = ServerProc(keys, "--device", "cpu")
+    try:
+        genie.connect(s.address, key_file=str(s.key_file), timeout=30)
+        g = torch.ones(1, 4)
+        with pytest.raises(IndexError, match="index out of range in self"):
+            torch.ops.aten.embedding_dense_backward(g.to(DEV), torch.tensor([5]).to(DEV), 3, -1,
+                                                    False).cpu()
+        assert genie.stats()["server_index_check_refusals"] == 1
+        i = torch.tensor([2])
+        ref = torch.ops.aten.embedding_dense_backward(g, i, 3, -1, False)
+        assert torch.equal(torch.ops.aten.embedding_dense_backward(
+            g.to(DEV), i.to(DEV), 3, -1, False).cpu(), ref)
+        genie.reset_stats()
+        x, j = X(), torch.tensor([[2, 0, 1, 0]])
+        assert torch.equal(x.to(DEV).gather(0, j.to(DEV)).cpu(), x.gather(0, j))
+        assert "server_index_checks" not in genie.stats()
+    finally:
+        genie.disconnect()
+        assert s.stop() == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="the device-side assert is CUDA's: the attack this file "
+                    "defends against, replayed on a server with the check off")
+def test_without_the_check_one_client_breaks_a_cuda_server_for_everyone(keys: Path) -> None:
+    """The witness that the tests above can fail: with ``--index-check 0`` one out-of-range
+    ``gather`` leaves the server's CUDA context unusable, and another tenant's next request
+    fails too."""
+    s = ServerProc(keys, "--device", "cuda:0", "--index-check", "0")
+    try:
+        other = RawSession(s)
+        genie.connect(s.address, key_file=str(s.key_file), timeout=60)
+        with pytest.raises(Exception):  # noqa: B017 (whatever CUDA reports)
+            X().to(DEV).gather(0, T([[7, 0, 0, 0]]).to(DEV)).cpu()
+        genie.disconnect()
+        x = torch.arange(4.0)
+        r = other.run(["aten::mul.Scalar"], [[0, 0, [-1, -1], [0], [], False]],
+                      [host(x, 0), 3.0], [protocol.tensor_frame(x)[0]], specs=[A2])
+        assert r is None or r["t"] == "err", r  # the other tenant is broken as well
+    finally:
+        genie.disconnect()
+        s.stop()
