@@ -54,7 +54,7 @@ echo "bench rc=$?"; grep -E "^\[|: eager|load average" "$OUT/bench.txt" | cut -c
 
 stamp "tests"
 workers=$(( $(nproc) > 12 ? 12 : $(nproc) ))
-timeout ${TEST_TIMEOUT:-240} $PY -m pytest tests/unit tests/integration/test_models.py tests/integration/test_remote.py ${TESTS:-} -q \
+timeout ${TEST_TIMEOUT:-240} $PY -m pytest tests/unit tests/integration/test_models.py tests/integration/test_remote.py tests/integration/test_server_index_check.py ${TESTS:-} -q \
   -n "$workers" -p no:cacheprovider -o addopts="" >"$OUT/tests.txt" 2>&1
 echo "tests rc=$?"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | cut -c1-300 | head -60

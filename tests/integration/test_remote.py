@@ -291,7 +291,6 @@ def test_inplace_on_resident_and_adopted_values(remote) -> None:
     assert torch.equal(nz.cpu(), torch.nonzero(a + 1 > 3) * 10 + 1)
 
 
-@pytest.mark.kernel_error
 def test_execution_error_on_the_server(remote) -> None:
     x = torch.ones(3, device=DEV)
     idx = torch.tensor([7]).to(DEV)
