@@ -10,6 +10,9 @@
 // when a tape's slots are already built): node i takes `outs[i]`'s slots, in output order.
 #include <Python.h>
 
+#include <array>
+
+#include <c10/util/SmallVector.h>
 #include <pybind11/pybind11.h>
 
 #include "bind.h"
@@ -113,6 +116,7 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
   }
   const NodeSlots& ns = node_slots();
   const py::object no_consumers = py::reinterpret_steal<py::object>(checked(PyTuple_New(0)));
+  std::array<py::object, 8> nones;  // (None,) * k, made once per call for each length k used
   int64_t removed = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* node = PyList_GET_ITEM(nodes.ptr(), i);
@@ -121,10 +125,11 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
       throw py::type_error("genie._C._bind_nodes: output slots must be tuples");
     }
     const Py_ssize_t k = PyTuple_GET_SIZE(slots);
-    py::object vals = py::reinterpret_steal<py::object>(PyList_New(k));
-    if (!vals) {
-      throw py::error_already_set();
-    }
+    // The values the run kept for this node's outputs; a node none of whose values was kept
+    // (most of a slice: intermediates) gets a tuple of Nones, shared for its length, instead of
+    // a new list (nothing ever writes into one: genie.remote.placement replaces a kept value).
+    c10::SmallVector<PyObject*, 4> got;  // borrowed from `kept`
+    bool any = false;
     for (Py_ssize_t j = 0; j < k; ++j) {
       PyObject* s = PyTuple_GET_ITEM(slots, j);
       PyObject* v = Py_None;
@@ -137,15 +142,30 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
           v = Py_None;
         }
       }
-      Py_INCREF(v);
-      PyList_SET_ITEM(vals.ptr(), j, v);
+      any = any || v != Py_None;
+      got.push_back(v);
     }
-    if (untrack) {
-      // Off the cyclic GC: a list of real tensors (or None) closes no cycle. Tracked, a step's
-      // list per node survives the young collections its own allocation triggers and is
-      // promoted, which makes the interpreter run full collections over the whole heap (~100 ms
-      // with torch and a model loaded) every few steps.
-      PyObject_GC_UnTrack(vals.ptr());
+    py::object vals;
+    if (!any && k < static_cast<Py_ssize_t>(nones.size())) {
+      if (!nones[k]) {
+        nones[k] = py::reinterpret_steal<py::object>(checked(PyTuple_New(k)));
+        for (Py_ssize_t j = 0; j < k; ++j) {
+          PyTuple_SET_ITEM(nones[k].ptr(), j, Py_NewRef(Py_None));
+        }
+      }
+      vals = nones[k];
+    } else {
+      vals = py::reinterpret_steal<py::object>(checked(PyList_New(k)));
+      for (Py_ssize_t j = 0; j < k; ++j) {
+        PyList_SET_ITEM(vals.ptr(), j, Py_NewRef(got[j]));
+      }
+      if (untrack) {
+        // Off the cyclic GC: a list of real tensors (or None) closes no cycle. Tracked, a step's
+        // list per node survives the young collections its own allocation triggers and is
+        // promoted, which makes the interpreter run full collections over the whole heap
+        // (~100 ms with torch and a model loaded) every few steps.
+        PyObject_GC_UnTrack(vals.ptr());
+      }
     }
     // A node that ran has no pending consumer to note: the shared empty tuple, not a new list.
     const bool fast = Py_TYPE(node) == ns.node;

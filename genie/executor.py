@@ -93,9 +93,12 @@ def _bind(tape: Tape, kept: dict[int, torch.Tensor], upto: int | None = None) ->
             for k in range(len(n.metas)):
                 s = slots.get((idx, k))
                 vals.append(get(s) if s is not None else None)
-        if untrack:  # as csrc/bind.cpp: this list closes no cycle (see there)
-            _gc_untrack(vals)
-        n.values = vals
+        if all(v is None for v in vals):  # as csrc/bind.cpp: nothing kept, no list
+            n.values = (None,) * len(vals)
+        else:
+            if untrack:  # as csrc/bind.cpp: this list closes no cycle (see there)
+                _gc_untrack(vals)
+            n.values = vals
         n.executed = True
         n.leaves = None
         n.consumers = ()  # no pending consumer to note once a node ran

@@ -220,7 +220,8 @@ class Node:
         storages: the :class:`Storage` of each tensor output.
         writes: storages this node mutates.
         outputs: weak references to the LazyTensors that hold each output.
-        values: real tensors after execution (only those still needed are kept).
+        values: real tensors after execution (only those still needed are kept; a tuple of
+            Nones when none is, as for most intermediates of a run).
         rng: ``(seed, offset)`` for random ops, fixed at record time.
         graph / uid: the owning :class:`Graph` and the node's deterministic unique id.
         where: the user's source line (only with ``GENIE_RECORD_SOURCE=1`` or in capture).
@@ -247,7 +248,7 @@ class Node:
         self.storages = storages
         self.writes = writes
         self.outputs: list[weakref.ref[Any] | None] = [None] * len(metas)
-        self.values: list[torch.Tensor | None] | None = None
+        self.values: list[torch.Tensor | None] | tuple[None, ...] | None = None
         self.executed = False
         self.index = next(_record_counter)
         self.rng = rng
