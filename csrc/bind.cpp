@@ -10,13 +10,66 @@
 // when a tape's slots are already built): node i takes `outs[i]`'s slots, in output order.
 #include <Python.h>
 
+#include <array>
+
+#include <c10/util/SmallVector.h>
 #include <pybind11/pybind11.h>
 
 #include "bind.h"
+#include "slots.h"
 
 namespace py = pybind11;
 
 namespace {
+
+// genie.graph.Node's slots this loop writes, by offset (found once): a generic setattr per field
+// cost more than the rest of binding a node.
+struct NodeSlots {
+  PyTypeObject* node = nullptr;
+  PyTypeObject* storage = nullptr;
+  Py_ssize_t values = 0, executed = 0, leaves = 0, consumers = 0, writes = 0, storages = 0;
+  Py_ssize_t readers = 0;
+};
+
+const NodeSlots& node_slots() {
+  static const NodeSlots s = [] {
+    py::module_ graph = py::module_::import("genie.graph");
+    NodeSlots r;
+    r.node = reinterpret_cast<PyTypeObject*>(py::object(graph.attr("Node")).release().ptr());  // kept
+    r.storage = reinterpret_cast<PyTypeObject*>(py::object(graph.attr("Storage")).release().ptr());
+    r.values = genie::slot_offset(r.node, "values");
+    r.executed = genie::slot_offset(r.node, "executed");
+    r.leaves = genie::slot_offset(r.node, "leaves");
+    r.consumers = genie::slot_offset(r.node, "consumers");
+    r.writes = genie::slot_offset(r.node, "writes");
+    r.storages = genie::slot_offset(r.node, "storages");
+    r.readers = genie::slot_offset(r.storage, "readers");
+    return r;
+  }();
+  return s;
+}
+
+// Set the slot at `off` of `o` to `v` (a new reference is taken); the old value is released
+// last, as a setattr does.
+inline void set_slot(PyObject* o, Py_ssize_t off, PyObject* v) {
+  PyObject** p = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
+  PyObject* old = *p;
+  Py_INCREF(v);
+  *p = v;
+  Py_XDECREF(old);
+}
+
+// A new reference to the slot at `off` of `o`, or nullptr with AttributeError when unset.
+inline PyObject* get_slot(PyObject* o, Py_ssize_t off, const char* name) {
+  PyObject* v = genie::slot_value(o, off);
+  if (v == nullptr) {
+    PyErr_Format(PyExc_AttributeError, "'%s' object has no attribute '%s'", Py_TYPE(o)->tp_name,
+                 name);
+    return nullptr;
+  }
+  Py_INCREF(v);
+  return v;
+}
 
 PyObject* attr(PyObject* o, PyObject* name) {
   PyObject* r = PyObject_GetAttr(o, name);
@@ -24,6 +77,13 @@ PyObject* attr(PyObject* o, PyObject* name) {
     throw py::error_already_set();
   }
   return r;
+}
+
+PyObject* checked(PyObject* o) {
+  if (o == nullptr) {
+    throw py::error_already_set();
+  }
+  return o;
 }
 
 void set_attr(PyObject* o, PyObject* name, PyObject* value) {
@@ -54,6 +114,9 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
   if (PyList_GET_SIZE(outs.ptr()) != n) {
     throw py::value_error("genie._C._bind_nodes: nodes and outs differ in length");
   }
+  const NodeSlots& ns = node_slots();
+  const py::object no_consumers = py::reinterpret_steal<py::object>(checked(PyTuple_New(0)));
+  std::array<py::object, 8> nones;  // (None,) * k, made once per call for each length k used
   int64_t removed = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* node = PyList_GET_ITEM(nodes.ptr(), i);
@@ -62,10 +125,11 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
       throw py::type_error("genie._C._bind_nodes: output slots must be tuples");
     }
     const Py_ssize_t k = PyTuple_GET_SIZE(slots);
-    py::object vals = py::reinterpret_steal<py::object>(PyList_New(k));
-    if (!vals) {
-      throw py::error_already_set();
-    }
+    // The values the run kept for this node's outputs; a node none of whose values was kept
+    // (most of a slice: intermediates) gets a tuple of Nones, shared for its length, instead of
+    // a new list (nothing ever writes into one: genie.remote.placement replaces a kept value).
+    c10::SmallVector<PyObject*, 4> got;  // borrowed from `kept`
+    bool any = false;
     for (Py_ssize_t j = 0; j < k; ++j) {
       PyObject* s = PyTuple_GET_ITEM(slots, j);
       PyObject* v = Py_None;
@@ -78,27 +142,47 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
           v = Py_None;
         }
       }
-      Py_INCREF(v);
-      PyList_SET_ITEM(vals.ptr(), j, v);
+      any = any || v != Py_None;
+      got.push_back(v);
     }
-    py::object empty = py::reinterpret_steal<py::object>(PyList_New(0));
-    if (!empty) {
-      throw py::error_already_set();
+    py::object vals;
+    if (!any && k < static_cast<Py_ssize_t>(nones.size())) {
+      if (!nones[k]) {
+        nones[k] = py::reinterpret_steal<py::object>(checked(PyTuple_New(k)));
+        for (Py_ssize_t j = 0; j < k; ++j) {
+          PyTuple_SET_ITEM(nones[k].ptr(), j, Py_NewRef(Py_None));
+        }
+      }
+      vals = nones[k];
+    } else {
+      vals = py::reinterpret_steal<py::object>(checked(PyList_New(k)));
+      for (Py_ssize_t j = 0; j < k; ++j) {
+        PyList_SET_ITEM(vals.ptr(), j, Py_NewRef(got[j]));
+      }
+      if (untrack) {
+        // Off the cyclic GC: a list of real tensors (or None) closes no cycle. Tracked, a step's
+        // list per node survives the young collections its own allocation triggers and is
+        // promoted, which makes the interpreter run full collections over the whole heap
+        // (~100 ms with torch and a model loaded) every few steps.
+        PyObject_GC_UnTrack(vals.ptr());
+      }
     }
-    if (untrack) {
-      // Off the cyclic GC: a list of real tensors (or None) and an empty list of weak references
-      // close no cycle. Tracked, a step's ~2 lists per node survive the young collections their
-      // own allocation triggers and are promoted, which makes the interpreter run full
-      // collections over the whole heap (~100 ms with torch and a model loaded) every few steps.
-      PyObject_GC_UnTrack(vals.ptr());
-      PyObject_GC_UnTrack(empty.ptr());
+    // A node that ran has no pending consumer to note: the shared empty tuple, not a new list.
+    const bool fast = Py_TYPE(node) == ns.node;
+    if (fast) {
+      set_slot(node, ns.values, vals.ptr());
+      set_slot(node, ns.executed, Py_True);
+      set_slot(node, ns.leaves, Py_None);  // graph truncation: what only this node held goes
+      set_slot(node, ns.consumers, no_consumers.ptr());
+    } else {
+      set_attr(node, values_name, vals.ptr());
+      set_attr(node, executed_name, Py_True);
+      set_attr(node, leaves_name, Py_None);
+      set_attr(node, consumers_name, no_consumers.ptr());
     }
-    set_attr(node, values_name, vals.ptr());
-    set_attr(node, executed_name, Py_True);
-    set_attr(node, leaves_name, Py_None);
-    set_attr(node, consumers_name, empty.ptr());
 
-    py::object writes = py::reinterpret_steal<py::object>(attr(node, writes_name));
+    py::object writes = py::reinterpret_steal<py::object>(
+        fast ? checked(get_slot(node, ns.writes, "writes")) : attr(node, writes_name));
     if (PyTuple_Check(writes.ptr()) && PyTuple_GET_SIZE(writes.ptr()) > 0) {
       const Py_ssize_t w = PyTuple_GET_SIZE(writes.ptr());
       for (Py_ssize_t j = 0; j < w; ++j) {
@@ -121,7 +205,8 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
     }
     // Readers that ran are dead weight; only long lists are pruned here (short ones are left to
     // Storage.add_reader's pruning at doubling, which bounds them).
-    py::object storages = py::reinterpret_steal<py::object>(attr(node, storages_name));
+    py::object storages = py::reinterpret_steal<py::object>(
+        fast ? checked(get_slot(node, ns.storages, "storages")) : attr(node, storages_name));
     if (PyList_Check(storages.ptr())) {
       const Py_ssize_t m = PyList_GET_SIZE(storages.ptr());
       for (Py_ssize_t j = 0; j < m; ++j) {
@@ -129,7 +214,9 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
         if (st == Py_None) {
           continue;
         }
-        py::object readers = py::reinterpret_steal<py::object>(attr(st, readers_name));
+        py::object readers = py::reinterpret_steal<py::object>(
+            Py_TYPE(st) == ns.storage ? checked(get_slot(st, ns.readers, "readers"))
+                                      : attr(st, readers_name));
         if (PyList_Check(readers.ptr()) && PyList_GET_SIZE(readers.ptr()) >= prune_at) {
           py::object r = py::reinterpret_steal<py::object>(
               PyObject_CallMethodNoArgs(st, prune_name));

@@ -336,10 +336,10 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   for (size_t m = 0; m < hi.size(); ++m) {
     PyObject* n = found[hi[m]];
     PyObject* cons = slot(n, S.n_consumers);
-    if (cons == nullptr || !PyList_CheckExact(cons)) {
+    if (cons == nullptr || !(PyList_CheckExact(cons) || PyTuple_CheckExact(cons))) {
       return slow;
     }
-    if (PyList_GET_SIZE(cons) != hn[m] && held_after(n, hk[m])) {
+    if (Py_SIZE(cons) != hn[m] && held_after(n, hk[m])) {
       return slow;
     }
   }

@@ -94,16 +94,22 @@ void untrack_storage(PyObject* s) {
   if (pw == nullptr) {
     throw py::error_already_set();
   }
-  const bool empty = PyList_Check(pw) && PyList_GET_SIZE(pw) == 0;
+  // no write yet: the shared empty tuple (genie.graph.Storage), or a list a run emptied
+  const bool empty = PyTuple_Check(pw) ? PyTuple_GET_SIZE(pw) == 0
+                                       : PyList_Check(pw) && PyList_GET_SIZE(pw) == 0;
   if (empty) {
     PyObject* readers = PyObject_GetAttr(s, readers_name);
     if (readers == nullptr) {
       Py_DECREF(pw);
       throw py::error_already_set();
     }
-    untrack(readers);
+    if (PyList_Check(readers)) {
+      untrack(readers);
+    }
     Py_DECREF(readers);
-    untrack(pw);
+    if (PyList_Check(pw)) {
+      untrack(pw);
+    }
     untrack(s);
   }
   Py_DECREF(pw);

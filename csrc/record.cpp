@@ -1000,12 +1000,16 @@ void untrack_storage(PyObject* s) {
     return;
   }
   PyObject* pw = slot(s, S.st_pending);
-  if (pw != nullptr && PyList_CheckExact(pw) && PyList_GET_SIZE(pw) == 0) {
+  const bool no_write = pw != nullptr && (PyTuple_CheckExact(pw) ? PyTuple_GET_SIZE(pw) == 0
+                                          : PyList_CheckExact(pw) && PyList_GET_SIZE(pw) == 0);
+  if (no_write) {
     PyObject* readers = slot(s, S.st_readers);
-    if (readers != nullptr) {
+    if (readers != nullptr && PyList_CheckExact(readers)) {
       untrack(readers);
     }
-    untrack(pw);
+    if (PyList_CheckExact(pw)) {
+      untrack(pw);
+    }
     untrack(s);
   }
 }
@@ -1042,7 +1046,7 @@ inline PyObject* fresh(PyObject* o, bool tracked) {
 
 PyObject* new_storage(bool tracked) {
   PyObject* s = new_object(S.storage, tracked);
-  init_slot(s, S.st_pending, fresh(PyList_New(0), tracked));
+  init_slot(s, S.st_pending, checked(PyTuple_New(0)));  // the empty tuple until a first write
   init_slot(s, S.st_readers, fresh(PyList_New(0), tracked));
   init_slot(s, S.st_prune, checked(PyLong_FromLong(64)));
   Py_INCREF(Py_None);
@@ -1383,6 +1387,12 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   for (const auto& w : writes) {
     PyObject* st = w.ptr();
     PyObject* pw = slot(st, S.st_pending);
+    if (!PyList_CheckExact(pw)) {  // the first write: the shared empty tuple becomes a list
+      PyObject* list = checked(PyList_New(0));
+      slot(st, S.st_pending) = list;
+      Py_DECREF(pw);
+      pw = list;
+    }
     if (PyList_Append(pw, n) < 0) {
       throw py::error_already_set();
     }
@@ -1402,16 +1412,6 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
     }
   }
 
-  // outputs: fresh wrappers, or the written argument itself
-  py::object flat = py::reinterpret_steal<py::object>(checked(PyList_GetSlice(e.consts, 0, n_out)));
-  for (size_t j = 0; j < e.outs.size(); ++j) {
-    const Out& o = e.outs[j];
-    PyObject* t = o.kind == Kind::kWrite ? new_ref(sources[j]) : new_lazy(n, o, gc_untrack, untracked);
-    PyObject* old = PyList_GET_ITEM(flat.ptr(), o.k);
-    PyList_SET_ITEM(flat.ptr(), o.k, t);
-    Py_DECREF(old);
-  }
-
   // graph.untrack_node: what was made here is untracked already; an aliased storage goes off
   // the GC's lists as untrack_node takes it off
   if (untracked) {
@@ -1420,6 +1420,22 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
         untrack_storage(PyList_GET_ITEM(storages.ptr(), e.outs[j].k));
       }
     }
+  }
+
+  // outputs: fresh wrappers, or the written argument itself
+  auto output = [&](size_t j) {
+    const Out& o = e.outs[j];
+    return o.kind == Kind::kWrite ? new_ref(sources[j]) : new_lazy(n, o, gc_untrack, untracked);
+  };
+  if (n_out == 1 && e.single && e.outs.size() == 1) {
+    return output(0);  // the common case: the one tensor itself, no list of flat outputs
+  }
+  py::object flat = py::reinterpret_steal<py::object>(checked(PyList_GetSlice(e.consts, 0, n_out)));
+  for (size_t j = 0; j < e.outs.size(); ++j) {
+    PyObject* t = output(j);
+    PyObject* old = PyList_GET_ITEM(flat.ptr(), e.outs[j].k);
+    PyList_SET_ITEM(flat.ptr(), e.outs[j].k, t);
+    Py_DECREF(old);
   }
   if (n_out == 1 && e.single) {
     return new_ref(PyList_GET_ITEM(flat.ptr(), 0));

@@ -478,7 +478,11 @@ py::object slice_nodes(const py::list& targets) {
         }
         b->first = upto;
       }
-      PyObject* writes = as_list(get(s, S.st_pending));
+      PyObject* writes = get(s, S.st_pending);
+      if (PyTuple_CheckExact(writes) && PyTuple_GET_SIZE(writes) == 0) {
+        return;  // never written (genie.graph.Storage): no write to order, so no reader either
+      }
+      as_list(writes);
       int64_t last = -1;
       for (Py_ssize_t i = 0; i < PyList_GET_SIZE(writes); ++i) {
         PyObject* w = as_node(PyList_GET_ITEM(writes, i));
@@ -589,7 +593,11 @@ bool held_after(PyObject* n, Py_ssize_t k, IndexSet& in_run) {
       }
     }
   }
-  PyObject* consumers = as_list(get(n, S.n_consumers));
+  PyObject* consumers = get(n, S.n_consumers);
+  if (PyTuple_CheckExact(consumers) && PyTuple_GET_SIZE(consumers) == 0) {
+    return false;  // a node that ran (genie.executor._bind): no pending consumer
+  }
+  as_list(consumers);
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(consumers); ++i) {
     PyObject* cn = deref(PyList_GET_ITEM(consumers, i));
     if (cn != Py_None && !executed(as_node(cn)) && in_run.find(index_of(cn)) == nullptr) {

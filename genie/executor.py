@@ -105,13 +105,15 @@ def _bind(tape: Tape, kept: dict[int, torch.Tensor], upto: int | None = None) ->
             for k in range(len(n.metas)):
                 s = slots.get((idx, k))
                 vals.append(get(s) if s is not None else None)
-        consumers: list = []
-        if untrack:  # as csrc/bind.cpp: these lists close no cycle (see there)
-            _gc_untrack(vals, consumers)
-        n.values = vals
+        if all(v is None for v in vals):  # as csrc/bind.cpp: nothing kept, no list
+            n.values = (None,) * len(vals)
+        else:
+            if untrack:  # as csrc/bind.cpp: this list closes no cycle (see there)
+                _gc_untrack(vals)
+            n.values = vals
         n.executed = True
         n.leaves = None
-        n.consumers = consumers
+        n.consumers = ()  # no pending consumer to note once a node ran
         for s in n.writes:
             if n in s.pending_writes:
                 s.pending_writes.remove(n)

@@ -166,7 +166,9 @@ class Storage:
     """Identity of one lazy storage, shared by a base value and all views of it.
 
     ``pending_writes`` are recorded, not yet executed nodes that mutate this storage, in record
-    order. ``readers`` are weak references to pending nodes that read it (for write-after-read).
+    order: the shared empty tuple until the first write (most storages are never written, and a
+    list per recorded output cost an allocation at record and a free at teardown), then a list.
+    ``readers`` are weak references to pending nodes that read it (for write-after-read).
     ``role`` is set where a storage's meaning is known for its whole life (the upload of a
     parameter: ``weight``), so in-place updates and views keep it (:func:`genie.context.node_role`).
     """
@@ -174,7 +176,7 @@ class Storage:
     __slots__ = ("pending_writes", "readers", "_prune_at", "role", "__weakref__")
 
     def __init__(self) -> None:
-        self.pending_writes: list[Node] = []
+        self.pending_writes: list[Node] | tuple[()] = ()
         self.readers: list[weakref.ref[Node]] = []
         self._prune_at = 64
         self.role: str | None = None
@@ -183,8 +185,11 @@ class Storage:
         """Note a pending write. The storage and this list go back under the cyclic GC (record
         may have taken them off): a pending writer is the one edge that can close a cycle
         (storage -> writer -> its inputs -> a node whose ``storages`` hold this storage)."""
-        self.pending_writes.append(node)
-        _gc_track(self, self.pending_writes)
+        pw = self.pending_writes
+        if type(pw) is tuple:
+            pw = self.pending_writes = []
+        pw.append(node)
+        _gc_track(self, pw)
 
     def prune_readers(self) -> None:
         """Drop the readers that died or ran."""
@@ -215,7 +220,8 @@ class Node:
         storages: the :class:`Storage` of each tensor output.
         writes: storages this node mutates.
         outputs: weak references to the LazyTensors that hold each output.
-        values: real tensors after execution (only those still needed are kept).
+        values: real tensors after execution (only those still needed are kept; a tuple of
+            Nones when none is, as for most intermediates of a run).
         rng: ``(seed, offset)`` for random ops, fixed at record time.
         graph / uid: the owning :class:`Graph` and the node's deterministic unique id.
         where: the user's source line (only with ``GENIE_RECORD_SOURCE=1`` or in capture).
@@ -242,7 +248,7 @@ class Node:
         self.storages = storages
         self.writes = writes
         self.outputs: list[weakref.ref[Any] | None] = [None] * len(metas)
-        self.values: list[torch.Tensor | None] | None = None
+        self.values: list[torch.Tensor | None] | tuple[None, ...] | None = None
         self.executed = False
         self.index = next(_record_counter)
         self.rng = rng

@@ -107,6 +107,30 @@ def test_released_graph_after_materialization():
     assert y._node.leaves is None  # executed nodes drop their inputs: the graph does not grow
 
 
+@pytest.mark.parametrize("native_bind", [True, False])
+def test_a_run_leaves_no_lists_on_what_it_ran(monkeypatch, native_bind: bool) -> None:
+    """A node that ran keeps a list of values only if the run kept one of them: an intermediate
+    gets a tuple of Nones, every node that ran the empty tuple as consumers, and a storage never
+    written has no pending-write list (genie.graph: fewer objects per node to make and free)."""
+    from genie.config import config
+
+    monkeypatch.setattr(config, "native_bind", native_bind)
+    x = torch.randn(4, device=D)
+    for _ in range(3):  # the second time a plan-cache hit, bound by the plan's slots
+        mid = x + 1
+        z = (mid * 2).relu()  # mid * 2: an intermediate no tensor holds
+        y = z._node.leaves[0].node
+        genie.materialize(z, mid)
+        assert y.executed and y.storages[0].pending_writes == ()
+        assert y.values == (None,) and y.consumers == () and mid._node.consumers == ()
+        assert type(z._node.values) is list and type(mid._node.values) is list
+        torch.testing.assert_close(z.cpu(), ((x.cpu() + 1) * 2).relu())
+    mid.add_(1)  # the first write gives the storage its list
+    pw = mid._node.storages[0].pending_writes
+    assert type(pw) is list and [n.op for n in pw] == [torch.ops.aten.add_.Tensor]
+    torch.testing.assert_close(mid.cpu(), x.cpu() + 2)
+
+
 def test_in_place_and_views_follow_eager():
     def prog(d):
         a = torch.arange(8.0, device=d)

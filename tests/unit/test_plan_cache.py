@@ -372,10 +372,11 @@ def _bind_program() -> tuple[list, list]:
         nodes = [t._node for t in (x, v, vals, idx, *reads)]
         outs.append(genie.materialize(vals, idx, x))
         snaps.append([(n.executed, n.leaves and [type(x).__name__ for x in n.leaves],
-                       len(n.consumers),
+                       type(n.consumers).__name__, len(n.consumers), type(n.values).__name__,
                        [t.tolist() if isinstance(t, torch.Tensor) else type(t).__name__
                         for t in (n.values or [])],  # (server handles through a server)
-                       [None if s is None else (len(s.pending_writes), len(s.readers))
+                       [None if s is None else (type(s.pending_writes).__name__,
+                                                len(s.pending_writes), len(s.readers))
                         for s in n.storages]) for n in nodes])
     return snaps, [[t.tolist() for t in o] for o in outs]
 
