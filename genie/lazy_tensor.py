@@ -718,6 +718,12 @@ def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
         trigger = "item" if func is aten._local_scalar_dense.default else "data_dependent"
     reals = materialize(*lazies, trigger=trigger) if lazies else ()
     if len(lazies) == 1:
+        if func is _scalar and len(leaves) == 1 and _plain(reals):
+            # ``.item()`` (a training loop's one sync per step): the value read directly. The
+            # general path below (modes off, no_grad, the math-bit keys back on) only matters
+            # for a real tensor with a math bit or under a dispatch mode (~50 µs in a step)
+            bump("forced_materializations")
+            return func(reals)
         reals = (reals,)
     it = iter(reals)
     rleaves = [next(it) if isinstance(x, LazyTensor) else x for x in leaves]
@@ -738,6 +744,17 @@ def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
                                      "tensors are dense and strided only. Run it on the CPU.")
     return optree.tree_unflatten(out_spec, [adopt(o, index) if isinstance(o, torch.Tensor) else o
                                             for o in flat])
+
+
+_scalar = aten._local_scalar_dense.default
+
+
+def _plain(real: Any) -> bool:
+    """A real tensor whose ``_local_scalar_dense`` needs none of :func:`_run_now`'s dispatch
+    state: no math bit (conjugate, negative, zero: keys a ``__torch_dispatch__`` call excludes)
+    and no ``TorchDispatchMode`` on the stack (which would see the real op)."""
+    return (type(real) is torch.Tensor and not real.is_neg() and not real.is_conj()
+            and not real._is_zerotensor() and not torch._C._len_torch_dispatch_stack())
 
 
 def adopt(real: torch.Tensor, index: int) -> LazyTensor:
