@@ -21,7 +21,8 @@ from genie import plan_cache
 from genie.passes import pipeline
 
 torch.set_num_threads(1)
-WIDTH, BATCH, STEPS = (int(a) for a in (sys.argv[1:] + ["256", "32", "300"][len(sys.argv) - 1:])[:3])
+_ARGS = sys.argv[1:] + ["256", "32", "300"][len(sys.argv) - 1:]
+WIDTH, BATCH, STEPS = (int(a) for a in _ARGS[:3])
 T: dict[str, list[float]] = {}
 
 

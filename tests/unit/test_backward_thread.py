@@ -29,7 +29,8 @@ def _step(dev: str, seed: int = 0):
     x = torch.randn(4, 6).to(dev)
     threads: list[bool] = []
     y = m(x)
-    y.register_hook(lambda g: threads.append(threading.get_ident() == threading.main_thread().ident))
+    main = threading.main_thread().ident
+    y.register_hook(lambda g: threads.append(threading.get_ident() == main))
     with genie.phase("train") if dev == D else contextlib.nullcontext():
         y.square().mean().backward()
     return m, threads
