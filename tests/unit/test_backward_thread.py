@@ -66,3 +66,34 @@ def test_under_a_dispatch_mode_the_engine_keeps_its_thread():
     with Ident():
         y.backward()
     assert seen == [False] and w.grad.cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_the_current_device_is_the_one_the_engine_thread_would_set(caller):
+    """On the calling thread too (the engine's stream guard per node sets the node's device)."""
+    from genie import _C
+
+    seen: list[int] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            seen.append(torch.remote_accelerator.current_device())
+            return g * 2
+
+    count, current = _C._device_count(), _C._current_device()
+    if not caller and count < 2:
+        pytest.skip("the engine's device threads were sized for one device at its first backward")
+    _C._set_device_count(max(count, 2))
+    try:
+        x = torch.ones(3, device=f"{D}:1", requires_grad=True)
+        Probe.apply(x).sum().backward()
+        assert seen == [1] and x.grad.device == torch.device(D, 1)
+        assert torch.remote_accelerator.current_device() == current
+        assert x.grad.cpu().tolist() == [2.0, 2.0, 2.0]
+    finally:
+        _C._set_device_count(count)
+        _C._set_device(current)
