@@ -3,7 +3,7 @@
 ``GENIE_DEVICE``, ``GENIE_DEVICE_COUNT``, ``GENIE_META_CACHE``, ``GENIE_RECORD_SOURCE``,
 ``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD``, ``GENIE_NATIVE_RECORD_MISS``, ``GENIE_NATIVE_BIND``,
 ``GENIE_NATIVE_MATCH``, ``GENIE_NATIVE_SLICE``, ``GENIE_NATIVE_REPLAY``, ``GENIE_FOREACH``,
-``GENIE_NATIVE_DISPATCH_RULE``, ``GENIE_INDEX_CHECK`` and
+``GENIE_NATIVE_DISPATCH_RULE``, ``GENIE_INDEX_CHECK``, ``GENIE_CALLER_BACKWARD`` and
 ``GENIE_DEBUG`` live here; the engine and
 remote modules read their own (``GENIE_BACKENDS``, ``GENIE_PLAN_CACHE``, ``GENIE_COMPILER``,
 ``GENIE_SERVER``, ...). docs/env.md is the one table of all of them, with meanings and defaults.
@@ -64,6 +64,9 @@ class Config:
     # interpreter (no generated or native replay). A server has its own switch,
     # GENIE_SERVER_INDEX_CHECK (default auto).
     index_check: str = _flag("GENIE_INDEX_CHECK", "0").lower() or "0"
+    # LazyTensor.backward runs the autograd engine on the calling thread, as for CPU tensors
+    # (0: on the engine's worker thread for the device, PyTorch's default for non-CPU devices).
+    caller_backward: bool = _flag("GENIE_CALLER_BACKWARD", "1") != "0"
 
     def on_change(self, listener: Callable[[Config], None]) -> None:
         """Call ``listener(self)`` now and after every change of a setting (native code that

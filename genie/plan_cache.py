@@ -200,6 +200,9 @@ class PlanCache:
         self.capacity = capacity
         self._buckets: OrderedDict[Any, list[Plan]] = OrderedDict()
         self._by_targets: dict[Any, list[Plan]] = {}  # what :meth:`match` tries, newest first
+        # requested ops whose last hit was a plan that writes (a training step's): the column
+        # match cannot take it, so its cached plans for these ops are not tried first
+        self._writes: set[Any] = set()
         self._size = 0
 
     def __len__(self) -> int:
@@ -208,7 +211,19 @@ class PlanCache:
     def clear(self) -> None:
         self._buckets.clear()
         self._by_targets.clear()
+        self._writes.clear()
         self._size = 0
+
+    def writes_last(self, targets: list[tuple[Node, int]]) -> bool:
+        """Whether the last hit for these requested ops was a plan that writes."""
+        return bool(self._writes) and _target_key(targets) in self._writes
+
+    def note_hit(self, targets: list[tuple[Node, int]], plan: Plan) -> None:
+        """Remember whether a hit found through the slice was a plan that writes."""
+        if not plan.fast:
+            self._writes.add(_target_key(targets))
+        elif self._writes:
+            self._writes.discard(_target_key(targets))
 
     def match(self, targets: list[tuple[Node, int]], generic: bool = False) -> Tape | None:
         """A hit found from the targets alone (no :func:`~genie.planner.slice_nodes`): the
@@ -321,7 +336,7 @@ def plan(targets: list[tuple[Node, int]], generic: bool = True) -> Tape:
     (when :func:`shape_generic` is on).
     """
     generic = generic and _generic
-    if _enabled and targets:
+    if _enabled and targets and not _cache.writes_last(targets):
         tape = _cache.match(targets, generic)
         if tape is not None:
             _counts["plan_cache_hits"] += 1
@@ -333,6 +348,7 @@ def plan(targets: list[tuple[Node, int]], generic: bool = True) -> Tape:
         return build_tape(targets, nodes)
     tape = _cache.lookup(targets, nodes, generic)
     if tape is not None:
+        _cache.note_hit(targets, tape.plan)
         _counts["plan_cache_hits"] += 1
         if tape.generic:
             _counts["plan_cache_generic_hits"] += 1

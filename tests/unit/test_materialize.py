@@ -76,6 +76,34 @@ def test_triggers():
         assert s[f"materializations.{trig}"] >= 1
 
 
+def test_item_of_math_bit_views_and_under_a_mode_equals_eager():
+    """``.item()`` reads the real value directly unless it carries a math bit or a dispatch mode
+    is active (lazy_tensor._run_now): every case gives eager's value."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.tensor([1.5, -2.0])
+    z = torch.tensor([1.0 + 2.0j, 3.0 - 1.0j])
+    cases = [lambda t: t[1], lambda t: torch._neg_view(t)[0], lambda t: torch._neg_view(t).sum()]
+    for case in cases:
+        assert case(x.to(D)).item() == case(x).item()
+    assert z.to(D).conj()[0].item() == z.conj()[0].item()
+    assert torch._neg_view(z.to(D).conj())[1].item() == torch._neg_view(z.conj())[1].item()
+    lazy = (x.to(D) * 2).sum()
+    with Seen() as mode:
+        got = lazy.item()
+    assert got == (x * 2).sum().item()
+    assert "aten._local_scalar_dense.default" in mode.ops
+
+
 def test_identity_is_kept_after_materialization():
     x = torch.ones(3, device=D)
     alias = x

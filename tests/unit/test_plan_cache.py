@@ -203,6 +203,44 @@ def test_in_place_updates_of_held_values_hit_and_stay_exact():
     assert genie.stats()["plan_cache_hits"] >= 4
 
 
+def test_requested_ops_of_a_writing_plan_skip_the_column_match(monkeypatch):
+    """``loss.item()`` of a training step slices the previous step's update (a write): once such
+    a hit came through the slice, the column match is not tried first for these requested ops,
+    and a hit with a plan that does not write (no update pending) turns that back."""
+    tried = []
+    real_match = plan_cache.match
+    monkeypatch.setattr(plan_cache, "match", lambda *a, **k: tried.append(1) or real_match(*a, **k))
+    w, x = torch.ones(4, device=D), torch.arange(4.0, device=D)
+    rw, rx = torch.ones(4), torch.arange(4.0)
+
+    def step(update: bool) -> float:
+        nonlocal w, rw
+        loss, ref = (w * x).sum(), (rw * rx).sum()
+        if update:
+            w.sub_(x, alpha=0.1)
+            rw.sub_(rx, alpha=0.1)
+        assert loss.item() == ref.item()
+        return loss
+
+    for _ in range(4):  # the forward alone (no write pending), then the loop's steady state
+        step(False)
+    for _ in range(3):  # the first slice with the update pending is a miss, the next a hit
+        loss = step(True)
+    for _ in range(3):
+        assert plan_cache.cache().writes_last([(loss._node, loss._out)])
+        loss = step(True)
+    tried.clear()
+    for _ in range(3):
+        step(True)
+    assert not tried  # straight to slice_nodes + instantiate
+    step(False)  # the last update is pending: its slice writes, a hit through the slice again
+    hits = genie.stats()["plan_cache_hits"]
+    loss = step(False)  # nothing pending now: the forward's plan, which does not write
+    assert genie.stats()["plan_cache_hits"] == hits + 1
+    assert not plan_cache.cache().writes_last([(loss._node, loss._out)])
+    torch.testing.assert_close(w.cpu(), rw)
+
+
 def test_disabled_cache_counts_nothing_and_still_computes():
     plan_cache.enable(False)
     x = torch.ones(3, device=D)
