@@ -270,6 +270,15 @@ def shape_class(func: Any, spec: Any, leaves: list[Any], metas: list[TensorMeta 
 
 
 _LEAF_SPEC = optree.tree_structure(0, none_is_leaf=True)
+_out_specs: dict[tuple[type, int], Any] = {}
+
+
+def _out_spec(kind: type, n: int) -> Any:
+    """The tree spec of ``n`` outputs returned as a ``kind`` (tuple or list), interned."""
+    spec = _out_specs.get((kind, n))
+    if spec is None:
+        spec = _out_specs[kind, n] = optree.tree_structure(kind([0] * n), none_is_leaf=True)
+    return spec
 
 
 def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -> MetaEntry:
@@ -286,8 +295,12 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
         if m is not None:
             bump("meta_cache_misses")
             bump("shape_rule_hits")
-            return MetaEntry([m], _LEAF_SPEC, [None], output_plan(pol, [m]), spec,
-                             shape_class(func, spec, leaves, [m], _LEAF_SPEC))
+            if type(m) is TensorMeta:
+                metas, out_spec = [m], _LEAF_SPEC
+            else:  # several outputs: a tuple or list of them, as the op returns them
+                metas, out_spec = list(m), _out_spec(type(m), len(m))
+            return MetaEntry(metas, out_spec, [None] * len(metas), output_plan(pol, metas), spec,
+                             shape_class(func, spec, leaves, metas, out_spec))
     mleaves = [meta_tensor(x) if type(x) is TensorMeta else x for x in leaves]
     margs, mkwargs = optree.tree_unflatten(spec, mleaves)
     dev = mkwargs.get("device")
