@@ -108,6 +108,11 @@ def _record_dispatch(func: object, types: object, args: tuple = (), kwargs: dict
     """``LazyTensor.__torch_dispatch__`` (a staticmethod): records the common case natively
     and calls ``genie.lazy_tensor._dispatch`` for every other call."""
 
+def _record_factory(func: object, args: tuple, kwargs: dict | None) -> object:
+    """The PrivateUse1 factory kernels' body: the call recorded natively where the common case
+    allows (a remote_accelerator ``device=`` with its index, a meta-cache entry), else by
+    ``genie.lazy_tensor.record_factory``."""
+
 def _record_init(objects: dict[str, object]) -> bool:
     """Give the native record path the Python classes and objects it works with
     (``genie.lazy_tensor._install_native_record``); RuntimeError for classes whose slots differ

@@ -499,6 +499,10 @@ def entry_for(func: Any, args: tuple, kwargs: dict | None) -> tuple[MetaEntry, l
             key_parts.append(x)
         else:
             return None  # host tensors and generators: record() handles them
+    if index < 0:  # a factory: its device, as record_factory passes it (the native path's
+        dev = (kwargs or {}).get("device")  # factories always name one, index included)
+        if isinstance(dev, torch.device) and dev.index is not None:
+            index = dev.index
     before = [_counts.get(k, 0) for k in _MISS_COUNTERS]
     try:
         entry, cached = _entry(func, pol, key_parts, leaves, spec, index)
@@ -768,7 +772,8 @@ def _install_native_record() -> bool:
         current=graph_current,
         default_graph=DEFAULT_GRAPH, counter=_record_counter, leaf_spec=_LEAF_SPEC,
         copy_ops=(_copy, _to_copy), pending_total=pending_total,
-        retrack_below=_C._gc_retrack_below, limit=meta_cache.limit)
+        retrack_below=_C._gc_retrack_below, limit=meta_cache.limit,
+        factory_fallback=record_factory, context=context)
     if not _C._record_init(objects):
         return False
     config.on_change(_C._record_config)
