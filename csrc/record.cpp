@@ -12,6 +12,9 @@
 // on one device index; the default graph (no genie.capture block), meta cache on, no source
 // recording, no profiler; and a meta-cache entry for exactly these arguments (its outputs fresh,
 // views or the written arguments, none with conj/neg bits, no out= argument to resize).
+// Factory calls (the PrivateUse1 kernels of genie.factories call _record_factory) are handled
+// under the same conditions, with no LazyTensor argument and a remote_accelerator device= with
+// its index; their reference is genie.lazy_tensor.record_factory.
 //
 // The cache. Python's meta-cache key is (op, argument tree, TensorMeta of each input by value,
 // constants); hashing a TensorMeta by value is Python code. This path keys on the same things

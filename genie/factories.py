@@ -6,6 +6,8 @@ the call (``randn`` stays ``randn``: registering at PrivateUse1 overrides the co
 ``empty`` + ``normal_`` decomposition). Ops that take a tensor only for its metadata
 (``zeros_like``, ``new_zeros``) are listed in :data:`genie.meta.METADATA_ONLY` so that their
 node does not depend on that tensor's values. Registered by ``import genie`` (after the device).
+The kernels call ``genie._C._record_factory``: the common case is recorded natively
+(csrc/record.cpp), the rest by :func:`~genie.lazy_tensor.record_factory`, the reference.
 """
 
 from __future__ import annotations

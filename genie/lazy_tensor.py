@@ -595,7 +595,12 @@ def _draw_rng(leaves: list[Any], index: int) -> tuple[int, int]:
 # --- factories (called from the PrivateUse1 kernels in genie.factories) ----------------------
 
 def record_factory(func: Any, args: tuple, kwargs: dict) -> Any:
-    """Record a factory call (``randn(..., device="remote_accelerator")``) as one node."""
+    """Record a factory call (``randn(..., device="remote_accelerator")``) as one node.
+
+    The reference of the native factory path (``genie._C._record_factory``, csrc/record.cpp),
+    which the PrivateUse1 kernels call first: it records the common case (a device with its
+    index, a meta-cache entry, outside ``genie.capture()``) node for node as this function does
+    and calls it for everything else (``GENIE_NATIVE_RECORD=0``: every call)."""
     dev = kwargs.get("device")
     index = dev.index if isinstance(dev, torch.device) and dev.index is not None else \
         device.current_device()
