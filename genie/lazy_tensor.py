@@ -28,7 +28,6 @@ import optree
 import torch
 import torch.autograd.profiler as _profiler
 
-from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _C, context, device, executor
 from .config import config
@@ -38,7 +37,8 @@ from .executor import real_dispatch
 from .graph import (DEFAULT_GRAPH, Alive, Graph, MetaArg, Node, Ref, Storage, TensorMeta,
                     _record_counter, pending_total, retrack_below, track, untrack_node)
 from .graph import current as graph_current
-from .meta import MetaEntry, eager_error, infer, meta_cache, meta_tensor, policy, static_shape
+from .meta import (MetaEntry, disable_modes, eager_error, infer, meta_cache, meta_tensor, policy,
+                   static_shape)
 from .profiling import phase
 from .stats import _counts, _syncs, bump
 
@@ -230,6 +230,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict | None) -> Any:
 
 _copy = aten.copy_.default
 _to_copy = aten._to_copy.default
+_item = aten._local_scalar_dense.default
 _UPLOAD = "genie.upload"
 
 
@@ -253,6 +254,8 @@ def _same_device(leaves: list[Any], index: int, func: Any) -> None:
 
 def record(func: Any, args: tuple, kwargs: dict) -> Any:
     """Record one ATen call on LazyTensors and return LazyTensor outputs (never computes)."""
+    if func is _item and len(args) == 1 and not kwargs and type(args[0]) is LazyTensor:
+        return _item_now(args[0])  # .item(), bool(), int(): what _run_now does for it
     pol = policy(func)
     if pol.implicit:  # inference mode skips the autograd keys that decompose these
         out = func.decompose(*args, **kwargs)
@@ -724,7 +727,7 @@ def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
     lazies = [x for x in leaves if isinstance(x, LazyTensor)]
     _same_device(leaves, index, func)
     if trigger is None:
-        trigger = "item" if func is aten._local_scalar_dense.default else "data_dependent"
+        trigger = "item" if func is _item else "data_dependent"
     reals = materialize(*lazies, trigger=trigger) if lazies else ()
     if len(lazies) == 1:
         reals = (reals,)
@@ -734,7 +737,7 @@ def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
     dev = rkwargs.get("device")
     if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE:
         rkwargs["device"] = real_device(index)
-    with _disable_current_modes(), torch.no_grad(), real_dispatch():
+    with disable_modes(), torch.no_grad(), real_dispatch():
         out = func(*rargs, **rkwargs)
     bump("forced_materializations")
     flat, out_spec = optree.tree_flatten(out, none_is_leaf=True)
@@ -747,6 +750,16 @@ def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
                                      "tensors are dense and strided only. Run it on the CPU.")
     return optree.tree_unflatten(out_spec, [adopt(o, index) if isinstance(o, torch.Tensor) else o
                                             for o in flat])
+
+
+def _item_now(x: LazyTensor) -> Any:
+    """:func:`_run_now` for ``_local_scalar_dense(x)`` (``.item()``, ``bool()``: once per token
+    in a generate loop), without its generic argument handling: one input, a Python number out."""
+    real = materialize(x, trigger="item")
+    with disable_modes(), torch.no_grad(), real_dispatch():
+        out = _item(real)
+    bump("forced_materializations")
+    return out
 
 
 def adopt(real: torch.Tensor, index: int) -> LazyTensor:

@@ -18,7 +18,7 @@ import torch
 
 from ..device import real_device
 from ..errors import ExecutionError
-from ..meta import policy
+from ..meta import disable_modes, policy
 from ..planner import MetaArg, Slot, Tape
 from ..stats import bump
 from . import codegen, native_replay, register_backend
@@ -42,10 +42,8 @@ def generator_for(dev: torch.device) -> torch.Generator:
 
 def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
     """Interpret ``tape`` on ``dev``; returns the values of the slots in ``tape.keep``."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     env: dict[int, Any] = dict(tape.inputs)
-    with _disable_current_modes(), torch.no_grad():
+    with disable_modes(), torch.no_grad():
         prog = native_replay.for_tape(tape)
         if prog is not None:  # a repeated plan: its native program (csrc/replay.cpp)
             return prog(tape, dev)

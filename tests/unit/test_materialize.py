@@ -297,3 +297,23 @@ def test_real_dispatch_reenables_the_math_bit_keys_and_restores_them() -> None:
             raise ValueError
         assert excluded(torch._C.DispatchKey.Conjugate)
     assert not excluded(torch._C.DispatchKey.Conjugate)
+
+
+def test_disable_modes_pops_active_modes_and_is_free_without_them() -> None:
+    """genie.meta.disable_modes: torch's _disable_current_modes where a TorchDispatchMode is
+    active (the stack empty inside, restored after), a shared no-op context where none is."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from genie.meta import disable_modes
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            return func(*args, **(kwargs or {}))
+
+    assert disable_modes() is disable_modes()  # nothing active: the shared no-op
+    with Mode():
+        assert torch._C._len_torch_dispatch_stack() == 1
+        with disable_modes():
+            assert torch._C._len_torch_dispatch_stack() == 0
+        assert torch._C._len_torch_dispatch_stack() == 1
+    assert torch._C._len_torch_dispatch_stack() == 0
