@@ -4,21 +4,15 @@
 // kept, is marked executed, and drops what only a pending node needs: its argument list (so the
 // graph above it can be freed: memory stays flat in long loops), its consumer list and its
 // entries in the pending writes of the storages it wrote. A decode step binds ~660 nodes, a
-// 2,000-op chain 2,000: in Python that loop cost ~2 µs per node, here ~0.2. Node and Storage
-// fields are read and written at their slot offsets (slots.h), not through generic attribute
-// access: a generated token of GPT-2 4x128 binds its ~270 nodes in ~100 µs instead of ~143.
+// 2,000-op chain 2,000: in Python that loop cost ~2 µs per node, here ~0.2.
 //
 // Semantics are those of the Python loop in genie/executor.py (kept as the reference, and used
 // when a tape's slots are already built): node i takes `outs[i]`'s slots, in output order.
 #include <Python.h>
 
-#include <array>
-#include <stdexcept>
-
 #include <pybind11/pybind11.h>
 
 #include "bind.h"
-#include "slots.h"
 
 namespace py = pybind11;
 
@@ -38,58 +32,6 @@ void set_attr(PyObject* o, PyObject* name, PyObject* value) {
   }
 }
 
-// The offsets of the fields read and written here, for one class (Node, or Storage), found from
-// its member descriptors once per class (slots.h); -1 where a name is not an object slot of it,
-// which is then read and written by generic attribute access (the same result, ~30 ns slower
-// per access: a type lookup and the descriptor call).
-template <size_t N>
-struct Fields {
-  PyTypeObject* type = nullptr;
-  std::array<Py_ssize_t, N> off{};
-
-  const std::array<Py_ssize_t, N>& of(PyTypeObject* t, const std::array<const char*, N>& names) {
-    if (t != type) {
-      for (size_t i = 0; i < N; ++i) {
-        try {
-          off[i] = genie::slot_offset(t, names[i]);
-        } catch (const std::runtime_error&) {
-          off[i] = -1;
-        }
-      }
-      type = t;  // classes live as long as the process (Genie's never go away)
-    }
-    return off;
-  }
-};
-
-// o.<field> as a new reference (generic lookup for -1, or an unset slot: its AttributeError).
-PyObject* get(PyObject* o, Py_ssize_t off, PyObject* name) {
-  if (off >= 0) {
-    PyObject* v = genie::slot_value(o, off);
-    if (v != nullptr) {
-      Py_INCREF(v);
-      return v;
-    }
-  }
-  return attr(o, name);
-}
-
-// o.<field> = v, as the slot's descriptor sets it (the old value released after).
-void put(PyObject* o, Py_ssize_t off, PyObject* name, PyObject* v) {
-  if (off < 0) {
-    set_attr(o, name, v);
-    return;
-  }
-  PyObject** p = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
-  PyObject* old = *p;
-  Py_INCREF(v);
-  *p = v;
-  Py_XDECREF(old);
-}
-
-Fields<6> node_fields;
-Fields<1> storage_fields;
-
 }  // namespace
 
 namespace genie {
@@ -108,9 +50,6 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
   static PyObject* const readers_name = PyUnicode_InternFromString("readers");
   static PyObject* const prune_name = PyUnicode_InternFromString("prune_readers");
 
-  static const std::array<const char*, 6> node_names = {"values", "executed", "leaves",
-                                                        "consumers", "writes", "storages"};
-  static const std::array<const char*, 1> storage_names = {"readers"};
   const Py_ssize_t n = PyList_GET_SIZE(nodes.ptr());
   if (PyList_GET_SIZE(outs.ptr()) != n) {
     throw py::value_error("genie._C._bind_nodes: nodes and outs differ in length");
@@ -118,7 +57,6 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
   int64_t removed = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* node = PyList_GET_ITEM(nodes.ptr(), i);
-    const auto& f = node_fields.of(Py_TYPE(node), node_names);
     PyObject* slots = PyList_GET_ITEM(outs.ptr(), i);
     if (!PyTuple_Check(slots)) {
       throw py::type_error("genie._C._bind_nodes: output slots must be tuples");
@@ -155,12 +93,12 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
       PyObject_GC_UnTrack(vals.ptr());
       PyObject_GC_UnTrack(empty.ptr());
     }
-    put(node, f[0], values_name, vals.ptr());
-    put(node, f[1], executed_name, Py_True);
-    put(node, f[2], leaves_name, Py_None);
-    put(node, f[3], consumers_name, empty.ptr());
+    set_attr(node, values_name, vals.ptr());
+    set_attr(node, executed_name, Py_True);
+    set_attr(node, leaves_name, Py_None);
+    set_attr(node, consumers_name, empty.ptr());
 
-    py::object writes = py::reinterpret_steal<py::object>(get(node, f[4], writes_name));
+    py::object writes = py::reinterpret_steal<py::object>(attr(node, writes_name));
     if (PyTuple_Check(writes.ptr()) && PyTuple_GET_SIZE(writes.ptr()) > 0) {
       const Py_ssize_t w = PyTuple_GET_SIZE(writes.ptr());
       for (Py_ssize_t j = 0; j < w; ++j) {
@@ -183,7 +121,7 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
     }
     // Readers that ran are dead weight; only long lists are pruned here (short ones are left to
     // Storage.add_reader's pruning at doubling, which bounds them).
-    py::object storages = py::reinterpret_steal<py::object>(get(node, f[5], storages_name));
+    py::object storages = py::reinterpret_steal<py::object>(attr(node, storages_name));
     if (PyList_Check(storages.ptr())) {
       const Py_ssize_t m = PyList_GET_SIZE(storages.ptr());
       for (Py_ssize_t j = 0; j < m; ++j) {
@@ -191,8 +129,7 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
         if (st == Py_None) {
           continue;
         }
-        const auto& sf = storage_fields.of(Py_TYPE(st), storage_names);
-        py::object readers = py::reinterpret_steal<py::object>(get(st, sf[0], readers_name));
+        py::object readers = py::reinterpret_steal<py::object>(attr(st, readers_name));
         if (PyList_Check(readers.ptr()) && PyList_GET_SIZE(readers.ptr()) >= prune_at) {
           py::object r = py::reinterpret_steal<py::object>(
               PyObject_CallMethodNoArgs(st, prune_name));
