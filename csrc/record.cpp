@@ -12,6 +12,9 @@
 // on one device index; the default graph (no genie.capture block), meta cache on, no source
 // recording, no profiler; and a meta-cache entry for exactly these arguments (its outputs fresh,
 // views or the written arguments, none with conj/neg bits, no out= argument to resize).
+// Factory calls (the PrivateUse1 kernels of genie.factories call _record_factory) are handled
+// under the same conditions, with no LazyTensor argument and a remote_accelerator device= with
+// its index; their reference is genie.lazy_tensor.record_factory.
 //
 // The cache. Python's meta-cache key is (op, argument tree, TensorMeta of each input by value,
 // constants); hashing a TensorMeta by value is Python code. This path keys on the same things
@@ -70,6 +73,7 @@
 #include <torch/version.h>
 #endif
 
+#include "device.h"
 #include "record.h"
 #include "slots.h"
 
@@ -111,6 +115,9 @@ struct Names {
   PyObject* unflatten = intern("unflatten");
   PyObject* dict = intern("__dict__");
   PyObject* thread_key = intern("genie.record.thread");
+  PyObject* factories_recorded = intern("factories_recorded");
+  PyObject* active = intern("_active");
+  PyObject* device = intern("device");
 };
 
 Names* names = nullptr;
@@ -188,6 +195,8 @@ struct State {
   PyObject* copy_ops = nullptr;  // a tuple of ops that always take the fallback
   PyObject* pending_total = nullptr;  // graph.pending_total (a one-item list)
   PyObject* retrack_below = nullptr;  // _C._gc_retrack_below(leaves, Ref)
+  PyObject* factory_fallback = nullptr;  // lazy_tensor.record_factory(func, args, kwargs)
+  PyObject* context_dict = nullptr;      // genie.context.__dict__ (_active)
   size_t limit = 1 << 16;       // entries, as genie.meta.MetaCache.limit
   NodeSlots n{};
   Py_ssize_t ref_node = 0, ref_out = 0;
@@ -501,9 +510,11 @@ PyObject* interned(Call& call, PyObject* s) {
   return s;
 }
 
-// Fills call.leaves/words/lazies from the positional args; false: not a call this path takes.
+// Fills call.leaves/words/lazies from the positional args; false: not a call this path takes
+// (`factory`: a call with no LazyTensor argument at all, the others at least one).
 // May leave a Python error set (then returns false and the caller reports it).
-bool flatten(PyObject* args, PyObject* kwargs, const OpInfo& info, PyObject* func, Call& call) {
+bool flatten(PyObject* args, PyObject* kwargs, const OpInfo& info, PyObject* func, Call& call,
+             bool factory = false) {
   call.words.push_back(reinterpret_cast<uint64_t>(func));
   int64_t index = -1;
   auto leaf = [&](PyObject* x) -> bool {
@@ -639,7 +650,7 @@ bool flatten(PyObject* args, PyObject* kwargs, const OpInfo& info, PyObject* fun
       }
     }
   }
-  return !call.lazies.empty();
+  return factory ? call.lazies.empty() : !call.lazies.empty();
 }
 
 // OpPolicy.arg: the argument at schema position `pos` (borrowed; nullptr when absent).
@@ -1195,6 +1206,7 @@ PyObject* current_ctx(PyObject* d) {
 // entry_for's lookup is one too many and its hit is taken back (counted_hits may go below 0).
 uint64_t counted_ops = 0;
 int64_t counted_hits = 0;
+uint64_t counted_factories = 0;  // genie.stats' factories_recorded
 
 void add_count(PyObject* name, int64_t n) {
   PyObject* v = dict_get(S.counts, name);  // borrowed
@@ -1207,13 +1219,18 @@ void add_count(PyObject* name, int64_t n) {
 }
 
 void record_sync_counts() {
-  if ((counted_ops == 0 && counted_hits == 0) || !S.ready) {
+  if ((counted_ops == 0 && counted_hits == 0 && counted_factories == 0) || !S.ready) {
     return;
   }
   const int64_t ops = static_cast<int64_t>(counted_ops);
   const int64_t hits = counted_hits;
+  const int64_t factories = static_cast<int64_t>(counted_factories);
   counted_ops = 0;
   counted_hits = 0;
+  counted_factories = 0;
+  if (factories != 0) {
+    add_count(names->factories_recorded, factories);
+  }
   if (ops != 0) {
     add_count(names->ops_recorded, ops);
   }
@@ -1588,6 +1605,111 @@ PyObject* record_dispatch(PyObject* /*module*/, PyObject* const* argv, Py_ssize_
                                       kwargs != nullptr ? kwargs : Py_None, nullptr);
 }
 
+// lazy_tensor.record_factory for the common case: a factory call (no tensor argument) whose
+// `device=` is a remote_accelerator device with its index (the PrivateUse1 kernel's normal
+// call: torch fills the index in), with the conditions of try_record and genie.context active
+// (record_factory activates it: its first call takes Python). The node is the one record_factory
+// records, from the same meta-cache entry (found by identity key, or from entry_for on a miss);
+// every other call goes to record_factory. Returns kNotHandled for those.
+PyObject* try_record_factory(PyObject* func, PyObject* args, PyObject* kwargs) {
+  if (!S.ready || S.factory_fallback == nullptr || !flags.native_record || !flags.meta_cache ||
+      flags.record_source) {
+    reasons[kOff]++;
+    return kNotHandled;
+  }
+  if (dict_get(S.profiler, names->profiler_enabled) != Py_False) {
+    reasons[kProfiler]++;
+    return kNotHandled;
+  }
+  if (!PyTuple_CheckExact(args) || kwargs == nullptr || !PyDict_CheckExact(kwargs)) {
+    reasons[kArgs]++;
+    return kNotHandled;
+  }
+  PyObject* dev = dict_get(kwargs, names->device);
+  if (dev == nullptr || !THPDevice_Check(dev) ||
+      dict_get(S.context_dict, names->active) != Py_True) {
+    reasons[kArgs]++;
+    return kNotHandled;
+  }
+  const c10::Device d = reinterpret_cast<THPDevice*>(dev)->device;
+  if (d.type() != c10::DeviceType::PrivateUse1 || d.index() < 0 ||
+      d.index() >= genie::device_count()) {
+    reasons[kDevices]++;
+    return kNotHandled;  // record_factory fills in the current index, or raises eager's error
+  }
+  const OpInfo* info = op_info(func);
+  if (info == nullptr || !info->ok) {
+    reasons[info == nullptr ? kUnseen : kOpPolicy]++;
+    return kNotHandled;
+  }
+  if (PyList_GET_SIZE(this_thread().graphs) != 0) {
+    reasons[kCapture]++;
+    return kNotHandled;
+  }
+  Call call;
+  if (!flatten(args, kwargs, *info, func, call, true)) {
+    if (PyErr_Occurred()) {
+      return nullptr;
+    }
+    reasons[call.reason]++;
+    return kNotHandled;
+  }
+  std::shared_ptr<Entry> e = find_entry(hash_words(call.words), call.words);
+  const bool hit = e != nullptr;
+  if (!hit && flags.native_record_miss) {
+    e = entry_from_python(func, *info, args, kwargs, call);
+  }
+  if (!e || e->python_only) {
+    if (e && !hit) {
+      counted_hits--;  // record_factory finds the entry entry_for counted: one lookup too many
+    }
+    reasons[kUnseen]++;
+    return kNotHandled;
+  }
+  PyObject* r = record_hit(func, *info, args, kwargs, call, *e, S.default_graph,
+                           flags.gc_untrack, hit);
+  if (r == nullptr && !PyErr_Occurred()) {
+    reasons[kEntry]++;
+    if (!hit) {
+      counted_hits--;
+    }
+    return kNotHandled;
+  }
+  if (r != nullptr) {
+    counted_factories++;
+  }
+  reasons[hit ? kHandled : kMissNative]++;
+  return r;
+}
+
+// The PrivateUse1 factory kernels' body (genie.factories): _record_factory(func, args, kwargs)
+// records natively where try_record_factory can, else calls lazy_tensor.record_factory.
+PyObject* record_factory(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "_record_factory(func, args, kwargs)");
+    return nullptr;
+  }
+  PyObject* kwargs = argv[2] == Py_None ? nullptr : argv[2];
+  try {
+    PyObject* r = try_record_factory(argv[0], argv[1], kwargs);
+    if (r != kNotHandled) {
+      return r;
+    }
+  } catch (py::error_already_set& err) {
+    err.restore();
+    return nullptr;
+  } catch (const std::exception& err) {
+    PyErr_SetString(PyExc_RuntimeError, err.what());
+    return nullptr;
+  }
+  if (S.factory_fallback == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "the native record path is not initialized");
+    return nullptr;
+  }
+  return PyObject_CallFunctionObjArgs(S.factory_fallback, argv[0], argv[1],
+                                      kwargs != nullptr ? kwargs : Py_None, nullptr);
+}
+
 // torch._library.simple_registry.find_torch_dispatch_rule(op, cls), natively. torch calls it from
 // C++ for every op that reaches a subclass's __torch_dispatch__ (dispatch_on_subclass), i.e. for
 // every op genie records: as Python, three calls and ~5% of recording a pointwise op. Same
@@ -1657,6 +1779,10 @@ PyMethodDef methods[] = {
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(find_dispatch_rule)), METH_FASTCALL,
      "torch._library.simple_registry.find_torch_dispatch_rule(op, cls), natively (the same "
      "lookups in the registry dict given to _set_dispatch_rule_data)."},
+    {"_record_factory",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_factory)), METH_FASTCALL,
+     "_record_factory(func, args, kwargs): a factory call recorded natively where the common case "
+     "allows, else by genie.lazy_tensor.record_factory (the PrivateUse1 factory kernels' body)."},
     {"_set_dispatch_rule_data", set_rule_data, METH_O,
      "The dict of torch._library.simple_registry.singleton that _find_torch_dispatch_rule reads."},
     {nullptr, nullptr, 0, nullptr}};
@@ -1705,6 +1831,10 @@ bool record_init(const py::dict& objs) {
   s.copy_ops = object_of(objs, "copy_ops");
   s.pending_total = object_of(objs, "pending_total");
   s.retrack_below = object_of(objs, "retrack_below");
+  if (objs.contains("factory_fallback") && objs.contains("context")) {
+    s.factory_fallback = object_of(objs, "factory_fallback");
+    s.context_dict = checked(PyObject_GenericGetDict(objs["context"].ptr(), nullptr));
+  }
   if (!PyList_CheckExact(s.pending_total) || PyList_GET_SIZE(s.pending_total) != 1) {
     throw std::runtime_error("pending_total must be a one-item list");
   }

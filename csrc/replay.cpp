@@ -12,7 +12,9 @@
 //   Slots, also inside lists such as cat's Tensor[]; an in-place view op's self through
 //   aten::alias), the step's own leaves (floats, host tensors, ints of a shape-generic tape:
 //   converted by toIValue with the argument's type, as OpOverload.__call__ converts them),
-//   empty_strided tensors for MetaArgs, and the run's real device;
+//   empty_strided tensors for MetaArgs, and the run's real device; a leaf whose value the
+//   template holds (a float, an int) is not patched when the step's instruction is the very
+//   object the template was built from (kept by the step);
 // * outputs (returns flattened as optree.tree_leaves(none_is_leaf=True) flattens them), frees
 //   after last use, kept slots.
 //
@@ -66,6 +68,7 @@ struct Patch {
   int64_t a;     // Slot*: register; Leaf, MetaStep: leaf position
   c10::TypePtr type;          // Leaf: the type to convert to
   std::optional<int32_t> n;   // Leaf of a fixed-size list argument (int[2] takes one int)
+  bool baked = false;         // Leaf: the template holds the compiled instruction's value
   std::vector<int64_t> shape, stride;  // Meta
   at::ScalarType dtype = at::kFloat;   // Meta
 };
@@ -78,6 +81,10 @@ struct Step {
   bool reads_leaves = false;       // a Leaf or MetaStep patch (or an upload)
   bool rng = false;
   bool numbers_as_tensors = false;
+  // The instruction the template was built from (held, so that its address stays its own): a
+  // step whose tape has this very object here has the baked leaves' values in the template
+  // already (a plan's shared instruction; only rebuilt ones carry another step's values).
+  py::object source;
   int64_t device = 0;  // index into run's devices: 0 the run's device
   std::vector<int64_t> outs;  // -1: an output not kept in a slot
   std::vector<int64_t> frees;
@@ -227,8 +234,9 @@ class Program {
   void add_op(const std::string& name, const std::string& overload, const py::tuple& args,
               const py::dict& kwargs, const py::tuple& margs, const py::dict& mkwargs,
               const py::list& patches, std::vector<int64_t> outs, std::vector<int64_t> frees,
-              int64_t device, bool rng) {
+              int64_t device, bool rng, py::object source) {
     Step s;
+    s.source = std::move(source);
     s.op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
     const c10::FunctionSchema& schema = s.op->schema();
     s.numbers_as_tensors = numbers_as_tensors(name);
@@ -310,7 +318,10 @@ class Program {
                                        /*non_blocking=*/false, /*copy=*/dev.is_cpu()));
         } else {
           stack = s.stack;
-          patch(s, stack, regs, leaves, dev, meta_name, shape_name, stride_name, dtype_name);
+          const bool same = !s.source.is_none() &&
+                            PyList_GET_ITEM(instrs.ptr(), i) == s.source.ptr();
+          patch(s, stack, regs, leaves, dev, same, meta_name, shape_name, stride_name,
+                dtype_name);
           if (s.rng) {
             py::object rng = py::reinterpret_steal<py::object>(
                 get_attr(PyList_GET_ITEM(instrs.ptr(), i), rng_name));
@@ -413,6 +424,7 @@ class Program {
         p.a = py::cast<int64_t>(t[1]);
         p.type = type;
         p.n = n;
+        p.baked = t.size() > 2 && py::cast<bool>(t[2]);
         break;
       case Src::Device:
         if (!device_like(type)) {
@@ -428,11 +440,14 @@ class Program {
 
   static void patch(const Step& s, std::vector<c10::IValue>& stack,
                     const std::vector<c10::IValue>& regs, const py::object& leaves,
-                    const c10::Device& dev, PyObject* meta_name, PyObject* shape_name,
-                    PyObject* stride_name, PyObject* dtype_name) {
+                    const c10::Device& dev, bool same, PyObject* meta_name,
+                    PyObject* shape_name, PyObject* stride_name, PyObject* dtype_name) {
     std::optional<c10::impl::GenericList> list;  // the list argument being patched, copied
     int32_t list_arg = -1;
     for (const Patch& p : s.patches) {
+      if (same && p.baked) {
+        continue;  // the template holds this very instruction's value
+      }
       c10::IValue v;
       switch (p.src) {
         case Src::Slot:
@@ -554,7 +569,8 @@ void add_replay_functions(py::module_& m) {
            py::arg("frees"))
       .def("add_op", &Program::add_op, py::arg("name"), py::arg("overload"), py::arg("args"),
            py::arg("kwargs"), py::arg("margs"), py::arg("mkwargs"), py::arg("patches"),
-           py::arg("outs"), py::arg("frees"), py::arg("device"), py::arg("rng"))
+           py::arg("outs"), py::arg("frees"), py::arg("device"), py::arg("rng"),
+           py::arg("source") = py::none())
       .def("run", &Program::run, py::arg("inputs"), py::arg("instrs"), py::arg("devices"))
       .def_property_readonly("freed", &Program::freed)
       .def("__len__", &Program::size);

@@ -113,6 +113,11 @@ def _record_dispatch(func: object, types: object, args: tuple = (), kwargs: dict
     """``LazyTensor.__torch_dispatch__`` (a staticmethod): records the common case natively
     and calls ``genie.lazy_tensor._dispatch`` for every other call."""
 
+def _record_factory(func: object, args: tuple, kwargs: dict | None) -> object:
+    """The PrivateUse1 factory kernels' body: the call recorded natively where the common case
+    allows (a remote_accelerator ``device=`` with its index, a meta-cache entry), else by
+    ``genie.lazy_tensor.record_factory``."""
+
 def _record_init(objects: dict[str, object]) -> bool:
     """Give the native record path the Python classes and objects it works with
     (``genie.lazy_tensor._install_native_record``); RuntimeError for classes whose slots differ
@@ -151,9 +156,11 @@ class _ReplayProgram:
         """An upload: the step's host tensor ``leaves[0]`` copied to ``devices[device]``."""
     def add_op(self, name: str, overload: str, args: tuple, kwargs: dict, margs: tuple,
                mkwargs: dict, patches: list[tuple], outs: list[int], frees: list[int],
-               device: int, rng: bool) -> None:
+               device: int, rng: bool, source: object = None) -> None:
         """An op call: its argument stack built from ``args``/``kwargs`` against the schema;
-        ``margs``/``mkwargs`` mark, per leaf, -1 (a constant) or its entry in ``patches``.
+        ``margs``/``mkwargs`` mark, per leaf, -1 (a constant) or its entry in ``patches``
+        (``(2, leaf, True)``: a leaf whose value the template holds, not patched when a step's
+        instruction is ``source``, the Instr the template was built from, kept by the program).
         ValueError/RuntimeError when it cannot be mapped."""
     def run(self, inputs: dict[int, object], instrs: list, devices: list[object]) -> object:
         """Run with the step's inputs and instructions on ``devices`` (0: the run's device).

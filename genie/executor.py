@@ -11,8 +11,6 @@ op; others compile it or send it to a server.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,19 +30,38 @@ _MATH_BIT_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative,
                   torch._C.DispatchKey.ZeroTensor)
 
 
-@contextlib.contextmanager
-def real_dispatch() -> Iterator[None]:
+class real_dispatch:  # noqa: N801 - used as a function: ``with real_dispatch():``
     """Dispatch state for running real ops, even from inside ``__torch_dispatch__``.
 
     A materialization triggered by an op on a LazyTensor (``.cpu()``, ``.item()``, ``nonzero``)
     runs while the dispatcher excludes every key above Python, the math-bit keys included: a real
     kernel would then read a conjugate (or negative) view's raw memory and ignore the bit. Those
     keys are part of what a real tensor's values mean, so they are re-enabled while real ops run.
+    A plain class rather than a ``contextlib`` generator over an ``ExitStack`` (13 µs per use,
+    twice per ``.item()``): the three guards are entered and left in order here (~3 µs).
     """
-    with contextlib.ExitStack() as stack:
-        for key in _MATH_BIT_KEYS:
-            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
-        yield
+
+    __slots__ = ("_guards",)
+
+    def __enter__(self) -> None:
+        guards = []
+        try:
+            for key in _MATH_BIT_KEYS:
+                g = _KeyGuard(key, False)
+                g.__enter__()
+                guards.append(g)
+        except BaseException:
+            for g in reversed(guards):
+                g.__exit__(None, None, None)
+            raise
+        self._guards = guards
+
+    def __exit__(self, *exc: Any) -> None:
+        for g in reversed(self._guards):
+            g.__exit__(*exc)
+
+
+_KeyGuard = torch._C._SetExcludeDispatchKeyGuard
 
 
 def _device_for(index: int) -> torch.device:

@@ -6,6 +6,8 @@ the call (``randn`` stays ``randn``: registering at PrivateUse1 overrides the co
 ``empty`` + ``normal_`` decomposition). Ops that take a tensor only for its metadata
 (``zeros_like``, ``new_zeros``) are listed in :data:`genie.meta.METADATA_ONLY` so that their
 node does not depend on that tensor's values. Registered by ``import genie`` (after the device).
+The kernels call ``genie._C._record_factory``: the common case is recorded natively
+(csrc/record.cpp), the rest by :func:`~genie.lazy_tensor.record_factory`, the reference.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import _C
 from .lazy_tensor import copy_from, record_factory
 
 aten = torch.ops.aten
@@ -49,9 +52,11 @@ def register_factories() -> None:
     if _lib is not None:
         return
     lib = torch.library.Library("aten", "IMPL")
+    # natively where it can (csrc/record.cpp: the common case, else it calls record_factory)
+    factory = _C._record_factory if _C._record_native else record_factory
     for op in factory_overloads():
         def kernel(*args: Any, _op: Any = op, **kwargs: Any) -> Any:
-            return record_factory(_op, args, kwargs)
+            return factory(_op, args, kwargs)
 
         lib.impl(op._schema.name.split("::")[1] + (
             "." + op._overloadname if op._overloadname != "default" else ""), kernel, "PrivateUse1")

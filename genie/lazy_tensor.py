@@ -28,7 +28,6 @@ import optree
 import torch
 import torch.autograd.profiler as _profiler
 
-from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _C, context, device, executor
 from .config import config
@@ -38,7 +37,8 @@ from .executor import real_dispatch
 from .graph import (DEFAULT_GRAPH, Alive, Graph, MetaArg, Node, Ref, Storage, TensorMeta,
                     _record_counter, pending_total, retrack_below, track, untrack_node)
 from .graph import current as graph_current
-from .meta import MetaEntry, eager_error, infer, meta_cache, meta_tensor, policy, static_shape
+from .meta import (MetaEntry, disable_modes, eager_error, infer, meta_cache, meta_tensor, policy,
+                   static_shape)
 from .profiling import phase
 from .stats import _counts, _syncs, bump
 
@@ -254,6 +254,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict | None) -> Any:
 
 _copy = aten.copy_.default
 _to_copy = aten._to_copy.default
+_item = aten._local_scalar_dense.default
 _UPLOAD = "genie.upload"
 
 
@@ -277,6 +278,8 @@ def _same_device(leaves: list[Any], index: int, func: Any) -> None:
 
 def record(func: Any, args: tuple, kwargs: dict) -> Any:
     """Record one ATen call on LazyTensors and return LazyTensor outputs (never computes)."""
+    if func is _item and len(args) == 1 and not kwargs and type(args[0]) is LazyTensor:
+        return _item_now(args[0])  # .item(), bool(), int(): what _run_now does for it
     pol = policy(func)
     if pol.implicit:  # inference mode skips the autograd keys that decompose these
         out = func.decompose(*args, **kwargs)
@@ -523,6 +526,10 @@ def entry_for(func: Any, args: tuple, kwargs: dict | None) -> tuple[MetaEntry, l
             key_parts.append(x)
         else:
             return None  # host tensors and generators: record() handles them
+    if index < 0:  # a factory: its device, as record_factory passes it (the native path's
+        dev = (kwargs or {}).get("device")  # factories always name one, index included)
+        if isinstance(dev, torch.device) and dev.index is not None:
+            index = dev.index
     before = [_counts.get(k, 0) for k in _MISS_COUNTERS]
     try:
         entry, cached = _entry(func, pol, key_parts, leaves, spec, index)
@@ -615,7 +622,12 @@ def _draw_rng(leaves: list[Any], index: int) -> tuple[int, int]:
 # --- factories (called from the PrivateUse1 kernels in genie.factories) ----------------------
 
 def record_factory(func: Any, args: tuple, kwargs: dict) -> Any:
-    """Record a factory call (``randn(..., device="remote_accelerator")``) as one node."""
+    """Record a factory call (``randn(..., device="remote_accelerator")``) as one node.
+
+    The reference of the native factory path (``genie._C._record_factory``, csrc/record.cpp),
+    which the PrivateUse1 kernels call first: it records the common case (a device with its
+    index, a meta-cache entry, outside ``genie.capture()``) node for node as this function does
+    and calls it for everything else (``GENIE_NATIVE_RECORD=0``: every call)."""
     dev = kwargs.get("device")
     index = dev.index if isinstance(dev, torch.device) and dev.index is not None else \
         device.current_device()
@@ -739,10 +751,10 @@ def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
     lazies = [x for x in leaves if isinstance(x, LazyTensor)]
     _same_device(leaves, index, func)
     if trigger is None:
-        trigger = "item" if func is aten._local_scalar_dense.default else "data_dependent"
+        trigger = "item" if func is _item else "data_dependent"
     reals = materialize(*lazies, trigger=trigger) if lazies else ()
     if len(lazies) == 1:
-        if func is _scalar and len(leaves) == 1 and _plain(reals):
+        if func is _item and len(leaves) == 1 and _plain(reals):
             # ``.item()`` (a training loop's one sync per step): the value read directly. The
             # general path below (modes off, no_grad, the math-bit keys back on) only matters
             # for a real tensor with a math bit or under a dispatch mode (~50 µs in a step)
@@ -755,7 +767,7 @@ def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
     dev = rkwargs.get("device")
     if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE:
         rkwargs["device"] = real_device(index)
-    with _disable_current_modes(), torch.no_grad(), real_dispatch():
+    with disable_modes(), torch.no_grad(), real_dispatch():
         out = func(*rargs, **rkwargs)
     bump("forced_materializations")
     flat, out_spec = optree.tree_flatten(out, none_is_leaf=True)
@@ -770,15 +782,26 @@ def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
                                             for o in flat])
 
 
-_scalar = aten._local_scalar_dense.default
-
-
 def _plain(real: Any) -> bool:
     """A real tensor whose ``_local_scalar_dense`` needs none of :func:`_run_now`'s dispatch
     state: no math bit (conjugate, negative, zero: keys a ``__torch_dispatch__`` call excludes)
     and no ``TorchDispatchMode`` on the stack (which would see the real op)."""
     return (type(real) is torch.Tensor and not real.is_neg() and not real.is_conj()
             and not real._is_zerotensor() and not torch._C._len_torch_dispatch_stack())
+
+
+def _item_now(x: LazyTensor) -> Any:
+    """:func:`_run_now` for ``_local_scalar_dense(x)`` (``.item()``, ``bool()``: once per token
+    in a generate loop, once per training step), without its generic argument handling: one
+    input, a Python number out, read directly where the real tensor needs no dispatch state."""
+    real = materialize(x, trigger="item")
+    if _plain(real):
+        out = _item(real)
+    else:
+        with disable_modes(), torch.no_grad(), real_dispatch():
+            out = _item(real)
+    bump("forced_materializations")
+    return out
 
 
 def adopt(real: torch.Tensor, index: int) -> LazyTensor:
@@ -809,7 +832,8 @@ def _install_native_record() -> bool:
         current=graph_current,
         default_graph=DEFAULT_GRAPH, counter=_record_counter, leaf_spec=_LEAF_SPEC,
         copy_ops=(_copy, _to_copy), pending_total=pending_total,
-        retrack_below=_C._gc_retrack_below, limit=meta_cache.limit)
+        retrack_below=_C._gc_retrack_below, limit=meta_cache.limit,
+        factory_fallback=record_factory, context=context)
     if not _C._record_init(objects):
         return False
     config.on_change(_C._record_config)

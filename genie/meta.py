@@ -16,11 +16,13 @@ comes only from ``op._schema`` alias annotations and ``op.tags``, never from nam
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import optree
 import torch
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._C import _record_clear
@@ -33,6 +35,18 @@ from .shape_rules import KW_RULES, RULES
 from .stats import bump
 
 _DYNAMIC = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+_NO_MODES = contextlib.nullcontext()
+_len_modes = torch._C._len_torch_dispatch_stack
+
+
+def disable_modes() -> Any:
+    """torch's ``_disable_current_modes()`` (run with no ``TorchDispatchMode`` active), with the
+    common case - no mode on either stack - a shared no-op context: torch's function imports
+    three modules and pops the stacks through a generator on every call (~8 µs), and genie
+    enters it per materialization, per forced run (``.item()``) and per meta kernel call."""
+    if _len_modes() == 0 and _len_torch_dispatch_stack_pre_dispatch() == 0:
+        return _NO_MODES
+    return _disable_current_modes()
 aten = torch.ops.aten
 
 # Ops whose first argument is read only for shape/dtype/layout: recorded with a MetaArg.
@@ -270,6 +284,15 @@ def shape_class(func: Any, spec: Any, leaves: list[Any], metas: list[TensorMeta 
 
 
 _LEAF_SPEC = optree.tree_structure(0, none_is_leaf=True)
+_out_specs: dict[tuple[type, int], Any] = {}
+
+
+def _out_spec(kind: type, n: int) -> Any:
+    """The tree spec of ``n`` outputs returned as a ``kind`` (tuple or list), interned."""
+    spec = _out_specs.get((kind, n))
+    if spec is None:
+        spec = _out_specs[kind, n] = optree.tree_structure(kind([0] * n), none_is_leaf=True)
+    return spec
 
 
 def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -> MetaEntry:
@@ -286,8 +309,12 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
         if m is not None:
             bump("meta_cache_misses")
             bump("shape_rule_hits")
-            return MetaEntry([m], _LEAF_SPEC, [None], output_plan(pol, [m]), spec,
-                             shape_class(func, spec, leaves, [m], _LEAF_SPEC))
+            if type(m) is TensorMeta:
+                metas, out_spec = [m], _LEAF_SPEC
+            else:  # several outputs: a tuple or list of them, as the op returns them
+                metas, out_spec = list(m), _out_spec(type(m), len(m))
+            return MetaEntry(metas, out_spec, [None] * len(metas), output_plan(pol, metas), spec,
+                             shape_class(func, spec, leaves, metas, out_spec))
     mleaves = [meta_tensor(x) if type(x) is TensorMeta else x for x in leaves]
     margs, mkwargs = optree.tree_unflatten(spec, mleaves)
     dev = mkwargs.get("device")
@@ -295,7 +322,7 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
         mkwargs["device"] = torch.device("meta")
     bump("meta_cache_misses")
     try:
-        with _disable_current_modes():
+        with disable_modes():
             out = func(*margs, **mkwargs)
     except NotImplementedError as e:
         raise UnsupportedOpError(func, f"no meta kernel to infer its output shape ({e}). "
@@ -364,7 +391,7 @@ def eager_error(func: Any, leaves: list[Any], spec: Any, err: Exception) -> Exce
 
     try:
         hargs, hkwargs = optree.tree_unflatten(spec, [host(x) for x in leaves])
-        with _disable_current_modes(), torch.no_grad():
+        with disable_modes(), torch.no_grad():
             func(*hargs, **hkwargs)
     except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
         return e

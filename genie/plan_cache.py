@@ -114,7 +114,7 @@ class Plan:
 
     __slots__ = ("instrs", "metas", "specs", "wheres", "inputs", "outputs", "keep", "floats",
                  "index", "artifacts", "uses", "_key", "entries", "guide", "produced", "fast",
-                 "prefix", "guide_key", "flat", "no_where", "klasses")
+                 "prefix", "guide_key", "flat", "no_where", "klasses", "rngs")
 
     def __init__(self, tape: Tape, nodes: list[Node]) -> None:
         self.metas = [n.metas for n in nodes]
@@ -154,6 +154,9 @@ class Plan:
         """
         self.entries = [n.entry if n.entry is not None else _NO_ENTRY for n in nodes]
         self.klasses = [_klass(e) for e in self.entries]
+        # the random ops' positions: a node's op is the plan's there (entries say so), and only
+        # random ops carry a (seed, offset), so these are the instructions a step's rng rebuilds
+        self.rngs = [i for i, ins in enumerate(self.instrs) if ins.rng is not None]
         pos = {n.index: i for i, n in enumerate(nodes)}
         nref = [0] * len(nodes)
         produced: dict[int, tuple[int, int]] = {}
@@ -453,7 +456,6 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs = \
         plan.flat
     tmpl = plan.instrs
-    nn = len(tmpl)
     pin = plan.inputs
     get = found.__getitem__
     instrs = list(tmpl)
@@ -477,13 +479,10 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     if generic and not differs:
         differs = any(v.shape != pin[s].shape or v.stride() != pin[s].stride
                       for s, v in inputs.items())
-    rngs = list(map(_rng, found))
-    if rngs.count(None) != nn:  # random ops: this step's (seed, offset)
-        for i, rng in enumerate(rngs):
-            if rng is not None:
-                n, t = found[i], tmpl[i]
-                instrs[i] = Instr(n.op, list(instrs[i].leaves), t.spec, t.outs, rng, t.free,
-                                  n.uid, n.where, t.device)
+    for i in plan.rngs:  # random ops: this step's (seed, offset)
+        n, t = found[i], tmpl[i]
+        instrs[i] = Instr(n.op, list(instrs[i].leaves), t.spec, t.outs, n.rng, t.free,
+                          n.uid, n.where, t.device)
     return Tape(instrs, inputs, list(want_out), set(plan.keep), found, PendingSlots(outs, islots),
                 plan.index, plan, differs)
 

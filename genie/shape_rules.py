@@ -10,7 +10,8 @@ dtype; ``tests/unit/test_shape_rules.py`` checks it over OpInfo samples) or retu
 meta kernel decides, errors included. Rules therefore accept only the plain cases (standard
 contiguous inputs where strides matter, one dtype, no math bits) and decline everything else.
 Rules take the op's positional arguments with lazy inputs as :class:`~genie.graph.TensorMeta`
-and return one TensorMeta (single-output ops only).
+and return one TensorMeta, or for an op with several tensor outputs a tuple (``native_layer_norm``)
+or list (``split``) of them, as the op returns them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .graph import TensorMeta
 
 aten = torch.ops.aten
 
-Rule = Callable[[tuple, int], TensorMeta | None]
+Rule = Callable[[tuple, int], "TensorMeta | tuple[TensorMeta, ...] | list[TensorMeta] | None"]
 RULES: dict[Any, Rule] = {}
 
 
@@ -397,25 +398,36 @@ def _compare(args: tuple, index: int) -> TensorMeta | None:
 
 # --- cat and the matmul family -----------------------------------------------------------------
 
-def _cat_contiguous(m: TensorMeta) -> bool:
-    """Contiguous as ``Tensor.is_contiguous`` says (strides of size-1 dims free: a new token's
-    key after ``view`` + ``transpose``), no empty dim, and for 4-d not also channels-last
-    contiguous (``cat`` then follows ``suggest_memory_format``: declined)."""
+def _channels_last_like(m: TensorMeta) -> bool:
+    """``suggest_memory_format(m)`` is channels-last (2d or 3d): the strides follow NHWC/NDHWC
+    (``torch._prims_common.are_strides_like_channels_last_or_false``)."""
     n = len(m.shape)
-    if 0 in m.shape or not _is_contiguous(m.shape, m.stride, range(n - 1, -1, -1)):
+    if n not in (4, 5) or m.stride[1] == 0:
         return False
-    return n != 4 or m.stride == contiguous_strides(m.shape) or \
-        not _is_contiguous(m.shape, m.stride, (1, 3, 2, 0))
+    lo = 0
+    for d in ((1, 3, 2, 0) if n == 4 else (1, 4, 3, 2, 0)):
+        if m.shape[d] == 0 or m.stride[d] < lo or (d == 0 and lo == m.stride[1]):
+            return False
+        lo = m.stride[d] * m.shape[d]
+    return True
 
 
 @rule(aten.cat.default)
 def _cat(args: tuple, index: int) -> TensorMeta | None:
+    """``cat(tensors, dim)`` of one dtype, any layouts, as ``torch._refs.cat`` computes it:
+    1-d empty tensors are skipped (the legacy rule: a KV cache's first step), and the output is
+    contiguous unless every input is channels-last-like (declined)."""
     if not 1 <= len(args) <= 2 or type(args[0]) not in (list, tuple) or not args[0]:
         return None
     ts = args[0]
-    first = ts[0]
-    if not all(_plain(t) and _cat_contiguous(t) and t.dtype == first.dtype for t in ts):
+    dtype = ts[0].dtype if _plain(ts[0]) else None
+    if not all(_plain(t) and t.dtype == dtype for t in ts) or \
+            all(_channels_last_like(t) for t in ts):
         return None
+    kept = [t for t in ts if t.shape != (0,)]
+    if not kept:
+        return None
+    first = kept[0]
     n = len(first.shape)
     if n == 0:
         return None
@@ -423,13 +435,13 @@ def _cat(args: tuple, index: int) -> TensorMeta | None:
     if d is None:
         return None
     total = 0
-    for t in ts:
-        if len(t.shape) != n or t.shape[:d] != first.shape[:d] or \
+    for t in kept:
+        if len(t.shape) != n or 0 in t.shape or t.shape[:d] != first.shape[:d] or \
                 t.shape[d + 1:] != first.shape[d + 1:]:
             return None
         total += t.shape[d]
     shape = first.shape[:d] + (total,) + first.shape[d + 1:]
-    return TensorMeta(shape, contiguous_strides(shape), 0, first.dtype, index)
+    return TensorMeta(shape, contiguous_strides(shape), 0, dtype, index)
 
 
 @rule(aten.mm.default)
@@ -468,6 +480,101 @@ def _bmm(args: tuple, index: int) -> TensorMeta | None:
         return None
     shape = (a.shape[0], a.shape[1], b.shape[2])
     return TensorMeta(shape, contiguous_strides(shape), 0, a.dtype, index)
+
+
+# --- reductions, normalization, indexing (the ops a new prompt length misses on) ---------------
+
+@rule(aten.all.default, aten.any.default)
+def _all_any(args: tuple, index: int) -> TensorMeta | None:
+    """``all(x)``, ``any(x)``: a 0-dim bool (uint8 inputs keep uint8: declined)."""
+    if len(args) != 1 or not _plain(args[0]) or args[0].dtype == torch.uint8:
+        return None
+    return TensorMeta((), (), 0, torch.bool, index)
+
+
+_INTEGRAL = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+                       torch.int64})
+
+
+@rule(aten.cumsum.default)
+def _cumsum(args: tuple, index: int) -> TensorMeta | None:
+    """``cumsum(x, dim)`` of a dense input: its shape, contiguous; integral inputs sum in
+    int64 (a ``dtype=`` keyword goes to the meta kernel)."""
+    if len(args) != 2 or not _plain(args[0]):
+        return None
+    x = args[0]
+    if not x.shape or not _dense(x) or _dim(args[1], len(x.shape)) is None or \
+            not (x.dtype in _INTEGRAL or x.dtype in _FLOATS):
+        return None
+    dtype = torch.int64 if x.dtype in _INTEGRAL else x.dtype
+    return TensorMeta(x.shape, x.stride, 0, dtype, index)
+
+
+@rule(aten.native_layer_norm.default)
+def _layer_norm(args: tuple, index: int) -> tuple[TensorMeta, TensorMeta, TensorMeta] | None:
+    """``(out, mean, rstd)``: out contiguous in the input's shape, mean and rstd of the input's
+    leading dims with the normalized ones kept as 1 (a dense float32/float64 input, weight and
+    bias of its dtype or None)."""
+    if len(args) != 5 or not _plain(args[0]):
+        return None
+    x, norm, w, b, eps = args
+    norm = _ints(norm)
+    if x.dtype not in (torch.float32, torch.float64) or norm is None or not norm or \
+            type(eps) not in (float, int) or not _dense(x) or len(norm) > len(x.shape) or \
+            x.shape[len(x.shape) - len(norm):] != norm:
+        return None
+    for t in (w, b):
+        if t is not None and (not _plain(t) or t.dtype != x.dtype or t.shape != norm):
+            return None
+    stats = x.shape[:len(x.shape) - len(norm)] + (1,) * len(norm)
+    st = contiguous_strides(stats)
+    return (TensorMeta(x.shape, contiguous_strides(x.shape), 0, x.dtype, index),
+            TensorMeta(stats, st, 0, x.dtype, index), TensorMeta(stats, st, 0, x.dtype, index))
+
+
+@rule(aten.masked_fill.Scalar)
+def _masked_fill(args: tuple, index: int) -> TensorMeta | None:
+    """``x.masked_fill(mask, number)`` with x and a bool mask of one shape, both dense row-major:
+    a new tensor like x (values of x's category or below; any other layout or a broadcast
+    mask goes to the meta kernel, whose strides follow size-1 dimensions)."""
+    if len(args) != 3 or not _plain(args[0]) or not _plain(args[1]):
+        return None
+    x, mask, v = args
+    if mask.dtype != torch.bool or x.dtype not in _ARITH or type(v) not in (int, float, bool) or \
+            (type(v) is float and x.dtype not in _FLOATS) or mask.shape != x.shape or \
+            not _dense(x) or not _dense(mask):
+        return None
+    return TensorMeta(x.shape, x.stride, 0, x.dtype, index)
+
+
+@rule(aten.embedding.default)
+def _embedding(args: tuple, index: int) -> TensorMeta | None:
+    """``embedding(weight, ids)``: ``ids.shape + (dim,)``, contiguous, the weight's dtype (the
+    other arguments change only the backward)."""
+    if not 2 <= len(args) <= 5 or not _plain(args[0]) or not _plain(args[1]):
+        return None
+    w, ids = args[0], args[1]
+    if len(w.shape) != 2 or ids.dtype not in (torch.int64, torch.int32):
+        return None
+    shape = ids.shape + (w.shape[1],)
+    return TensorMeta(shape, contiguous_strides(shape), 0, w.dtype, index)
+
+
+@rule(aten.split.Tensor)
+def _split(args: tuple, index: int) -> list[TensorMeta] | None:
+    """``x.split(n, dim)``: views of x, n long along ``dim`` (the last one what is left)."""
+    if not 2 <= len(args) <= 3 or not _plain(args[0]) or type(args[1]) is not int:
+        return None
+    x, n = args[0], args[1]
+    d = _dim(args[2] if len(args) == 3 else 0, len(x.shape)) if x.shape else None
+    if d is None or n <= 0 or x.shape[d] <= 0:
+        return None
+    size, step = x.shape[d], x.stride[d]
+    out = []
+    for start in range(0, size, n):
+        shape = x.shape[:d] + (min(n, size - start),) + x.shape[d + 1:]
+        out.append(TensorMeta(shape, x.stride, x.offset + start * step, x.dtype, index))
+    return out
 
 
 # --- factories (rules that read keyword arguments) ---------------------------------------------
@@ -521,3 +628,60 @@ def _arange(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
 
 for _op in (aten.arange.default, aten.arange.start, aten.arange.start_step):
     KW_RULES[_op] = _arange
+
+
+def _clone(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
+    """``clone(x, memory_format=...)``: contiguous for ``contiguous_format``; for the default
+    (``preserve_format``), x's own layout where it is dense row-major. Others: the meta kernel."""
+    if len(args) != 1 or not _plain(args[0]) or set(kwargs) - {"memory_format"}:
+        return None
+    x, fmt = args[0], kwargs.get("memory_format")
+    if fmt is torch.contiguous_format or (fmt in (None, torch.preserve_format) and _dense(x)):
+        return TensorMeta(x.shape, contiguous_strides(x.shape), 0, x.dtype, index)
+    return None
+
+
+KW_RULES[aten.clone.default] = _clone
+
+
+_LIKE_KWARGS = frozenset({"dtype", "layout", "device", "pin_memory", "memory_format"})
+
+
+def _like(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
+    """``ones_like(x)``, ``zeros_like``, ``empty_like``, ``full_like(x, v)`` of a dense row-major
+    x: its shape and strides (``preserve_format`` or ``contiguous_format``), the ``dtype=`` or
+    x's dtype."""
+    if not 1 <= len(args) <= 2 or not _plain(args[0]) or set(kwargs) - _LIKE_KWARGS:
+        return None
+    x = args[0]
+    dtype = kwargs.get("dtype") or x.dtype
+    out = _factory_index(kwargs, x.index)
+    if out is None or not _dense(x) or not isinstance(dtype, torch.dtype) or \
+            kwargs.get("memory_format") not in (None, torch.preserve_format,
+                                                torch.contiguous_format):
+        return None
+    return TensorMeta(x.shape, x.stride, 0, dtype, out)
+
+
+for _op in (aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default):
+    KW_RULES[_op] = lambda args, kwargs, index: None if len(args) != 1 else \
+        _like(args, kwargs, index)
+KW_RULES[aten.full_like.default] = lambda args, kwargs, index: None if len(args) != 2 or \
+    type(args[1]) not in (int, float, bool) else _like(args, kwargs, index)
+
+
+def _empty_strided(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
+    """``empty_strided(size, stride)``: exactly those (non-negative, one per dim), offset 0,
+    the ``dtype=`` or the default dtype."""
+    if len(args) != 2 or set(kwargs) - {"dtype", "layout", "device", "pin_memory"}:
+        return None
+    size, stride = _ints(args[0]), _ints(args[1])
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    out = _factory_index(kwargs, index)
+    if size is None or stride is None or len(size) != len(stride) or out is None or \
+            any(v < 0 for v in size + stride) or not isinstance(dtype, torch.dtype):
+        return None
+    return TensorMeta(size, stride, 0, dtype, out)
+
+
+KW_RULES[aten.empty_strided.default] = _empty_strided

@@ -21,7 +21,7 @@ from ..config import config
 from ..errors import ExecutionError
 from ..index_check import IndexCheck, IndexOutOfRange
 from ..index_check import enabled as index_check_enabled
-from ..meta import policy
+from ..meta import disable_modes, policy
 from ..planner import MetaArg, Slot, Tape
 from ..stats import bump
 from . import codegen, native_replay, register_backend
@@ -45,11 +45,9 @@ def generator_for(dev: torch.device) -> torch.Generator:
 
 def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
     """Interpret ``tape`` on ``dev``; returns the values of the slots in ``tape.keep``."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     env: dict[int, Any] = dict(tape.inputs)
     ix = IndexCheck(tape) if index_checked(dev) else None
-    with _disable_current_modes(), torch.no_grad():
+    with disable_modes(), torch.no_grad():
         if ix is None:  # the replays below do not check indices: the interpreter does
             prog = native_replay.for_tape(tape)
             if prog is not None:  # a repeated plan: its native program (csrc/replay.cpp)

@@ -9,7 +9,10 @@ instruction the operator handle, the argument stack built against the schema (as
 registers for :class:`~genie.planner.Slot` leaves (also inside lists such as ``cat``'s), and the
 per-step parameters read from the step's tape as codegen reads them (float arguments, host
 tensors, ``(seed, offset)`` of random ops, and every int and :class:`~genie.graph.MetaArg` of
-a shape-generic tape). A run is one native call: no Python per op.
+a shape-generic tape). A run is one native call: no Python per op. A float or int the template
+holds is the value of the instruction it was compiled from; a step whose tape runs that very
+``Instr`` object (a plan's shared instruction: only the ones a hit rebuilds are new objects)
+skips those patches (the program keeps the object, so its identity stays its own).
 
 Invariants:
 
@@ -174,7 +177,7 @@ def compile_tape(tape: Tape, generic: bool = False) -> Program:
             elif isinstance(x, torch.Tensor):  # a host tensor: a per-step parameter
                 patch, value = (_LEAF, p), _PLACEHOLDER
             elif t is float or (generic and t is int):  # per-step parameters, as codegen's
-                patch = (_LEAF, p)
+                patch = (_LEAF, p, True)  # baked: a step running this very Instr skips it
             marks.append(-1 if patch is None else len(patches))
             if patch is not None:
                 patches.append(patch)
@@ -189,5 +192,5 @@ def compile_tape(tape: Tape, generic: bool = False) -> Program:
         s = op._schema
         native.add_op(s.name, s.overload_name, tuple(args), dict(kwargs), tuple(margs),
                       dict(mkwargs), patches, [-1 if o is None else o for o in ins.outs], frees,
-                      k, ins.rng is not None)
+                      k, ins.rng is not None, ins)
     return Program(native, others)

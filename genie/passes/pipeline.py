@@ -324,13 +324,16 @@ class Script:
         constants differ from those a pass compared (the step then runs unoptimized)."""
         plan_instrs = tape.plan.instrs
         mine = tape.instrs
+        # the compared constants first: a shape-generic step usually differs there, and is then
+        # told so without editing anything
+        for o, leaves in self.frozen.items():
+            x = mine[o]
+            if x is not plan_instrs[o] and not _same_leaves(x.leaves, leaves):
+                return None
         out = list(self.tmpl)
         by = self.by_origin
-        frozen = self.frozen
         for o in compress(range(len(mine)), map(is_not, mine, plan_instrs)):
             x = mine[o]
-            if o in frozen and not _same_leaves(x.leaves, frozen[o]):
-                return None
             for n in by.get(o, ()):
                 out[n] = self.edits[n].apply(x)
         inputs = tape.inputs

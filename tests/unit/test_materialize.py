@@ -337,3 +337,40 @@ def test_a_deferred_kernel_error_has_eagers_exception_type():
     # a server's reply names its cause's class: only the classes ATen raises are taken on
     assert _with_cause_type(StopIteration()) is ExecutionError
     assert _with_cause_type(KeyboardInterrupt()) is ExecutionError
+
+
+def test_real_dispatch_reenables_the_math_bit_keys_and_restores_them() -> None:
+    """Real ops run from inside ``__torch_dispatch__`` (where the math-bit keys are excluded)
+    see those keys again; leaving restores the caller's state, also after an error."""
+    from genie.executor import _MATH_BIT_KEYS, real_dispatch
+
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Conjugate)):
+        assert excluded(torch._C.DispatchKey.Conjugate)
+        with real_dispatch():
+            assert not any(excluded(k) for k in _MATH_BIT_KEYS)
+        assert excluded(torch._C.DispatchKey.Conjugate)
+        with pytest.raises(ValueError), real_dispatch():
+            raise ValueError
+        assert excluded(torch._C.DispatchKey.Conjugate)
+    assert not excluded(torch._C.DispatchKey.Conjugate)
+
+
+def test_disable_modes_pops_active_modes_and_is_free_without_them() -> None:
+    """genie.meta.disable_modes: torch's _disable_current_modes where a TorchDispatchMode is
+    active (the stack empty inside, restored after), a shared no-op context where none is."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from genie.meta import disable_modes
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            return func(*args, **(kwargs or {}))
+
+    assert disable_modes() is disable_modes()  # nothing active: the shared no-op
+    with Mode():
+        assert torch._C._len_torch_dispatch_stack() == 1
+        with disable_modes():
+            assert torch._C._len_torch_dispatch_stack() == 0
+        assert torch._C._len_torch_dispatch_stack() == 1
+    assert torch._C._len_torch_dispatch_stack() == 0

@@ -761,3 +761,50 @@ def test_the_native_dispatch_rule_lookup_agrees_with_torchs_and_honours_register
     assert torch.sin(t).item() == 0
     with pytest.raises(TypeError):
         _C._find_torch_dispatch_rule(aten.sin.default)
+
+
+def _factories(n: int) -> list[Any]:
+    d = torch.device(D, 0)
+    return [torch.arange(n, device=d), torch.arange(1, n, 2, dtype=torch.float32, device=d),
+            torch.full((2, n), 3, device=d), torch.full((1,), 0.5, device=d),
+            torch.zeros(n, 2, device=d), torch.ones((), dtype=torch.int64, device=d),
+            torch.scalar_tensor(-1.0, device=d), torch.empty_strided((2, n), (1, 2), device=d),
+            torch.eye(3, device=d), torch.zeros(2, device=D)]  # the last one: no index
+
+
+def test_factories_record_natively_as_record_factory_does() -> None:
+    """The PrivateUse1 factory kernels (genie.factories) take the native path: the same nodes
+    as lazy_tensor.record_factory (every mode), counted in factories_recorded, eager's values."""
+    lengths = iter(range(3, 100))
+    assert_same(lambda: _factories(4))
+    config.native_record = True
+    genie.reset_stats()
+    _C._record_reset_stats()
+    n = next(lengths)
+    got = _factories(n)  # new shapes: native misses
+    counts = _C._record_stats()
+    assert counts["miss_native"] + counts["handled"] >= 8, counts
+    assert genie.stats()["factories_recorded"] == len(got)
+    for i, (g, w) in enumerate(zip(got, _factories_cpu(n), strict=True)):
+        assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype), i
+        if i != 7:  # empty_strided: no values to compare
+            assert torch.equal(g.cpu(), w), i
+
+
+def _factories_cpu(n: int) -> list[torch.Tensor]:
+    return [torch.arange(n), torch.arange(1, n, 2, dtype=torch.float32), torch.full((2, n), 3),
+            torch.full((1,), 0.5), torch.zeros(n, 2), torch.ones((), dtype=torch.int64),
+            torch.scalar_tensor(-1.0), torch.empty_strided((2, n), (1, 2)), torch.eye(3),
+            torch.zeros(2)]
+
+
+def test_factory_errors_and_other_devices_take_record_factory() -> None:
+    """A bad index raises eager's error through record_factory; a device without an index is
+    recorded by it (the current device filled in)."""
+    from genie.errors import DeviceError
+
+    _C._record_reset_stats()
+    with pytest.raises(DeviceError):
+        torch.zeros(2, device=torch.device(D, 7))
+    t = torch.zeros(2, device=D)
+    assert t.device == torch.device(D, 0) and _C._record_stats()["devices"] >= 2

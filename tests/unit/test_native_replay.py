@@ -220,3 +220,27 @@ def test_ops_that_cannot_compile_fall_back_per_plan(monkeypatch):
         torch.testing.assert_close((x * 2).cpu(), x.cpu() * 2)
     assert genie.stats().get("native_replays", 0) == 0
     assert plan_cache.cache().plans()[-1].artifacts["native"] is False  # decided once
+
+
+def test_parameters_come_back_to_the_plans_values():
+    """A program skips the patches of floats and ints its template holds when a step runs the
+    very instruction it was compiled from: steps whose floats and shapes go back and forth
+    between the plan's and others' (the program compiled from either) give eager's values."""
+    config.native_replay = "1"
+    torch.manual_seed(0)
+    w_cpu = torch.randn(8, 8)
+    w = w_cpu.to(D)
+    genie.materialize(w)
+    plan_cache.clear()
+    genie.reset_stats()
+
+    def step(w, n, lr, dev):
+        x = torch.arange(n * 8, device=dev, dtype=torch.float32).view(n, 8)
+        return ((x @ w) * lr).softmax(-1)[: n - 1].sum(0) + lr
+
+    for n, lr in [(4, 0.5), (4, 0.25), (4, 0.5), (5, 0.5), (4, 0.25), (6, 0.5), (5, 0.25),
+                  (4, 0.5), (6, 0.125)]:
+        torch.testing.assert_close(step(w, n, lr, D).cpu(), step(w_cpu, n, lr, "cpu"),
+                                   rtol=0, atol=0)
+    s = genie.stats()
+    assert s["native_replays"] >= 6 and s.get("plan_cache_generic_hits", 0) >= 3

@@ -18,14 +18,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from genie.graph import TensorMeta
-from genie.shape_rules import RULES
+from genie.shape_rules import KW_RULES, RULES
 
 aten = torch.ops.aten
 OPINFOS = ["add", "sub", "mul", "eq", "ne", "le", "lt", "ge", "gt", "view", "reshape", "expand",
            "unsqueeze", "transpose", "cat", "stack", "bmm", "matmul", "flatten", "broadcast_to",
            "div.no_rounding_mode", "where", "tanh", "exp", "neg", "sqrt", "rsqrt", "sigmoid",
            "nn.functional.relu", "pow", "softmax", "log_softmax", "mm", "addmm", "narrow",
-           "split", "chunk", "__getitem__", "tensor_split", "slice"]
+           "split", "chunk", "__getitem__", "tensor_split", "slice", "cumsum",
+           "nn.functional.layer_norm", "masked_fill", "all", "any", "nn.functional.embedding",
+           "clone", "contiguous"]
 DTYPES = [torch.float32, torch.int64, torch.float64]
 
 
@@ -38,12 +40,12 @@ class _Check(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
-        rule = RULES.get(func)
+        rule, kw_rule = RULES.get(func), KW_RULES.get(func)
         pred = None
-        if rule is not None and not kwargs:
+        if (rule is not None and not kwargs) or kw_rule is not None:
             margs = tree_map(lambda t: TensorMeta.of(t, 0) if isinstance(t, torch.Tensor) else t,
                              args)
-            pred = rule(tuple(margs), 0)
+            pred = rule(tuple(margs), 0) if rule is not None else kw_rule(tuple(margs), kwargs, 0)
             if pred is None:
                 self.declined[str(func)] += 1
         try:
@@ -54,7 +56,9 @@ class _Check(TorchDispatchMode):
                                      f"rule answered {pred}")
             raise
         if pred is not None:
-            got = TensorMeta.of(out, 0)
+            # several outputs: the rule returns them as the op does (a tuple or a list)
+            got = TensorMeta.of(out, 0) if isinstance(out, torch.Tensor) else \
+                type(out)(TensorMeta.of(t, 0) for t in out)
             if got != pred:
                 self.failures.append(f"{func}{_describe(args)}: rule {pred} != meta {got}")
             self.checked[str(func)] += 1
@@ -104,7 +108,10 @@ def test_rules_equal_meta_kernels_over_opinfo() -> None:
                aten.div.Tensor, aten.where.self, aten.tanh.default, aten.exp.default,
                aten.neg.default, aten.sqrt.default, aten.rsqrt.default, aten.sigmoid.default,
                aten.relu.default, aten._softmax.default,
-               aten._log_softmax.default, aten.mm.default, aten.slice.Tensor):
+               aten._log_softmax.default, aten.mm.default, aten.slice.Tensor,
+               aten.cumsum.default, aten.native_layer_norm.default, aten.masked_fill.Scalar,
+               aten.all.default, aten.any.default, aten.embedding.default, aten.split.Tensor,
+               aten.clone.default):
         assert check.checked[str(op)] >= 2, f"{op}: rule answered only {check.checked[str(op)]}x"
 
 
@@ -213,11 +220,27 @@ def test_pointwise_layouts_equal_meta_kernels() -> None:
             new = torch.empty(1, 1, 2, 4, device="meta").transpose(1, 2)  # a new token's key
             torch.cat([kv, new], -2)
             torch.cat([_layouts((1, 2, 1, 4), gen), _layouts((1, 2, 1, 4), gen)], 2)
+            # a KV cache's first step: a 1-d empty tensor and a transposed key
+            torch.cat([torch.empty(0, device="meta"), x], -1)
+            torch.cat([torch.empty(0, device="meta"), _layouts((1, 2, 3, 4), gen)], -2)
+            torch.cat([_layouts((2, 3, 4, 5), gen), _layouts((2, 3, 4, 5), gen)], 1)
+            torch.cumsum(x, -1)
+            torch.cumsum(c, 0)
+            x.masked_fill(c, 0.5)
+            torch.nn.functional.layer_norm(x, x.shape[-1:], _layouts(x.shape[-1:], gen),
+                                           _layouts(x.shape[-1:], gen))
+            x.clone()
+            x.contiguous()
+            x.split(2, -1)
+            torch.all(c), torch.any(x)
     assert not check.failures, "\n".join(check.failures[:20])
     for op in (aten.add.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.where.self,
                aten.tanh.default, aten.pow.Tensor_Scalar, aten.addmm.default, aten.mm.default,
-               aten.le.Tensor, aten.eq.Scalar, aten.cat.default):
+               aten.le.Tensor, aten.eq.Scalar, aten.cat.default, aten.clone.default, aten.split.Tensor,
+               aten.all.default, aten.any.default):
         assert check.checked[str(op)] >= 200, (op, check.checked[str(op)])
+    for op in (aten.masked_fill.Scalar, aten.native_layer_norm.default):  # dense inputs only
+        assert check.checked[str(op)] >= 50, (op, check.checked[str(op)])
 
 
 @pytest.mark.parametrize("dtype", [None, torch.int64, torch.int32, torch.float32, torch.float64,
@@ -266,3 +289,42 @@ def test_arange_rule_through_genie_equals_eager() -> None:
         got = torch.arange(0, past, 2, dtype=torch.float32, device="remote_accelerator:0")
         torch.testing.assert_close(got.cpu(), torch.arange(0, past, 2, dtype=torch.float32))
     assert genie.stats().get("shape_rule_hits", 0) - before >= 6
+
+
+@pytest.mark.parametrize("dtype", [None, torch.int64, torch.float32, torch.bool])
+def test_like_and_empty_strided_rules_equal_meta_kernels(dtype) -> None:  # noqa: ANN001
+    """``*_like`` and ``empty_strided`` read keyword arguments (device, dtype, memory format):
+    against the meta kernel over layouts, or declined."""
+    from genie.shape_rules import KW_RULES
+
+    gen = torch.Generator().manual_seed(1)
+    dev = torch.device("remote_accelerator", 0)
+    checked = 0
+    for shape in [(3,), (2, 3), (1, 14), (2, 1, 4), (2, 3, 4, 5), (0, 3)]:
+        for _ in range(4):
+            x = _layouts(shape, gen)
+            for fmt in (None, torch.preserve_format, torch.contiguous_format,
+                        torch.channels_last):
+                kw = {"dtype": dtype, "device": dev, "pin_memory": False}
+                if fmt is not None:
+                    kw["memory_format"] = fmt
+                for op, extra in ((aten.ones_like.default, ()), (aten.zeros_like.default, ()),
+                                  (aten.empty_like.default, ()), (aten.full_like.default, (2,))):
+                    pred = KW_RULES[op]((TensorMeta.of(x, 0), *extra), kw, 0)
+                    try:
+                        out = op(x, *extra, **{**kw, "device": "meta"})
+                    except RuntimeError:
+                        assert pred is None, (op, shape, fmt, pred)
+                        continue
+                    if pred is not None:
+                        want = TensorMeta.of(out, 0)
+                        assert pred == want, (op, shape, x.stride(), fmt, pred, want)
+                        checked += 1
+        size = list(shape)
+        for stride in ([1] * len(shape), list(torch.empty(shape).stride()), [0] * len(shape)):
+            kw = {"dtype": dtype, "device": dev}
+            pred = KW_RULES[aten.empty_strided.default]((size, stride), kw, 0)
+            out = torch.empty_strided(size, stride, dtype=dtype, device="meta")
+            assert pred == TensorMeta.of(out, 0), (size, stride, pred)
+            checked += 1
+    assert checked >= 60, checked
