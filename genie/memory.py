@@ -93,7 +93,13 @@ def _releaser(index: int, key: tuple[int, int], n: int) -> Any:
 
 def after_run(tape: Any, kept: dict[int, Any], index: int) -> None:
     """Account a finished run on ``remote_accelerator:index`` (called by the executor)."""
-    if _real(index).type != "cpu":
+    from .errors import DeviceError
+
+    try:
+        local = _real(index)
+    except DeviceError:  # no local device for this index (one GPU, two servers): a server ran it
+        return
+    if local.type != "cpu":
         return
     if _tracking[0]:
         before = _allocated.get(index, 0)

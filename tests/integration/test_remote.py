@@ -474,7 +474,7 @@ def test_two_servers_and_copies_between_them(server: ServerProc, spare: ServerPr
     """``one``: this machine has a real device for remote_accelerator:0 only (one GPU): the
     servers run everything, and nothing asks for a local cuda:1."""
     if local == "one":
-        from genie import executor
+        from genie import executor, memory
         from genie.errors import DeviceError
 
         def one_gpu(index: int) -> torch.device:
@@ -484,6 +484,7 @@ def test_two_servers_and_copies_between_them(server: ServerProc, spare: ServerPr
             return real_device(0)
 
         monkeypatch.setattr(executor, "real_device", one_gpu)
+        monkeypatch.setattr(memory, "_real", one_gpu)
     genie.connect([server.address, spare.address], key_file=str(server.key_file), timeout=20)
     try:
         x = torch.randn(5, 5)
@@ -509,7 +510,9 @@ def test_killed_server_raises_not_hangs(spare: ServerProc, server: ServerProc) -
     time.sleep(2.0)  # longer than the lease: the heartbeat keeps the session
     y = x * 3
     assert isinstance(y.sum().item(), float)
-    z = torch.randn(800, 800, device=DEV)  # seconds of work: outlasts the 0.5 s timer
+    # seconds of work: outlasts the 0.5 s timer (a GPU server needs far more of it)
+    n = 800 if SERVER_DEVICE == "cpu" else 8192
+    z = torch.randn(n, n, device=DEV)
     for _ in range(200):
         z = torch.tanh(z @ z)
     threading.Timer(0.5, spare.proc.kill).start()  # killed while it runs this long tape

@@ -10,6 +10,7 @@ import torch
 
 import genie
 from genie.config import config
+from genie.device import real_device
 
 D = "remote_accelerator"
 
@@ -37,10 +38,15 @@ def _step(dev: str, seed: int = 0):
 
 
 def test_gradients_equal_eager_and_hooks_run_where_the_setting_says(caller):
+    exact = real_device(0).type == "cpu"
     ref, _ = _step("cpu")
     got, threads = _step(D)
     for p, q in zip(got.parameters(), ref.parameters(), strict=True):
-        assert torch.equal(p.grad.cpu(), q.grad)
+        if exact:
+            assert torch.equal(p.grad.cpu(), q.grad)
+        else:  # CUDA kernels against eager's CPU ones (eager CUDA backward cannot run beside
+            # genie in one process: pytorch#161129)
+            torch.testing.assert_close(p.grad.cpu(), q.grad)
     assert threads == [caller]  # eager CPU runs hooks on the calling thread too
 
 
@@ -68,6 +74,8 @@ def test_under_a_dispatch_mode_the_engine_keeps_its_thread():
     assert seen == [False] and w.grad.cpu().tolist() == [2.0, 2.0, 2.0]
 
 
+@pytest.mark.skipif(real_device(0).type == "cuda" and torch.cuda.device_count() < 2,
+                    reason="remote_accelerator:1 maps to cuda:1: needs two GPUs")
 def test_the_current_device_is_the_one_the_engine_thread_would_set(caller):
     """On the calling thread too (the engine's stream guard per node sets the node's device)."""
     from genie import _C

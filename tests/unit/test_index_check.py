@@ -246,7 +246,10 @@ def test_the_table_covers_every_allowlisted_op_with_index_arguments() -> None:
             continue
         ns, rest = line.split("::")
         base, _, ov = rest.partition(".")
-        op = getattr(getattr(getattr(torch.ops, ns), base), ov or "default")
+        packet = getattr(getattr(torch.ops, ns), base, None)
+        if packet is None or not hasattr(packet, ov or "default"):
+            continue  # the list is derived on one PyTorch release; this one lacks the op
+        op = getattr(packet, ov or "default")
         if _schema_index_args(op) and base not in RULES and base not in UNCHECKED and \
                 base not in NOT_INDICES:
             missing.append(line)

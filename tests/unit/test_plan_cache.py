@@ -219,7 +219,11 @@ def test_requested_ops_of_a_writing_plan_skip_the_column_match(monkeypatch):
         if update:
             w.sub_(x, alpha=0.1)
             rw.sub_(rx, alpha=0.1)
-        assert loss.item() == ref.item()
+        # bit-equal on the CPU; CUDA's reduction kernels round differently
+        if genie.device.real_device(0).type == "cpu":
+            assert loss.item() == ref.item()
+        else:
+            assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
         return loss
 
     for _ in range(4):  # the forward alone (no write pending), then the loop's steady state
