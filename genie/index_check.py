@@ -170,10 +170,9 @@ _NLL = Rule("target", "classes", dim=None, error=IndexError,
             message="Target {v} is out of bounds.")
 
 
-_BERNOULLI = (Values("p", message="Expected p_in >= 0 && p_in <= 1 to be true, but got false.  "
-                     "(Could this error message be improved?  If so, please report an "
-                     "enhancement request to PyTorch.)"),)
-_BERNOULLI += (Values("self", unless="p", message=_BERNOULLI[0].message),)
+_P_MSG = ("Expected p_in >= 0 && p_in <= 1 to be true, but got false.  (Could this error message "
+          "be improved?  If so, please report an enhancement request to PyTorch.)")
+_BERNOULLI = (Values("p", message=_P_MSG), Values("self", unless="p", message=_P_MSG))
 _BCE_MSG = "all elements of {w} should be between 0 and 1"
 _MASKED_SCATTER = Values("mask", "count", ref="source",
                          message="Number of elements of source < number of ones in mask")
@@ -635,8 +634,8 @@ class IndexCheck:
     """The index and value checks of one tape run (see the module docstring for the batching).
 
     Call :meth:`step` before each instruction runs: it checks the instruction's index and value
-    arguments (raising :class:`IndexOutOfRange`) and forgets the reductions the instruction will make
-    stale. Per instruction without index arguments it costs two set lookups.
+    arguments (raising :class:`IndexOutOfRange`) and forgets the reductions the instruction will
+    make stale. Per instruction without checked arguments it costs two set lookups.
     """
 
     def __init__(self, tape: Tape, scope: str = "all") -> None:

@@ -249,18 +249,27 @@ def test_a_cpu_server_checks_by_default_the_kernels_that_do_not(keys: Path) -> N
         assert s.stop() == 0
 
 
+#: one attack per kind of check: an out-of-range index, a value a kernel asserts on
+ATTACKS = {
+    "gather": lambda: X().to(DEV).gather(0, T([[7, 0, 0, 0]]).to(DEV)).cpu(),
+    "bernoulli": lambda: torch.bernoulli(T([0.5, 1.5]).to(DEV)).cpu(),
+}
+
+
 @pytest.mark.skipif(not CUDA, reason="the device-side assert is CUDA's: the attack this file "
                     "defends against, replayed on a server with the check off")
-def test_without_the_check_one_client_breaks_a_cuda_server_for_everyone(keys: Path) -> None:
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_without_the_check_one_client_breaks_a_cuda_server_for_everyone(keys: Path,
+                                                                        attack: str) -> None:
     """The witness that the tests above can fail: with ``--index-check 0`` one out-of-range
-    ``gather`` leaves the server's CUDA context unusable, and another tenant's next request
-    fails too."""
+    ``gather`` (or ``bernoulli`` with p = 1.5) leaves the server's CUDA context unusable, and
+    another tenant's next request fails too."""
     s = ServerProc(keys, "--device", "cuda:0", "--index-check", "0")
     try:
         other = RawSession(s)
         genie.connect(s.address, key_file=str(s.key_file), timeout=60)
         with pytest.raises(Exception):  # noqa: B017 (whatever CUDA reports)
-            X().to(DEV).gather(0, T([[7, 0, 0, 0]]).to(DEV)).cpu()
+            ATTACKS[attack]()
         genie.disconnect()
         x = torch.arange(4.0)
         r = other.run(["aten::mul.Scalar"], [[0, 0, [-1, -1], [0], [], False]],
