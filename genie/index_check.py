@@ -70,7 +70,7 @@ from .stats import bump
 INDEX_NAMES = frozenset({"index", "indices", "target", "targets", "offsets", "lengths",
                          "input_lengths", "target_lengths", "offset2bag", "maximum_indices",
                          "tensor_indices_or_sections", "counts", "is_target", "min_indices",
-                         "pivots", "LU_pivots"})
+                         "pivots", "LU_pivots", "offs"})
 
 _ANY = 1 << 62  # a bound no index reaches: only the lower one matters
 _DIM_MSG = "index {v} is out of bounds for dimension {d} with size {n}"
@@ -277,6 +277,9 @@ VALUE_ASSERTS: dict[str, str] = {
                     "unpack_pivots_cuda_kernel swaps perm[pivots[i] - 1] unchecked (an "
                     "out-of-bounds write, not even an assert); the solvers pass them to "
                     "the getrs/sytrs of cuSOLVER, cuBLAS or MAGMA (not audited further)"),
+    "_grouped_mm": "GroupMMCommon.cuh prepare_grouped_gemm_data (CUTLASS path): "
+                   "CUDA_KERNEL_ASSERT on each group's size from offs (a multiple of 16 in some "
+                   "versions, >= 0 and ending within the rows in others)",
 }
 
 #: Ops with index arguments but no rule yet: refused where the check is on (their reason says why).
@@ -298,6 +301,9 @@ UNCHECKED: dict[str, str] = {
     name: "pivots (1-based row numbers) are not checked yet: CUDA swaps or reads rows by them "
           "unchecked"
     for name in ("lu_unpack", "lu_solve", "linalg_lu_solve", "linalg_ldl_solve")
+} | {
+    "_grouped_mm": "its offs (group ends) are not checked yet: the conditions CUDA's kernel "
+                   "asserts on them change between PyTorch versions",
 }
 
 #: Ops whose index-like arguments (by name) hold no indices into device memory, with the reason.
