@@ -493,8 +493,7 @@ def server_scope(setting: str, device: torch.device) -> str | None:
 
 
 def _index_parts(t: torch.Tensor) -> list[torch.Tensor]:
-    lo, hi = torch.aminmax(t)
-    return [lo.long(), hi.long()]
+    return list(torch.aminmax(t))  # integers: :func:`_fetch` copies them as int64
 
 
 def _value_parts(rule: Values, a: dict[str, Any]) -> list[torch.Tensor] | None:
@@ -580,7 +579,8 @@ def _fetch(jobs: list[list[torch.Tensor]]) -> list[list[Any]]:
             for t in jobs[i]:
                 fl = t.is_floating_point()
                 floats.append(fl)  # a float64's bits travel as an int64: one stack, exact
-                flat.append(t.double().view(torch.int64) if fl else t.long())
+                flat.append(t.double().view(torch.int64) if fl else
+                            t if t.dtype is torch.int64 else t.long())
         vals = torch.stack(flat).tolist()  # the one sync of this batch
         k = 0
         for i in ids:
