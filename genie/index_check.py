@@ -132,7 +132,8 @@ class Values:
         kind: what is reduced and judged:
             ``"range"``: ``lo <= min`` and ``max <= hi`` (one ``aminmax``);
             ``"probs"``: ``multinomial``'s rows: every value finite and ``>= 0``, every row sum
-            ``> 0`` and finite in the input's dtype (``aminmax`` of the values and of the row sums);
+            ``> 0`` (and, with replacement and more than one sample, finite in the input's
+            dtype): ``aminmax`` of the values and of the row sums;
             ``"count"``: the ``True`` count of the mask broadcast to ``self`` at most the
             ``ref`` argument's ``numel`` (``masked_scatter``'s source);
             ``"total"``: the repeats ``>= 0`` and summing to the ``ref`` argument
@@ -262,10 +263,12 @@ VALUE_ASSERTS: dict[str, str] = {
                     "tensor p (self where there is no p); NaN fails it"),
     "binary_cross_entropy": "Loss.cu binary_cross_entropy_out_cuda: CUDA_KERNEL_ASSERT(input_val "
                             ">= 0 && input_val <= 1), the same for target_val; NaN fails it",
-    "multinomial": "MultinomialKernel.cu, with replacement and more than one sample (else "
-                   "eager's host code checks, with a sync): renormRowsL1 asserts !(val < 0), "
-                   "binarySearchForMultinomial asserts a row's cumulative sum > 0 (fails for a "
-                   "zero row, NaN, inf, or a row sum that overflows the dtype)",
+    "multinomial": "with replacement and more than one sample, MultinomialKernel.cu: "
+                   "renormRowsL1 asserts !(val < 0), binarySearchForMultinomial a row's "
+                   "cumulative sum > 0 (fails for a zero row, NaN, inf, or a row sum that "
+                   "overflows the dtype); else Distributions.cpp's fast path, in recent "
+                   "versions: at::_assert_async(min >= 0 && max < inf) and no row summing to 0 "
+                   "(a device-side assert on CUDA; older versions checked on the host)",
     **dict.fromkeys(("masked_scatter", "masked_scatter_"), "IndexKernel.cu "
                     "masked_scatter_size_check: CUDA_KERNEL_ASSERT(the mask's True count, "
                     "broadcast to self, <= source.numel())"),
@@ -508,8 +511,6 @@ def _value_parts(rule: Values, a: dict[str, Any]) -> list[torch.Tensor] | None:
             return None
         return list(torch.aminmax(t))
     if k == "probs":
-        if not a.get("replacement") or a.get("num_samples") == 1:
-            return None  # eager's host code checks these (multinomial's fast path)
         return [*torch.aminmax(t), *torch.aminmax(t.sum(-1))]
     if k == "count":
         shape = torch.broadcast_shapes(a["self"].shape, t.shape)
@@ -536,6 +537,12 @@ def _judge_values(rule: Values, st: list[Any], a: dict[str, Any]) -> None:
         lo, hi = st
         if not (rule.lo <= lo and hi <= rule.hi):  # NaN fails, as in the kernels
             msg = rule.message.format(v=lo if not rule.lo <= lo else hi)
+    elif k == "probs" and (not a.get("replacement") or a.get("num_samples") == 1):
+        lo, hi, slo, _ = st  # the fast path: _assert_async (a device-side assert on CUDA)
+        if not (lo >= 0 and hi < math.inf):
+            msg = "probability tensor contains either `inf`, `nan` or element < 0"
+        elif not slo > 0:
+            msg = "invalid multinomial distribution (sum of probabilities <= 0)"
     elif k == "probs":
         lo, hi, slo, shi = st
         if not lo >= 0:  # NaN included: eager's CPU kernel tests ``>= 0`` first

@@ -228,15 +228,13 @@ def test_each_value_rule_refuses_what_eager_refuses(name: str) -> None:
 
 
 def test_value_rules_leave_what_eagers_host_code_checks() -> None:
-    """A probability given as a number, ``multinomial`` drawing once or without replacement,
-    ``repeat_interleave`` without ``output_size``: eager's host code checks these (it syncs
-    anyway), so the check reduces nothing; bool probabilities and empty tensors hold nothing."""
+    """A probability given as a number, ``repeat_interleave`` without ``output_size``: eager's
+    host code checks these (it syncs anyway), so the check reduces nothing; bool probabilities
+    and empty tensors hold nothing."""
     genie.reset_stats()
     x = _f(2, 3)
     check_call(aten.bernoulli.p, (x, 1.5), {})
     check_call(aten.bernoulli_.float, (x, 1.5), {})
-    check_call(aten.multinomial.default, (_t([[0.0, 0.0]], F32), 1, True), {})
-    check_call(aten.multinomial.default, (_t([[0.0, -1.0]], F32), 2), {})
     check_call(aten.repeat_interleave.Tensor, (_t([-1, 2]),), {})
     check_call(aten.bernoulli.Tensor, (x, _t([True, False], torch.bool)), {})
     check_call(aten.bernoulli.default, (_f(0),), {})
@@ -258,6 +256,20 @@ def test_value_rules_read_the_overload_they_check() -> None:
     with pytest.raises(RuntimeError, match="Number of elements of source"):  # the broadcast mask
         check_call(aten.masked_scatter.default, (_x(), _t([[True], [False], [True]], torch.bool),
                                                  _f(7)), {})
+
+
+def test_multinomials_fast_path_is_checked_too() -> None:
+    """Drawing once, or without replacement, ``multinomial`` takes its fast path, whose checks
+    are ``_assert_async`` in recent PyTorch: a device-side assert on CUDA. Eager's CPU texts."""
+    for args in ((1, True), (2, False), (1, False)):
+        check_call(aten.multinomial.default, (_t([[0.2, 0.8], [1.0, 0.0]], F32), *args), {})
+        for bad in ([[0.2, -0.8], [1.0, 0.0]], [[0.2, NAN], [1.0, 0.0]],
+                    [[INF, 0.8], [1.0, 0.0]], [[0.0, 0.0], [1.0, 0.0]]):
+            with pytest.raises(RuntimeError) as eager:
+                aten.multinomial.default(torch.tensor(bad), *args)
+            with pytest.raises(RuntimeError) as ei:
+                check_call(aten.multinomial.default, (_t(bad, F32), *args), {})
+            assert str(ei.value) == str(eager.value), (args, bad, ei.value, eager.value)
 
 
 def test_half_precision_values_and_row_sums_that_overflow_the_dtype() -> None:
