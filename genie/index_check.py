@@ -7,6 +7,12 @@ process fails. Meta tensors cannot see it (it depends on index values). A Genie 
 by tenants, so it checks such arguments first and refuses the instruction with the exception
 eager raises on the CPU (same type, close text); see docs/deployment.md.
 
+Other CUDA kernels device-assert on argument *values* that are not indices (``bernoulli``'s
+probabilities, ``binary_cross_entropy``'s input and target, ``multinomial``'s distributions,
+``masked_scatter``'s mask against its source, ``repeat_interleave``'s repeats against its
+``output_size``): the same table holds a second kind of rule for them, :class:`Values` (listed
+with the asserted conditions in :data:`VALUE_ASSERTS`, the audit of PyTorch's CUDA kernels).
+
 What is checked: :data:`RULES`, one table keyed by the op's base name (every overload of the
 packet: functional, in-place, ``out=``). A rule names the schema argument that holds the indices
 (an integer tensor; for advanced indexing a list of optional tensors), the size it indexes
@@ -24,13 +30,15 @@ kernels do not bound their indices themselves (``Rule.cpu_checks``, scope ``"cpu
 (:func:`server_scope`, ``--index-check``); in process only with ``GENIE_INDEX_CHECK``
 (:func:`enabled`), since there an out-of-range index hurts only the user's own process, as eager.
 
-Cost: a check is one ``aminmax`` per index tensor and one device-to-host copy (one sync) for
-all the index tensors that exist at that point. :class:`IndexCheck` (one per tape run) reduces,
-before the first instruction that needs a check, every index argument of the rest of the tape
-that already exists (tape inputs: token ids, positions), so a tape whose indices are inputs pays
-one sync; an index computed inside the tape is reduced right before the instruction that reads
-it (with whatever else exists then). A reduction stays valid until an instruction writes the
-index's storage or its slot is written again.
+Cost: a check is one ``aminmax`` per index tensor and one device-to-host copy (one sync) for all
+the index tensors that exist at that point; a value rule adds one ``aminmax`` per checked tensor
+(``multinomial`` also one of its row sums, ``masked_scatter`` a count, ``repeat_interleave`` a sum)
+to the same copy. :class:`IndexCheck` (one per tape run) reduces, before the first instruction that
+needs a check, every index argument (and ``"range"`` value argument) of the rest of the tape that
+already exists (tape inputs: token ids, positions), so a tape whose indices are inputs pays one
+sync; an index computed inside the tape is reduced right before the instruction that reads it (with
+whatever else exists then). A reduction stays valid until an instruction writes the index's storage
+or its slot is written again.
 
 Example:
     >>> import torch
@@ -47,6 +55,7 @@ Example:
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +69,8 @@ from .stats import bump
 #: names of schema arguments that may hold indices (the completeness test reads them)
 INDEX_NAMES = frozenset({"index", "indices", "target", "targets", "offsets", "lengths",
                          "input_lengths", "target_lengths", "offset2bag", "maximum_indices",
-                         "tensor_indices_or_sections", "counts", "is_target", "min_indices"})
+                         "tensor_indices_or_sections", "counts", "is_target", "min_indices",
+                         "pivots", "LU_pivots", "offs"})
 
 _ANY = 1 << 62  # a bound no index reaches: only the lower one matters
 _DIM_MSG = "index {v} is out of bounds for dimension {d} with size {n}"
@@ -103,6 +113,51 @@ class Rule:
     message: str = _DIM_MSG
     cpu_checks: bool = True  # eager's CPU kernel bounds these indices itself (raises cleanly)
 
+    @property
+    def arg(self) -> str:
+        return self.index
+
+
+@dataclass(frozen=True, slots=True)
+class Values:
+    """How one op's value argument is checked: a CUDA kernel asserts on its values.
+
+    Every kernel of the audit asserts with comparisons that NaN fails (``0 <= p && p <= 1``,
+    ``!isnan``), and ``aminmax`` propagates NaN, so a NaN is refused as the kernel would.
+
+    Attributes:
+        arg: the schema argument holding the values; only a tensor is checked (a number is
+            checked by eager's host code, ``bernoulli(x, p=1.5)``), and not a ``bool`` one
+            (always in ``[0, 1]``).
+        kind: what is reduced and judged:
+            ``"range"``: ``lo <= min`` and ``max <= hi`` (one ``aminmax``);
+            ``"probs"``: ``multinomial``'s rows: every value finite and ``>= 0``, every row sum
+            ``> 0`` (and, with replacement and more than one sample, finite in the input's
+            dtype): ``aminmax`` of the values and of the row sums;
+            ``"count"``: the ``True`` count of the mask broadcast to ``self`` at most the
+            ``ref`` argument's ``numel`` (``masked_scatter``'s source);
+            ``"total"``: the repeats ``>= 0`` and summing to the ``ref`` argument
+            (``output_size``), where that is given (else eager's host code checks, and syncs).
+        lo, hi: the bounds of ``"range"``.
+        ref: the argument ``"count"`` and ``"total"`` compare with.
+        unless: the rule applies only to the overloads without this argument
+            (``bernoulli(self)`` draws with probabilities ``self``; ``bernoulli(self, p)``
+            with ``p``).
+        error: eager's exception type on the CPU.
+        message: eager's CPU text (``{v}``: the value that fails), for ``"range"``.
+        cpu_checks: eager's CPU kernel checks these values itself (every rule of the audit).
+    """
+
+    arg: str
+    kind: str = "range"
+    lo: float = 0.0
+    hi: float = 1.0
+    ref: str | None = None
+    unless: str | None = None
+    error: type[Exception] = RuntimeError
+    message: str = ""
+    cpu_checks: bool = True
+
 
 _GATHER = Rule("index", "dim")
 _FILL = Rule("index", "dim", negative=True, error=IndexError)
@@ -116,13 +171,21 @@ _NLL = Rule("target", "classes", dim=None, error=IndexError,
             message="Target {v} is out of bounds.")
 
 
+_P_MSG = ("Expected p_in >= 0 && p_in <= 1 to be true, but got false.  (Could this error message "
+          "be improved?  If so, please report an enhancement request to PyTorch.)")
+_BERNOULLI = (Values("p", message=_P_MSG), Values("self", unless="p", message=_P_MSG))
+_BCE_MSG = "all elements of {w} should be between 0 and 1"
+_MASKED_SCATTER = Values("mask", "count", ref="source",
+                         message="Number of elements of source < number of ones in mask")
+
+
 def _pool(rank: int, index: str = "indices", ref: str = "self", cpu_checks: bool = True) -> Rule:
     return Rule(index, "spatial", ref=ref, dim=str(rank), message=_POOL_MSG,
                 cpu_checks=cpu_checks)
 
 
 #: The one table: op base name -> rules of its index arguments (docs/deployment.md lists it).
-RULES: dict[str, tuple[Rule, ...]] = {
+RULES: dict[str, tuple[Rule | Values, ...]] = {
     "gather": (_GATHER,),
     "gather_backward": (_GATHER,),
     "scatter": (_GATHER,),
@@ -179,6 +242,47 @@ RULES: dict[str, tuple[Rule, ...]] = {
                      message="one_hot: class value {v} is out of range [0, {n})"),),
     "max_unpool2d": (_pool(2, ref="output_size"),),
     "max_unpool3d": (_pool(3, ref="output_size"),),
+    # values, not indices (VALUE_ASSERTS says what each CUDA kernel asserts)
+    "bernoulli": _BERNOULLI,
+    "bernoulli_": _BERNOULLI,
+    "binary_cross_entropy": (Values("self", message=_BCE_MSG.format(w="input")),
+                             Values("target", message=_BCE_MSG.format(w="target"))),
+    "multinomial": (Values("self", "probs"),),
+    "masked_scatter": (_MASKED_SCATTER,),
+    "masked_scatter_": (_MASKED_SCATTER,),
+    "repeat_interleave": (Values("repeats", "total", ref="output_size"),),
+}
+
+#: The audit: allowlisted ops whose CUDA kernels assert on (or, for pivots, are unsafe with) the
+#: *values* of an argument beyond the index rules above (shapes are meta inference's), with the
+#: condition (PyTorch's aten/src/ATen/native/cuda). Each has a :class:`Values` rule in
+#: :data:`RULES` or a refusal in :data:`UNCHECKED` (``tests/unit/test_index_check.py`` holds that).
+VALUE_ASSERTS: dict[str, str] = {
+    **dict.fromkeys(("bernoulli", "bernoulli_"), "DistributionTemplates.h "
+                    "bernoulli_tensor_cuda_kernel: CUDA_KERNEL_ASSERT(0 <= p && p <= 1) for a "
+                    "tensor p (self where there is no p); NaN fails it"),
+    "binary_cross_entropy": "Loss.cu binary_cross_entropy_out_cuda: CUDA_KERNEL_ASSERT(input_val "
+                            ">= 0 && input_val <= 1), the same for target_val; NaN fails it",
+    "multinomial": "with replacement and more than one sample, MultinomialKernel.cu: "
+                   "renormRowsL1 asserts !(val < 0), binarySearchForMultinomial a row's "
+                   "cumulative sum > 0 (fails for a zero row, NaN, inf, or a row sum that "
+                   "overflows the dtype); else Distributions.cpp's fast path, in recent "
+                   "versions: at::_assert_async(min >= 0 && max < inf) and no row summing to 0 "
+                   "(a device-side assert on CUDA; older versions checked on the host)",
+    **dict.fromkeys(("masked_scatter", "masked_scatter_"), "IndexKernel.cu "
+                    "masked_scatter_size_check: CUDA_KERNEL_ASSERT(the mask's True count, "
+                    "broadcast to self, <= source.numel())"),
+    "repeat_interleave": "Repeat.cu compute_cuda_kernel, where output_size is given (else eager's "
+                         "host code checks, with a sync): CUDA_KERNEL_ASSERT_PRINTF(output_size == "
+                         "sum(repeats)), CUDA_KERNEL_ASSERT(repeat >= 0)",
+    **dict.fromkeys(("lu_unpack", "lu_solve", "linalg_lu_solve", "linalg_ldl_solve"),
+                    "pivots (1-based row numbers) index rows: LinearAlgebra.cu "
+                    "unpack_pivots_cuda_kernel swaps perm[pivots[i] - 1] unchecked (an "
+                    "out-of-bounds write, not even an assert); the solvers pass them to "
+                    "the getrs/sytrs of cuSOLVER, cuBLAS or MAGMA (not audited further)"),
+    "_grouped_mm": "GroupMMCommon.cuh prepare_grouped_gemm_data (CUTLASS path): "
+                   "CUDA_KERNEL_ASSERT on each group's size from offs (a multiple of 16 in some "
+                   "versions, >= 0 and ending within the rows in others)",
 }
 
 #: Ops with index arguments but no rule yet: refused where the check is on (their reason says why).
@@ -196,6 +300,13 @@ UNCHECKED: dict[str, str] = {
                  "multilabel_margin_loss_backward")
 } | {
     "_segment_reduce_backward": "segment lengths and offsets are not checked yet",
+} | {
+    name: "pivots (1-based row numbers) are not checked yet: CUDA swaps or reads rows by them "
+          "unchecked"
+    for name in ("lu_unpack", "lu_solve", "linalg_lu_solve", "linalg_ldl_solve")
+} | {
+    "_grouped_mm": "its offs (group ends) are not checked yet: the conditions CUDA's kernel "
+                   "asserts on them change between PyTorch versions",
 }
 
 #: Ops whose index-like arguments (by name) hold no indices into device memory, with the reason.
@@ -207,12 +318,11 @@ NOT_INDICES: dict[str, str] = {
                  "fractional_max_pool2d", "fractional_max_pool3d")
 } | {
     name: "its target holds values (regression or probability targets), not class indices"
-    for name in ("binary_cross_entropy", "binary_cross_entropy_backward",
-                 "binary_cross_entropy_with_logits", "cosine_embedding_loss",
-                 "hinge_embedding_loss", "huber_loss", "huber_loss_backward", "kl_div",
-                 "l1_loss", "margin_ranking_loss", "mse_loss", "mse_loss_backward",
-                 "poisson_nll_loss", "smooth_l1_loss", "smooth_l1_loss_backward",
-                 "soft_margin_loss", "soft_margin_loss_backward")
+    for name in ("binary_cross_entropy_backward", "binary_cross_entropy_with_logits",
+                 "cosine_embedding_loss", "hinge_embedding_loss", "huber_loss",
+                 "huber_loss_backward", "kl_div", "l1_loss", "margin_ranking_loss", "mse_loss",
+                 "mse_loss_backward", "poisson_nll_loss", "smooth_l1_loss",
+                 "smooth_l1_loss_backward", "soft_margin_loss", "soft_margin_loss_backward")
 } | {
     "batch_norm_gather_stats_with_counts": "counts are floating-point statistics",
     "_pack_padded_sequence": "lengths must be a CPU tensor: checked by the host code",
@@ -228,8 +338,8 @@ def base_name(op: Any) -> str:
     return op._schema.name.split("::", 1)[-1]
 
 
-def rules_for(op: Any) -> tuple[Rule, ...] | None:
-    """The rules of ``op`` (None: it takes no index argument); cached on the op."""
+def rules_for(op: Any) -> tuple[Rule | Values, ...] | None:
+    """The rules of ``op`` (None: it takes no checked argument); cached on the op."""
     try:
         return op._genie_index_rules
     except AttributeError:
@@ -238,7 +348,8 @@ def rules_for(op: Any) -> tuple[Rule, ...] | None:
     rules = RULES.get(name)
     if rules is not None:
         args = {a.name for a in op._schema.arguments}
-        rules = tuple(r for r in rules if r.index in args) or None
+        rules = tuple(r for r in rules if r.arg in args and
+                      not (type(r) is Values and r.unless in args)) or None
     try:
         op._genie_index_rules = rules
     except AttributeError:
@@ -384,21 +495,107 @@ def server_scope(setting: str, device: torch.device) -> str | None:
     return "cpu" if s in ("auto", "") and device.type != "cuda" else None
 
 
-def _reduce(ts: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """(min, max) of each tensor: one ``aminmax`` each, one copy to the host per device."""
+def _index_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.aminmax(t))  # integers: :func:`_fetch` copies them as int64
+
+
+def _value_parts(rule: Values, a: dict[str, Any]) -> list[torch.Tensor] | None:
+    """The 0-d tensors ``rule`` reduces its argument to, on its device (None: nothing to check:
+    not a tensor, empty, or a path where eager's host code checks)."""
+    t = a.get(rule.arg)
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return None
+    k = rule.kind
+    if k == "range":
+        if t.dtype is torch.bool:
+            return None
+        return list(torch.aminmax(t))
+    if k == "probs":
+        return [*torch.aminmax(t), *torch.aminmax(t.sum(-1))]
+    if k == "count":
+        shape = torch.broadcast_shapes(a["self"].shape, t.shape)
+        m = t if t.dtype is torch.bool else t != 0
+        return [m.expand(shape).sum()]
+    if k == "total":
+        if a.get(rule.ref) is None:
+            return None  # without output_size eager's host code checks (and syncs)
+        x = a.get("self")
+        if isinstance(x, torch.Tensor) and t.numel() == 1:  # one repeat for every slice
+            d = a.get("dim")
+            total = t.reshape(()) * (x.numel() if d is None else x.shape[d])
+        else:
+            total = t.sum()
+        return [t.amin().long(), total.long()]
+    raise AssertionError(f"unknown value rule kind {k!r}")
+
+
+def _judge_values(rule: Values, st: list[Any], a: dict[str, Any]) -> None:
+    """Raise eager's error when the reduced values ``st`` fail ``rule``'s condition."""
+    k = rule.kind
+    msg = None
+    if k == "range":
+        lo, hi = st
+        if not (rule.lo <= lo and hi <= rule.hi):  # NaN fails, as in the kernels
+            msg = rule.message.format(v=lo if not rule.lo <= lo else hi)
+    elif k == "probs" and (not a.get("replacement") or a.get("num_samples") == 1):
+        lo, hi, slo, _ = st  # the fast path: _assert_async (a device-side assert on CUDA)
+        if not (lo >= 0 and hi < math.inf):
+            msg = "probability tensor contains either `inf`, `nan` or element < 0"
+        elif not slo > 0:
+            msg = "invalid multinomial distribution (sum of probabilities <= 0)"
+    elif k == "probs":
+        lo, hi, slo, shi = st
+        if not lo >= 0:  # NaN included: eager's CPU kernel tests ``>= 0`` first
+            msg = "invalid multinomial distribution (encountering probability entry < 0)"
+        elif not hi < math.inf:
+            msg = "invalid multinomial distribution (encountering probability entry = infinity " \
+                  "or NaN)"
+        elif not slo > 0:
+            msg = "invalid multinomial distribution (sum of probabilities <= 0)"
+        elif not shi < math.inf:  # CUDA renormalizes in the dtype: a zero row after all
+            msg = (f"invalid multinomial distribution (a row's sum of probabilities, {shi}, "
+                   f"overflows {a['self'].dtype}, which CUDA's kernel sums in)")
+    elif k == "count":
+        if st[0] > a[rule.ref].numel():
+            msg = rule.message
+    elif k == "total":
+        if st[0] < 0:
+            msg = "repeats can not be negative"
+        elif st[1] != a[rule.ref]:
+            msg = "allocated size does not match required size"
+    if msg is not None:
+        raise IndexOutOfRange(rule.error(msg))
+
+
+def _as_float(v: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", v))[0]
+
+
+def _fetch(jobs: list[list[torch.Tensor]]) -> list[list[Any]]:
+    """The numbers of each job (a list of 0-d tensors: integers exact, floating ones as Python
+    floats, NaN kept): all of one device stacked in one tensor, one copy to the host (one sync)
+    per device."""
     by_dev: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(ts):
-        by_dev.setdefault(t.device, []).append(i)
-    out: list[tuple[int, int]] = [(0, 0)] * len(ts)
+    for i, parts in enumerate(jobs):
+        by_dev.setdefault(parts[0].device, []).append(i)
+    out: list[list[Any]] = [[] for _ in jobs]
     for ids in by_dev.values():
-        parts = []
+        flat: list[torch.Tensor] = []
+        floats: list[bool] = []
         for i in ids:
-            lo, hi = torch.aminmax(ts[i])
-            parts += (lo.long(), hi.long())
-        vals = torch.stack(parts).tolist()  # the one sync of this batch
-        for j, i in enumerate(ids):
-            out[i] = (vals[2 * j], vals[2 * j + 1])
-    bump("index_checks", len(ts))
+            for t in jobs[i]:
+                fl = t.is_floating_point()
+                floats.append(fl)  # a float64's bits travel as an int64: one stack, exact
+                flat.append(t.double().view(torch.int64) if fl else
+                            t if t.dtype is torch.int64 else t.long())
+        vals = torch.stack(flat).tolist()  # the one sync of this batch
+        k = 0
+        for i in ids:
+            n = len(jobs[i])
+            out[i] = [_as_float(v) if fl else v
+                      for v, fl in zip(vals[k:k + n], floats[k:k + n], strict=True)]
+            k += n
+    bump("index_checks", len(jobs))
     bump("index_check_syncs", len(by_dev))
     return out
 
@@ -407,40 +604,60 @@ def _masked(t: torch.Tensor, ignore: int | None) -> torch.Tensor:
     return t if ignore is None else t.masked_fill(t == ignore, 0)
 
 
+def _judge_any(what: tuple, st: list[Any]) -> None:
+    """Judge one check: ``(rule, size, dim)`` of an index rule or ``(rule, args)`` of a value
+    rule, against its reduced numbers ``st``."""
+    if type(what[0]) is Values:
+        _judge_values(what[0], st, what[1])
+    else:
+        _judge(what[0], st[0], st[1], what[1], what[2])
+
+
 def check_call(op: Any, args: tuple, kwargs: dict) -> None:
-    """Check one call's index arguments now (one sync); raises eager's error when one is out
-    of range. The in-process path for single calls; tapes use :class:`IndexCheck`."""
+    """Check one call's index and value arguments now (one sync); raises eager's error when
+    one is out of range. The in-process path for single calls; tapes use :class:`IndexCheck`."""
     rules = rules_for(op)
     if not rules:
         return
     a = _bind(op, args, kwargs)
+    jobs: list[list[torch.Tensor]] = []
+    whats: list[tuple] = []
     for rule in rules:
-        ext = [e for e in _extents(rule, a) if e is not None]
-        if not ext:
+        if type(rule) is Values:
+            parts = _value_parts(rule, a)
+            if parts:
+                jobs.append(parts)
+                whats.append((rule, a))
             continue
         ign = _ignored(rule, a)
-        mm = _reduce([_masked(t, ign) for t, _, _ in ext])
-        for (_, n, d), (lo, hi) in zip(ext, mm, strict=True):
-            try:
-                _judge(rule, lo, hi, n, d)
-            except IndexOutOfRange as e:
-                raise e.args[0] from None
+        for e in _extents(rule, a):
+            if e is not None:
+                jobs.append(_index_parts(_masked(e[0], ign)))
+                whats.append((rule, e[1], e[2]))
+    if not jobs:
+        return
+    for what, st in zip(whats, _fetch(jobs), strict=True):
+        try:
+            _judge_any(what, st)
+        except IndexOutOfRange as e:
+            raise e.args[0] from None
 
 
 class IndexCheck:
-    """The index checks of one tape run (see the module docstring for the batching).
+    """The index and value checks of one tape run (see the module docstring for the batching).
 
-    Call :meth:`step` before each instruction runs: it checks the instruction's index arguments
-    (raising :class:`IndexOutOfRange`) and forgets the reductions the instruction will make
-    stale. Per instruction without index arguments it costs two set lookups.
+    Call :meth:`step` before each instruction runs: it checks the instruction's index and value
+    arguments (raising :class:`IndexOutOfRange`) and forgets the reductions the instruction will
+    make stale. Per instruction without checked arguments it costs two set lookups.
     """
 
     def __init__(self, tape: Tape, scope: str = "all") -> None:
         self.tape = tape
-        # reductions by (slot id, ignored value) -> (min, max, storage id)
-        self.known: dict[tuple[int, int | None], tuple[int, int, int]] = {}
+        # reductions by (slot id, ignored value) of indices, (slot id, rule kind) of values ->
+        # (their numbers: min, max, ...; the storage id)
+        self.known: dict[tuple[int, Any], tuple[list[Any], int]] = {}
         self._slots: set[int] = set()  # the slot ids of ``known``
-        self.tensors = 0  # index tensors reduced
+        self.tensors = 0  # checks reduced (index tensors, value rules)
         self.syncs = 0  # device-to-host copies (one per batch and device)
         self.refused = 0  # instructions refused (an index out of range, or an unchecked op)
         # per instruction with rules: its rules and its arguments bound to schema names (leaves
@@ -488,11 +705,28 @@ class IndexCheck:
                 f"(a Genie server on CUDA): {plan[i]}. Compute it in another way, or run it "
                 "where the check is off (in process, or GENIE_SERVER_INDEX_CHECK=0 on a "
                 "trusted single-tenant server)"))
-        todo: dict[tuple[int, int | None], torch.Tensor] = {}
-        consts: list[tuple[Rule, torch.Tensor, int, int]] = []
-        checks: list[tuple[Rule, Any, int, int]] = []
+        # reductions to make: cached ones by key (a slot's indices, with the ignored value; or
+        # a slot's values, by rule kind), and the others (constants, counts, totals)
+        todo: dict[tuple[int, Any], list[torch.Tensor]] = {}
+        fresh: list[tuple[tuple, list[torch.Tensor]]] = []
+        checks: list[tuple[tuple, tuple[int, Any]]] = []
         for rule, a in plan[i]:
             real = {k: _value(v, env) for k, v in a.items()}
+            if type(rule) is Values:
+                s = a.get(rule.arg)
+                if rule.kind == "range" and type(s) is Slot:
+                    key = (s.id, rule.kind)
+                    if key not in self.known:
+                        parts = _value_parts(rule, real)
+                        if parts is None:
+                            continue
+                        todo[key] = parts
+                    checks.append(((rule, real), key))
+                else:
+                    parts = _value_parts(rule, real)
+                    if parts is not None:
+                        fresh.append(((rule, real), parts))
+                continue
             srcs = _sources(rule, a)
             ext = _extents(rule, real)
             ign = _ignored(rule, real)
@@ -503,37 +737,51 @@ class IndexCheck:
                 if type(s) is Slot:
                     key = (s.id, ign)
                     if key not in self.known:
-                        todo[key] = _masked(t, ign)
-                    checks.append((rule, key, n, d))
+                        todo[key] = _index_parts(_masked(t, ign))
+                    checks.append(((rule, n, d), key))
                 else:
-                    consts.append((rule, _masked(t, ign), n, d))
-        if not checks and not consts:
+                    fresh.append(((rule, n, d), _index_parts(_masked(t, ign))))
+        if not checks and not fresh:
             return
-        if todo:  # reduce every other index that exists now too: one sync for all
-            for j, later in plan.items():
-                if j <= i or type(later) is str:
-                    continue
-                for rule, a in later:
-                    ign = a.get("ignore_index") if rule.kind == "classes" else None
-                    if ign is not None and type(ign) is not int:
-                        continue
-                    for s in _sources(rule, a):
-                        if type(s) is Slot and (s.id, ign) not in self.known and s.id in env:
-                            t = env[s.id]
-                            if _is_index(t, rule.kind == "advanced"):
-                                todo.setdefault((s.id, ign), _masked(t, ign))
-        ts = list(todo.values()) + [t for _, t, _, _ in consts]
-        mm = _reduce(ts)
-        self.tensors += len(ts)
-        self.syncs += len({t.device for t in ts})
-        for key, (lo, hi) in zip(todo, mm, strict=False):
-            self.known[key] = (lo, hi, env[key[0]].untyped_storage()._cdata)
+        if todo or fresh:  # reduce every other argument that exists now too: one sync for all
+            self._prefetch(i, env, todo)
+        jobs = list(todo.values()) + [parts for _, parts in fresh]
+        stats = _fetch(jobs)
+        self.tensors += len(jobs)
+        self.syncs += len({parts[0].device for parts in jobs})
+        for key, st in zip(todo, stats, strict=False):
+            self.known[key] = (st, env[key[0]].untyped_storage()._cdata)
             self._slots.add(key[0])
-        for rule, key, n, d in checks:
-            lo, hi, _ = self.known[key]
-            _judge(rule, lo, hi, n, d)
-        for (rule, _, n, d), (lo, hi) in zip(consts, mm[len(todo):], strict=True):
-            _judge(rule, lo, hi, n, d)
+        for what, key in checks:
+            _judge_any(what, self.known[key][0])
+        for (what, _), st in zip(fresh, stats[len(todo):], strict=True):
+            _judge_any(what, st)
+
+    def _prefetch(self, i: int, env: dict[int, Any], todo: dict[tuple[int, Any], list]) -> None:
+        """Add to ``todo`` the reductions of the later instructions' arguments that exist now
+        (tape inputs: token ids, positions): indices, and values of ``"range"`` rules."""
+        for j, later in self.plan.items():
+            if j <= i or type(later) is str:
+                continue
+            for rule, a in later:
+                if type(rule) is Values:
+                    s = a.get(rule.arg)
+                    if rule.kind != "range" or type(s) is not Slot or s.id not in env or \
+                            (s.id, rule.kind) in self.known or (s.id, rule.kind) in todo:
+                        continue
+                    parts = _value_parts(rule, {rule.arg: env[s.id]})
+                    if parts is not None:
+                        todo[(s.id, rule.kind)] = parts
+                    continue
+                ign = a.get("ignore_index") if rule.kind == "classes" else None
+                if ign is not None and type(ign) is not int:
+                    continue
+                for s in _sources(rule, a):
+                    if type(s) is Slot and (s.id, ign) not in self.known and \
+                            (s.id, ign) not in todo and s.id in env:
+                        t = env[s.id]
+                        if _is_index(t, rule.kind == "advanced"):
+                            todo[(s.id, ign)] = _index_parts(_masked(t, ign))
 
     def written(self, ins: Any, env: dict[int, Any]) -> None:
         """Before ``ins`` runs: forget the reductions of the slots it writes (a slot freed
@@ -545,7 +793,7 @@ class IndexCheck:
         if not isinstance(ins.op, str) and policy(ins.op).writes:
             args, kwargs = optree.tree_unflatten(ins.spec, [_value(x, env) for x in ins.leaves])
             storages = written_storages(ins.op, args, kwargs)
-        for key in [k for k, (_, _, sid) in self.known.items()
+        for key in [k for k, (_, sid) in self.known.items()
                     if k[0] in slots or sid in storages]:
             del self.known[key]
         self._slots = {k[0] for k in self.known}

@@ -1,10 +1,13 @@
-"""Out-of-range indices through a real server: refused before the kernel, everyone served after.
+"""Out-of-range indices and values through a real server: refused before the kernel, everyone
+served after.
 
 On CUDA an out-of-range index in an indexing kernel is a device-side assert that breaks the
 server's CUDA context for every session; the server checks index arguments first
 (genie.index_check, ``--index-check``, on by default on CUDA). Here the server serves the CUDA
 device where there is one (the check on by default, the attack real), else the CPU with the check
-forced on (``--index-check 1``). Every family of indexing op gets an out-of-range case that must
+forced on (``--index-check 1``). Every family of indexing op, and every op whose CUDA kernel
+asserts on argument values (``bernoulli``, ``binary_cross_entropy``, ``multinomial``,
+``masked_scatter``, ``repeat_interleave``), gets an out-of-range case that must
 raise eager's exception type at the call site, after which the same session and another tenant's
 session still compute; in-range cases (negative and empty indices included) give eager's values.
 """
@@ -95,6 +98,28 @@ FAMILIES = {
 }
 
 
+#: values a CUDA kernel asserts on (genie.index_check.Values): family -> as FAMILIES, the second
+#: tensor holding the values (probabilities in {0, 1} and one-hot rows: eager's values are exact)
+VALUE_FAMILIES = {
+    "bernoulli": (lambda x, p: torch.bernoulli(p), T([0.0, 1.0, 1.0]), T([0.0, 1.5, 1.0]),
+                  RuntimeError, "Expected p_in >= 0 && p_in <= 1 to be true"),
+    "bernoulli_nan": (lambda x, p: torch.zeros_like(p).bernoulli_(p), T([1.0, 0.0]),
+                      T([float("nan"), 0.0]), RuntimeError, "Expected p_in >= 0"),
+    "binary_cross_entropy": (lambda x, v: F.binary_cross_entropy(v, torch.full_like(v, 0.5)),
+                             T([0.25, 0.75]), T([0.25, 1.25]), RuntimeError,
+                             "all elements of input should be between 0 and 1"),
+    "multinomial": (lambda x, p: torch.multinomial(p, 3, replacement=True),
+                    T([[0.0, 1.0], [1.0, 0.0]]), T([[0.0, 0.0], [1.0, 0.0]]), RuntimeError,
+                    "sum of probabilities <= 0"),
+    "masked_scatter": (lambda x, m: x.masked_scatter(m, torch.ones(4, device=x.device)),
+                       T([True, False, False, False]), T([True, True, False, False]),
+                       RuntimeError, "Number of elements of source < number of ones in mask"),
+    "repeat_interleave": (lambda x, r: torch.repeat_interleave(r, output_size=3), T([1, 2]),
+                          T([2, 2]), RuntimeError, "allocated size does not match required size"),
+}
+FAMILIES |= VALUE_FAMILIES
+
+
 def _on(x: torch.Tensor, *ts: torch.Tensor) -> list[torch.Tensor]:
     return [t.to(DEV) for t in (x, *ts)]
 
@@ -134,6 +159,28 @@ def test_empty_and_negative_indices_give_eagers_values(remote) -> None:
     assert torch.equal(xd.index_fill(1, n.to(DEV), 7.0).cpu(), x.index_fill(1, n, 7.0))
     m = torch.tensor([True, False, True])  # a mask holds no indices
     assert torch.equal(xd[m.to(DEV)].cpu(), x[m])
+
+
+def test_empty_values_cost_nothing_and_give_eagers_values(remote) -> None:
+    e = torch.empty(0)
+    genie.reset_stats()
+    assert torch.equal(torch.bernoulli(e.to(DEV)).cpu(), torch.bernoulli(e))
+    assert torch.equal(F.binary_cross_entropy(e.to(DEV), e.to(DEV), reduction="sum").cpu(),
+                       F.binary_cross_entropy(e, e, reduction="sum"))
+    x, m = X(), torch.zeros(0, 4, dtype=torch.bool)
+    assert torch.equal(x[:0].to(DEV).masked_scatter(m.to(DEV), e.to(DEV)).cpu(),
+                       x[:0].masked_scatter(m, e))
+    assert "server_index_checks" not in genie.stats()
+
+
+def test_probabilities_and_indices_of_one_step_pay_one_sync(remote) -> None:
+    w, ids, keep = torch.randn(50, 8), torch.tensor([[3, 49]]), torch.tensor([[1.0, 0.0]])
+    wd = w.to(DEV)
+    genie.reset_stats()
+    h = F.embedding(ids.to(DEV), wd) * torch.bernoulli(keep.to(DEV)).unsqueeze(-1)
+    assert torch.allclose(h.cpu(), F.embedding(ids, w) * keep.unsqueeze(-1))
+    s = genie.stats()
+    assert s["server_index_checks"] == 2 and s["server_index_check_syncs"] == 1, s
 
 
 def test_an_index_computed_on_the_server_is_checked_before_its_use(remote) -> None:
@@ -202,18 +249,27 @@ def test_a_cpu_server_checks_by_default_the_kernels_that_do_not(keys: Path) -> N
         assert s.stop() == 0
 
 
+#: one attack per kind of check: an out-of-range index, a value a kernel asserts on
+ATTACKS = {
+    "gather": lambda: X().to(DEV).gather(0, T([[7, 0, 0, 0]]).to(DEV)).cpu(),
+    "bernoulli": lambda: torch.bernoulli(T([0.5, 1.5]).to(DEV)).cpu(),
+}
+
+
 @pytest.mark.skipif(not CUDA, reason="the device-side assert is CUDA's: the attack this file "
                     "defends against, replayed on a server with the check off")
-def test_without_the_check_one_client_breaks_a_cuda_server_for_everyone(keys: Path) -> None:
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_without_the_check_one_client_breaks_a_cuda_server_for_everyone(keys: Path,
+                                                                        attack: str) -> None:
     """The witness that the tests above can fail: with ``--index-check 0`` one out-of-range
-    ``gather`` leaves the server's CUDA context unusable, and another tenant's next request
-    fails too."""
+    ``gather`` (or ``bernoulli`` with p = 1.5) leaves the server's CUDA context unusable, and
+    another tenant's next request fails too."""
     s = ServerProc(keys, "--device", "cuda:0", "--index-check", "0")
     try:
         other = RawSession(s)
         genie.connect(s.address, key_file=str(s.key_file), timeout=60)
         with pytest.raises(Exception):  # noqa: B017 (whatever CUDA reports)
-            X().to(DEV).gather(0, T([[7, 0, 0, 0]]).to(DEV)).cpu()
+            ATTACKS[attack]()
         genie.disconnect()
         x = torch.arange(4.0)
         r = other.run(["aten::mul.Scalar"], [[0, 0, [-1, -1], [0], [], False]],

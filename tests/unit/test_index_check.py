@@ -20,7 +20,7 @@ import genie
 from genie import index_check
 from genie.config import config
 from genie.device import real_device
-from genie.index_check import NOT_INDICES, RULES, UNCHECKED, check_call
+from genie.index_check import NOT_INDICES, RULES, UNCHECKED, VALUE_ASSERTS, Values, check_call
 from genie.planner import Instr, Slot, Tape
 
 aten = torch.ops.aten
@@ -170,8 +170,136 @@ CASES: dict[str, tuple] = {
 }
 
 
+NAN, INF = float("nan"), float("inf")
+F32 = torch.float32
+
+
+#: op base name -> (overload, arguments given the checked tensor, in-range values, a list of
+#: out-of-range values (each fails in another way), the dtype of the values). Eager's CPU kernel
+#: refuses each out-of-range case itself: the check must raise its exception type and text.
+VALUE_CASES: dict[str, tuple] = {
+    "bernoulli": (aten.bernoulli.default, lambda v: (v,), [0.0, 0.5, 1.0],
+                  [[0.5, 1.5], [-0.1, 0.2], [NAN, 0.5]], F32),
+    "bernoulli_": (aten.bernoulli_.Tensor, lambda v: (_f(3), v), [1.0, 0.0, 0.25],
+                   [[1.0, 0.0, 2.0], [0.0, NAN, 0.0]], F32),
+    "binary_cross_entropy": (aten.binary_cross_entropy.default,
+                             lambda v: (v, _t([0.5, 1.0], F32)), [0.0, 1.0],
+                             [[1.5, 0.5], [NAN, 0.5], [-INF, 0.5]], F32),
+    "multinomial": (aten.multinomial.default, lambda v: (v, 3, True), [[0.2, 0.8], [1.0, 0.0]],
+                    [[[0.2, -0.8], [1.0, 0.0]], [[0.2, NAN], [1.0, 0.0]],
+                     [[0.2, INF], [1.0, 0.0]], [[0.0, 0.0], [1.0, 0.0]]], F32),
+    "masked_scatter": (aten.masked_scatter.default, lambda m: (_x(), m, _f(6)),
+                       [True, False, True, False], [[True, False, True, True]], torch.bool),
+    "masked_scatter_": (aten.masked_scatter_.default, lambda m: (_x(), m, _f(4)),
+                        [[False], [True], [False]], [[[True], [False], [True]]], torch.bool),
+    "repeat_interleave": (aten.repeat_interleave.Tensor, lambda r: (r,), [1, 0, 2],
+                          [[1, 1, 2], [3, -1, 1], [-1, 2, 2]], L),
+}
+# each case's output_size: the sum of its in-range repeats
+VALUE_KWARGS = {"repeat_interleave": {"output_size": 3}}
+
+
 def test_every_rule_has_a_case() -> None:
-    assert set(RULES) == set(CASES), set(RULES) ^ set(CASES)
+    cases = set(CASES) | set(VALUE_CASES)
+    assert set(RULES) == cases, set(RULES) ^ cases
+
+
+def _cpu(tree):
+    return optree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, tree,
+                           none_is_leaf=True)
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_CASES))
+def test_each_value_rule_refuses_what_eager_refuses(name: str) -> None:
+    op, make, good, bads, dtype = VALUE_CASES[name]
+    kw = VALUE_KWARGS.get(name, {})
+    torch.manual_seed(0)
+    want = op(*_cpu(make(_t(good, dtype))), **kw)
+    torch.manual_seed(0)
+    args = make(_t(good, dtype))
+    check_call(op, args, kw)  # in range: passes, and draws no random numbers: eager's values
+    assert torch.equal(op(*_cpu(args), **kw), want)
+    for bad in bads:
+        with pytest.raises(Exception) as eager:  # noqa: B017 (the oracle: whatever eager raises)
+            op(*_cpu(make(_t(bad, dtype))), **kw)
+        with pytest.raises(type(eager.value)) as ei:
+            check_call(op, make(_t(bad, dtype)), kw)
+        assert str(ei.value) == str(eager.value), (bad, ei.value, eager.value)
+
+
+def test_value_rules_leave_what_eagers_host_code_checks() -> None:
+    """A probability given as a number, ``repeat_interleave`` without ``output_size``: eager's
+    host code checks these (it syncs anyway), so the check reduces nothing; bool probabilities
+    and empty tensors hold nothing."""
+    genie.reset_stats()
+    x = _f(2, 3)
+    check_call(aten.bernoulli.p, (x, 1.5), {})
+    check_call(aten.bernoulli_.float, (x, 1.5), {})
+    check_call(aten.repeat_interleave.Tensor, (_t([-1, 2]),), {})
+    check_call(aten.bernoulli.Tensor, (x, _t([True, False], torch.bool)), {})
+    check_call(aten.bernoulli.default, (_f(0),), {})
+    check_call(aten.binary_cross_entropy.default, (_f(0), _f(0)), {})
+    check_call(aten.masked_scatter.default, (_f(0, 3), _t([], torch.bool), _f(0)), {})
+    assert "index_checks" not in genie.stats()
+
+
+def test_value_rules_read_the_overload_they_check() -> None:
+    x = _f(3)
+    with pytest.raises(RuntimeError, match="p_in >= 0"):  # bernoulli(self, p): p, not self
+        check_call(aten.bernoulli.Tensor, (x, _t([0.5, 2.0, 0.0], F32)), {})
+    check_call(aten.bernoulli.Tensor, (x + 5, _t([0.5, 1.0, 0.0], F32)), {})
+    # one repeat for every slice of dim (self_Tensor): 2 per row of 3 rows = 6
+    check_call(aten.repeat_interleave.self_Tensor, (_x(), _t([2]), 0), {"output_size": 6})
+    with pytest.raises(RuntimeError, match="allocated size does not match"):
+        check_call(aten.repeat_interleave.self_Tensor, (_x(), _t([2]), 0), {"output_size": 5})
+    check_call(aten.repeat_interleave.self_Tensor, (_x(), _t([1, 2, 0]), 0), {"output_size": 3})
+    with pytest.raises(RuntimeError, match="Number of elements of source"):  # the broadcast mask
+        check_call(aten.masked_scatter.default, (_x(), _t([[True], [False], [True]], torch.bool),
+                                                 _f(7)), {})
+
+
+def test_multinomials_fast_path_is_checked_too() -> None:
+    """Drawing once, or without replacement, ``multinomial`` takes its fast path, whose checks
+    are ``_assert_async`` in recent PyTorch: a device-side assert on CUDA. Eager's CPU texts."""
+    for args in ((1, True), (2, False), (1, False)):
+        check_call(aten.multinomial.default, (_t([[0.2, 0.8], [1.0, 0.0]], F32), *args), {})
+        for bad in ([[0.2, -0.8], [1.0, 0.0]], [[0.2, NAN], [1.0, 0.0]],
+                    [[INF, 0.8], [1.0, 0.0]], [[0.0, 0.0], [1.0, 0.0]]):
+            with pytest.raises(RuntimeError) as eager:
+                aten.multinomial.default(torch.tensor(bad), *args)
+            with pytest.raises(RuntimeError) as ei:
+                check_call(aten.multinomial.default, (_t(bad, F32), *args), {})
+            assert str(ei.value) == str(eager.value), (args, bad, ei.value, eager.value)
+
+
+def test_half_precision_values_and_row_sums_that_overflow_the_dtype() -> None:
+    """Values are judged in float64 (bits carried exactly through the one int64 copy); a
+    ``multinomial`` row whose sum overflows its dtype is refused: CUDA renormalizes in it."""
+    for dt in (torch.float16, torch.bfloat16, torch.float64):
+        check_call(aten.bernoulli.default, (_t([0.0, 1.0], dt),), {})
+        with pytest.raises(RuntimeError, match="p_in >= 0"):
+            check_call(aten.bernoulli.default, (_t([0.0, 1.0 + 2 ** -7], dt),), {})
+    big = _t([[60000.0, 60000.0]], torch.float16)
+    with pytest.raises(RuntimeError, match="overflows torch.float16"):
+        check_call(aten.multinomial.default, (big, 2, True), {})
+    check_call(aten.multinomial.default, (big.float(), 2, True), {})
+
+
+def test_the_audit_has_a_rule_or_a_refusal_for_every_served_op() -> None:
+    """Every op of the allowlist whose CUDA kernel asserts on argument values (VALUE_ASSERTS,
+    the audit) has a value rule or is refused where checks are on; every value rule is for an
+    audited op; every audited op is served (the audit names no op the server does not run)."""
+    path = Path(genie.__file__).parent / "remote" / "allowlist.txt"
+    served = {ln.split("::")[1].partition(".")[0] for ln in path.read_text().splitlines()
+              if ln.strip() and not ln.startswith("#")}
+    missing = [n for n in VALUE_ASSERTS if n in served and n not in UNCHECKED and
+               not any(type(r) is Values for r in RULES.get(n, ()))]
+    assert not missing, (f"ops whose CUDA kernels assert on values and have neither a value "
+                         f"rule nor a refusal: {missing}; add a Values rule or an UNCHECKED "
+                         "reason")
+    ruled = {n for n, rules in RULES.items() if any(type(r) is Values for r in rules)}
+    assert ruled <= set(VALUE_ASSERTS), ruled - set(VALUE_ASSERTS)
+    assert set(VALUE_ASSERTS) <= served, set(VALUE_ASSERTS) - served
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -260,6 +388,9 @@ def test_the_table_covers_every_allowlisted_op_with_index_arguments() -> None:
         names = {a.name for ov in packet.overloads()
                  for a in getattr(packet, ov)._schema.arguments}
         for r in rules:
+            if type(r) is Values:
+                assert r.arg in names and r.ref in (None, *names), (name, r)
+                continue
             assert r.index in names and r.ref in names, (name, r)
             assert r.kind != "dim" or r.dim in names, (name, r)
     for name in (*UNCHECKED, *NOT_INDICES):
@@ -324,6 +455,26 @@ def test_an_index_computed_in_the_tape_is_checked_before_its_use(checked) -> Non
     assert genie.stats()["index_check_syncs"] == 2
 
 
+def test_values_are_checked_in_the_same_sync_as_indices(checked) -> None:
+    """A tape with an index and a probability among its inputs: both reduced in one sync; an
+    out-of-range probability is refused with eager's error, the session going on."""
+    w, ids, p = torch.randn(10, 4), torch.tensor([[1, 9, 3]]), torch.tensor([[0.0, 1.0, 1.0]])
+    wd, idd, pd = (t.to(DEV) for t in (w, ids, p))
+    genie.materialize(wd, idd, pd)
+    genie.reset_stats()
+    y = torch.nn.functional.embedding(idd, wd) * torch.bernoulli(pd).unsqueeze(-1)
+    assert torch.equal(y.cpu(), w[ids] * p.unsqueeze(-1))  # p in {0, 1}: eager's values
+    s = genie.stats()
+    assert s["index_checks"] == 2 and s["index_check_syncs"] == 1, s
+    with pytest.raises(RuntimeError, match=r"Expected p_in >= 0 && p_in <= 1") as ei:
+        torch.bernoulli(torch.tensor([0.5, 1.5]).to(DEV)).cpu()
+    assert isinstance(ei.value, genie.ExecutionError) and "bernoulli" in str(ei.value)
+    assert genie.stats()["index_check_refusals"] == 1
+    with pytest.raises(RuntimeError, match="all elements of input should be between 0 and 1"):
+        torch.nn.functional.binary_cross_entropy(pd * 2, pd).cpu()  # computed in the tape
+    assert torch.equal(torch.bernoulli(pd * 1).cpu(), p)
+
+
 def _tape(instrs, inputs, outputs):
     return Tape(instrs, inputs, list(outputs), set(outputs), [], {})  # no nodes: a raw tape
 
@@ -358,6 +509,21 @@ def test_a_write_to_a_checked_index_invalidates_it() -> None:
     with pytest.raises(genie.ExecutionError, match="index 18 is out of bounds"):
         run_guarded(tape, x.device, 1 << 20, index_check=ix)
     assert ix.syncs == 2  # reduced again after the write (a stale (min, max) would pass it)
+
+
+def test_a_write_to_checked_values_invalidates_them() -> None:
+    """Probabilities reduced before a first bernoulli, then written in place (a hostile tape):
+    reduced again before the second, which is refused."""
+    from genie.remote.guard import run_guarded
+
+    p = _t([0.0, 1.0], F32)
+    tape = _tape([_ins(aten.bernoulli.default, (Slot(0),), (1,)),
+                  _ins(aten.add_.Tensor, (Slot(0), Slot(0)), (2,)),
+                  _ins(aten.bernoulli.default, (Slot(0),), (3,))], {0: p.clone()}, (1, 3))
+    ix = index_check.IndexCheck(tape)
+    with pytest.raises(genie.ExecutionError, match="p_in >= 0") as ei:
+        run_guarded(tape, p.device, 1 << 20, index_check=ix)
+    assert ei.value.index == 2 and ix.syncs == 2 and ix.refused == 1
 
 
 def test_a_slot_written_again_is_reduced_again() -> None:
