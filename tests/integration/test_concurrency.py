@@ -36,8 +36,10 @@ print("done", time.monotonic(), flush=True)  # CLOCK_MONOTONIC: one clock for al
 """
 
 
-def _long_client(addr: str, n: int = 150) -> subprocess.Popen:
-    """A client process running a chain of ``n`` 1024x1024 matmuls (seconds of work)."""
+def _long_client(addr: str, n: int = 400) -> subprocess.Popen:
+    """A client process running a chain of ``n`` 1024x1024 matmuls (seconds of work: 150 took
+    under 1.3 s on a quiet 2-core VM with MKL, which let the one-worker case's queued hello run
+    before the test's client disconnected)."""
     p = subprocess.Popen([sys.executable, "-c", LONG, addr, str(n)], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     line = p.stdout.readline()

@@ -93,8 +93,12 @@ def test_the_current_device_is_the_one_the_engine_thread_would_set(caller):
             return g * 2
 
     count, current = _C._device_count(), _C._current_device()
-    if not caller and count < 2:
-        pytest.skip("the engine's device threads were sized for one device at its first backward")
+    if not caller:
+        # The engine sizes its per-device threads at the process's first non-CPU backward, with
+        # the device count of that moment (one, in this process): a fresh process with two
+        # devices sizes them for both
+        _engine_thread_device_probe()
+        return
     _C._set_device_count(max(count, 2))
     try:
         x = torch.ones(3, device=f"{D}:1", requires_grad=True)
@@ -105,3 +109,33 @@ def test_the_current_device_is_the_one_the_engine_thread_would_set(caller):
     finally:
         _C._set_device_count(count)
         _C._set_device(current)
+
+
+def _engine_thread_device_probe() -> None:
+    """The engine-thread variant of the test above, in a fresh process with two devices."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch, genie
+class Probe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+    @staticmethod
+    def backward(ctx, g):
+        seen.append(torch.remote_accelerator.current_device())
+        return g * 2
+seen = []
+x = torch.ones(3, device="remote_accelerator:1", requires_grad=True)
+Probe.apply(x).sum().backward()
+assert seen == [1] and x.grad.device == torch.device("remote_accelerator", 1), seen
+assert torch.remote_accelerator.current_device() == 0
+assert x.grad.cpu().tolist() == [2.0, 2.0, 2.0]
+print("ok")
+"""
+    env = {**os.environ, "GENIE_DEVICE_COUNT": "2", "GENIE_CALLER_BACKWARD": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
