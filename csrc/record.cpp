@@ -998,6 +998,18 @@ std::shared_ptr<Entry> entry_from_python(PyObject* func, const OpInfo& info, PyO
   return e;
 }
 
+// The entry of a flattened call: the learned one (`hit`), else, with the native miss path on,
+// the one Python's entry_for gives; nullptr where neither has one.
+std::shared_ptr<Entry> entry_of(PyObject* func, const OpInfo& info, PyObject* args,
+                                PyObject* kwargs, const Call& call, bool& hit) {
+  std::shared_ptr<Entry> e = find_entry(hash_words(call.words), call.words);
+  hit = e != nullptr;
+  if (!hit && flags.native_record_miss) {
+    e = entry_from_python(func, info, args, kwargs, call);
+  }
+  return e;
+}
+
 // --- making the node and its outputs -----------------------------------------------------
 
 // For objects of GC types only (PyObject_GC_UnTrack is a no-op on an untracked one).
@@ -1531,11 +1543,8 @@ PyObject* try_record(PyObject* func, PyObject* args, PyObject* kwargs) {
     reasons[call.reason]++;
     return kNotHandled;
   }
-  std::shared_ptr<Entry> e = find_entry(hash_words(call.words), call.words);
-  const bool hit = e != nullptr;
-  if (!hit && flags.native_record_miss) {
-    e = entry_from_python(func, *info, args, kwargs, call);
-  }
+  bool hit = false;
+  std::shared_ptr<Entry> e = entry_of(func, *info, args, kwargs, call, hit);
   if (!e) {
     reasons[kUnseen]++;
     return fallback_and_learn(func, args, kwargs, call);
@@ -1654,11 +1663,8 @@ PyObject* try_record_factory(PyObject* func, PyObject* args, PyObject* kwargs) {
     reasons[call.reason]++;
     return kNotHandled;
   }
-  std::shared_ptr<Entry> e = find_entry(hash_words(call.words), call.words);
-  const bool hit = e != nullptr;
-  if (!hit && flags.native_record_miss) {
-    e = entry_from_python(func, *info, args, kwargs, call);
-  }
+  bool hit = false;
+  std::shared_ptr<Entry> e = entry_of(func, *info, args, kwargs, call, hit);
   if (!e || e->python_only) {
     if (e && !hit) {
       counted_hits--;  // record_factory finds the entry entry_for counted: one lookup too many
