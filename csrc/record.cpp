@@ -1563,6 +1563,27 @@ PyObject* try_record(PyObject* func, PyObject* args, PyObject* kwargs) {
   return r;
 }
 
+// `native(func, args, kwargs)`, or where it declines (kNotHandled) the Python `fallback` with the
+// same call; C++ exceptions become Python ones. The body of __torch_dispatch__ and of the factory
+// kernels.
+PyObject* native_or_fallback(PyObject* (*native)(PyObject*, PyObject*, PyObject*),
+                             PyObject* fallback, PyObject* func, PyObject* args, PyObject* kwargs) {
+  try {
+    PyObject* r = native(func, args, kwargs);
+    if (r != kNotHandled) {
+      return r;
+    }
+  } catch (py::error_already_set& err) {
+    err.restore();
+    return nullptr;
+  } catch (const std::exception& err) {
+    PyErr_SetString(PyExc_RuntimeError, err.what());
+    return nullptr;
+  }
+  return PyObject_CallFunctionObjArgs(fallback, func, args, kwargs != nullptr ? kwargs : Py_None,
+                                      nullptr);
+}
+
 // LazyTensor.__torch_dispatch__(func, types, args=(), kwargs=None), as a staticmethod: torch
 // calls it on LazyTensor arguments only (LazyTensor has no subclasses), and a staticmethod is
 // found without binding a method object per call.
@@ -1598,20 +1619,7 @@ PyObject* record_dispatch(PyObject* /*module*/, PyObject* const* argv, Py_ssize_
     empty = py::reinterpret_steal<py::object>(PyTuple_New(0));
     args = empty.ptr();
   }
-  try {
-    PyObject* r = try_record(func, args, kwargs);
-    if (r != kNotHandled) {
-      return r;
-    }
-  } catch (py::error_already_set& err) {
-    err.restore();
-    return nullptr;
-  } catch (const std::exception& err) {
-    PyErr_SetString(PyExc_RuntimeError, err.what());
-    return nullptr;
-  }
-  return PyObject_CallFunctionObjArgs(S.fallback, func, args,
-                                      kwargs != nullptr ? kwargs : Py_None, nullptr);
+  return native_or_fallback(try_record, S.fallback, func, args, kwargs);
 }
 
 // lazy_tensor.record_factory for the common case: a factory call (no tensor argument) whose
@@ -1695,25 +1703,12 @@ PyObject* record_factory(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t
     PyErr_SetString(PyExc_TypeError, "_record_factory(func, args, kwargs)");
     return nullptr;
   }
-  PyObject* kwargs = argv[2] == Py_None ? nullptr : argv[2];
-  try {
-    PyObject* r = try_record_factory(argv[0], argv[1], kwargs);
-    if (r != kNotHandled) {
-      return r;
-    }
-  } catch (py::error_already_set& err) {
-    err.restore();
-    return nullptr;
-  } catch (const std::exception& err) {
-    PyErr_SetString(PyExc_RuntimeError, err.what());
-    return nullptr;
-  }
   if (S.factory_fallback == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "the native record path is not initialized");
     return nullptr;
   }
-  return PyObject_CallFunctionObjArgs(S.factory_fallback, argv[0], argv[1],
-                                      kwargs != nullptr ? kwargs : Py_None, nullptr);
+  PyObject* kwargs = argv[2] == Py_None ? nullptr : argv[2];
+  return native_or_fallback(try_record_factory, S.factory_fallback, argv[0], argv[1], kwargs);
 }
 
 // torch._library.simple_registry.find_torch_dispatch_rule(op, cls), natively. torch calls it from
