@@ -160,16 +160,14 @@ PyObject* get_attr(PyObject* o, PyObject* name) {
   return r;
 }
 
-// genie.graph.retrack_below: track again every untracked node reachable from the Refs in
-// `leaves`, with its containers, stopping at tracked nodes (whose inputs are tracked already).
-void retrack_below(const py::handle& leaves, const py::handle& ref_type) {
+// Track again every untracked node on `stack` and below it (its containers, its inputs through
+// their Refs), stopping at tracked nodes, whose inputs are tracked already.
+void retrack_walk(std::vector<py::object>& stack, PyObject* ref_t) {
   static PyObject* const node_name = PyUnicode_InternFromString("node");
   static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
   static PyObject* const names[] = {
       PyUnicode_InternFromString("storages"), PyUnicode_InternFromString("outputs"),
       PyUnicode_InternFromString("consumers"), PyUnicode_InternFromString("_wref")};
-  PyObject* const ref_t = ref_type.ptr();
-  std::vector<py::object> stack;  // owned references: nothing is freed during the walk
   auto push_refs = [&](PyObject* list) {
     const Py_ssize_t n = PyList_GET_SIZE(list);
     for (Py_ssize_t i = 0; i < n; ++i) {
@@ -180,9 +178,6 @@ void retrack_below(const py::handle& leaves, const py::handle& ref_type) {
       }
     }
   };
-  if (PyList_Check(leaves.ptr())) {
-    push_refs(leaves.ptr());
-  }
   while (!stack.empty()) {
     py::object n = std::move(stack.back());
     stack.pop_back();
@@ -206,6 +201,54 @@ void retrack_below(const py::handle& leaves, const py::handle& ref_type) {
       push_refs(below.ptr());
     }
   }
+}
+
+// genie.graph.retrack_below: track again every untracked node reachable from the Refs in
+// `leaves`, with its containers, stopping at tracked nodes (whose inputs are tracked already).
+void retrack_below(const py::handle& leaves, const py::handle& ref_type) {
+  static PyObject* const node_name = PyUnicode_InternFromString("node");
+  PyObject* const ref_t = ref_type.ptr();
+  std::vector<py::object> stack;  // owned references: nothing is freed during the walk
+  if (PyList_Check(leaves.ptr())) {
+    const Py_ssize_t n = PyList_GET_SIZE(leaves.ptr());
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* x = PyList_GET_ITEM(leaves.ptr(), i);
+      if (reinterpret_cast<PyObject*>(Py_TYPE(x)) == ref_t) {
+        track(x);
+        stack.push_back(py::reinterpret_steal<py::object>(get_attr(x, node_name)));
+      }
+    }
+  }
+  retrack_walk(stack, ref_t);
+}
+
+// genie.graph.retrack_writers: put pending writers recorded untracked (config.gc_defer_writes)
+// back under the collector, with everything below them and the storages they write (each
+// storage and its pending-write list: the edge that closes the cycle), so that a cycle a dropped
+// write closed is collected.
+void retrack_writers(const py::list& nodes, const py::handle& ref_type) {
+  static PyObject* const writes_name = PyUnicode_InternFromString("writes");
+  static PyObject* const pw_name = PyUnicode_InternFromString("pending_writes");
+  static PyObject* const readers_name = PyUnicode_InternFromString("readers");
+  std::vector<py::object> stack;
+  const Py_ssize_t n = PyList_GET_SIZE(nodes.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* node = PyList_GET_ITEM(nodes.ptr(), i);
+    auto writes = py::reinterpret_steal<py::object>(get_attr(node, writes_name));
+    if (PyTuple_Check(writes.ptr())) {
+      const Py_ssize_t k = PyTuple_GET_SIZE(writes.ptr());
+      for (Py_ssize_t j = 0; j < k; ++j) {
+        PyObject* st = PyTuple_GET_ITEM(writes.ptr(), j);
+        track(st);
+        for (PyObject* name : {pw_name, readers_name}) {
+          auto o = py::reinterpret_steal<py::object>(get_attr(st, name));
+          track(o.ptr());
+        }
+      }
+    }
+    stack.push_back(py::reinterpret_borrow<py::object>(node));
+  }
+  retrack_walk(stack, ref_type.ptr());
 }
 
 void track_objects(const py::args& objects) {
@@ -252,6 +295,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_gc_retrack_below", &retrack_below, py::arg("leaves"), py::arg("ref_type"),
         "Track again every untracked node reachable from the Refs in `leaves` (and its "
         "containers), stopping at tracked nodes.");
+  m.def("_gc_retrack_writers", &retrack_writers, py::arg("nodes"), py::arg("ref_type"),
+        "Track again the given writer nodes, everything below them (as _gc_retrack_below) and "
+        "the storages they write with their pending-write and reader lists.");
   m.def("_gc_track", &track_objects,
         "Track the given objects again in the cyclic GC (no-op for tracked or non-GC objects).");
   m.def("_bind_nodes", &genie::bind_nodes, py::arg("nodes"), py::arg("outs"), py::arg("kept"),

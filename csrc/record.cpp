@@ -195,6 +195,7 @@ struct State {
   PyObject* copy_ops = nullptr;  // a tuple of ops that always take the fallback
   PyObject* pending_total = nullptr;  // graph.pending_total (a one-item list)
   PyObject* retrack_below = nullptr;  // _C._gc_retrack_below(leaves, Ref)
+  PyObject* defer_writer = nullptr;   // graph.defer_writer(wref)
   PyObject* factory_fallback = nullptr;  // lazy_tensor.record_factory(func, args, kwargs)
   PyObject* context_dict = nullptr;      // genie.context.__dict__ (_active)
   size_t limit = 1 << 16;       // entries, as genie.meta.MetaCache.limit
@@ -214,6 +215,7 @@ struct Flags {
   bool meta_cache = false;
   bool record_source = true;
   bool gc_untrack = true;
+  bool gc_defer_writes = true;
   bool native_record_miss = true;
 };
 
@@ -1314,9 +1316,11 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   counted_ops++;  // added to genie.stats by _record_sync_counts
   counted_hits += hit ? 1 : 0;
 
-  // A node that writes stays on the GC's lists, with what it reaches (graph.py, "the cyclic
-  // garbage collector"); any other is made as untrack_node leaves it.
-  const bool untracked = gc_untrack && writes.empty();
+  // A node that writes stays on the GC's lists, with what it reaches, unless writers are
+  // deferred (graph.py, "the cyclic garbage collector"); any other is made as untrack_node
+  // leaves it.
+  const bool deferred = gc_untrack && flags.gc_defer_writes && !writes.empty();
+  const bool untracked = gc_untrack && (writes.empty() || deferred);
   const bool tracked = !untracked;
   const Py_ssize_t n_leaves = static_cast<Py_ssize_t>(call.leaves.size());
   py::object rec = py::reinterpret_steal<py::object>(fresh(PyList_New(n_leaves), tracked));
@@ -1417,7 +1421,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
     PyObject* st = w.ptr();
     PyObject* pw = slot(st, S.st_pending);
     if (!PyList_CheckExact(pw)) {  // the first write: the shared empty tuple becomes a list
-      PyObject* list = checked(PyList_New(0));
+      PyObject* list = fresh(PyList_New(0), !deferred);
       slot(st, S.st_pending) = list;
       Py_DECREF(pw);
       pw = list;
@@ -1425,11 +1429,17 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
     if (PyList_Append(pw, n) < 0) {
       throw py::error_already_set();
     }
-    for (PyObject* o : {st, pw}) {
-      if (!PyObject_GC_IsTracked(o)) {
-        PyObject_GC_Track(o);
+    if (!deferred) {
+      for (PyObject* o : {st, pw}) {
+        if (!PyObject_GC_IsTracked(o)) {
+          PyObject_GC_Track(o);
+        }
       }
     }
+  }
+  if (deferred) {  // graph.defer_writer: retracked if it stays pending (see there)
+    py::object r = py::reinterpret_steal<py::object>(
+        checked(PyObject_CallOneArg(S.defer_writer, wref)));
   }
   if (!writes.empty()) {
     PyObject* total = PyList_GET_ITEM(S.pending_total, 0);
@@ -1832,6 +1842,7 @@ bool record_init(const py::dict& objs) {
   s.copy_ops = object_of(objs, "copy_ops");
   s.pending_total = object_of(objs, "pending_total");
   s.retrack_below = object_of(objs, "retrack_below");
+  s.defer_writer = object_of(objs, "defer_writer");
   if (objs.contains("factory_fallback") && objs.contains("context")) {
     s.factory_fallback = object_of(objs, "factory_fallback");
     s.context_dict = checked(PyObject_GenericGetDict(objs["context"].ptr(), nullptr));
@@ -1904,6 +1915,7 @@ void record_config(const py::object& config) {
   flags.meta_cache = config.attr("meta_cache").cast<bool>();
   flags.record_source = config.attr("record_source").cast<bool>();
   flags.gc_untrack = config.attr("gc_untrack").cast<bool>();
+  flags.gc_defer_writes = config.attr("gc_defer_writes").cast<bool>();
   flags.native_record_miss = config.attr("native_record_miss").cast<bool>();
 }
 
@@ -1937,7 +1949,7 @@ void add_record_functions(py::module_& m) {
         "it once); returns whether the path is available in this build.");
   m.def("_record_config", &record_config, py::arg("config"),
         "Mirror genie.config.config's native_record, native_record_miss, meta_cache, "
-        "record_source and gc_untrack "
+        "record_source, gc_untrack and gc_defer_writes "
         "(genie.config calls it on every change).");
   m.def("_record_sync_counts", &record_sync_counts,
         "Add the ops recorded natively since the last call to genie.stats' ops_recorded and "

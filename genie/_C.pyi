@@ -46,6 +46,11 @@ def _gc_retrack_below(leaves: object, ref_type: type) -> None:
     """Track again every untracked node reachable from the Refs in ``leaves``, with its
     containers, stopping at tracked nodes (``genie.graph.retrack_below``)."""
 
+def _gc_retrack_writers(nodes: list[object], ref_type: type) -> None:
+    """Track again the writer ``nodes``, everything below them (as ``_gc_retrack_below``) and
+    the storages they write with their pending-write and reader lists
+    (``genie.graph.retrack_writers``)."""
+
 def _gc_track(*objects: object) -> None:
     """Put ``objects`` back under the cyclic garbage collector (no-op where tracked or not GC)."""
 

@@ -36,7 +36,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from ._C import _gc_retrack_below, _gc_track, _gc_untrack, _gc_untrack_node
+from ._C import _gc_retrack_below, _gc_retrack_writers, _gc_track, _gc_untrack, _gc_untrack_node
 from .config import config
 
 _record_counter = itertools.count()
@@ -181,15 +181,19 @@ class Storage:
         self._prune_at = 64
         self.role: str | None = None
 
-    def add_writer(self, node: Node) -> None:
-        """Note a pending write. The storage and this list go back under the cyclic GC (record
-        may have taken them off): a pending writer is the one edge that can close a cycle
-        (storage -> writer -> its inputs -> a node whose ``storages`` hold this storage)."""
+    def add_writer(self, node: Node, deferred: bool = False) -> None:
+        """Note a pending write. A pending writer is the one edge that can close a cycle
+        (storage -> writer -> its inputs -> a node whose ``storages`` hold this storage), so the
+        storage and this list go back under the cyclic GC (record may have taken them off), or,
+        ``deferred``, only if the writer stays pending (:func:`defer_writer`)."""
         pw = self.pending_writes
         if type(pw) is tuple:
             pw = self.pending_writes = []
+            if deferred:
+                _gc_untrack(pw)
         pw.append(node)
-        _gc_track(self, pw)
+        if not deferred:
+            _gc_track(self, pw)
 
     def prune_readers(self) -> None:
         """Drop the readers that died or ran."""
@@ -321,10 +325,23 @@ def track(t: Any, node: Node, out: int) -> None:
 # - Only a node that cannot close a reference cycle is untracked: Node -> Ref -> Node edges go to
 #   older nodes, and Storage -> Node edges exist only in ``Storage.pending_writes``. So a cycle
 #   needs a write: storage -> writer -> (inputs ...) -> a node whose ``storages`` hold that storage.
-#   Writers, capture-graph nodes and nodes created outside ``record`` stay tracked.
-# - A tracked node's inputs, transitively, are tracked: before a writer (or a capture node) is
-#   recorded, :func:`retrack_below` tracks again everything below it, stopping at tracked nodes.
-#   Every cycle a write closes then consists of tracked objects only, and is collected as before.
+#   Capture-graph nodes, nodes created outside ``record`` and, with ``gc_defer_writes=0``,
+#   writers stay tracked.
+# - A tracked node's inputs, transitively, are tracked: before a capture node is recorded,
+#   :func:`retrack_below` tracks again everything below it, stopping at tracked nodes.
+# - A writer is recorded untracked too (``config.gc_defer_writes``; 0: tracked, with everything
+#   below it re-tracked at record, as a capture node). Nearly every write runs at the next
+#   materialization, which breaks its cycle (the run takes it off ``pending_writes`` and drops its
+#   inputs): re-tracking the step's whole graph at every write, as before, put an optimizer
+#   step's forward and backward back under the collector every step, and their promotion to the
+#   oldest generation cost a small training step ~300 µs of full collections.
+#   :func:`defer_writer` notes each such writer (weakly); :func:`retrack_writers` puts those still
+#   pending back under the collector, with everything below them and the storages they write,
+#   (a) when a full collection starts (a ``gc.callbacks`` hook: ``gc.collect()`` and the
+#   collector's own full collections find every cycle a dropped write closed) and (b) when more
+#   than ``_DEFER_LIMIT`` writers are pending at once (a program that writes without ever
+#   materializing: bounded garbage between young collections). Each cycle is then made of
+#   tracked objects only, and collected as before.
 
 
 def untrack_node(node: Node, leaves: list[Any]) -> None:
@@ -341,6 +358,49 @@ def retrack_below(leaves: list[Any]) -> None:
     nodes, whose inputs are tracked already (the invariant above). Native: one call per write.
     """
     _gc_retrack_below(leaves, Ref)
+
+
+# Writers recorded untracked and not yet re-tracked, as weak references (Node._wref): pruned of
+# writers that ran or died when the list reaches _deferred_at.
+_deferred: list[weakref.ref[Node]] = []
+_DEFER_LIMIT = 4096
+_deferred_at = [_DEFER_LIMIT]
+
+
+def defer_writer(wref: weakref.ref[Node]) -> None:
+    """Note a writer recorded untracked (``wref``: its ``_wref``); see "the cyclic garbage
+    collector" above. Amortized O(1): the list is pruned when it reaches ``_deferred_at``, and
+    its pending writers are re-tracked if they are still at least half of it."""
+    q = _deferred
+    q.append(wref)
+    if len(q) >= _deferred_at[0]:
+        q[:] = [w for w in q if (n := w()) is not None and not n.executed]
+        if 2 * len(q) >= _DEFER_LIMIT:
+            retrack_writers()
+        _deferred_at[0] = max(_DEFER_LIMIT, 2 * len(q))
+
+
+def retrack_writers() -> int:
+    """Put every deferred writer still pending back under the collector, with everything below
+    it and the storages it writes; returns how many. Every cycle a dropped write closed is then
+    collectable."""
+    q = _deferred
+    nodes = [n for w in q if (n := w()) is not None and not n.executed]
+    q.clear()
+    _deferred_at[0] = _DEFER_LIMIT
+    if nodes:
+        _gc_retrack_writers(nodes, Ref)
+    return len(nodes)
+
+
+def _on_gc(phase: str, info: dict[str, int]) -> None:
+    # A full collection: what it would find only after a re-track, it finds now. The objects
+    # tracked here join the youngest generation, which a full collection collects too.
+    if phase == "start" and info["generation"] == 2 and _deferred:
+        retrack_writers()
+
+
+gc.callbacks.append(_on_gc)
 
 
 def live_nodes() -> int:

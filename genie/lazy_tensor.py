@@ -35,7 +35,8 @@ from .device import DEVICE_TYPE, real_device
 from .errors import UnsupportedOpError
 from .executor import real_dispatch
 from .graph import (DEFAULT_GRAPH, Alive, Graph, MetaArg, Node, Ref, Storage, TensorMeta,
-                    _record_counter, pending_total, retrack_below, track, untrack_node)
+                    _record_counter, defer_writer, pending_total, retrack_below, track,
+                    untrack_node)
 from .graph import current as graph_current
 from .meta import (MetaEntry, disable_modes, eager_error, infer, meta_cache, meta_tensor, policy,
                    static_shape)
@@ -436,9 +437,13 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
         else:
             fresh.append(k)
 
-    untracked = config.gc_untrack and not writes and not graph.keep_nodes
+    # A writer (or capture node) may close a cycle: what it reaches goes back under the
+    # collector now, or, for a writer of the default graph, if it stays pending (defer_writer).
+    deferred = bool(writes) and config.gc_untrack and config.gc_defer_writes \
+        and not graph.keep_nodes
+    untracked = config.gc_untrack and (not writes or deferred) and not graph.keep_nodes
     if not untracked and config.gc_untrack:
-        retrack_below(rec)  # a writer (or capture node) may close a cycle: keep it collectable
+        retrack_below(rec)
     node = Node(func, rec, spec, metas, out_spec, storages, writes, graph, rng)
     node.entry = entry  # interned per meta-cache key: the plan cache compares nodes by identity
     if config.record_source or graph.keep_nodes:
@@ -452,8 +457,10 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             xn.storages[x.out].add_reader(wref)
     if writes:
         for s in writes:
-            s.add_writer(node)
+            s.add_writer(node, deferred)
         pending_total[0] += len(writes)
+        if deferred:
+            defer_writer(wref)
     for k in fresh:
         results[k] = LazyTensor(node, k, metas[k])
     if untracked:
@@ -832,7 +839,7 @@ def _install_native_record() -> bool:
         current=graph_current,
         default_graph=DEFAULT_GRAPH, counter=_record_counter, leaf_spec=_LEAF_SPEC,
         copy_ops=(_copy, _to_copy), pending_total=pending_total,
-        retrack_below=_C._gc_retrack_below, limit=meta_cache.limit,
+        retrack_below=_C._gc_retrack_below, defer_writer=defer_writer, limit=meta_cache.limit,
         factory_fallback=record_factory, context=context)
     if not _C._record_init(objects):
         return False

@@ -2,8 +2,10 @@
 
 Nodes that cannot close a reference cycle are taken off the collector at record time; a write
 (the one edge that can close a cycle: storage -> pending writer -> inputs -> storage) puts back
-everything below it. These tests check both halves: untracked where promised, and every cycle a
-write closes still collected (no leak) when the program drops it without materializing.
+everything below it: at record (``GENIE_GC_DEFER_WRITES=0``), or by default only if the writer
+stays pending until a full collection or until many writers are pending at once
+(``genie.graph.defer_writer``). These tests check both halves: untracked where promised, and every
+cycle a write closes still collected (no leak) when the program drops it without materializing.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 import genie
+from genie import graph
 from genie.config import config
 
 DEV = "remote_accelerator:0"
@@ -22,22 +25,66 @@ DEV = "remote_accelerator:0"
 
 @pytest.fixture(autouse=True)
 def _untrack_on():
-    saved = config.gc_untrack
+    saved = config.gc_untrack, config.gc_defer_writes
     config.gc_untrack = True
     yield
-    config.gc_untrack = saved
+    config.gc_untrack, config.gc_defer_writes = saved
 
 
-def test_plain_ops_untracked_writers_tracked() -> None:
-    a = torch.ones(3, device=DEV)
-    b = a * 2
-    assert not gc.is_tracked(b._node)
-    assert not gc.is_tracked(b._node.leaves)
-    b.add_(1)  # the writer stays tracked and re-tracks what it reads
-    w = b._node.storages[b._out].pending_writes[-1]
-    assert gc.is_tracked(w)
-    assert gc.is_tracked(b._node)
-    assert torch.equal(b.cpu(), torch.full((3,), 3.0))
+@pytest.fixture(params=[True, False], ids=["deferred", "at_record"])
+def defer(request: pytest.FixtureRequest) -> bool:
+    config.gc_defer_writes = request.param
+    return request.param
+
+
+def test_plain_ops_untracked_writers_tracked(defer: bool) -> None:
+    for _ in range(3):  # the first time through the Python path, then the native one
+        a = torch.ones(3, device=DEV)
+        b = a * 2
+        assert not gc.is_tracked(b._node)
+        assert not gc.is_tracked(b._node.leaves)
+        b.add_(1)
+        w = b._node.storages[b._out].pending_writes[-1]
+        if defer:  # untracked until it stays pending: a full collection, or many writers
+            assert not gc.is_tracked(w) and not gc.is_tracked(b._node)
+            assert graph.retrack_writers() >= 1
+        # the writer is tracked and has re-tracked what it reads
+        assert gc.is_tracked(w)
+        assert gc.is_tracked(b._node)
+        assert torch.equal(b.cpu(), torch.full((3,), 3.0))
+
+
+def test_writers_that_ran_are_not_retracked() -> None:
+    """The steady state of a training loop: each step's writes run at the next materialization,
+    so nothing is ever put back under the collector."""
+    config.gc_defer_writes = True
+    graph.retrack_writers()
+    a = torch.zeros(4, device=DEV)
+    for i in range(3):
+        a.add_(1)
+        b = a * 2
+        assert not gc.is_tracked(b._node)
+        assert b[0].item() == 2.0 * (i + 1)
+    assert graph.retrack_writers() == 0
+
+
+def test_many_pending_writers_are_retracked_without_a_full_collection() -> None:
+    """A program that writes and drops its tensors without ever materializing: the cycles its
+    writes close are put back under the collector once _DEFER_LIMIT writers are pending, and the
+    young collections free them; no full collection is needed (gc.collect is never called)."""
+    config.gc_defer_writes = True
+    graph.retrack_writers()
+    a = torch.ones(4, device=DEV)
+    writers = []
+    for _ in range(3 * graph._DEFER_LIMIT):
+        x = a + 1
+        x.mul_(2)
+        writers.append(weakref.ref(x._node.storages[x._out].pending_writes[-1]))
+    del x
+    for _ in range(2000):  # allocations that trigger young collections
+        [[] for _ in range(10)]
+    alive = sum(w() is not None for w in writers)
+    assert alive <= graph._DEFER_LIMIT + 1, f"{alive} dropped writers still alive"
 
 
 def test_untrack_flag_off_keeps_everything_tracked() -> None:
@@ -48,7 +95,7 @@ def test_untrack_flag_off_keeps_everything_tracked() -> None:
 
 
 @pytest.mark.parametrize("case", ["inplace", "view_inplace", "chain_then_write", "index_put"])
-def test_dropped_pending_writes_are_collected(case: str) -> None:
+def test_dropped_pending_writes_are_collected(case: str, defer: bool) -> None:
     """A write closes a cycle through storage.pending_writes; dropping it all must free it."""
     def build() -> list[weakref.ref]:
         a = torch.randn(4, 4, device=DEV)
@@ -125,12 +172,15 @@ def test_a_recorded_value_leaves_one_tracked_object() -> None:
     assert gc.is_tracked(y)
 
 
-def test_a_write_tracks_its_storage_again_and_user_attributes_track_the_dict() -> None:
+def test_a_write_tracks_its_storage_again_and_user_attributes_track_the_dict(defer: bool) -> None:
     a = torch.ones(4, device=DEV)
     b = a * 2
     s = b._node.storages[b._out]
     assert not gc.is_tracked(s) and not gc.is_tracked(s.pending_writes)
     b.add_(1)  # a pending writer: the one edge that can close a cycle through the storage
+    if defer:
+        assert not gc.is_tracked(s) and not gc.is_tracked(s.pending_writes)
+        graph.retrack_writers()
     assert gc.is_tracked(s) and gc.is_tracked(s.pending_writes)
     c = a * 3
     assert not gc.is_tracked(c.__dict__)

@@ -521,7 +521,7 @@ def test_init_refuses_classes_with_unknown_slots() -> None:
             fallback=lt._dispatch, counts=lt._counts, profiler=vars(lt._profiler), tls=lt._tls,
             current=lt.graph_current, default_graph=DEFAULT_GRAPH, counter=lt._record_counter,
             leaf_spec=lt._LEAF_SPEC, copy_ops=(), pending_total=lt.pending_total,
-            retrack_below=_C._gc_retrack_below, limit=16))
+            retrack_below=_C._gc_retrack_below, defer_writer=lt.defer_writer, limit=16))
     x, _ = _inputs()  # the path still works with the classes it was given
     y = x * 9
     _C._record_reset_stats()
