@@ -13,6 +13,7 @@
 #include <torch/csrc/Generator.h>
 
 #include "bind.h"
+#include "memory.h"
 #include "match.h"
 #include "device.h"
 #include "generator.h"
@@ -304,6 +305,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("prune_at"), py::arg("untrack"),
         "Bind a run's kept values to its nodes (genie.executor._bind); returns the number of "
         "pending-write entries removed.");
+  m.def("_mem_hold", &genie::mem_hold, py::arg("index"), py::arg("values"),
+        "Note the real CPU storages of `values` as held on device `index` while they live "
+        "(genie.memory.hold); returns the bytes held there now.");
+  m.def("_mem_allocated", &genie::mem_allocated, py::arg("index"),
+        "The bytes of the live real CPU storages held on device `index` (genie.memory).");
   m.def("_match_init", &genie::match_init, "Types and Python rules genie._C._match_core uses.");
   m.def("_match_core", &genie::match_core,
         "genie.plan_cache.match's per-node part: None, False (decide with _match_slow) or "

@@ -22,19 +22,17 @@ path (after a run binds its values), never while recording.
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import Any
 
 import torch
 
-_held: dict[int, dict[tuple[int, int], list[int]]] = {}  # index -> storage key -> [refs, bytes]
-_allocated: dict[int, int] = {}
+from ._C import _mem_allocated, _mem_hold
+from .errors import DeviceError
+
 _peak: dict[int, int] = {}
-# the weak references whose callbacks release their tensor's share, by a running number (a set
-# would compare two weak references by their tensors' __eq__)
-_refs: dict[int, Any] = {}
-_next_ref = itertools.count()
+_seen: set[int] = set()  # device indices a run has held values on
+# The held storages themselves live in genie._C (csrc/memory.cpp): a weak pointer per distinct
+# real CPU storage, so accounting a kept value is a hash lookup (no Python object per value).
 
 
 _tracking = [False]  # tape high-water marks are computed once someone asks for a peak
@@ -54,47 +52,20 @@ def _real(index: int) -> torch.device:
 
 
 def hold(index: int, values: Any) -> None:
-    """Count the real tensors ``values`` as held on ``remote_accelerator:index`` until they die."""
-    held = _held.setdefault(index, {})
-    for v in values:
-        if type(v) is not torch.Tensor and not isinstance(v, torch.Tensor):
-            continue  # a server handle: the server accounts for it
-        if v.device.type != "cpu":
-            continue  # CUDA: torch.cuda's allocator accounts for it
-        st = v.untyped_storage()
-        key = (st.data_ptr(), st.nbytes())
-        e = held.get(key)
-        if e is None:
-            held[key] = [1, key[1]]
-            _allocated[index] = _allocated.get(index, 0) + key[1]
-        else:
-            e[0] += 1
-        n = next(_next_ref)
-        _refs[n] = weakref.ref(v, _releaser(index, key, n))
-    a = _allocated.get(index, 0)
+    """Count the real CPU storages of ``values`` as held on ``remote_accelerator:index`` while
+    they live (server handles and CUDA tensors are accounted elsewhere)."""
+    _seen.add(index)
+    a = _mem_hold(index, values)
     if a > _peak.get(index, 0):
         _peak[index] = a
 
 
-def _releaser(index: int, key: tuple[int, int], n: int) -> Any:
-    def release(r: Any) -> None:
-        _refs.pop(n, None)
-        held = _held.get(index)
-        e = held.get(key) if held else None
-        if e is None:
-            return
-        e[0] -= 1
-        if e[0] == 0:
-            del held[key]
-            _allocated[index] -= e[1]
-
-    return release
+def _allocated(index: int) -> int:
+    return _mem_allocated(index)
 
 
 def after_run(tape: Any, kept: dict[int, Any], index: int) -> None:
     """Account a finished run on ``remote_accelerator:index`` (called by the executor)."""
-    from .errors import DeviceError
-
     try:
         local = _real(index)
     except DeviceError:  # no local device for this index (one GPU, two servers): a server ran it
@@ -102,7 +73,7 @@ def after_run(tape: Any, kept: dict[int, Any], index: int) -> None:
     if local.type != "cpu":
         return
     if _tracking[0]:
-        before = _allocated.get(index, 0)
+        before = _allocated(index)
         hw = tape_high_water(tape)
         if before + hw > _peak.get(index, 0):
             _peak[index] = before + hw
@@ -111,7 +82,7 @@ def after_run(tape: Any, kept: dict[int, Any], index: int) -> None:
 
 def note_run(index: int, high_water: int) -> None:
     """A run on ``index`` whose live fresh values peaked at ``high_water`` bytes."""
-    p = _allocated.get(index, 0) + high_water
+    p = _allocated(index) + high_water
     if p > _peak.get(index, 0):
         _peak[index] = p
 
@@ -171,7 +142,7 @@ def memory_allocated(device: Any = None) -> int:
     r = _real(i)
     if r.type == "cuda":
         return torch.cuda.memory_allocated(r)
-    return _allocated.get(i, 0)
+    return _allocated(i)
 
 
 def max_memory_allocated(device: Any = None) -> int:
@@ -189,7 +160,7 @@ def max_memory_allocated(device: Any = None) -> int:
     r = _real(i)
     if r.type == "cuda":
         return torch.cuda.max_memory_allocated(r)
-    return max(_peak.get(i, 0), _allocated.get(i, 0))
+    return max(_peak.get(i, 0), _allocated(i))
 
 
 def reset_peak_memory_stats(device: Any = None) -> None:
@@ -225,7 +196,7 @@ def max_memory_reserved(device: Any = None) -> int:
 
 def empty_cache() -> None:
     """Release cached, unused blocks of the real device's allocator (CUDA); else nothing cached."""
-    if torch.cuda.is_available() and any(_real(i).type == "cuda" for i in list(_held) or [0]):
+    if torch.cuda.is_available() and any(_real(i).type == "cuda" for i in sorted(_seen) or [0]):
         torch.cuda.empty_cache()
 
 

@@ -94,3 +94,20 @@ def test_bad_device_is_refused_like_cuda():
         ra.memory_allocated("cpu")
     with pytest.raises(genie.DeviceError):
         ra.memory_allocated(7)
+
+
+def test_native_accounting_counts_live_storages_once_and_follows_resizes() -> None:
+    """genie._C._mem_hold (csrc/memory.cpp), on an index no run uses: distinct live storages,
+    views once, a storage resized in place at its new size, the dead pruned, non-tensors skipped."""
+    from genie import _C
+
+    idx = 63
+    base = _C._mem_allocated(idx)
+    a, b = torch.zeros(10), torch.zeros(3, dtype=torch.float64)
+    assert _C._mem_hold(idx, [a, a[2:], b, "handle", None]) - base == 40 + 24
+    a.resize_(100)  # the same storage, grown
+    assert _C._mem_hold(idx, [a]) - base == 400 + 24
+    del a
+    assert _C._mem_allocated(idx) - base == 24
+    del b
+    assert _C._mem_allocated(idx) == base
