@@ -193,6 +193,7 @@ struct State {
   PyObject* counter = nullptr;  // graph._record_counter
   PyObject* leaf_spec = nullptr;
   PyObject* copy_ops = nullptr;  // a tuple of ops that always take the fallback
+  PyObject* detach = nullptr;    // aten.detach.default (lazy_tensor._detach_alias), or nullptr
   PyObject* pending_total = nullptr;  // graph.pending_total (a one-item list)
   PyObject* retrack_below = nullptr;  // _C._gc_retrack_below(leaves, Ref)
   PyObject* defer_writer = nullptr;   // graph.defer_writer(wref)
@@ -1486,6 +1487,53 @@ char not_handled_tag;
 PyObject* const kNotHandled = reinterpret_cast<PyObject*>(&not_handled_tag);
 
 
+// lazy_tensor._detach_alias: detach(x) of a LazyTensor of the default graph is a new wrapper of
+// x's very value (x's node, output, metadata and liveness token), with no node of its own;
+// kNotHandled where that does not apply (the Python path then decides).
+PyObject* detach_alias(PyObject* args, PyObject* kwargs) {
+  if (kwargs != nullptr || PyTuple_GET_SIZE(args) != 1) {
+    return kNotHandled;
+  }
+  PyObject* x = PyTuple_GET_ITEM(args, 0);
+  if (reinterpret_cast<PyObject*>(Py_TYPE(x)) != reinterpret_cast<PyObject*>(S.lazy)) {
+    return kNotHandled;
+  }
+  py::object node = py::reinterpret_steal<py::object>(lazy_attr(x, names->node));
+  py::object out = py::reinterpret_steal<py::object>(lazy_attr(x, names->out));
+  py::object alive = py::reinterpret_steal<py::object>(lazy_attr(x, names->alive));
+  if (!node || !out || !alive || Py_TYPE(node.ptr()) != S.node ||
+      slot(node.ptr(), S.n.graph) != S.default_graph || !PyLong_CheckExact(out.ptr())) {
+    return kNotHandled;
+  }
+  const Py_ssize_t k = PyLong_AsSsize_t(out.ptr());
+  PyObject* outputs = slot(node.ptr(), S.n.outputs);
+  PyObject* metas = slot(node.ptr(), S.n.metas);
+  if (k < 0 || !PyList_CheckExact(outputs) || k >= PyList_GET_SIZE(outputs) ||
+      !PyList_CheckExact(metas) || k >= PyList_GET_SIZE(metas)) {
+    PyErr_Clear();
+    return kNotHandled;
+  }
+  PyObject* w = PyList_GET_ITEM(outputs, k);
+  if (!PyWeakref_CheckRefExact(w) || PyWeakref_GET_OBJECT(w) != alive.ptr()) {
+    return kNotHandled;  // the node does not follow x's token
+  }
+  Out o;
+  if (!decode_meta(PyList_GET_ITEM(metas, k), o)) {
+    return kNotHandled;  // math bits: the Python path
+  }
+  py::object t = py::reinterpret_steal<py::object>(make_wrapper(o));
+  py::object d = py::reinterpret_steal<py::object>(checked(PyObject_GenericGetDict(t.ptr(), nullptr)));
+  if (PyDict_SetItem(d.ptr(), names->node, node.ptr()) < 0 ||
+      PyDict_SetItem(d.ptr(), names->out, out.ptr()) < 0 ||
+      PyDict_SetItem(d.ptr(), names->alive, alive.ptr()) < 0) {
+    throw py::error_already_set();
+  }
+  if (flags.gc_untrack) {
+    untrack(d.ptr());  // as new_lazy: the dict holds the node, which never holds the tensor
+  }
+  return t.release().ptr();
+}
+
 // The record path for one call: a new reference, nullptr with an error set, or kNotHandled.
 // The fallback for a call this path has no entry for, then the entry learned from what it
 // recorded. `call` holds the arguments as they were flattened before the call, or is empty for
@@ -1540,6 +1588,13 @@ PyObject* try_record(PyObject* func, PyObject* args, PyObject* kwargs) {
   if (PyList_GET_SIZE(this_thread().graphs) != 0) {
     reasons[kCapture]++;
     return kNotHandled;
+  }
+  if (func == S.detach) {
+    PyObject* r = detach_alias(args, kwargs);
+    if (r != kNotHandled) {
+      reasons[kHandled]++;
+      return r;
+    }
   }
   Call call;
   if (info == nullptr) {  // the first call of this op: no policy cached yet
@@ -1840,6 +1895,7 @@ bool record_init(const py::dict& objs) {
   s.counter = object_of(objs, "counter");
   s.leaf_spec = object_of(objs, "leaf_spec");
   s.copy_ops = object_of(objs, "copy_ops");
+  s.detach = objs.contains("detach") ? object_of(objs, "detach") : nullptr;
   s.pending_total = object_of(objs, "pending_total");
   s.retrack_below = object_of(objs, "retrack_below");
   s.defer_writer = object_of(objs, "defer_writer");

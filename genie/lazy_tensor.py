@@ -256,6 +256,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict | None) -> Any:
 _copy = aten.copy_.default
 _to_copy = aten._to_copy.default
 _item = aten._local_scalar_dense.default
+_detach = aten.detach.default
 _UPLOAD = "genie.upload"
 
 
@@ -281,6 +282,10 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
     """Record one ATen call on LazyTensors and return LazyTensor outputs (never computes)."""
     if func is _item and len(args) == 1 and not kwargs and type(args[0]) is LazyTensor:
         return _item_now(args[0])  # .item(), bool(), int(): what _run_now does for it
+    if func is _detach and len(args) == 1 and not kwargs and type(args[0]) is LazyTensor:
+        d = _detach_alias(args[0])
+        if d is not None:
+            return d
     pol = policy(func)
     if pol.implicit:  # inference mode skips the autograd keys that decompose these
         out = func.decompose(*args, **kwargs)
@@ -797,6 +802,38 @@ def _plain(real: Any) -> bool:
             and not real._is_zerotensor() and not torch._C._len_torch_dispatch_stack())
 
 
+def _detach_alias(x: LazyTensor) -> LazyTensor | None:
+    """``detach(x)`` of a LazyTensor of the default graph: a new LazyTensor of x's very value, with
+    no node of its own: x's node and output, its metadata, and its liveness token (the node keeps
+    the value while either tensor lives). None where that does not apply (a capture graph keeps
+    every op; math bits; a node that does not follow x's token): the op is then recorded.
+
+    ``detach`` computes nothing: it is the same value under a tensor that autograd does not
+    track. The autograd engine makes one for every output an op saves for backward (and again
+    when backward unpacks it) and for every gradient it accumulates, so a training step recorded
+    16 ``detach`` nodes for a 4-layer MLP: each cost a record, a slot in the plan and a replay.
+    Aliasing is unchanged: both tensors share the node's storage, whose writes both see.
+    """
+    node = x._node
+    alive = x.__dict__.get("_alive")
+    if alive is None or node.graph is not DEFAULT_GRAPH or current_graph() is not DEFAULT_GRAPH:
+        return None
+    out = x._out
+    w = node.outputs[out]
+    meta = node.metas[out]
+    if w is None or w() is not alive or meta.conj or meta.neg:
+        return None
+    r = torch.Tensor._make_wrapper_subclass(
+        LazyTensor, meta.shape, strides=meta.stride, storage_offset=meta.offset,
+        dtype=meta.dtype, device=device_of(meta.index), requires_grad=False)
+    r._node = node
+    r._out = out
+    r._alive = alive
+    if config.gc_untrack:
+        _C._gc_untrack(r.__dict__)  # as graph.track: the dict holds the node, never the tensor
+    return r
+
+
 def _item_now(x: LazyTensor) -> Any:
     """:func:`_run_now` for ``_local_scalar_dense(x)`` (``.item()``, ``bool()``: once per token
     in a generate loop, once per training step), without its generic argument handling: one
@@ -838,7 +875,7 @@ def _install_native_record() -> bool:
         counts=_counts, profiler=vars(_profiler), tls=_tls,
         current=graph_current,
         default_graph=DEFAULT_GRAPH, counter=_record_counter, leaf_spec=_LEAF_SPEC,
-        copy_ops=(_copy, _to_copy), pending_total=pending_total,
+        copy_ops=(_copy, _to_copy), detach=_detach, pending_total=pending_total,
         retrack_below=_C._gc_retrack_below, defer_writer=defer_writer, limit=meta_cache.limit,
         factory_fallback=record_factory, context=context)
     if not _C._record_init(objects):

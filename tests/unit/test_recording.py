@@ -100,3 +100,76 @@ def test_changing_float_operands_hit_the_meta_cache_but_shapes_still_follow_floa
     img = torch.ones(1, 1, 2, 2, device=D)
     up = [torch.nn.functional.interpolate(img, scale_factor=s).shape for s in (2.0, 3.0)]
     assert up == [(1, 1, 4, 4), (1, 1, 6, 6)]
+
+
+@pytest.fixture(params=["native", "python"])
+def record_path(request):
+    from genie.config import config
+
+    saved = config.native_record
+    config.native_record = request.param == "native"
+    yield request.param
+    config.native_record = saved
+
+
+def test_detach_is_an_alias_of_the_same_value_with_no_node(record_path):
+    """detach(x) shares x's node, output and liveness token (genie.lazy_tensor._detach_alias):
+    eager's values, metadata and aliasing, on both record paths."""
+    a = torch.randn(3, 4)
+    x = a.to(D) * 2
+    for _ in range(2):  # the second time through a learned native entry, where there is one
+        d = x.detach()
+        assert d._node is x._node and d._out == x._out and d._alive is x._alive
+        assert (d.shape, d.stride(), d.storage_offset(), d.dtype, d.requires_grad) == (
+            x.shape, x.stride(), x.storage_offset(), x.dtype, False)
+    e = a * 2
+    ed = e.detach()
+    ed.add_(1)  # a write through the alias is seen by the original, as in eager
+    d.add_(1)
+    torch.testing.assert_close(x.cpu(), e)
+    x.mul_(3)  # and the other way round
+    e.mul_(3)
+    torch.testing.assert_close(d.cpu(), ed)
+
+
+def test_detach_keeps_the_value_after_the_original_dies(record_path):
+    a = torch.randn(5)
+    x = a.to(D) + 1
+    d = x.detach()
+    genie.materialize(x)  # x runs; its value is kept for d too (the shared liveness token)
+    del x
+    torch.testing.assert_close(d.cpu(), a + 1)
+    y = a.to(D).exp()
+    dy = y.detach()
+    del y  # dies before it runs: the pending node lives on through dy
+    torch.testing.assert_close((dy * 2).cpu(), a.exp() * 2)
+
+
+def test_detach_of_a_conj_view_and_in_capture_records_the_op(record_path):
+    z = torch.randn(3, dtype=torch.complex64)
+    zc = z.to(D).conj()
+    dz = zc.detach()  # math bits: recorded as an op, eager's bits
+    assert dz.is_conj() and dz._node is not zc._node
+    torch.testing.assert_close(dz.cpu(), z.conj())
+    with genie.capture() as g:
+        x = torch.ones(2, device=D)
+        x.detach()
+    assert any("detach" in str(n.op) for n in g.nodes)
+
+
+def test_training_step_with_saved_outputs_equals_eager(record_path):
+    """The autograd engine's detaches (outputs saved for backward, accumulated gradients)."""
+    def run(dev):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1),
+                                torch.nn.Sigmoid()).to(dev)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        x = torch.randn(4, 6).to(dev)
+        for _ in range(3):
+            opt.zero_grad()
+            m(x).sum().backward()
+            opt.step()
+        return [p.detach().cpu() for p in m.parameters()]
+
+    for g, e in zip(run(D), run("cpu"), strict=True):
+        torch.testing.assert_close(g, e)
