@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .errors import DeviceError
+
 _held: dict[int, dict[tuple[int, int], list[int]]] = {}  # index -> storage key -> [refs, bytes]
 _allocated: dict[int, int] = {}
 _peak: dict[int, int] = {}
@@ -59,7 +61,7 @@ def hold(index: int, values: Any) -> None:
     for v in values:
         if type(v) is not torch.Tensor and not isinstance(v, torch.Tensor):
             continue  # a server handle: the server accounts for it
-        if v.device.type != "cpu":
+        if not v.is_cpu:
             continue  # CUDA: torch.cuda's allocator accounts for it
         st = v.untyped_storage()
         key = (st.data_ptr(), st.nbytes())
@@ -93,8 +95,6 @@ def _releaser(index: int, key: tuple[int, int], n: int) -> Any:
 
 def after_run(tape: Any, kept: dict[int, Any], index: int) -> None:
     """Account a finished run on ``remote_accelerator:index`` (called by the executor)."""
-    from .errors import DeviceError
-
     try:
         local = _real(index)
     except DeviceError:  # no local device for this index (one GPU, two servers): a server ran it
