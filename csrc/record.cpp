@@ -194,6 +194,7 @@ struct State {
   PyObject* leaf_spec = nullptr;
   PyObject* copy_ops = nullptr;  // a tuple of ops that always take the fallback
   PyObject* detach = nullptr;    // aten.detach.default (lazy_tensor._detach_alias), or nullptr
+  PyObject* device_ops = nullptr;  // ops taken only when every device argument is this backend's
   PyObject* pending_total = nullptr;  // graph.pending_total (a one-item list)
   PyObject* retrack_below = nullptr;  // _C._gc_retrack_below(leaves, Ref)
   PyObject* defer_writer = nullptr;   // graph.defer_writer(wref)
@@ -298,6 +299,7 @@ struct OpInfo {
   bool ok = false;  // the policy allows this path at all
   bool float_values_matter = true;
   bool metadata_only = false;
+  bool same_device = false;  // a device argument off this backend is a transfer: the fallback's
   std::vector<Py_ssize_t> writes;  // schema positions of the arguments it mutates
   PyObject* names = nullptr;       // argument names by schema position (a tuple, held)
 };
@@ -342,6 +344,13 @@ const OpInfo* op_info(PyObject* func) {
     }
     const bool has_portable = portable != Py_None;
     Py_DECREF(portable);
+    if (S.device_ops != nullptr) {
+      const int same = PySequence_Contains(S.device_ops, func);
+      if (same < 0) {
+        throw py::error_already_set();
+      }
+      info.same_device = same != 0;
+    }
     info.ok = !copy && !has_portable && !truthy_attr(pol, "random") &&
         !truthy_attr(pol, "dynamic") && !truthy_attr(pol, "inplace_view") &&
         !truthy_attr(pol, "implicit");
@@ -598,6 +607,9 @@ bool flatten(PyObject* args, PyObject* kwargs, const OpInfo& info, PyObject* fun
       call.words.push_back(reinterpret_cast<uint64_t>(x));
     } else if (THPDevice_Check(x)) {
       const c10::Device d = reinterpret_cast<THPDevice*>(x)->device;
+      if (info.same_device && d.type() != c10::DeviceType::PrivateUse1) {
+        return false;  // x.to("cpu"): a download, materialized by the fallback
+      }
       call.words.push_back(kDevice);
       call.words.push_back((static_cast<uint64_t>(d.type()) << 16) |
                            static_cast<uint16_t>(d.index()));
@@ -1896,6 +1908,7 @@ bool record_init(const py::dict& objs) {
   s.leaf_spec = object_of(objs, "leaf_spec");
   s.copy_ops = object_of(objs, "copy_ops");
   s.detach = objs.contains("detach") ? object_of(objs, "detach") : nullptr;
+  s.device_ops = objs.contains("device_ops") ? object_of(objs, "device_ops") : nullptr;
   s.pending_total = object_of(objs, "pending_total");
   s.retrack_below = object_of(objs, "retrack_below");
   s.defer_writer = object_of(objs, "defer_writer");

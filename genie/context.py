@@ -121,7 +121,8 @@ class _Stack(threading.local):
 
 
 _tls = _Stack()
-_names: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+# outermost module -> {weakref.ref(submodule): its path}
+_names: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyDictionary()
 
 
 def activate() -> None:
@@ -167,8 +168,41 @@ def deactivate() -> None:
 
 def _module_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     """``nn.Module.__call__`` while the context is active: the module's context around the
-    original call (popped however the call ends, as an ``always_call`` forward hook would be)."""
-    if _compiling() or not _enter(self, args, kwargs):
+    original call (popped however the call ends, as an ``always_call`` forward hook would be).
+
+    A submodule called inside a module call (55 a token in a GPT-2 decode) takes the inline
+    path: its name from the outermost module's names, its :class:`Context` interned on the
+    call, no helper calls (~1.5 µs less per module call than :func:`_enter` / :func:`_leave`)."""
+    if _compiling():
+        return _orig_call(self, *args, **kwargs)
+    st = _tls.modules
+    if st:
+        top = st[-1]
+        names = top[2]
+        outer = current.ctx
+        if type(names) is dict and outer is not None and outer.call is not None:
+            path = names.get(_ref(self))
+            if path is not None:
+                explicit = self.__dict__.get("_genie_phase")
+                if explicit is None:
+                    explicit = _tls.phases[-1] if _tls.phases else outer.explicit
+                region = outer.region
+                contexts = outer.call.contexts
+                key = (path, region, explicit)
+                c = contexts.get(key)
+                if c is None:
+                    c = contexts[key] = Context(path, type(self).__name__, region, explicit,
+                                                outer.call)
+                entry = (self, outer, names)
+                st.append(entry)
+                current.ctx = c
+                try:
+                    return _orig_call(self, *args, **kwargs)
+                finally:
+                    if st and st[-1] is entry:  # as _leave: popped only if still on top
+                        st.pop()
+                        current.ctx = outer
+    if not _enter(self, args, kwargs):
         return _orig_call(self, *args, **kwargs)
     try:
         return _orig_call(self, *args, **kwargs)
@@ -211,7 +245,7 @@ def _enter(module: Any, args: tuple, kwargs: dict) -> bool:
         names = st[-1][2]
         if type(names) is _StepFrame:  # a module called inside an optimizer step (a closure)
             names = _NO_NAMES
-        path = names.get(module)
+        path = names.get(_ref(module))
         if path is None:  # built on the fly, not a submodule of the outermost module
             parent = outer.path if outer is not None else None
             path = f"{parent}.{type(module).__name__}" if parent else type(module).__name__
@@ -220,9 +254,9 @@ def _enter(module: Any, args: tuple, kwargs: dict) -> bool:
         if _host_call(args):
             return False  # a model on another device: no context, and (almost) no cost
         names = _names.get(module)
-        if names is None:  # weak both ways: a cache entry never keeps a model (or its weights)
-            names = _names[module] = weakref.WeakKeyDictionary(
-                (m, n) for n, m in module.named_modules())
+        if names is None:  # weak both ways: a cache entry never keeps a model (or its weights);
+            # keyed by weak references (no callback: weakref.ref(m) then returns the same one)
+            names = _names[module] = {_ref(m): n for n, m in module.named_modules()}
         path = ""
         call = _begin(module, args, kwargs)
     region = outer.region if outer is not None else "forward"
@@ -324,6 +358,7 @@ def _lazy_tensors(obj: Any) -> list[Any]:
 
 
 _NO_NAMES: dict[Any, str] = {}
+_ref = weakref.ref
 
 
 class _StepFrame:

@@ -875,7 +875,7 @@ def _install_native_record() -> bool:
         counts=_counts, profiler=vars(_profiler), tls=_tls,
         current=graph_current,
         default_graph=DEFAULT_GRAPH, counter=_record_counter, leaf_spec=_LEAF_SPEC,
-        copy_ops=(_copy, _to_copy), detach=_detach, pending_total=pending_total,
+        copy_ops=(_copy,), device_ops=(_to_copy,), detach=_detach, pending_total=pending_total,
         retrack_below=_C._gc_retrack_below, defer_writer=defer_writer, limit=meta_cache.limit,
         factory_fallback=record_factory, context=context)
     if not _C._record_init(objects):
