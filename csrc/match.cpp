@@ -21,6 +21,7 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <memory>
 #include <vector>
 
 #include <pybind11/pybind11.h>
@@ -84,6 +85,59 @@ std::vector<Py_ssize_t> ints(PyObject* seq) {
     out[i] = as_index(PyList_GET_ITEM(seq, i));
   }
   return out;
+}
+
+// The integer columns of a Plan.flat, converted once per plan: a 2,000-node plan has ~10 columns
+// of ~2,000 ints, and converting them on every match cost ~0.4k instructions per node. Keyed by
+// the tuple's identity, which the entry holds (so the address is not reused while it is a key);
+// Plan.flat and its lists are never changed after genie.plan_cache._flatten builds them. A few
+// plans (the ones a loop alternates between) are kept; the oldest goes first. Shared: a match
+// holds its plan's columns while Python callbacks (which may match another plan) run.
+struct Columns {
+  PyObject* flat = nullptr;  // held
+  std::vector<Py_ssize_t> ei, ep, ej, ek, fi, fp, hi, hk, hn, roots;
+  Columns() = default;
+  Columns(const Columns&) = delete;
+  Columns& operator=(const Columns&) = delete;
+  ~Columns() {
+    Py_XDECREF(flat);
+  }
+};
+
+constexpr size_t kRecentPlans = 8;
+std::vector<std::shared_ptr<const Columns>>& recent_columns() {
+  static auto* r = new std::vector<std::shared_ptr<const Columns>>();  // never destroyed: holds refs
+  return *r;
+}
+
+std::shared_ptr<const Columns> columns_of(PyObject* flat) {
+  auto& recent = recent_columns();
+  for (const auto& c : recent) {
+    if (c->flat == flat) {
+      return c;
+    }
+  }
+  PyObject* const* col = &PyTuple_GET_ITEM(flat, 0);
+  auto c = std::make_shared<Columns>();
+  c->ei = ints(col[0]);
+  c->ep = ints(col[1]);
+  c->ej = ints(col[2]);
+  c->ek = ints(col[3]);
+  c->fi = ints(col[5]);
+  c->fp = ints(col[6]);
+  c->hi = ints(col[9]);
+  c->hk = ints(col[10]);
+  c->hn = ints(col[11]);
+  c->roots = ints(col[13]);
+  Py_INCREF(flat);
+  c->flat = flat;
+  std::shared_ptr<const Columns> old;  // released after the cache is consistent again
+  if (recent.size() >= kRecentPlans) {
+    old = std::move(recent.front());
+    recent.erase(recent.begin());
+  }
+  recent.push_back(c);
+  return c;
 }
 
 bool truthy(PyObject* o) {
@@ -156,14 +210,15 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
     throw py::type_error("genie._C._match_core: flat must be Plan.flat (16 columns)");
   }
   PyObject* const* col = &PyTuple_GET_ITEM(flat.ptr(), 0);
-  const std::vector<Py_ssize_t> ei = ints(col[0]), ep = ints(col[1]), ej = ints(col[2]),
-                                ek = ints(col[3]);
+  const std::shared_ptr<const Columns> cols_held = columns_of(flat.ptr());
+  const Columns& cols = *cols_held;
+  const std::vector<Py_ssize_t>&ei = cols.ei, &ep = cols.ep, &ej = cols.ej, &ek = cols.ek;
   PyObject* ingroups = col[4];
-  const std::vector<Py_ssize_t> fi = ints(col[5]), fp = ints(col[6]);
+  const std::vector<Py_ssize_t>&fi = cols.fi, &fp = cols.fp;
   PyObject* fv = col[7];
-  const std::vector<Py_ssize_t> hi = ints(col[9]), hk = ints(col[10]), hn = ints(col[11]);
+  const std::vector<Py_ssize_t>&hi = cols.hi, &hk = cols.hk, &hn = cols.hn;
   PyObject* other = col[12];
-  const std::vector<Py_ssize_t> roots = ints(col[13]);
+  const std::vector<Py_ssize_t>& roots = cols.roots;
 
   const Py_ssize_t nn = PyList_GET_SIZE(entries.ptr());
   // Borrowed: every found node is reachable from the targets through argument references the

@@ -16,7 +16,10 @@
 //   template holds (a float, an int) is not patched when the step's instruction is the very
 //   object the template was built from (kept by the step);
 // * outputs (returns flattened as optree.tree_leaves(none_is_leaf=True) flattens them), frees
-//   after last use, kept slots.
+//   after last use, kept slots;
+// * for add/sub/mul/div.Tensor of a float32 tensor and a float constant, the constant's
+//   wrapped-number tensor cast to float32 once (Program::cast_scalar), not by TensorIterator on
+//   every call: the same value and type promotion.
 //
 // Runs hold the GIL (kernels that take it, Python kernels, re-enter it) and run under the
 // caller's no_grad and disabled dispatch modes. A failing instruction does not raise here: run
@@ -36,6 +39,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
@@ -81,6 +85,10 @@ struct Step {
   bool reads_leaves = false;       // a Leaf or MetaStep patch (or an upload)
   bool rng = false;
   bool numbers_as_tensors = false;
+  // add/sub/mul/div.Tensor: `other` may be a Python float made a wrapped-number tensor (double);
+  // see cast_scalar. The cache holds that tensor cast once for the last (tensor, dtype) seen.
+  bool binary_scalar = false;
+  mutable at::Tensor scalar_src, scalar_cast;
   // The instruction the template was built from (held, so that its address stays its own): a
   // step whose tape has this very object here has the baked leaves' values in the template
   // already (a plan's shared instruction; only rebuilt ones carry another step's values).
@@ -240,6 +248,8 @@ class Program {
     s.op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
     const c10::FunctionSchema& schema = s.op->schema();
     s.numbers_as_tensors = numbers_as_tensors(name);
+    s.binary_scalar = (name == "aten::add" || name == "aten::sub" || name == "aten::mul" ||
+                       name == "aten::div") && overload == "Tensor";
     {
       torch::jit::ToIValueAllowNumbersAsTensors allow(s.numbers_as_tensors);
       s.stack = torch::jit::createStackForSchema(
@@ -322,6 +332,9 @@ class Program {
                             PyList_GET_ITEM(instrs.ptr(), i) == s.source.ptr();
           patch(s, stack, regs, leaves, dev, same, meta_name, shape_name, stride_name,
                 dtype_name);
+          if (s.binary_scalar) {
+            cast_scalar(s, stack);
+          }
           if (s.rng) {
             py::object rng = py::reinterpret_steal<py::object>(
                 get_attr(PyList_GET_ITEM(instrs.ptr(), i), rng_name));
@@ -436,6 +449,35 @@ class Program {
         unsupported("an unknown patch kind");
     }
     s.patches.push_back(std::move(p));
+  }
+
+  // `x op 0.5` with x float32: the recorded float is a wrapped-number double tensor (as
+  // OpOverload.__call__ converts it), which TensorIterator casts to float32 on every call with a
+  // _to_copy (an allocation and a copy kernel: ~5k instructions, more than the op itself on a
+  // small tensor). Cast here once per template value instead, to what that cast gives: the same
+  // float value, still a wrapped number, so the type promotion is unchanged. Only for float32
+  // (float64 needs no cast; a reduced-precision x is computed from the uncast value, which
+  // TensorIterator keeps as the original operand).
+  static void cast_scalar(const Step& s, std::vector<c10::IValue>& stack) {
+    if (stack.size() < 2 || !stack[0].isTensor() || !stack[1].isTensor()) {
+      return;
+    }
+    const at::Tensor& x = stack[0].toTensor();
+    const at::Tensor& w = stack[1].toTensor();
+    if (!w.defined() || !x.defined() || !w.unsafeGetTensorImpl()->is_wrapped_number() ||
+        w.scalar_type() != at::kDouble || !w.device().is_cpu() ||
+        x.scalar_type() != at::kFloat || x.unsafeGetTensorImpl()->is_wrapped_number()) {
+      return;
+    }
+    if (!s.scalar_src.defined() || !s.scalar_src.is_same(w)) {
+      // the copy kernel's conversion (a static_cast: out-of-range values become inf, as there)
+      at::Tensor c = at::detail::empty_cpu({}, at::kFloat);
+      *c.mutable_data_ptr<float>() = static_cast<float>(*w.const_data_ptr<double>());
+      c.unsafeGetTensorImpl()->set_wrapped_number(true);
+      s.scalar_src = w;  // held: its address is not reused while it is the key
+      s.scalar_cast = std::move(c);
+    }
+    stack[1] = s.scalar_cast;
   }
 
   static void patch(const Step& s, std::vector<c10::IValue>& stack,

@@ -244,3 +244,30 @@ def test_parameters_come_back_to_the_plans_values():
                                    step(w_cpu.to(EAGER), n, lr, EAGER).cpu(), rtol=0, atol=0)
     s = genie.stats()
     assert s["native_replays"] >= 6 and s.get("plan_cache_generic_hits", 0) >= 3
+
+
+@pytest.mark.parametrize("mode", ["1", "always"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.int64])
+def test_float_constants_of_binary_ops_replay_as_eager(mode, dtype):
+    """``x * 0.1`` and friends: the native program casts a float32 operand's wrapped-number
+    scalar once (csrc/replay.cpp, cast_scalar) instead of TensorIterator casting it per call;
+    the values, dtypes and out-of-range constants (inf, as the cast gives) are eager's."""
+    config.native_replay = mode
+
+    def f(x: torch.Tensor, c: float) -> list[torch.Tensor]:
+        return [x * c, x + c, x - c, x / c, torch.add(x, c, alpha=3), 2.5 * x, x * 1e300,
+                x + float("nan"), (x * c) * c]
+
+    host = (torch.randn(5) * 10).to(dtype)
+    x = host.to(D)
+    genie.materialize(x)
+    plan_cache.clear()
+    genie.reset_stats()
+    for step in range(4):
+        c = 0.1 / (step + 1) if step < 3 else 1 / 3
+        want = [t.cpu() for t in f(host.to(EAGER), c)]
+        got = [t.cpu() for t in genie.materialize(*f(x, c))]
+        for a, b in zip(got, want, strict=True):
+            assert (a.dtype, a.shape) == (b.dtype, b.shape)
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert genie.stats()["native_replays"] >= 3

@@ -518,3 +518,24 @@ def test_native_match_core_agrees_with_python(monkeypatch) -> None:
     assert outcomes.count("hit") >= 8 and "none" in outcomes, outcomes
     assert rebuilds, "no hit rebuilt an instruction: the test no longer covers _rebuild_instrs"
     assert any(type(r) is tuple for r in core) and any(r is None or r is False for r in core)
+
+
+def test_more_plans_than_the_native_match_keeps_converted_hit_in_turn() -> None:
+    """csrc/match.cpp converts a plan's integer columns once and keeps the last few plans'
+    (columns_of); a loop over more structures than it keeps evicts and converts again: every
+    round after the first still hits, with eager's values."""
+    x = torch.randn(4, device=D)
+    genie.materialize(x)
+    xc = x.cpu()
+
+    def prog(t: torch.Tensor, k: int) -> torch.Tensor:  # k + 1 steps: 11 structures
+        for _ in range(k + 1):
+            t = (t * 0.5 + 1.0).relu()
+        return t
+
+    genie.reset_stats()
+    for _ in range(3):
+        for k in range(11):
+            torch.testing.assert_close(prog(x, k).cpu(), prog(xc, k), rtol=0, atol=0)
+    s = genie.stats()
+    assert s["plan_cache_hits"] >= 2 * 11, s
