@@ -89,6 +89,13 @@ def test_many_pending_writers_are_put_back_under_the_collector() -> None:
     assert sum(w() is not None for w in writers) == 0, "dropped writers leaked"
 
 
+def test_untrack_flag_off_keeps_everything_tracked() -> None:
+    config.gc_untrack = False
+    a = torch.ones(3, device=DEV)
+    b = a * 2
+    assert gc.is_tracked(b._node)
+
+
 @pytest.mark.parametrize("case", ["inplace", "view_inplace", "chain_then_write", "index_put"])
 def test_dropped_pending_writes_are_collected(case: str, defer: bool) -> None:
     """A write closes a cycle through storage.pending_writes; dropping it all must free it."""
