@@ -1174,26 +1174,34 @@ PyObject* make_wrapper(const Out& o) {
 // LazyTensor(node, k, meta) and graph.track(t, node, k), for the default graph. `gc_untrack`:
 // track() takes the liveness token and the tensor's dict off the GC; `node_untracked`: so does
 // untrack_node the weak reference in node.outputs.
-PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untracked) {
+// The wrapper of `o` bound to output `out` of `node` with liveness token `alive`: t._node, t._out,
+// t._alive, the instance dict as `setattr` fills it (LazyTensor has no descriptors of these
+// names), in that order. `gc_untrack`: the dict goes off the GC (it holds the node, which never
+// holds the tensor).
+py::object bound_wrapper(const Out& o, PyObject* node, PyObject* out, PyObject* alive,
+                         bool gc_untrack) {
   py::object t = py::reinterpret_steal<py::object>(make_wrapper(o));
-  // t._node, t._out, t._alive: the instance dict as `setattr` fills it (LazyTensor has no
-  // descriptors of these names), in that order.
   py::object d = py::reinterpret_steal<py::object>(checked(PyObject_GenericGetDict(t.ptr(), nullptr)));
-  py::object k = py::reinterpret_steal<py::object>(checked(PyLong_FromSsize_t(o.k)));
-  py::object a = py::reinterpret_steal<py::object>(new_object(S.alive, !gc_untrack));
   if (PyDict_SetItem(d.ptr(), names->node, node) < 0 ||
-      PyDict_SetItem(d.ptr(), names->out, k.ptr()) < 0 ||
-      PyDict_SetItem(d.ptr(), names->alive, a.ptr()) < 0) {
+      PyDict_SetItem(d.ptr(), names->out, out) < 0 ||
+      PyDict_SetItem(d.ptr(), names->alive, alive) < 0) {
     throw py::error_already_set();
   }
+  if (gc_untrack) {
+    untrack(d.ptr());  // after its items: storing a GC object tracks a dict again
+  }
+  return t;
+}
+
+PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untracked) {
+  py::object k = py::reinterpret_steal<py::object>(checked(PyLong_FromSsize_t(o.k)));
+  py::object a = py::reinterpret_steal<py::object>(new_object(S.alive, !gc_untrack));
+  py::object t = bound_wrapper(o, node, k.ptr(), a.ptr(), gc_untrack);
   PyObject* outputs = slot(node, S.n.outputs);
   PyObject* w = fresh(PyWeakref_NewRef(a.ptr(), nullptr), !node_untracked);
   PyObject* old = PyList_GET_ITEM(outputs, o.k);
   PyList_SET_ITEM(outputs, o.k, w);
   Py_DECREF(old);
-  if (gc_untrack) {
-    untrack(d.ptr());  // after its items: storing a GC object tracks a dict again
-  }
   return t.release().ptr();
 }
 
@@ -1533,17 +1541,7 @@ PyObject* detach_alias(PyObject* args, PyObject* kwargs) {
   if (!decode_meta(PyList_GET_ITEM(metas, k), o)) {
     return kNotHandled;  // math bits: the Python path
   }
-  py::object t = py::reinterpret_steal<py::object>(make_wrapper(o));
-  py::object d = py::reinterpret_steal<py::object>(checked(PyObject_GenericGetDict(t.ptr(), nullptr)));
-  if (PyDict_SetItem(d.ptr(), names->node, node.ptr()) < 0 ||
-      PyDict_SetItem(d.ptr(), names->out, out.ptr()) < 0 ||
-      PyDict_SetItem(d.ptr(), names->alive, alive.ptr()) < 0) {
-    throw py::error_already_set();
-  }
-  if (flags.gc_untrack) {
-    untrack(d.ptr());  // as new_lazy: the dict holds the node, which never holds the tensor
-  }
-  return t.release().ptr();
+  return bound_wrapper(o, node.ptr(), out.ptr(), alive.ptr(), flags.gc_untrack).release().ptr();
 }
 
 // The record path for one call: a new reference, nullptr with an error set, or kNotHandled.

@@ -110,12 +110,7 @@ class LazyTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, node: Node, out: int, meta: TensorMeta) -> LazyTensor:
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, meta.shape, strides=meta.stride, storage_offset=meta.offset, dtype=meta.dtype,
-            device=device_of(meta.index), requires_grad=False)
-        if meta.conj or meta.neg:  # the dispatcher's Conjugate/Negative fallbacks then act as eager
-            torch._C._set_conj(r, meta.conj)
-            torch._C._set_neg(r, meta.neg)
+        r = _wrapper(cls, meta)
         r._node = node
         r._out = out
         track(r, node, out)
@@ -802,6 +797,18 @@ def _plain(real: Any) -> bool:
             and not real._is_zerotensor() and not torch._C._len_torch_dispatch_stack())
 
 
+def _wrapper(cls: type, meta: TensorMeta) -> Any:
+    """A data-less ``cls`` tensor on the device with ``meta``'s metadata, math bits included
+    (the dispatcher's Conjugate/Negative fallbacks then act as eager); not yet bound to a node."""
+    r = torch.Tensor._make_wrapper_subclass(
+        cls, meta.shape, strides=meta.stride, storage_offset=meta.offset, dtype=meta.dtype,
+        device=device_of(meta.index), requires_grad=False)
+    if meta.conj or meta.neg:
+        torch._C._set_conj(r, meta.conj)
+        torch._C._set_neg(r, meta.neg)
+    return r
+
+
 def _detach_alias(x: LazyTensor) -> LazyTensor | None:
     """``detach(x)`` of a LazyTensor of the default graph: a new LazyTensor of x's very value, with
     no node of its own: x's node and output, its metadata, and its liveness token (the node keeps
@@ -823,9 +830,7 @@ def _detach_alias(x: LazyTensor) -> LazyTensor | None:
     meta = node.metas[out]
     if w is None or w() is not alive or meta.conj or meta.neg:
         return None
-    r = torch.Tensor._make_wrapper_subclass(
-        LazyTensor, meta.shape, strides=meta.stride, storage_offset=meta.offset,
-        dtype=meta.dtype, device=device_of(meta.index), requires_grad=False)
+    r = _wrapper(LazyTensor, meta)
     r._node = node
     r._out = out
     r._alive = alive
