@@ -2007,6 +2007,35 @@ void record_reset_stats() {
 
 namespace genie {
 
+PyObject* record_call(PyObject* func, PyObject* args, PyObject* kwargs) {
+  if (!S.ready) {
+    PyErr_SetString(PyExc_RuntimeError, "genie's native record path is not initialized");
+    return nullptr;
+  }
+  return native_or_fallback(try_record, S.fallback, func, args, kwargs);
+}
+
+PyTypeObject* lazy_type() {
+  return S.ready ? S.lazy : nullptr;
+}
+
+int dispatch_rule_may_apply(PyObject* func) {
+  if (rule_data == nullptr) {
+    return 1;  // torch's own lookup is in place: only torch's path applies it
+  }
+  if (PyDict_GET_SIZE(rule_data) == 0) {
+    return 0;
+  }
+  PyObject* argv[2] = {func, reinterpret_cast<PyObject*>(S.lazy)};
+  PyObject* r = find_dispatch_rule(nullptr, argv, 2);
+  if (r == nullptr) {
+    return -1;
+  }
+  const int found = r != Py_None;
+  Py_DECREF(r);
+  return found;
+}
+
 void add_record_functions(py::module_& m) {
   if (PyModule_AddFunctions(m.ptr(), methods) < 0) {
     throw py::error_already_set();

@@ -9,4 +9,19 @@ namespace genie {
 // to the genie._C module.
 void add_record_functions(pybind11::module_& m);
 
+// What LazyTensor.__torch_dispatch__ (_record_dispatch) does for func(*args, **kwargs): the
+// native record, or lazy_tensor._dispatch. A new reference, or nullptr with a Python error set.
+// Needs the GIL and the record path initialized (_record_init).
+PyObject* record_call(PyObject* func, PyObject* args, PyObject* kwargs);
+
+// genie.lazy_tensor.LazyTensor once _record_init has run, else nullptr.
+PyTypeObject* lazy_type();
+
+// Whether a torch dispatch rule may be registered for (func, LazyTensor): 1 (or when Genie's
+// native rule lookup is not installed), 0 when none is, -1 with a Python error set.
+int dispatch_rule_may_apply(PyObject* func);
+
+// Adds _python_key_install, _python_key_enable and _python_key_stats (csrc/python_key.cpp).
+void add_python_key_functions(pybind11::module_& m);
+
 } // namespace genie

@@ -3,7 +3,7 @@
 ``GENIE_DEVICE``, ``GENIE_DEVICE_COUNT``, ``GENIE_META_CACHE``, ``GENIE_RECORD_SOURCE``,
 ``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD``, ``GENIE_NATIVE_RECORD_MISS``, ``GENIE_NATIVE_BIND``,
 ``GENIE_NATIVE_MATCH``, ``GENIE_NATIVE_SLICE``, ``GENIE_NATIVE_REPLAY``, ``GENIE_FOREACH``,
-``GENIE_NATIVE_DISPATCH_RULE``, ``GENIE_INDEX_CHECK``, ``GENIE_CALLER_BACKWARD`` and
+``GENIE_NATIVE_DISPATCH_RULE``, ``GENIE_PYTHON_KEY``, ``GENIE_INDEX_CHECK``, ``GENIE_CALLER_BACKWARD`` and
 ``GENIE_DEBUG`` live here; the engine and
 remote modules read their own (``GENIE_BACKENDS``, ``GENIE_PLAN_CACHE``, ``GENIE_COMPILER``,
 ``GENIE_SERVER``, ...). docs/env.md is the one table of all of them, with meanings and defaults.
@@ -55,6 +55,10 @@ class Config:
     # (lazy_tensor.entry_for) and is recorded natively; 0: it takes the whole Python path, which
     # the native path then learns the entry from.
     native_record_miss: bool = _flag("GENIE_NATIVE_RECORD_MISS", "1") != "0"
+    # LazyTensor calls reach genie's record from a C++ kernel on the Python dispatch key
+    # (csrc/python_key.cpp), without PyTorch's Python fallback and its round trip into
+    # __torch_dispatch__; 0: PyTorch's fallback calls LazyTensor.__torch_dispatch__ (the reference).
+    python_key: bool = _flag("GENIE_PYTHON_KEY", "1") != "0"
     # Run a repeated plan's tape as a native program (csrc/replay.cpp): "1" from a plan's
     # second use, "always" every tape, "0" never (generated Python or the interpreter).
     native_replay: str = _flag("GENIE_NATIVE_REPLAY", "1").lower() or "1"

@@ -892,7 +892,7 @@ def _install_native_record() -> bool:
     return True
 
 
-_install_native_record()
+_native_record_installed = _install_native_record()
 
 
 def _install_dispatch_rule_lookup() -> bool:
@@ -923,6 +923,31 @@ def _install_dispatch_rule_lookup() -> bool:
 
 
 _install_dispatch_rule_lookup()
+
+
+def _follow_python_key(cfg: Any) -> None:
+    """Record LazyTensor calls from genie's C++ kernel on the Python dispatch key.
+
+    PyTorch's Python fallback reaches ``LazyTensor.__torch_dispatch__`` through a generic round
+    trip (the IValue stack boxed into Python arguments, the overloaded types collected into a
+    tuple, ``__torch_dispatch__`` looked up by name and called with four arguments, the result
+    unboxed): for a small op about as much work as Genie's own record. ``csrc/python_key.cpp``
+    registers a kernel on the Python key for the aten operators that reach it, which calls the
+    native record directly for calls only ``LazyTensor.__torch_dispatch__`` would see (no
+    ``TorchDispatchMode``, every subclass argument a LazyTensor, no registered dispatch rule) and
+    hands every other call to PyTorch's fallback unchanged. Installed the first time
+    ``config.python_key`` is on (``GENIE_PYTHON_KEY``, default on) where the native record path
+    and this build's kernel exist (torch >= 2.13); switching the setting off hands every call to
+    PyTorch's fallback again.
+    """
+    if not getattr(_C, "_python_key_kernel", False) or not _native_record_installed:
+        return
+    if cfg.python_key:
+        _C._python_key_install()  # once; later calls return -1
+    _C._python_key_enable(cfg.python_key, LazyTensor.__dict__["__torch_dispatch__"])
+
+
+config.on_change(_follow_python_key)
 
 
 # --- optimizers: the multi-tensor (foreach) path ------------------------------------------------

@@ -1,0 +1,404 @@
+// genie._C: LazyTensor calls recorded from a C++ kernel on the Python dispatch key.
+//
+// A LazyTensor carries the Python dispatch key, so every aten op on it reaches PyTorch's Python
+// fallback (pythonFallback): the interpreter converts the dispatcher's IValue stack into a Python
+// args tuple and kwargs dict (parseIValuesToPyArgsKwargs), collects the overloaded arguments and
+// a tuple of their types, looks __torch_dispatch__ up by name on the first one, asks
+// torch._library.simple_registry for a registered dispatch rule, calls __torch_dispatch__ with
+// four arguments and converts what it returns back into IValues (pushPyOutToStack). For the
+// 2,000-op chain of bench_models that round trip is ~9k of the ~32k instructions an op costs,
+// more than Genie's own record.
+//
+// This file registers one boxed kernel on the Python key for the aten operators (a per-operator
+// kernel takes precedence over the key's fallback, as torch.library's impl(..., "Python") does;
+// operators with a CompositeImplicitAutograd kernel are left alone: they never reach the key).
+// For a call that only Genie's __torch_dispatch__ would see (no TorchDispatchMode active, every
+// argument tensor with the Python key a LazyTensor, no dispatch rule registered for the op and
+// LazyTensor, LazyTensor.__torch_dispatch__ still genie's native one), it does what that path
+// does, with less: the stack converted to the same args and kwargs (the same conversion per
+// argument type; defaulted trailing and keyword-only arguments dropped as torch drops them),
+// genie's record called directly (genie::record_call, what _record_dispatch calls), the result
+// pushed as torch pushes it. Every other call goes to PyTorch's own fallback, captured before
+// this file's first registration, so other tensor subclasses, modes (genie.capture included)
+// and registered rules behave exactly as without it. GENIE_PYTHON_KEY=0 (config.python_key)
+// sends every call to PyTorch's fallback (the reference). tests/unit/test_python_key.py.
+//
+// Built on torch >= 2.13 (PyObjectSlot::load_pyobj, OperatorHandle::getPythonOp(F) and
+// getComputedKernelForDispatchKey are its API); older torch builds this file without the kernel.
+
+#include <Python.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <pybind11/pybind11.h>
+
+#if __has_include(<torch/headeronly/version.h>)
+#include <torch/headeronly/version.h>
+#elif __has_include(<torch/version.h>)
+#include <torch/version.h>
+#endif
+
+#if defined(TORCH_VERSION_MAJOR) && defined(TORCH_VERSION_MINOR) && \
+    (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
+#define GENIE_PYTHON_KEY_KERNEL 1
+#else
+#define GENIE_PYTHON_KEY_KERNEL 0
+#endif
+
+#if GENIE_PYTHON_KEY_KERNEL
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/tensor_memoryformats.h>
+#include <torch/library.h>
+#endif
+
+#include "record.h"
+
+namespace py = pybind11;
+
+namespace {
+
+#if GENIE_PYTHON_KEY_KERNEL
+
+// The keys below the Python key, as pythonFallback excludes them while __torch_dispatch__ runs.
+constexpr c10::DispatchKeySet kAfterPython =
+    c10::DispatchKeySet(c10::DispatchKeySet::FULL) ^
+    (c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Python) |
+     c10::DispatchKeySet(c10::DispatchKey::Python));
+
+std::atomic<bool> enabled{false};
+PyObject* td_name = nullptr;        // "__torch_dispatch__"
+PyObject* genie_dispatch = nullptr;  // LazyTensor.__dict__["__torch_dispatch__"] when enabled
+// PyTorch's Python-key fallback (pythonFallback), read from an operator's computed table before
+// any registration here. Never destroyed (static destructors run after the interpreter is gone).
+c10::SafeKernelFunction* torch_fallback = nullptr;
+torch::Library* library = nullptr;
+uint64_t n_recorded = 0;   // calls this kernel recorded through genie::record_call
+uint64_t n_delegated = 0;  // calls it handed to PyTorch's fallback
+
+// How parseIValuesToPyArgsKwargs converts an argument: by its schema type for the enums stored
+// as ints, else by the value.
+enum ArgKind : uint8_t { kValue, kDtype, kLayout, kMemoryFormat };
+
+struct OpArgs {
+  PyObject* func = nullptr;  // torch.ops.<ns>.<name>.<overload> (static lifetime)
+  std::vector<ArgKind> kinds;
+  std::vector<PyObject*> names;  // interned argument names
+  size_t kwarg_only_start = 0;
+  bool tensor_return = false;  // exactly one return, a Tensor
+};
+
+// By schema address: an operator's schema lives while it is registered, and aten's are never
+// deregistered. Read and written with the GIL held.
+std::unordered_map<const c10::FunctionSchema*, std::unique_ptr<OpArgs>>* op_args = nullptr;
+
+bool matches(const c10::Argument& arg, c10::TypeKind kind) {
+  const auto& t = arg.real_type();
+  if (t->kind() == kind) {
+    return true;
+  }
+  if (auto opt = t->cast<c10::OptionalType>()) {
+    return opt->getElementType()->kind() == kind;
+  }
+  return false;
+}
+
+// torch.ops.<ns>.<name>.<overload>, as torch's getTorchApiFunction finds it. A new reference
+// kept forever (an OpOverload lives as long as its packet, i.e. the process).
+PyObject* python_op(const c10::OperatorHandle& op) {
+  return op.getPythonOp([&]() -> PyObject* {
+    const auto& qualified = op.operator_name().name;
+    const auto& overload = op.schema().overload_name();
+    const auto pos = qualified.find("::");
+    TORCH_INTERNAL_ASSERT(pos != std::string::npos, qualified);
+    py::object ns = py::module_::import("torch").attr("ops").attr(qualified.substr(0, pos).c_str());
+    py::object packet = ns.attr(qualified.c_str() + pos + 2);
+    py::object overload_op = packet.attr(overload.empty() ? "default" : overload.c_str());
+    return overload_op.release().ptr();
+  });
+}
+
+const OpArgs& args_of(const c10::OperatorHandle& op) {
+  const c10::FunctionSchema* schema = &op.schema();
+  auto it = op_args->find(schema);
+  if (it != op_args->end()) {
+    return *it->second;
+  }
+  auto a = std::make_unique<OpArgs>();
+  a->func = python_op(op);
+  const auto& arguments = schema->arguments();
+  a->kwarg_only_start = arguments.size();
+  while (a->kwarg_only_start > 0 && arguments[a->kwarg_only_start - 1].kwarg_only()) {
+    --a->kwarg_only_start;
+  }
+  for (const auto& arg : arguments) {
+    a->kinds.push_back(matches(arg, c10::ScalarTypeType::Kind)     ? kDtype
+                       : matches(arg, c10::LayoutType::Kind)       ? kLayout
+                       : matches(arg, c10::MemoryFormatType::Kind) ? kMemoryFormat
+                                                                   : kValue);
+    PyObject* name = PyUnicode_InternFromString(arg.name().c_str());
+    if (name == nullptr) {
+      throw python_error();
+    }
+    a->names.push_back(name);
+  }
+  const auto& returns = schema->returns();
+  a->tensor_return =
+      returns.size() == 1 && returns[0].real_type()->kind() == c10::TypeKind::TensorType;
+  return *op_args->emplace(schema, std::move(a)).first->second;
+}
+
+// An argument as parseIValuesToPyArgsKwargs gives it to __torch_dispatch__; a new reference.
+PyObject* to_python(const c10::IValue& v, ArgKind kind) {
+  if (v.isNone()) {
+    Py_RETURN_NONE;
+  }
+  switch (kind) {
+    case kDtype: {
+      PyObject* o = reinterpret_cast<PyObject*>(
+          torch::getTHPDtype(static_cast<c10::ScalarType>(v.toInt())));
+      Py_INCREF(o);
+      return o;
+    }
+    case kLayout: {
+      PyObject* o = reinterpret_cast<PyObject*>(
+          torch::getTHPLayout(static_cast<c10::Layout>(v.toInt())));
+      Py_INCREF(o);
+      return o;
+    }
+    case kMemoryFormat: {
+      PyObject* o = torch::utils::getTHPMemoryFormat(static_cast<c10::MemoryFormat>(v.toInt()));
+      Py_INCREF(o);
+      return o;
+    }
+    case kValue:
+      break;
+  }
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    // Undefined and wrapped-number tensors convert as toPyObject converts them (None, a number).
+    if (t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number()) {
+      return THPVariable_Wrap(t);
+    }
+  } else if (v.isInt()) {
+    return PyLong_FromLongLong(v.toInt());
+  } else if (v.isDouble()) {
+    return PyFloat_FromDouble(v.toDouble());
+  } else if (v.isBool()) {
+    return PyBool_FromLong(v.toBool() ? 1 : 0);
+  }
+  return torch::jit::toPyObject(v).release().ptr();
+}
+
+// The argument at schema position i equals its default (parseIValuesToPyArgsKwargs's is_default).
+bool is_default(const c10::FunctionSchema& schema, const c10::IValue* values, size_t i) {
+  const auto& d = schema.arguments()[i].default_value();
+  return d.has_value() && !(*d != values[i]);
+}
+
+void delegate(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  ++n_delegated;  // racy without the GIL: a statistic only
+  torch_fallback->callBoxed(op, ks, stack);
+}
+
+// 1: a tensor with the Python key that is a LazyTensor, 0: no Python key, -1: another subclass.
+inline int classify(const c10::TensorImpl* t, PyTypeObject* lazy) {
+  if (!t->key_set().has(c10::DispatchKey::Python)) {
+    return 0;
+  }
+  PyObject* o = t->pyobj_slot()->load_pyobj();
+  return o != nullptr && Py_TYPE(o) == lazy ? 1 : -1;
+}
+
+void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  PyTypeObject* lazy = genie::lazy_type();
+  if (!enabled.load(std::memory_order_relaxed) || lazy == nullptr ||
+      c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    return delegate(op, ks, stack);
+  }
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const c10::IValue* values = stack->data() + (stack->size() - n);
+  bool any = false;
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = values[i];
+    int c = 0;
+    if (v.isTensor()) {
+      c = classify(v.unsafeToTensorImpl(), lazy);
+    } else if (v.isTensorList() || v.isOptionalTensorList()) {
+      for (const auto& e : v.toListRef()) {
+        if (!e.isNone()) {
+          const int ce = classify(e.unsafeToTensorImpl(), lazy);
+          if (ce < 0) {
+            return delegate(op, ks, stack);
+          }
+          c |= ce;
+        }
+      }
+    }
+    if (c < 0) {
+      return delegate(op, ks, stack);
+    }
+    any = any || c > 0;
+  }
+  if (!any) {
+    return delegate(op, ks, stack);
+  }
+
+  c10::impl::ExcludeDispatchKeyGuard exclude(kAfterPython);
+  py::gil_scoped_acquire gil;
+  if (!enabled.load(std::memory_order_relaxed) ||
+      _PyType_Lookup(lazy, td_name) != genie_dispatch) {
+    return delegate(op, ks, stack);  // __torch_dispatch__ was replaced: torch's path calls it
+  }
+  const OpArgs& a = args_of(op);
+  const int rule = genie::dispatch_rule_may_apply(a.func);
+  if (rule < 0) {
+    throw python_error();
+  }
+  if (rule > 0) {
+    return delegate(op, ks, stack);
+  }
+
+  // Positional arguments up to the last one that is not its default; keyword-only ones that are
+  // not their default, by name (parseIValuesToPyArgsKwargs).
+  size_t positional = a.kwarg_only_start;
+  while (positional > 0 && is_default(schema, values, positional - 1)) {
+    --positional;
+  }
+  py::object args = py::reinterpret_steal<py::object>(PyTuple_New(positional));
+  if (!args) {
+    throw python_error();
+  }
+  for (size_t i = 0; i < positional; ++i) {
+    PyObject* o = to_python(values[i], a.kinds[i]);
+    if (o == nullptr) {
+      throw python_error();
+    }
+    PyTuple_SET_ITEM(args.ptr(), i, o);
+  }
+  py::object kwargs;
+  for (size_t i = a.kwarg_only_start; i < n; ++i) {
+    if (is_default(schema, values, i)) {
+      continue;
+    }
+    if (!kwargs) {
+      kwargs = py::reinterpret_steal<py::object>(PyDict_New());
+      if (!kwargs) {
+        throw python_error();
+      }
+    }
+    py::object o = py::reinterpret_steal<py::object>(to_python(values[i], a.kinds[i]));
+    if (!o || PyDict_SetItem(kwargs.ptr(), a.names[i], o.ptr()) < 0) {
+      throw python_error();
+    }
+  }
+  torch::jit::drop(*stack, n);
+
+  py::object out = py::reinterpret_steal<py::object>(genie::record_call(a.func, args.ptr(),
+                                                                        kwargs.ptr()));
+  if (!out) {
+    throw python_error();
+  }
+  ++n_recorded;
+  // pushPyOutToStack.
+  const auto& returns = schema.returns();
+  if (a.tensor_return && THPVariable_Check(out.ptr())) {
+    torch::jit::push(stack, THPVariable_Unpack(out.ptr()));
+  } else if (returns.empty()) {
+    TORCH_CHECK(out.is_none(), "Expected __torch_dispatch__ for ", op.operator_name(),
+                " to return None but it returned something else instead.");
+  } else if (returns.size() == 1) {
+    torch::jit::push(stack, torch::jit::toIValue(out, returns[0].real_type()));
+  } else {
+    auto outs = py::cast<py::sequence>(out);
+    for (size_t i = 0; i < outs.size(); ++i) {
+      torch::jit::push(stack, torch::jit::toIValue(outs[i], returns[i].real_type()));
+    }
+  }
+}
+
+// Registers the kernel for every aten operator that reaches the Python key through its fallback
+// (no kernel of its own there, no CompositeImplicitAutograd kernel); returns how many.
+int64_t install() {
+  if (library != nullptr) {
+    return -1;
+  }
+  auto& dispatcher = c10::Dispatcher::singleton();
+  std::vector<c10::OperatorName> names = dispatcher.getAllOpNames();
+  std::vector<c10::OperatorHandle> ops;
+  for (const auto& name : names) {
+    if (name.name.rfind("aten::", 0) != 0) {
+      continue;
+    }
+    auto op = dispatcher.findOp(name);
+    if (!op || !op->hasSchema() ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::Python) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
+        !op->hasComputedKernelForDispatchKey(c10::DispatchKey::Python)) {
+      continue;
+    }
+    if (torch_fallback == nullptr) {
+      torch_fallback = new c10::SafeKernelFunction(
+          op->getComputedKernelForDispatchKey(c10::DispatchKey::Python));
+    }
+    ops.push_back(*op);
+  }
+  TORCH_CHECK(torch_fallback != nullptr, "genie: no aten operator reaches the Python key");
+  library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::Python, __FILE__,
+                               __LINE__);
+  for (const auto& op : ops) {
+    const auto& name = op.operator_name();
+    std::string qualified = name.overload_name.empty() ? name.name
+                                                       : name.name + "." + name.overload_name;
+    library->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&kernel>());
+  }
+  return static_cast<int64_t>(ops.size());
+}
+
+#endif  // GENIE_PYTHON_KEY_KERNEL
+
+}  // namespace
+
+namespace genie {
+
+void add_python_key_functions(py::module_& m) {
+#if GENIE_PYTHON_KEY_KERNEL
+  td_name = PyUnicode_InternFromString("__torch_dispatch__");
+  op_args = new std::unordered_map<const c10::FunctionSchema*, std::unique_ptr<OpArgs>>();
+  m.def("_python_key_install", &install,
+        "Register genie's kernel on the Python dispatch key for the aten operators that reach "
+        "it (csrc/python_key.cpp); returns how many (-1: already installed).");
+  m.def(
+      "_python_key_enable",
+      [](bool on, py::object dispatch) {
+        if (on) {
+          Py_XSETREF(genie_dispatch, py::object(dispatch).release().ptr());
+        }
+        enabled.store(on && library != nullptr);
+        return enabled.load();
+      },
+      py::arg("on"), py::arg("dispatch") = py::none(),
+      "Record LazyTensor calls from the Python-key kernel (on: `dispatch` is the "
+      "LazyTensor.__torch_dispatch__ it stands for) or hand every call to PyTorch's fallback; "
+      "returns whether the kernel records.");
+  m.def("_python_key_stats", []() {
+    return py::make_tuple(n_recorded, n_delegated);
+  }, "(calls recorded by the Python-key kernel, calls it handed to PyTorch's fallback).");
+  m.attr("_python_key_kernel") = true;
+#else
+  m.attr("_python_key_kernel") = false;
+#endif
+}
+
+}  // namespace genie
