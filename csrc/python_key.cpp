@@ -23,7 +23,7 @@
 // and registered rules behave exactly as without it. GENIE_PYTHON_KEY=0 (config.python_key)
 // sends every call to PyTorch's fallback (the reference). tests/unit/test_python_key.py.
 //
-// Built on torch >= 2.13 (PyObjectSlot::load_pyobj, OperatorHandle::getPythonOp(F) and
+// Built on torch >= 2.11 (PyObjectSlot::load_pyobj, OperatorHandle::getPythonOp and
 // getComputedKernelForDispatchKey are its API); older torch builds this file without the kernel.
 
 #include <Python.h>
@@ -43,8 +43,10 @@
 #endif
 
 #if defined(TORCH_VERSION_MAJOR) && defined(TORCH_VERSION_MINOR) && \
-    (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
+    (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11))
 #define GENIE_PYTHON_KEY_KERNEL 1
+// torch 2.11/2.12 still pass the interpreter to OperatorHandle::getPythonOp.
+#define GENIE_PYTHON_OP_TAKES_INTERPRETER (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13)
 #else
 #define GENIE_PYTHON_KEY_KERNEL 0
 #endif
@@ -53,6 +55,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/PyInterpreterHooks.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -116,7 +119,7 @@ bool matches(const c10::Argument& arg, c10::TypeKind kind) {
 // torch.ops.<ns>.<name>.<overload>, as torch's getTorchApiFunction finds it. A new reference
 // kept forever (an OpOverload lives as long as its packet, i.e. the process).
 PyObject* python_op(const c10::OperatorHandle& op) {
-  return op.getPythonOp([&]() -> PyObject* {
+  auto slow = [&]() -> PyObject* {
     const auto& qualified = op.operator_name().name;
     const auto& overload = op.schema().overload_name();
     const auto pos = qualified.find("::");
@@ -125,7 +128,12 @@ PyObject* python_op(const c10::OperatorHandle& op) {
     py::object packet = ns.attr(qualified.c_str() + pos + 2);
     py::object overload_op = packet.attr(overload.empty() ? "default" : overload.c_str());
     return overload_op.release().ptr();
-  });
+  };
+#if GENIE_PYTHON_OP_TAKES_INTERPRETER
+  return op.getPythonOp(c10::impl::getGlobalPyInterpreter(), slow);
+#else
+  return op.getPythonOp(slow);
+#endif
 }
 
 const OpArgs& args_of(const c10::OperatorHandle& op) {
@@ -196,6 +204,22 @@ PyObject* to_python(const c10::IValue& v, ArgKind kind) {
     return PyFloat_FromDouble(v.toDouble());
   } else if (v.isBool()) {
     return PyBool_FromLong(v.toBool() ? 1 : 0);
+  } else if (v.isTensorList() || v.isOptionalTensorList() || v.isIntList() ||
+             v.isDoubleList()) {
+    // A list, element by element as toPyObject converts them (foreach ops, cat, sizes).
+    const auto items = v.toListRef();
+    py::object list = py::reinterpret_steal<py::object>(PyList_New(items.size()));
+    if (!list) {
+      return nullptr;
+    }
+    for (size_t i = 0; i < items.size(); ++i) {
+      PyObject* o = to_python(items[i], kValue);
+      if (o == nullptr) {
+        return nullptr;
+      }
+      PyList_SET_ITEM(list.ptr(), i, o);
+    }
+    return list.release().ptr();
   }
   return torch::jit::toPyObject(v).release().ptr();
 }
