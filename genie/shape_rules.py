@@ -81,12 +81,36 @@ def _dim(d: Any, ndim: int) -> int | None:
 
 # --- views ------------------------------------------------------------------------------------
 
+def _view_strides(shape: tuple[int, ...], stride: tuple[int, ...],
+                  size: tuple[int, ...]) -> tuple[int, ...] | None:
+    """ATen's ``computeStride``: strides of a view of (shape, stride) as ``size`` (same numel,
+    no zero-size dim, at least one dim), or None where no view exists (``view`` raises there,
+    the meta kernel says how)."""
+    new = [0] * len(size)
+    view_d = len(size) - 1
+    chunk_base = stride[-1]
+    tensor_numel = view_numel = 1
+    for d in range(len(shape) - 1, -1, -1):
+        tensor_numel *= shape[d]
+        if d == 0 or (shape[d - 1] != 1 and stride[d - 1] != tensor_numel * chunk_base):
+            while view_d >= 0 and (view_numel < tensor_numel or size[view_d] == 1):
+                new[view_d] = view_numel * chunk_base
+                view_numel *= size[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if d > 0:
+                chunk_base = stride[d - 1]
+                tensor_numel = view_numel = 1
+    return tuple(new) if view_d == -1 else None
+
+
 @rule(aten.view.default, aten._unsafe_view.default)
 def _view(args: tuple, index: int) -> TensorMeta | None:
     if len(args) != 2 or not _plain(args[0]):
         return None
     x, size = args[0], _ints(args[1])
-    if size is None or not _dense(x):
+    if size is None or not x.shape or 0 in x.shape:
         return None
     if size.count(-1) == 1:
         known = _numel(tuple(s for s in size if s != -1))
@@ -95,7 +119,14 @@ def _view(args: tuple, index: int) -> TensorMeta | None:
         size = tuple(_numel(x.shape) // known if s == -1 else s for s in size)
     if any(s <= 0 for s in size) or _numel(size) != _numel(x.shape):
         return None
-    return TensorMeta(size, contiguous_strides(size), 0, x.dtype, index)
+    if _dense(x):
+        return TensorMeta(size, contiguous_strides(size), 0, x.dtype, index)
+    if not size:
+        return None
+    stride = _view_strides(x.shape, x.stride, size)
+    if stride is None:
+        return None
+    return TensorMeta(size, stride, x.offset, x.dtype, index)
 
 
 @rule(aten.expand.default)

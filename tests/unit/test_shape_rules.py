@@ -129,6 +129,46 @@ def test_view_rule_matches_or_declines(shape, size) -> None:  # noqa: ANN001
     assert not check.failures, check.failures
 
 
+# Views of strided inputs (transposes, slices, expands, offsets): q/k/v split out of one
+# projection and transposed, as attention does, view as ATen's computeStride says or raise.
+_STRIDED = [
+    (lambda t: t.transpose(0, 1), (8, 3, 4)), (lambda t: t[:, 1:3], (4, 8)),
+    (lambda t: t[1:, :, ::2], (5, 4, 6)), (lambda t: t.unsqueeze(1).expand(4, 3, 6), (4, 6)),
+    (lambda t: t.view(2, 4, 3, 2).transpose(1, 2), (8, 6)),
+    (lambda t: t[:, :6].view(4, 2, 3), (4, 12)), (lambda t: t.permute(2, 0, 1), (3, 4, 5)),
+]
+
+
+@pytest.mark.parametrize("make,shape", _STRIDED)
+@pytest.mark.parametrize("size", [(-1,), (2, -1), (-1, 2), (1, -1, 1), (3, -1), (4, -1)])
+def test_view_rule_on_strided_inputs(make, shape, size) -> None:  # noqa: ANN001
+    check = _Check()
+    x = make(torch.empty(shape, device="meta"))
+    answered = []
+    with check:
+        try:
+            x.view(size)
+            answered.append(True)
+        except RuntimeError:
+            pass
+    assert not check.failures, check.failures
+
+
+def test_view_rule_answers_attention_shapes() -> None:
+    """The attention pattern whose views the rule used to leave to the meta kernel: heads split
+    out of a fused q/k/v projection (a non-contiguous slice), transposed, merged back."""
+    from genie import shape_rules
+    from genie.graph import TensorMeta
+
+    qkv = torch.empty(1, 11, 3 * 128, device="meta")
+    q = qkv[..., :128]
+    heads = q.view(1, 11, 4, 32)
+    for x, size in ((q, (1, 11, 4, 32)), (heads.transpose(1, 2).transpose(1, 2), (1, 11, 128))):
+        got = shape_rules._view((TensorMeta.of(x, 0), list(size)), 0)
+        want = TensorMeta.of(x.view(size), 0)
+        assert got == want
+
+
 def test_rules_decide_recording_metadata() -> None:
     """Through genie: with rules on, metadata of recorded ops equals eager's on the CPU."""
     import genie  # noqa: F401
