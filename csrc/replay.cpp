@@ -17,7 +17,7 @@
 //   object the template was built from (kept by the step);
 // * outputs (returns flattened as optree.tree_leaves(none_is_leaf=True) flattens them), frees
 //   after last use, kept slots;
-// * for add/sub/mul/div.Tensor of a float32 tensor and a float constant, the constant's
+// * for add/sub/mul/div.Tensor of a float32 CPU tensor and a float constant, the constant's
 //   wrapped-number tensor cast to float32 once (Program::cast_scalar), not by TensorIterator on
 //   every call: the same value and type promotion.
 //
@@ -465,8 +465,11 @@ class Program {
     const at::Tensor& x = stack[0].toTensor();
     const at::Tensor& w = stack[1].toTensor();
     if (!w.defined() || !x.defined() || !w.unsafeGetTensorImpl()->is_wrapped_number() ||
-        w.scalar_type() != at::kDouble || !w.device().is_cpu() ||
+        w.scalar_type() != at::kDouble || !w.device().is_cpu() || !x.device().is_cpu() ||
         x.scalar_type() != at::kFloat || x.unsafeGetTensorImpl()->is_wrapped_number()) {
+      // Only on the CPU, where TensorIterator would copy the scalar to float32 per call. A CUDA
+      // kernel reads a CPU scalar operand itself, and a float32 one changes its arithmetic there
+      // (measured on an H100: x / c and x * c differ from eager's in the last bit).
       return;
     }
     if (!s.scalar_src.defined() || !s.scalar_src.is_same(w)) {

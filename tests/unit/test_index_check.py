@@ -209,8 +209,15 @@ def _cpu(tree):
                            none_is_leaf=True)
 
 
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+
 @pytest.mark.parametrize("name", sorted(VALUE_CASES))
 def test_each_value_rule_refuses_what_eager_refuses(name: str) -> None:
+    if name == "repeat_interleave" and _TORCH < (2, 13):
+        # The oracle itself: on torch 2.11 (the GPU machine's), eager CPU repeat_interleave with
+        # output_size and a negative repeat aborts the process instead of raising.
+        pytest.skip("eager's repeat_interleave aborts on a negative repeat before torch 2.13")
     op, make, good, bads, dtype = VALUE_CASES[name]
     kw = VALUE_KWARGS.get(name, {})
     torch.manual_seed(0)
