@@ -29,6 +29,7 @@
 #include <Python.h>
 
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -337,7 +338,7 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
   ++n_recorded;
   // pushPyOutToStack.
   const auto& returns = schema.returns();
-  if (a.tensor_return && THPVariable_Check(out.ptr())) {
+  if (a.tensor_return && (Py_TYPE(out.ptr()) == lazy || THPVariable_Check(out.ptr()))) {
     torch::jit::push(stack, THPVariable_Unpack(out.ptr()));
   } else if (returns.empty()) {
     TORCH_CHECK(out.is_none(), "Expected __torch_dispatch__ for ", op.operator_name(),
@@ -350,6 +351,25 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
       torch::jit::push(stack, torch::jit::toIValue(outs[i], returns[i].real_type()));
     }
   }
+}
+
+// torch's Python bindings ask every tensor-subclass argument of every call for its
+// __torch_function__ (check_has_torch_function: PyObject_FastGetAttrString), by a C string: a
+// str made, hashed and interned per argument per call before the attribute lookup itself
+// (~1.3k instructions, ~4% of a generated token). PyObject_FastGetAttrString takes the type's
+// tp_getattr (the char* slot) when there is one; LazyTensor's answers exactly as getattr()
+// does, with the names torch asks per call interned once. Nothing else in CPython uses
+// tp_getattr while tp_getattro is set.
+PyObject* tf_name = nullptr;  // "__torch_function__"
+
+PyObject* lazy_getattr(PyObject* self, char* name) {
+  if (std::strcmp(name, "__torch_function__") == 0) {
+    return PyObject_GetAttr(self, tf_name);
+  }
+  if (std::strcmp(name, "__torch_dispatch__") == 0) {
+    return PyObject_GetAttr(self, td_name);
+  }
+  return PyObject_GetAttrString(self, name);
 }
 
 // Registers the kernel for every aten operator that reaches the Python key through its fallback
@@ -399,6 +419,7 @@ namespace genie {
 void add_python_key_functions(py::module_& m) {
 #if GENIE_PYTHON_KEY_KERNEL
   td_name = PyUnicode_InternFromString("__torch_dispatch__");
+  tf_name = PyUnicode_InternFromString("__torch_function__");
   op_args = new std::unordered_map<const c10::FunctionSchema*, std::unique_ptr<OpArgs>>();
   m.def("_python_key_install", &install,
         "Register genie's kernel on the Python dispatch key for the aten operators that reach "
@@ -416,6 +437,18 @@ void add_python_key_functions(py::module_& m) {
       "Record LazyTensor calls from the Python-key kernel (on: `dispatch` is the "
       "LazyTensor.__torch_dispatch__ it stands for) or hand every call to PyTorch's fallback; "
       "returns whether the kernel records.");
+  m.def(
+      "_fast_torch_function_check",
+      [](py::object cls, bool on) {
+        TORCH_CHECK(PyType_Check(cls.ptr()), "_fast_torch_function_check takes a class");
+        auto* t = reinterpret_cast<PyTypeObject*>(cls.ptr());
+        TORCH_CHECK(t->tp_getattr == nullptr || t->tp_getattr == &lazy_getattr,
+                    "the class already has its own tp_getattr");
+        t->tp_getattr = on ? &lazy_getattr : nullptr;
+      },
+      py::arg("cls"), py::arg("on"),
+      "Answer torch's per-call __torch_function__ lookups on instances of `cls` (LazyTensor) "
+      "without making a str per lookup (the type's tp_getattr, exactly getattr's answer).");
   m.def("_python_key_stats", []() {
     return py::make_tuple(n_recorded, n_delegated);
   }, "(calls recorded by the Python-key kernel, calls it handed to PyTorch's fallback).");

@@ -945,6 +945,10 @@ def _follow_python_key(cfg: Any) -> None:
     if cfg.python_key:
         _C._python_key_install()  # once; later calls return -1
     _C._python_key_enable(cfg.python_key, LazyTensor.__dict__["__torch_dispatch__"])
+    # torch's bindings look __torch_function__ up on every subclass argument of every call, by a
+    # C string made into a str each time; LazyTensor's tp_getattr answers that lookup as
+    # getattr() does without the str (csrc/python_key.cpp).
+    _C._fast_torch_function_check(LazyTensor, cfg.python_key)
 
 
 config.on_change(_follow_python_key)
