@@ -96,6 +96,7 @@ enum ArgKind : uint8_t { kValue, kDtype, kLayout, kMemoryFormat };
 
 struct OpArgs {
   PyObject* func = nullptr;  // torch.ops.<ns>.<name>.<overload> (static lifetime)
+  PyObject* qualname = nullptr;  // func.__qualname__: its key in torch's dispatch-rule registry
   std::vector<ArgKind> kinds;
   std::vector<PyObject*> names;  // interned argument names
   size_t kwarg_only_start = 0;
@@ -145,6 +146,10 @@ const OpArgs& args_of(const c10::OperatorHandle& op) {
   }
   auto a = std::make_unique<OpArgs>();
   a->func = python_op(op);
+  a->qualname = PyObject_GetAttrString(a->func, "__qualname__");
+  if (a->qualname == nullptr) {
+    throw python_error();
+  }
   const auto& arguments = schema->arguments();
   a->kwarg_only_start = arguments.size();
   while (a->kwarg_only_start > 0 && arguments[a->kwarg_only_start - 1].kwarg_only()) {
@@ -287,12 +292,21 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
     return delegate(op, ks, stack);  // __torch_dispatch__ was replaced: torch's path calls it
   }
   const OpArgs& a = args_of(op);
-  const int rule = genie::dispatch_rule_may_apply(a.func);
-  if (rule < 0) {
+  // A dispatch rule registered for (func, LazyTensor) is torch's to apply. The registry holds an
+  // entry for a few ops (~120 in torch 2.13): only those need the full lookup.
+  PyObject* rules = genie::dispatch_rule_data();
+  PyObject* entry = rules != nullptr ? PyDict_GetItemWithError(rules, a.qualname) : nullptr;
+  if (entry == nullptr && PyErr_Occurred()) {
     throw python_error();
   }
-  if (rule > 0) {
-    return delegate(op, ks, stack);
+  if (rules == nullptr || entry != nullptr) {
+    const int rule = genie::dispatch_rule_may_apply(a.func);
+    if (rule < 0) {
+      throw python_error();
+    }
+    if (rule > 0) {
+      return delegate(op, ks, stack);
+    }
   }
 
   // Positional arguments up to the last one that is not its default; keyword-only ones that are

@@ -2019,6 +2019,10 @@ PyTypeObject* lazy_type() {
   return S.ready ? S.lazy : nullptr;
 }
 
+PyObject* dispatch_rule_data() {
+  return rule_data;
+}
+
 int dispatch_rule_may_apply(PyObject* func) {
   if (rule_data == nullptr) {
     return 1;  // torch's own lookup is in place: only torch's path applies it

@@ -21,6 +21,10 @@ PyTypeObject* lazy_type();
 // native rule lookup is not installed), 0 when none is, -1 with a Python error set.
 int dispatch_rule_may_apply(PyObject* func);
 
+// torch._library.simple_registry.singleton._data (op qualname -> entry; borrowed), or nullptr
+// where Genie's native rule lookup is not installed.
+PyObject* dispatch_rule_data();
+
 // Adds _python_key_install, _python_key_enable and _python_key_stats (csrc/python_key.cpp).
 void add_python_key_functions(pybind11::module_& m);
 
