@@ -22,7 +22,7 @@
 //   every call: the same value and type promotion.
 //
 // Runs hold the GIL (kernels that take it, Python kernels, re-enter it) and run under the
-// caller's no_grad and disabled dispatch modes. A failing instruction does not raise here: run
+// caller's no_grad and disabled dispatch modes, below the autograd keys. A failing instruction does not raise here: run
 // returns (its index, the Python exception eager would raise, the live registers {slot: value}),
 // and the caller raises genie.errors.ExecutionError from it with that progress; the executor
 // binds the nodes that ran, so nothing is re-run after a partial failure.
@@ -41,6 +41,7 @@
 #include <ATen/Context.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
@@ -311,6 +312,12 @@ class Program {
     }
 
     std::vector<c10::IValue> stack, results;  // reused: no allocation per instruction
+    // The real values of a tape never carry autograd history (it lives on the LazyTensors, and
+    // runs are under no_grad): each op goes straight to its backend kernel, not through the
+    // Autograd and ADInplaceOrView kernels first (a view's autograd metadata alone is ~4k
+    // instructions). Storage sharing, which Genie's write semantics rest on, is the kernels'.
+    c10::impl::ExcludeDispatchKeyGuard below_autograd(
+        c10::autograd_dispatch_keyset_with_ADInplaceOrView);
     for (size_t i = 0; i < steps_.size(); ++i) {
       const Step& s = steps_[i];
       const c10::Device& dev = devs.at(s.device);
