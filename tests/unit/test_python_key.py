@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_native_record import _RuleTensor as _Zeros  # another subclass: answers every op with 0
 from test_native_record import describe
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -177,19 +178,6 @@ def test_a_training_step_with_foreach_lists() -> None:
 
 
 # --- calls the kernel hands to PyTorch's path ----------------------------------------------------
-
-class _Zeros(torch.Tensor):
-    """Another wrapper subclass: answers every op with a plain 0."""
-
-    @staticmethod
-    def __new__(cls, elem):
-        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype,
-                                                   device=elem.device)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return torch.zeros(())
-
 
 class _Log(TorchDispatchMode):
     def __init__(self) -> None:
