@@ -292,21 +292,13 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
     return delegate(op, ks, stack);  // __torch_dispatch__ was replaced: torch's path calls it
   }
   const OpArgs& a = args_of(op);
-  // A dispatch rule registered for (func, LazyTensor) is torch's to apply. The registry holds an
-  // entry for a few ops (~120 in torch 2.13): only those need the full lookup.
-  PyObject* rules = genie::dispatch_rule_data();
-  PyObject* entry = rules != nullptr ? PyDict_GetItemWithError(rules, a.qualname) : nullptr;
-  if (entry == nullptr && PyErr_Occurred()) {
+  // A dispatch rule registered for (func, LazyTensor) is torch's to apply.
+  const int rule = genie::dispatch_rule_may_apply(a.func, a.qualname);
+  if (rule < 0) {
     throw python_error();
   }
-  if (rules == nullptr || entry != nullptr) {
-    const int rule = genie::dispatch_rule_may_apply(a.func);
-    if (rule < 0) {
-      throw python_error();
-    }
-    if (rule > 0) {
-      return delegate(op, ks, stack);
-    }
+  if (rule > 0) {
+    return delegate(op, ks, stack);
   }
 
   // Positional arguments up to the last one that is not its default; keyword-only ones that are

@@ -2019,16 +2019,14 @@ PyTypeObject* lazy_type() {
   return S.ready ? S.lazy : nullptr;
 }
 
-PyObject* dispatch_rule_data() {
-  return rule_data;
-}
-
-int dispatch_rule_may_apply(PyObject* func) {
+int dispatch_rule_may_apply(PyObject* func, PyObject* qualname) {
   if (rule_data == nullptr) {
     return 1;  // torch's own lookup is in place: only torch's path applies it
   }
-  if (PyDict_GET_SIZE(rule_data) == 0) {
-    return 0;
+  // The registry holds an entry for a few ops (~120 in torch 2.13): only those need the lookup.
+  PyObject* entry = PyDict_GetItemWithError(rule_data, qualname);
+  if (entry == nullptr) {
+    return PyErr_Occurred() ? -1 : 0;
   }
   PyObject* argv[2] = {func, reinterpret_cast<PyObject*>(S.lazy)};
   PyObject* r = find_dispatch_rule(nullptr, argv, 2);

@@ -17,13 +17,10 @@ PyObject* record_call(PyObject* func, PyObject* args, PyObject* kwargs);
 // genie.lazy_tensor.LazyTensor once _record_init has run, else nullptr.
 PyTypeObject* lazy_type();
 
-// Whether a torch dispatch rule may be registered for (func, LazyTensor): 1 (or when Genie's
-// native rule lookup is not installed), 0 when none is, -1 with a Python error set.
-int dispatch_rule_may_apply(PyObject* func);
-
-// torch._library.simple_registry.singleton._data (op qualname -> entry; borrowed), or nullptr
-// where Genie's native rule lookup is not installed.
-PyObject* dispatch_rule_data();
+// Whether a torch dispatch rule may be registered for (func, LazyTensor), `qualname` being
+// func.__qualname__ (its key in torch's registry): 1 (or when Genie's native rule lookup is not
+// installed), 0 when none is, -1 with a Python error set.
+int dispatch_rule_may_apply(PyObject* func, PyObject* qualname);
 
 // Adds _python_key_install, _python_key_enable and _python_key_stats (csrc/python_key.cpp).
 void add_python_key_functions(pybind11::module_& m);

@@ -22,10 +22,10 @@
 //   every call: the same value and type promotion.
 //
 // Runs hold the GIL (kernels that take it, Python kernels, re-enter it) and run under the
-// caller's no_grad and disabled dispatch modes, below the autograd keys. A failing instruction does not raise here: run
-// returns (its index, the Python exception eager would raise, the live registers {slot: value}),
-// and the caller raises genie.errors.ExecutionError from it with that progress; the executor
-// binds the nodes that ran, so nothing is re-run after a partial failure.
+// caller's no_grad and disabled dispatch modes, below the autograd keys. A failing instruction
+// does not raise here: run returns (its index, the Python exception eager would raise, the live
+// registers {slot: value}), and the caller raises genie.errors.ExecutionError from it with that
+// progress; the executor binds the nodes that ran, so nothing is re-run after a partial failure.
 #include <algorithm>
 #include <mutex>
 #include <cstdint>

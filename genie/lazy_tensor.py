@@ -937,7 +937,7 @@ def _follow_python_key(cfg: Any) -> None:
     ``TorchDispatchMode``, every subclass argument a LazyTensor, no registered dispatch rule) and
     hands every other call to PyTorch's fallback unchanged. Installed the first time
     ``config.python_key`` is on (``GENIE_PYTHON_KEY``, default on) where the native record path
-    and this build's kernel exist (torch >= 2.13); switching the setting off hands every call to
+    and this build's kernel exist (torch >= 2.11); switching the setting off hands every call to
     PyTorch's fallback again.
     """
     if not getattr(_C, "_python_key_kernel", False) or not _native_record_installed:

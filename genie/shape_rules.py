@@ -110,7 +110,7 @@ def _view(args: tuple, index: int) -> TensorMeta | None:
     if len(args) != 2 or not _plain(args[0]):
         return None
     x, size = args[0], _ints(args[1])
-    if size is None or not x.shape or 0 in x.shape:
+    if size is None or 0 in x.shape:
         return None
     if size.count(-1) == 1:
         known = _numel(tuple(s for s in size if s != -1))
@@ -121,7 +121,7 @@ def _view(args: tuple, index: int) -> TensorMeta | None:
         return None
     if _dense(x):
         return TensorMeta(size, contiguous_strides(size), 0, x.dtype, index)
-    if not size:
+    if not size or not x.shape:
         return None
     stride = _view_strides(x.shape, x.stride, size)
     if stride is None:

@@ -289,7 +289,7 @@ def test_environment_switch() -> None:
         assert out.stdout.strip() == want
 
 
-# --- LazyTensor's tp_getattr: torch's per-call __torch_function__ lookup ----------------------------
+# --- LazyTensor's tp_getattr: torch's per-call __torch_function__ lookup ------------------------
 
 def test_torch_function_lookups_answer_as_getattr(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's bindings ask each subclass argument for ``__torch_function__`` through the type's

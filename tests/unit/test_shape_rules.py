@@ -167,6 +167,11 @@ def test_view_rule_answers_attention_shapes() -> None:
         got = shape_rules._view((TensorMeta.of(x, 0), list(size)), 0)
         want = TensorMeta.of(x.view(size), 0)
         assert got == want
+    # a 0-dim tensor viewed as one element: the dense rule answers it too
+    s = torch.empty((), device="meta")
+    for size in ((1,), (1, 1), (-1,)):
+        assert shape_rules._view((TensorMeta.of(s, 0), list(size)), 0) == \
+            TensorMeta.of(s.view(size), 0)
 
 
 def test_rules_decide_recording_metadata() -> None:
