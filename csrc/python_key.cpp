@@ -33,6 +33,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <pybind11/pybind11.h>
@@ -89,6 +90,8 @@ c10::SafeKernelFunction* torch_fallback = nullptr;
 torch::Library* library = nullptr;
 uint64_t n_recorded = 0;   // calls this kernel recorded through genie::record_call
 uint64_t n_delegated = 0;  // calls it handed to PyTorch's fallback
+uint64_t n_factories = 0;  // factory calls recorded by factory_kernel
+torch::Library* factory_library = nullptr;
 
 // How parseIValuesToPyArgsKwargs converts an argument: by its schema type for the enums stored
 // as ints, else by the value.
@@ -250,6 +253,71 @@ inline int classify(const c10::TensorImpl* t, PyTypeObject* lazy) {
   return o != nullptr && Py_TYPE(o) == lazy ? 1 : -1;
 }
 
+// The call's Python arguments as parseIValuesToPyArgsKwargs gives them: positional arguments up
+// to the last one that is not its default; keyword-only ones that are not their default, by name.
+// `dict_always`: an empty kwargs dict rather than none (torch's Python kernels get one).
+std::pair<py::object, py::object> python_args(const c10::FunctionSchema& schema, const OpArgs& a,
+                                              const c10::IValue* values, bool dict_always) {
+  const size_t n = schema.arguments().size();
+  size_t positional = a.kwarg_only_start;
+  while (positional > 0 && is_default(schema, values, positional - 1)) {
+    --positional;
+  }
+  py::object args = py::reinterpret_steal<py::object>(PyTuple_New(positional));
+  if (!args) {
+    throw python_error();
+  }
+  for (size_t i = 0; i < positional; ++i) {
+    PyObject* o = to_python(values[i], a.kinds[i]);
+    if (o == nullptr) {
+      throw python_error();
+    }
+    PyTuple_SET_ITEM(args.ptr(), i, o);
+  }
+  py::object kwargs;
+  if (dict_always) {
+    kwargs = py::reinterpret_steal<py::object>(PyDict_New());
+    if (!kwargs) {
+      throw python_error();
+    }
+  }
+  for (size_t i = a.kwarg_only_start; i < n; ++i) {
+    if (is_default(schema, values, i)) {
+      continue;
+    }
+    if (!kwargs) {
+      kwargs = py::reinterpret_steal<py::object>(PyDict_New());
+      if (!kwargs) {
+        throw python_error();
+      }
+    }
+    py::object o = py::reinterpret_steal<py::object>(to_python(values[i], a.kinds[i]));
+    if (!o || PyDict_SetItem(kwargs.ptr(), a.names[i], o.ptr()) < 0) {
+      throw python_error();
+    }
+  }
+  return {std::move(args), std::move(kwargs)};
+}
+
+// What a kernel returned, pushed as pushPyOutToStack pushes it.
+void push_outputs(const c10::OperatorHandle& op, const OpArgs& a, const py::object& out,
+                  PyTypeObject* lazy, torch::jit::Stack* stack) {
+  const auto& returns = op.schema().returns();
+  if (a.tensor_return && (Py_TYPE(out.ptr()) == lazy || THPVariable_Check(out.ptr()))) {
+    torch::jit::push(stack, THPVariable_Unpack(out.ptr()));
+  } else if (returns.empty()) {
+    TORCH_CHECK(out.is_none(), "Expected __torch_dispatch__ for ", op.operator_name(),
+                " to return None but it returned something else instead.");
+  } else if (returns.size() == 1) {
+    torch::jit::push(stack, torch::jit::toIValue(out, returns[0].real_type()));
+  } else {
+    auto outs = py::cast<py::sequence>(out);
+    for (size_t i = 0; i < outs.size(); ++i) {
+      torch::jit::push(stack, torch::jit::toIValue(outs[i], returns[i].real_type()));
+    }
+  }
+}
+
 void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   PyTypeObject* lazy = genie::lazy_type();
   if (!enabled.load(std::memory_order_relaxed) || lazy == nullptr ||
@@ -301,39 +369,7 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
     return delegate(op, ks, stack);
   }
 
-  // Positional arguments up to the last one that is not its default; keyword-only ones that are
-  // not their default, by name (parseIValuesToPyArgsKwargs).
-  size_t positional = a.kwarg_only_start;
-  while (positional > 0 && is_default(schema, values, positional - 1)) {
-    --positional;
-  }
-  py::object args = py::reinterpret_steal<py::object>(PyTuple_New(positional));
-  if (!args) {
-    throw python_error();
-  }
-  for (size_t i = 0; i < positional; ++i) {
-    PyObject* o = to_python(values[i], a.kinds[i]);
-    if (o == nullptr) {
-      throw python_error();
-    }
-    PyTuple_SET_ITEM(args.ptr(), i, o);
-  }
-  py::object kwargs;
-  for (size_t i = a.kwarg_only_start; i < n; ++i) {
-    if (is_default(schema, values, i)) {
-      continue;
-    }
-    if (!kwargs) {
-      kwargs = py::reinterpret_steal<py::object>(PyDict_New());
-      if (!kwargs) {
-        throw python_error();
-      }
-    }
-    py::object o = py::reinterpret_steal<py::object>(to_python(values[i], a.kinds[i]));
-    if (!o || PyDict_SetItem(kwargs.ptr(), a.names[i], o.ptr()) < 0) {
-      throw python_error();
-    }
-  }
+  auto [args, kwargs] = python_args(schema, a, values, false);
   torch::jit::drop(*stack, n);
 
   py::object out = py::reinterpret_steal<py::object>(genie::record_call(a.func, args.ptr(),
@@ -342,21 +378,28 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
     throw python_error();
   }
   ++n_recorded;
-  // pushPyOutToStack.
-  const auto& returns = schema.returns();
-  if (a.tensor_return && (Py_TYPE(out.ptr()) == lazy || THPVariable_Check(out.ptr()))) {
-    torch::jit::push(stack, THPVariable_Unpack(out.ptr()));
-  } else if (returns.empty()) {
-    TORCH_CHECK(out.is_none(), "Expected __torch_dispatch__ for ", op.operator_name(),
-                " to return None but it returned something else instead.");
-  } else if (returns.size() == 1) {
-    torch::jit::push(stack, torch::jit::toIValue(out, returns[0].real_type()));
-  } else {
-    auto outs = py::cast<py::sequence>(out);
-    for (size_t i = 0; i < outs.size(); ++i) {
-      torch::jit::push(stack, torch::jit::toIValue(outs[i], returns[i].real_type()));
-    }
+  push_outputs(op, a, out, lazy, stack);
+}
+
+// The PrivateUse1 kernel of the factory operators (genie.factories): what torch.library's Python
+// kernel did (the stack converted as parseIValuesToPyArgsKwargs converts it, then
+// genie._C._record_factory(func, args, kwargs)) without the Python frame and torch's generic
+// conversion. No keys are excluded: torch's Python kernel holder excludes none either.
+void factory_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet /*ks*/,
+                    torch::jit::Stack* stack) {
+  py::gil_scoped_acquire gil;
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const OpArgs& a = args_of(op);
+  auto [args, kwargs] = python_args(schema, a, stack->data() + (stack->size() - n), true);
+  torch::jit::drop(*stack, n);
+  py::object out = py::reinterpret_steal<py::object>(
+      genie::record_factory_call(a.func, args.ptr(), kwargs.ptr()));
+  if (!out) {
+    throw python_error();
   }
+  ++n_factories;
+  push_outputs(op, a, out, genie::lazy_type(), stack);
 }
 
 // torch's Python bindings ask every tensor-subclass argument of every call for its
@@ -416,6 +459,21 @@ int64_t install() {
   return static_cast<int64_t>(ops.size());
 }
 
+// Registers factory_kernel at PrivateUse1 for the aten operators named `names` (overloads as
+// "name.overload"); returns how many (-1: already installed).
+int64_t install_factories(const std::vector<std::string>& names) {
+  if (factory_library != nullptr) {
+    return -1;
+  }
+  factory_library = new torch::Library(torch::Library::IMPL, "aten",
+                                       c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  for (const auto& name : names) {
+    factory_library->impl(name.c_str(),
+                          torch::CppFunction::makeFromBoxedFunction<&factory_kernel>());
+  }
+  return static_cast<int64_t>(names.size());
+}
+
 #endif  // GENIE_PYTHON_KEY_KERNEL
 
 }  // namespace
@@ -456,8 +514,13 @@ void add_python_key_functions(py::module_& m) {
       "Answer torch's per-call __torch_function__ lookups on instances of `cls` (LazyTensor) "
       "without making a str per lookup (the type's tp_getattr, exactly getattr's answer).");
   m.def("_python_key_stats", []() {
-    return py::make_tuple(n_recorded, n_delegated);
-  }, "(calls recorded by the Python-key kernel, calls it handed to PyTorch's fallback).");
+    return py::make_tuple(n_recorded, n_delegated, n_factories);
+  }, "(calls recorded by the Python-key kernel, calls it handed to PyTorch's fallback, factory "
+     "calls recorded by the native factory kernel).");
+  m.def("_factory_kernels_install", &install_factories, py::arg("names"),
+        "Register genie's native PrivateUse1 kernel for the factory operators `names` "
+        "(csrc/python_key.cpp; its body is _record_factory's); returns how many (-1: already "
+        "installed).");
   m.attr("_python_key_kernel") = true;
 #else
   m.attr("_python_key_kernel") = false;

@@ -2015,6 +2015,14 @@ PyObject* record_call(PyObject* func, PyObject* args, PyObject* kwargs) {
   return native_or_fallback(try_record, S.fallback, func, args, kwargs);
 }
 
+PyObject* record_factory_call(PyObject* func, PyObject* args, PyObject* kwargs) {
+  if (S.factory_fallback == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "genie's native record path is not initialized");
+    return nullptr;
+  }
+  return native_or_fallback(try_record_factory, S.factory_fallback, func, args, kwargs);
+}
+
 PyTypeObject* lazy_type() {
   return S.ready ? S.lazy : nullptr;
 }

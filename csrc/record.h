@@ -14,6 +14,10 @@ void add_record_functions(pybind11::module_& m);
 // Needs the GIL and the record path initialized (_record_init).
 PyObject* record_call(PyObject* func, PyObject* args, PyObject* kwargs);
 
+// What a PrivateUse1 factory kernel does for func(*args, **kwargs) (_record_factory): the native
+// record, or lazy_tensor.record_factory. A new reference, or nullptr with a Python error set.
+PyObject* record_factory_call(PyObject* func, PyObject* args, PyObject* kwargs);
+
 // genie.lazy_tensor.LazyTensor once _record_init has run, else nullptr.
 PyTypeObject* lazy_type();
 

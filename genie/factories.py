@@ -7,7 +7,11 @@ the call (``randn`` stays ``randn``: registering at PrivateUse1 overrides the co
 (``zeros_like``, ``new_zeros``) are listed in :data:`genie.meta.METADATA_ONLY` so that their
 node does not depend on that tensor's values. Registered by ``import genie`` (after the device).
 The kernels call ``genie._C._record_factory``: the common case is recorded natively
-(csrc/record.cpp), the rest by :func:`~genie.lazy_tensor.record_factory`, the reference.
+(csrc/record.cpp), the rest by :func:`~genie.lazy_tensor.record_factory`, the reference. With the
+native record path and ``config.python_key`` on at import (``GENIE_PYTHON_KEY``, the default),
+each is a C++ kernel (csrc/python_key.cpp, ``factory_kernel``) that converts the dispatcher's
+stack as torch converts it for a Python kernel and calls the same function; otherwise a Python
+``torch.library`` kernel does.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import torch
 
 from . import _C
+from .config import config
 from .lazy_tensor import copy_from, record_factory
 
 aten = torch.ops.aten
@@ -52,9 +57,16 @@ def register_factories() -> None:
     if _lib is not None:
         return
     lib = torch.library.Library("aten", "IMPL")
+    ops = factory_overloads()
+    if _C._record_native and config.python_key and getattr(_C, "_python_key_kernel", False):
+        # a C++ kernel (csrc/python_key.cpp): the stack converted to (args, kwargs) as torch
+        # converts it for a Python kernel, then _record_factory, without the Python frame
+        _C._factory_kernels_install([op._schema.name.split("::")[1] + (
+            "." + op._overloadname if op._overloadname != "default" else "") for op in ops])
+        ops = []
     # natively where it can (csrc/record.cpp: the common case, else it calls record_factory)
     factory = _C._record_factory if _C._record_native else record_factory
-    for op in factory_overloads():
+    for op in ops:
         def kernel(*args: Any, _op: Any = op, **kwargs: Any) -> Any:
             return factory(_op, args, kwargs)
 

@@ -716,3 +716,22 @@ def _empty_strided(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
 
 
 KW_RULES[aten.empty_strided.default] = _empty_strided
+
+
+def _isin(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
+    """``isin(elements, test_elements)``: a bool tensor of ``elements``' shape. The meta kernel
+    lays it out as ``empty_like(elements)``; for ``elements`` contiguous (size-1 dimensions
+    free, as ``input_ids[:, -1:]``) that is row-major, as eager's kernel does. Other layouts go
+    to the kernel."""
+    if len(args) != 2 or set(kwargs) - {"assume_unique", "invert"} or \
+            not all(_plain(a) for a in args):
+        return None
+    x, t = args
+    n = len(x.shape)
+    if x.dtype not in _ARITH or t.dtype not in _ARITH or not n or 0 in x.shape or \
+            not _is_contiguous(x.shape, x.stride, range(n - 1, -1, -1)):
+        return None
+    return TensorMeta(x.shape, contiguous_strides(x.shape), 0, torch.bool, index)
+
+
+KW_RULES[aten.isin.Tensor_Tensor] = _isin

@@ -45,7 +45,7 @@ def _key_on() -> Iterator[None]:
 
 
 def _stats() -> tuple[int, int]:
-    return tuple(_C._python_key_stats())
+    return tuple(_C._python_key_stats())[:2]
 
 
 def both_keys(program: Callable[[], list[Any]]) -> tuple[list[Any], list[Any]]:
@@ -314,3 +314,58 @@ def test_torch_function_lookups_answer_as_getattr(monkeypatch: pytest.MonkeyPatc
     y = torch.sin(x) + 1
     assert torch.sin in seen
     torch.testing.assert_close(y.cpu(), x.cpu().sin() + 1)
+
+
+# --- factories: the native PrivateUse1 kernel against torch.library's Python kernel -------------
+
+_FACTORIES = r"""
+import torch, genie
+from genie import _C
+from genie.graph import _record_counter
+from test_native_record import describe
+D = torch.device("remote_accelerator", 0)
+g = torch.Generator().manual_seed(3)
+start = next(_record_counter)
+res = [torch.zeros(3, dtype=torch.int64, device=D), torch.ones(2, 3, device=D),
+       torch.full((2, 2), 1.5, device=D), torch.full((2,), 7, device=D),
+       torch.arange(5, device=D), torch.arange(1, 9, 2, dtype=torch.float32, device=D),
+       torch.arange(0.0, 1.0, 0.25, device=D), torch.empty_strided((2, 3), (1, 2), device=D),
+       torch.scalar_tensor(2.5, device=D), torch.eye(3, 2, device=D),
+       torch.linspace(0, 1, 5, device=D), torch.randn(4, device=D),
+       torch.rand(2, 2, dtype=torch.float64, device=D), torch.randint(0, 9, (5,), device=D),
+       torch.tril_indices(3, 3, device=D), torch.zeros(2, device=D, requires_grad=True)]
+import re
+print(re.sub(r"\d{9,}", "<id>", repr(describe(res, start))))
+print([r.cpu().tolist() if not r.is_floating_point() or r.numel() == 0 else
+       [round(v, 6) for v in r.detach().cpu().flatten().tolist()] for r in res[:7] + res[8:11]])  # not empty_strided's
+print([tuple(r.shape) for r in res], _C._python_key_stats()[2] > 0)
+try:
+    torch.ones(-1, device=D)
+except Exception as e:
+    print(type(e).__name__, str(e).splitlines()[0])
+"""
+
+
+def test_factory_kernel_records_as_the_python_kernel() -> None:
+    """Factories (``torch.zeros(..., device=...)`` and friends) reach a C++ PrivateUse1 kernel
+    with the kernel on (``GENIE_PYTHON_KEY=1`` at import) and torch.library's Python kernel off:
+    the recorded graphs are equal field for field, values and errors too."""
+    import os
+    out = {}
+    for env in ("0", "1"):
+        r = subprocess.run([sys.executable, "-c", _FACTORIES], capture_output=True, text=True,
+                           env={**os.environ, "GENIE_PYTHON_KEY": env,
+                                "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
+                                                              os.environ.get("PYTHONPATH", "")])},
+                           timeout=180)
+        assert r.returncode == 0, r.stderr
+        out[env] = r.stdout.strip().splitlines()
+    assert out["0"][-2].endswith("False") and out["1"][-2].endswith("True")
+    assert out["0"][:-2] == out["1"][:-2]
+    assert out["0"][-2].rsplit(" ", 1)[0] == out["1"][-2].rsplit(" ", 1)[0]
+    assert out["0"][-1] == out["1"][-1] == \
+        "RuntimeError Trying to create tensor with negative dimension -1: [-1]"
+    eager = [torch.zeros(3, dtype=torch.int64).tolist(), torch.ones(2, 3).flatten().tolist(),
+             torch.full((2, 2), 1.5).flatten().tolist(), torch.full((2,), 7).tolist(),
+             torch.arange(5).tolist(), torch.arange(1, 9, 2, dtype=torch.float32).tolist()]
+    assert out["1"][1].startswith(repr(eager)[:-1])

@@ -27,7 +27,7 @@ OPINFOS = ["add", "sub", "mul", "eq", "ne", "le", "lt", "ge", "gt", "view", "res
            "nn.functional.relu", "pow", "softmax", "log_softmax", "mm", "addmm", "narrow",
            "split", "chunk", "__getitem__", "tensor_split", "slice", "cumsum",
            "nn.functional.layer_norm", "masked_fill", "all", "any", "nn.functional.embedding",
-           "clone", "contiguous"]
+           "clone", "contiguous", "isin"]
 DTYPES = [torch.float32, torch.int64, torch.float64]
 
 
@@ -111,7 +111,7 @@ def test_rules_equal_meta_kernels_over_opinfo() -> None:
                aten._log_softmax.default, aten.mm.default, aten.slice.Tensor,
                aten.cumsum.default, aten.native_layer_norm.default, aten.masked_fill.Scalar,
                aten.all.default, aten.any.default, aten.embedding.default, aten.split.Tensor,
-               aten.clone.default):
+               aten.clone.default, aten.isin.Tensor_Tensor):
         assert check.checked[str(op)] >= 2, f"{op}: rule answered only {check.checked[str(op)]}x"
 
 
@@ -373,3 +373,26 @@ def test_like_and_empty_strided_rules_equal_meta_kernels(dtype) -> None:  # noqa
             assert pred == TensorMeta.of(out, 0), (size, stride, pred)
             checked += 1
     assert checked >= 60, checked
+
+
+def test_isin_rule_equals_meta_kernel_or_declines() -> None:
+    """``isin``: the rule answers contiguous inputs (size-1 dimensions with any stride, as
+    ``input_ids[:, -1:]``) as the meta kernel does, and declines the rest; over random layouts."""
+    gen = torch.Generator().manual_seed(2)
+    rule = KW_RULES[aten.isin.Tensor_Tensor]
+    answered = 0
+    for shape in [(3,), (2, 3), (1, 14), (2, 1, 4), (2, 3, 4, 5), (0, 3)]:
+        for _ in range(6):
+            x = _layouts(shape, gen).to(torch.int64)
+            for test in (torch.empty(3, dtype=torch.int64, device="meta"),
+                         torch.empty(2, 2, dtype=torch.int64, device="meta")):
+                for kw in ({}, {"invert": True}, {"assume_unique": True}):
+                    pred = rule((TensorMeta.of(x, 0), TensorMeta.of(test, 0)), kw, 0)
+                    if pred is not None:
+                        assert pred == TensorMeta.of(aten.isin.Tensor_Tensor(x, test, **kw), 0)
+                        answered += 1
+    x = torch.empty(1, 75, dtype=torch.int64, device="meta")[:, -1:]  # generate's last token
+    pred = rule((TensorMeta.of(x, 0), TensorMeta.of(test, 0)), {}, 0)
+    assert pred == TensorMeta.of(torch.isin(x, test), 0)
+    assert rule((TensorMeta.of(x.float(), 0), TensorMeta.of(test, 0)), {"bad": 1}, 0) is None
+    assert answered >= 20, answered
