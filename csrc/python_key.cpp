@@ -175,6 +175,28 @@ const OpArgs& args_of(const c10::OperatorHandle& op) {
   return *op_args->emplace(schema, std::move(a)).first->second;
 }
 
+// A wrapped number (the Python scalar of `x * 0.5`, as the argument parser wraps it) as toPyObject
+// gives it: the number read from the 0-dim CPU tensor. toPyObject first wraps the tensor in a new
+// Python object to ask it for a `_wrapped_number` attribute, which only a tensor with a Python
+// object of its own can have (~1.3k instructions per call, most of a scalar op's conversion);
+// nullptr (no error) sends those, and dtypes other than toPyObject's common ones, to toPyObject.
+PyObject* wrapped_number(const at::Tensor& t) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (!t.device().is_cpu() || impl->pyobj_slot()->load_pyobj() != nullptr) {
+    return nullptr;
+  }
+  switch (t.scalar_type()) {
+    case at::ScalarType::Double:
+      return PyFloat_FromDouble(*t.const_data_ptr<double>());
+    case at::ScalarType::Long:
+      return PyLong_FromLongLong(*t.const_data_ptr<int64_t>());
+    case at::ScalarType::Bool:
+      return PyBool_FromLong(*t.const_data_ptr<bool>() ? 1 : 0);
+    default:
+      return nullptr;
+  }
+}
+
 // An argument as parseIValuesToPyArgsKwargs gives it to __torch_dispatch__; a new reference.
 PyObject* to_python(const c10::IValue& v, ArgKind kind) {
   if (v.isNone()) {
@@ -206,6 +228,11 @@ PyObject* to_python(const c10::IValue& v, ArgKind kind) {
     // Undefined and wrapped-number tensors convert as toPyObject converts them (None, a number).
     if (t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number()) {
       return THPVariable_Wrap(t);
+    }
+    if (t.defined()) {
+      if (PyObject* n = wrapped_number(t)) {
+        return n;
+      }
     }
   } else if (v.isInt()) {
     return PyLong_FromLongLong(v.toInt());
