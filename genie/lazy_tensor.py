@@ -221,8 +221,11 @@ def materialize(*tensors: Any, trigger: str = "explicit") -> Any:
             raise TypeError(f"genie.materialize() takes remote_accelerator tensors, got "
                             f"{type(t).__name__}" + (f" on {t.device}" if isinstance(
                                 t, torch.Tensor) else ""))
-    bump("materializations")
-    bump(f"materializations.{trigger}")
+    _counts["materializations"] += 1
+    _counts[_TRIGGER_KEYS.get(trigger) or _trigger_key(trigger)] += 1
+    if len(tensors) == 1:  # the common case (.item(), .cpu(), print): one device, one target
+        t = tensors[0]
+        return executor.run_targets([(t._node, t._out)], t._node.metas[t._out].index)[0]
     by_device: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t._node.metas[t._out].index, []).append(i)
@@ -232,6 +235,14 @@ def materialize(*tensors: Any, trigger: str = "explicit") -> Any:
         for i, v in zip(positions, executor.run_targets(targets, index)):
             results[i] = v
     return results[0] if len(tensors) == 1 else tuple(results)
+
+
+_TRIGGER_KEYS: dict[str, str] = {}
+
+
+def _trigger_key(trigger: str) -> str:
+    k = _TRIGGER_KEYS[trigger] = f"materializations.{trigger}"
+    return k
 
 
 def materialize_one(t: Any, trigger: str) -> torch.Tensor:

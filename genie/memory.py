@@ -45,10 +45,15 @@ def _remote_session(index: int) -> Any:
     return cl[index] if index < len(cl) else None
 
 
-def _real(index: int) -> torch.device:
-    from .device import real_device
+_real_device: list[Any] = []  # genie.device.real_device, imported at first use (device imports us)
 
-    return real_device(index)
+
+def _real(index: int) -> torch.device:
+    if not _real_device:
+        from .device import real_device
+
+        _real_device.append(real_device)
+    return _real_device[0](index)
 
 
 def hold(index: int, values: Any) -> None:

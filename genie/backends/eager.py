@@ -45,35 +45,44 @@ def generator_for(dev: torch.device) -> torch.Generator:
 
 def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
     """Interpret ``tape`` on ``dev``; returns the values of the slots in ``tape.keep``."""
-    env: dict[int, Any] = dict(tape.inputs)
     ix = IndexCheck(tape) if index_checked(dev) else None
-    with disable_modes(), torch.no_grad():
-        if ix is None:  # the replays below do not check indices: the interpreter does
-            prog = native_replay.for_tape(tape)
-            if prog is not None:  # a repeated plan: its native program (csrc/replay.cpp)
-                return prog(tape, dev)
-            gen = codegen.for_tape(tape)
-            if gen is not None:  # a repeated plan: its generated replay function
-                return gen(tape, dev)
-        for i, ins in enumerate(tape.instrs):
-            try:
-                if ix is not None:
-                    ix.step(i, ins, env)
-                outs = run_instr(ins, env, dev if ins.device == tape.index else
-                                 real_device(ins.device))
-            except Exception as e:
-                if isinstance(e, IndexOutOfRange):
-                    e = e.args[0]  # eager's own exception, raised before the kernel ran
-                err = ExecutionError(ins.op, ins.where, e, i)
-                err.partial = (tape, i, env)  # instructions [0, i) ran (see executor.run_tape)
-                raise err from e
-            for s, v in zip(ins.outs, outs):
-                if s is not None:
-                    env[s] = v
-            for s in ins.free:
-                del env[s]
-            if ins.free:
-                bump("values_freed", len(ins.free))
+    grad = torch.is_grad_enabled()  # torch.no_grad(), inline: once per materialization
+    torch._C._set_grad_enabled(False)
+    try:
+        with disable_modes():
+            return _run_instrs(tape, dev, ix)
+    finally:
+        torch._C._set_grad_enabled(grad)
+
+
+def _run_instrs(tape: Tape, dev: torch.device, ix: IndexCheck | None) -> dict[int, Any]:
+    if ix is None:  # the replays below do not check indices: the interpreter does
+        prog = native_replay.for_tape(tape)
+        if prog is not None:  # a repeated plan: its native program (csrc/replay.cpp)
+            return prog(tape, dev)
+        gen = codegen.for_tape(tape)
+        if gen is not None:  # a repeated plan: its generated replay function
+            return gen(tape, dev)
+    env: dict[int, Any] = dict(tape.inputs)
+    for i, ins in enumerate(tape.instrs):
+        try:
+            if ix is not None:
+                ix.step(i, ins, env)
+            outs = run_instr(ins, env, dev if ins.device == tape.index else
+                             real_device(ins.device))
+        except Exception as e:
+            if isinstance(e, IndexOutOfRange):
+                e = e.args[0]  # eager's own exception, raised before the kernel ran
+            err = ExecutionError(ins.op, ins.where, e, i)
+            err.partial = (tape, i, env)  # instructions [0, i) ran (see executor.run_tape)
+            raise err from e
+        for s, v in zip(ins.outs, outs):
+            if s is not None:
+                env[s] = v
+        for s in ins.free:
+            del env[s]
+        if ins.free:
+            bump("values_freed", len(ins.free))
     return {s: env[s] for s in tape.keep}
 
 
