@@ -25,7 +25,7 @@ from .graph import Node, pending_total
 from .passes import pipeline
 from .planner import PendingSlots, Slot, Tape
 from .profiling import phase
-from .stats import bump
+from .stats import _counts, bump
 
 _MATH_BIT_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative,
                   torch._C.DispatchKey.ZeroTensor)
@@ -89,7 +89,7 @@ def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
             if partial is not None:
                 _bind_partial(tape, *partial, index)
             raise
-    bump("nodes_executed", len(ran.instrs))
+    _counts["nodes_executed"] += len(ran.instrs)
     outputs = [kept[s] for s in tape.outputs]
     _bind(tape, kept)
     memory.after_run(ran, kept, index)
