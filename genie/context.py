@@ -202,6 +202,8 @@ def _module_call(self: Any, *args: Any, **kwargs: Any) -> Any:
                     if st and st[-1] is entry:  # as _leave: popped only if still on top
                         st.pop()
                         current.ctx = outer
+    elif _host_call(args, kwargs):  # an eager model in this process: no context, no helper
+        return _orig_call(self, *args, **kwargs)
     if not _enter(self, args, kwargs):
         return _orig_call(self, *args, **kwargs)
     try:
@@ -251,7 +253,7 @@ def _enter(module: Any, args: tuple, kwargs: dict) -> bool:
             path = f"{parent}.{type(module).__name__}" if parent else type(module).__name__
         call = outer.call if outer is not None else None
     else:
-        if _host_call(args):
+        if _host_call(args, kwargs):
             return False  # a model on another device: no context, and (almost) no cost
         names = _names.get(module)
         if names is None:  # weak both ways: a cache entry never keeps a model (or its weights);
@@ -265,14 +267,24 @@ def _enter(module: Any, args: tuple, kwargs: dict) -> bool:
     return True
 
 
-def _host_call(args: tuple) -> bool:
-    """Whether an outermost call's positional tensors are all real (not on the device)."""
+def _host_call(args: tuple, kwargs: dict) -> bool:
+    """Whether an outermost call's tensor arguments, positional and keyword (``model(x)``,
+    ``model(input_ids=ids, ...)`` as ``generate`` calls it), are all real (none on the device):
+    such a call of an eager model in the same process gets no context and costs it no more than
+    this scan. A call with no tensor argument at the top level gets one (its tensors may be
+    lazy, deeper in its arguments)."""
     seen = False
     for a in args:
         if isinstance(a, torch.Tensor):
             if getattr(a, "_node", None) is not None:
                 return False
             seen = True
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                if getattr(a, "_node", None) is not None:
+                    return False
+                seen = True
     return seen
 
 
