@@ -32,7 +32,7 @@ from .errors import UnsupportedOpError
 from .graph import TensorMeta
 from .portable import portable_kernel
 from .shape_rules import KW_RULES, RULES
-from .stats import bump
+from .stats import _counts
 
 _DYNAMIC = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
 _NO_MODES = contextlib.nullcontext()
@@ -307,8 +307,8 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
         else:
             m = None if kwargs else rule(args, index)
         if m is not None:
-            bump("meta_cache_misses")
-            bump("shape_rule_hits")
+            _counts["meta_cache_misses"] += 1
+            _counts["shape_rule_hits"] += 1
             if type(m) is TensorMeta:
                 metas, out_spec = [m], _LEAF_SPEC
             else:  # several outputs: a tuple or list of them, as the op returns them
@@ -320,7 +320,7 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
     dev = mkwargs.get("device")
     if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE:
         mkwargs["device"] = torch.device("meta")
-    bump("meta_cache_misses")
+    _counts["meta_cache_misses"] += 1
     try:
         with disable_modes():
             out = func(*margs, **mkwargs)

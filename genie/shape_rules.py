@@ -57,7 +57,16 @@ def _plain(m: Any) -> bool:
 
 def _dense(m: TensorMeta) -> bool:
     """Standard contiguous from offset 0, no empty dims (strides exactly the row-major ones)."""
-    return m.offset == 0 and 0 not in m.shape and m.stride == contiguous_strides(m.shape)
+    if m.offset != 0:
+        return False
+    shape, stride = m.shape, m.stride
+    acc = 1
+    for i in range(len(shape) - 1, -1, -1):  # contiguous_strides(shape) == stride, no list
+        s = shape[i]
+        if s == 0 or stride[i] != acc:
+            return False
+        acc *= s
+    return True
 
 
 def _numel(shape: tuple[int, ...]) -> int:
