@@ -117,6 +117,7 @@ struct Names {
   PyObject* thread_key = intern("genie.record.thread");
   PyObject* factories_recorded = intern("factories_recorded");
   PyObject* active = intern("_active");
+  PyObject* context_on = intern("_on");
   PyObject* device = intern("device");
 };
 
@@ -1698,9 +1699,10 @@ PyObject* record_dispatch(PyObject* /*module*/, PyObject* const* argv, Py_ssize_
 }
 
 // lazy_tensor.record_factory for the common case: a factory call (no tensor argument) whose
-// `device=` is a remote_accelerator device with its index (the PrivateUse1 kernel's normal
-// call: torch fills the index in), with the conditions of try_record and genie.context active
-// (record_factory activates it: its first call takes Python). The node is the one record_factory
+// `device=` is a remote_accelerator device (without an index, `device="remote_accelerator"`,
+// the current device's, as record_factory fills it in), with the conditions of try_record and genie.context active
+// (record_factory activates it: its first call takes Python) or off (GENIE_CONTEXT=0: activating
+// does nothing, and every factory call used to take Python). The node is the one record_factory
 // records, from the same meta-cache entry (found by identity key, or from entry_for on a miss);
 // every other call goes to record_factory. Returns kNotHandled for those.
 PyObject* try_record_factory(PyObject* func, PyObject* args, PyObject* kwargs) {
@@ -1719,15 +1721,29 @@ PyObject* try_record_factory(PyObject* func, PyObject* args, PyObject* kwargs) {
   }
   PyObject* dev = dict_get(kwargs, names->device);
   if (dev == nullptr || !THPDevice_Check(dev) ||
-      dict_get(S.context_dict, names->active) != Py_True) {
+      (dict_get(S.context_dict, names->active) != Py_True &&
+       dict_get(S.context_dict, names->context_on) != Py_False)) {
     reasons[kArgs]++;
     return kNotHandled;
   }
-  const c10::Device d = reinterpret_cast<THPDevice*>(dev)->device;
+  c10::Device d = reinterpret_cast<THPDevice*>(dev)->device;
+  py::object indexed;  // kwargs with the current device's index, for `device="remote_accelerator"`
+  if (d.type() == c10::DeviceType::PrivateUse1 && d.index() < 0) {
+    // as record_factory: the call's kwargs with device=remote_accelerator:<current index>
+    d = c10::Device(c10::DeviceType::PrivateUse1, genie::current_device());
+    if (d.index() < genie::device_count()) {
+      indexed = py::reinterpret_steal<py::object>(checked(PyDict_Copy(kwargs)));
+      py::object named = py::reinterpret_steal<py::object>(checked(THPDevice_New(d)));
+      if (PyDict_SetItem(indexed.ptr(), names->device, named.ptr()) < 0) {
+        throw py::error_already_set();
+      }
+      kwargs = indexed.ptr();
+    }
+  }
   if (d.type() != c10::DeviceType::PrivateUse1 || d.index() < 0 ||
       d.index() >= genie::device_count()) {
     reasons[kDevices]++;
-    return kNotHandled;  // record_factory fills in the current index, or raises eager's error
+    return kNotHandled;  // record_factory raises eager's error
   }
   const OpInfo* info = op_info(func);
   if (info == nullptr || !info->ok) {

@@ -800,11 +800,20 @@ def _factories_cpu(n: int) -> list[torch.Tensor]:
 
 def test_factory_errors_and_other_devices_take_record_factory() -> None:
     """A bad index raises eager's error through record_factory; a device without an index is
-    recorded by it (the current device filled in)."""
+    recorded natively with the current device filled in, as record_factory fills it in."""
+    from genie import device as gdev
     from genie.errors import DeviceError
 
+    torch.zeros(2, device=D)  # the entry learned
     _C._record_reset_stats()
     with pytest.raises(DeviceError):
         torch.zeros(2, device=torch.device(D, 7))
     t = torch.zeros(2, device=D)
-    assert t.device == torch.device(D, 0) and _C._record_stats()["devices"] >= 2
+    counts = _C._record_stats()
+    assert t.device == torch.device(D, 0) and counts["devices"] == 1 and counts["handled"] == 1
+    assert torch.device(D, 0) in t._node.leaves
+    if gdev.device_count() > 1:
+        with gdev.device(1):
+            u = torch.ones(3, device=D)
+        assert u.device == torch.device(D, 1) and torch.device(D, 1) in u._node.leaves
+        assert torch.equal(u.cpu(), torch.ones(3))
