@@ -9,6 +9,8 @@ thread) with eager and genie alternating call by call. Prints ms per token of ea
 (plan-cache lookup), ``run`` (the replay, ``passes.pipeline.run``), ``bind``, ``after_run``
 (memory accounting), ``teardown`` (freeing the tape and the step's nodes it was the last to
 hold) and ``materialize`` (all of it, from the trigger). Outputs are checked equal to eager's.
+Eager runs in this process, so it passes through Genie's ``nn.Module.__call__`` wrapper (3-5% of
+an eager token, as in ``bench_models.py``).
 """
 import itertools
 import statistics
