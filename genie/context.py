@@ -173,10 +173,10 @@ def _module_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     A submodule called inside a module call (55 a token in a GPT-2 decode) takes the inline
     path: its name from the outermost module's names, its :class:`Context` interned on the
     call, no helper calls (~1.5 µs less per module call than :func:`_enter` / :func:`_leave`)."""
+    if _compiling():  # first: dynamo traces this wrapper and must see nothing else of it
+        return _orig_call(self, *args, **kwargs)
     st = _tls.modules
     if not st and _host_call(args, kwargs):  # an eager model in this process: no context
-        return _orig_call(self, *args, **kwargs)
-    if _compiling():
         return _orig_call(self, *args, **kwargs)
     if st:
         top = st[-1]
