@@ -1733,8 +1733,13 @@ PyObject* try_record_factory(PyObject* func, PyObject* args, PyObject* kwargs) {
     d = c10::Device(c10::DeviceType::PrivateUse1, genie::current_device());
     if (d.index() < genie::device_count()) {
       indexed = py::reinterpret_steal<py::object>(checked(PyDict_Copy(kwargs)));
-      py::object named = py::reinterpret_steal<py::object>(checked(THPDevice_New(d)));
-      if (PyDict_SetItem(indexed.ptr(), names->device, named.ptr()) < 0) {
+      // one torch.device per index, kept for the process (lazy_tensor.device_of's cache)
+      static PyObject* devices[128] = {};
+      PyObject*& named = devices[static_cast<uint8_t>(d.index()) & 127];
+      if (named == nullptr) {
+        named = checked(THPDevice_New(d));
+      }
+      if (PyDict_SetItem(indexed.ptr(), names->device, named) < 0) {
         throw py::error_already_set();
       }
       kwargs = indexed.ptr();

@@ -204,8 +204,7 @@ def _module_call(self: Any, *args: Any, **kwargs: Any) -> Any:
                     if st and st[-1] is entry:  # as _leave: popped only if still on top
                         st.pop()
                         current.ctx = outer
-    if not _enter(self, args, kwargs):
-        return _orig_call(self, *args, **kwargs)
+    _enter(self, args, kwargs)
     try:
         return _orig_call(self, *args, **kwargs)
     finally:
@@ -236,9 +235,9 @@ def _explicit(module: Any, outer: Context | None) -> str | None:
     return outer.explicit if outer is not None else None
 
 
-def _enter(module: Any, args: tuple, kwargs: dict) -> bool:
-    """Push ``module``'s context for its call; False when the call gets none (an outermost call
-    on host tensors)."""
+def _enter(module: Any, args: tuple, kwargs: dict) -> None:
+    """Push ``module``'s context for its call (an outermost call on host tensors never gets here:
+    :func:`_module_call` checks that first)."""
     st = _tls.modules
     if st and type(st[-1][2]) is _StepFrame:
         _drop_ended_steps()
@@ -253,8 +252,6 @@ def _enter(module: Any, args: tuple, kwargs: dict) -> bool:
             path = f"{parent}.{type(module).__name__}" if parent else type(module).__name__
         call = outer.call if outer is not None else None
     else:
-        if _host_call(args, kwargs):
-            return False  # a model on another device: no context, and (almost) no cost
         names = _names.get(module)
         if names is None:  # weak both ways: a cache entry never keeps a model (or its weights);
             # keyed by weak references (no callback: weakref.ref(m) then returns the same one)
@@ -264,7 +261,6 @@ def _enter(module: Any, args: tuple, kwargs: dict) -> bool:
     region = outer.region if outer is not None else "forward"
     st.append((module, outer, names))
     current.ctx = _context(call, path, type(module).__name__, region, _explicit(module, outer))
-    return True
 
 
 def _host_call(args: tuple, kwargs: dict) -> bool:
