@@ -137,7 +137,8 @@ def ratios() -> Ratios:
 
 
 def interleave(benchmark: Any, row: Row, variants: dict[str, Callable[[], object]], rounds: int,
-               inner: int = 1, per: float | dict[str, float] = 1.0) -> None:
+               inner: int = 1, per: float | dict[str, float] = 1.0,
+               before: dict[str, Callable[[], object]] | None = None) -> None:
     """Time every variant once per round, back to back in rotating order, and fill ``row``.
 
     On a shared machine the load drifts over seconds: timing the variants in separate tests lets
@@ -145,11 +146,16 @@ def interleave(benchmark: Any, row: Row, variants: dict[str, Callable[[], object
     is the median over rounds of the per-round ratios. pytest-benchmark times whole rounds (its
     table shows the sum of the variants); the per-variant medians go to ``extra_info`` (and the
     JSON of ``--benchmark-json``). ``inner`` calls make one sample; ``per`` divides it (ops per
-    call; one number, or one per variant).
+    call; one number, or one per variant). ``before[name]``, where given, runs before each of
+    that variant's samples, outside the timing (process state a variant needs, such as genie's
+    module wrapper removed for eager: bench_models.py).
     """
     names = list(variants)
     divisor = per if isinstance(per, dict) else dict.fromkeys(names, per)
-    for fn in variants.values():  # warm: caches, allocator, torch._lazy's compiled graph
+    setups = before or {}
+    for k, fn in variants.items():  # warm: caches, allocator, torch._lazy's compiled graph
+        if k in setups:
+            setups[k]()
         fn()
     samples: dict[str, list[float]] = {k: [] for k in names}
     counter = itertools.count()
@@ -158,6 +164,8 @@ def interleave(benchmark: Any, row: Row, variants: dict[str, Callable[[], object
         r = next(counter) % len(names)
         for k in names[r:] + names[:r]:
             fn = variants[k]
+            if k in setups:
+                setups[k]()
             t0 = time.perf_counter()
             for _ in range(inner):
                 fn()
