@@ -1,10 +1,11 @@
 """Host overhead on real models: the six workloads of issue 11, genie against eager and ``torch._lazy``.
 
 Every row runs its variants interleaved (``interleave`` in conftest.py), so each ratio is the
-median of per-round paired ratios. Eager runs in the process Genie runs in, so it passes through
-Genie's process-wide ``nn.Module.__call__`` wrapper (``genie.context``): 3-5% of an eager GPT-2
-token over eager in a process without Genie (11% before the wrapper's host check read keyword
-arguments: docs/benchmarks.md, issue 11). Each row also prints genie's host cost per recorded op,
+median of per-round paired ratios. Eager runs in the process Genie runs in; Genie's process-wide
+``nn.Module.__call__`` wrapper (``genie.context``) is removed before each eager and peer sample
+and installed before each genie one (``_pure``), so the baseline is eager as a process without
+Genie runs it (with the wrapper in place eager paid 3-5% of a GPT-2 token; 11% before its host
+check read keyword arguments: docs/benchmarks.md, issue 11). Each row also prints genie's host cost per recorded op,
 ``(genie - eager) / ops``, where ``ops`` is what genie records for one call (ATen ops and
 factory calls, from ``genie.stats()``).
 
