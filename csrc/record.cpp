@@ -1700,11 +1700,12 @@ PyObject* record_dispatch(PyObject* /*module*/, PyObject* const* argv, Py_ssize_
 
 // lazy_tensor.record_factory for the common case: a factory call (no tensor argument) whose
 // `device=` is a remote_accelerator device (without an index, `device="remote_accelerator"`,
-// the current device's, as record_factory fills it in), with the conditions of try_record and genie.context active
-// (record_factory activates it: its first call takes Python) or off (GENIE_CONTEXT=0: activating
-// does nothing, and every factory call used to take Python). The node is the one record_factory
-// records, from the same meta-cache entry (found by identity key, or from entry_for on a miss);
-// every other call goes to record_factory. Returns kNotHandled for those.
+// the current device's, as record_factory fills it in), with the conditions of try_record and
+// genie.context active (record_factory activates it: its first call takes Python) or off
+// (GENIE_CONTEXT=0: activating does nothing, and every factory call used to take Python). The
+// node is the one record_factory records, from the same meta-cache entry (found by identity key,
+// or from entry_for on a miss); every other call goes to record_factory. Returns kNotHandled for
+// those.
 PyObject* try_record_factory(PyObject* func, PyObject* args, PyObject* kwargs) {
   if (!S.ready || S.factory_fallback == nullptr || !flags.native_record || !flags.meta_cache ||
       flags.record_source) {
@@ -1799,12 +1800,7 @@ PyObject* record_factory(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t
     PyErr_SetString(PyExc_TypeError, "_record_factory(func, args, kwargs)");
     return nullptr;
   }
-  if (S.factory_fallback == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "the native record path is not initialized");
-    return nullptr;
-  }
-  PyObject* kwargs = argv[2] == Py_None ? nullptr : argv[2];
-  return native_or_fallback(try_record_factory, S.factory_fallback, argv[0], argv[1], kwargs);
+  return genie::record_factory_call(argv[0], argv[1], argv[2] == Py_None ? nullptr : argv[2]);
 }
 
 // torch._library.simple_registry.find_torch_dispatch_rule(op, cls), natively. torch calls it from
