@@ -51,6 +51,12 @@ def factory_overloads() -> list[Any]:
     return ops
 
 
+def _impl_name(op: Any) -> str:
+    """``name.overload`` as ``torch.library.Library.impl`` takes it (``name`` for default)."""
+    name = op._schema.name.split("::")[1]
+    return name if op._overloadname == "default" else f"{name}.{op._overloadname}"
+
+
 def register_factories() -> None:
     """Register the PrivateUse1 factory kernels once per process."""
     global _lib
@@ -61,8 +67,7 @@ def register_factories() -> None:
     if _C._record_native and config.python_key and getattr(_C, "_python_key_kernel", False):
         # a C++ kernel (csrc/python_key.cpp): the stack converted to (args, kwargs) as torch
         # converts it for a Python kernel, then _record_factory, without the Python frame
-        _C._factory_kernels_install([op._schema.name.split("::")[1] + (
-            "." + op._overloadname if op._overloadname != "default" else "") for op in ops])
+        _C._factory_kernels_install([_impl_name(op) for op in ops])
         ops = []
     # natively where it can (csrc/record.cpp: the common case, else it calls record_factory)
     factory = _C._record_factory if _C._record_native else record_factory
@@ -70,8 +75,7 @@ def register_factories() -> None:
         def kernel(*args: Any, _op: Any = op, **kwargs: Any) -> Any:
             return factory(_op, args, kwargs)
 
-        lib.impl(op._schema.name.split("::")[1] + (
-            "." + op._overloadname if op._overloadname != "default" else ""), kernel, "PrivateUse1")
+        lib.impl(_impl_name(op), kernel, "PrivateUse1")
     # Autograd formulas build zero gradients with ``_efficientzerotensor`` (a ZeroTensor: all
     # zeros, immutable, skipped by some kernels). A LazyTensor cannot carry the ZeroTensor key, so
     # record plain zeros: the same values, and mutable as the rest of the graph expects.
