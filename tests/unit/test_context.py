@@ -292,3 +292,29 @@ def test_eager_model_called_by_keyword_gets_no_context_and_a_lazy_keyword_does()
     finally:
         context.Call.__init__ = orig
     assert not context._tls.modules
+
+
+def test_a_forward_leaves_no_cyclic_garbage():
+    """A module call's contexts point at its Call and the Call interned them: once the call
+    returns that cycle is broken, so a forward's contexts and its Call are freed by reference
+    counting when its nodes go (not left for a full collection of the process's heap)."""
+    import gc
+    import weakref
+
+    m = _Attn().to(D)
+    x = torch.ones(1, 2, 8, device=D)
+    with torch.no_grad():
+        m(x)  # the model's names, caches
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            y, past = m(x)
+        call = weakref.ref(y._node.ctx.call)
+        ctxs = {y._node.ctx.path, past[0]._node.ctx.path}
+        torch.testing.assert_close(y.cpu(), y.cpu())
+        del y, past
+        assert call() is None, f"the Call of {ctxs} outlived its nodes: a reference cycle"
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
