@@ -5,7 +5,9 @@ Usage: ``.venv/bin/python tools/generate_cpu.py [calls]``. The ``generate`` row 
 tokens, a prompt length never seen before in every call), timed with ``time.thread_time`` (this
 thread's CPU time: on a shared machine, other processes' load does not enter it; one intra-op
 thread) with eager and genie alternating call by call. Prints ms per token of each, their ratio
-(the median of per-call ratios), and genie's materialization phases per token: ``plan``
+(the median of per-call ratios), the same for a steady token (the median step from the 5th to the
+31st, stamped by a logits processor that changes no score) with what a call costs beyond 32
+steady tokens (its prefill, first decodes and last token), and genie's materialization phases per token: ``plan``
 (plan-cache lookup), ``run`` (the replay, ``passes.pipeline.run``), ``bind``, ``after_run``
 (memory accounting), ``teardown`` (freeing the tape and the step's nodes it was the last to
 hold) and ``materialize`` (all of it, from the trigger). Outputs are checked equal to eager's.
@@ -74,12 +76,34 @@ def gpt2() -> transformers.GPT2LMHeadModel:
     return m
 
 
-def generate(model, dev: str, n: int) -> torch.Tensor:  # noqa: ANN001
+class _Stamps(transformers.LogitsProcessor):
+    """Notes this thread's CPU time at each step's logits processing (changes no score)."""
+
+    def __init__(self) -> None:
+        self.t: list[float] = []
+
+    def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.t.append(T())
+        return scores
+
+
+def generate(model, dev: str, n: int, stamps: _Stamps | None = None) -> torch.Tensor:  # noqa: ANN001
     g = torch.Generator().manual_seed(n)
     ids = torch.randint(1, 1000, (1, n), generator=g).to(dev)
+    extra = {} if stamps is None else {"logits_processor": transformers.LogitsProcessorList([stamps])}
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                              min_new_tokens=32, do_sample=False).cpu()
+                              min_new_tokens=32, do_sample=False, **extra).cpu()
+
+
+def _split(stamps: _Stamps, start: float, end: float) -> tuple[float, float]:
+    """(a steady token, what the call costs beyond 32 of them): the steady token is the median
+    step from the 5th to the 31st (each is the previous token's materialization and this
+    token's forward); the rest is the prefill, the first decodes and the last token's edges."""
+    ts = [start, *stamps.t, end]
+    steps = [b - a for a, b in zip(ts, ts[1:])]
+    steady = statistics.median(steps[4:31])
+    return steady, (end - start) - 32 * steady
 
 
 def main() -> None:
@@ -95,23 +119,33 @@ def main() -> None:
         n = next(lengths)
         generate(mg, DEV, n), generate(me, "cpu", n)
     acc.clear()
-    te, tg, ratios = 0.0, 0.0, []
+    te, tg, ratios, steady, edges = 0.0, 0.0, [], [], []
     for _ in range(calls):
         n = next(lengths)
         context.deactivate()
+        se = _Stamps()
         t = T()
-        want = generate(me, "cpu", n)
+        want = generate(me, "cpu", n, se)
         e = T() - t
         context.activate()
-        t = T()
-        got = generate(mg, DEV, n)
-        g = T() - t
+        sg = _Stamps()
+        t1 = T()
+        got = generate(mg, DEV, n, sg)
+        g = T() - t1
         assert torch.equal(got, want), "genie's tokens differ from eager's"
         te, tg = te + e, tg + g
         ratios.append(g / e)
+        (ue, xe), (ug, xg) = _split(se, t, t + e), _split(sg, t1, t1 + g)
+        steady.append((ug / ue, ue, ug))
+        edges.append((xe, xg))
     tokens = calls * 32
     print(f"eager {te / tokens * 1e3:.3f} ms/token, genie {tg / tokens * 1e3:.3f} ms/token, "
           f"genie/eager {statistics.median(ratios):.2f}x (median of {calls} calls, CPU time)")
+    med = lambda rows, i: statistics.median(r[i] for r in rows)  # noqa: E731
+    print(f"  steady tokens (5th to 31st, median step): eager {med(steady, 1) * 1e3:.3f} ms, "
+          f"genie {med(steady, 2) * 1e3:.3f} ms, genie/eager {med(steady, 0):.2f}x; beyond 32 "
+          f"steady tokens a call costs eager {med(edges, 0) * 1e3:.2f} ms, genie "
+          f"{med(edges, 1) * 1e3:.2f} ms (prefill, first decodes, last token)")
     for k in ("materialize", "plan", "run", "bind", "after_run", "teardown"):
         print(f"  {k}: {acc.get(k, 0.0) / tokens * 1e3:.3f} ms/token")
 
