@@ -25,7 +25,7 @@ import torch
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._C import _record_clear
+from ._C import _gc_untrack, _record_clear
 from .config import config
 from .device import DEVICE_TYPE
 from .errors import UnsupportedOpError
@@ -209,6 +209,8 @@ class MetaCache:
         if len(d) >= self.limit:
             self.clear()  # rare, and cheaper on the hot path than LRU bookkeeping on every hit
         d[key] = value
+        if config.gc_untrack:
+            _untrack_entry(key, value)
 
     def clear(self) -> None:
         self._d.clear()
@@ -219,6 +221,22 @@ class MetaCache:
 
 
 meta_cache = MetaCache()
+
+
+def _untrack_entry(key: tuple, entry: MetaEntry) -> None:
+    """Take a new cache entry off the cyclic collector's lists (``GENIE_GC_UNTRACK``).
+
+    An entry lives as long as the cache (or the nodes and plans that share it) and is never
+    part of a reference cycle: the key holds the op, the argument tree, input ``TensorMeta``s and
+    constants, none of which refers back to it; the entry holds its outputs' metadata, constants
+    and specs. Tracked, each miss left ~8 long-lived objects that young collections promoted
+    into the oldest generation, and those promotions are what schedule a full collection of the
+    process's heap (~170 ms with torch and transformers loaded): a generate loop at new lengths
+    promoted ~450 such objects per call. Off the lists, they are still freed by reference
+    counting when the cache drops them.
+    """
+    _gc_untrack(key, entry, entry.metas, entry.consts, entry.plan,
+                *[m for m in entry.metas if m is not None])
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +298,8 @@ def shape_class(func: Any, spec: Any, leaves: list[Any], metas: list[TensorMeta 
         if len(_classes) >= MetaCache.limit:
             _classes.clear()  # bounded like the meta cache; classes are compared by identity
         k = _classes[key] = key
+        if config.gc_untrack:  # as _untrack_entry: interned for the cache's life, in no cycle
+            _gc_untrack(key, key[2], key[3])
     return k
 
 

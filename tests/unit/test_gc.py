@@ -193,3 +193,33 @@ def test_a_write_tracks_its_storage_again_and_user_attributes_track_the_dict(def
     gc.collect()
     assert r() is None, "a cycle through a LazyTensor's attributes leaked"
     assert torch.equal(b.cpu(), torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize("untrack", [True, False], ids=["untracked", "flag_off"])
+def test_meta_cache_entries_are_off_the_collector_and_freed_with_the_cache(untrack: bool) -> None:
+    """A meta-cache miss leaves its key, entry and output metadata off the collector's lists
+    (they live as long as the cache and close no cycle; tracked with ``GENIE_GC_UNTRACK=0``), and
+    clearing the caches frees the entry by reference counting alone (nothing else holds it)."""
+    import sys
+
+    from genie import meta, plan_cache
+
+    config.gc_untrack = untrack
+    n = 7919 + int(untrack)  # a shape no other test records
+    a = torch.ones(n, 3, device=DEV)
+    b = (a * 2).t()  # two misses: mul, and a view of its output
+    torch.testing.assert_close(b.cpu(), torch.ones(n, 3).mul(2).t())
+    entry = b._node.entry
+    key = next(k for k, v in meta.meta_cache._d.items() if v is entry)
+    objects = [key, entry, entry.metas, entry.consts, *entry.metas]
+    assert [gc.is_tracked(o) for o in objects] == [not untrack] * len(objects)
+    if untrack:  # interned per shape class (another test may have made this one, tracked)
+        assert not gc.is_tracked(entry.klass)
+    del a, b, key, objects
+    gc.disable()
+    try:
+        plan_cache.clear()
+        meta.meta_cache.clear()  # the native path's entries too
+        assert sys.getrefcount(entry) == 2  # `entry` and getrefcount's argument
+    finally:
+        gc.enable()
