@@ -7,9 +7,9 @@ thread's CPU time: on a shared machine, other processes' load does not enter it;
 thread) with eager and genie alternating call by call. Prints ms per token of each, their ratio
 (the median of per-call ratios), the same for a steady token (the median step from the 5th to the
 31st, stamped by a logits processor that changes no score) with what a call costs beyond 32
-steady tokens (its prefill, first decodes and last token), and genie's materialization phases per token: ``plan``
-(plan-cache lookup), ``run`` (the replay, ``passes.pipeline.run``), ``bind``, ``after_run``
-(memory accounting), ``teardown`` (freeing the tape and the step's nodes it was the last to
+steady tokens (its prefill, first decodes and last token), and genie's materialization phases
+per token: ``plan`` (plan-cache lookup), ``run`` (the replay, ``passes.pipeline.run``),
+``bind``, ``after_run`` (memory accounting), ``teardown`` (freeing the tape and the step's nodes it was the last to
 hold) and ``materialize`` (all of it, from the trigger). Outputs are checked equal to eager's.
 Eager runs in this process with Genie's ``nn.Module.__call__`` wrapper removed around its calls
 (``genie.context.deactivate``, outside the timing; installed again for genie's), as
@@ -87,10 +87,12 @@ class _Stamps(transformers.LogitsProcessor):
         return scores
 
 
-def generate(model, dev: str, n: int, stamps: _Stamps | None = None) -> torch.Tensor:  # noqa: ANN001
+def generate(model, dev: str, n: int,  # noqa: ANN001
+             stamps: _Stamps | None = None) -> torch.Tensor:
     g = torch.Generator().manual_seed(n)
     ids = torch.randint(1, 1000, (1, n), generator=g).to(dev)
-    extra = {} if stamps is None else {"logits_processor": transformers.LogitsProcessorList([stamps])}
+    extra = {} if stamps is None else \
+        {"logits_processor": transformers.LogitsProcessorList([stamps])}
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
                               min_new_tokens=32, do_sample=False, **extra).cpu()
