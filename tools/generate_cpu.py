@@ -9,8 +9,9 @@ thread) with eager and genie alternating call by call. Prints ms per token of ea
 31st, stamped by a logits processor that changes no score) with what a call costs beyond 32
 steady tokens (its prefill, first decodes and last token), and genie's materialization phases
 per token: ``plan`` (plan-cache lookup), ``run`` (the replay, ``passes.pipeline.run``),
-``bind``, ``after_run`` (memory accounting), ``teardown`` (freeing the tape and the step's nodes it was the last to
-hold) and ``materialize`` (all of it, from the trigger). Outputs are checked equal to eager's.
+``bind``, ``after_run`` (memory accounting), ``teardown`` (freeing the tape and the step's
+nodes it was the last to hold) and ``materialize`` (all of it, from the trigger). Outputs are
+checked equal to eager's.
 Eager runs in this process with Genie's ``nn.Module.__call__`` wrapper removed around its calls
 (``genie.context.deactivate``, outside the timing; installed again for genie's), as
 ``bench_models.py`` measures it: eager as a process without Genie runs it.
