@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -68,6 +69,7 @@
 #endif
 
 #include "record.h"
+#include "whole.h"
 
 namespace py = pybind11;
 
@@ -449,7 +451,8 @@ PyObject* lazy_getattr(PyObject* self, char* name) {
 }
 
 // Registers the kernel for every aten operator that reaches the Python key through its fallback
-// (no kernel of its own there, no CompositeImplicitAutograd kernel); returns how many.
+// (no kernel of its own there, no CompositeImplicitAutograd kernel unless csrc/whole.cpp keeps
+// the op whole); returns how many.
 int64_t install() {
   if (library != nullptr) {
     return -1;
@@ -457,6 +460,8 @@ int64_t install() {
   auto& dispatcher = c10::Dispatcher::singleton();
   std::vector<c10::OperatorName> names = dispatcher.getAllOpNames();
   std::vector<c10::OperatorHandle> ops;
+  // csrc/whole.cpp's ops reach the Python key whole when autograd does not decompose them
+  const std::set<std::string> whole(genie::whole_ops().begin(), genie::whole_ops().end());
   for (const auto& name : names) {
     if (name.name.rfind("aten::", 0) != 0) {
       continue;
@@ -464,7 +469,8 @@ int64_t install() {
     auto op = dispatcher.findOp(name);
     if (!op || !op->hasSchema() ||
         op->hasKernelForDispatchKey(c10::DispatchKey::Python) ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
+        (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+         !(name.overload_name.empty() && whole.count(name.name) > 0)) ||
         !op->hasComputedKernelForDispatchKey(c10::DispatchKey::Python)) {
       continue;
     }

@@ -25,7 +25,7 @@ import torch
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._C import _gc_untrack, _record_clear
+from ._C import _gc_untrack, _record_clear, _whole_ops, _whole_ops_enable
 from .config import config
 from .device import DEVICE_TYPE
 from .errors import UnsupportedOpError
@@ -91,6 +91,7 @@ class OpPolicy:
     key: int = 0  # small unique int standing for the op in meta-cache keys (cheap to hash)
     # Has a CompositeImplicitAutograd kernel: reaches __torch_dispatch__ only when the autograd
     # keys are skipped (``torch.inference_mode()``); recorded as its decomposition, as eager runs it.
+    # False for the ops of WHOLE, which are recorded as one node.
     implicit: bool = False
 
     def arg(self, pos: int, args: tuple, kwargs: dict) -> Any:
@@ -100,6 +101,13 @@ class OpPolicy:
 
 
 _policies: dict[Any, OpPolicy] = {}
+
+#: Composite ops recorded as one node where autograd does not need their decomposition (no_grad,
+#: inference, inputs that need no grad): ``matmul`` and ``linear`` (default overloads). Their
+#: kernel at AutogradPrivateUse1 (csrc/whole.cpp) decides; the device runs the same composite
+#: when the node replays. ``GENIE_WHOLE_OPS=0`` (``config.whole_ops``): always decomposed.
+WHOLE = frozenset(_whole_ops())
+config.on_change(lambda cfg: _whole_ops_enable(cfg.whole_ops))
 
 
 def policy(op: Any) -> OpPolicy:
@@ -160,7 +168,7 @@ def _analyze(op: Any) -> OpPolicy:
         float_values_matter=_float_values_matter(schema),
         key=len(_policies),
         implicit=torch._C._dispatch_has_kernel_for_dispatch_key(
-            op.name(), "CompositeImplicitAutograd"),
+            op.name(), "CompositeImplicitAutograd") and op.name() not in WHOLE,
     )
 
 

@@ -173,15 +173,32 @@ def _nbytes(m: TensorMeta) -> int:
     return _numel(m) * m.dtype.itemsize
 
 
+def _contraction_flops(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """``matmul`` and ``linear``, recorded whole (csrc/whole.cpp): 2 FLOPs per output element and
+    contracted element (``args[0].shape[-1]``), as ``torch.utils.flop_counter`` counts the
+    ``mm``/``bmm`` they decompose into (a bias add is not counted, as for ``addmm``)."""
+    return 2 * out_val.numel() * args[0].shape[-1]
+
+
+def flop_formula(op: Any) -> Any:
+    """``torch.utils.flop_counter``'s formula for ``op`` (``f(*args, out_val=out, **kwargs)``),
+    or :func:`_contraction_flops` for the composites genie records whole; None if neither."""
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(op, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None and packet in (torch.ops.aten.matmul, torch.ops.aten.linear):
+        return _contraction_flops
+    return formula
+
+
 def flops(node: Node, leaves: list[Any] | None) -> int:
     """Estimated floating-point operations of one node (0 for data movement and views)."""
     op = node.op
     cat = category(op)
     outs = [m for m in node.metas if m is not None]
     if cat in ("matmul", "conv", "attention"):
-        from torch.utils.flop_counter import flop_registry
-
-        formula = flop_registry.get(getattr(op, "overloadpacket", None))
+        formula = flop_formula(op)
         if formula is not None and leaves is not None:
             try:
                 margs, mkwargs = _meta_args(node, leaves)

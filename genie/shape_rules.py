@@ -522,6 +522,48 @@ def _bmm(args: tuple, index: int) -> TensorMeta | None:
     return TensorMeta(shape, contiguous_strides(shape), 0, a.dtype, index)
 
 
+@rule(aten.matmul.default)
+def _matmul(args: tuple, index: int) -> TensorMeta | None:
+    """``matmul(a, b)`` of one float dtype, any strides (recorded whole: csrc/whole.cpp): the
+    shape ``torch.matmul`` documents (1-d operands promoted and their dim removed, batch dims
+    broadcast), contiguous, as every branch of its decomposition leaves it (dot, mv, mm, and
+    ``_unsafe_view`` of an mm or bmm). Empty operands and mismatched sizes go to the meta
+    kernel, which raises eager's error."""
+    if len(args) != 2 or not (_plain(args[0]) and _plain(args[1])):
+        return None
+    a, b = args
+    if a.dtype != b.dtype or a.dtype not in _FLOATS or not a.shape or not b.shape or \
+            0 in a.shape or 0 in b.shape:
+        return None
+    sa, sb = a.shape, b.shape
+    if sa[-1] != (sb[0] if len(sb) == 1 else sb[-2]):
+        return None
+    batch = _broadcast(sa[:-2], sb[:-2])
+    if batch is None:
+        return None
+    shape = batch + sa[-2:-1] + sb[-1:] if len(sb) > 1 else batch + sa[-2:-1]
+    return TensorMeta(shape, contiguous_strides(shape), 0, a.dtype, index)
+
+
+@rule(aten.linear.default)
+def _linear(args: tuple, index: int) -> TensorMeta | None:
+    """``linear(x, w[, b])`` of one float dtype with a 2-d weight and a 1-d bias or none
+    (recorded whole: csrc/whole.cpp): ``x``'s leading dims and the weight's output features,
+    contiguous (addmm, its flattened 3-d form, or matmul then ``add_``)."""
+    if not 2 <= len(args) <= 3 or not (_plain(args[0]) and _plain(args[1])):
+        return None
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) == 3 else None
+    if x.dtype != w.dtype or x.dtype not in _FLOATS or not x.shape or len(w.shape) != 2 or \
+            0 in x.shape or 0 in w.shape or x.shape[-1] != w.shape[1]:
+        return None
+    if bias is not None and not (_plain(bias) and bias.dtype == x.dtype and
+                                 bias.shape == (w.shape[0],)):
+        return None
+    shape = x.shape[:-1] + (w.shape[0],)
+    return TensorMeta(shape, contiguous_strides(shape), 0, x.dtype, index)
+
+
 # --- reductions, normalization, indexing (the ops a new prompt length misses on) ---------------
 
 @rule(aten.all.default, aten.any.default)

@@ -408,9 +408,9 @@ def op_flops(op: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """
     if not isinstance(op, torch._ops.OpOverload):
         return 0
-    from torch.utils.flop_counter import flop_registry
+    from ..semantics import flop_formula
 
-    formula = flop_registry.get(op.overloadpacket)
+    formula = flop_formula(op)
     if formula is not None:
         try:
             return int(formula(*args, **kwargs, out_val=out))

@@ -98,11 +98,11 @@ def test_a_wrong_pass_is_rolled_back_with_one_warning_and_eager_values(caplog):
 
 
 def test_a_slower_pass_is_rejected_by_the_gate():
-    def slow(tape):  # deliberately slower: every mm runs 20 more times, results unused
+    def slow(tape):  # deliberately slower: every matmul runs 20 more times, results unused
         instrs, nxt = [], max([*tape.inputs, *(s for i in tape.instrs for s in i.outs
                                                if s is not None)]) + 1
         for ins in tape.instrs:
-            if ins.op is torch.ops.aten.mm.default:
+            if ins.op is torch.ops.aten.matmul.default:  # `w @ w`, recorded whole
                 for _ in range(20):
                     instrs.append(replace(ins, outs=(nxt,)))
                     nxt += 1
