@@ -136,6 +136,11 @@ def _record_sync_counts() -> None:
     """Add the ops recorded natively since the last call to ``genie.stats``'s ``ops_recorded``
     and ``meta_cache_hits`` (``genie.stats.sync``)."""
 
+def _whole_ops() -> list[str]:
+    """The composite aten operators (default overloads, ``"aten::matmul"``) recorded as one node
+    when autograd does not need their decomposition (csrc/whole.cpp)."""
+def _whole_ops_enable(on: bool) -> None:
+    """Record the whole ops as one node (True) or always as their decomposition (False)."""
 def _record_clear() -> None:
     """Forget every learned meta-cache entry (``genie.meta.MetaCache.clear``)."""
 
