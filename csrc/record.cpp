@@ -119,6 +119,9 @@ struct Names {
   PyObject* active = intern("_active");
   PyObject* context_on = intern("_on");
   PyObject* device = intern("device");
+  PyObject* meta_cache_misses = intern("meta_cache_misses");
+  PyObject* shape_rule_hits = intern("shape_rule_hits");
+  PyObject* type = intern("type");
 };
 
 Names* names = nullptr;
@@ -201,13 +204,15 @@ struct State {
   PyObject* defer_writer = nullptr;   // graph.defer_writer(wref)
   PyObject* factory_fallback = nullptr;  // lazy_tensor.record_factory(func, args, kwargs)
   PyObject* context_dict = nullptr;      // genie.context.__dict__ (_active)
+  PyObject* rules = nullptr;             // genie.shape_rules.RULES, or nullptr
+  PyObject* meta_cache_dict = nullptr;   // genie.meta.meta_cache._d, or nullptr
   size_t limit = 1 << 16;       // entries, as genie.meta.MetaCache.limit
   NodeSlots n{};
   Py_ssize_t ref_node = 0, ref_out = 0;
   Py_ssize_t st_pending = 0, st_readers = 0, st_prune = 0, st_role = 0;
   Py_ssize_t tm_shape = 0, tm_stride = 0, tm_offset = 0, tm_dtype = 0, tm_index = 0,
              tm_conj = 0, tm_neg = 0;
-  Py_ssize_t me_metas = 0, me_out_spec = 0, me_consts = 0, me_plan = 0, me_spec = 0;
+  Py_ssize_t me_metas = 0, me_out_spec = 0, me_consts = 0, me_plan = 0, me_spec = 0, me_klass = 0;
   Py_ssize_t ma_meta = 0;
   bool ready = false;
 };
@@ -220,6 +225,7 @@ struct Flags {
   bool gc_untrack = true;
   bool gc_defer_writes = true;
   bool native_record_miss = true;
+  bool generic_meta = true;  // config.generic_meta and config.shape_rules
 };
 
 Flags flags;
@@ -303,6 +309,8 @@ struct OpInfo {
   bool same_device = false;  // a device argument off this backend is a transfer: the fallback's
   std::vector<Py_ssize_t> writes;  // schema positions of the arguments it mutates
   PyObject* names = nullptr;       // argument names by schema position (a tuple, held)
+  PyObject* pol_key = nullptr;     // OpPolicy.key (held): the op in Python's meta-cache keys
+  PyObject* rule = nullptr;        // its positional shape rule (genie.shape_rules.RULES), held
 };
 
 std::unordered_map<PyObject*, OpInfo> ops;  // keys hold a reference to the op
@@ -360,6 +368,14 @@ const OpInfo* op_info(PyObject* func) {
     py::object writes = py::reinterpret_steal<py::object>(checked(PyObject_GetAttrString(pol, "writes")));
     for (const auto& w : writes) {
       info.writes.push_back(w.cast<Py_ssize_t>());
+    }
+    info.pol_key = checked(PyObject_GetAttrString(pol, "key"));
+    if (S.rules != nullptr) {
+      PyObject* rule = PyDict_GetItemWithError(S.rules, func);  // borrowed
+      if (rule == nullptr && PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      info.rule = rule != nullptr ? new_ref(rule) : nullptr;
     }
     info.names = checked(PyObject_GetAttrString(pol, "names"));
     if (!PyTuple_CheckExact(info.names)) {
@@ -459,12 +475,66 @@ std::shared_ptr<Entry> find_entry(uint64_t h, const Words& w) {
   return nullptr;
 }
 
+// --- shape-generic entries ---------------------------------------------------------------
+//
+// A call whose exact key was never seen (a new sequence length, batch size, KV-cache length) is
+// a meta-cache miss. Where Python answered the first miss of its *shape class* (op, argument
+// tree, each tensor's dtype, rank, device and math bits, numbers by type, other constants by
+// value) with a positional shape rule (genie.shape_rules.RULES), every later miss of that class
+// calls the rule here, with the call's TensorMetas in place of its LazyTensors, and makes the
+// MetaEntry itself from what the class shares (argument tree spec, output spec and plan, the
+// interned shape class): what lazy_tensor.entry_for -> meta.infer would make, without Python's
+// flattening, key hashing, dataclass construction and shape-class interning (~20 of a miss's
+// ~25-35 µs). The entry goes into Python's meta cache under the key Python builds (a key
+// already there is a hit, as in entry_for), counted as entry_for counts. A rule that declines,
+// raises, or answers with outputs of another count, dtype, rank or device than the class's
+// takes entry_for's path. GENIE_GENERIC_META=0 (config.generic_meta) turns this off.
+
+struct OutKind {
+  PyObject* dtype;  // torch.dtype singleton
+  Py_ssize_t rank;
+  int64_t index;
+};
+
+struct Generic {
+  std::vector<uint64_t> words;  // the class words (flatten's words, payloads by class)
+  std::vector<PyObject*> held;  // interned strs whose addresses are in `words`
+  PyObject* rule = nullptr;
+  PyObject* spec = nullptr;
+  PyObject* out_spec = nullptr;
+  PyObject* plan = nullptr;
+  PyObject* klass = nullptr;
+  PyTypeObject* seq = nullptr;  // tuple or list for several outputs; nullptr for one tensor
+  std::vector<OutKind> outs;
+  std::shared_ptr<Generic> next;  // same hash
+
+  ~Generic() {
+    for (PyObject* o : held) {
+      Py_DECREF(o);
+    }
+    Py_XDECREF(rule);
+    Py_XDECREF(spec);
+    Py_XDECREF(out_spec);
+    Py_XDECREF(plan);
+    Py_XDECREF(klass);
+  }
+};
+
+using GenericMap = std::unordered_map<uint64_t, std::shared_ptr<Generic>>;
+GenericMap& generics = *new GenericMap();
+size_t n_generics = 0;
+uint64_t n_generic_made = 0;  // entries made from a shape class's rule (_record_stats)
+
 void clear_entries() {
   // Move out first: destructors release Python objects, which may run code that reaches here.
   EntryMap old;
   old.swap(entries);
   n_entries = 0;
+  GenericMap old_generics;
+  old_generics.swap(generics);
+  n_generics = 0;
   old.clear();
+  old_generics.clear();
 }
 
 // --- one call's arguments ----------------------------------------------------------------
@@ -1014,14 +1084,316 @@ std::shared_ptr<Entry> entry_from_python(PyObject* func, const OpInfo& info, PyO
   return e;
 }
 
+PyObject* new_object(PyTypeObject* t, bool tracked);
+
+// The class words of a flattened call (see "shape-generic entries"): a LazyTensor's TensorMeta
+// address becomes its dtype and (rank, device index, conj, neg); an int's value and a float's
+// bits become 0. false: a TensorMeta field is not what the class needs.
+bool class_words(const Call& call, Words& cw) {
+  cw.push_back(call.words[0]);  // the op
+  size_t li = 0;
+  for (size_t i = 1; i + 1 < call.words.size(); i += 2) {
+    const uint64_t tag = call.words[i];
+    uint64_t payload = call.words[i + 1];
+    if (tag == kLazy) {
+      if (li >= call.lazies.size()) {
+        return false;
+      }
+      PyObject* m = call.lazies[li++].meta;
+      PyObject* shape = slot(m, S.tm_shape);
+      PyObject* index = slot(m, S.tm_index);
+      if (shape == nullptr || !PyTuple_CheckExact(shape) || index == nullptr ||
+          !PyLong_CheckExact(index)) {
+        return false;
+      }
+      const long idx = PyLong_AsLong(index);
+      cw.push_back(kLazy);
+      cw.push_back(reinterpret_cast<uint64_t>(slot(m, S.tm_dtype)));
+      payload = (static_cast<uint64_t>(PyTuple_GET_SIZE(shape)) << 16) |
+                (static_cast<uint64_t>(idx & 0xff) << 2) |
+                (slot(m, S.tm_conj) == Py_True ? 2u : 0u) | (slot(m, S.tm_neg) == Py_True ? 1u : 0u);
+    } else if (tag == kInt || tag == kFloat) {
+      payload = 0;
+    }
+    cw.push_back(tag);
+    cw.push_back(payload);
+  }
+  return li == call.lazies.size();
+}
+
+std::shared_ptr<Generic> find_generic(uint64_t h, const Words& w) {
+  auto it = generics.find(h);
+  if (it == generics.end()) {
+    return nullptr;
+  }
+  for (auto g = it->second; g; g = g->next) {
+    if (g->words.size() == w.size() &&
+        std::memcmp(g->words.data(), w.data(), w.size() * sizeof(uint64_t)) == 0) {
+      return g;
+    }
+  }
+  return nullptr;
+}
+
+int64_t count_of(PyObject* name) {
+  PyObject* v = PyDict_GetItemWithError(S.counts, name);
+  return v != nullptr ? PyLong_AsLongLong(v) : 0;
+}
+
+void bump(PyObject* name) {
+  py::object v = py::reinterpret_steal<py::object>(checked(PyLong_FromLongLong(count_of(name) + 1)));
+  if (PyDict_SetItem(S.counts, name, v.ptr()) < 0) {
+    throw py::error_already_set();
+  }
+}
+
+// After entry_from_python answered the first miss of a class with a shape rule: remember what
+// the class's later misses share.
+void learn_generic(const OpInfo& info, const Call& call, Words&& cw, uint64_t ch, const Entry& e) {
+  PyObject* entry = e.entry;
+  PyObject* metas = slot(entry, S.me_metas);
+  PyObject* klass = slot(entry, S.me_klass);
+  if (!PyList_CheckExact(metas) || klass == nullptr || PyList_GET_SIZE(metas) == 0) {
+    return;
+  }
+  auto g = std::make_shared<Generic>();
+  for (Py_ssize_t k = 0; k < PyList_GET_SIZE(metas); ++k) {
+    PyObject* m = PyList_GET_ITEM(metas, k);
+    if (Py_TYPE(m) != S.tensor_meta || slot(m, S.tm_conj) != Py_False ||
+        slot(m, S.tm_neg) != Py_False || !PyTuple_CheckExact(slot(m, S.tm_shape))) {
+      return;
+    }
+    g->outs.push_back(OutKind{slot(m, S.tm_dtype), PyTuple_GET_SIZE(slot(m, S.tm_shape)),
+                              PyLong_AsLongLong(slot(m, S.tm_index))});
+  }
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return;
+  }
+  if (!e.single) {
+    PyObject* t = PyObject_GetAttr(e.out_spec, names->type);  // optree: the node's type
+    if (t == nullptr) {
+      PyErr_Clear();
+      return;
+    }
+    Py_DECREF(t);  // tuple and list live forever
+    if (t != reinterpret_cast<PyObject*>(&PyTuple_Type) &&
+        t != reinterpret_cast<PyObject*>(&PyList_Type)) {
+      return;
+    }
+    g->seq = reinterpret_cast<PyTypeObject*>(t);
+  } else if (g->outs.size() != 1) {
+    return;
+  }
+  g->words.assign(cw.begin(), cw.end());
+  for (PyObject* x : call.interned) {
+    g->held.push_back(new_ref(x));
+  }
+  g->rule = new_ref(info.rule);
+  g->spec = new_ref(e.spec);
+  g->out_spec = new_ref(e.out_spec);
+  g->plan = new_ref(slot(entry, S.me_plan));
+  g->klass = new_ref(klass);
+  if (n_generics >= S.limit) {
+    GenericMap old;
+    old.swap(generics);
+    n_generics = 0;
+  }
+  auto& head = generics[ch];
+  g->next = head;
+  head = std::move(g);
+  n_generics++;
+}
+
+// The argument the rule takes for `x`, a positional argument of the call (a new reference):
+// LazyTensors as their TensorMetas, in the order flatten met them (also inside lists).
+PyObject* rule_arg(PyObject* x, const Call& call, size_t& li) {
+  if (Py_TYPE(x) == S.lazy) {
+    return new_ref(call.lazies[li++].meta);
+  }
+  const bool is_list = PyList_CheckExact(x);
+  if (is_list || PyTuple_CheckExact(x)) {
+    const Py_ssize_t k = is_list ? PyList_GET_SIZE(x) : PyTuple_GET_SIZE(x);
+    PyObject* out = checked(is_list ? PyList_New(k) : PyTuple_New(k));
+    for (Py_ssize_t j = 0; j < k; ++j) {
+      PyObject* y = is_list ? PyList_GET_ITEM(x, j) : PyTuple_GET_ITEM(x, j);
+      PyObject* v = Py_TYPE(y) == S.lazy ? new_ref(call.lazies[li++].meta) : new_ref(y);
+      if (is_list) {
+        PyList_SET_ITEM(out, j, v);
+      } else {
+        PyTuple_SET_ITEM(out, j, v);
+      }
+    }
+    return out;
+  }
+  return new_ref(x);
+}
+
+// Python's meta-cache key of the call, as lazy_tensor.entry_for builds it (a new tuple).
+PyObject* python_key(const OpInfo& info, const Call& call, PyObject* spec) {
+  py::list parts;
+  parts.append(py::handle(info.pol_key));
+  parts.append(py::handle(spec));
+  size_t li = 0;
+  for (size_t i = 0; i < call.leaves.size(); ++i) {
+    PyObject* x = call.leaves[i];
+    if (li < call.lazies.size() && call.lazies[li].leaf == static_cast<Py_ssize_t>(i)) {
+      parts.append(py::handle(call.lazies[li++].meta));
+    } else if (PyFloat_CheckExact(x)) {
+      parts.append(py::handle(reinterpret_cast<PyObject*>(&PyFloat_Type)));
+      if (info.float_values_matter) {
+        parts.append(py::handle(x));
+      }
+    } else {
+      parts.append(py::handle(reinterpret_cast<PyObject*>(Py_TYPE(x))));
+      parts.append(py::handle(x));
+    }
+  }
+  return checked(PyList_AsTuple(parts.ptr()));
+}
+
+// A miss of a known class: its entry made here (see "shape-generic entries"), or nullptr (no
+// error) for entry_for's path.
+std::shared_ptr<Entry> generic_entry(const OpInfo& info, PyObject* args, PyObject* kwargs,
+                                     const Call& call, const Generic& g) {
+  py::object key = py::reinterpret_steal<py::object>(python_key(info, call, g.spec));
+  PyObject* d = S.meta_cache_dict;
+  PyObject* found = PyDict_GetItemWithError(d, key.ptr());  // borrowed
+  if (found == nullptr && PyErr_Occurred()) {
+    PyErr_Clear();  // an unhashable constant: entry_for's path (no caching)
+    return nullptr;
+  }
+  if (found != nullptr) {  // the key's entry (equal TensorMetas at other addresses): a hit
+    if (Py_TYPE(found) != S.meta_entry) {
+      return nullptr;
+    }
+    bump(names->meta_cache_hits);
+    std::shared_ptr<Entry> e = make_entry(info, args, kwargs, call, found);
+    store_entry(e);
+    return e;
+  }
+  if (static_cast<size_t>(PyDict_GET_SIZE(d)) >= S.limit) {
+    return nullptr;  // MetaCache.put clears it first: entry_for's path does that
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  py::object margs = py::reinterpret_steal<py::object>(checked(PyTuple_New(n)));
+  size_t li = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyTuple_SET_ITEM(margs.ptr(), i, rule_arg(PyTuple_GET_ITEM(args, i), call, li));
+  }
+  PyObject* index = slot(call.lazies[0].meta, S.tm_index);
+  py::object r = py::reinterpret_steal<py::object>(
+      PyObject_CallFunctionObjArgs(g.rule, margs.ptr(), index, nullptr));
+  if (!r) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+      throw py::error_already_set();
+    }
+    PyErr_Clear();  // entry_for runs the rule again and decides
+    return nullptr;
+  }
+  PyObject* res = r.ptr();
+  const size_t n_out = g.outs.size();
+  py::object metas = py::reinterpret_steal<py::object>(checked(PyList_New(static_cast<Py_ssize_t>(n_out))));
+  if (g.seq == nullptr) {
+    if (Py_TYPE(res) != S.tensor_meta) {
+      return nullptr;  // declined (None), or another kind of answer
+    }
+    PyList_SET_ITEM(metas.ptr(), 0, new_ref(res));
+  } else {
+    if (Py_TYPE(res) != g.seq || PySequence_Fast_GET_SIZE(res) != static_cast<Py_ssize_t>(n_out)) {
+      return nullptr;
+    }
+    for (size_t k = 0; k < n_out; ++k) {
+      PyObject* m = PySequence_Fast_GET_ITEM(res, static_cast<Py_ssize_t>(k));
+      if (Py_TYPE(m) != S.tensor_meta) {
+        return nullptr;
+      }
+      PyList_SET_ITEM(metas.ptr(), static_cast<Py_ssize_t>(k), new_ref(m));
+    }
+  }
+  for (size_t k = 0; k < n_out; ++k) {
+    PyObject* m = PyList_GET_ITEM(metas.ptr(), static_cast<Py_ssize_t>(k));
+    PyObject* shape = slot(m, S.tm_shape);
+    PyObject* idx = slot(m, S.tm_index);
+    if (slot(m, S.tm_dtype) != g.outs[k].dtype || shape == nullptr || !PyTuple_CheckExact(shape) ||
+        PyTuple_GET_SIZE(shape) != g.outs[k].rank || idx == nullptr || !PyLong_CheckExact(idx) ||
+        PyLong_AsLongLong(idx) != g.outs[k].index || slot(m, S.tm_conj) != Py_False ||
+        slot(m, S.tm_neg) != Py_False) {
+      PyErr_Clear();
+      return nullptr;  // another class of output (squeeze of a dim that became 1): Python decides
+    }
+  }
+  py::object consts = py::reinterpret_steal<py::object>(checked(PyList_New(static_cast<Py_ssize_t>(n_out))));
+  for (size_t k = 0; k < n_out; ++k) {
+    PyList_SET_ITEM(consts.ptr(), static_cast<Py_ssize_t>(k), new_ref(Py_None));
+  }
+  py::object entry = py::reinterpret_steal<py::object>(new_object(S.meta_entry, !flags.gc_untrack));
+  PyObject* en = entry.ptr();
+  init_slot(en, S.me_metas, new_ref(metas.ptr()));
+  init_slot(en, S.me_out_spec, new_ref(g.out_spec));
+  init_slot(en, S.me_consts, new_ref(consts.ptr()));
+  init_slot(en, S.me_plan, new_ref(g.plan));
+  init_slot(en, S.me_spec, new_ref(g.spec));
+  init_slot(en, S.me_klass, new_ref(g.klass));
+  if (PyDict_SetItem(d, key.ptr(), en) < 0) {
+    throw py::error_already_set();
+  }
+  if (flags.gc_untrack) {  // as genie.meta._untrack_entry
+    for (PyObject* o : {key.ptr(), metas.ptr(), consts.ptr()}) {
+      PyObject_GC_UnTrack(o);
+    }
+    for (size_t k = 0; k < n_out; ++k) {
+      PyObject* m = PyList_GET_ITEM(metas.ptr(), static_cast<Py_ssize_t>(k));
+      if (PyObject_IS_GC(m) && PyObject_GC_IsTracked(m)) {
+        PyObject_GC_UnTrack(m);
+      }
+    }
+  }
+  bump(names->meta_cache_misses);
+  bump(names->shape_rule_hits);
+  n_generic_made++;
+  std::shared_ptr<Entry> e = make_entry(info, args, kwargs, call, en);
+  store_entry(e);
+  return e;
+}
+
 // The entry of a flattened call: the learned one (`hit`), else, with the native miss path on,
-// the one Python's entry_for gives; nullptr where neither has one.
+// one made from its shape class's rule, else the one Python's entry_for gives; nullptr where
+// none has one.
 std::shared_ptr<Entry> entry_of(PyObject* func, const OpInfo& info, PyObject* args,
                                 PyObject* kwargs, const Call& call, bool& hit) {
   std::shared_ptr<Entry> e = find_entry(hash_words(call.words), call.words);
   hit = e != nullptr;
-  if (!hit && flags.native_record_miss) {
-    e = entry_from_python(func, info, args, kwargs, call);
+  if (hit || !flags.native_record_miss) {
+    return e;
+  }
+  const bool generic = flags.generic_meta && flags.meta_cache && info.rule != nullptr &&
+                       S.meta_cache_dict != nullptr && !info.metadata_only && !call.nan &&
+                       (kwargs == nullptr || PyDict_GET_SIZE(kwargs) == 0) && !call.lazies.empty();
+  Words cw;
+  uint64_t ch = 0;
+  if (generic && class_words(call, cw)) {
+    ch = hash_words(cw);
+    std::shared_ptr<Generic> g = find_generic(ch, cw);
+    if (g) {
+      e = generic_entry(info, args, kwargs, call, *g);
+      if (e) {
+        return e;
+      }
+      cw.clear();  // known class, declined here: entry_for decides, nothing to learn
+    }
+  } else {
+    cw.clear();
+  }
+  const int64_t misses = cw.empty() ? 0 : count_of(names->meta_cache_misses);
+  const int64_t rules = cw.empty() ? 0 : count_of(names->shape_rule_hits);
+  e = entry_from_python(func, info, args, kwargs, call);
+  if (e && !cw.empty() && !e->python_only && count_of(names->meta_cache_misses) == misses + 1 &&
+      count_of(names->shape_rule_hits) == rules + 1) {
+    learn_generic(info, call, std::move(cw), ch, *e);  // a miss a positional rule answered
+  }
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
   }
   return e;
 }
@@ -1987,7 +2359,15 @@ bool record_init(const py::dict& objs) {
   s.me_consts = slot_offset(s.meta_entry, "consts");
   s.me_plan = slot_offset(s.meta_entry, "plan");
   s.me_spec = slot_offset(s.meta_entry, "spec");
+  s.me_klass = slot_offset(s.meta_entry, "klass");
   s.ma_meta = slot_offset(s.meta_arg, "meta");
+  if (objs.contains("rules") && objs.contains("meta_cache_dict")) {
+    s.rules = object_of(objs, "rules");
+    s.meta_cache_dict = object_of(objs, "meta_cache_dict");
+    if (!PyDict_CheckExact(s.rules) || !PyDict_CheckExact(s.meta_cache_dict)) {
+      throw std::runtime_error("rules and meta_cache_dict must be dicts");
+    }
+  }
   s.ready = true;
   clear_entries();
   S = s;  // the previous objects (a re-init) stay referenced: init runs once per import
@@ -2001,6 +2381,8 @@ void record_config(const py::object& config) {
   flags.gc_untrack = config.attr("gc_untrack").cast<bool>();
   flags.gc_defer_writes = config.attr("gc_defer_writes").cast<bool>();
   flags.native_record_miss = config.attr("native_record_miss").cast<bool>();
+  flags.generic_meta = config.attr("generic_meta").cast<bool>() &&
+                       config.attr("shape_rules").cast<bool>();
 }
 
 void record_clear() {
@@ -2013,6 +2395,8 @@ py::dict record_stats() {
     d[kReasonNames[i]] = reasons[i];
   }
   d["entries"] = n_entries;
+  d["generic_classes"] = n_generics;
+  d["generic_made"] = n_generic_made;
   return d;
 }
 

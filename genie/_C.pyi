@@ -149,7 +149,9 @@ def _record_stats() -> dict[str, int]:
     with an entry new to it (from ``genie.lazy_tensor.entry_for``), ``learned`` (an entry
     learned from the Python path), and why the others took the Python path (``off``,
     ``profiler``, ``kwargs``, ``op_policy``, ``arguments``, ``devices``, ``capture``, ``unseen``,
-    ``entry``); and ``entries``, the entries held."""
+    ``entry``); and ``entries``, the entries held, ``generic_classes``, the shape classes
+    whose misses call their shape rule natively, and ``generic_made``, the entries made so
+    (cumulative)."""
 
 def _record_reset_stats() -> None:
     """Zero the counts of :func:`_record_stats`."""

@@ -1,7 +1,7 @@
 """Genie's in-process settings, read from ``GENIE_*`` environment variables once at import.
 
 ``GENIE_DEVICE``, ``GENIE_DEVICE_COUNT``, ``GENIE_META_CACHE``, ``GENIE_RECORD_SOURCE``,
-``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD``, ``GENIE_NATIVE_RECORD_MISS``, ``GENIE_NATIVE_BIND``,
+``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD``, ``GENIE_NATIVE_RECORD_MISS``, ``GENIE_GENERIC_META``, ``GENIE_NATIVE_BIND``,
 ``GENIE_NATIVE_MATCH``, ``GENIE_NATIVE_SLICE``, ``GENIE_NATIVE_REPLAY``, ``GENIE_FOREACH``,
 ``GENIE_NATIVE_DISPATCH_RULE``, ``GENIE_PYTHON_KEY``, ``GENIE_WHOLE_OPS``, ``GENIE_INDEX_CHECK``,
 ``GENIE_CALLER_BACKWARD`` and ``GENIE_DEBUG`` live here; the engine and
@@ -55,6 +55,10 @@ class Config:
     # (lazy_tensor.entry_for) and is recorded natively; 0: it takes the whole Python path, which
     # the native path then learns the entry from.
     native_record_miss: bool = _flag("GENIE_NATIVE_RECORD_MISS", "1") != "0"
+    # A meta-cache miss of a shape class whose first miss a shape rule answered calls the rule
+    # from the native record path and makes the entry there (csrc/record.cpp, "shape-generic
+    # entries"); 0: every miss takes lazy_tensor.entry_for (the reference).
+    generic_meta: bool = _flag("GENIE_GENERIC_META", "1") != "0"
     # LazyTensor calls reach genie's record from a C++ kernel on the Python dispatch key
     # (csrc/python_key.cpp), without PyTorch's Python fallback and its round trip into
     # __torch_dispatch__; 0: PyTorch's fallback calls LazyTensor.__torch_dispatch__ (the reference).

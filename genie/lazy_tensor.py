@@ -41,6 +41,7 @@ from .graph import current as graph_current
 from .meta import (MetaEntry, disable_modes, eager_error, infer, meta_cache, meta_tensor, policy,
                    static_shape)
 from .profiling import phase
+from .shape_rules import RULES
 from .stats import _counts, _syncs, bump
 
 aten = torch.ops.aten
@@ -893,7 +894,8 @@ def _install_native_record() -> bool:
         default_graph=DEFAULT_GRAPH, counter=_record_counter, leaf_spec=_LEAF_SPEC,
         copy_ops=(_copy,), device_ops=(_to_copy,), detach=_detach, pending_total=pending_total,
         retrack_below=_C._gc_retrack_below, defer_writer=defer_writer, limit=meta_cache.limit,
-        factory_fallback=record_factory, context=context)
+        factory_fallback=record_factory, context=context, rules=RULES,
+        meta_cache_dict=meta_cache._d)
     if not _C._record_init(objects):
         return False
     config.on_change(_C._record_config)

@@ -28,7 +28,7 @@ import torch
 import genie
 from genie import _C, plan_cache
 from genie.config import config
-from genie.graph import DEFAULT_GRAPH, MetaArg, Node, Ref, Storage, _record_counter
+from genie.graph import DEFAULT_GRAPH, MetaArg, Node, Ref, Storage, TensorMeta, _record_counter
 from genie.lazy_tensor import LazyTensor
 from genie.meta import meta_cache
 
@@ -40,10 +40,10 @@ pytestmark = pytest.mark.skipif(not _C._record_native, reason="genie._C built wi
 
 @pytest.fixture(autouse=True)
 def _native_on() -> Iterator[None]:
-    before = config.native_record, config.native_record_miss
-    config.native_record = config.native_record_miss = True
+    before = config.native_record, config.native_record_miss, config.generic_meta
+    config.native_record = config.native_record_miss = config.generic_meta = True
     yield
-    config.native_record, config.native_record_miss = before
+    config.native_record, config.native_record_miss, config.generic_meta = before
 
 
 # --- describing a recorded graph, independently of object identities --------------------------
@@ -817,3 +817,123 @@ def test_factory_errors_and_other_devices_take_record_factory() -> None:
             u = torch.ones(3, device=D)
         assert u.device == torch.device(D, 1) and torch.device(D, 1) in u._node.leaves
         assert torch.equal(u.cpu(), torch.ones(3))
+
+
+# --- shape-generic entries (csrc/record.cpp): a known class's misses take its rule natively -----
+
+def test_new_shapes_of_a_known_class_make_the_entries_python_would() -> None:
+    """A decode with cold caches: each step's calls are new shapes of the classes its first step
+    met, so their entries are made natively from the class's shape rule. Each is interned in
+    Python's meta cache under Python's key and equals what ``meta.infer`` gives for the call;
+    the recorded graphs, counts and values equal the Python path's (``assert_same`` also runs
+    this program cold)."""
+    from genie.meta import infer, policy
+    from genie.shape_rules import RULES
+
+    meta_cache.clear()
+    _C._record_reset_stats()
+    before = _C._record_stats()["generic_made"]
+    outs = _decode(D)
+    assert _C._record_stats()["generic_made"] > before + 10
+    checked = 0
+    for key, entry in list(meta_cache._d.items()):
+        op = next((o for o in RULES if policy(o).key == key[0]), None)
+        if op is None or not all(type(m) is TensorMeta for m in entry.metas):
+            continue
+        leaves = []
+        parts = list(key[2:])
+        while parts:  # Python's key: a TensorMeta, or a type and (unless a float) its value
+            x = parts.pop(0)
+            if type(x) is TensorMeta:
+                leaves.append(x)
+            elif x is float and not (parts and type(parts[0]) is float):
+                leaves.append(0.5)
+            else:
+                leaves.append(parts.pop(0))
+        try:
+            want = infer(op, policy(op), leaves, key[1], entry.metas[0].index)
+        except Exception:  # noqa: BLE001 - a leaf this reconstruction cannot rebuild
+            continue
+        assert (want.metas, want.out_spec, want.consts, want.plan, want.spec) == \
+            (entry.metas, entry.out_spec, entry.consts, entry.plan, entry.spec), key
+        assert want.klass is entry.klass, key
+        checked += 1
+    assert checked > 10
+    want = _decode("cpu")
+    for g, w in zip(outs, want):
+        torch.testing.assert_close(g.cpu(), w)
+
+
+def _generic_both_ways(program: Callable[[], list[Any]]) -> list[list[Any]]:
+    """``program`` recorded natively with cold caches, shape-generic entries off then on: the
+    two descriptions (entries numbered) and stats must be equal."""
+    program()
+    out = []
+    for generic in (False, True):
+        config.generic_meta = generic
+        meta_cache.clear()
+        genie.reset_stats()
+        start = next(_record_counter)
+        results = program()
+        stats = {k: v for k, v in genie.stats().items() if k in _RECORDING}
+        out.append((_interned_entries(describe(results, start)), stats))
+        del results
+    config.generic_meta = True
+    assert out[0][1] == out[1][1], out
+    for i, (a, b) in enumerate(zip(out[0][0], out[1][0])):
+        assert a == b, f"item {i} differs:\n off {a}\n on {b}"
+    return [d for d, _ in out]
+
+
+def test_generic_entries_record_the_same_graph_as_entry_for() -> None:
+    _generic_both_ways(lambda: _decode(D))
+    _generic_both_ways(lambda: _prefill(D, 9) + _prefill(D, 11) + _prefill(D, 12))
+
+
+def _squeeze_split(dev: str | torch.device) -> list[Any]:
+    """Calls of one class whose outputs change class with the shapes: squeeze of a dim that is
+    1 then 3 (rank 1 -> 2), split into 2 then 3 pieces, a cat whose sizes stop matching."""
+    torch.manual_seed(3)
+    out: list[Any] = []
+    for n in (1, 3, 1):
+        x = torch.randn(5, n).to(dev)
+        out.append(x.squeeze(1) * 2)
+    for n in (4, 6, 5):
+        y = torch.randn(n, 2).to(dev)
+        out.extend(p + 1 for p in y.split(2))
+    return out
+
+
+def test_a_rule_answer_of_another_class_takes_the_python_path() -> None:
+    _generic_both_ways(lambda: _squeeze_split(D))
+    want = _squeeze_split("cpu")
+    got = _squeeze_split(D)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g.shape, g.stride()) == (w.shape, w.stride())
+        torch.testing.assert_close(g.cpu(), w)
+
+
+@pytest.mark.parametrize("bad", ["view", "matmul", "cat"])
+def test_errors_in_a_known_class_are_eagers(bad: str) -> None:
+    """A class learned from a good call, then a call of it whose shapes are wrong: the rule
+    declines, and the Python path raises eager's error at the call."""
+    def call(dev: str, n: int, ok: bool) -> Any:
+        torch.manual_seed(0)
+        x = torch.randn(n, 3).to(dev)
+        m = 0 if ok else 1
+        if bad == "view":
+            return x.view(3, n) if ok else x.view(n + 1, 5)
+        if bad == "matmul":
+            return x @ torch.ones(3 + m, 2).to(dev)
+        return torch.cat([x, torch.ones(2, 3 + m).to(dev)])
+
+    errors = {}
+    for dev in ("cpu", D):
+        meta_cache.clear()
+        call(dev, 4, True)
+        call(dev, 5, True)  # a known class now, on the device
+        with pytest.raises(Exception) as info:
+            call(dev, 6, False)
+        errors[dev] = (type(info.value), str(info.value).replace(D + ":0", "cpu"))
+    assert errors["cpu"] == errors[D], errors
