@@ -114,7 +114,7 @@ class Plan:
 
     __slots__ = ("instrs", "metas", "specs", "wheres", "inputs", "outputs", "keep", "floats",
                  "index", "artifacts", "uses", "_key", "entries", "guide", "produced", "fast",
-                 "prefix", "guide_key", "flat", "no_where", "klasses", "rngs")
+                 "prefix", "guide_key", "flat", "no_where", "klasses", "rngs", "span")
 
     def __init__(self, tape: Tape, nodes: list[Node]) -> None:
         self.metas = [n.metas for n in nodes]
@@ -135,6 +135,7 @@ class Plan:
         self.floats: set[tuple[int, int]] = set()
         self.artifacts: dict[str, Any] = {}
         self.uses = 1
+        self.span = -1  # nodes recorded since the previous lookup, at its last use (PlanCache.match)
         self._key: str | None = None
         self.prefix: Any = None
         self._build_guide(nodes)
@@ -207,8 +208,18 @@ class PlanCache:
         # match cannot take it, so its cached plans for these ops are not tried first
         self._writes: set[Any] = set()
         self._size = 0
+        self._last = -1  # the newest requested node's index at the previous lookup
 
-    def __len__(self) -> int:
+    def span(self, targets: list[tuple[Node, int]]) -> int:
+        """How many nodes were recorded between the previous lookup's newest requested node and
+        these targets' (-1 at the first lookup): a cheap fingerprint of the step that asks.
+        Several plans for the same requested ops (a generate's prefill and its decode steps end
+        in the same ops) are tried with the ones last used at this span first: a plan that
+        fails costs a walk of the slice before it is rejected."""
+        top = max(n.index for n, _ in targets)
+        span = top - self._last if self._last >= 0 else -1
+        self._last = top
+        return span
         return self._size
 
     def clear(self) -> None:
@@ -228,15 +239,22 @@ class PlanCache:
         elif self._writes:
             self._writes.discard(_target_key(targets))
 
-    def match(self, targets: list[tuple[Node, int]], generic: bool = False) -> Tape | None:
+    def match(self, targets: list[tuple[Node, int]], generic: bool = False,
+              span: int = -1) -> Tape | None:
         """A hit found from the targets alone (no :func:`~genie.planner.slice_nodes`): the
-        cached plans for these requested ops are tried with :func:`match`."""
+        cached plans for these requested ops are tried with :func:`match`, those last used at
+        ``span`` (:meth:`span`) first, then most recently used first."""
         plans = self._by_targets.get(_target_key(targets))
         if not plans:
             return None
-        for k, plan in enumerate(plans):
+        order = plans
+        if len(plans) > 1 and span >= 0 and plans[0].span != span:
+            order = [p for p in plans if p.span == span] + [p for p in plans if p.span != span]
+        for plan in order:
             tape = match(plan, targets, generic)
             if tape is not None:
+                plan.span = span
+                k = plans.index(plan) if plans[0] is not plan else 0
                 if k:  # most recently used first: a loop's plan is tried before the others
                     plans.insert(0, plans.pop(k))
                 bucket = self._buckets.get(plan.prefix)
@@ -339,8 +357,9 @@ def plan(targets: list[tuple[Node, int]], generic: bool = True) -> Tape:
     (when :func:`shape_generic` is on).
     """
     generic = generic and _generic
+    span = _cache.span(targets) if targets else -1
     if _enabled and targets and not _cache.writes_last(targets):
-        tape = _cache.match(targets, generic)
+        tape = _cache.match(targets, generic, span)
         if tape is not None:
             _counts["plan_cache_hits"] += 1
             if tape.generic:
@@ -352,6 +371,7 @@ def plan(targets: list[tuple[Node, int]], generic: bool = True) -> Tape:
     tape = _cache.lookup(targets, nodes, generic)
     if tape is not None:
         _cache.note_hit(targets, tape.plan)
+        tape.plan.span = span
         _counts["plan_cache_hits"] += 1
         if tape.generic:
             _counts["plan_cache_generic_hits"] += 1
@@ -359,6 +379,7 @@ def plan(targets: list[tuple[Node, int]], generic: bool = True) -> Tape:
     _counts["plan_cache_misses"] += 1
     tape = build_tape(targets, nodes)
     tape.plan = _cache.insert(targets, nodes, tape)
+    tape.plan.span = span
     return tape
 
 

@@ -539,3 +539,41 @@ def test_more_plans_than_the_native_match_keeps_converted_hit_in_turn() -> None:
             torch.testing.assert_close(prog(x, k).cpu(), prog(xc, k), rtol=0, atol=0)
     s = genie.stats()
     assert s["plan_cache_hits"] >= 2 * 11, s
+
+
+def test_plans_for_the_same_requested_ops_are_tried_at_their_span_first(monkeypatch):
+    """A generate's prefill and decode steps end in the same requested ops: the most recently
+    used plan first would try the decode plan at every prefill and the prefill plan at the first
+    decode after it, each a walk of the slice before it fails. Plans last used at the same span
+    (nodes recorded since the previous lookup) are tried first; values stay eager's."""
+    tried, failed = [], []
+    real_match = plan_cache.match
+
+    def counting(*a, **k):
+        tape = real_match(*a, **k)
+        tried.append(1)
+        if tape is None:
+            failed.append(1)
+        return tape
+
+    monkeypatch.setattr(plan_cache, "match", counting)
+    x, rx = torch.arange(6.0, device=D), torch.arange(6.0)
+    genie.materialize(x)
+
+    def prefill(t):  # noqa: ANN001, ANN202 - five ops, then the ending both share
+        return ((t.relu() * 3 - 1 + t) * 2).sum()
+
+    def decode(t):  # noqa: ANN001, ANN202 - two ops, then the same ending
+        return (t * 2).sum()
+
+    def call() -> None:
+        for f in (prefill, decode, decode, decode):
+            assert f(x).item() == f(rx).item()
+
+    call()
+    call()  # every plan cached and used once at its span
+    tried.clear()
+    failed.clear()
+    for _ in range(3):
+        call()
+    assert len(tried) == 12 and not failed, (len(tried), len(failed))
