@@ -102,7 +102,7 @@ def test_a_slower_pass_is_rejected_by_the_gate():
         instrs, nxt = [], max([*tape.inputs, *(s for i in tape.instrs for s in i.outs
                                                if s is not None)]) + 1
         for ins in tape.instrs:
-            if ins.op is torch.ops.aten.matmul.default:  # `w @ w`, recorded whole
+            if ins.op in (torch.ops.aten.matmul.default, torch.ops.aten.mm.default):  # `w @ w`
                 for _ in range(20):
                     instrs.append(replace(ins, outs=(nxt,)))
                     nxt += 1
