@@ -343,30 +343,50 @@ def caller_kwargs() -> dict:
     return {}
 
 
+_ATOMS = frozenset({str, bytes, int, float, bool, type(None), torch.device, torch.dtype})
+
+
 def _lazy_tensors(obj: Any) -> list[Any]:
     """Lazy tensors (tensors with a recorded node) in a call's arguments: through lists,
-    tuples, dicts and the attributes of plain objects (cache objects), a few levels deep."""
+    tuples, dicts and the attributes of plain objects (cache objects), a few levels deep.
+
+    Runs at every outermost module call (a decode step's KV cache object: ~30 objects), so
+    numbers, strings and None are dropped before they are pushed, and the common containers
+    are told by exact type first."""
     found: list[Any] = []
     seen: set[int] = set()  # identities only to stop cycles; never part of an id or key
-    stack: list[tuple[Any, int]] = [(obj, 0)]  # iterative: a recursive closure would be a
-    while stack:                               # cycle holding the tensors until a collection
-        x, depth = stack.pop()
-        if isinstance(x, torch.Tensor):
+    todo: list[Any] = [obj]  # iterative: a recursive closure would be a cycle holding the
+    depths: list[int] = [0]  # tensors until a collection
+    tensor, module = torch.Tensor, torch.nn.Module
+    atoms = _ATOMS
+    while todo:
+        x = todo.pop()
+        depth = depths.pop()
+        t = type(x)
+        if isinstance(x, tensor):
             if getattr(x, "_node", None) is not None:
                 found.append(x)
             continue
-        if depth > 6 or id(x) in seen or isinstance(x, (str, bytes, int, float, type,
-                                                         torch.nn.Module)):
+        if depth > 6 or isinstance(x, (str, bytes, int, float, type, module)):
             continue
-        seen.add(id(x))
-        if isinstance(x, (list, tuple)):
-            stack.extend((v, depth + 1) for v in x)
+        i = id(x)
+        if i in seen:
+            continue
+        seen.add(i)
+        if t is list or t is tuple or (t is not dict and isinstance(x, (list, tuple))):
+            vals: Any = x
         elif isinstance(x, dict):
-            stack.extend((v, depth + 1) for v in x.values())
+            vals = x.values()
         else:
             d = getattr(x, "__dict__", None)
-            if isinstance(d, dict):
-                stack.extend((v, depth + 1) for v in d.values())
+            if not isinstance(d, dict):
+                continue
+            vals = d.values()
+        depth += 1
+        for v in vals:
+            if type(v) not in atoms:
+                todo.append(v)
+                depths.append(depth)
     return found
 
 
