@@ -136,6 +136,14 @@ def _record_sync_counts() -> None:
     """Add the ops recorded natively since the last call to ``genie.stats``'s ``ops_recorded``
     and ``meta_cache_hits`` (``genie.stats.sync``)."""
 
+def _context_init(objects: dict[str, object]) -> bool:
+    """Give _ctx_push/_ctx_pop genie.context's thread-local stack (``tls``) and its ``Context``
+    and ``Call`` classes; returns whether the native record path is initialized."""
+def _ctx_push(module: object) -> tuple[object, object, object] | None:
+    """genie.context._module_call's inline path: push ``module``'s context inside a module
+    call and return the stack entry, or None where the Python code decides."""
+def _ctx_pop(entry: object) -> None:
+    """Pop the entry :func:`_ctx_push` returned if it is still on top (the outer context back)."""
 def _whole_ops() -> list[str]:
     """The composite aten operators (default overloads, ``"aten::matmul"``) recorded as one node
     when autograd does not need their decomposition (csrc/whole.cpp)."""

@@ -15,6 +15,64 @@ D = "remote_accelerator"
 pytestmark = pytest.mark.skipif(not context._on, reason="GENIE_CONTEXT=0 turns the hooks off")
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["native", "python"])
+def _push_path(request, monkeypatch):
+    """Every case both ways: a submodule's context pushed by csrc/record.cpp (_ctx_push) and by
+    the Python inline path of context._module_call (GENIE_NATIVE_CONTEXT=0, the reference)."""
+    monkeypatch.setattr(context, "_native", request.param)
+    return request.param
+
+
+def _contexts(t):
+    """Every node ``t`` depends on, in record order, with what its context says."""
+    seen, todo, out = set(), [t._node], []
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        out.append(n)
+        todo.extend(x.node for x in (n.leaves or ()) if type(x).__name__ == "Ref")
+    return [(str(n.op), None if n.ctx is None else
+             (n.ctx.path, n.ctx.cls, n.ctx.region, n.ctx.explicit, n.ctx.phase))
+            for n in sorted(out, key=lambda n: n.index)]
+
+
+def test_native_and_python_pushes_give_the_same_contexts(monkeypatch):
+    """Nested modules, a phase block inside a forward, a module annotated with a phase, a
+    prefill then decodes: every node's context equal both ways, and the phase counters."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mlp = _Attn(), nn.Sequential(nn.Linear(8, 8), nn.GELU())
+
+        def forward(self, x, past=None):
+            with genie.phase("inner"):
+                h = self.mlp(x)
+            y, past = self.attn(h, past)
+            return y + h, past
+
+    torch.manual_seed(0)
+    m = Block()
+    genie.annotate_phase(m.mlp[1], "act")
+    m.to(D)
+    got = {}
+    for native in (True, False):
+        monkeypatch.setattr(context, "_native", native)
+        genie.reset_stats()
+        x = torch.linspace(-1, 1, 24).reshape(1, 3, 8).to(D)
+        with torch.no_grad():
+            y, past = m(x)
+            y2, past = m(y[:, -1:], past)
+            y3, _ = m(y2, past)
+        s = genie.stats()
+        got[native] = (_contexts(y3), {k: v for k, v in s.items() if k.startswith("phase.")})
+    assert got[True] == got[False]
+    paths = {c[1][0] for c in got[True][0] if c[1] is not None}
+    assert {"mlp.0", "attn.qkv", "attn.out"} <= paths, paths
+    assert any(c[1] is not None and c[1][4] == "act" for c in got[True][0])
+
+
 def test_nodes_carry_module_path_and_region():
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 2)))
