@@ -460,25 +460,49 @@ struct Entry {
   }
 };
 
-// Never destroyed: its entries hold Python references, and C++ static destructors run after
-// the interpreter is gone.
-using EntryMap = std::unordered_map<uint64_t, std::shared_ptr<Entry>>;
-EntryMap& entries = *new EntryMap();
-size_t n_entries = 0;
+// Objects keyed by a call's words (Entry, Generic): chains of equal hashes, bounded like
+// genie.meta.MetaCache (cleared when full).
+template <class T>
+struct WordTable {
+  std::unordered_map<uint64_t, std::shared_ptr<T>> map;
+  size_t n = 0;
 
-std::shared_ptr<Entry> find_entry(uint64_t h, const Words& w) {
-  auto it = entries.find(h);
-  if (it == entries.end()) {
+  std::shared_ptr<T> find(uint64_t h, const Words& w) const {
+    auto it = map.find(h);
+    if (it == map.end()) {
+      return nullptr;
+    }
+    for (auto e = it->second; e; e = e->next) {
+      if (e->words.size() == w.size() &&
+          std::memcmp(e->words.data(), w.data(), w.size() * sizeof(uint64_t)) == 0) {
+        return e;
+      }
+    }
     return nullptr;
   }
-  for (auto e = it->second; e; e = e->next) {
-    if (e->words.size() == w.size() &&
-        std::memcmp(e->words.data(), w.data(), w.size() * sizeof(uint64_t)) == 0) {
-      return e;
+
+  void store(uint64_t h, std::shared_ptr<T> e, size_t limit) {
+    if (n >= limit) {
+      clear();
     }
+    auto& head = map[h];
+    e->next = head;
+    head = std::move(e);
+    n++;
   }
-  return nullptr;
-}
+
+  void clear() {
+    // Move out first: destructors release Python objects, which may run code that reaches here.
+    decltype(map) old;
+    old.swap(map);
+    n = 0;
+    old.clear();
+  }
+};
+
+// Never destroyed: its entries hold Python references, and C++ static destructors run after
+// the interpreter is gone.
+WordTable<Entry>& entries = *new WordTable<Entry>();
 
 // --- shape-generic entries ---------------------------------------------------------------
 //
@@ -503,43 +527,19 @@ struct OutKind {
 
 struct Generic {
   std::vector<uint64_t> words;  // the class words (flatten's words, payloads by class)
-  std::vector<PyObject*> held;  // interned strs whose addresses are in `words`
-  PyObject* rule = nullptr;
-  PyObject* spec = nullptr;
-  PyObject* out_spec = nullptr;
-  PyObject* plan = nullptr;
-  PyObject* klass = nullptr;
+  std::vector<py::object> held;  // interned strs whose addresses are in `words`
+  py::object rule, spec, out_spec, plan, klass;
   PyTypeObject* seq = nullptr;  // tuple or list for several outputs; nullptr for one tensor
   std::vector<OutKind> outs;
   std::shared_ptr<Generic> next;  // same hash
-
-  ~Generic() {
-    for (PyObject* o : held) {
-      Py_DECREF(o);
-    }
-    Py_XDECREF(rule);
-    Py_XDECREF(spec);
-    Py_XDECREF(out_spec);
-    Py_XDECREF(plan);
-    Py_XDECREF(klass);
-  }
 };
 
-using GenericMap = std::unordered_map<uint64_t, std::shared_ptr<Generic>>;
-GenericMap& generics = *new GenericMap();
-size_t n_generics = 0;
+WordTable<Generic>& generics = *new WordTable<Generic>();
 uint64_t n_generic_made = 0;  // entries made from a shape class's rule (_record_stats)
 
 void clear_entries() {
-  // Move out first: destructors release Python objects, which may run code that reaches here.
-  EntryMap old;
-  old.swap(entries);
-  n_entries = 0;
-  GenericMap old_generics;
-  old_generics.swap(generics);
-  n_generics = 0;
-  old.clear();
-  old_generics.clear();
+  entries.clear();
+  generics.clear();
 }
 
 // --- one call's arguments ----------------------------------------------------------------
@@ -1002,13 +1002,8 @@ std::shared_ptr<Entry> make_entry(const OpInfo& info, PyObject* args, PyObject* 
 
 // Remember `e` under its words (a full table is cleared first, as genie.meta.MetaCache.put).
 void store_entry(std::shared_ptr<Entry> e) {
-  if (n_entries >= S.limit) {
-    clear_entries();
-  }
-  auto& head = entries[hash_words(e->words)];
-  e->next = head;
-  head = std::move(e);
-  n_entries++;
+  const uint64_t h = hash_words(e->words);
+  entries.store(h, std::move(e), S.limit);
 }
 
 // After the fallback recorded `call` and returned `result`: remember its entry under the key.
@@ -1126,19 +1121,6 @@ bool class_words(const Call& call, Words& cw) {
   return li == call.lazies.size();
 }
 
-std::shared_ptr<Generic> find_generic(uint64_t h, const Words& w) {
-  auto it = generics.find(h);
-  if (it == generics.end()) {
-    return nullptr;
-  }
-  for (auto g = it->second; g; g = g->next) {
-    if (g->words.size() == w.size() &&
-        std::memcmp(g->words.data(), w.data(), w.size() * sizeof(uint64_t)) == 0) {
-      return g;
-    }
-  }
-  return nullptr;
-}
 
 int64_t count_of(PyObject* name) {
   PyObject* v = PyDict_GetItemWithError(S.counts, name);
@@ -1192,22 +1174,14 @@ void learn_generic(const OpInfo& info, const Call& call, Words&& cw, uint64_t ch
   }
   g->words.assign(cw.begin(), cw.end());
   for (PyObject* x : call.interned) {
-    g->held.push_back(new_ref(x));
+    g->held.push_back(py::reinterpret_borrow<py::object>(x));
   }
-  g->rule = new_ref(info.rule);
-  g->spec = new_ref(e.spec);
-  g->out_spec = new_ref(e.out_spec);
-  g->plan = new_ref(slot(entry, S.me_plan));
-  g->klass = new_ref(klass);
-  if (n_generics >= S.limit) {
-    GenericMap old;
-    old.swap(generics);
-    n_generics = 0;
-  }
-  auto& head = generics[ch];
-  g->next = head;
-  head = std::move(g);
-  n_generics++;
+  g->rule = py::reinterpret_borrow<py::object>(info.rule);
+  g->spec = py::reinterpret_borrow<py::object>(e.spec);
+  g->out_spec = py::reinterpret_borrow<py::object>(e.out_spec);
+  g->plan = py::reinterpret_borrow<py::object>(slot(entry, S.me_plan));
+  g->klass = py::reinterpret_borrow<py::object>(klass);
+  generics.store(ch, std::move(g), S.limit);
 }
 
 // The argument the rule takes for `x`, a positional argument of the call (a new reference):
@@ -1261,7 +1235,7 @@ PyObject* python_key(const OpInfo& info, const Call& call, PyObject* spec) {
 // error) for entry_for's path.
 std::shared_ptr<Entry> generic_entry(const OpInfo& info, PyObject* args, PyObject* kwargs,
                                      const Call& call, const Generic& g) {
-  py::object key = py::reinterpret_steal<py::object>(python_key(info, call, g.spec));
+  py::object key = py::reinterpret_steal<py::object>(python_key(info, call, g.spec.ptr()));
   PyObject* d = S.meta_cache_dict;
   PyObject* found = PyDict_GetItemWithError(d, key.ptr());  // borrowed
   if (found == nullptr && PyErr_Occurred()) {
@@ -1288,7 +1262,7 @@ std::shared_ptr<Entry> generic_entry(const OpInfo& info, PyObject* args, PyObjec
   }
   PyObject* index = slot(call.lazies[0].meta, S.tm_index);
   py::object r = py::reinterpret_steal<py::object>(
-      PyObject_CallFunctionObjArgs(g.rule, margs.ptr(), index, nullptr));
+      PyObject_CallFunctionObjArgs(g.rule.ptr(), margs.ptr(), index, nullptr));
   if (!r) {
     if (!PyErr_ExceptionMatches(PyExc_Exception)) {
       throw py::error_already_set();
@@ -1335,11 +1309,11 @@ std::shared_ptr<Entry> generic_entry(const OpInfo& info, PyObject* args, PyObjec
   py::object entry = py::reinterpret_steal<py::object>(new_object(S.meta_entry, !flags.gc_untrack));
   PyObject* en = entry.ptr();
   init_slot(en, S.me_metas, new_ref(metas.ptr()));
-  init_slot(en, S.me_out_spec, new_ref(g.out_spec));
+  init_slot(en, S.me_out_spec, new_ref(g.out_spec.ptr()));
   init_slot(en, S.me_consts, new_ref(consts.ptr()));
-  init_slot(en, S.me_plan, new_ref(g.plan));
-  init_slot(en, S.me_spec, new_ref(g.spec));
-  init_slot(en, S.me_klass, new_ref(g.klass));
+  init_slot(en, S.me_plan, new_ref(g.plan.ptr()));
+  init_slot(en, S.me_spec, new_ref(g.spec.ptr()));
+  init_slot(en, S.me_klass, new_ref(g.klass.ptr()));
   if (PyDict_SetItem(d, key.ptr(), en) < 0) {
     throw py::error_already_set();
   }
@@ -1367,7 +1341,7 @@ std::shared_ptr<Entry> generic_entry(const OpInfo& info, PyObject* args, PyObjec
 // none has one.
 std::shared_ptr<Entry> entry_of(PyObject* func, const OpInfo& info, PyObject* args,
                                 PyObject* kwargs, const Call& call, bool& hit) {
-  std::shared_ptr<Entry> e = find_entry(hash_words(call.words), call.words);
+  std::shared_ptr<Entry> e = entries.find(hash_words(call.words), call.words);
   hit = e != nullptr;
   if (hit || !flags.native_record_miss) {
     return e;
@@ -1379,7 +1353,7 @@ std::shared_ptr<Entry> entry_of(PyObject* func, const OpInfo& info, PyObject* ar
   uint64_t ch = 0;
   if (generic && class_words(call, cw)) {
     ch = hash_words(cw);
-    std::shared_ptr<Generic> g = find_generic(ch, cw);
+    std::shared_ptr<Generic> g = generics.find(ch, cw);
     if (g) {
       e = generic_entry(info, args, kwargs, call, *g);
       if (e) {
@@ -2019,19 +1993,25 @@ PyObject* try_record(PyObject* func, PyObject* args, PyObject* kwargs) {
 // `native(func, args, kwargs)`, or where it declines (kNotHandled) the Python `fallback` with the
 // same call; C++ exceptions become Python ones. The body of __torch_dispatch__ and of the factory
 // kernels.
-PyObject* native_or_fallback(PyObject* (*native)(PyObject*, PyObject*, PyObject*),
-                             PyObject* fallback, PyObject* func, PyObject* args, PyObject* kwargs) {
+// f() for a C entry point: a C++ exception becomes the Python error (nullptr returned).
+template <class F>
+PyObject* guarded(F&& f) {
   try {
-    PyObject* r = native(func, args, kwargs);
-    if (r != kNotHandled) {
-      return r;
-    }
+    return f();
   } catch (py::error_already_set& err) {
     err.restore();
     return nullptr;
   } catch (const std::exception& err) {
     PyErr_SetString(PyExc_RuntimeError, err.what());
     return nullptr;
+  }
+}
+
+PyObject* native_or_fallback(PyObject* (*native)(PyObject*, PyObject*, PyObject*),
+                             PyObject* fallback, PyObject* func, PyObject* args, PyObject* kwargs) {
+  PyObject* r = guarded([&] { return native(func, args, kwargs); });
+  if (r != kNotHandled) {
+    return r;
   }
   return PyObject_CallFunctionObjArgs(fallback, func, args, kwargs != nullptr ? kwargs : Py_None,
                                       nullptr);
@@ -2382,19 +2362,11 @@ PyObject* ctx_push_impl(PyObject* module) {
 }
 
 PyObject* ctx_push(PyObject* /*self*/, PyObject* module) {
-  try {
-    return ctx_push_impl(module);
-  } catch (py::error_already_set& e) {
-    e.restore();
-    return nullptr;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  return guarded([&] { return ctx_push_impl(module); });
 }
 
 PyObject* ctx_pop(PyObject* /*self*/, PyObject* entry) {
-  try {
+  return guarded([&]() -> PyObject* {
     ThreadObjects& t = const_cast<ThreadObjects&>(this_thread());
     if (!ctx_lists(t)) {
       Py_RETURN_NONE;
@@ -2413,13 +2385,7 @@ PyObject* ctx_pop(PyObject* /*self*/, PyObject* entry) {
       }
     }
     Py_RETURN_NONE;
-  } catch (py::error_already_set& e) {
-    e.restore();
-    return nullptr;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  });
 }
 
 bool context_init(const py::dict& objs) {
@@ -2609,8 +2575,8 @@ py::dict record_stats() {
   for (int i = 0; i < kReasons; ++i) {
     d[kReasonNames[i]] = reasons[i];
   }
-  d["entries"] = n_entries;
-  d["generic_classes"] = n_generics;
+  d["entries"] = entries.n;
+  d["generic_classes"] = generics.n;
   d["generic_made"] = n_generic_made;
   return d;
 }
