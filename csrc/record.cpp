@@ -1111,7 +1111,8 @@ bool class_words(const Call& call, Words& cw) {
       cw.push_back(reinterpret_cast<uint64_t>(slot(m, S.tm_dtype)));
       payload = (static_cast<uint64_t>(PyTuple_GET_SIZE(shape)) << 16) |
                 (static_cast<uint64_t>(idx & 0xff) << 2) |
-                (slot(m, S.tm_conj) == Py_True ? 2u : 0u) | (slot(m, S.tm_neg) == Py_True ? 1u : 0u);
+                (slot(m, S.tm_conj) == Py_True ? 2u : 0u) |
+                (slot(m, S.tm_neg) == Py_True ? 1u : 0u);
     } else if (tag == kInt || tag == kFloat) {
       payload = 0;
     }
@@ -1128,7 +1129,8 @@ int64_t count_of(PyObject* name) {
 }
 
 void bump(PyObject* name) {
-  py::object v = py::reinterpret_steal<py::object>(checked(PyLong_FromLongLong(count_of(name) + 1)));
+  py::object v =
+      py::reinterpret_steal<py::object>(checked(PyLong_FromLongLong(count_of(name) + 1)));
   if (PyDict_SetItem(S.counts, name, v.ptr()) < 0) {
     throw py::error_already_set();
   }
@@ -1272,7 +1274,8 @@ std::shared_ptr<Entry> generic_entry(const OpInfo& info, PyObject* args, PyObjec
   }
   PyObject* res = r.ptr();
   const size_t n_out = g.outs.size();
-  py::object metas = py::reinterpret_steal<py::object>(checked(PyList_New(static_cast<Py_ssize_t>(n_out))));
+  const auto n_flat = static_cast<Py_ssize_t>(n_out);
+  py::object metas = py::reinterpret_steal<py::object>(checked(PyList_New(n_flat)));
   if (g.seq == nullptr) {
     if (Py_TYPE(res) != S.tensor_meta) {
       return nullptr;  // declined (None), or another kind of answer
@@ -1302,7 +1305,7 @@ std::shared_ptr<Entry> generic_entry(const OpInfo& info, PyObject* args, PyObjec
       return nullptr;  // another class of output (squeeze of a dim that became 1): Python decides
     }
   }
-  py::object consts = py::reinterpret_steal<py::object>(checked(PyList_New(static_cast<Py_ssize_t>(n_out))));
+  py::object consts = py::reinterpret_steal<py::object>(checked(PyList_New(n_flat)));
   for (size_t k = 0; k < n_out; ++k) {
     PyList_SET_ITEM(consts.ptr(), static_cast<Py_ssize_t>(k), new_ref(Py_None));
   }
@@ -2226,10 +2229,11 @@ PyObject* set_rule_data(PyObject* /*module*/, PyObject* d) {
 // genie.context._module_call's inline path gives it: its path from the outermost module's
 // names, its Context interned on the call by (path, region, explicit phase), pushed on the
 // thread's module stack and made graph.current.ctx; ctx_pop undoes it if the entry is still on
-// top. In Python that path cost ~2.4 µs per call in a GPT-2 forward (0.13 ms a token); here
-// ~0.3. ctx_push returns None wherever the inline path would not apply (no module call
-// running, a module the outermost one does not name, anything unexpected): the Python code
-// decides those, as before. GENIE_NATIVE_CONTEXT=0 keeps the Python path for all calls.
+// top. In Python that path cost ~2.4 µs per call in a GPT-2 forward (0.13 ms a token); the
+// wrapper's Python frame and these two calls now cost ~1 (measured on the forward). ctx_push
+// returns None wherever the inline path would not apply (no module call running, a module the
+// outermost one does not name, anything unexpected): the Python code decides those, as before.
+// GENIE_NATIVE_CONTEXT=0 keeps the Python path for all calls.
 
 struct CtxState {
   bool ready = false;
@@ -2334,7 +2338,8 @@ PyObject* ctx_push_impl(PyObject* module) {
       !PyDict_CheckExact(contexts)) {
     Py_RETURN_NONE;
   }
-  py::object key = py::reinterpret_steal<py::object>(checked(PyTuple_Pack(3, path, region, explicit_)));
+  py::object key =
+      py::reinterpret_steal<py::object>(checked(PyTuple_Pack(3, path, region, explicit_)));
   PyObject* c = PyDict_GetItemWithError(contexts, key.ptr());  // borrowed
   if (c == nullptr) {
     if (PyErr_Occurred()) {
