@@ -220,6 +220,8 @@ class PlanCache:
         span = top - self._last if self._last >= 0 else -1
         self._last = top
         return span
+
+    def __len__(self) -> int:
         return self._size
 
     def clear(self) -> None:

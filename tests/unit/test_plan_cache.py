@@ -577,3 +577,5 @@ def test_plans_for_the_same_requested_ops_are_tried_at_their_span_first(monkeypa
     for _ in range(3):
         call()
     assert len(tried) == 12 and not failed, (len(tried), len(failed))
+    cache = plan_cache.cache()
+    assert len(cache) == len(cache.plans()) >= 2  # the prefill's and the decode's, at least
