@@ -66,6 +66,8 @@ from typing import Any
 import optree
 import torch
 
+from ..semantics import flop_formula
+
 #: the endpoint name of this process (the client) in link keys
 CLIENT = "client"
 
@@ -408,8 +410,6 @@ def op_flops(op: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """
     if not isinstance(op, torch._ops.OpOverload):
         return 0
-    from ..semantics import flop_formula
-
     formula = flop_formula(op)
     if formula is not None:
         try:
