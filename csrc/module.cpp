@@ -21,6 +21,7 @@
 #include "record.h"
 #include "slice.h"
 #include "replay.h"
+#include "state.h"
 #include "whole.h"
 
 namespace py = pybind11;
@@ -321,4 +322,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   genie::add_slice_functions(m);
   genie::add_replay_functions(m);
   genie::add_whole_functions(m);
+  genie::add_state_functions(m);
 }

@@ -76,6 +76,7 @@
 #include "device.h"
 #include "record.h"
 #include "slots.h"
+#include "state.h"
 
 // The output wrapper: THPVariable_Wrap(tensor, type) is exported from torch 2.13 on, so there
 // the wrapper is made here as _make_wrapper_subclass makes it. Older torch (2.11 on the GPU
@@ -212,7 +213,8 @@ struct State {
   Py_ssize_t st_pending = 0, st_readers = 0, st_prune = 0, st_role = 0;
   Py_ssize_t tm_shape = 0, tm_stride = 0, tm_offset = 0, tm_dtype = 0, tm_index = 0,
              tm_conj = 0, tm_neg = 0;
-  Py_ssize_t me_metas = 0, me_out_spec = 0, me_consts = 0, me_plan = 0, me_spec = 0, me_klass = 0;
+  Py_ssize_t me_metas = 0, me_out_spec = 0, me_consts = 0, me_plan = 0, me_spec = 0, me_klass = 0,
+             me_state = 0;
   Py_ssize_t ma_meta = 0;
   bool ready = false;
 };
@@ -403,11 +405,12 @@ const OpInfo* op_info(PyObject* func) {
 // dtype's, layout's or memory format's address (torch's singletons), a device's type and index,
 // a str's interned copy; a list/tuple header with its length; the keyword arguments after the
 // positional ones, each its (interned) name then its value, in name order (as optree flattens
-// a dict). The op's address comes first.
+// a dict). The op's address comes first, then (kState, the global state word: csrc/state.cpp),
+// which Python's key holds third (after the op and the argument tree).
 
 enum Tag : uint64_t {
   kLazy = 1, kInt, kBool, kFloat, kNone, kDtype, kStr, kSingleton, kDevice, kList, kTuple, kDict,
-  kKey
+  kKey, kState
 };
 
 using Words = c10::SmallVector<uint64_t, 32>;
@@ -604,6 +607,8 @@ PyObject* interned(Call& call, PyObject* s) {
 bool flatten(PyObject* args, PyObject* kwargs, const OpInfo& info, PyObject* func, Call& call,
              bool factory = false) {
   call.words.push_back(reinterpret_cast<uint64_t>(func));
+  call.words.push_back(kState);
+  call.words.push_back(genie::state_word());
   int64_t index = -1;
   auto leaf = [&](PyObject* x) -> bool {
     PyTypeObject* t = Py_TYPE(x);
@@ -1215,6 +1220,7 @@ PyObject* python_key(const OpInfo& info, const Call& call, PyObject* spec) {
   py::list parts;
   parts.append(py::handle(info.pol_key));
   parts.append(py::handle(spec));
+  parts.append(py::int_(call.words[2]));  // the state word (flatten)
   size_t li = 0;
   for (size_t i = 0; i < call.leaves.size(); ++i) {
     PyObject* x = call.leaves[i];
@@ -1317,6 +1323,7 @@ std::shared_ptr<Entry> generic_entry(const OpInfo& info, PyObject* args, PyObjec
   init_slot(en, S.me_plan, new_ref(g.plan.ptr()));
   init_slot(en, S.me_spec, new_ref(g.spec.ptr()));
   init_slot(en, S.me_klass, new_ref(g.klass.ptr()));
+  init_slot(en, S.me_state, checked(PyLong_FromUnsignedLongLong(call.words[2])));
   if (PyDict_SetItem(d, key.ptr(), en) < 0) {
     throw py::error_already_set();
   }
@@ -2504,7 +2511,7 @@ bool record_init(const py::dict& objs) {
   check_slots(s.alive, {});
   check_slots(s.meta_arg, {"meta"});
   check_slots(s.tensor_meta, {"shape", "stride", "offset", "dtype", "index", "conj", "neg"});
-  check_slots(s.meta_entry, {"metas", "out_spec", "consts", "plan", "spec", "klass"});
+  check_slots(s.meta_entry, {"metas", "out_spec", "consts", "plan", "spec", "klass", "state"});
   NodeSlots& n = s.n;
   PyTypeObject* t = s.node;
   n.op = slot_offset(t, "op");
@@ -2546,6 +2553,7 @@ bool record_init(const py::dict& objs) {
   s.me_plan = slot_offset(s.meta_entry, "plan");
   s.me_spec = slot_offset(s.meta_entry, "spec");
   s.me_klass = slot_offset(s.meta_entry, "klass");
+  s.me_state = slot_offset(s.meta_entry, "state");
   s.ma_meta = slot_offset(s.meta_arg, "meta");
   if (objs.contains("rules") && objs.contains("meta_cache_dict")) {
     s.rules = object_of(objs, "rules");

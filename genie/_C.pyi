@@ -188,3 +188,16 @@ class _ReplayProgram:
         instruction that raised, ``live`` the values computed before it still alive
         (``{slot: value}``)."""
     def __len__(self) -> int: ...
+
+def _state_word() -> int:
+    """The global state an op's result depends on, as one int (csrc/state.cpp): part of every
+    meta-cache key."""
+
+def _state_apply(word: int) -> int:
+    """Make ``word`` (a :func:`_state_word` value) the global state; returns the word before."""
+
+def _state_mask(precision: bool) -> None:
+    """Whether the word holds the fp32-precision and cuDNN flags (default: where CUDA is)."""
+
+def _state_describe(word: int) -> dict[str, object]:
+    """A state word's fields by name (for messages and tests)."""

@@ -17,7 +17,7 @@ import torch
 from torch.autograd import profiler as _profiler
 
 from . import backends, memory, plan_cache
-from ._C import _bind_nodes, _gc_untrack
+from ._C import _bind_nodes, _gc_untrack, _state_apply, _state_word
 from .config import config
 from .device import real_device
 from .errors import DeviceError, ExecutionError
@@ -26,6 +26,7 @@ from .passes import pipeline
 from .planner import PendingSlots, Slot, Tape
 from .profiling import phase
 from .stats import _counts, bump
+from .backends import eager as eager_backend  # noqa: E402 - the backends package is imported above
 
 _MATH_BIT_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative,
                   torch._C.DispatchKey.ZeroTensor)
@@ -77,18 +78,47 @@ def _device_for(index: int) -> torch.device:
         return torch.device("cuda", index)
 
 
+def states_of(tape: Tape) -> frozenset[int]:
+    """The global state words (``genie._C._state_word``) ``tape``'s nodes were recorded under."""
+    plan = tape.plan
+    if plan is not None:
+        return plan.states
+    return frozenset(n.entry.state for n in tape.nodes if n.entry is not None)
+
+
 def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
-    """Run ``tape`` for ``remote_accelerator:index`` on the first backend that takes it."""
-    with real_dispatch():
-        # genie.passes: the plan's optimized tape when it has one (issue 13); ``ran`` is the
-        # tape that ran, ``kept`` the values of ``tape.keep`` either way
-        try:
-            kept, ran = pipeline.run(tape, _device_for(index))
-        except ExecutionError as e:
-            partial, e.partial = e.partial, None  # the raised error holds no tensors
-            if partial is not None:
-                _bind_partial(tape, *partial, index)
-            raise
+    """Run ``tape`` for ``remote_accelerator:index`` on the first backend that takes it.
+
+    Under the global state its ops were recorded under (default dtype, deterministic flags, on
+    CUDA the precision flags: csrc/state.cpp), as eager ran them then: a tape recorded under one
+    state that is not the current one runs with that state set (and the current one restored
+    after); a tape of several states runs op by op in the eager interpreter, each under its own.
+    """
+    states = states_of(tape)
+    before = None
+    per_op = None
+    if states and (len(states) > 1 or _state_word() not in states):
+        if len(states) == 1:
+            before = _state_apply(next(iter(states)))
+        else:
+            per_op = [n.entry.state if n.entry is not None else None for n in tape.nodes]
+    try:
+        with real_dispatch():
+            # genie.passes: the plan's optimized tape when it has one (issue 13); ``ran`` is the
+            # tape that ran, ``kept`` the values of ``tape.keep`` either way
+            try:
+                if per_op is None:
+                    kept, ran = pipeline.run(tape, _device_for(index))
+                else:
+                    kept, ran = eager_backend.run_instrs(tape, _device_for(index), per_op), tape
+            except ExecutionError as e:
+                partial, e.partial = e.partial, None  # the raised error holds no tensors
+                if partial is not None:
+                    _bind_partial(tape, *partial, index)
+                raise
+    finally:
+        if before is not None:
+            _state_apply(before)
     _counts["nodes_executed"] += len(ran.instrs)
     outputs = [kept[s] for s in tape.outputs]
     _bind(tape, kept)

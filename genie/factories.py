@@ -86,4 +86,34 @@ def register_factories() -> None:
     # Host -> device copies that bypass the Python key (``torch.tensor(data, device=...)``
     # constructs with the Python key excluded) reach the backend's ``_copy_from``.
     lib.impl("_copy_from", copy_from, "PrivateUse1")
+    _register_refusals(lib)
     _lib = lib
+
+
+def _register_refusals(lib: Any) -> None:
+    """Kernels that refuse, at the call, what the device cannot hold (genie.checks.refusal):
+    quantized and sparse tensors made for it directly (``_empty_affine_quantized(...,
+    device=D)``, ``torch.empty(..., layout=torch.sparse_coo, device=D)``), which torch would
+    dispatch to the device's Quantized/Sparse keys, where nothing is registered."""
+    from .checks import refuse_kind
+
+    for key, kind, names in (
+            ("QuantizedPrivateUse1", "quantized",
+             ("_empty_affine_quantized", "_empty_per_channel_affine_quantized",
+              "empty.memory_format", "empty_strided", "empty_like")),
+            ("SparsePrivateUse1", "sparse",
+             ("empty.memory_format", "_sparse_coo_tensor_with_dims",
+              "_sparse_coo_tensor_with_dims_and_tensors", "empty_like", "zeros_like")),
+            ("SparseCsrPrivateUse1", "sparse",
+             ("empty.memory_format", "empty_like", "zeros_like"))):
+        for name in names:
+            op = getattr(getattr(aten, name.split(".")[0]),
+                         name.split(".")[1] if "." in name else "default")
+
+            def kernel(*args: Any, _op: Any = op, _kind: str = kind, **kwargs: Any) -> Any:
+                raise refuse_kind(_op, _kind)
+
+            try:
+                lib.impl(name, kernel, key)
+            except RuntimeError:  # a torch without this key or kernel: torch's own error stands
+                pass

@@ -29,7 +29,7 @@ import torch
 import torch.autograd.profiler as _profiler
 
 
-from . import _C, context, device, executor
+from . import _C, checks, context, device, executor
 from .config import config
 from .device import DEVICE_TYPE, real_device
 from .errors import UnsupportedOpError
@@ -43,6 +43,8 @@ from .meta import (MetaEntry, disable_modes, eager_error, infer, meta_cache, met
 from .profiling import phase
 from .shape_rules import RULES
 from .stats import _counts, _syncs, bump
+
+_state_word = _C._state_word
 
 aten = torch.ops.aten
 
@@ -322,8 +324,10 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         return pol.portable(*args, **kwargs)
     try:
         return _record(func, pol, args, kwargs, leaves, spec, index, current_graph())
-    except UnsupportedOpError:
-        if pol.writes or any(r is not None for r in pol.returns):
+    except checks.MaskNeedsData:  # index_put with a mask: see genie.checks
+        return record(func, *_index_put_masks(args, kwargs))
+    except UnsupportedOpError as e:
+        if pol.writes or any(r is not None for r in pol.returns) or type(e) is checks.Refused:
             raise  # a mutation or a view must be recorded to keep aliasing: cannot run it now
         # No meta kernel (geqrf, histogram, *_backward of some losses): run it now on the device,
         # a forced materialization, rather than refuse an op that eager runs.
@@ -333,6 +337,64 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         if eager is e:
             raise
         raise eager from None
+
+
+def _index_put_masks(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``index_put(self, indices, values, ...)`` with its uint8 masks as bool ones (eager's
+    deprecation warning emitted) and, where ``values`` could mismatch a mask's count, each mask
+    as the indices of its true elements (``nonzero``: run now, as eager's kernel does), so that
+    :func:`genie.checks.check_index_put` sees known shapes (genie.checks)."""
+    args = list(args)
+    where = 1 if len(args) > 1 else None
+    indices = args[1] if where is not None else kwargs["indices"]
+    values = args[2] if len(args) > 2 else kwargs.get("values")
+    new: list[Any] = []
+    for ix in indices:
+        if isinstance(ix, torch.Tensor) and ix.dtype in (torch.uint8, torch.bool):
+            if ix.dtype == torch.uint8:
+                _warn_at_user(_uint8_warning())
+                ix = aten._to_copy.default(ix, dtype=torch.bool)
+            if not checks.trivial_value(values):
+                new.extend(aten.unbind.int(aten.nonzero.default(ix), 1))
+                continue
+        new.append(ix)
+    if where is not None:
+        args[1] = new
+    else:
+        kwargs = {**kwargs, "indices": new}
+    return tuple(args), kwargs
+
+
+def _uint8_warning() -> str:
+    """Eager's uint8-mask deprecation warning, word for word (taken from a host kernel once)."""
+    global _UINT8_WARNING
+    if _UINT8_WARNING is None:
+        import warnings
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.zeros(1)[torch.zeros(1, dtype=torch.uint8)]
+        _UINT8_WARNING = next((str(x.message) for x in w if "uint8" in str(x.message)),
+                              "indexing with dtype torch.uint8 is now deprecated, please use a "
+                              "dtype torch.bool instead.")
+    return _UINT8_WARNING
+
+
+_UINT8_WARNING: str | None = None
+
+
+def _warn_at_user(msg: str) -> None:
+    """A UserWarning attributed to the first frame outside genie and torch (where eager's
+    C++ warning would point: the user's call)."""
+    import warnings
+    f = sys._getframe(1)
+    while f is not None and (f.f_globals.get("__name__", "").startswith(("genie.", "torch.")) or
+                             f.f_globals.get("__name__") in ("genie", "torch")):
+        f = f.f_back
+    if f is None:
+        warnings.warn(msg, UserWarning, stacklevel=2)
+        return
+    warnings.warn_explicit(msg, UserWarning, f.f_code.co_filename, f.f_lineno,
+                           f.f_globals.get("__name__"), f.f_globals.setdefault("__warningregistry__", {}))
 
 
 def _meta_leaves(leaves: list[Any]) -> list[Any]:
@@ -378,7 +440,8 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
     _counts["ops_recorded"] += 1
     # One pass over the leaves builds both the cache key and the recorded arguments (entry_for
     # builds the same key; test_native_record's native_cold mode compares the entries found).
-    key_parts: list[Any] = [pol.key, spec]
+    # The global state word (default dtype, deterministic flags: csrc/state.cpp) is in the key.
+    key_parts: list[Any] = [pol.key, spec, _state_word()]
     rec: list[Any] = []
     for x in leaves:
         t = type(x)
@@ -527,7 +590,7 @@ def entry_for(func: Any, args: tuple, kwargs: dict | None) -> tuple[MetaEntry, l
     """
     pol = policy(func)
     leaves, spec = _flatten(args, kwargs or {})
-    key_parts: list[Any] = [pol.key, spec]
+    key_parts: list[Any] = [pol.key, spec, _state_word()]
     index = -1
     for x in leaves:  # the key as _record builds it, for the leaf types the native path takes
         t = type(x)
@@ -793,10 +856,11 @@ def _run_now(func: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
     if not any(isinstance(o, torch.Tensor) for o in flat):
         return out
     for o in flat:
-        if isinstance(o, torch.Tensor) and (o.layout != torch.strided or o.is_nested):
-            kind = "nested" if o.is_nested else str(o.layout)
-            raise UnsupportedOpError(func, f"it returns a {kind} tensor; remote_accelerator "
+        if isinstance(o, torch.Tensor) and o.is_nested:
+            raise UnsupportedOpError(func, "it returns a nested tensor; remote_accelerator "
                                      "tensors are dense and strided only. Run it on the CPU.")
+        if isinstance(o, torch.Tensor) and (o.layout != torch.strided or o.is_quantized):
+            raise checks.refusal(func, o)
     return optree.tree_unflatten(out_spec, [adopt(o, index) if isinstance(o, torch.Tensor) else o
                                             for o in flat])
 

@@ -25,7 +25,8 @@ import torch
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._C import _gc_untrack, _record_clear, _whole_ops, _whole_ops_enable
+from ._C import _gc_untrack, _record_clear, _state_word, _whole_ops, _whole_ops_enable
+from . import checks
 from .config import config
 from .device import DEVICE_TYPE
 from .errors import UnsupportedOpError
@@ -265,6 +266,10 @@ class MetaEntry:
         klass: the call's *shape class*, interned (:func:`shape_class`): equal for calls that
             differ at most in shapes, strides, int constants and float values, so that a
             shape-generic plan compares nodes by ``a.entry.klass is b.entry.klass``.
+        state: the global state word the call was recorded under (``genie._C._state_word``:
+            default dtype, deterministic-algorithm flags, and on CUDA the precision flags). It
+            is part of the key, so entries (and the plans that compare them) of different states
+            differ; the executor runs a node under its entry's state (genie.executor).
     """
 
     metas: list[TensorMeta | None]
@@ -273,6 +278,7 @@ class MetaEntry:
     plan: tuple[tuple[int, str | None, int], ...]
     spec: Any
     klass: Any = field(default=None, compare=False)
+    state: int = 0
 
 
 _classes: dict[Any, Any] = {}
@@ -292,12 +298,12 @@ def _kind(x: Any) -> Any:
 
 
 def shape_class(func: Any, spec: Any, leaves: list[Any], metas: list[TensorMeta | None],
-                out_spec: Any) -> Any:
+                out_spec: Any, state: int = 0) -> Any:
     """The interned shape class of a call (see :attr:`MetaEntry.klass`): op, argument tree,
-    each leaf's kind (a tensor's dtype, rank, device and math bits; ``int``/``float`` for
-    numbers; other constants by value), and each output's kind."""
+    global state word, each leaf's kind (a tensor's dtype, rank, device and math bits;
+    ``int``/``float`` for numbers; other constants by value), and each output's kind."""
     try:
-        key = (func, spec, tuple(map(_kind, leaves)),
+        key = (func, spec, state, tuple(map(_kind, leaves)),
                tuple(None if m is None else _kind(m) for m in metas), out_spec)
         k = _classes.get(key)
     except TypeError:  # an unhashable constant: a class of its own
@@ -307,7 +313,7 @@ def shape_class(func: Any, spec: Any, leaves: list[Any], metas: list[TensorMeta 
             _classes.clear()  # bounded like the meta cache; classes are compared by identity
         k = _classes[key] = key
         if config.gc_untrack:  # as _untrack_entry: interned for the cache's life, in no cycle
-            _gc_untrack(key, key[2], key[3])
+            _gc_untrack(key, key[3], key[4])
     return k
 
 
@@ -325,7 +331,21 @@ def _out_spec(kind: type, n: int) -> Any:
 
 def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -> MetaEntry:
     """Output metadata for a cache miss: a shape rule (:mod:`genie.shape_rules`) where one
-    applies, else ``func`` run on meta tensors built from the meta leaves ``leaves``."""
+    applies, else ``func`` run on meta tensors built from the meta leaves ``leaves``; then the
+    checks eager does and the meta kernels skip (:mod:`genie.checks`), which raise eager's
+    error."""
+    entry = _infer(func, pol, leaves, spec, index)
+    try:
+        checked = func._genie_checked
+    except AttributeError:
+        checked = checks.checked(func)
+    if checked:
+        checks.check(func, leaves, spec, entry.klass)
+    return entry
+
+
+def _infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -> MetaEntry:
+    state = _state_word()  # the key's (a miss is inferred at once, under the same state)
     rule = RULES.get(func)
     kw_rule = KW_RULES.get(func) if rule is None else None
     if (rule is not None or kw_rule is not None) and index >= 0 and config.shape_rules:
@@ -342,7 +362,7 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
             else:  # several outputs: a tuple or list of them, as the op returns them
                 metas, out_spec = list(m), _out_spec(type(m), len(m))
             return MetaEntry(metas, out_spec, [None] * len(metas), output_plan(pol, metas), spec,
-                             shape_class(func, spec, leaves, metas, out_spec))
+                             shape_class(func, spec, leaves, metas, out_spec, state), state)
     mleaves = [meta_tensor(x) if type(x) is TensorMeta else x for x in leaves]
     margs, mkwargs = optree.tree_unflatten(spec, mleaves)
     dev = mkwargs.get("device")
@@ -356,14 +376,26 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
         raise UnsupportedOpError(func, f"no meta kernel to infer its output shape ({e}). "
                                  "Move the tensor to the CPU for this op, or report it.") from None
     except Exception as e:
-        raise rename_device(e, index) from None
+        # A meta kernel stricter than eager (abs of a complex tensor into a complex out=): where
+        # eager runs the call (on the host, on zeros of the inputs' metadata), its outputs'
+        # metadata stand; where eager raises, its error does.
+        # (Only where every tensor is the device's: a host tensor's device is part of the call.)
+        out = None if pol.dynamic or any(isinstance(x, torch.Tensor) for x in leaves) else \
+            _host_call(func, leaves, spec)
+        if out is None or isinstance(out, BaseException):
+            raise (out if isinstance(out, BaseException) else rename_device(e, index)) from None
     flat, out_spec = optree.tree_flatten(out, none_is_leaf=True)
+    for o in flat:
+        if isinstance(o, torch.Tensor) and (o.layout != torch.strided or o.is_quantized):
+            raise checks.refusal(func, o)
+    if any(type(x) is torch.dtype and x in checks.QUANTIZED for x in leaves):
+        raise checks.refuse_kind(func, "quantized")  # quantize_per_tensor's meta kernel: float
     out_index = dev.index if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE and \
         dev.index is not None else index
     metas = [TensorMeta.of(o, out_index) if isinstance(o, torch.Tensor) else None for o in flat]
     consts = [None if isinstance(o, torch.Tensor) else o for o in flat]
     return MetaEntry(metas, out_spec, consts, output_plan(pol, metas), spec,
-                     shape_class(func, spec, leaves, metas, out_spec))
+                     shape_class(func, spec, leaves, metas, out_spec, state), state)
 
 
 def rename_device(e: Exception, index: int) -> Exception:
@@ -399,10 +431,17 @@ def eager_error(func: Any, leaves: list[Any], spec: Any, err: Exception) -> Exce
     runs on the host on zero-filled tensors with the inputs' metadata (never the user's data), and
     its exception, if any, is the one the user gets; otherwise ``err`` stands.
     """
+    out = _host_call(func, leaves, spec)
+    return out if isinstance(out, BaseException) else err
+
+
+def _host_call(func: Any, leaves: list[Any], spec: Any) -> Any:
+    """``func`` run on the host on zero-filled tensors with the meta leaves' metadata: its
+    output, or the exception it raised, or None where the inputs exceed ``_PROBE_LIMIT``."""
     lazies = [x for x in leaves if type(x) is TensorMeta]
     size = sum(meta_tensor(m).untyped_storage().nbytes() for m in lazies)
     if size > _PROBE_LIMIT:
-        return err
+        return None
 
     def host(x: Any) -> Any:
         if type(x) is TensorMeta:
@@ -420,10 +459,9 @@ def eager_error(func: Any, leaves: list[Any], spec: Any, err: Exception) -> Exce
     try:
         hargs, hkwargs = optree.tree_unflatten(spec, [host(x) for x in leaves])
         with disable_modes(), torch.no_grad():
-            func(*hargs, **hkwargs)
+            return func(*hargs, **hkwargs)
     except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
         return e
-    return err
 
 
 def static_shape(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -> bool:

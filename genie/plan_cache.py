@@ -114,7 +114,7 @@ class Plan:
 
     __slots__ = ("instrs", "metas", "specs", "wheres", "inputs", "outputs", "keep", "floats",
                  "index", "artifacts", "uses", "_key", "entries", "guide", "produced", "fast",
-                 "prefix", "guide_key", "flat", "no_where", "klasses", "rngs", "span")
+                 "prefix", "guide_key", "flat", "no_where", "klasses", "rngs", "span", "states")
 
     def __init__(self, tape: Tape, nodes: list[Node]) -> None:
         self.metas = [n.metas for n in nodes]
@@ -155,6 +155,9 @@ class Plan:
         """
         self.entries = [n.entry if n.entry is not None else _NO_ENTRY for n in nodes]
         self.klasses = [_klass(e) for e in self.entries]
+        # the global state words its nodes were recorded under (entries hold them, and equal
+        # entries or shape classes mean equal states): the executor runs the tape under them
+        self.states = frozenset(e.state for e in self.entries if e is not _NO_ENTRY)
         # the random ops' positions: a node's op is the plan's there (entries say so), and only
         # random ops carry a (seed, offset), so these are the instructions a step's rng rebuilds
         self.rngs = [i for i, ins in enumerate(self.instrs) if ins.rng is not None]

@@ -16,6 +16,7 @@ from typing import Any
 import optree
 import torch
 
+from .._C import _state_apply, _state_word
 from ..device import real_device
 from ..config import config
 from ..errors import ExecutionError
@@ -43,20 +44,30 @@ def generator_for(dev: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
-def run_instrs(tape: Tape, dev: torch.device) -> dict[int, Any]:
-    """Interpret ``tape`` on ``dev``; returns the values of the slots in ``tape.keep``."""
+def run_instrs(tape: Tape, dev: torch.device, states: list[int | None] | None = None
+               ) -> dict[int, Any]:
+    """Interpret ``tape`` on ``dev``; returns the values of the slots in ``tape.keep``.
+
+    ``states``: per instruction, the global state word to run it under (``genie._C._state_word``;
+    None: the current one), for a tape whose ops were recorded under several (genie.executor);
+    the state before is restored after.
+    """
     ix = IndexCheck(tape) if index_checked(dev) else None
     grad = torch.is_grad_enabled()  # torch.no_grad(), inline: once per materialization
     torch._C._set_grad_enabled(False)
+    before = _state_word() if states is not None else None
     try:
         with disable_modes():
-            return _run_instrs(tape, dev, ix)
+            return _run_instrs(tape, dev, ix, states)
     finally:
         torch._C._set_grad_enabled(grad)
+        if before is not None:
+            _state_apply(before)
 
 
-def _run_instrs(tape: Tape, dev: torch.device, ix: IndexCheck | None) -> dict[int, Any]:
-    if ix is None:  # the replays below do not check indices: the interpreter does
+def _run_instrs(tape: Tape, dev: torch.device, ix: IndexCheck | None,
+                states: list[int | None] | None = None) -> dict[int, Any]:
+    if ix is None and states is None:  # the replays below do not check indices nor switch states
         prog = native_replay.for_tape(tape)
         if prog is not None:  # a repeated plan: its native program (csrc/replay.cpp)
             return prog(tape, dev)
@@ -68,6 +79,8 @@ def _run_instrs(tape: Tape, dev: torch.device, ix: IndexCheck | None) -> dict[in
         try:
             if ix is not None:
                 ix.step(i, ins, env)
+            if states is not None and states[i] is not None:
+                _state_apply(states[i])
             outs = run_instr(ins, env, dev if ins.device == tape.index else
                              real_device(ins.device))
         except Exception as e:

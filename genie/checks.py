@@ -1,0 +1,235 @@
+"""Record-time checks that eager does before touching data and torch's meta kernels skip.
+
+Shapes, dtypes and strides of outputs come from meta kernels (:mod:`genie.meta`), and most of
+them check what eager checks. Some do not: the meta kernels of ``neg.out`` or ``frexp.out`` accept
+an ``out=`` of any dtype, ``add`` takes a float ``alpha`` with integral tensors, ``mm``/``matmul``
+/``linear`` multiply float32 by float64, and ``index_put_`` (``a[idx] = v``) checks neither the
+index shapes nor the value's. Eager raises for each at the call; recorded lazily, the op would fail
+only when it runs. The checks here run on a meta-cache miss (:func:`genie.meta.infer`): a hit has
+the same metadata and constants, so it passed them already.
+
+Two kinds:
+
+* **probe**: ops whose checks depend on dtypes and scalar types only (pointwise ops, the matmul
+  family): the op runs eagerly on the host on *empty* tensors of the inputs' dtypes and ranks
+  (every size 0, so broadcasting never fails and nothing is computed); an exception there is
+  eager's own, raised at the call. Verdicts are cached per shape class (dtypes, ranks, scalar
+  types), so a class pays the probe once. Exceptions saying a kernel is not implemented for a
+  dtype on the host are ignored (the real device may be CUDA, whose kernels differ).
+* **index_put**: index dtypes, the number of indexed dims, mask shapes, the broadcast of the index
+  tensors, the value's broadcast to the indexing result, and the value's dtype, with eager's
+  exception types and messages. A boolean mask's count needs its data: where the value could
+  mismatch it (not a single element), :func:`genie.lazy_tensor.record` replaces the mask by the
+  indices of its true elements (``nonzero``, run at once: a forced materialization, as eager's
+  kernel synchronizes there on CUDA), so the check runs on known shapes; a ``uint8`` mask is
+  recorded as a ``bool`` one, with eager's deprecation warning, at the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from .errors import UnsupportedOpError
+from .graph import TensorMeta
+
+aten = torch.ops.aten
+
+_MATMULS = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.addbmm, aten.mv, aten.addmv,
+            aten.dot, aten.vdot, aten.matmul, aten.linear, aten.addr, aten.outer, aten.ger,
+            aten.inner, aten.tensordot)
+_PROBED = frozenset(op for packet in _MATMULS for op in
+                    (getattr(packet, name) for name in packet.overloads()))
+INDEX_PUT = frozenset(op for packet in (aten.index_put_, aten.index_put, aten._index_put_impl_,
+                                        aten._unsafe_index_put)
+                      for op in (getattr(packet, name) for name in packet.overloads()))
+
+_verdicts: dict[Any, BaseException | None] = {}
+
+
+class Refused(UnsupportedOpError):
+    """A call whose result Genie cannot represent (a sparse or quantized tensor): refused at the
+    call, never run on the device instead (``genie.lazy_tensor.record`` re-raises it)."""
+
+
+_SPARSE = "sparse tensors are not supported on remote_accelerator; keep them on the CPU or call " \
+    ".to_dense() first"
+_QUANTIZED = "quantized tensors are not supported on remote_accelerator; keep them on the CPU, " \
+    "or dequantize() them before moving them to the device"
+
+
+QUANTIZED = frozenset({torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
+def refuse_kind(func: Any, kind: str) -> Refused:
+    """The refusal of ``func`` making a ``kind`` ("sparse", "quantized") tensor on the device."""
+    return Refused(func, _QUANTIZED if kind == "quantized" else _SPARSE)
+
+
+def refusal(func: Any, t: torch.Tensor) -> Refused:
+    """The refusal of ``func`` returning ``t``, a tensor of a kind the device does not hold."""
+    if t.is_quantized:
+        return refuse_kind(func, "quantized")
+    if t.layout != torch.strided and t.layout != torch.jagged and t.layout != torch._mkldnn:
+        return refuse_kind(func, "sparse")
+    return Refused(func, f"it returns a {t.layout} tensor; remote_accelerator tensors are dense "
+                   "and strided only: keep it on the CPU")
+
+
+class MaskNeedsData(Exception):  # noqa: N818 - a signal, not an error the user sees
+    """``index_put`` with a boolean or uint8 mask that :func:`genie.lazy_tensor.record` must
+    rewrite first (see the module docstring); inference declines the call."""
+
+
+def probed(func: Any) -> bool:
+    """Whether :func:`probe` checks ``func`` (decided once per overload)."""
+    try:
+        return func._genie_probed
+    except AttributeError:
+        pass
+    tags = func.tags  # random ops are not probed: a host run must not touch the host's generator
+    p = (func in _PROBED or torch.Tag.pointwise in tags) and \
+        torch.Tag.nondeterministic_seeded not in tags
+    try:
+        func._genie_probed = p
+    except AttributeError:
+        pass
+    return p
+
+
+def checked(func: Any) -> bool:
+    """Whether :func:`check` has checks for ``func`` (cached on the op as ``_genie_checked``)."""
+    c = func in INDEX_PUT or probed(func)
+    try:
+        func._genie_checked = c
+    except AttributeError:
+        pass
+    return c
+
+
+def check(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
+    """The checks of ``func`` for a call with meta leaves ``leaves`` (raises eager's error)."""
+    if func in INDEX_PUT:
+        check_index_put(func, leaves, spec)
+    elif probed(func):
+        probe(func, leaves, spec, klass)
+
+
+def _empty(x: Any) -> Any:
+    if type(x) is TensorMeta:
+        return torch.empty((0,) * len(x.shape), dtype=x.dtype)
+    if isinstance(x, torch.Tensor):
+        return torch.empty((0,) * x.dim(), dtype=x.dtype)
+    if isinstance(x, torch.device):
+        return torch.device("cpu")
+    if isinstance(x, torch.Generator):
+        return None
+    return x
+
+
+def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
+    """Run ``func`` on empty host tensors of the leaves' dtypes and ranks; raise what it raises."""
+    try:
+        hit = klass in _verdicts
+    except TypeError:
+        klass, hit = None, False
+    if hit:
+        err = _verdicts[klass]
+    else:
+        err = None
+        try:
+            args, kwargs = optree.tree_unflatten(spec, [_empty(x) for x in leaves])
+            from .meta import disable_modes
+            with disable_modes(), torch.no_grad():
+                func(*args, **kwargs)
+        except NotImplementedError:
+            pass
+        except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
+            if "not implemented for" not in str(e):
+                err = e
+        if klass is not None:
+            if len(_verdicts) >= 1 << 16:
+                _verdicts.clear()
+            _verdicts[klass] = err
+    if err is not None:
+        raise type(err)(*err.args).with_traceback(None) from None
+
+
+_INDEX_DTYPES = (torch.long, torch.int, torch.uint8, torch.bool)
+
+
+def _shape(s: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, s)) + "]"
+
+
+def trivial_value(v: Any) -> bool:
+    """A value that broadcasts to any indexing result of a mask (one element, rank <= 1)."""
+    return not isinstance(v, (TensorMeta, torch.Tensor)) or \
+        (len(v.shape) <= 1 and all(s == 1 for s in v.shape))
+
+
+def check_index_put(func: Any, leaves: list[Any], spec: Any) -> None:
+    """eager's metadata checks of ``index_put(self, indices, values, accumulate)``."""
+    args, kwargs = optree.tree_unflatten(spec, leaves)
+    self = args[0]
+    indices = args[1] if len(args) > 1 else kwargs.get("indices")
+    values = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    if type(self) is not TensorMeta or indices is None or not isinstance(values, (TensorMeta,
+                                                                                   torch.Tensor)):
+        return
+    rank = len(self.shape)
+    dims = 0
+    masks = False
+    for ix in indices:
+        if ix is None:
+            dims += 1
+            continue
+        if ix.dtype not in _INDEX_DTYPES:
+            raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+        if ix.dtype in (torch.uint8, torch.bool):
+            for j, s in enumerate(ix.shape):
+                if dims + j < rank and s != self.shape[dims + j]:
+                    raise IndexError(
+                        f"The shape of the mask {_shape(ix.shape)} at index {j} does not match "
+                        f"the shape of the indexed tensor {_shape(self.shape)} at index {dims + j}")
+            masks = True
+            if ix.dtype == torch.uint8 or not trivial_value(values):
+                raise MaskNeedsData()
+            dims += len(ix.shape)
+        else:
+            dims += 1
+    if dims > rank:
+        raise IndexError(f"too many indices for tensor of dimension {rank} (got {dims})")
+    if not masks:
+        tensors = [ix for ix in indices if ix is not None]
+        if tensors:
+            try:
+                torch.broadcast_shapes(*(tuple(t.shape) for t in tensors))
+            except RuntimeError:
+                raise IndexError("shape mismatch: indexing tensors could not be broadcast together "
+                                 "with shapes " + ", ".join(_shape(t.shape) for t in tensors)
+                                 ) from None
+            from .meta import meta_tensor
+            meta = [None if ix is None else (meta_tensor(ix) if type(ix) is TensorMeta
+                                             else ix.to("meta")) for ix in indices]
+            result = tuple(aten.index.Tensor(meta_tensor(self), meta).shape)
+        elif accumulate:
+            result = tuple(self.shape)
+        else:
+            result = None
+        if result is not None:
+            v = tuple(values.shape)
+            if len(v) > len(result) or any(a != b and a != 1
+                                           for a, b in zip(v[::-1], result[::-1])):
+                raise RuntimeError(f"shape mismatch: value tensor of shape {_shape(v)} cannot be "
+                                   f"broadcast to indexing result of shape {_shape(result)}")
+    if values.dtype != self.dtype:  # eager's message, from the host kernel on empty tensors
+        try:
+            torch.empty(0, dtype=self.dtype).index_put_(
+                (torch.empty(0, dtype=torch.long),), torch.empty(0, dtype=values.dtype),
+                bool(accumulate))
+        except RuntimeError as e:
+            raise RuntimeError(str(e)) from None

@@ -1,0 +1,435 @@
+"""The device behaves as a PyTorch device (issue 29, families 1, 2 and 4), each case against eager.
+
+1. Global state that decides an op's result (default dtype, deterministic algorithms, default
+   device, grad and inference mode, autocast) is in the meta-cache key, and a tape runs under the
+   state its ops were recorded under.
+2. Checks eager does from metadata raise at the call, with eager's exception type and message
+   (``out=`` dtypes, index and value shapes of ``index_put``, ``alpha`` of integral ``add``,
+   ``frexp``, the matmul family's dtypes, the uint8-mask deprecation warning).
+3. What the device cannot hold (sparse, quantized tensors; ``set_`` with a storage) is refused at
+   the call with a message that says what to do; ``abs`` of a complex tensor into a complex
+   ``out=`` runs as eager runs it.
+"""
+
+import contextlib
+import inspect
+import warnings
+
+import pytest
+import torch
+
+import genie
+from genie._C import _state_word
+from genie.config import config
+
+DEV = "remote_accelerator:0"
+
+
+@pytest.fixture(params=["native", "python"])
+def record_path(request):
+    """Every family-1 case on the native record path and on Python's (GENIE_NATIVE_RECORD=0)."""
+    saved = config.native_record
+    config.native_record = request.param == "native"
+    try:
+        yield request.param
+    finally:
+        config.native_record = saved
+
+
+@contextlib.contextmanager
+def default_dtype(d):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(d)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+@contextlib.contextmanager
+def deterministic(on, fill=None):
+    saved = torch.are_deterministic_algorithms_enabled()
+    saved_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    saved_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(on)
+    if fill is not None:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved, warn_only=saved_warn)
+        torch.utils.deterministic.fill_uninitialized_memory = saved_fill
+
+
+def both(fn):
+    """``fn(device)`` on the CPU and on the device: (eager's, the device's downloaded)."""
+    ref = fn("cpu")
+    out = fn(DEV)
+    return ref, (out.cpu() if isinstance(out, torch.Tensor) else out)
+
+
+def same(ref, got):
+    assert got.dtype == ref.dtype
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, equal_nan=True)
+
+
+# --- family 1: global state in the key ----------------------------------------------------------
+
+def test_default_dtype_is_in_the_key(record_path):
+    """The issue's case: ``a / a`` of integers under float32, then float64 (values included)."""
+    for first, second in ((torch.float32, torch.float64), (torch.float64, torch.float32)):
+        for d in (first, second, first):
+            with default_dtype(d):
+                ref, got = both(lambda dev: torch.arange(1, 6, device=dev) /
+                                torch.arange(1, 6, device=dev))
+                a = torch.arange(1, 6, device=DEV)
+                assert (a / a).dtype == ref.dtype == d
+                same(ref, got)
+                # an int tensor times a Python float, and a factory without dtype=
+                ref, got = both(lambda dev: torch.arange(3, device=dev) * 1.5)
+                same(ref, got)
+                ref, got = both(lambda dev: torch.ones(2, 3, device=dev) + 1)
+                same(ref, got)
+
+
+def test_default_dtype_of_the_recording_decides_the_run(record_path):
+    """Recorded under float64, downloaded under float32: eager's float64 values."""
+    a = torch.arange(1, 6, device=DEV)
+    with default_dtype(torch.float64):
+        y = a / 3
+        z = torch.full((2,), 1 / 3, device=DEV)
+        ref_y = torch.arange(1, 6) / 3
+        ref_z = torch.full((2,), 1 / 3)
+    assert y.dtype == torch.float64
+    same(ref_y, y.cpu())
+    same(ref_z, z.cpu())
+
+
+def test_several_states_in_one_run(record_path):
+    """One tape whose ops were recorded under different default dtypes runs each under its own."""
+    a = torch.arange(1, 6, device=DEV)
+    with default_dtype(torch.float64):
+        y = a / 3
+    with default_dtype(torch.float32):
+        z = a / 7
+        w = y + z  # float64 + float32: float64
+    ref = (torch.arange(1, 6).double() / 3) + (torch.arange(1, 6) / 7)
+    assert w.dtype == ref.dtype
+    same(ref, w.cpu())
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_deterministic_algorithms_are_in_the_key(record_path):
+    """Under ``use_deterministic_algorithms(True)`` (fill_uninitialized_memory on), eager fills
+    new empty float tensors with NaN: recorded then and run after, the device does too."""
+    before = _state_word()
+    with deterministic(True, fill=True):
+        assert _state_word() != before
+        e = torch.empty(4, device=DEV)
+        ref = torch.empty(4)
+    assert torch.isnan(ref).all()
+    assert torch.isnan(e.cpu()).all()
+    with deterministic(False):
+        assert torch.are_deterministic_algorithms_enabled() is False
+        x = torch.ones(3, device=DEV)
+        same(torch.ones(3) * 2, (x * 2).cpu())
+    assert _state_word() == before
+
+
+def test_default_device(record_path):
+    """``torch.set_default_device`` puts factories on the device, as on the CPU."""
+    torch.set_default_device(DEV)
+    try:
+        t = torch.ones(2, 2) * 3
+        assert t.device == torch.device(DEV)
+    finally:
+        torch.set_default_device(None)
+    same(torch.ones(2, 2) * 3, t.cpu())
+    assert torch.ones(1).device.type == "cpu"
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "enable_grad"])
+def test_grad_and_inference_mode(record_path, mode):
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+           "enable_grad": torch.enable_grad}[mode]
+    w = torch.randn(4, 4)
+    x = torch.randn(2, 4)
+    lw = w.to(DEV).requires_grad_()
+    lx = x.to(DEV)
+    rw = w.clone().requires_grad_()
+    with ctx():
+        ref = torch.nn.functional.linear(x, rw).relu()
+        got = torch.nn.functional.linear(lx, lw).relu()
+    assert got.requires_grad == ref.requires_grad
+    assert got.is_inference() == ref.is_inference()
+    same(ref.detach(), got.detach().cpu())
+
+
+def test_autocast_state(record_path):
+    """Autocast on the device casts before the op reaches it (its input dtypes are in the key);
+    a download inside the CPU's autocast runs the recorded float32 op as float32."""
+    a = torch.randn(4, 4)
+    b = torch.randn(4, 4)
+    la, lb = a.to(DEV), b.to(DEV)
+    plain = la @ lb
+    with torch.autocast("remote_accelerator", dtype=torch.bfloat16):
+        cast = la @ lb
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_cast = a @ b
+    assert plain.dtype == torch.float32
+    assert cast.dtype == ref_cast.dtype == torch.bfloat16
+    same(ref_cast, cast.cpu())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = plain.cpu()  # the recorded float32 mm, not the CPU's autocast of it
+    same(a @ b, got)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the precision flags are in the key "
+                    "where the real device is CUDA")
+def test_tf32_flag_is_in_the_key():
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        w0 = _state_word()
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert _state_word() != w0
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+# --- family 2: metadata checks at the call ------------------------------------------------------
+
+def raises_as_eager(fn, *, warns=None):
+    """``fn(device)`` raises on the device what it raises on the CPU (type and message), at the
+    call: the device's traceback ends in ``fn``'s own line, not at a later download."""
+    with pytest.raises(Exception) as ref:
+        fn("cpu")
+    with pytest.raises(Exception) as got:
+        fn(DEV)
+    assert type(got.value) is type(ref.value), (got.value, ref.value)
+    assert str(got.value) == str(ref.value)
+    assert not isinstance(got.value, genie.errors.ExecutionError)
+    frames = [f for f in inspect.getinnerframes(got.tb) if f.filename == __file__]
+    assert frames and frames[-1].function == fn.__name__
+    return got.value
+
+
+def test_out_of_the_wrong_dtype():
+    def neg_out(d):
+        torch.neg(torch.ones(3, device=d), out=torch.empty(0, dtype=torch.float64, device=d))
+    raises_as_eager(neg_out)
+
+    def add_out(d):  # float into an int out=: eager's "can't be cast"
+        torch.add(torch.ones(3, device=d), 1, out=torch.empty(3, dtype=torch.long, device=d))
+    raises_as_eager(add_out)
+    # out= that eager allows still records
+    ref, got = both(lambda d: torch.add(torch.ones(3, device=d), 1,
+                                        out=torch.empty(3, dtype=torch.float64, device=d)))
+    same(ref, got)
+
+
+def test_bool_mask_assignment_of_the_wrong_length():
+    def assign(d):
+        a = torch.arange(5.0, device=d)
+        a[a > -1] = torch.tensor([1.0, 2, 3], device=d)
+    raises_as_eager(assign)
+    before = genie.stats().get("forced_materializations", 0)
+
+    def right(d):
+        a = torch.arange(5.0, device=d)
+        a[a > 1] = torch.tensor([7.0, 8, 9], device=d)
+        return a
+    ref, got = both(right)
+    same(ref, got)
+    assert genie.stats().get("forced_materializations", 0) > before  # the mask's count
+
+    def scalar(d):  # a single value broadcasts to any count: recorded lazily, no count needed
+        a = torch.arange(5.0, device=d)
+        a[a > 1] = torch.tensor(4.0, device=d)
+        return a
+    genie.reset_stats()
+    ref, got = both(scalar)
+    same(ref, got)
+
+    def mask_shape(d):
+        a = torch.arange(5.0, device=d)
+        a[torch.ones(3, dtype=torch.bool, device=d)] = torch.tensor([1.0, 2, 3], device=d)
+    raises_as_eager(mask_shape)
+
+
+def test_index_tensors_of_mismatched_shapes():
+    def assign(d):
+        a = torch.zeros(3, 3, device=d)
+        a[[0, 1], [0, 1, 2]] = 0
+    raises_as_eager(assign)
+
+    def value(d):
+        a = torch.zeros(5, 2, device=d)
+        a[torch.tensor([0, 1], device=d)] = torch.ones(3, 2, device=d)
+    raises_as_eager(value)
+
+    def many(d):
+        torch.zeros(3, device=d).index_put_((torch.tensor([0], device=d),
+                                             torch.tensor([0], device=d)), torch.tensor(1.0))
+    raises_as_eager(many)
+
+    def dtype(d):
+        torch.zeros(3, device=d).index_put_((torch.tensor([0], device=d),),
+                                            torch.tensor(1.0, dtype=torch.float64, device=d))
+    raises_as_eager(dtype)
+
+    def float_index(d):
+        torch.zeros(3, device=d).index_put_((torch.tensor([0.0], device=d),),
+                                            torch.tensor(1.0, device=d))
+    raises_as_eager(float_index)
+    ref, got = both(lambda d: torch.zeros(3, 3, device=d).index_put_(
+        (torch.tensor([0, 2], device=d), torch.tensor([1, 0], device=d)),
+        torch.tensor([5.0, 6.0], device=d), accumulate=True))
+    same(ref, got)
+
+
+def test_index_put_accumulate_on_empty_inputs():
+    def scalar_input(d):  # PyTorch's test_index_put_accumulate_empty
+        torch.rand([], device=d).index_put([], torch.tensor([1.0], device=d), True)
+    raises_as_eager(scalar_input)
+
+    def empty_index(d):
+        torch.zeros(5, device=d).index_put_((torch.tensor([], dtype=torch.long, device=d),),
+                                            torch.tensor([1.0, 2.0], device=d), accumulate=True)
+    raises_as_eager(empty_index)
+    ref, got = both(lambda d: torch.zeros(0, device=d).index_put_(
+        (torch.tensor([], dtype=torch.long, device=d),), torch.tensor([1.0], device=d),
+        accumulate=True))
+    same(ref, got)
+
+
+def test_add_float_alpha_with_bool_tensors():
+    def add(d):
+        t = torch.ones(3, dtype=torch.bool, device=d)
+        torch.add(t, t, alpha=1.5)
+    raises_as_eager(add)
+
+    def add_int(d):
+        t = torch.ones(3, dtype=torch.long, device=d)
+        torch.add(t, t, alpha=0.5)
+    raises_as_eager(add_int)
+    ref, got = both(lambda d: torch.add(torch.ones(3, dtype=torch.long, device=d),
+                                        torch.ones(3, dtype=torch.long, device=d), alpha=2))
+    same(ref, got)
+
+
+def test_frexp_argument_checks():
+    def ints(d):
+        torch.frexp(torch.ones(3, dtype=torch.int32, device=d))
+    raises_as_eager(ints)
+
+    def out_dtype(d):
+        torch.frexp(torch.ones(3, device=d),
+                    out=(torch.empty(3, device=d), torch.empty(3, device=d)))
+    raises_as_eager(out_dtype)
+
+    def mantissa_dtype(d):
+        torch.frexp(torch.ones(3, device=d), out=(torch.empty(3, dtype=torch.float64, device=d),
+                                                 torch.empty(3, dtype=torch.int32, device=d)))
+    raises_as_eager(mantissa_dtype)
+    ref = torch.frexp(torch.tensor([3.0, 0.5, -8.0]))
+    got = torch.frexp(torch.tensor([3.0, 0.5, -8.0], device=DEV))
+    same(ref.mantissa, got.mantissa.cpu())
+    same(ref.exponent, got.exponent.cpu())
+
+
+def test_uint8_mask_warns_as_eager():
+    def assign(d):
+        a = torch.arange(4.0, device=d)
+        m = torch.tensor([1, 0, 1, 0], dtype=torch.uint8, device=d)
+        a[m] = torch.tensor([7.0, 8.0], device=d)
+        return a
+
+    def read(d):
+        a = torch.arange(4.0, device=d)
+        return a[torch.tensor([1, 0, 1, 0], dtype=torch.uint8, device=d)]
+
+    for fn in (assign, read):
+        seen = {}
+        for d in ("cpu", DEV):
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                out = fn(d).cpu()
+            seen[d] = (out, [(x.category, str(x.message)) for x in w])
+        same(seen["cpu"][0], seen[DEV][0])
+        assert seen[DEV][1] == seen["cpu"][1]
+        assert any("uint8 is now deprecated" in m for _, m in seen["cpu"][1])
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("op", ["mm", "matmul", "linear", "bmm", "addmm"])
+def test_matmul_family_dtypes_raise_at_the_call(op, grad):
+    def call(d):
+        a = torch.ones(2, 2, device=d, requires_grad=grad)
+        b = torch.ones(2, 2, dtype=torch.float64, device=d)
+        if op == "mm":
+            torch.mm(a, b)
+        elif op == "matmul":
+            torch.matmul(a, b)
+        elif op == "linear":
+            torch.nn.functional.linear(a, b)
+        elif op == "bmm":
+            torch.bmm(a[None], b[None])
+        else:
+            torch.addmm(torch.ones(2, device=d), a, b)
+    call.__name__ = "call"
+    raises_as_eager(call)
+
+
+# --- family 4: what the device cannot hold, and abs into a complex out= -------------------------
+
+def test_sparse_tensors_are_refused_at_the_call():
+    sp = torch.ones(2, 2).to_sparse()
+    with pytest.raises(NotImplementedError, match="sparse tensors are not supported on "
+                       "remote_accelerator; keep them on the CPU or call .to_dense"):
+        sp.to(DEV)
+    with pytest.raises(NotImplementedError, match="sparse tensors are not supported"):
+        torch.ones(2, 2, device=DEV).to_sparse()
+    with pytest.raises(NotImplementedError, match="sparse tensors are not supported"):
+        torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.tensor([1.0]), (2, 2), device=DEV)
+    with pytest.raises(NotImplementedError, match="sparse tensors are not supported"):
+        torch.empty(2, 2, layout=torch.sparse_coo, device=DEV)
+    # what the message says to do works
+    same(sp.to_dense(), sp.to_dense().to(DEV).cpu())
+
+
+def test_quantized_tensors_are_refused_at_the_call():
+    with pytest.raises(NotImplementedError, match="quantized tensors are not supported on "
+                       "remote_accelerator"):
+        torch._empty_affine_quantized([2], scale=0.1, zero_point=0, dtype=torch.quint8,
+                                      device=DEV)
+    with pytest.raises(NotImplementedError, match="quantized tensors are not supported"):
+        torch.quantize_per_tensor(torch.ones(2, device=DEV), 0.1, 0, torch.quint8)
+    q = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)
+    same(q.dequantize(), q.dequantize().to(DEV).cpu())
+
+
+def test_set_with_a_storage_is_refused_at_the_call():
+    t = torch.empty(0, device=DEV)
+    src = torch.ones(4, device=DEV)
+    with pytest.raises(NotImplementedError, match=r"set_.*not supported.*build a new tensor"):
+        t.set_(src.untyped_storage())
+
+
+def test_abs_of_complex_into_complex_out():
+    ref, got = both(lambda d: torch.abs(torch.tensor([3 + 4j, -1j], device=d),
+                                        out=torch.empty(2, dtype=torch.complex64, device=d)))
+    same(ref, got)
+    ref, got = both(lambda d: torch.abs(torch.tensor([3 + 4j, -1j], device=d),
+                                        out=torch.empty(2, dtype=torch.float32, device=d)))
+    same(ref, got)
+
+
+def test_plain_cpu_programs_are_untouched():
+    """None of the checks above runs for tensors that never touch the device."""
+    before = dict(genie.stats())
+    a = torch.arange(5.0)
+    a[a > 1] = torch.tensor([7.0, 8, 9])
+    torch.abs(torch.tensor([3 + 4j]), out=torch.empty(1, dtype=torch.complex64))
+    assert genie.stats() == before
