@@ -153,8 +153,11 @@ void add_state_functions(pybind11::module_& m) {
         if (with_precision()) {
           int shift = kPrecisionShift;
           for (const auto& [backend, op] : kPrecisions) {
-            const std::string key = std::string(backend == at::Float32Backend::CUDA ? "cuda" : "mkldnn") +
-                                    "." + (op == at::Float32Op::MATMUL ? "matmul" : op == at::Float32Op::CONV ? "conv" : "rnn");
+            const char* b = backend == at::Float32Backend::CUDA ? "cuda" : "mkldnn";
+            const char* o = op == at::Float32Op::MATMUL ? "matmul"
+                            : op == at::Float32Op::CONV ? "conv"
+                                                        : "rnn";
+            const std::string key = std::string(b) + "." + o;
             d[key.c_str()] = precision_name(w >> shift & 7);
             shift += 3;
           }

@@ -46,7 +46,7 @@ INDEX_PUT = frozenset(op for packet in (aten.index_put_, aten.index_put, aten._i
                                         aten._unsafe_index_put)
                       for op in (getattr(packet, name) for name in packet.overloads()))
 
-_verdicts: dict[Any, BaseException | None] = {}
+_verdicts: dict[int, tuple[Any, BaseException | None]] = {}
 
 
 class Refused(UnsupportedOpError):
@@ -131,12 +131,11 @@ def _empty(x: Any) -> Any:
 
 def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
     """Run ``func`` on empty host tensors of the leaves' dtypes and ranks; raise what it raises."""
-    try:
-        hit = klass in _verdicts
-    except TypeError:
-        klass, hit = None, False
-    if hit:
-        err = _verdicts[klass]
+    # by the class's identity (hashing the class tuple hashes the op: Python code); the value
+    # holds the class, so its id is not reused while the verdict lives
+    got = _verdicts.get(id(klass))
+    if got is not None and got[0] is klass:
+        err = got[1]
     else:
         err = None
         try:
@@ -149,10 +148,9 @@ def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
         except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
             if "not implemented for" not in str(e):
                 err = e
-        if klass is not None:
-            if len(_verdicts) >= 1 << 16:
-                _verdicts.clear()
-            _verdicts[klass] = err
+        if len(_verdicts) >= 1 << 16:
+            _verdicts.clear()
+        _verdicts[id(klass)] = (klass, err)
     if err is not None:
         raise type(err)(*err.args).with_traceback(None) from None
 

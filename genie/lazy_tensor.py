@@ -393,8 +393,9 @@ def _warn_at_user(msg: str) -> None:
     if f is None:
         warnings.warn(msg, UserWarning, stacklevel=2)
         return
+    registry = f.f_globals.setdefault("__warningregistry__", {})
     warnings.warn_explicit(msg, UserWarning, f.f_code.co_filename, f.f_lineno,
-                           f.f_globals.get("__name__"), f.f_globals.setdefault("__warningregistry__", {}))
+                           f.f_globals.get("__name__"), registry)
 
 
 def _meta_leaves(leaves: list[Any]) -> list[Any]:

@@ -6,9 +6,12 @@ never sees a LazyTensor, so it sits below :mod:`genie.lazy_tensor` in the import
 
 Recording never touches data: the output shape, stride and dtype of an op come from running the
 op on ``meta`` tensors built from its inputs' metadata. That costs tens of microseconds, so results
-are cached by a key of (op overload, input metadata, scalar arguments, argument tree structure);
-a repeated op pays one dict lookup. Errors raised by the meta kernel (shape mismatch, bad dim,
-device mismatch) propagate unchanged, so they reach the user's line with eager's exception type.
+are cached by a key of (op overload, argument tree structure, global state word, input metadata,
+scalar arguments); a repeated op pays one dict lookup. The state word (``genie._C._state_word``:
+default dtype, deterministic-algorithm flags, on CUDA the precision flags) stands for the global
+state an op's result depends on; see docs/semantics.md, "Global state". Errors raised by the
+meta kernel (shape mismatch, bad dim, device mismatch) propagate unchanged, so they reach the
+user's line with eager's exception type.
 
 Policy (what an op mutates, which input its outputs alias, whether it is random or data-dependent)
 comes only from ``op._schema`` alias annotations and ``op.tags``, never from names.
