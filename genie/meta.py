@@ -347,8 +347,16 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
     return entry
 
 
+#: The state words entries were made under (the native path's entries copy a class's first
+#: entry's): while it holds one, every node of every plan has the same state, and the plan cache
+#: skips comparing them (genie.plan_cache).
+states_seen: set[int] = set()
+
+
 def _infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -> MetaEntry:
     state = _state_word()  # the key's (a miss is inferred at once, under the same state)
+    if state not in states_seen:
+        states_seen.add(state)
     rule = RULES.get(func)
     kw_rule = KW_RULES.get(func) if rule is None else None
     if (rule is not None or kw_rule is not None) and index >= 0 and config.shape_rules:

@@ -63,6 +63,7 @@ from ._C import _match_core, _match_init, _rebuild_instrs, _slice_init
 from .config import config
 from .graph import Alive, MetaArg, Node, Ref, Storage, TensorMeta, gc_paused, pending_total
 from .graph import same_const as _same_const
+from .meta import states_seen
 from .planner import (Instr, PendingSlots, Slot, Tape, build_tape, held_after,
                       slice_nodes)
 from .stats import _counts
@@ -650,6 +651,11 @@ def _entryless(plan: Plan, i: int, n: Node, generic: bool) -> int:
     return 0
 
 
+def _state(entry: Any) -> Any:
+    """An entry's global state word (:attr:`genie.meta.MetaEntry.state`); None without one."""
+    return getattr(entry, "state", None)
+
+
 def _klass(entry: Any) -> Any:
     """An entry's shape class (:attr:`genie.meta.MetaEntry.klass`); a node recorded without an
     entry gets a fresh object, equal to no other (it never matches shape-generically)."""
@@ -722,6 +728,8 @@ def _match_slow(plan: Plan, targets: list[tuple[Node, int]], generic: bool = Fal
         t = tmpl[i]
         shaped = False  # this node differs from the plan in shapes only: rebuild it from n
         if n.entry is not entries[i] or n.op is not t.op:  # plan entries are never None
+            if len(states_seen) > 1 and _state(n.entry) != _state(entries[i]):
+                return None  # recorded under another global state: runs under another one
             if not _same_node(n, t, metas[i], specs[i]):
                 if not generic or not _same_node(n, t, metas[i], specs[i], True):
                     return None
@@ -899,6 +907,9 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node],
     (``GENIE_NATIVE_SLICE=0``); the code below is the reference, and runs for what the native
     pass does not handle.
     """
+    if len(states_seen) > 1 and (len(nodes) != len(plan.entries) or not all(
+            map(eq, map(_state, map(_entry, nodes)), map(_state, plan.entries)))):
+        return None  # a node recorded under another global state than the plan's node
     if config.native_slice:
         tape = _native_instantiate(plan, targets, nodes, generic)
         if tape is not NotImplemented:

@@ -433,3 +433,60 @@ def test_plain_cpu_programs_are_untouched():
     a[a > 1] = torch.tensor([7.0, 8, 9])
     torch.abs(torch.tensor([3 + 4j]), out=torch.empty(1, dtype=torch.complex64))
     assert genie.stats() == before
+
+
+# An op that reports, when it runs, the global state it runs under: a tape must run under the
+# state its ops were recorded under, whatever the state is when the value is downloaded.
+@torch.library.custom_op("genie_test::read_state", mutates_args=())
+def read_state(x: torch.Tensor) -> torch.Tensor:
+    flags = [torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cuda.matmul.fp32_precision == "tf32",
+             torch.backends.cudnn.benchmark,
+             torch.get_default_dtype() == torch.float64]
+    return x + torch.tensor([float(f) for f in flags], dtype=x.dtype)
+
+
+@read_state.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_tape_runs_under_the_state_it_was_recorded_under(record_path):
+    """Each flag set at the call, cleared before the download: the op saw it set."""
+    from genie._C import _state_mask
+
+    x = torch.zeros(5, device=DEV)
+    _state_mask(True)  # the precision group, as where the real device is CUDA
+    saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.benchmark)
+    try:
+        with deterministic(True):
+            det = read_state(x)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        warn = read_state(x)
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        tf32 = read_state(x)
+        torch.backends.cuda.matmul.fp32_precision = saved[0]
+        torch.backends.cudnn.benchmark = True
+        bench = read_state(x)
+        torch.backends.cudnn.benchmark = saved[1]
+        with default_dtype(torch.float64):
+            f64 = read_state(x)
+        plain = read_state(x)
+        assert torch.backends.cuda.matmul.fp32_precision == saved[0]
+        got = [t.cpu().tolist() for t in (det, warn, tf32, bench, f64, plain)]
+        # one tape of several states, op by op; then each alone
+        alone = [read_state(x).cpu().tolist()]
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved[0]
+        torch.backends.cudnn.benchmark = saved[1]
+        torch.use_deterministic_algorithms(False)
+        _state_mask(torch.cuda.is_available())
+    assert got == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 0, 1, 0],
+                   [0, 0, 0, 0, 1], [0, 0, 0, 0, 0]]
+    assert alone == [[0, 0, 0, 0, 0]]
+    with deterministic(True):
+        one = read_state(x)
+    assert one.cpu().tolist() == [1, 0, 0, 0, 0]  # a tape of one state, not the current one
+    assert torch.are_deterministic_algorithms_enabled() is False
