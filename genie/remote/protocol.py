@@ -275,7 +275,13 @@ def frame_tensor(buf: Any, ref: FrameRef, copy: bool) -> torch.Tensor:
         return torch.empty(ref.shape, dtype=ref.dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only buffers: we copy or only read
-        flat = torch.frombuffer(buf, dtype=ref.dtype)
+        raw = torch.frombuffer(buf, dtype=torch.uint8)
+    if raw.data_ptr() % ALIGN:
+        # ZeroMQ places frames at any offset (8 mod 16 is common): kernels assume their dtype's
+        # alignment (a complex128 copy from 8 mod 16 crashes), so the bytes move first, as bytes
+        raw = raw.clone()
+        copy = False
+    flat = raw.view(ref.dtype)
     t = flat.view(ref.shape) if ref.stride is None else flat.as_strided(ref.shape, ref.stride)
     return t.clone(memory_format=torch.preserve_format) if copy else t
 

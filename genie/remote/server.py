@@ -1,39 +1,40 @@
-"""``genie-server``: owns one real device and runs clients' tapes on it.
+"""``genie-server``: owns one real device and runs clients' tapes on it, one process per session.
 
 Usage::
 
     genie-server --device cuda:0 --listen 127.0.0.1:5555      # prints how clients connect
     python -m genie.remote.server --device cpu --listen 127.0.0.1:0 --insecure
 
-Structure: the main thread owns the ZeroMQ ROUTER socket. It decodes headers, answers pings,
-tells clients whose requests wait or run that the server is alive (``busy``, twice a second),
-expires sessions whose lease ran out, cancels the queued requests of clients that disconnect,
-and forwards replies. ``--workers`` threads run requests (:class:`~genie.remote.sched.FairQueue`:
-one session's requests one at a time and in order, sessions taking turns, so a long tape holds
-one worker while the others serve short requests); on CUDA each session runs on a stream of its
-own. Tapes run through :func:`genie.remote.guard.run_guarded` (vetted on meta tensors, then
-interpreted op by op with the eager backend's semantics) on the server's device.
+Structure: this process is the *front*. It owns the ZeroMQ ROUTER socket that clients connect
+to, authenticates them (CURVE), decodes headers, checks admission (sizes, queued bytes against
+the session's quota, a peer ``put``'s ticket), answers pings, tells clients whose requests wait
+or run that the server is alive (``busy``, twice a second), expires sessions whose lease ran out,
+cancels the queued requests of clients that disconnect, makes server-to-server transfers
+(:mod:`genie.remote.peer`) and routes everything else to the session's *worker*. It never holds
+a session's tensors and never runs a kernel.
+
+Each session lives in a worker process of its own (:mod:`genie.remote.worker`), forked from a
+zygote on ``hello`` and sandboxed: its resident tensors, its cached skeletons and its kernels are
+in its own address space, with the OS bounding its memory, no network and no files. A kernel
+that crashes or reads out of bounds costs that session only: the worker dies or reads its own
+memory, its client gets a clear error (kind ``session``), every other session goes on. A
+session's requests run in its worker one at a time, in order; sessions run side by side, as the
+OS schedules their processes (``--workers N`` caps how many run at once). A request that runs
+past ``--max-run-seconds`` is stopped by its worker between two instructions (the session
+survives); one that is still running :data:`HARD_GRACE` later (a single long kernel) is stopped
+by killing the worker (the session ends, its client is told).
 
 Sessions: ``hello`` opens one and returns an unguessable token that every later request carries;
-a session's store maps client-chosen handle ids to resident tensors and is reachable only with
-its token, so clients never see each other's tensors. A session ends on ``bye``, or when no
-message came for ``lease`` seconds (its tensors are freed). Each session has a memory quota
-that covers the bytes of the distinct storages it holds (followed through resizes), its cached
-skeletons (approximate size, capped at :data:`SKELETON_SHARE` of the quota), the bytes of its
-queued messages (counted on the main thread before a message is accepted) and, while a tape
-runs, the tape's peak working set (vetted on meta tensors before anything runs, see
-:mod:`genie.remote.guard`); a request that would pass it is refused and undone. A tape that runs
-longer than ``--max-run-seconds`` is stopped between two instructions and its client told.
+a session's handles are reachable only with its token. A session ends on ``bye``, when no message
+came for ``lease`` seconds, or when its worker dies. Its memory quota (``--quota``) covers the
+bytes of the distinct storages it holds (followed through resizes), a fixed cost per handle, its
+cached skeletons, the bytes of its queued messages (counted here before a message is accepted)
+and, while a tape runs, the tape's peak working set (vetted on meta tensors before anything
+runs, see :mod:`genie.remote.guard`); a request that would pass it is refused and undone.
 
-Residency under memory pressure: a run request may carry *hints* (``ev``: handle id and role
-code pairs, :data:`~genie.remote.protocol.ROLES`) that mark the session's own values evictable.
-When a tape would pass the quota before anything ran, the server picks victims among hinted
-values (never the tape's inputs, nor a storage some unhinted value shares; weights and KV caches
-never while the session decodes), activations first, least recently used first, and answers
-``pressure`` with their ids instead of running; the client evicts them (it knows how to restore
-each: recompute from lineage or re-upload) and sends the request again. Nothing hinted frees
-enough: ``quota`` as before, saying what is resident by role. A hint never touches another
-session (it names ids of the session's own store) and never makes a value less evictable.
+Residency under memory pressure: a run request may carry *hints* that mark the session's own
+values evictable; the worker answers ``pressure`` with victims when a tape would pass the quota
+(see :class:`genie.remote.worker.Session`).
 
 Security: CURVE (authentication and encryption) by default, with keys under ``--keys``
 (generated on first start: the server's pair, and one client pair written to a connection file
@@ -48,15 +49,19 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import hashlib
 import hmac
 import ipaddress
 import json
 import logging
 import os
 import secrets
+import shutil
 import signal
+import socket
+import struct
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -67,33 +72,10 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .. import backends
-from ..errors import ExecutionError
-from ..index_check import IndexCheck
 from ..index_check import server_scope as index_check_scope
 from . import ProtocolError, peer
-from .guard import QuotaError, RunTimeout, run_guarded
-from .protocol import (
-    ALIGN,
-    DECODE_PINNED,
-    MAX_HINTS,
-    PROTOCOL_VERSION,
-    REQUESTS,
-    ROLES,
-    UPLOAD,
-    Compiled,
-    InputUpload,
-    compile_skeleton,
-    fill,
-    frame_tensor,
-    frame_view,
-    join_frames,
-    pack,
-    split_frames,
-    tensor_frame,
-    unpack,
-)
-from .sched import FairQueue, LoadMeter
+from .protocol import PROTOCOL_VERSION, REQUESTS, pack, unpack
+from .worker import TEST_KERNELS_ENV, Config
 
 logger = logging.getLogger("genie.server")
 
@@ -103,162 +85,48 @@ MAX_QUEUE = 1024
 MAX_QUEUED_PER_SESSION = 64
 #: the largest ``hello`` (no session yet, so nothing to count it against)
 MAX_HELLO_BYTES = 64 << 10
-SKELETON_CACHE = 256
-#: cached skeletons of a session may take this share of its quota (least recently used evicted)
-SKELETON_SHARE = 0.25
-#: bytes a compiled skeleton is counted per byte of its packed form (measured: ~24x for a
-#: 243-instruction MLP tape, tracemalloc)
-SKELETON_COST = 32
 #: default of ``--max-run-seconds``
 MAX_RUN_SECONDS = 300.0
+#: a request still running this long past ``--max-run-seconds`` (plus the same share of it) is
+#: stopped by killing its worker: a single kernel that does not return
+HARD_GRACE = 1.0
 #: seconds between "busy" notes to clients whose requests wait or run (their timeout counts
 #: server silence, so it must be larger than this)
-KEEPALIVE = 0.5
-#: under pressure, victims free the deficit plus this share of the quota (fewer pressure rounds)
-EVICT_SLACK = 0.125
-
-
-class _Refused(Exception):
-    """A request the server refuses: ``kind`` goes to the client with the message."""
-
-    def __init__(self, kind: str, msg: str, **extra: Any) -> None:
-        super().__init__(msg)
-        self.kind = kind
-        self.extra = extra
+KEEPALIVE = 0.25
+#: seconds a new session's worker may take to start
+SPAWN_TIMEOUT = 30.0
+#: seconds the zygote may take to import torch and Genie and warm up, at the server's start
+ZYGOTE_TIMEOUT = 120.0
+#: the chunk size of a frame a worker sends back
+WORKER_HWM = 0  # unbounded: a worker's replies are bounded by the session's quota
 
 
 @dataclass
-class Session:
-    """One client's state: resident tensors by handle id, compiled skeletons, accounting.
-
-    Storages are keyed by their ``StorageImpl`` (``_cdata``), which a resize keeps (its data
-    pointer changes); each entry is ``[tensors holding it, bytes counted]``. ``queued``/``nqueued``
-    belong to the main thread's admission check (updated under the server's queue lock).
-    """
+class Link:
+    """The front's side of one session: its worker's socket and process, its queue, and what
+    the worker last reported (``used`` bytes against the quota, residency, peer bytes)."""
 
     token: bytes
+    sock: zmq.Socket
     quota: int
-    store: dict[int, torch.Tensor] = field(default_factory=dict)
-    skeletons: collections.OrderedDict[bytes, tuple[Compiled, int]] = field(
-        default_factory=collections.OrderedDict)
-    storages: dict[int, list[int]] = field(default_factory=dict)
-    nbytes: int = 0
-    skel_bytes: int = 0
-    queued: int = 0
+    pid: int = 0
+    ready: bool = False
+    hello: tuple[bytes, int] | None = None  # the hello waiting for the worker to start
+    born: float = field(default_factory=time.monotonic)
+    # requests waiting: (ident or None, frames to forward, rid, bytes, kind)
+    pending: collections.deque[tuple[bytes | None, list[Any], int, int, str]] = field(
+        default_factory=collections.deque)
+    cur: tuple[bytes | None, int, int, str, float] | None = None  # ident, rid, bytes, kind, t0
+    queued: int = 0  # bytes of requests waiting or running
     nqueued: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
-    # server-to-server transfers (genie.remote.peer): bytes [sent, received], last put's nonce
-    peer_bytes: list[int] = field(default_factory=lambda: [0, 0])
+    used: int = 0
+    res: list[int] = field(default_factory=lambda: [0, 0])
+    pb: list[int] = field(default_factory=lambda: [0, 0])
     put_nonce: int = 0
-    sends: int = 0  # sends under way (the peer thread holds their values)
-    # residency: role code of hinted (evictable) handles, last use of each handle (a counter),
-    # and whether the last tape was a decode step (its weights and KV caches stay)
-    roles: dict[int, int] = field(default_factory=dict)
-    used_at: dict[int, int] = field(default_factory=dict)
-    tick: int = 0
-    decoding: bool = False
-
-    def put(self, hid: int, t: Any) -> None:
-        if hid in self.store:
-            raise _Refused("protocol", f"handle id {hid} is already in use")
-        if not isinstance(t, torch.Tensor):
-            raise _Refused("protocol", f"a kept value is a {type(t).__name__}, not a tensor")
-        self.store[hid] = t
-        self.used_at[hid] = self.tick
-        st = t.untyped_storage()
-        e = self.storages.get(st._cdata)
-        if e is None:
-            self.storages[st._cdata] = [1, st.nbytes()]
-            self.nbytes += st.nbytes()
-        else:
-            e[0] += 1
-
-    def drop(self, hid: Any) -> None:
-        t = self.store.pop(hid, None) if type(hid) is int else None
-        if t is None:
-            return
-        self.roles.pop(hid, None)
-        self.used_at.pop(hid, None)
-        key = t.untyped_storage()._cdata
-        e = self.storages.get(key)
-        if e is None:  # never: every stored tensor is counted; but freeing must not fail
-            return
-        e[0] -= 1
-        if e[0] == 0:
-            del self.storages[key]
-            self.nbytes -= e[1]
-
-    def refresh(self, tensors: Any) -> None:
-        """Recount the storages of ``tensors`` (a tape may have resized them in place)."""
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                e = self.storages.get(st._cdata)
-                if e is not None and e[1] != st.nbytes():
-                    self.nbytes += st.nbytes() - e[1]
-                    e[1] = st.nbytes()
-
-    def used(self) -> int:
-        """Bytes counted against the quota: resident storages and cached skeletons."""
-        return self.nbytes + self.skel_bytes
-
-    def clear(self) -> None:
-        self.store.clear()
-        self.roles.clear()
-        self.used_at.clear()
-        self.storages.clear()
-        self.skeletons.clear()
-        self.nbytes = 0
-        self.skel_bytes = 0
-
-    def residency(self) -> list[int]:
-        return [len(self.store), self.nbytes]
-
-    def by_role(self) -> dict[str, list[int]]:
-        """``role -> [values, bytes]`` of what the session holds (``unhinted``: no hint; a
-        storage counted once, under its first value's role)."""
-        out: dict[str, list[int]] = {}
-        seen: set[int] = set()
-        for hid, t in self.store.items():
-            key = t.untyped_storage()._cdata
-            code = self.roles.get(hid)
-            e = out.setdefault(ROLES[code] if code is not None else "unhinted", [0, 0])
-            e[0] += 1
-            if key not in seen:
-                seen.add(key)
-                e[1] += self.storages[key][1] if key in self.storages else 0
-        return out
-
-    def victims(self, need: int, protect: set[int], slack: int) -> list[int] | None:
-        """Hinted values whose storages free at least ``need`` bytes (up to ``need + slack``),
-        in eviction order, or None when everything evictable frees less.
-
-        A storage is evictable when one hinted value holds it, not in ``protect``
-        (the pending tape's inputs); while the session decodes, weights and KV caches are not.
-        Order: role code (activations first), then least recently used.
-        """
-        by_st: dict[int, list[int]] = {}
-        for hid, t in self.store.items():
-            by_st.setdefault(t.untyped_storage()._cdata, []).append(hid)
-        cands = []
-        for key, hids in by_st.items():
-            codes = [self.roles.get(h) for h in hids]
-            # values sharing a storage (a view and its base) would not share it once restored
-            if len(hids) > 1 or None in codes or not protect.isdisjoint(hids):
-                continue
-            code = max(c for c in codes if c is not None)
-            if self.decoding and code in DECODE_PINNED:
-                continue
-            cands.append((code, max(self.used_at.get(h, 0) for h in hids), key, hids))
-        cands.sort()
-        out: list[int] = []
-        freed = 0
-        for _, _, key, hids in cands:
-            if freed >= need + slack:
-                break
-            out.extend(hids)
-            freed += self.storages[key][1] if key in self.storages else 0
-        return out if freed >= need else None
+    sends: int = 0  # transfers under way (the peer thread holds their bytes)
+    last_seen: float = field(default_factory=time.monotonic)
+    killed: str | None = None  # why the front killed the worker (a deadline)
+    send_to: dict[int, tuple[str, str | None, float]] = field(default_factory=dict)
 
 
 class Server:
@@ -267,9 +135,10 @@ class Server:
     def __init__(self, device: str = "cpu", listen: str = "127.0.0.1:5555", *,
                  insecure: bool = False, keys_dir: str | None = None, lease: float = 60.0,
                  quota: int | None = None, max_message: int = 8 << 30,
-                 max_sessions: int = 64, workers: int = 4,
+                 max_sessions: int = 64, workers: int = 0,
                  max_run_seconds: float = MAX_RUN_SECONDS, peer_keys: str | None = None,
-                 peer_timeout: float = 30.0, index_check: str | None = None) -> None:
+                 peer_timeout: float = 30.0, index_check: str | None = None,
+                 threads: int = 0) -> None:
         self.device = torch.device(device)
         # check index arguments before indexing kernels (genie.index_check): on CUDA, by default
         # ("all"); on a CPU, by default, those of the kernels that do not check ("cpu")
@@ -282,33 +151,41 @@ class Server:
                              Path.home() / ".config" / "genie" / "server")
         self.lease = lease
         self.quota = quota if quota is not None else default_quota(self.device)
-        self.max_message = max_message
+        # a message larger than the quota can never be admitted: ZeroMQ drops it unread
+        self.max_message = min(max_message, self.quota + (1 << 20))
         self.max_sessions = max_sessions
         self.max_run_seconds = max_run_seconds
+        self.workers = max(0, workers)
+        self.threads = threads
         self.address = ""
         self.key_file: Path | None = None
-        self.sessions: dict[bytes, Session] = {}
-        self._lock = threading.Lock()
-        self.workers = max(1, workers)
-        self._queue = FairQueue()
+        self.links: dict[bytes, Link] = {}
+        self._by_sock: dict[Any, Link] = {}
+        self._by_pid: dict[int, Link] = {}
+        self._running = 0
         self._fd_ident: dict[int, bytes] = {}  # connection (fd) -> peer identity, to cancel
-        self._streams: dict[bytes, Any] = {}  # session token -> its CUDA stream
         self._inflight: dict[bytes, tuple[int, Any]] = {}
-        self._qlock = threading.Lock()  # guards Session.queued/nqueued (main thread + workers)
         self._stop = threading.Event()
         self._ctx: zmq.Context | None = None
         self._auth: Any = None
         self.peer_keys = peer_keys
         self.peer_timeout = peer_timeout
         self._peers: peer.PeerLinks | None = None
-        self._meter = LoadMeter()
+        self._qlock = threading.Lock()  # Link.sends / pb, shared with the peer thread
+        self._zygote: subprocess.Popen | None = None
+        self._ctl: socket.socket | None = None
+        self._ctl_buf = b""
+        self._rundir = ""
+        self.test_kernels = os.environ.get(TEST_KERNELS_ENV) == "1"
 
     # --- setup ------------------------------------------------------------------------------
     def start(self) -> str:
-        """Bind the socket (and start CURVE authentication); returns the address."""
+        """Start the zygote, bind the socket (and start CURVE authentication); returns the
+        address."""
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit():
             raise SystemExit(f"genie-server: --listen wants HOST:PORT, got {self.listen!r}")
+        self._start_zygote()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
@@ -342,11 +219,34 @@ class Server:
                            "; with --insecure anyone who can reach it can run code on this "
                            "device" if self.insecure else "")
         self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._workers = [threading.Thread(target=self._work, name=f"genie-worker-{i}",
-                                          daemon=True) for i in range(self.workers)]
-        for w in self._workers:
-            w.start()
         return self.address
+
+    def _start_zygote(self) -> None:
+        """The process that forks session workers: a fresh interpreter (no thread pool, no CUDA
+        context, no lock held by another thread), started once."""
+        self._rundir = tempfile.mkdtemp(prefix="genie-server-")  # 0700: only this user
+        ours, theirs = socket.socketpair()
+        cfg = Config(str(self.device), self.quota, self.max_run_seconds, self.index_check,
+                     self.threads, self.test_kernels)
+        env = dict(os.environ)
+        env.pop("GENIE_SERVER", None)
+        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # genie is imported explicitly
+        self._zygote = subprocess.Popen(
+            [sys.executable, "-m", "genie.remote.worker", str(theirs.fileno()), cfg.to_json()],
+            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._ctl = ours
+        # the banner says "serving" once sessions can start: wait for the zygote's warm-up
+        ours.settimeout(ZYGOTE_TIMEOUT)
+        try:
+            first = ours.recv(4096)
+        except OSError:
+            first = b""
+        ours.settimeout(None)
+        if not first or b'"zygote"' not in first:
+            self._zygote.kill()
+            raise SystemExit("genie-server: the process that starts session workers did not "
+                             f"come up within {ZYGOTE_TIMEOUT:g} s (see the log above)")
 
     def _peer_key_pair(self) -> tuple[bytes, bytes] | None:
         """The key pair this server authenticates with to its peers: ``--peer-keys``' client
@@ -375,21 +275,29 @@ class Server:
                    f"       or: genie.connect({self.address!r}, key_file={str(self.key_file)!r})")
             sec = "CURVE authenticated and encrypted"
         return (f"genie-server: serving {self.device} on {self.address} ({sec}); "
-                f"lease {self.lease:g} s, quota {self.quota} bytes per session, tapes stopped "
-                f"after {self.max_run_seconds:g} s, index checks "
-                f"{_CHECKS[self.index_check]}\n{how}")
+                f"one sandboxed process per session; lease {self.lease:g} s, quota "
+                f"{self.quota} bytes per session, tapes stopped after "
+                f"{self.max_run_seconds:g} s, index checks {_CHECKS[self.index_check]}"
+                f"{'; TEST KERNELS ADMITTED (' + TEST_KERNELS_ENV + '=1)' if self.test_kernels else ''}"
+                f"\n{how}")
 
-    # --- main thread: I/O ---------------------------------------------------------------------
+    # --- the loop -------------------------------------------------------------------------------
     def serve(self) -> None:
         """Serve until :meth:`stop` (or SIGINT/SIGTERM via :func:`main`)."""
-        poller = zmq.Poller()
+        self._poller = poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._replies, zmq.POLLIN)
         poller.register(self._mon, zmq.POLLIN)
+        assert self._ctl is not None
+        poller.register(self._ctl.fileno(), zmq.POLLIN)
         last_tick = time.monotonic()
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(100))
+                for s in events:
+                    link = self._by_sock.get(s)
+                    if link is not None:
+                        self._from_worker(link)
                 if self._replies in events:
                     for _ in range(256):
                         try:
@@ -408,6 +316,8 @@ class Server:
                             self._incoming(parts)
                         except Exception as e:  # never let one message stop the server
                             logger.exception("genie-server: dropped a message: %s", e)
+                if self._ctl.fileno() in events:
+                    self._from_zygote()
                 if self._mon in events:
                     self._disconnects()
                 now = time.monotonic()
@@ -420,6 +330,7 @@ class Server:
     def stop(self) -> None:
         self._stop.set()
 
+    # --- clients -> front ---------------------------------------------------------------------
     def _incoming(self, parts: list[zmq.Frame]) -> None:
         ident = parts[0].bytes
         if len(parts) < 2:
@@ -434,107 +345,126 @@ class Server:
                                   f"'t' ({', '.join(sorted(REQUESTS))}) and an integer 'rid'")
         if len(parts) - 2 > MAX_FRAMES:
             return self._send_err(ident, rid, "protocol", f"more than {MAX_FRAMES} frames")
-        if h["t"] == "put":  # a peer's values: authorized by a ticket, not the session token
-            try:
-                h["s"] = self._put_session(h)
-            except _Refused as e:
-                return self._send_err(ident, rid, e.kind, str(e))
-        token = h.get("s")
+        kind = h["t"]
         nbytes = sum(len(p) for p in parts[1:])
-        sess = None
-        if h["t"] != "hello":
-            sess = self.sessions.get(token) if isinstance(token, bytes) else None
-            if sess is None:
-                return self._send_err(ident, rid, "session", self._unknown_session())
-            sess.last_seen = time.monotonic()
-            if h["t"] == "ping" and not h.get("free"):
-                return self._send(ident, self._pong(sess, rid))
-        elif nbytes > MAX_HELLO_BYTES:
-            return self._send_err(ident, rid, "protocol", f"a hello of {nbytes} bytes (at most "
-                                  f"{MAX_HELLO_BYTES})")
-        if self._queue.qsize() > MAX_QUEUE:
+        if kind == "hello":
+            if nbytes > MAX_HELLO_BYTES:
+                return self._send_err(ident, rid, "protocol", f"a hello of {nbytes} bytes (at "
+                                      f"most {MAX_HELLO_BYTES})")
+            return self._hello(ident, rid, h)
+        try:
+            if kind == "put":  # a peer's values: authorized by a ticket, not the session token
+                link = self._put_link(h)
+            else:
+                token = h.get("s")
+                link = self.links.get(token) if isinstance(token, bytes) else None  # type: ignore[assignment]
+                if link is None:
+                    return self._send_err(ident, rid, "session", self._unknown_session())
+                if kind == "send":
+                    self._check_send(h)
+                    link.send_to[rid] = (h["to"], h.get("sk"), h.get("to_s", self.peer_timeout))
+        except ProtocolError as e:
+            return self._send_err(ident, rid, "protocol", str(e))
+        except _Refused as e:
+            return self._send_err(ident, rid, e.kind, str(e))
+        link.last_seen = time.monotonic()
+        if kind == "ping" and not h.get("free"):
+            return self._send(ident, self._pong(link, rid))
+        if sum(len(lk.pending) for lk in self.links.values()) > MAX_QUEUE:
             return self._send_err(ident, rid, "busy", "the server's queue is full; retry later")
-        if sess is not None:
-            with self._qlock:
-                if sess.nqueued >= MAX_QUEUED_PER_SESSION:
-                    return self._send_err(ident, rid, "busy", f"this session already has "
-                                          f"{sess.nqueued} requests queued; wait for answers")
-                if sess.queued + nbytes + sess.used() > sess.quota:
-                    self._frees_of_refused(sess, h)
-                    over = sess.queued + nbytes + sess.used() - sess.quota
-                    msg = (f"a message of {nbytes} bytes, with the session's {sess.queued} "
-                           f"queued bytes and {sess.used()} resident bytes, passes its quota "
-                           f"of {sess.quota} bytes (server flag --quota); send less at once or "
-                           "free tensors")
-                    if sess.roles and h["t"] in ("run", "put") and over <= sess.nbytes:
-                        # evicting hinted values may make room: the client asks which first
-                        return self._send(ident, {"t": "err", "rid": rid, "kind": "quota",
-                                                  "msg": msg, "room": over})
-                    return self._send_err(ident, rid, "quota", msg)
-                sess.queued += nbytes
-                sess.nqueued += 1
-        self._inflight[ident] = (rid, token)
+        if link.nqueued >= MAX_QUEUED_PER_SESSION:
+            return self._send_err(ident, rid, "busy", f"this session already has "
+                                  f"{link.nqueued} requests queued; wait for answers")
+        if link.queued + nbytes + link.used > link.quota:
+            self._frees_of_refused(link, h)
+            over = link.queued + nbytes + link.used - link.quota
+            msg = (f"a message of {nbytes} bytes, with the session's {link.queued} queued bytes "
+                   f"and {link.used} resident bytes, passes its quota of {link.quota} bytes "
+                   "(server flag --quota); send less at once or free tensors")
+            if kind in ("run", "put") and over <= link.res[1]:
+                # evicting hinted values may make room: the client asks which first
+                return self._send(ident, {"t": "err", "rid": rid, "kind": "quota",
+                                          "msg": msg, "room": over})
+            return self._send_err(ident, rid, "quota", msg)
+        fwd = list(parts[1:])
+        self._inflight[ident] = (rid, link.token)
         fd = parts[1].get(zmq.SRCFD)
         if fd >= 0:
             self._fd_ident[fd] = ident
-        self._queue.put(token if h["t"] != "hello" else b"hello:" + ident,
-                        (ident, h, parts[2:], nbytes))
+        self._enqueue(link, ident, fwd, rid, nbytes, kind)
 
-    def _frees_of_refused(self, sess: Session, h: dict[str, Any]) -> None:
+    def _enqueue(self, link: Link, ident: bytes | None, fwd: list[Any], rid: int, nbytes: int,
+                 kind: str) -> None:
+        link.pending.append((ident, fwd, rid, nbytes, kind))
+        link.queued += nbytes
+        link.nqueued += 1
+        self._pump(link)
+
+    def _frees_of_refused(self, link: Link, h: dict[str, Any]) -> None:
         """A message refused at the door for its size still frees what it names: its frees go
-        to the session's queue on their own (no reply), ahead of anything it sends next,
-        counted as a queued request of 8 bytes an id (under ``_qlock``)."""
+        to the session's worker on their own (no reply), ahead of anything it sends next."""
         frees = h.get("free")
-        if not isinstance(frees, list) or not frees or \
-                sess.nqueued >= MAX_QUEUED_PER_SESSION:
+        if not isinstance(frees, list) or not frees or link.nqueued >= MAX_QUEUED_PER_SESSION:
             return
-        n = 8 * len(frees)
-        sess.queued += n
-        sess.nqueued += 1
-        self._queue.put(sess.token, (None, {"t": "free", "s": sess.token, "rid": -1,
-                                            "free": frees}, [], n))
+        msg = pack({"t": "free", "rid": -1, "free": frees})
+        self._enqueue(link, None, [msg], -1, len(msg), "free")
 
-    def _dequeued(self, h: dict[str, Any], nbytes: int) -> None:
-        """A request left the queue (answered or cancelled): uncount its bytes."""
-        sess = self.sessions.get(h.get("s")) if h.get("t") not in ("hello", "_expire") else None
-        if sess is not None and nbytes:
-            with self._qlock:
-                sess.queued -= nbytes
-                sess.nqueued -= 1
+    def _pump(self, link: Link) -> None:
+        """Forward the session's next request to its worker, if it is idle (and, with
+        ``--workers N``, fewer than N sessions run)."""
+        if link.cur is not None or not link.ready or not link.pending:
+            return
+        if self.workers and self._running >= self.workers:
+            return
+        ident, fwd, rid, nbytes, kind = link.pending.popleft()
+        link.cur = (ident, rid, nbytes, kind, time.monotonic())
+        self._running += 1
+        link.sock.send_multipart(fwd, copy=False)
 
-    def _disconnects(self) -> None:
-        """Peers that went away: their queued requests are dropped, never run (a tape that
-        already runs finishes; its reply goes nowhere)."""
-        while self._mon.poll(0):
-            ev = recv_monitor_message(self._mon)
-            if ev["event"] != zmq.EVENT_DISCONNECTED:
-                continue
-            ident = self._fd_ident.pop(ev["value"], None)
-            if ident is None:
-                continue
-            self._inflight.pop(ident, None)
+    def _pump_all(self) -> None:
+        if self.workers:  # a slot freed: the sessions that wait take turns (oldest request first)
+            waiting = sorted((lk for lk in self.links.values() if lk.pending and lk.cur is None),
+                             key=lambda lk: lk.last_seen)
+            for lk in waiting:
+                self._pump(lk)
 
-            def mine(item: Any) -> bool:
-                if item[0] != ident:
-                    return False
-                self._dequeued(item[1], item[3])
-                return True
+    def _pong(self, link: Link, rid: Any) -> dict[str, Any]:
+        """A ping's answer: the session's residency and peer bytes sent, received (nothing about
+        other sessions)."""
+        with self._qlock:
+            pb = list(link.pb)
+        return {"t": "ok", "rid": rid, "res": link.res, "pb": pb}
 
-            n = self._queue.drop(mine)
-            if n:
-                logger.info("genie-server: a client disconnected; %d queued request(s) "
-                            "cancelled", n)
+    def _hello(self, ident: bytes, rid: int, h: dict[str, Any]) -> None:
+        if h.get("v") != PROTOCOL_VERSION:
+            return self._send_err(ident, rid, "protocol", f"protocol version {h.get('v')!r}; "
+                                  f"this server speaks {PROTOCOL_VERSION}; install matching "
+                                  "Genie versions")
+        if len(self.links) >= self.max_sessions:
+            return self._send_err(ident, rid, "busy",
+                                  f"the server already has {self.max_sessions} sessions")
+        if self._zygote is None or self._zygote.poll() is not None:
+            return self._send_err(ident, rid, "internal", "the server cannot start session "
+                                  "workers (its zygote process died; see the server's log); "
+                                  "restart genie-server")
+        assert self._ctx is not None and self._ctl is not None
+        tok = secrets.token_bytes(16)
+        sock = self._ctx.socket(zmq.PAIR)
+        sock.linger = 0
+        sock.sndhwm = sock.rcvhwm = WORKER_HWM
+        endpoint = f"ipc://{self._rundir}/{tok.hex()[:16]}"
+        sock.bind(endpoint)
+        link = Link(tok, sock, self.quota, hello=(ident, rid))
+        self.links[tok] = link
+        self._by_sock[sock] = link
+        self._poller.register(sock, zmq.POLLIN)
+        self._inflight[ident] = (rid, tok)
+        _send_line(self._ctl, {"spawn": tok.hex(), "endpoint": endpoint})
 
-    def _pong(self, sess: Session, rid: Any) -> dict[str, Any]:
-        """A ping's answer: residency, how busy other sessions kept the workers (``ld``, see
-        :class:`~genie.remote.sched.LoadMeter`) and the session's peer bytes sent, received."""
-        return {"t": "ok", "rid": rid, "res": sess.residency(),
-                "ld": self._meter.load(sess.token), "pb": sess.peer_bytes}
-
-    def _put_session(self, h: dict[str, Any]) -> bytes:
-        """The token of the session a peer's ``put`` is for, once its ticket is checked (the
-        MAC of the nonce, ids, dtypes and shapes under that session's token; see
-        :mod:`genie.remote.peer`); :class:`_Refused` otherwise. Main thread, before queueing."""
+    def _put_link(self, h: dict[str, Any]) -> Link:
+        """The session a peer's ``put`` is for, once its ticket is checked (the MAC of the
+        nonce, ids, dtypes and shapes under that session's token; see :mod:`genie.remote.peer`);
+        :class:`_Refused` otherwise."""
         sid, n, ids, o, tk = h.get("sid"), h.get("n"), h.get("ids"), h.get("o"), h.get("tk")
         if not isinstance(sid, bytes) or len(sid) != peer.SESSION_ID_BYTES or \
                 type(n) is not int or n <= 0 or not isinstance(tk, bytes) or \
@@ -547,190 +477,26 @@ class Server:
                 not all(isinstance(m, list) and len(m) == 6 for m in o):
             raise _Refused("protocol", f"a put needs 'ids' (1 to {peer.MAX_VALUES} distinct "
                                        "ids) and one geometry in 'o' per id")
-        with self._lock:
-            tok = next((t for t in self.sessions if peer.session_id(t) == sid), None)
-            sess = self.sessions.get(tok) if tok is not None else None
-        if sess is None:
+        tok = next((t for t in self.links if peer.session_id(t) == sid), None)
+        link = self.links.get(tok) if tok is not None else None
+        if link is None or tok is None:
             raise _Refused("session", "the destination session of this put does not exist "
                                       "(it expired or was closed)")
         try:
-            expect = peer.ticket(tok, n, ids, [[m[1], m[2]] for m in o])  # type: ignore[arg-type]
+            expect = peer.ticket(tok, n, ids, [[m[1], m[2]] for m in o])
         except Exception:
             raise _Refused("protocol", "a put whose dtypes and shapes cannot be signed") from None
         if not hmac.compare_digest(expect, tk):
             raise _Refused("protocol", "the put's ticket does not match its session, nonce, "
                                        "ids, dtypes and shapes (only the session's client can "
                                        "make one)")
-        if n <= sess.put_nonce:
-            raise _Refused("protocol", f"a put ticket used again (nonce {n}, last {sess.put_nonce})")
-        sess.put_nonce = n
-        return tok  # type: ignore[return-value]
+        if n <= link.put_nonce:
+            raise _Refused("protocol", f"a put ticket used again (nonce {n}, last {link.put_nonce})")
+        link.put_nonce = n
+        return link
 
-    def _unknown_session(self) -> str:
-        return ("this session does not exist on the server (it was restarted, or the session "
-                f"expired after {self.lease:g} s without a message); its tensors are gone")
-
-    def _tick(self, now: float) -> None:
-        for ident, (rid, _) in list(self._inflight.items()):
-            self._send(ident, {"t": "busy", "rid": rid})
-        busy = {tok for _, tok in self._inflight.values()}
-        for tok, s in list(self.sessions.items()):
-            if now - s.last_seen > self.lease and tok not in busy:
-                self._queue.put(tok, (None, {"t": "_expire", "s": tok}, [], 0))
-
-    def _send(self, ident: bytes, h: dict[str, Any], frames: Any = ()) -> None:
-        self._sock.send_multipart([ident, pack(h), *frames], copy=False)
-
-    def _send_err(self, ident: bytes, rid: int, kind: str, msg: str) -> None:
-        logger.info("genie-server: refused a request (%s): %s", kind, msg)
-        self._send(ident, {"t": "err", "rid": rid, "kind": kind, "msg": msg})
-
-    def _close(self) -> None:
-        self._queue.close()
-        for w in self._workers:
-            w.join(timeout=30)
-        if self._peers is not None:
-            self._peers.close()
-        self._mon.close(linger=0)
-        with self._lock:
-            for s in self.sessions.values():
-                s.clear()
-            self.sessions.clear()
-        for s in (self._replies, self._sock):
-            s.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-        assert self._ctx is not None
-        self._ctx.term()
-        logger.info("genie-server: stopped")
-
-    # --- worker thread: sessions and execution --------------------------------------------------
-    def _work(self) -> None:
-        assert self._ctx is not None
-        out = self._ctx.socket(zmq.PUSH)
-        out.linger = 0
-        out.connect("inproc://genie-replies")
-        try:
-            while True:
-                got = self._queue.get()
-                if got is None:
-                    return
-                key, (ident, h, frames, nbytes) = got
-                self._meter.begin(key)
-                try:
-                    self._work_one(key, ident, h, frames, out)
-                finally:
-                    self._meter.end()
-                    self._dequeued(h, nbytes)
-                    self._queue.done(key)
-        finally:
-            out.close(linger=0)
-
-    def _work_one(self, key: Any, ident: bytes | None, h: dict[str, Any],
-                  frames: list[zmq.Frame], out: zmq.Socket) -> None:
-        rid = h.get("rid", -1)
-        t0 = time.monotonic()
-        try:
-            with self._stream(key):
-                reply, rframes = self._handle(h, frames, ident)
-            if reply is None:  # a send: the peer thread answers once the peer has the values
-                return
-        except _Refused as e:
-            reply, rframes = {"t": "err", "kind": e.kind, "msg": str(e), **e.extra}, []
-        except ProtocolError as e:
-            reply, rframes = {"t": "err", "kind": "protocol", "msg": str(e)}, []
-        except Exception as e:
-            logger.exception("genie-server: request failed")
-            reply, rframes = {"t": "err", "kind": "internal",
-                              "msg": f"{type(e).__name__}: {e}"}, []
-        if reply.get("t") == "err":
-            logger.info("genie-server: request %s failed (%s): %s", h.get("t"),
-                        reply.get("kind"), reply.get("msg"))
-        if ident is None:
-            return
-        reply["rid"] = rid
-        reply["st"] = round(time.monotonic() - t0, 6)  # the server's own time: the cost model's
-        rframes, counts = split_frames(rframes)
-        if counts is not None:
-            reply["fc"] = counts
-        out.send_multipart([ident, pack(reply), *rframes], copy=False)
-
-    def _stream(self, key: Any) -> Any:
-        """On CUDA, the session's own stream (its transfers and kernels ordered on it, other
-        sessions' work overlapping); elsewhere nothing. Untested here: no GPU on CI."""
-        if self.device.type != "cuda" or not isinstance(key, bytes) or \
-                key.startswith(b"hello:"):
-            return contextlib.nullcontext()
-        if key not in self.sessions:
-            self._streams.pop(key, None)
-            return contextlib.nullcontext()
-        st = self._streams.get(key)
-        if st is None:
-            st = self._streams[key] = torch.cuda.Stream(self.device)
-        return _on_stream(st)
-
-    def _handle(self, h: dict[str, Any], frames: list[zmq.Frame], ident: bytes | None = None
-                ) -> tuple[dict[str, Any] | None, list]:
-        kind = h["t"]
-        if kind == "hello":
-            return self._hello(h), []
-        if kind == "_expire":
-            with self._lock:
-                s = self.sessions.pop(h["s"], None)
-            if s is not None:
-                logger.info("genie-server: session %s expired; freed %d tensors (%d bytes)",
-                            s.token.hex()[:8], *s.residency())
-                s.clear()
-            return {"t": "ok"}, []
-        sess = self.sessions.get(h.get("s"))  # type: ignore[arg-type]
-        if sess is None:
-            raise _Refused("session", self._unknown_session())
-        sess.last_seen = time.monotonic()
-        for hid in _id_list(h.get("free")):
-            sess.drop(hid)
-        if kind == "free":
-            for hid in _id_list(h.get("ids")):
-                sess.drop(hid)
-            room = h.get("room")
-            if room is not None:  # which hinted values would make room for a message
-                if type(room) is not int or not 0 < room <= sess.quota:
-                    raise ProtocolError(f"'room' must be a byte count in 1..{sess.quota} (the "
-                                        f"session's quota), got {room!r:.40}")
-                keep = h.get("keep", [])  # what the refused message reads: not a victim
-                if not isinstance(keep, list) or len(keep) > MAX_HINTS:
-                    raise ProtocolError(f"'keep' must be a list of at most {MAX_HINTS} handle "
-                                        "ids")
-                victims = sess.victims(room, set(_id_list(keep)),
-                                       int(sess.quota * EVICT_SLACK))
-                return {"t": "ok", "res": sess.residency(), "victims": victims or []}, []
-            return {"t": "ok", "res": sess.residency()}, []
-        if kind == "ping":
-            return self._pong(sess, None), []
-        if kind == "send":
-            return self._peer_send(sess, h, ident), []
-        if kind == "put":
-            return self._peer_put(sess, h, frames), []
-        if kind == "bye":
-            with self._lock:
-                self.sessions.pop(sess.token, None)
-            sess.clear()
-            return {"t": "ok"}, []
-        if kind == "get":
-            vals = []
-            for hid in _id_list(h.get("ids")):
-                t = sess.store.get(hid)
-                if t is None:
-                    raise _Refused("protocol", f"no tensor with handle id {hid} in this session")
-                vals.append(t)
-            reply, rframes = _outputs(vals)
-            reply["res"] = sess.residency()
-            return reply, rframes
-        assert kind == "run"
-        return self._run(sess, h, frames)
-
-    def _peer_send(self, sess: Session, h: dict[str, Any], ident: bytes | None) -> None:
-        """Push resident values to a peer server's session (:mod:`genie.remote.peer`): checked
-        here, sent by the peer thread, which answers the client; None (no reply now)."""
+    def _check_send(self, h: dict[str, Any]) -> None:
+        """A ``send``'s fields the front acts on (the worker packs the values)."""
         ids, dids, dest, sk = h.get("ids"), h.get("dids"), h.get("to"), h.get("sk")
         signed, to_s = h.get("o"), h.get("to_s", self.peer_timeout)
         if not isinstance(ids, list) or not 0 < len(ids) <= peer.MAX_VALUES or \
@@ -752,327 +518,263 @@ class Server:
                 not all(type(i) is int and 0 <= i < 1 << 63 for i in dids):
             raise ProtocolError("a send needs 'sid' (8 bytes), 'n' (a positive nonce), 'tk' (a "
                                 "16-byte ticket) and non-negative 'dids'")
-        if sess.sends >= peer.MAX_PENDING:
-            raise _Refused("busy", f"this session already has {sess.sends} transfers under "
-                                   "way; wait for their answers")
-        vals = []
-        for i in ids:
-            t = sess.store.get(i)
-            if t is None:
-                raise _Refused("protocol", f"no tensor with handle id {i} in this session")
-            vals.append(t)
-        geo, frames, nbytes = peer.pack_values(vals)
-        for k, (g, want) in enumerate(zip(geo, signed, strict=True)):
-            if g.signed() != want:
-                raise _Refused("protocol", f"value {k} (handle {ids[k]}) is {g.signed()} on this "
-                                           f"server; the send describes it as {want!r:.60}")
-        header = {"t": "put", "sid": sid, "n": n, "ids": dids, "o": [g.wire() for g in geo],
-                  "tk": tk}
+
+    # --- workers -> front -----------------------------------------------------------------------
+    def _from_worker(self, link: Link) -> None:
+        for _ in range(64):
+            if link.token not in self.links:
+                return
+            try:
+                parts = link.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                internal = unpack(parts[0].buffer)
+            except ProtocolError:
+                internal = {}
+            if not isinstance(internal, dict):
+                internal = {}
+            if "ready" in internal:
+                link.ready = True
+                if link.hello is not None:
+                    ident, rid = link.hello
+                    link.hello = None
+                    self._inflight.pop(ident, None)
+                    logger.info("genie-server: session %s opened (worker %s)",
+                                link.token.hex()[:8], link.pid or internal["ready"])
+                    self._send(ident, {"t": "ok", "rid": rid, "session": link.token,
+                                       "device": str(self.device), "lease": self.lease,
+                                       "quota": self.quota, "torch": torch.__version__,
+                                       "res": [0, 0]})
+                self._pump(link)
+                continue
+            cur, link.cur = link.cur, None
+            if cur is None:
+                continue
+            self._running -= 1
+            ident, rid, nbytes, kind, _ = cur
+            link.queued -= nbytes
+            link.nqueued -= 1
+            u, res, pb = internal.get("u"), internal.get("res"), internal.get("pb")
+            if type(u) is int:
+                link.used = u
+            if isinstance(res, list):
+                link.res = res
+            if isinstance(pb, list):
+                with self._qlock:
+                    link.pb[1] = pb[1]
+            send = internal.get("send")
+            if send is not None and ident is not None:
+                self._peer_send(link, ident, rid, parts)
+            elif ident is not None:
+                self._inflight.pop(ident, None)
+                self._sock.send_multipart([ident, *parts[1:]], copy=False)
+            if kind == "bye":
+                self._end(link, "closed by its client")
+                continue
+            self._pump(link)
+            self._pump_all()
+
+    def _peer_send(self, link: Link, ident: bytes, rid: int, parts: list[Any]) -> None:
+        """Push the values a worker packed to the peer server (:mod:`genie.remote.peer`); the
+        peer thread answers the client once the peer has them."""
+        header = unpack(parts[1].buffer)
+        frames = list(parts[2:])
+        nbytes = sum(len(f) for f in frames)
+        # the request's own fields (validated on arrival): destination, its key, timeout
+        dest, sk, to_s = link.send_to.pop(rid)
 
         def sent(nb: int | None) -> None:  # on the peer thread, once
             with self._qlock:
-                sess.sends -= 1
+                link.sends -= 1
                 if nb is not None:
-                    sess.peer_bytes[0] += nb
+                    link.pb[0] += nb
 
-        assert self._peers is not None and ident is not None
-        with self._qlock:
-            sess.sends += 1
-        self._peers.submit(peer.Outgoing(dest, sk, header, frames, nbytes, ident, h["rid"],
-                                         timeout=min(float(to_s), self.peer_timeout),
-                                         keep=vals, done=sent))
-        return None
-
-    def _peer_put(self, sess: Session, h: dict[str, Any], frames: list[zmq.Frame]
-                  ) -> dict[str, Any]:
-        """Store a peer's values (ticket checked on arrival, :meth:`_put_session`): every
-        geometry checked against its bytes first; the session's quota applies."""
-        frames[:] = join_frames(frames, h.get("fc"))
-        geo = peer.read_geometry(h.get("o"), len(frames))
-        vals = peer.read_values(geo, frames, self.device)
-        added: list[int] = []
-        try:
-            for hid, v in zip(h["ids"], vals, strict=True):
-                sess.put(hid, v)
-                added.append(hid)
-            self._check_quota(sess)
-        except BaseException:
-            for a in added:
-                sess.drop(a)
-            raise
-        nb = sum(frame_view(f).nbytes for f in frames)
-        sess.peer_bytes[1] += nb
         assert self._peers is not None
-        self._peers.received_bytes += nb
-        return {"t": "ok", "pb": nb, "res": sess.residency()}
+        with self._qlock:
+            link.sends += 1
+        self._peers.submit(peer.Outgoing(dest, sk, header, frames, nbytes, ident, rid,
+                                         timeout=min(float(to_s), self.peer_timeout),
+                                         keep=frames, done=sent))
 
-    def _hello(self, h: dict[str, Any]) -> dict[str, Any]:
-        if h.get("v") != PROTOCOL_VERSION:
-            raise _Refused("protocol", f"protocol version {h.get('v')!r}; this server speaks "
-                                       f"{PROTOCOL_VERSION}; install matching Genie versions")
-        with self._lock:
-            if len(self.sessions) >= self.max_sessions:
-                raise _Refused("busy", f"the server already has {self.max_sessions} sessions")
-            tok = secrets.token_bytes(16)
-            self.sessions[tok] = Session(tok, self.quota)
-        logger.info("genie-server: session %s opened", tok.hex()[:8])
-        return {"t": "ok", "session": tok, "device": str(self.device), "lease": self.lease,
-                "quota": self.quota, "torch": torch.__version__, "res": [0, 0]}
-
-    def _run(self, sess: Session, h: dict[str, Any], frames: list[zmq.Frame]
-             ) -> tuple[dict[str, Any], list]:
-        started = time.monotonic()
-        key = h.get("k")
-        id0 = h.get("id0")
-        if not isinstance(key, bytes) or len(key) != 16 or type(id0) is not int or id0 < 0:
-            raise ProtocolError("a run request needs 'k' (16 bytes) and 'id0' (int)")
-        frames[:] = join_frames(frames, h.get("fc"))  # in place: the chunks go at once
-        entry = sess.skeletons.get(key)
-        if "sk" in h:
-            entry = self._add_skeleton(sess, key, h["sk"])
-        if entry is None:
-            return {"t": "miss"}, []
-        sess.skeletons.move_to_end(key)
-        c = entry[0]
-        consts = h.get("c")
-        if consts is None:
-            d = h.get("d")
-            if c.consts is None or not isinstance(d, list) or len(d) % 2:
-                return {"t": "miss"}, []
-            consts = list(c.consts)
-            for i in range(0, len(d), 2):
-                p = d[i]
-                if type(p) is not int or not 0 <= p < len(consts):
-                    raise ProtocolError(f"bad constant position {p!r}")
-                consts[p] = d[i + 1]
-        if not isinstance(consts, list) or len(consts) != c.n_consts:
-            c.consts = None
-            raise ProtocolError(f"the skeleton takes {c.n_consts} constants")
-        c.consts = consts
-        dev = self.device
-        in_slots = set(c.inputs)
-        new_ids = _new_ids(h.get("ids"), id0, sum(1 for s in c.keep if s not in in_slots))
-        hints = _hints(h.get("ev"))
-        ph = h.get("ph", 0)
-        if ph not in (0, 1):
-            raise ProtocolError(f"'ph' (the tape is a decode step) must be 0 or 1, got {ph!r:.40}")
-        sess.decoding = ph == 1
-        sess.tick += 1
-        protect: set[int] = set()
-        added: list[int] = []
+    def _from_zygote(self) -> None:
+        assert self._ctl is not None
         try:
-            inputs: dict[int, Any] = {}
-            for s, v in zip(c.inputs, consts, strict=False):  # inputs come first
-                if type(v) is int:
-                    t = sess.store.get(v)
-                    if t is None:
-                        raise _Refused("protocol", f"no tensor with handle id {v} in this session"
-                                                   " (freed, or never created)")
-                    protect.add(v)
-                    sess.used_at[v] = sess.tick
-                elif type(v) is InputUpload:
-                    if v.ref.index >= len(frames):
-                        raise ProtocolError(f"tensor frame {v.ref.index} is missing")
-                    t = _device_value(frame_tensor(frames[v.ref.index], v.ref, copy=False), dev)
-                    sess.put(v.hid, t)
-                    added.append(v.hid)
-                    protect.add(v.hid)
-                else:
-                    raise ProtocolError(f"bad input {v!r:.60}")
-                inputs[s] = t
-            if hints:  # every hinted id must be the session's: held, made or freed by this
-                made = set(new_ids) | set(added)  # request (a hint races its value's free)
-                freed = set(_id_list(h.get("free")))
-                bad = [hid for hid, _ in hints
-                       if hid not in made and hid not in sess.store and hid not in freed]
-                if bad:
-                    raise ProtocolError(f"residency hints name handle ids {bad[:8]} that this "
-                                        "session neither holds nor creates (nor frees) in this "
-                                        "request; a hint may only name the session's own values")
-                _apply_hints(sess, [(i, c) for i, c in hints if i not in made])  # held now
-            self._check_quota(sess, protect)
-            inputs_before = set(inputs)
-            tape = fill(c, consts, frames, inputs, upload=lambda t: _device_value(t, dev))
-            # uploads inside the tape are inputs now, not yet counted in the session
-            uploaded = sum(t.untyped_storage().nbytes() for sl, t in tape.inputs.items()
-                           if sl not in inputs_before)
-            ix = IndexCheck(tape, self.index_check) if self.index_check else None
+            data = self._ctl.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            logger.error("genie-server: the zygote (the process that starts session workers) "
+                         "exited; new sessions are refused")
+            assert self._poller is not None
+            self._poller.unregister(self._ctl.fileno())
+            return
+        self._ctl_buf += data
+        while len(self._ctl_buf) >= 4:
+            (n,) = struct.unpack_from("<I", self._ctl_buf)
+            if len(self._ctl_buf) < 4 + n:
+                return
+            msg = json.loads(self._ctl_buf[4:4 + n])
+            self._ctl_buf = self._ctl_buf[4 + n:]
+            if "pid" in msg:
+                link = self.links.get(bytes.fromhex(msg["token"]))
+                if link is not None:
+                    link.pid = msg["pid"]
+                    self._by_pid[link.pid] = link
+                else:  # the session ended before its worker started
+                    with contextlib.suppress(OSError):
+                        os.kill(msg["pid"], signal.SIGKILL)
+            elif "dead" in msg:
+                link = self._by_pid.pop(msg["dead"], None)
+                if link is not None and link.token in self.links:
+                    self._worker_died(link, msg.get("signal"), msg.get("code"))
+
+    def _worker_died(self, link: Link, sig: int | None, code: int | None) -> None:
+        """A session's worker ended on its own (a crash) or was killed for a deadline: its
+        client is told, the session is gone; no other session is touched."""
+        if link.killed is not None:
+            kind, msg = "timeout", link.killed
+        else:
+            how = (f"killed by signal {signal.Signals(sig).name}" if sig else
+                   f"exited with status {code}")
+            what = f" while running a {link.cur[3]} request" if link.cur else ""
+            kind, msg = "session", (
+                f"the session's worker process {how}{what} (a kernel crashed or ran out of "
+                f"memory); the session and its {link.res[0]} resident tensors are gone. Other "
+                "sessions are not affected. Run the failing program eagerly on the CPU to find "
+                "the op, or report it with the server's log")
+        logger.warning("genie-server: session %s: %s", link.token.hex()[:8], msg)
+        victims = [(p[0], p[2]) for p in link.pending]
+        if link.cur is not None:
+            victims.insert(0, (link.cur[0], link.cur[1]))
+            self._running -= 1
+            link.cur = None
+        link.pending.clear()
+        for ident, rid in victims:
+            if ident is not None:
+                self._inflight.pop(ident, None)
+                self._send_err(ident, rid, kind, msg)
+        if link.hello is not None:
+            self._send_err(link.hello[0], link.hello[1], "internal",
+                           f"the session's worker did not start ({msg})")
+            link.hello = None
+        self._end(link, None)
+        self._pump_all()
+
+    def _end(self, link: Link, why: str | None) -> None:
+        """Close a session: its worker exits on the front's goodbye (or is killed)."""
+        self.links.pop(link.token, None)
+        self._by_sock.pop(link.sock, None)
+        with contextlib.suppress(Exception):
+            self._poller.unregister(link.sock)
+        if link.ready and link.pid in self._by_pid:
+            with contextlib.suppress(zmq.ZMQError):
+                link.sock.send(b"", zmq.NOBLOCK)
+        with contextlib.suppress(OSError):
+            os.unlink(link.sock.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("ipc://"))
+        link.sock.close(linger=100)
+        if link.pid and link.pid in self._by_pid and not link.ready:
+            with contextlib.suppress(OSError):
+                os.kill(link.pid, signal.SIGKILL)
+        if why is not None:
+            logger.info("genie-server: session %s %s; freed %d tensors (%d bytes)",
+                        link.token.hex()[:8], why, *link.res)
+
+    # --- housekeeping -----------------------------------------------------------------------------
+    def _disconnects(self) -> None:
+        """Peers that went away: their queued requests are dropped, never run (a tape that
+        already runs finishes; its reply goes nowhere)."""
+        while self._mon.poll(0):
+            ev = recv_monitor_message(self._mon)
+            if ev["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            ident = self._fd_ident.pop(ev["value"], None)
+            if ident is None:
+                continue
+            self._inflight.pop(ident, None)
+            n = 0
+            for link in self.links.values():
+                keep = collections.deque()
+                for item in link.pending:
+                    if item[0] == ident:
+                        link.queued -= item[3]
+                        link.nqueued -= 1
+                        n += 1
+                    else:
+                        keep.append(item)
+                link.pending = keep
+            if n:
+                logger.info("genie-server: a client disconnected; %d queued request(s) "
+                            "cancelled", n)
+
+    def _unknown_session(self) -> str:
+        return ("this session does not exist on the server (it was restarted, or the session "
+                f"expired after {self.lease:g} s without a message, or its worker died); its "
+                "tensors are gone")
+
+    def _tick(self, now: float) -> None:
+        for ident, (rid, _) in list(self._inflight.items()):
+            self._send(ident, {"t": "busy", "rid": rid})
+        hard = self.max_run_seconds * (1 + HARD_GRACE) + HARD_GRACE
+        for link in list(self.links.values()):
+            if link.cur is not None and link.killed is None and now - link.cur[4] > hard:
+                link.killed = (f"a {link.cur[3]} request ran {now - link.cur[4]:.1f} s, past the "
+                               f"server's limit of {self.max_run_seconds:g} s (--max-run-seconds)"
+                               " inside one kernel; the session's worker was stopped and the "
+                               f"session's {link.res[0]} resident tensors are gone. Split the "
+                               "work into smaller materializations")
+                with contextlib.suppress(OSError):
+                    os.kill(link.pid, signal.SIGKILL)
+            elif not link.ready and now - link.born > SPAWN_TIMEOUT:
+                self._worker_died(link, None, None)
+            elif link.cur is None and not link.pending and link.ready and \
+                    now - link.last_seen > self.lease:
+                self._end(link, f"expired after {self.lease:g} s without a message")
+
+    def _send(self, ident: bytes, h: dict[str, Any], frames: Any = ()) -> None:
+        self._sock.send_multipart([ident, pack(h), *frames], copy=False)
+
+    def _send_err(self, ident: bytes, rid: int, kind: str, msg: str) -> None:
+        logger.info("genie-server: refused a request (%s): %s", kind, msg)
+        self._send(ident, {"t": "err", "rid": rid, "kind": kind, "msg": msg})
+
+    def _close(self) -> None:
+        for link in list(self.links.values()):
+            self._end(link, "closed: the server stops")
+        if self._peers is not None:
+            self._peers.close()
+        if self._ctl is not None:
+            self._ctl.close()  # the zygote kills what is left and exits
+        if self._zygote is not None:
             try:
-                kept = run_guarded(tape, dev, sess.quota - sess.used() - uploaded,
-                                   started + self.max_run_seconds, self.max_run_seconds, ix)
-            except QuotaError as e:
-                if not e.ran:  # nothing ran: evicting hinted values lets it run as sent
-                    self._pressure(sess, e.need - e.budget, protect)
-                raise _Refused("quota", f"{e}{self._by_role(sess)}") from None
-            except RunTimeout as e:
-                raise _Refused("timeout", str(e)) from None
-            except ExecutionError as e:
-                for a in added:
-                    sess.drop(a)
-                cause = e.__cause__ or e
-                # the skeleton's instruction index (fill turned its uploads into inputs)
-                ran = [i for i, t in enumerate(c.templates) if t.op != UPLOAD]
-                i = ran[e.index] if e.index is not None and e.index < len(ran) else -1
-                return {"t": "err", "kind": "exec", "etype": type(cause).__name__,
-                        "msg": str(cause), "i": i, **_index_counts(ix)}, []
-            sess.refresh(tape.inputs.values())  # resize_ of a resident tensor grows it
-            new = iter(new_ids)
-            for s in c.keep:
-                if s not in in_slots:
-                    hid = next(new)
-                    sess.put(hid, kept[s])
-                    added.append(hid)
-            self._check_quota(sess)
-        except BaseException:
-            for a in added:
-                sess.drop(a)
-            raise
-        _apply_hints(sess, hints)  # the values this request made too, now that they exist
-        reply, rframes = _outputs([kept[s] for s in c.outputs])
-        reply["res"] = sess.residency()
-        reply.update(_index_counts(ix))
-        return reply, rframes
-
-    def _add_skeleton(self, sess: Session, key: bytes, sk: Any) -> tuple[Compiled, int]:
-        """Compile and cache a skeleton under the hash of its bytes, within the session's
-        skeleton share of the quota (least recently used ones evicted; the client resends)."""
-        if not isinstance(sk, bytes):
-            raise ProtocolError("'sk' must be bytes")
-        if hashlib.blake2b(sk, digest_size=16).digest() != key:
-            raise ProtocolError("the skeleton's key is not the BLAKE2b-128 hash of its "
-                                "bytes; the server caches skeletons by their hash")
-        cost = len(sk) * SKELETON_COST
-        cap = int(sess.quota * SKELETON_SHARE)
-        if cost > cap:
-            raise _Refused("quota", f"a tape skeleton of {len(sk)} bytes (~{cost} bytes "
-                                    f"compiled) passes the session's skeleton share of the "
-                                    f"quota ({cap} bytes); materialize smaller pieces")
-        old = sess.skeletons.pop(key, None)
-        if old is not None:
-            sess.skel_bytes -= old[1]
-        while sess.skeletons and (sess.skel_bytes + cost > cap or
-                                  len(sess.skeletons) >= SKELETON_CACHE):
-            _, (_, n) = sess.skeletons.popitem(last=False)
-            sess.skel_bytes -= n
-        entry = (compile_skeleton(sk), cost)
-        sess.skeletons[key] = entry
-        sess.skel_bytes += cost
-        return entry
-
-    def _check_quota(self, sess: Session, protect: set[int] | None = None) -> None:
-        if sess.used() > sess.quota:
-            if protect is not None:
-                self._pressure(sess, sess.used() - sess.quota, protect)
-            raise _Refused("quota", f"the session would hold {sess.nbytes} bytes on "
-                                    f"{self.device} (and {sess.skel_bytes} bytes of cached "
-                                    f"tapes); its quota is {sess.quota} bytes (server "
-                                    "flag --quota). Free tensors (del) or raise the quota."
-                                    f"{self._by_role(sess)}")
-
-    def _pressure(self, sess: Session, need: int, protect: set[int]) -> None:
-        """Raise a ``pressure`` refusal naming the values whose eviction frees ``need`` bytes,
-        if hinted values can; return when they cannot (the caller refuses with ``quota``)."""
-        victims = sess.victims(need, protect, int(sess.quota * EVICT_SLACK))
-        if victims:
-            raise _Refused("pressure", f"the request needs {need} more bytes than the session's "
-                                       f"quota of {sess.quota} leaves; evict {len(victims)} "
-                                       "values and send it again", need=need, victims=victims)
-
-    @staticmethod
-    def _by_role(sess: Session) -> str:
-        roles = sess.by_role()
-        if not roles:
-            return ""
-        what = ", ".join(f"{r} {n} values ({b} bytes)" for r, (n, b) in sorted(roles.items()))
-        return (f". Resident by role: {what}; only hinted values (activations first) can be "
-                "evicted, never the tape's own inputs, nor weights and KV caches while "
-                "decoding")
+                self._zygote.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._zygote.kill()
+        self._mon.close(linger=0)
+        for s in (self._replies, self._sock):
+            s.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        assert self._ctx is not None
+        self._ctx.term()
+        shutil.rmtree(self._rundir, ignore_errors=True)
+        logger.info("genie-server: stopped")
 
 
-@contextlib.contextmanager
-def _on_stream(st: Any) -> Any:
-    """Run a request on CUDA stream ``st``; its work is finished when the request is."""
-    with torch.cuda.stream(st):
-        yield
-    st.synchronize()
+class _Refused(Exception):
+    """A request the front refuses: ``kind`` goes to the client with the message."""
+
+    def __init__(self, kind: str, msg: str) -> None:
+        super().__init__(msg)
+        self.kind = kind
+
+
+def _send_line(s: socket.socket, obj: dict[str, Any]) -> None:
+    data = json.dumps(obj).encode()
+    s.sendall(struct.pack("<I", len(data)) + data)
 
 
 _CHECKS = {"all": "on", "cpu": "on for the CPU kernels that do not check", None: "off"}
-
-
-def _index_counts(ix: IndexCheck | None) -> dict[str, Any]:
-    """A run reply's ``ix``: the index tensors the run checked, its syncs and the instructions
-    it refused (when it checked any)."""
-    return {"ix": [ix.tensors, ix.syncs, ix.refused]} if ix is not None and \
-        (ix.tensors or ix.refused) else {}
-
-
-def _new_ids(ids: Any, id0: int, n: int) -> list[int]:
-    """Handle ids for a run's ``n`` new kept values: ``id0, id0 + 1, ...``, or the explicit
-    list ``ids`` (a restore puts values back under the ids they had)."""
-    if ids is None:
-        return list(range(id0, id0 + n))
-    if not isinstance(ids, list) or len(ids) != n or \
-            not all(type(i) is int and i >= 0 for i in ids) or len(set(ids)) != n:
-        raise ProtocolError(f"'ids' must list {n} distinct non-negative handle ids (one per new "
-                            f"kept value), got {ids!r:.80}")
-    return ids
-
-
-def _apply_hints(sess: Session, hints: list[tuple[int, int]]) -> None:
-    """Record role hints on the session's held values, only ever more evictable (a lower
-    code); ids the session does not hold are skipped (validated before)."""
-    for hid, code in hints:
-        if hid in sess.store:
-            old = sess.roles.get(hid)
-            if old is None or code < old:
-                sess.roles[hid] = code
-
-
-def _hints(ev: Any) -> list[tuple[int, int]]:
-    """Residency hints ``[hid, role code, ...]`` as pairs; ProtocolError when malformed."""
-    if ev is None:
-        return []
-    if not isinstance(ev, list) or len(ev) % 2 or len(ev) > 2 * MAX_HINTS:
-        raise ProtocolError(f"residency hints ('ev') must be a flat list of at most {MAX_HINTS} "
-                            "[handle id, role code] pairs")
-    out = []
-    for i in range(0, len(ev), 2):
-        hid, code = ev[i], ev[i + 1]
-        if type(hid) is not int or hid < 0 or type(code) is not int or \
-                not 0 <= code < len(ROLES):
-            raise ProtocolError(f"bad residency hint [{hid!r:.20}, {code!r:.20}]: a handle id "
-                                f"(int >= 0) and a role code 0..{len(ROLES) - 1} "
-                                f"({', '.join(ROLES)})")
-        out.append((hid, code))
-    return out
-
-
-def _id_list(x: Any) -> list[int]:
-    if x is None:
-        return []
-    if not isinstance(x, list):
-        raise ProtocolError("a handle id list must be a list")
-    return [i for i in x if type(i) is int]
-
-
-def _device_value(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """An uploaded frame's tensor as the session's value: moved to ``dev``, or on the CPU the
-    frame's memory itself when it is :data:`ALIGN`-aligned (else an aligned copy)."""
-    if dev.type != "cpu":
-        return t.to(dev)
-    return t if t.data_ptr() % ALIGN == 0 else t.clone(memory_format=torch.preserve_format)
-
-
-def _outputs(vals: list[torch.Tensor]) -> tuple[dict[str, Any], list[Any]]:
-    metas, frames = [], []
-    for v in vals:
-        if not isinstance(v, torch.Tensor):
-            raise _Refused("internal", f"an output is a {type(v).__name__}, not a tensor")
-        buf, meta = tensor_frame(v)
-        metas.append(meta)
-        frames.append(buf)
-    return {"t": "ok", "o": metas}, frames
 
 
 # --- keys ---------------------------------------------------------------------------------------
@@ -1177,11 +879,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-run-seconds", type=float, default=MAX_RUN_SECONDS,
                    help="a tape running longer is stopped between two instructions and its "
                    f"client told (default {MAX_RUN_SECONDS:g})")
-    p.add_argument("--workers", type=int, default=4,
-                   help="threads that run requests; sessions take turns, one session's "
-                   "requests run in order (default 4)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="at most this many sessions run a request at once, the others' "
+                   "requests wait their turn (each session runs in its own process; default 0: "
+                   "no cap, the OS shares the device's cores among them)")
     p.add_argument("--threads", type=int, default=0,
-                   help="intra-op CPU threads (torch.set_num_threads; default: torch's choice)")
+                   help="intra-op CPU threads of each session's worker (torch.set_num_threads; "
+                   "default: torch's choice)")
     p.add_argument("--peer-keys", default=None,
                    help="connection file whose client key pair this server uses with its peers "
                    "(server-to-server transfers; default: the client pair of --keys, which the "
@@ -1199,16 +903,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    if a.threads > 0:
-        torch.set_num_threads(a.threads)
-    # the server runs tapes itself: never forward them to another server
-    os.environ.pop("GENIE_SERVER", None)
-    backends.set_backends([n for n in backends.backend_order() if n != "remote"])
+    os.environ.pop("GENIE_SERVER", None)  # the workers run tapes themselves
     server = Server(device, a.listen, insecure=a.insecure, keys_dir=a.keys, lease=a.lease,
                     quota=a.quota, max_message=a.max_message, max_sessions=a.max_sessions,
                     workers=a.workers, max_run_seconds=a.max_run_seconds,
                     peer_keys=a.peer_keys, peer_timeout=a.peer_timeout,
-                    index_check=a.index_check)
+                    index_check=a.index_check, threads=a.threads)
     server.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())

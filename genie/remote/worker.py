@@ -1,0 +1,905 @@
+"""A session's worker: the sandboxed process that holds one session's tensors and runs its tapes.
+
+``genie-server`` runs no client's kernel in its own process. Its front (:mod:`.server`)
+authenticates, decodes headers and routes; each session lives in a process of its own, forked
+from a *zygote* the front starts once (a fresh interpreter that imported torch and Genie and
+never ran a kernel, so a fork is ~10 ms and inherits no thread pool, lock or CUDA context).
+
+What a worker can reach: its session's store, compiled skeletons and accounting
+(:class:`Session`), and one ZeroMQ ``PAIR`` socket to the front over a Unix socket in a
+directory only the server's user can open. It has no listening socket, no other session's
+memory, no peer links (the front sends a transfer's bytes), and it cannot create files
+(``RLIMIT_FSIZE`` 0) or dump core. Where the kernel allows it (root, or unprivileged user
+namespaces), it has no network at all: it is moved into a network namespace of its own with only
+a loopback device. Its memory is bounded by the OS (``RLIMIT_DATA`` = what it had at fork plus
+twice the session's quota plus :data:`DATA_SLACK`; on CUDA the caching allocator's per-process
+fraction), so the quota holds where the accounting misses a transient (a meta-less kernel's
+output, an ``mm`` temporary). A kernel that crashes, reads past its buffer or hangs costs this
+process only: the front sees it die (the zygote reaps it and reports the signal), tells the
+session's client, and every other session keeps its process, its values and its speed.
+
+Protocol with the front (all messages multipart):
+
+- front -> worker: ``[header, *frames]``, the client's header bytes and tensor frames as they
+  came (a peer's ``put`` too, its ticket checked by the front).
+- worker -> front: ``[internal, header, *frames]``: ``internal`` is a msgpack map the front reads
+  (``u``: bytes counted against the quota, ``res``: residency, ``pb``: peer bytes), ``header`` and
+  ``frames`` go to the requester unchanged. For a ``send`` the worker answers
+  ``[internal with "send": {...}, b"", *value frames]``: the front pushes them to the peer.
+- On start the worker sends ``[{"ready": pid}]``.
+
+Requests of one session run in order, one at a time (the front forwards the next when the last
+is answered).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import resource
+import select
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from .. import backends, tape_io
+from ..errors import ExecutionError
+from ..index_check import IndexCheck
+from . import ProtocolError, allowlist, peer
+from .guard import QuotaError, RunTimeout, run_guarded
+from .protocol import (
+    ALIGN,
+    DECODE_PINNED,
+    MAX_HINTS,
+    ROLES,
+    UPLOAD,
+    Compiled,
+    InputUpload,
+    compile_skeleton,
+    fill,
+    frame_tensor,
+    frame_view,
+    join_frames,
+    pack,
+    split_frames,
+    tensor_frame,
+    unpack,
+)
+
+logger = logging.getLogger("genie.server.worker")
+
+SKELETON_CACHE = 256
+#: cached skeletons of a session may take this share of its quota (least recently used evicted)
+SKELETON_SHARE = 0.25
+#: bytes a compiled skeleton is counted per byte of its packed form (measured: ~24x for a
+#: 243-instruction MLP tape, tracemalloc)
+SKELETON_COST = 32
+#: under pressure, victims free the deficit plus this share of the quota (fewer pressure rounds)
+EVICT_SLACK = 0.125
+#: what a resident handle costs against the quota whatever its bytes (its tensor object, its
+#: entries here): a million zero-byte handles are ~800 MB of the worker's memory, not nothing
+HANDLE_COST = 1024
+#: handles one session may hold
+MAX_HANDLES = 1 << 18
+#: bytes a worker may allocate beyond what it had at fork and twice its quota (the interpreter's
+#: own growth: compiled skeletons' Python objects, allocator caches)
+DATA_SLACK = 512 << 20
+#: the test-only kernels (a segfault, an out-of-bounds read) are registered in workers started
+#: with this variable set to 1; never in production
+TEST_KERNELS_ENV = "GENIE_SERVER_TEST_KERNELS"
+
+
+class Refused(Exception):
+    """A request the server refuses: ``kind`` goes to the client with the message."""
+
+    def __init__(self, kind: str, msg: str, **extra: Any) -> None:
+        super().__init__(msg)
+        self.kind = kind
+        self.extra = extra
+
+
+@dataclass
+class Session:
+    """One client's state: resident tensors by handle id, compiled skeletons, accounting.
+
+    Storages are keyed by their ``StorageImpl`` (``_cdata``), which a resize keeps (its data
+    pointer changes); each entry is ``[tensors holding it, bytes counted]``. Every handle also
+    costs :data:`HANDLE_COST` bytes.
+    """
+
+    token: bytes
+    quota: int
+    store: dict[int, torch.Tensor] = field(default_factory=dict)
+    skeletons: collections.OrderedDict[bytes, tuple[Compiled, int]] = field(
+        default_factory=collections.OrderedDict)
+    storages: dict[int, list[int]] = field(default_factory=dict)
+    nbytes: int = 0
+    skel_bytes: int = 0
+    peer_bytes: list[int] = field(default_factory=lambda: [0, 0])
+    # residency: role code of hinted (evictable) handles, last use of each handle (a counter),
+    # and whether the last tape was a decode step (its weights and KV caches stay)
+    roles: dict[int, int] = field(default_factory=dict)
+    used_at: dict[int, int] = field(default_factory=dict)
+    tick: int = 0
+    decoding: bool = False
+
+    def put(self, hid: int, t: Any) -> None:
+        if hid in self.store:
+            raise Refused("protocol", f"handle id {hid} is already in use")
+        if not isinstance(t, torch.Tensor):
+            raise Refused("protocol", f"a kept value is a {type(t).__name__}, not a tensor")
+        if len(self.store) >= MAX_HANDLES:
+            raise Refused("quota", f"the session holds {len(self.store)} values, the most a "
+                                   "session may hold; free tensors (del) first")
+        self.store[hid] = t
+        self.used_at[hid] = self.tick
+        st = t.untyped_storage()
+        e = self.storages.get(st._cdata)
+        if e is None:
+            self.storages[st._cdata] = [1, st.nbytes()]
+            self.nbytes += st.nbytes()
+        else:
+            e[0] += 1
+
+    def drop(self, hid: Any) -> None:
+        t = self.store.pop(hid, None) if type(hid) is int else None
+        if t is None:
+            return
+        self.roles.pop(hid, None)
+        self.used_at.pop(hid, None)
+        key = t.untyped_storage()._cdata
+        e = self.storages.get(key)
+        if e is None:  # never: every stored tensor is counted; but freeing must not fail
+            return
+        e[0] -= 1
+        if e[0] == 0:
+            del self.storages[key]
+            self.nbytes -= e[1]
+
+    def refresh(self, tensors: Any) -> None:
+        """Recount the storages of ``tensors`` (a tape may have resized them in place)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                e = self.storages.get(st._cdata)
+                if e is not None and e[1] != st.nbytes():
+                    self.nbytes += st.nbytes() - e[1]
+                    e[1] = st.nbytes()
+
+    def used(self) -> int:
+        """Bytes counted against the quota: resident storages, handles, cached skeletons."""
+        return self.nbytes + self.skel_bytes + HANDLE_COST * len(self.store)
+
+    def clear(self) -> None:
+        self.store.clear()
+        self.roles.clear()
+        self.used_at.clear()
+        self.storages.clear()
+        self.skeletons.clear()
+        self.nbytes = 0
+        self.skel_bytes = 0
+
+    def residency(self) -> list[int]:
+        return [len(self.store), self.nbytes]
+
+    def by_role(self) -> dict[str, list[int]]:
+        """``role -> [values, bytes]`` of what the session holds (``unhinted``: no hint; a
+        storage counted once, under its first value's role)."""
+        out: dict[str, list[int]] = {}
+        seen: set[int] = set()
+        for hid, t in self.store.items():
+            key = t.untyped_storage()._cdata
+            code = self.roles.get(hid)
+            e = out.setdefault(ROLES[code] if code is not None else "unhinted", [0, 0])
+            e[0] += 1
+            if key not in seen:
+                seen.add(key)
+                e[1] += self.storages[key][1] if key in self.storages else 0
+        return out
+
+    def victims(self, need: int, protect: set[int], slack: int) -> list[int] | None:
+        """Hinted values whose storages free at least ``need`` bytes (up to ``need + slack``),
+        in eviction order, or None when everything evictable frees less.
+
+        A storage is evictable when one hinted value holds it, not in ``protect``
+        (the pending tape's inputs); while the session decodes, weights and KV caches are not.
+        Order: role code (activations first), then least recently used.
+        """
+        by_st: dict[int, list[int]] = {}
+        for hid, t in self.store.items():
+            by_st.setdefault(t.untyped_storage()._cdata, []).append(hid)
+        cands = []
+        for key, hids in by_st.items():
+            codes = [self.roles.get(h) for h in hids]
+            # values sharing a storage (a view and its base) would not share it once restored
+            if len(hids) > 1 or None in codes or not protect.isdisjoint(hids):
+                continue
+            code = max(c for c in codes if c is not None)
+            if self.decoding and code in DECODE_PINNED:
+                continue
+            cands.append((code, max(self.used_at.get(h, 0) for h in hids), key, hids))
+        cands.sort()
+        out: list[int] = []
+        freed = 0
+        for _, _, key, hids in cands:
+            if freed >= need + slack:
+                break
+            out.extend(hids)
+            freed += self.storages[key][1] if key in self.storages else 0
+        return out if freed >= need else None
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a worker needs of the server's flags (sent to the zygote as JSON at its start)."""
+
+    device: str
+    quota: int
+    max_run_seconds: float
+    index_check: str | None
+    threads: int = 0
+    test_kernels: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @staticmethod
+    def from_json(s: str) -> Config:
+        return Config(**json.loads(s))
+
+
+class Worker:
+    """One session's request handler, in the session's own process."""
+
+    def __init__(self, token: bytes, cfg: Config) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.index_check = cfg.index_check
+        self.sess = Session(token, cfg.quota)
+
+    # --- dispatch ---------------------------------------------------------------------------------
+    def handle(self, h: dict[str, Any], frames: list[Any]
+               ) -> tuple[dict[str, Any], list[Any], dict[str, Any] | None]:
+        """``(reply, reply frames, send)``: ``send`` is a peer transfer for the front to make."""
+        kind = h.get("t")
+        sess = self.sess
+        for hid in _id_list(h.get("free")):
+            sess.drop(hid)
+        if kind == "free":
+            for hid in _id_list(h.get("ids")):
+                sess.drop(hid)
+            room = h.get("room")
+            if room is not None:  # which hinted values would make room for a message
+                if type(room) is not int or not 0 < room <= sess.quota:
+                    raise ProtocolError(f"'room' must be a byte count in 1..{sess.quota} (the "
+                                        f"session's quota), got {room!r:.40}")
+                keep = h.get("keep", [])  # what the refused message reads: not a victim
+                if not isinstance(keep, list) or len(keep) > MAX_HINTS:
+                    raise ProtocolError(f"'keep' must be a list of at most {MAX_HINTS} handle "
+                                        "ids")
+                victims = sess.victims(room, set(_id_list(keep)),
+                                       int(sess.quota * EVICT_SLACK))
+                return {"t": "ok", "res": sess.residency(), "victims": victims or []}, [], None
+            return {"t": "ok", "res": sess.residency()}, [], None
+        if kind == "ping":
+            return {"t": "ok", "res": sess.residency(), "pb": sess.peer_bytes}, [], None
+        if kind == "send":
+            return self._peer_send(h)
+        if kind == "put":
+            return self._peer_put(h, frames), [], None
+        if kind == "bye":
+            sess.clear()
+            return {"t": "ok"}, [], None
+        if kind == "get":
+            vals = []
+            for hid in _id_list(h.get("ids")):
+                t = sess.store.get(hid)
+                if t is None:
+                    raise Refused("protocol", f"no tensor with handle id {hid} in this session")
+                vals.append(t)
+            reply, rframes = _outputs(vals)
+            reply["res"] = sess.residency()
+            return reply, rframes, None
+        if kind == "run":
+            reply, rframes = self._run(h, frames)
+            return reply, rframes, None
+        raise ProtocolError(f"a session does not take {kind!r:.40} requests")
+
+    # --- peers ------------------------------------------------------------------------------------
+    def _peer_send(self, h: dict[str, Any]) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
+        """The values of a ``send`` packed for the peer (the front checked the header's shape and
+        makes the transfer); the reply header is the ``put`` the front sends."""
+        ids, signed = h.get("ids"), h.get("o")
+        vals = []
+        for i in ids:  # type: ignore[union-attr]
+            t = self.sess.store.get(i)
+            if t is None:
+                raise Refused("protocol", f"no tensor with handle id {i} in this session")
+            vals.append(t)
+        geo, frames, nbytes = peer.pack_values(vals)
+        for k, (g, want) in enumerate(zip(geo, signed, strict=True)):  # type: ignore[arg-type]
+            if g.signed() != want:
+                raise Refused("protocol", f"value {k} (handle {ids[k]}) is {g.signed()} on this "  # type: ignore[index]
+                                          f"server; the send describes it as {want!r:.60}")
+        put = {"t": "put", "sid": h["sid"], "n": h["n"], "ids": h["dids"],
+               "o": [g.wire() for g in geo], "tk": h["tk"]}
+        return put, frames, {"nbytes": nbytes}
+
+    def _peer_put(self, h: dict[str, Any], frames: list[Any]) -> dict[str, Any]:
+        """Store a peer's values (its ticket checked by the front): every geometry checked
+        against its bytes first; the session's quota applies."""
+        sess = self.sess
+        frames[:] = join_frames(frames, h.get("fc"))
+        ids = h.get("ids")
+        geo = peer.read_geometry(h.get("o"), len(frames))
+        if not isinstance(ids, list) or len(ids) != len(geo):
+            raise ProtocolError("a put needs one id per geometry")
+        vals = peer.read_values(geo, frames, self.device)
+        added: list[int] = []
+        try:
+            for hid, v in zip(ids, vals, strict=True):
+                sess.put(hid, v)
+                added.append(hid)
+            self._check_quota()
+        except BaseException:
+            for a in added:
+                sess.drop(a)
+            raise
+        nb = sum(frame_view(f).nbytes for f in frames)
+        sess.peer_bytes[1] += nb
+        return {"t": "ok", "pb": nb, "res": sess.residency()}
+
+    # --- tapes --------------------------------------------------------------------------------
+    def _run(self, h: dict[str, Any], frames: list[Any]) -> tuple[dict[str, Any], list]:
+        sess = self.sess
+        started = time.monotonic()
+        key = h.get("k")
+        id0 = h.get("id0")
+        if not isinstance(key, bytes) or len(key) != 16 or type(id0) is not int or id0 < 0:
+            raise ProtocolError("a run request needs 'k' (16 bytes) and 'id0' (int)")
+        frames[:] = join_frames(frames, h.get("fc"))  # in place: the chunks go at once
+        entry = sess.skeletons.get(key)
+        if "sk" in h:
+            entry = self._add_skeleton(key, h["sk"])
+        if entry is None:
+            return {"t": "miss"}, []
+        sess.skeletons.move_to_end(key)
+        c = entry[0]
+        consts = h.get("c")
+        if consts is None:
+            d = h.get("d")
+            if c.consts is None or not isinstance(d, list) or len(d) % 2:
+                return {"t": "miss"}, []
+            consts = list(c.consts)
+            for i in range(0, len(d), 2):
+                p = d[i]
+                if type(p) is not int or not 0 <= p < len(consts):
+                    raise ProtocolError(f"bad constant position {p!r}")
+                consts[p] = d[i + 1]
+        if not isinstance(consts, list) or len(consts) != c.n_consts:
+            c.consts = None
+            raise ProtocolError(f"the skeleton takes {c.n_consts} constants")
+        c.consts = consts
+        dev = self.device
+        in_slots = set(c.inputs)
+        new_ids = _new_ids(h.get("ids"), id0, sum(1 for s in c.keep if s not in in_slots))
+        hints = _hints(h.get("ev"))
+        ph = h.get("ph", 0)
+        if ph not in (0, 1):
+            raise ProtocolError(f"'ph' (the tape is a decode step) must be 0 or 1, got {ph!r:.40}")
+        sess.decoding = ph == 1
+        sess.tick += 1
+        protect: set[int] = set()
+        added: list[int] = []
+        ix = None
+        try:
+            inputs: dict[int, Any] = {}
+            for s, v in zip(c.inputs, consts, strict=False):  # inputs come first
+                if type(v) is int:
+                    t = sess.store.get(v)
+                    if t is None:
+                        raise Refused("protocol", f"no tensor with handle id {v} in this session"
+                                                  " (freed, or never created)")
+                    protect.add(v)
+                    sess.used_at[v] = sess.tick
+                elif type(v) is InputUpload:
+                    if v.ref.index >= len(frames):
+                        raise ProtocolError(f"tensor frame {v.ref.index} is missing")
+                    t = _device_value(frame_tensor(frames[v.ref.index], v.ref, copy=False), dev)
+                    sess.put(v.hid, t)
+                    added.append(v.hid)
+                    protect.add(v.hid)
+                else:
+                    raise ProtocolError(f"bad input {v!r:.60}")
+                inputs[s] = t
+            if hints:  # every hinted id must be the session's: held, made or freed by this
+                made = set(new_ids) | set(added)  # request (a hint races its value's free)
+                freed = set(_id_list(h.get("free")))
+                bad = [hid for hid, _ in hints
+                       if hid not in made and hid not in sess.store and hid not in freed]
+                if bad:
+                    raise ProtocolError(f"residency hints name handle ids {bad[:8]} that this "
+                                        "session neither holds nor creates (nor frees) in this "
+                                        "request; a hint may only name the session's own values")
+                _apply_hints(sess, [(i, c) for i, c in hints if i not in made])  # held now
+            self._check_quota(protect)
+            inputs_before = set(inputs)
+            tape = fill(c, consts, frames, inputs, upload=lambda t: _device_value(t, dev))
+            # uploads inside the tape are inputs now, not yet counted in the session
+            uploaded = sum(t.untyped_storage().nbytes() for sl, t in tape.inputs.items()
+                           if sl not in inputs_before)
+            ix = IndexCheck(tape, self.index_check) if self.index_check else None
+            try:
+                kept = run_guarded(tape, dev, sess.quota - sess.used() - uploaded,
+                                   started + self.cfg.max_run_seconds, self.cfg.max_run_seconds,
+                                   ix)
+            except QuotaError as e:
+                if not e.ran:  # nothing ran: evicting hinted values lets it run as sent
+                    self._pressure(e.need - e.budget, protect)
+                raise Refused("quota", f"{e}{self._by_role()}") from None
+            except RunTimeout as e:
+                raise Refused("timeout", str(e)) from None
+            except ExecutionError as e:
+                for a in added:
+                    sess.drop(a)
+                added.clear()
+                cause = e.__cause__ or e
+                if isinstance(cause, MemoryError) or "can't allocate memory" in str(cause) or \
+                        "DefaultCPUAllocator" in str(cause):
+                    cause = MemoryError(f"{cause} (the session's worker may not allocate past "
+                                        f"twice its quota of {sess.quota} bytes)")
+                # the skeleton's instruction index (fill turned its uploads into inputs)
+                ran = [i for i, t in enumerate(c.templates) if t.op != UPLOAD]
+                i = ran[e.index] if e.index is not None and e.index < len(ran) else -1
+                return {"t": "err", "kind": "exec", "etype": type(cause).__name__,
+                        "msg": str(cause), "i": i, **_index_counts(ix)}, []
+            sess.refresh(tape.inputs.values())  # resize_ of a resident tensor grows it
+            new = iter(new_ids)
+            for s in c.keep:
+                if s not in in_slots:
+                    hid = next(new)
+                    sess.put(hid, kept[s])
+                    added.append(hid)
+            self._check_quota()
+        except BaseException:
+            for a in added:
+                sess.drop(a)
+            raise
+        _apply_hints(sess, hints)  # the values this request made too, now that they exist
+        reply, rframes = _outputs([kept[s] for s in c.outputs])
+        reply["res"] = sess.residency()
+        reply.update(_index_counts(ix))
+        return reply, rframes
+
+    def _add_skeleton(self, key: bytes, sk: Any) -> tuple[Compiled, int]:
+        """Compile and cache a skeleton under the hash of its bytes, within the session's
+        skeleton share of the quota (least recently used ones evicted; the client resends)."""
+        sess = self.sess
+        if not isinstance(sk, bytes):
+            raise ProtocolError("'sk' must be bytes")
+        if hashlib.blake2b(sk, digest_size=16).digest() != key:
+            raise ProtocolError("the skeleton's key is not the BLAKE2b-128 hash of its "
+                                "bytes; the server caches skeletons by their hash")
+        cost = len(sk) * SKELETON_COST
+        cap = int(sess.quota * SKELETON_SHARE)
+        if cost > cap:
+            raise Refused("quota", f"a tape skeleton of {len(sk)} bytes (~{cost} bytes "
+                                   f"compiled) passes the session's skeleton share of the "
+                                   f"quota ({cap} bytes); materialize smaller pieces")
+        old = sess.skeletons.pop(key, None)
+        if old is not None:
+            sess.skel_bytes -= old[1]
+        while sess.skeletons and (sess.skel_bytes + cost > cap or
+                                  len(sess.skeletons) >= SKELETON_CACHE):
+            _, (_, n) = sess.skeletons.popitem(last=False)
+            sess.skel_bytes -= n
+        entry = (compile_skeleton(sk), cost)
+        sess.skeletons[key] = entry
+        sess.skel_bytes += cost
+        return entry
+
+    def _check_quota(self, protect: set[int] | None = None) -> None:
+        sess = self.sess
+        if sess.used() > sess.quota:
+            if protect is not None:
+                self._pressure(sess.used() - sess.quota, protect)
+            raise Refused("quota", f"the session would hold {sess.nbytes} bytes in "
+                                   f"{len(sess.store)} values on {self.device} (and "
+                                   f"{sess.skel_bytes} bytes of cached tapes); its quota is "
+                                   f"{sess.quota} bytes (server flag --quota). Free tensors "
+                                   f"(del) or raise the quota.{self._by_role()}")
+
+    def _pressure(self, need: int, protect: set[int]) -> None:
+        """Raise a ``pressure`` refusal naming the values whose eviction frees ``need`` bytes,
+        if hinted values can; return when they cannot (the caller refuses with ``quota``)."""
+        sess = self.sess
+        victims = sess.victims(need, protect, int(sess.quota * EVICT_SLACK))
+        if victims:
+            raise Refused("pressure", f"the request needs {need} more bytes than the session's "
+                                      f"quota of {sess.quota} leaves; evict {len(victims)} "
+                                      "values and send it again", need=need, victims=victims)
+
+    def _by_role(self) -> str:
+        roles = self.sess.by_role()
+        if not roles:
+            return ""
+        what = ", ".join(f"{r} {n} values ({b} bytes)" for r, (n, b) in sorted(roles.items()))
+        return (f". Resident by role: {what}; only hinted values (activations first) can be "
+                "evicted, never the tape's own inputs, nor weights and KV caches while "
+                "decoding")
+
+
+def _index_counts(ix: IndexCheck | None) -> dict[str, Any]:
+    """A run reply's ``ix``: the index tensors the run checked, its syncs and the instructions
+    it refused (when it checked any)."""
+    return {"ix": [ix.tensors, ix.syncs, ix.refused]} if ix is not None and \
+        (ix.tensors or ix.refused) else {}
+
+
+def _new_ids(ids: Any, id0: int, n: int) -> list[int]:
+    """Handle ids for a run's ``n`` new kept values: ``id0, id0 + 1, ...``, or the explicit
+    list ``ids`` (a restore puts values back under the ids they had)."""
+    if ids is None:
+        return list(range(id0, id0 + n))
+    if not isinstance(ids, list) or len(ids) != n or \
+            not all(type(i) is int and i >= 0 for i in ids) or len(set(ids)) != n:
+        raise ProtocolError(f"'ids' must list {n} distinct non-negative handle ids (one per new "
+                            f"kept value), got {ids!r:.80}")
+    return ids
+
+
+def _apply_hints(sess: Session, hints: list[tuple[int, int]]) -> None:
+    """Record role hints on the session's held values, only ever more evictable (a lower
+    code); ids the session does not hold are skipped (validated before)."""
+    for hid, code in hints:
+        if hid in sess.store:
+            old = sess.roles.get(hid)
+            if old is None or code < old:
+                sess.roles[hid] = code
+
+
+def _hints(ev: Any) -> list[tuple[int, int]]:
+    """Residency hints ``[hid, role code, ...]`` as pairs; ProtocolError when malformed."""
+    if ev is None:
+        return []
+    if not isinstance(ev, list) or len(ev) % 2 or len(ev) > 2 * MAX_HINTS:
+        raise ProtocolError(f"residency hints ('ev') must be a flat list of at most {MAX_HINTS} "
+                            "[handle id, role code] pairs")
+    out = []
+    for i in range(0, len(ev), 2):
+        hid, code = ev[i], ev[i + 1]
+        if type(hid) is not int or hid < 0 or type(code) is not int or \
+                not 0 <= code < len(ROLES):
+            raise ProtocolError(f"bad residency hint [{hid!r:.20}, {code!r:.20}]: a handle id "
+                                f"(int >= 0) and a role code 0..{len(ROLES) - 1} "
+                                f"({', '.join(ROLES)})")
+        out.append((hid, code))
+    return out
+
+
+def _id_list(x: Any) -> list[int]:
+    if x is None:
+        return []
+    if not isinstance(x, list):
+        raise ProtocolError("a handle id list must be a list")
+    return [i for i in x if type(i) is int]
+
+
+def _device_value(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """An uploaded frame's tensor as the session's value: moved to ``dev``, or on the CPU the
+    frame's memory itself when it is :data:`ALIGN`-aligned (else an aligned copy)."""
+    if dev.type != "cpu":
+        return t.to(dev)
+    return t if t.data_ptr() % ALIGN == 0 else t.clone(memory_format=torch.preserve_format)
+
+
+def _outputs(vals: list[torch.Tensor]) -> tuple[dict[str, Any], list[Any]]:
+    metas, frames = [], []
+    for v in vals:
+        if not isinstance(v, torch.Tensor):
+            raise Refused("internal", f"an output is a {type(v).__name__}, not a tensor")
+        buf, meta = tensor_frame(v)
+        metas.append(meta)
+        frames.append(buf)
+    return {"t": "ok", "o": metas}, frames
+
+
+# --- the worker process ---------------------------------------------------------------------------
+
+def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
+    """The worker's loop: connect to the front, answer requests until the front goes away."""
+    w = Worker(token, cfg)
+    ctx = zmq.Context(1)
+    sock = ctx.socket(zmq.PAIR)
+    sock.linger = 0
+    sock.connect(endpoint)
+    sock.send_multipart([pack({"ready": os.getpid()})])
+    sess = w.sess
+    try:
+        while True:
+            parts = sock.recv_multipart(copy=False)
+            if not parts or not parts[0].bytes:
+                return  # the front's goodbye
+            t0 = time.monotonic()
+            send = None
+            h: Any = None
+            try:
+                h = unpack(parts[0].buffer)
+                if not isinstance(h, dict):
+                    raise ProtocolError("a header must be a map")
+                reply, rframes, send = w.handle(h, list(parts[1:]))
+            except Refused as e:
+                reply, rframes = {"t": "err", "kind": e.kind, "msg": str(e), **e.extra}, []
+            except ProtocolError as e:
+                reply, rframes = {"t": "err", "kind": "protocol", "msg": str(e)}, []
+            except Exception as e:
+                logger.exception("genie-server: request failed")
+                reply, rframes = {"t": "err", "kind": "internal",
+                                  "msg": f"{type(e).__name__}: {e}"}, []
+            if reply.get("t") == "err":
+                logger.info("genie-server: request %s failed (%s): %s",
+                            h.get("t") if isinstance(h, dict) else "?", reply.get("kind"),
+                            reply.get("msg"))
+            internal: dict[str, Any] = {"u": sess.used(), "res": sess.residency(),
+                                        "pb": sess.peer_bytes}
+            if send is not None:
+                internal["send"] = send
+                sock.send_multipart([pack(internal), pack(reply), *rframes], copy=False)
+                continue
+            reply["rid"] = h.get("rid", -1) if isinstance(h, dict) else -1
+            reply["st"] = round(time.monotonic() - t0, 6)  # the server's own time
+            rframes, counts = split_frames(rframes)
+            if counts is not None:
+                reply["fc"] = counts
+            sock.send_multipart([pack(internal), pack(reply), *rframes], copy=False)
+    except zmq.ContextTerminated:
+        return
+    finally:
+        sess.clear()
+        sock.close(linger=0)
+        ctx.term()
+
+
+# --- sandbox --------------------------------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWUSER = 0x10000000
+
+
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere nothing)."""
+    with contextlib.suppress(Exception):
+        _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _no_network() -> bool:
+    """Move this process into a network namespace of its own (no interface but a loopback that
+    is down): True when the kernel allowed it. Unix sockets by path keep working."""
+    libc = _libc()
+    if libc.unshare(_CLONE_NEWNET) == 0:
+        return True
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+        return False
+    with contextlib.suppress(OSError):  # keep our own ids inside the user namespace
+        with open("/proc/self/setgroups", "w") as f:
+            f.write("deny")
+        with open("/proc/self/uid_map", "w") as f:
+            f.write(f"{uid} {uid} 1")
+        with open("/proc/self/gid_map", "w") as f:
+            f.write(f"{gid} {gid} 1")
+    return True
+
+
+def vm_data() -> int:
+    """This process's private writable memory (``VmData``), bytes: what ``RLIMIT_DATA`` bounds."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def sandbox(cfg: Config) -> dict[str, Any]:
+    """Confine this (freshly forked) worker; returns what took effect, for the front's log."""
+    done: dict[str, Any] = {}
+    tempfile.gettempdir()  # cached now: later calls (torch's) must not probe by writing a file
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        done["core"] = 0
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+        done["fsize"] = 0
+    if torch.device(cfg.device).type == "cpu":
+        limit = vm_data() + 2 * cfg.quota + DATA_SLACK
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+            done["data"] = limit
+    done["netns"] = _no_network()
+    return done
+
+
+def _cuda_limit(cfg: Config) -> None:
+    dev = torch.device(cfg.device)
+    if dev.type == "cuda":  # the caching allocator refuses past the quota's share (and slack)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (2 * cfg.quota) / total), dev)
+
+
+# --- test-only kernels ----------------------------------------------------------------------------
+
+def register_test_kernels() -> list[str]:
+    """Kernels that misbehave as a buggy one would, for the isolation tests: ``segfault(x)``
+    dereferences a null pointer; ``overread(x, n)`` returns ``n`` bytes starting at ``x``'s data,
+    whatever lies past its end. Registered (and admitted by the server) only when the server runs
+    with ``GENIE_SERVER_TEST_KERNELS=1``; clients define the same schemas to record them."""
+    lib = define_test_ops()
+    lib.impl("segfault", _segfault_impl, "CPU")
+    lib.impl("overread", _overread_impl, "CPU")
+    tape_io.ALLOWED_NAMESPACES = (*tape_io.ALLOWED_NAMESPACES, "genie_test")
+    allowlist.TEST_OPS.update({"genie_test::segfault.default", "genie_test::overread.default"})
+    return sorted(allowlist.TEST_OPS)
+
+
+_test_lib: Any = None
+
+
+def define_test_ops() -> Any:
+    """The ``genie_test`` schemas with meta kernels (a client records them with these)."""
+    global _test_lib
+    if _test_lib is None:
+        lib = torch.library.Library("genie_test", "DEF")
+        lib.define("segfault(Tensor x) -> Tensor")
+        lib.define("overread(Tensor x, int n) -> Tensor")
+        lib.impl("segfault", lambda x: torch.empty_like(x), "Meta")
+        lib.impl("overread", lambda x, n: torch.empty(n, dtype=torch.uint8, device="meta"),
+                 "Meta")
+        _test_lib = lib
+    return _test_lib
+
+
+def _segfault_impl(x: torch.Tensor) -> torch.Tensor:
+    ctypes.string_at(0, 1)  # SIGSEGV
+    return x.clone()
+
+
+def _overread_impl(x: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(ctypes.string_at(x.data_ptr(), n)), dtype=torch.uint8)
+
+
+# --- the zygote -----------------------------------------------------------------------------------
+
+def _send_line(s: socket.socket, obj: dict[str, Any]) -> None:
+    data = json.dumps(obj).encode()
+    s.sendall(struct.pack("<I", len(data)) + data)
+
+
+def zygote(ctl_fd: int, cfg: Config) -> int:
+    """Fork a worker per ``spawn`` line from the front; report each worker's death.
+
+    Control protocol (length-prefixed JSON over the inherited socket): front -> zygote
+    ``{"spawn": token hex, "endpoint": path}``; zygote -> front ``{"zygote": pid}`` once it is
+    ready, ``{"pid": n, "token": hex}`` after a
+    fork, ``{"dead": pid, "signal": n or null, "code": n or null}`` when a worker ended. The zygote
+    exits when the front closes the socket (and dies with the front)."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctl = socket.socket(fileno=ctl_fd)
+    _send_line(ctl, {"zygote": os.getpid()})
+    buf = b""
+    children: set[int] = set()
+    while True:
+        r, _, _ = select.select([ctl], [], [], 0.1)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            _send_line(ctl, {"dead": pid,
+                             "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                             "code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None})
+        if not r:
+            continue
+        data = ctl.recv(1 << 16)
+        if not data:
+            for pid in children:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            return 0
+        buf += data
+        while len(buf) >= 4:
+            (n,) = struct.unpack_from("<I", buf)
+            if len(buf) < 4 + n:
+                break
+            msg = json.loads(buf[4:4 + n])
+            buf = buf[4 + n:]
+            pid = os.fork()
+            if pid == 0:  # the worker
+                code = 0
+                try:
+                    ctl.close()
+                    _worker_main(msg["endpoint"], bytes.fromhex(msg["spawn"]), cfg)
+                except BaseException:  # noqa: BLE001 - a worker must never return into the loop
+                    logging.getLogger("genie.server.worker").exception("worker failed")
+                    code = 1
+                finally:
+                    os._exit(code)
+            children.add(pid)
+            _send_line(ctl, {"pid": pid, "token": msg["spawn"]})
+
+
+def _worker_main(endpoint: str, token: bytes, cfg: Config) -> None:
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    got = sandbox(cfg)
+    _cuda_limit(cfg)
+    logger.debug("genie-server: worker %d sandboxed: %s", os.getpid(), got)
+    serve_session(endpoint, token, cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m genie.remote.worker FD CONFIG_JSON``: the zygote (started by the front)."""
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=os.environ.get("GENIE_LOG_LEVEL", "WARNING").upper(),
+                        format="%(asctime)s %(name)s: %(message)s")
+    cfg = Config.from_json(argv[1])
+    os.environ.pop("GENIE_SERVER", None)  # the worker runs tapes itself
+    backends.set_backends([n for n in backends.backend_order() if n != "remote"])
+    if cfg.test_kernels:
+        register_test_kernels()
+    warm()
+    return zygote(int(argv[0]), cfg)
+
+
+def warm() -> None:
+    """What every worker would otherwise load on its first tape (seconds: sympy and torch's
+    reference implementations, imported lazily by meta kernels), loaded once in the zygote.
+    Meta tensors only: no CPU kernel runs here, so no thread pool exists to be forked."""
+    import torch._decomp  # noqa: F401
+    import torch._refs  # noqa: F401
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+
+    aten = torch.ops.aten
+    m = torch.empty(4, 4, device="meta")
+    i = torch.zeros(4, dtype=torch.long, device="meta")
+    with contextlib.suppress(Exception):
+        aten.randn.default([4, 4], device="meta")
+        aten.rand.default([4, 4], device="meta")
+        aten.arange.start_step(0, 4, 1, device="meta")
+        aten.full.default([4], 1.0, device="meta")
+        for f in (aten.relu.default, aten.neg.default, aten.exp.default, aten.sum.default):
+            f(m)
+        aten.add.Tensor(m, m)
+        aten.mm.default(m, m)
+        aten.embedding.default(m, i)
+        aten.index_select.default(m, 0, i)
+        aten._softmax.default(m, -1, False)
+        aten.native_layer_norm.default(m, [4], None, None, 1e-5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
