@@ -177,12 +177,16 @@ def _analyze(op: Any) -> OpPolicy:
 
 
 def _float_values_matter(schema: Any) -> bool:
+    """Whether a float argument's value (not only its type) can decide an output's metadata:
+    a float-typed argument, or Scalars of an op with no tensor input other than its ``out=``
+    (a factory: ``arange.out(end)`` sizes its output by ``end``)."""
     has_tensor = False
     for a in schema.arguments:
         t = str(a.type)  # e.g. "Tensor", "List[Tensor]", "float", "Optional[List[float]]"
         if "float" in t:
             return True
-        if "Tensor" in t:
+        if "Tensor" in t and not (a.kwarg_only and a.alias_info is not None and
+                                  a.alias_info.is_write):
             has_tensor = True
     return not has_tensor
 

@@ -439,31 +439,34 @@ def _has_device_arg(op: Any) -> bool:
 
 
 def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | None = None,
-                limit: float = 0.0, index_check: IndexCheck | None = None) -> dict[int, Any]:
+                limit: float = 0.0, index_check: IndexCheck | None = None,
+                info: dict[str, Any] | None = None) -> dict[int, Any]:
     """Vet ``tape`` against ``budget`` free bytes, then run it on ``dev`` before ``deadline``
     (``time.monotonic()``); returns the values of ``tape.keep`` and ``tape.outputs``.
 
     With ``index_check`` (an :class:`~genie.index_check.IndexCheck` made for this tape), the
     index arguments of indexing ops are checked on the device before their kernels run: an
     out-of-range one is an :class:`ExecutionError` with eager's exception, never a kernel's
-    device-side assert."""
+    device-side assert.
+
+    ``info``, when given, receives ``peak`` (the vetted working set) and ``whole`` (True when
+    one vet covered the whole tape: no op whose output size depends on data), what a caller
+    needs to run the same structure and shapes again without vetting it."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    env: dict[int, Any] = dict(tape.inputs)
-    resident = {}
-    for v in env.values():
-        if isinstance(v, torch.Tensor):
-            st = v.untyped_storage()
-            resident[st._cdata] = st.nbytes()
-    baseline = _host_bytes(tape)
+    env, resident, baseline = _start(tape)
     n = len(tape.instrs)
     ix = index_check
     with _disable_current_modes(), torch.no_grad():
         try:
-            checked = vet(tape, 0, env, budget, resident, baseline, deadline, limit).upto
+            first = vet(tape, 0, env, budget, resident, baseline, deadline, limit)
         except QuotaError as e:
             e.ran = False
             raise
+        checked = first.upto
+        if info is not None:
+            info["peak"] = first.peak
+            info["whole"] = checked >= n
         for i, ins in enumerate(tape.instrs):
             if deadline is not None and time.monotonic() > deadline:
                 raise RunTimeout(i, n, limit)
@@ -487,6 +490,34 @@ def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | No
                 checked = vet(tape, i + 1, env, budget, resident, baseline, deadline,
                               limit).upto
     return {s: env[s] for s in (*tape.keep, *tape.outputs)}
+
+
+def _start(tape: Tape) -> tuple[dict[int, Any], dict[int, int], int]:
+    """A run's environment (the tape's inputs), the bytes of the storages it already holds,
+    and the bytes of its host constants."""
+    env: dict[int, Any] = dict(tape.inputs)
+    resident = {}
+    for v in env.values():
+        if isinstance(v, torch.Tensor):
+            st = v.untyped_storage()
+            resident[st._cdata] = st.nbytes()
+    return env, resident, _host_bytes(tape)
+
+
+def vet_tape(tape: Tape, budget: int, deadline: float | None = None,
+             limit: float = 0.0) -> Vetted:
+    """:func:`vet` of a whole tape before it runs (nothing runs): where vetting stopped (``upto``
+    < the tape's length at an op whose output size depends on data) and the peak working set.
+    :class:`QuotaError` (``ran`` False) past ``budget``."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    env, resident, baseline = _start(tape)
+    with _disable_current_modes(), torch.no_grad():
+        try:
+            return vet(tape, 0, env, budget, resident, baseline, deadline, limit)
+        except QuotaError as e:
+            e.ran = False
+            raise
 
 
 def _memory_kind(op: Any) -> int:

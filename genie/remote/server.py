@@ -693,7 +693,11 @@ class Server:
                 continue
             self._inflight.pop(ident, None)
             n = 0
-            for link in self.links.values():
+            for link in list(self.links.values()):
+                if link.hello is not None and link.hello[0] == ident:  # nobody to answer
+                    self._end(link, "closed: its client went away before it opened")
+                    n += 1
+                    continue
                 keep = collections.deque()
                 for item in link.pending:
                     if item[0] == ident:

@@ -59,7 +59,10 @@ from .. import backends, tape_io
 from ..errors import ExecutionError
 from ..index_check import IndexCheck
 from . import ProtocolError, allowlist, peer
-from .guard import QuotaError, RunTimeout, run_guarded
+from ..backends import native_replay
+from ..meta import policy
+from ..planner import MetaArg, Slot, Tape
+from .guard import QuotaError, RunTimeout, run_guarded, vet_tape
 from .protocol import (
     ALIGN,
     DECODE_PINNED,
@@ -97,6 +100,9 @@ MAX_HANDLES = 1 << 18
 #: bytes a worker may allocate beyond what it had at fork and twice its quota (the interpreter's
 #: own growth: compiled skeletons' Python objects, allocator caches)
 DATA_SLACK = 512 << 20
+#: vetted (structure, shapes) and native programs a session keeps (cleared when full)
+MAX_VETTED = 4096
+MAX_PROGRAMS = 256
 #: the test-only kernels (a segfault, an out-of-bounds read) are registered in workers started
 #: with this variable set to 1; never in production
 TEST_KERNELS_ENV = "GENIE_SERVER_TEST_KERNELS"
@@ -269,6 +275,12 @@ class Worker:
         self.device = torch.device(cfg.device)
         self.index_check = cfg.index_check
         self.sess = Session(token, cfg.quota)
+        # vet once, replay natively (:meth:`_replay`): vetted peaks by structure and shapes,
+        # native programs by structure and the constants they bake, structures with barriers
+        self.vetted: dict[Any, int] = {}
+        self.programs: dict[Any, Any] = {}
+        self.barriers: set[bytes] = set()
+        self.replays = 0
 
     # --- dispatch ---------------------------------------------------------------------------------
     def handle(self, h: dict[str, Any], frames: list[Any]
@@ -442,10 +454,13 @@ class Worker:
             uploaded = sum(t.untyped_storage().nbytes() for sl, t in tape.inputs.items()
                            if sl not in inputs_before)
             ix = IndexCheck(tape, self.index_check) if self.index_check else None
+            budget = sess.quota - sess.used() - uploaded
             try:
-                kept = run_guarded(tape, dev, sess.quota - sess.used() - uploaded,
-                                   started + self.cfg.max_run_seconds, self.cfg.max_run_seconds,
-                                   ix)
+                kept = self._replay(key, tape, budget, started) if ix is None or not ix.plan \
+                    else None
+                if kept is None:
+                    kept = run_guarded(tape, dev, budget, started + self.cfg.max_run_seconds,
+                                       self.cfg.max_run_seconds, ix)
             except QuotaError as e:
                 if not e.ran:  # nothing ran: evicting hinted values lets it run as sent
                     self._pressure(e.need - e.budget, protect)
@@ -483,6 +498,55 @@ class Worker:
         reply["res"] = sess.residency()
         reply.update(_index_counts(ix))
         return reply, rframes
+
+    def _replay(self, key: bytes, tape: Tape, budget: int, started: float
+                ) -> dict[int, Any] | None:
+        """Vet once, replay natively: a tape whose structure and shapes this session has vetted
+        before runs without vetting; every tape of a structure runs as one native program
+        (:mod:`genie.backends.native_replay`, compiled once per structure, shapes as
+        parameters). None: run it through the guard (an op whose output size depends on data;
+        a structure the native replay cannot compile)."""
+        if key in self.barriers:
+            return None
+        vkey = shape_key(key, tape)
+        peak = self.vetted.get(vkey) if vkey is not None else None
+        if peak is None:
+            v = vet_tape(tape, budget, started + self.cfg.max_run_seconds,
+                         self.cfg.max_run_seconds)
+            if v.upto < len(tape.instrs):  # data-dependent sizes: vetted step by step
+                self.barriers.add(key)
+                return None
+            peak = v.peak
+            if vkey is not None:
+                if len(self.vetted) >= MAX_VETTED:
+                    self.vetted.clear()
+                self.vetted[vkey] = peak
+        elif peak > budget:
+            e = QuotaError(0, "the tape", peak, budget)
+            e.ran = False
+            raise e
+        pkey = (key, vkey[1] if vkey is not None else None)
+        prog = self.programs.get(pkey)
+        if prog is None:
+            full = Tape(tape.instrs, tape.inputs, tape.outputs, set(tape.keep) |
+                        set(tape.outputs), [], {})
+            try:
+                prog = native_replay.compile_tape(full, generic=True)
+            except Exception as e:  # noqa: BLE001 - what it cannot compile is interpreted
+                logger.debug("genie-server: not replayed natively (%s)", e)
+                prog = False
+            if len(self.programs) >= MAX_PROGRAMS:
+                self.programs.clear()
+            self.programs[pkey] = prog
+        if prog is False:
+            return None
+        self.replays += 1
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return prog(tape, self.device)
+        finally:
+            torch._C._set_grad_enabled(grad)
 
     def _add_skeleton(self, key: bytes, sk: Any) -> tuple[Compiled, int]:
         """Compile and cache a skeleton under the hash of its bytes, within the session's
@@ -540,6 +604,42 @@ class Worker:
         return (f". Resident by role: {what}; only hinted values (activations first) can be "
                 "evicted, never the tape's own inputs, nor weights and KV caches while "
                 "decoding")
+
+
+def shape_key(key: bytes, tape: Tape) -> tuple[bytes, tuple, tuple] | None:
+    """``(skeleton key, baked constants, shapes)`` of one call of a skeleton, or None when a
+    constant cannot be keyed. *Baked* are the constants a native program holds as compiled
+    (bools, dtypes, strings, devices, None, ...: see ``native_replay.compile_tape``); *shapes*
+    are the inputs' layouts and storage sizes, every int, every host tensor's and metadata
+    argument's layout, and the floats of ops whose float values decide sizes: what decides the
+    vet's result. Random seeds are not constants (``Instr.rng``), so they never miss."""
+    baked: list[Any] = []
+    shapes: list[Any] = []
+    for s, v in tape.inputs.items():
+        shapes.append((s, tuple(v.shape), v.stride(), v.storage_offset(), v.dtype,
+                       v.untyped_storage().nbytes()))
+    for ins in tape.instrs:
+        floats = policy(ins.op).float_values_matter
+        for x in ins.leaves:
+            t = type(x)
+            if t is Slot:
+                continue
+            if t is int:
+                shapes.append(x)
+            elif t is float:
+                shapes.append(x if floats else float)
+            elif t is MetaArg:
+                m = x.meta
+                shapes.append((m.shape, m.stride, m.dtype))
+            elif isinstance(x, torch.Tensor):
+                shapes.append((tuple(x.shape), x.stride(), x.dtype))
+            elif x is None or t is bool or t is str or t is complex or t is torch.dtype or \
+                    t is torch.device or t is torch.layout or t is torch.memory_format:
+                baked.append((t, x))
+            else:
+                return None
+        shapes.append(len(ins.leaves))
+    return key, tuple(baked), tuple(shapes)
 
 
 def _index_counts(ix: IndexCheck | None) -> dict[str, Any]:
@@ -750,12 +850,15 @@ def register_test_kernels() -> list[str]:
     """Kernels that misbehave as a buggy one would, for the isolation tests: ``segfault(x)``
     dereferences a null pointer; ``overread(x, n)`` returns ``n`` bytes starting at ``x``'s data,
     whatever lies past its end. Registered (and admitted by the server) only when the server runs
-    with ``GENIE_SERVER_TEST_KERNELS=1``; clients define the same schemas to record them."""
+    with ``GENIE_SERVER_TEST_KERNELS=1``; clients define the same schemas to record them.
+    ``spin(x, seconds)`` keeps a core busy for ``seconds`` inside one kernel."""
     lib = define_test_ops()
     lib.impl("segfault", _segfault_impl, "CPU")
     lib.impl("overread", _overread_impl, "CPU")
+    lib.impl("spin", _spin_impl, "CPU")
     tape_io.ALLOWED_NAMESPACES = (*tape_io.ALLOWED_NAMESPACES, "genie_test")
-    allowlist.TEST_OPS.update({"genie_test::segfault.default", "genie_test::overread.default"})
+    allowlist.TEST_OPS.update({"genie_test::segfault.default", "genie_test::overread.default",
+                               "genie_test::spin.default"})
     return sorted(allowlist.TEST_OPS)
 
 
@@ -769,6 +872,8 @@ def define_test_ops() -> Any:
         lib = torch.library.Library("genie_test", "DEF")
         lib.define("segfault(Tensor x) -> Tensor")
         lib.define("overread(Tensor x, int n) -> Tensor")
+        lib.define("spin(Tensor x, float seconds) -> Tensor")
+        lib.impl("spin", lambda x, seconds: torch.empty_like(x), "Meta")
         lib.impl("segfault", lambda x: torch.empty_like(x), "Meta")
         lib.impl("overread", lambda x, n: torch.empty(n, dtype=torch.uint8, device="meta"),
                  "Meta")
@@ -777,7 +882,15 @@ def define_test_ops() -> Any:
 
 
 def _segfault_impl(x: torch.Tensor) -> torch.Tensor:
-    ctypes.string_at(0, 1)  # SIGSEGV
+    ctypes.string_at(0xFFFFFFFFFFFFF000, 1)  # kernel space: SIGSEGV (page 0 may be mapped)
+    os.kill(os.getpid(), signal.SIGSEGV)
+    return x.clone()
+
+
+def _spin_impl(x: torch.Tensor, seconds: float) -> torch.Tensor:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:  # one kernel that keeps a core busy and does not return
+        pass
     return x.clone()
 
 

@@ -2,9 +2,11 @@
 client's long tape.
 
 One ``--insecure`` server on 127.0.0.1 per case; the long tape runs in a client *process* (another
-client, as in production); the short request in this one. With ``--workers 4`` the short request
-completes while the long tape still runs; with ``--workers 1`` it waits for it (the contrast
-shows the test can fail), and a queued request of a client that disconnects is cancelled.
+client, as in production); the short request in this one. Each session runs in its own worker
+process. With no cap (the default) or ``--workers 4`` the short request completes while the long
+tape still runs; with ``--workers 1`` (at most one session runs at a time) it waits for it (the
+contrast shows the test can fail), and a queued request of a client that disconnects is
+cancelled.
 Ordering is asserted, not timings (those are in bench/bench_remote.py).
 """
 
@@ -48,7 +50,7 @@ def _long_client(addr: str, n: int = 400) -> subprocess.Popen:
     return p
 
 
-@pytest.mark.parametrize("workers", [4, 1])
+@pytest.mark.parametrize("workers", [0, 4, 1])
 def test_short_request_while_another_clients_long_tape_runs(workers: int) -> None:
     [(srv, addr)] = spawn_servers(1, "--workers", str(workers), "--log-level", "INFO")
     long = None
@@ -66,7 +68,12 @@ def test_short_request_while_another_clients_long_tape_runs(workers: int) -> Non
             s.connect(addr)
             from genie.remote.protocol import PROTOCOL_VERSION, pack
 
+            from genie.remote.protocol import unpack
+
             s.send_multipart([pack({"t": "hello", "rid": 1, "v": PROTOCOL_VERSION})])
+            assert s.poll(30000), "no answer to hello"  # sessions open whatever runs
+            tok = unpack(s.recv_multipart()[0])["session"]
+            s.send_multipart([pack({"t": "free", "rid": 2, "s": tok, "ids": []})])
             time.sleep(0.3)
             s.close(linger=0)
             ctx.term()

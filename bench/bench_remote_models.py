@@ -1,0 +1,224 @@
+"""Real models through a loopback ``genie-server`` (issue 27): what a user's step costs remotely.
+
+The workloads of the host-cost issue, each interleaved with eager PyTorch in the same process
+(``interleave``: per-round ratios, median), through one CURVE server on 127.0.0.1 (the default
+security; client and server one intra-op thread each, ``GENIE_BENCH_THREADS``):
+
+- GPT-2 12x768 (vocab 1000) decode step after a 64-token prompt, KV cache growing, logits
+  materialized every step;
+- GPT-2 4x128 greedy ``generate`` of 32 tokens, a prompt length never seen before every call,
+  called as most scripts call it (no ``attention_mask``);
+- MLP 4 x Linear(256) + ReLU, batch 32, MSE, AdamW, ``loss.item()`` every step;
+- a 1-op tape's round trip (``(x + 1).cpu()`` of a resident 6-element value): the fixed cost of a
+  request, isolation included (front, worker, and back);
+- a 128 MiB upload (``t.to(dev)`` then ``.sum().item()``), MB/s.
+
+With ``GENIE_BENCH_BASE=PATH`` (a checkout of an earlier tree with its native module built, e.g.
+a ``git worktree`` of the commit before the session-worker server), every row is measured again
+against a server started from that tree, interleaved with eager in the same way, so the cost of
+the redesign is read as the ratio of the two rows' ratios (each against eager in its own run).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import genie
+
+zmq = pytest.importorskip("zmq")
+transformers = pytest.importorskip("transformers")
+
+SUITE = "bench_remote_models: real models through a loopback genie-server (CURVE)"
+DEV = "remote_accelerator:0"
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = 64
+DECODE_STEPS = 4
+NEW_TOKENS = 32
+
+
+def _trees() -> dict[str, Path]:
+    trees = {"server": ROOT}
+    base = os.environ.get("GENIE_BENCH_BASE")
+    if base:
+        trees["base server"] = Path(base).resolve()
+    return trees
+
+
+class _Server:
+    def __init__(self, tree: Path, keys: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(tree), "GENIE_LOG_LEVEL": "WARNING"}
+        env.pop("GENIE_SERVER", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "genie.remote.server", "--device", "cpu", "--listen",
+             "127.0.0.1:0", "--keys", str(keys), "--threads", str(torch.get_num_threads())],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tree)
+        line = ""
+        while not line.startswith("genie-server: serving"):
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"genie-server from {tree} did not start")
+        self.address = re.search(r"tcp://[\d.]+:\d+", line).group(0)  # type: ignore[union-attr]
+        self.key_file = str(keys / "client.json")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with tempfile.TemporaryDirectory() as d:
+        out = {}
+        for name, tree in _trees().items():
+            keys = Path(d) / name.replace(" ", "-")
+            out[name] = _Server(tree, keys)
+        yield out
+        genie.disconnect()
+        for s in out.values():
+            s.stop()
+
+
+def _gpt2(layers: int, width: int, heads: int):
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=1000,
+                                  n_positions=1024, bos_token_id=0, eos_token_id=0,
+                                  attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _decode(dev: str) -> Callable[[], object]:
+    from transformers import DynamicCache
+
+    model = _gpt2(12, 768, 12).to(dev)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 1000, (1, PROMPT), generator=g).to(dev)
+    tokens = [torch.randint(0, 1000, (1, 1), generator=g).to(dev) for _ in range(DECODE_STEPS)]
+    with torch.no_grad():
+        cache = DynamicCache()
+        model(prompt, past_key_values=cache, use_cache=True).logits.cpu()
+
+    def run() -> object:
+        with torch.no_grad():
+            for t in tokens:
+                logits = model(t, past_key_values=cache, use_cache=True).logits
+                logits.cpu()
+        return None
+
+    return run
+
+
+def _generate(dev: str) -> Callable[[], object]:
+    model = _gpt2(4, 128, 4).to(dev)
+    lengths = itertools.count(8)
+
+    def run() -> object:
+        n = next(lengths)  # a prompt length never seen
+        ids = torch.randint(1, 1000, (1, n), generator=torch.Generator().manual_seed(n)).to(dev)
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                  do_sample=False).cpu()
+
+    return run
+
+
+def _mlp(dev: str) -> Callable[[], object]:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(256, 256), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).to(dev)
+    x, y = torch.randn(32, 256).to(dev), torch.randn(32, 256).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    for _ in range(3):
+        step()
+    return step
+
+
+def _one_op(dev: str) -> Callable[[], object]:
+    x = torch.arange(6.0).to(dev)
+    (x + 1).cpu()
+    return lambda: (x + 1).cpu()
+
+
+WORKLOADS: dict[str, tuple[Callable[[str], Callable[[], object]], float, str, int]] = {
+    # name: (factory, per (units per call), unit, rounds)
+    "GPT-2 12x768 decode step, KV cache growing": (_decode, DECODE_STEPS, "ms/step", 5),
+    "GPT-2 4x128 generate 32 tokens, new prompt lengths, no attention_mask":
+        (_generate, NEW_TOKENS, "ms/token", 5),
+    "MLP 4x256 AdamW step, loss.item()": (_mlp, 1, "ms/step", 15),
+    "1-op tape round trip": (_one_op, 1, "ms/request", 30),
+}
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_remote_model(benchmark, ratios, workloads, servers, name: str) -> None:
+    make, per, unit, rounds = WORKLOADS[name]
+    benchmark.group = f"remote: {name}"
+    row = ratios.row(SUITE, name, unit=unit, scale=1e3,
+                     ratios=[(s, "eager") for s in servers])
+    eager = make("cpu")
+    for sname, srv in servers.items():
+        genie.connect(srv.address, key_file=srv.key_file, timeout=120)
+        sub = ratios.row(SUITE, f"{name} [{sname} run]", unit=unit, scale=1e3,
+                         ratios=[(sname, "eager")])
+        workloads.interleave(benchmark, sub, {"eager": eager, sname: make(DEV)}, rounds=rounds,
+                             per=per)
+        row.values[sname] = sub.values[sname]
+        row.values.setdefault("eager", sub.values["eager"])
+        if sname != "server":
+            row.notes.append(f"{sname}: {sub.values[sname] / sub.values['eager']:.2f}x eager in "
+                             "its own run")
+        else:
+            row.notes.append(f"server: {sub.values[sname] / sub.values['eager']:.2f}x eager in "
+                             "its own run")
+        genie.disconnect()
+
+
+def test_upload_128mib(benchmark, ratios, servers) -> None:
+    n = 128 << 20
+    x = torch.randn(n // 4)
+    ref = x.sum().item()
+    row = ratios.row(SUITE, "upload 128 MiB (t.to(dev); .sum().item())", unit="MB/s", scale=1)
+    got: dict[str, list[float]] = {s: [] for s in servers}
+
+    def once() -> None:
+        for sname, srv in servers.items():
+            genie.connect(srv.address, key_file=srv.key_file, timeout=120)
+            warm = x.to(DEV)
+            warm.sum().item()
+            del warm
+            t0 = time.perf_counter()
+            v = x.to(DEV).sum().item()
+            got[sname].append(time.perf_counter() - t0)
+            assert abs(v - ref) <= 1e-3 * abs(ref) + 1e-2
+            genie.disconnect()
+
+    benchmark.pedantic(once, rounds=3, iterations=1)
+    for k, v in got.items():
+        row.values[k] = n / 1e6 / statistics.median(v)
