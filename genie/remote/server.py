@@ -522,12 +522,9 @@ class Server:
     # --- workers -> front -----------------------------------------------------------------------
     def _from_worker(self, link: Link) -> None:
         for _ in range(64):
-            if link.token not in self.links:
+            if link.token not in self.links or not link.sock.get(zmq.EVENTS) & zmq.POLLIN:
                 return
-            try:
-                parts = link.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+            parts = link.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             try:
                 internal = unpack(parts[0].buffer)
             except ProtocolError:

@@ -281,6 +281,7 @@ class Worker:
         self.programs: dict[Any, Any] = {}
         self.barriers: set[bytes] = set()
         self.replays = 0
+        self._guarded: tuple[Any, Any] | None = None
 
     # --- dispatch ---------------------------------------------------------------------------------
     def handle(self, h: dict[str, Any], frames: list[Any]
@@ -456,11 +457,15 @@ class Worker:
             ix = IndexCheck(tape, self.index_check) if self.index_check else None
             budget = sess.quota - sess.used() - uploaded
             try:
+                self._guarded = None
                 kept = self._replay(key, tape, budget, started) if ix is None or not ix.plan \
                     else None
                 if kept is None:
+                    info: dict[str, Any] = {}
+                    t0 = time.monotonic()
                     kept = run_guarded(tape, dev, budget, started + self.cfg.max_run_seconds,
-                                       self.cfg.max_run_seconds, ix)
+                                       self.cfg.max_run_seconds, ix, info)
+                    self._learn(tape, info, time.monotonic() - t0)
             except QuotaError as e:
                 if not e.ran:  # nothing ran: evicting hinted values lets it run as sent
                     self._pressure(e.need - e.budget, protect)
@@ -501,15 +506,26 @@ class Worker:
 
     def _replay(self, key: bytes, tape: Tape, budget: int, started: float
                 ) -> dict[int, Any] | None:
-        """Vet once, replay natively: a tape whose structure and shapes this session has vetted
-        before runs without vetting; every tape of a structure runs as one native program
-        (:mod:`genie.backends.native_replay`, compiled once per structure, shapes as
-        parameters). None: run it through the guard (an op whose output size depends on data;
-        a structure the native replay cannot compile)."""
+        """Vet once, replay natively: a structure's first call runs through the guard (vetted,
+        interpreted, stopped between instructions at the deadline); once one has run whole
+        (no op whose output size depends on data) well within the deadline, its later calls run
+        as one native program (:mod:`genie.backends.native_replay`, compiled once per structure
+        and baked constants, shapes as parameters), vetted only for shapes not vetted before.
+        None: run it through the guard (:attr:`_guarded` says what to learn from that run)."""
+        self._guarded = None
         if key in self.barriers:
             return None
         vkey = shape_key(key, tape)
-        peak = self.vetted.get(vkey) if vkey is not None else None
+        if vkey is None:
+            return None
+        pkey = (key, vkey[1])
+        prog = self.programs.get(pkey)
+        if prog is None:
+            self._guarded = (pkey, vkey)
+            return None
+        if prog is False:
+            return None
+        peak = self.vetted.get(vkey)
         if peak is None:
             v = vet_tape(tape, budget, started + self.cfg.max_run_seconds,
                          self.cfg.max_run_seconds)
@@ -517,29 +533,11 @@ class Worker:
                 self.barriers.add(key)
                 return None
             peak = v.peak
-            if vkey is not None:
-                if len(self.vetted) >= MAX_VETTED:
-                    self.vetted.clear()
-                self.vetted[vkey] = peak
+            self._remember(vkey, peak)
         elif peak > budget:
             e = QuotaError(0, "the tape", peak, budget)
             e.ran = False
             raise e
-        pkey = (key, vkey[1] if vkey is not None else None)
-        prog = self.programs.get(pkey)
-        if prog is None:
-            full = Tape(tape.instrs, tape.inputs, tape.outputs, set(tape.keep) |
-                        set(tape.outputs), [], {})
-            try:
-                prog = native_replay.compile_tape(full, generic=True)
-            except Exception as e:  # noqa: BLE001 - what it cannot compile is interpreted
-                logger.debug("genie-server: not replayed natively (%s)", e)
-                prog = False
-            if len(self.programs) >= MAX_PROGRAMS:
-                self.programs.clear()
-            self.programs[pkey] = prog
-        if prog is False:
-            return None
         self.replays += 1
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
@@ -547,6 +545,35 @@ class Worker:
             return prog(tape, self.device)
         finally:
             torch._C._set_grad_enabled(grad)
+
+    def _learn(self, tape: Tape, info: dict[str, Any], seconds: float) -> None:
+        """After a guarded run of a structure not replayed yet: remember its vet, and compile it
+        when it ran whole, in under a quarter of the deadline."""
+        if self._guarded is None:
+            return
+        pkey, vkey = self._guarded
+        self._guarded = None
+        if not info.get("whole"):
+            self.barriers.add(pkey[0])
+            return
+        self._remember(vkey, info["peak"])
+        if seconds > self.cfg.max_run_seconds / 4:
+            return  # long tapes stay where the deadline can stop them between instructions
+        full = Tape(tape.instrs, tape.inputs, tape.outputs, set(tape.keep) | set(tape.outputs),
+                    [], {})
+        try:
+            prog = native_replay.compile_tape(full, generic=True)
+        except Exception as e:  # noqa: BLE001 - what it cannot compile is interpreted
+            logger.debug("genie-server: not replayed natively (%s)", e)
+            prog = False
+        if len(self.programs) >= MAX_PROGRAMS:
+            self.programs.clear()
+        self.programs[pkey] = prog
+
+    def _remember(self, vkey: Any, peak: int) -> None:
+        if len(self.vetted) >= MAX_VETTED:
+            self.vetted.clear()
+        self.vetted[vkey] = peak
 
     def _add_skeleton(self, key: bytes, sk: Any) -> tuple[Compiled, int]:
         """Compile and cache a skeleton under the hash of its bytes, within the session's
