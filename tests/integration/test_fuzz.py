@@ -35,6 +35,8 @@ zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 
 from genie.remote import allowlist, protocol  # noqa: E402
+from test_isolation import _get, _keep  # noqa: E402
+from test_security import Session  # noqa: E402
 from genie.remote.protocol import (  # noqa: E402
     EXT_COMPLEX, EXT_DEVICE, EXT_DTYPE, EXT_HOST, EXT_INPUT, EXT_LAYOUT, EXT_MEMFMT, EXT_META,
     EXT_SIZE)
@@ -268,6 +270,10 @@ def test_fuzz_structure_aware(server: ServerProc) -> None:
         assert r["t"] == "ok", r
     pid = server.proc.pid
     baseline = rss(pid)
+    bystander = Session(server)  # another tenant: its value must come through untouched
+    held = torch.arange(1 << 16, dtype=torch.int64) * 7919
+    held_id = _keep(bystander, held)
+    workers_lost = 0
     m = Mutator(0)
     sent = answered = 0
     kinds: collections.Counter[str] = collections.Counter()
@@ -303,6 +309,12 @@ def test_fuzz_structure_aware(server: ServerProc) -> None:
                 print("NOANSWER", protocol.msgpack.unpackb(parts[0], raw=False,
                       strict_map_key=False), [len(p) for p in parts[1:]])
             kinds[f"{got['t']}:{got.get('kind', '')}" if got else "none"] += 1
+            if got is not None and got.get("kind") == "session" and \
+                    "worker process" in got.get("msg", ""):
+                # the session's worker died (a kernel crashed): that session only; a new one
+                workers_lost += 1
+                rid += 1
+                tok = _hello(sock, rid)
         # after every batch: the server answers a ping, and a new session (no quota carried)
         rid += 1
         sock.send_multipart([protocol.pack({"t": "ping", "rid": rid, "s": tok, "free": [0]})])
@@ -315,13 +327,16 @@ def test_fuzz_structure_aware(server: ServerProc) -> None:
         sock.send_multipart([protocol.pack({"t": "bye", "rid": rid + 1, "s": tok})])
         rid += 2
         tok = _hello(sock, rid)
+        assert torch.equal(_get(bystander, held_id, held), held), "another session changed"
         now = rss(pid)
         peak = max(peak, now)
         assert now <= baseline + QUOTA + RSS_SLACK, (now, baseline)
     sock.close()
     peak = max(peak, rss(pid, "VmHWM"))
     took = time.monotonic() - t0
-    print(f"\n[genie fuzz] {sent} messages in {took:.0f} s, {answered} answered, 0 crashes; "
+    bystander.close()
+    print(f"\n[genie fuzz] {sent} messages in {took:.0f} s, {answered} answered, 0 crashes of "
+          f"the server, {workers_lost} session workers lost (their sessions only); "
           f"server RSS baseline {baseline >> 20} MiB, peak {peak >> 20} MiB "
           f"(bound {(baseline + QUOTA + RSS_SLACK) >> 20} MiB); answers {dict(kinds)}")
     assert answered >= sent * 0.95
@@ -392,6 +407,10 @@ def test_fuzz_peer_messages(server: ServerProc) -> None:
     nonce = 2
     pid = server.proc.pid
     baseline = rss(pid)
+    bystander = Session(server)  # another tenant: its value must come through untouched
+    held = torch.arange(1 << 16, dtype=torch.int64) * 7919
+    held_id = _keep(bystander, held)
+    workers_lost = 0
     m = Mutator(1)
     r = m.r
     kinds: collections.Counter[str] = collections.Counter()
