@@ -565,6 +565,11 @@ class Server:
                 self._peer_send(link, ident, rid, parts)
             elif ident is not None:
                 self._inflight.pop(ident, None)
+                if kind == "ping":  # the bytes this session's transfers sent are counted here
+                    h = unpack(parts[1].buffer)
+                    with self._qlock:
+                        h["pb"] = list(link.pb)
+                    parts = [parts[0], pack(h), *parts[2:]]
                 self._sock.send_multipart([ident, *parts[1:]], copy=False)
             if kind == "bye":
                 self._end(link, "closed by its client")
