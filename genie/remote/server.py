@@ -745,12 +745,13 @@ class Server:
         self._send(ident, {"t": "err", "rid": rid, "kind": kind, "msg": msg})
 
     def _close(self) -> None:
+        t0 = time.monotonic()
         for link in list(self.links.values()):
             self._end(link, "closed: the server stops")
-        if self._peers is not None:
-            self._peers.close()
         if self._ctl is not None:
             self._ctl.close()  # the zygote kills what is left and exits
+        if self._peers is not None:
+            self._peers.close()
         if self._zygote is not None:
             try:
                 self._zygote.wait(timeout=10)
@@ -764,7 +765,7 @@ class Server:
         assert self._ctx is not None
         self._ctx.term()
         shutil.rmtree(self._rundir, ignore_errors=True)
-        logger.info("genie-server: stopped")
+        logger.info("genie-server: stopped (%.1f s)", time.monotonic() - t0)
 
 
 class _Refused(Exception):

@@ -956,17 +956,23 @@ def zygote(ctl_fd: int, cfg: Config) -> int:
             if pid == 0:
                 break
             children.discard(pid)
-            _send_line(ctl, {"dead": pid,
-                             "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-                             "code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None})
+            try:
+                _send_line(ctl, {"dead": pid,
+                                 "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                                 "code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None})
+            except OSError:  # the front is gone: so are its sessions
+                break
         if not r:
             continue
-        data = ctl.recv(1 << 16)
-        if not data:
+        try:
+            data = ctl.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:  # the front closed: its sessions end now, and so does the zygote
             for pid in children:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-            return 0
+            os._exit(0)  # no interpreter teardown (seconds with torch loaded)
         buf += data
         while len(buf) >= 4:
             (n,) = struct.unpack_from("<I", buf)
