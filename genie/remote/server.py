@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import hmac
 import ipaddress
 import json
 import logging
@@ -74,7 +73,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..index_check import server_scope as index_check_scope
 from . import ProtocolError, peer
+from . import keys as keyring
 from .protocol import PROTOCOL_VERSION, REQUESTS, pack, unpack
+from .sched import LoadMeter
 from .worker import TEST_KERNELS_ENV, Config
 
 logger = logging.getLogger("genie.server")
@@ -124,9 +125,10 @@ class Link:
     pb: list[int] = field(default_factory=lambda: [0, 0])
     put_nonce: int = 0
     sends: int = 0  # transfers under way (the peer thread holds their bytes)
+    pinned: int = 0  # bytes those transfers hold here, counted against the quota
     last_seen: float = field(default_factory=time.monotonic)
     killed: str | None = None  # why the front killed the worker (a deadline)
-    send_to: dict[int, tuple[str, str | None, float]] = field(default_factory=dict)
+    send_to: dict[int, tuple[str, float]] = field(default_factory=dict)
 
 
 class Server:
@@ -138,7 +140,7 @@ class Server:
                  max_sessions: int = 64, workers: int = 0,
                  max_run_seconds: float = MAX_RUN_SECONDS, peer_keys: str | None = None,
                  peer_timeout: float = 30.0, index_check: str | None = None,
-                 threads: int = 0) -> None:
+                 threads: int = 0, peers: str | None = None) -> None:
         self.device = torch.device(device)
         # check index arguments before indexing kernels (genie.index_check): on CUDA, by default
         # ("all"); on a CPU, by default, those of the kernels that do not check ("cpu")
@@ -171,6 +173,10 @@ class Server:
         self.peer_keys = peer_keys
         self.peer_timeout = peer_timeout
         self._peers: peer.PeerLinks | None = None
+        self.peers_spec = peers  # --peers: the pool members this server may send to
+        self.peers = peer.Peers()  # (read in start, once this server's own key is known)
+        self._keyring: keyring.KeyRing | None = None
+        self._meter = LoadMeter()
         self._qlock = threading.Lock()  # Link.sends / pb, shared with the peer thread
         self._zygote: subprocess.Popen | None = None
         self._ctl: socket.socket | None = None
@@ -194,10 +200,13 @@ class Server:
         if not self.insecure:
             from zmq.auth.thread import ThreadAuthenticator
 
-            pub, sec, authorized = ensure_keys(self.keys_dir)
+            pub, sec, _ = ensure_keys(self.keys_dir)
             self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("genie.server.auth"))
             self._auth.start()
-            self._auth.configure_curve(domain="genie", location=str(authorized))
+            # clients' keys (authorized/) and peers' (peers/): puts come from peers only
+            self._keyring = keyring.KeyRing(self.keys_dir)
+            self._auth.configure_curve_callback(domain="genie",
+                                                credentials_provider=self._keyring)
             self._sock.curve_secretkey = sec
             self._sock.curve_publickey = pub
             self._sock.curve_server = True
@@ -210,7 +219,10 @@ class Server:
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.bind("inproc://genie-replies")
-        self._peers = peer.PeerLinks(self._ctx, self._peer_key_pair(), "inproc://genie-replies")
+        self.peers = peer.Peers(self.peers_spec,
+                                None if self.insecure else self._server_public)
+        self._peers = peer.PeerLinks(self._ctx, self._peer_key_pair(), "inproc://genie-replies",
+                                     min(self.max_message, peer.PEER_REPLY_MAX))
         if not self.insecure:
             self.key_file = write_connection_file(self.keys_dir, self.address,
                                                   self._server_public)
@@ -249,18 +261,14 @@ class Server:
                              f"come up within {ZYGOTE_TIMEOUT:g} s (see the log above)")
 
     def _peer_key_pair(self) -> tuple[bytes, bytes] | None:
-        """The key pair this server authenticates with to its peers: ``--peer-keys``' client
-        pair, else the client pair of its own key directory (what a pool's members share)."""
+        """The key pair this server authenticates with to its peers (never the client pair):
+        ``--peer-keys``, else the peer pair of its own key directory (what a pool's members
+        share, see :mod:`genie.remote.keys`)."""
         if self.insecure:
             return None
         if self.peer_keys:
-            _, pub, sec = peer.load_peer_keys(self.peer_keys)
-            return pub, sec
-        import zmq.auth
-
-        pub, sec = zmq.auth.load_certificate(str(self.keys_dir / "client.key_secret"))
-        assert pub is not None and sec is not None
-        return pub, sec
+            return peer.load_peer_keys(self.peer_keys)
+        return keyring.ensure_peer_pair(self.keys_dir)
 
     def banner(self) -> str:
         if self.insecure:
@@ -316,6 +324,7 @@ class Server:
                             self._incoming(parts)
                         except Exception as e:  # never let one message stop the server
                             logger.exception("genie-server: dropped a message: %s", e)
+                    parts = None  # the last message is not held (uncounted) until the next
                 if self._ctl.fileno() in events:
                     self._from_zygote()
                 if self._mon in events:
@@ -346,12 +355,18 @@ class Server:
         if len(parts) - 2 > MAX_FRAMES:
             return self._send_err(ident, rid, "protocol", f"more than {MAX_FRAMES} frames")
         kind = h["t"]
+        principal = None
+        if self._keyring is not None:  # puts from peer keys only, the rest from client keys
+            principal = parts[1].get("User-Id")
+            why = self._keyring.refusal(principal, kind)
+            if why is not None:
+                return self._send_err(ident, rid, "protocol", why)
         nbytes = sum(len(p) for p in parts[1:])
         if kind == "hello":
             if nbytes > MAX_HELLO_BYTES:
                 return self._send_err(ident, rid, "protocol", f"a hello of {nbytes} bytes (at "
                                       f"most {MAX_HELLO_BYTES})")
-            return self._hello(ident, rid, h)
+            return self._hello(ident, rid, h, "" if principal is None else principal)
         try:
             if kind == "put":  # a peer's values: authorized by a ticket, not the session token
                 link = self._put_link(h)
@@ -362,7 +377,7 @@ class Server:
                     return self._send_err(ident, rid, "session", self._unknown_session())
                 if kind == "send":
                     self._check_send(h)
-                    link.send_to[rid] = (h["to"], h.get("sk"), h.get("to_s", self.peer_timeout))
+                    link.send_to[rid] = (h["to"], h.get("to_s", self.peer_timeout))
         except ProtocolError as e:
             return self._send_err(ident, rid, "protocol", str(e))
         except _Refused as e:
@@ -375,9 +390,9 @@ class Server:
         if link.nqueued >= MAX_QUEUED_PER_SESSION:
             return self._send_err(ident, rid, "busy", f"this session already has "
                                   f"{link.nqueued} requests queued; wait for answers")
-        if link.queued + nbytes + link.used > link.quota:
+        if link.queued + nbytes + link.used + link.pinned > link.quota:
             self._frees_of_refused(link, h)
-            over = link.queued + nbytes + link.used - link.quota
+            over = link.queued + nbytes + link.used + link.pinned - link.quota
             msg = (f"a message of {nbytes} bytes, with the session's {link.queued} queued bytes "
                    f"and {link.used} resident bytes, passes its quota of {link.quota} bytes "
                    "(server flag --quota); send less at once or free tensors")
@@ -418,6 +433,7 @@ class Server:
             return
         ident, fwd, rid, nbytes, kind = link.pending.popleft()
         link.cur = (ident, rid, nbytes, kind, time.monotonic())
+        self._meter.begin(link.token, slot=link.token)
         self._running += 1
         link.sock.send_multipart(fwd, copy=False)
 
@@ -429,13 +445,15 @@ class Server:
                 self._pump(lk)
 
     def _pong(self, link: Link, rid: Any) -> dict[str, Any]:
-        """A ping's answer: the session's residency and peer bytes sent, received (nothing about
-        other sessions)."""
+        """A ping's answer: the session's residency, how busy the other sessions of the same
+        client key kept the server (``ld``, :class:`~genie.remote.sched.LoadMeter`: nothing about
+        other tenants) and its peer bytes sent, received."""
         with self._qlock:
             pb = list(link.pb)
-        return {"t": "ok", "rid": rid, "res": link.res, "pb": pb}
+        return {"t": "ok", "rid": rid, "res": link.res, "ld": self._meter.load(link.token),
+                "pb": pb}
 
-    def _hello(self, ident: bytes, rid: int, h: dict[str, Any]) -> None:
+    def _hello(self, ident: bytes, rid: int, h: dict[str, Any], principal: str) -> None:
         if h.get("v") != PROTOCOL_VERSION:
             return self._send_err(ident, rid, "protocol", f"protocol version {h.get('v')!r}; "
                                   f"this server speaks {PROTOCOL_VERSION}; install matching "
@@ -456,48 +474,38 @@ class Server:
         sock.bind(endpoint)
         link = Link(tok, sock, self.quota, hello=(ident, rid))
         self.links[tok] = link
+        self._meter.bind(tok, principal, alive=self.links)  # whose load it may see
         self._by_sock[sock] = link
         self._poller.register(sock, zmq.POLLIN)
         self._inflight[ident] = (rid, tok)
         _send_line(self._ctl, {"spawn": tok.hex(), "endpoint": endpoint})
 
     def _put_link(self, h: dict[str, Any]) -> Link:
-        """The session a peer's ``put`` is for, once its ticket is checked (the MAC of the
-        nonce, ids, dtypes and shapes under that session's token; see :mod:`genie.remote.peer`);
-        :class:`_Refused` otherwise."""
-        sid, n, ids, o, tk = h.get("sid"), h.get("n"), h.get("ids"), h.get("o"), h.get("tk")
-        if not isinstance(sid, bytes) or len(sid) != peer.SESSION_ID_BYTES or \
-                type(n) is not int or n <= 0 or not isinstance(tk, bytes) or \
-                len(tk) != peer.TICKET_BYTES:
-            raise _Refused("protocol", "a put needs 'sid' (8 bytes), 'n' (a positive nonce) "
-                                       "and 'tk' (a 16-byte ticket)")
-        if not isinstance(ids, list) or not 0 < len(ids) <= peer.MAX_VALUES or \
-                not all(type(i) is int and i >= 0 for i in ids) or len(set(ids)) != len(ids) or \
-                not isinstance(o, list) or len(o) != len(ids) or \
-                not all(isinstance(m, list) and len(m) == 6 for m in o):
-            raise _Refused("protocol", f"a put needs 'ids' (1 to {peer.MAX_VALUES} distinct "
-                                       "ids) and one geometry in 'o' per id")
-        tok = next((t for t in self.links if peer.session_id(t) == sid), None)
-        link = self.links.get(tok) if tok is not None else None
-        if link is None or tok is None:
+        """The session a peer's ``put`` is for, once its fields and ticket are checked
+        (:func:`genie.remote.peer.check_put`: the ticket signs everything the put acts on, and a
+        put carries nothing else); :class:`_Refused` otherwise."""
+        def token_of(sid: bytes) -> bytes | None:
+            return next((t for t in self.links if peer.session_id(t) == sid), None)
+
+        try:
+            tok, n = peer.check_put(h, token_of)
+        except ProtocolError as e:
+            raise _Refused("protocol", str(e)) from None
+        except LookupError as e:
+            raise _Refused("session", str(e)) from None
+        link = self.links.get(tok)
+        if link is None:
             raise _Refused("session", "the destination session of this put does not exist "
                                       "(it expired or was closed)")
-        try:
-            expect = peer.ticket(tok, n, ids, [[m[1], m[2]] for m in o])
-        except Exception:
-            raise _Refused("protocol", "a put whose dtypes and shapes cannot be signed") from None
-        if not hmac.compare_digest(expect, tk):
-            raise _Refused("protocol", "the put's ticket does not match its session, nonce, "
-                                       "ids, dtypes and shapes (only the session's client can "
-                                       "make one)")
         if n <= link.put_nonce:
-            raise _Refused("protocol", f"a put ticket used again (nonce {n}, last {link.put_nonce})")
+            raise _Refused("protocol", f"a put ticket used again (nonce {n}, last "
+                                       f"{link.put_nonce})")
         link.put_nonce = n
         return link
 
     def _check_send(self, h: dict[str, Any]) -> None:
         """A ``send``'s fields the front acts on (the worker packs the values)."""
-        ids, dids, dest, sk = h.get("ids"), h.get("dids"), h.get("to"), h.get("sk")
+        ids, dids, dest = h.get("ids"), h.get("dids"), h.get("to")
         signed, to_s = h.get("o"), h.get("to_s", self.peer_timeout)
         if not isinstance(ids, list) or not 0 < len(ids) <= peer.MAX_VALUES or \
                 not all(type(i) is int for i in ids) or not isinstance(dids, list) or \
@@ -507,8 +515,6 @@ class Server:
                                 f"{peer.MAX_VALUES})")
         if not isinstance(dest, str) or not peer.ADDRESS.fullmatch(dest):
             raise ProtocolError(f"a send's destination must be tcp://host:port, got {dest!r:.80}")
-        if sk is not None and (not isinstance(sk, str) or not peer.Z85_KEY.fullmatch(sk)):
-            raise ProtocolError("a send's 'sk' must be the destination's CURVE public key (Z85)")
         if type(to_s) not in (int, float) or not to_s > 0:
             raise ProtocolError("a send's 'to_s' must be a positive number of seconds")
         sid, n, tk = h.get("sid"), h.get("n"), h.get("tk")
@@ -518,6 +524,12 @@ class Server:
                 not all(type(i) is int and 0 <= i < 1 << 63 for i in dids):
             raise ProtocolError("a send needs 'sid' (8 bytes), 'n' (a positive nonce), 'tk' (a "
                                 "16-byte ticket) and non-negative 'dids'")
+        registered, _ = self.peers.lookup(dest)
+        if not registered:  # never connect to a place a client names: one answer for all
+            raise _Refused("peer", f"{dest} is not a member of this server's pool: a server "
+                                   f"sends only to the peers registered with it (--peers; "
+                                   f"{len(self.peers)} registered), whatever listens at an "
+                                   "address a client names")
 
     # --- workers -> front -----------------------------------------------------------------------
     def _from_worker(self, link: Link) -> None:
@@ -548,6 +560,7 @@ class Server:
             cur, link.cur = link.cur, None
             if cur is None:
                 continue
+            self._meter.end(slot=link.token)
             self._running -= 1
             ident, rid, nbytes, kind, _ = cur
             link.queued -= nbytes
@@ -578,26 +591,38 @@ class Server:
             self._pump_all()
 
     def _peer_send(self, link: Link, ident: bytes, rid: int, parts: list[Any]) -> None:
-        """Push the values a worker packed to the peer server (:mod:`genie.remote.peer`); the
-        peer thread answers the client once the peer has them."""
+        """Push the values a worker packed to the peer server (:mod:`genie.remote.peer`), with
+        the key registered for that member of the pool; the peer thread answers the client once
+        the peer has them. The bytes it holds meanwhile count against the session's quota."""
         header = unpack(parts[1].buffer)
         frames = list(parts[2:])
         nbytes = sum(len(f) for f in frames)
-        # the request's own fields (validated on arrival): destination, its key, timeout
-        dest, sk, to_s = link.send_to.pop(rid)
+        # the request's own fields (validated on arrival): destination, timeout
+        dest, to_s = link.send_to.pop(rid)
+        registered, key = self.peers.lookup(dest)
+        if not registered:  # the pool changed meanwhile
+            self._inflight.pop(ident, None)
+            return self._send_err(ident, rid, "peer", f"{dest} is no longer a member of this "
+                                  "server's pool")
+        if link.sends >= peer.MAX_PENDING:
+            self._inflight.pop(ident, None)
+            return self._send_err(ident, rid, "busy", f"this session already has {link.sends} "
+                                  "transfers under way; wait for their answers")
 
         def sent(nb: int | None) -> None:  # on the peer thread, once
             with self._qlock:
                 link.sends -= 1
+                link.pinned -= nbytes
                 if nb is not None:
                     link.pb[0] += nb
 
         assert self._peers is not None
         with self._qlock:
             link.sends += 1
-        self._peers.submit(peer.Outgoing(dest, sk, header, frames, nbytes, ident, rid,
+            link.pinned += nbytes
+        self._peers.submit(peer.Outgoing(dest, key, header, frames, nbytes, ident, rid,
                                          timeout=min(float(to_s), self.peer_timeout),
-                                         keep=frames, done=sent))
+                                         keep=frames, done=sent, session=link.token))
 
     def _from_zygote(self) -> None:
         assert self._ctl is not None
@@ -649,6 +674,7 @@ class Server:
         victims = [(p[0], p[2]) for p in link.pending]
         if link.cur is not None:
             victims.insert(0, (link.cur[0], link.cur[1]))
+            self._meter.end(slot=link.token)
             self._running -= 1
             link.cur = None
         link.pending.clear()
@@ -667,6 +693,8 @@ class Server:
         """Close a session: its worker exits on the front's goodbye (or is killed)."""
         self.links.pop(link.token, None)
         self._by_sock.pop(link.sock, None)
+        if self._peers is not None and link.sends:
+            self._peers.cancel(link.token)  # what its transfers hold goes too
         with contextlib.suppress(Exception):
             self._poller.unregister(link.sock)
         if link.ready and link.pid in self._by_pid:
@@ -788,10 +816,13 @@ _CHECKS = {"all": "on", "cpu": "on for the CPU kernels that do not check", None:
 
 def ensure_keys(keys_dir: Path) -> tuple[bytes, bytes, Path]:
     """The server's CURVE key pair and the directory of authorized client public keys (created
-    on first use, with one authorized client pair for the connection file)."""
+    on first use, with one authorized client pair for the connection file, and the peer pair
+    of :mod:`genie.remote.keys`). A directory others could write to, or a secret others could
+    read, is refused with the ``chmod`` that fixes it (:func:`genie.remote.keys.check_modes`)."""
     import zmq.auth
 
     keys_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    keyring.check_modes(keys_dir)
     secret_file = keys_dir / "server.key_secret"
     if not secret_file.exists():
         old = os.umask(0o077)  # pyzmq writes the secret file world-readable otherwise
@@ -808,6 +839,7 @@ def ensure_keys(keys_dir: Path) -> tuple[bytes, bytes, Path]:
         cpub, csec = zmq.curve_keypair()
         _write_cert(client_secret, cpub, csec)
         _write_cert(authorized / "client.key", cpub, None)
+    keyring.ensure_peer_pair(keys_dir)
     assert pub is not None and sec is not None
     return pub, sec, authorized
 
@@ -864,8 +896,8 @@ def parse_bytes(s: str) -> int:
     return int(t)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``genie-server`` and ``python -m genie.remote.server``."""
+def build_parser() -> argparse.ArgumentParser:
+    """``genie-server``'s flags (``genie-pool`` passes the hardening ones to its members)."""
     p = argparse.ArgumentParser(prog="genie-server", description="Serve a real device to Genie "
                                 "clients (remote_accelerator tensors run here).")
     p.add_argument("--device", default=None,
@@ -893,10 +925,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0,
                    help="intra-op CPU threads of each session's worker (torch.set_num_threads; "
                    "default: torch's choice)")
+    p.add_argument("--peers", default=None,
+                   help="the pool members this server may send values to (server-to-server "
+                   "transfers): tcp://HOST:PORT,... (served with this server's own key), or a "
+                   "JSON peers or pool file, read again when it changes; default: none (every "
+                   "send refused)")
     p.add_argument("--peer-keys", default=None,
-                   help="connection file whose client key pair this server uses with its peers "
-                   "(server-to-server transfers; default: the client pair of --keys, which the "
-                   "members of a pool share)")
+                   help="the key pair this server authenticates with to its peers: a "
+                   "certificate with its secret key, or a connection file's client pair "
+                   "(default: peer.key_secret of --keys, which the members of a pool share)")
     p.add_argument("--peer-timeout", type=float, default=30.0,
                    help="seconds of a peer's silence after which a transfer to it fails "
                    "(default 30)")
@@ -907,15 +944,25 @@ def main(argv: list[str] | None = None) -> int:
                    "a CPU the ops whose kernels do not bound their indices), 1 (every op), 0 "
                    "(a trusted single-tenant server); default $GENIE_SERVER_INDEX_CHECK or auto")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
-    a = p.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    return p
+
+
+def server_from_args(a: argparse.Namespace) -> Server:
+    """The :class:`Server` that parsed flags describe."""
     device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    return Server(device, a.listen, insecure=a.insecure, keys_dir=a.keys, lease=a.lease,
+                  quota=a.quota, max_message=a.max_message, max_sessions=a.max_sessions,
+                  workers=a.workers, max_run_seconds=a.max_run_seconds,
+                  peer_keys=a.peer_keys, peer_timeout=a.peer_timeout,
+                  index_check=a.index_check, peers=a.peers, threads=a.threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``genie-server`` and ``python -m genie.remote.server``."""
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     os.environ.pop("GENIE_SERVER", None)  # the workers run tapes themselves
-    server = Server(device, a.listen, insecure=a.insecure, keys_dir=a.keys, lease=a.lease,
-                    quota=a.quota, max_message=a.max_message, max_sessions=a.max_sessions,
-                    workers=a.workers, max_run_seconds=a.max_run_seconds,
-                    peer_keys=a.peer_keys, peer_timeout=a.peer_timeout,
-                    index_check=a.index_check, threads=a.threads)
+    server = server_from_args(a)
     server.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())

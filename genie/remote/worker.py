@@ -346,9 +346,10 @@ class Worker:
         for k, (g, want) in enumerate(zip(geo, signed, strict=True)):  # type: ignore[arg-type]
             if g.signed() != want:
                 raise Refused("protocol", f"value {k} (handle {ids[k]}) is {g.signed()} on this "  # type: ignore[index]
-                                          f"server; the send describes it as {want!r:.60}")
+                                          "server (dtype, shape, strides, storage offset, math "
+                                          f"bits); the send describes it as {want!r:.80}")
         put = {"t": "put", "sid": h["sid"], "n": h["n"], "ids": h["dids"],
-               "o": [g.wire() for g in geo], "tk": h["tk"]}
+               "v": [g.signed() for g in geo], "g": [g.group for g in geo], "tk": h["tk"]}
         return put, frames, {"nbytes": nbytes}
 
     def _peer_put(self, h: dict[str, Any], frames: list[Any]) -> dict[str, Any]:
@@ -357,7 +358,7 @@ class Worker:
         sess = self.sess
         frames[:] = join_frames(frames, h.get("fc"))
         ids = h.get("ids")
-        geo = peer.read_geometry(h.get("o"), len(frames))
+        geo = peer.read_geometry(h.get("v"), h.get("g"), len(frames))
         if not isinstance(ids, list) or len(ids) != len(geo):
             raise ProtocolError("a put needs one id per geometry")
         vals = peer.read_values(geo, frames, self.device)
@@ -373,7 +374,7 @@ class Worker:
             raise
         nb = sum(frame_view(f).nbytes for f in frames)
         sess.peer_bytes[1] += nb
-        return {"t": "ok", "pb": nb, "res": sess.residency()}
+        return {"t": "ok", "pb": nb}  # the bytes taken, nothing of the session's residency
 
     # --- tapes --------------------------------------------------------------------------------
     def _run(self, h: dict[str, Any], frames: list[Any]) -> tuple[dict[str, Any], list]:
