@@ -390,7 +390,8 @@ class Server:
         if link.nqueued >= MAX_QUEUED_PER_SESSION:
             return self._send_err(ident, rid, "busy", f"this session already has "
                                   f"{link.nqueued} requests queued; wait for answers")
-        if link.queued + nbytes + link.used + link.pinned > link.quota:
+        frees_only = kind in ("free", "ping", "bye") and nbytes <= MAX_HELLO_BYTES
+        if not frees_only and link.queued + nbytes + link.used + link.pinned > link.quota:
             self._frees_of_refused(link, h)
             over = link.queued + nbytes + link.used + link.pinned - link.quota
             msg = (f"a message of {nbytes} bytes, with the session's {link.queued} queued bytes "
