@@ -6,8 +6,9 @@
 2. Checks eager does from metadata raise at the call, with eager's exception type and message
    (``out=`` dtypes, index and value shapes of ``index_put``, ``alpha`` of integral ``add``,
    ``frexp``, the matmul family's dtypes, the uint8-mask deprecation warning).
-3. What the device cannot hold (sparse, quantized tensors; ``set_`` with a storage) is refused at
-   the call with a message that says what to do; ``abs`` of a complex tensor into a complex
+3. What the device cannot hold (sparse, quantized tensors; ``set_`` onto a storage no live tensor
+   owns) is refused at the call with a message that says what to do (``set_`` onto a tensor's
+   storage runs as eager's); ``abs`` of a complex tensor into a complex
    ``out=`` runs as eager runs it.
 """
 
@@ -410,11 +411,17 @@ def test_quantized_tensors_are_refused_at_the_call():
     same(q.dequantize(), q.dequantize().to(DEV).cpu())
 
 
-def test_set_with_a_storage_is_refused_at_the_call():
-    t = torch.empty(0, device=DEV)
-    src = torch.ones(4, device=DEV)
-    with pytest.raises(NotImplementedError, match=r"set_.*not supported.*build a new tensor"):
-        t.set_(src.untyped_storage())
+def test_set_with_a_storage_equals_eager():
+    """set_ onto a tensor's storage is supported (genie.storages; tests/unit/test_first_use.py);
+    onto a storage no live tensor owns it is refused at the call."""
+    def f(d):
+        src = torch.arange(4., device=d)
+        t = torch.empty(0, device=d).set_(src.untyped_storage())
+        src.add_(1)
+        return t
+    same(*both(f))
+    with pytest.raises(NotImplementedError, match=r"set_.*belongs to no live tensor"):
+        torch.empty(0, device=DEV).set_(torch.ones(4, device=DEV).untyped_storage()[4:8])
 
 
 def test_abs_of_complex_into_complex_out():
