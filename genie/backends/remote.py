@@ -368,7 +368,7 @@ def connect_from_env() -> None:
         if addr:
             connect(addr, insecure=os.environ.get("GENIE_INSECURE", "") == "1",
                     timeout=float(os.environ.get("GENIE_TIMEOUT", "30")), lazy=True)
-    except (GenieError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 (any of them must wait for the first use)
         env = ", ".join(f"{n}={os.environ[n]!r}" for n in names if os.environ.get(n))
         _env_error = (
             f"[genie] cannot use the Genie server this environment names ({env}): {e}. Fix the "
