@@ -9,9 +9,10 @@ storage reach Python:
   records the view of t's value that eager's ``set_`` makes;
 - a *host-backed* one, made by ``torch.load(..., map_location="remote_accelerator")`` (the
   deserializer below) or ``storage.remote_accelerator()``: a fake-address storage that keeps the
-  host storage it stands for. The first ``set_`` onto it records one upload of the host bytes
-  (kept on the storage), and every tensor made from it is a view of that upload: tensors that
-  shared a storage in the checkpoint share one on the device, as they do when loaded onto CUDA.
+  host storage it stands for. The first ``set_`` onto it records one upload of the host bytes in
+  the dtype read (kept on the storage), and every tensor made from it in that dtype is a view of
+  that upload: tensors that shared a storage in the checkpoint share one on the device, as they
+  do when loaded onto CUDA (torch.load reads each storage in one dtype).
 
 ``set_`` with another tensor (``x.set_(y)``) records an alias of y; ``x.set_()`` an empty tensor.
 Nothing here touches bytes at record time; nothing runs for a program that never uses the device
@@ -56,11 +57,19 @@ def _storage_base(storage: torch.UntypedStorage, dtype: torch.dtype, func: Any) 
     """A 1-d LazyTensor of ``dtype`` over the whole of ``storage`` (offset 0), aliasing the value
     the storage holds."""
     d = storage.__dict__
-    up = d.get("_genie_upload")
-    if up is None and "_genie_host" in d:
-        host = d["_genie_host"]
-        cpu = torch.empty(0, dtype=torch.uint8).set_(host)
-        up = d["_genie_upload"] = cpu.to(storage.device)  # one upload per storage
+    up = None
+    if "_genie_host" in d:
+        # one upload per storage, in the dtype it is read as (torch.load reads each in one), so
+        # a server needs no reinterpreting view; a second dtype gets its own upload (not aliased)
+        ups = d.setdefault("_genie_uploads", {})
+        up = ups.get(dtype)
+        if up is None:
+            if storage.nbytes() % dtype.itemsize:
+                raise RuntimeError(
+                    f"set_: a storage of {storage.nbytes()} bytes cannot be viewed as {dtype} "
+                    f"(itemsize {dtype.itemsize})")
+            cpu = torch.empty(0, dtype=dtype).set_(d["_genie_host"])
+            up = ups[dtype] = cpu.to(storage.device)
     if up is None:
         w = d.get("_genie_owner")
         owner = w() if w is not None else None
