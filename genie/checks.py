@@ -46,6 +46,9 @@ INDEX_PUT = frozenset(op for packet in (aten.index_put_, aten.index_put, aten._i
                                         aten._unsafe_index_put)
                       for op in (getattr(packet, name) for name in packet.overloads()))
 
+INDEX = frozenset(op for packet in (aten.index, aten._unsafe_index)
+                  for op in (getattr(packet, name) for name in packet.overloads()))
+
 _verdicts: dict[int, tuple[Any, BaseException | None]] = {}
 
 
@@ -101,7 +104,7 @@ def probed(func: Any) -> bool:
 
 def checked(func: Any) -> bool:
     """Whether :func:`check` has checks for ``func`` (cached on the op as ``_genie_checked``)."""
-    c = func in INDEX_PUT or probed(func)
+    c = func in INDEX_PUT or func in INDEX or probed(func)
     try:
         func._genie_checked = c
     except AttributeError:
@@ -113,6 +116,12 @@ def check(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
     """The checks of ``func`` for a call with meta leaves ``leaves`` (raises eager's error)."""
     if func in INDEX_PUT:
         check_index_put(func, leaves, spec)
+    elif func in INDEX:
+        args, kwargs = optree.tree_unflatten(spec, leaves)
+        self = args[0]
+        indices = args[1] if len(args) > 1 else kwargs.get("indices")
+        if type(self) is TensorMeta and indices is not None:
+            _into_empty_dims(self, indices)
     elif probed(func):
         probe(func, leaves, spec, klass)
 
@@ -168,6 +177,25 @@ def trivial_value(v: Any) -> bool:
         (len(v.shape) <= 1 and all(s == 1 for s in v.shape))
 
 
+def _into_empty_dims(self: TensorMeta, indices: Any) -> None:
+    """An integer index tensor with elements into a dimension of size 0: every element is out
+    of range, which eager's kernel reports as an IndexError before reading any index."""
+    dims = 0
+    for ix in indices:
+        if ix is None:
+            dims += 1
+            continue
+        if ix.dtype in (torch.uint8, torch.bool):
+            dims += len(ix.shape)
+            continue
+        n = 1
+        for s in ix.shape:
+            n *= s
+        if dims < len(self.shape) and self.shape[dims] == 0 and n > 0:
+            raise IndexError("index is out of bounds for dimension with size 0")
+        dims += 1
+
+
 def check_index_put(func: Any, leaves: list[Any], spec: Any) -> None:
     """eager's metadata checks of ``index_put(self, indices, values, accumulate)``."""
     args, kwargs = optree.tree_unflatten(spec, leaves)
@@ -210,6 +238,7 @@ def check_index_put(func: Any, leaves: list[Any], spec: Any) -> None:
                 raise IndexError("shape mismatch: indexing tensors could not be broadcast together "
                                  "with shapes " + ", ".join(_shape(t.shape) for t in tensors)
                                  ) from None
+            _into_empty_dims(self, indices)
             from .meta import meta_tensor
             meta = [None if ix is None else (meta_tensor(ix) if type(ix) is TensorMeta
                                              else ix.to("meta")) for ix in indices]

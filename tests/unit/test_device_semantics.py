@@ -497,3 +497,20 @@ def test_a_tape_runs_under_the_state_it_was_recorded_under(record_path):
         one = read_state(x)
     assert one.cpu().tolist() == [1, 0, 0, 0, 0]  # a tape of one state, not the current one
     assert torch.are_deterministic_algorithms_enabled() is False
+
+
+def test_an_index_into_a_dimension_of_size_0():
+    """Every element of a non-empty index into a size-0 dim is out of range: eager's IndexError
+    at the call (PyTorch's test_empty_ndim_index)."""
+    def read(d):
+        torch.empty(10, 0, device=d)[:, [0, 1]]
+    raises_as_eager(read)
+
+    def write(d):
+        torch.zeros(0, device=d).index_put_((torch.tensor([0], device=d),), torch.tensor(1.0))
+    raises_as_eager(write)
+    ref, got = both(lambda d: torch.empty(10, 0, device=d)[[1, 2]])
+    same(ref, got)
+    ref, got = both(lambda d: torch.empty(10, 0, device=d)[:, torch.tensor([], dtype=torch.long,
+                                                                          device=d)])
+    same(ref, got)
