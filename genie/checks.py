@@ -150,8 +150,8 @@ def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
         try:
             args, kwargs = optree.tree_unflatten(spec, [_empty(x) for x in leaves])
             from .meta import disable_modes
-            with disable_modes(), torch.no_grad():
-                func(*args, **kwargs)
+            with disable_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):
+                func(*args, **kwargs)  # (the host's autocast, if on, is no part of the call)
         except NotImplementedError:
             pass
         except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
