@@ -14,7 +14,7 @@ Two kinds:
   family): the op runs eagerly on the host on *empty* tensors of the inputs' dtypes and ranks
   (every size 0, so broadcasting never fails and nothing is computed); an exception there is
   eager's own, raised at the call. Verdicts are cached per shape class (dtypes, ranks, scalar
-  types), so a class pays the probe once. Exceptions saying a kernel is not implemented for a
+  types) and int constants, so a class pays the probe once. Exceptions saying a kernel is not implemented for a
   dtype on the host are ignored (the real device may be CUDA, whose kernels differ).
 * **index_put**: index dtypes, the number of indexed dims, mask shapes, the broadcast of the index
   tensors, the value's broadcast to the indexing result, and the value's dtype, with eager's
@@ -49,7 +49,7 @@ INDEX_PUT = frozenset(op for packet in (aten.index_put_, aten.index_put, aten._i
 INDEX = frozenset(op for packet in (aten.index, aten._unsafe_index)
                   for op in (getattr(packet, name) for name in packet.overloads()))
 
-_verdicts: dict[int, tuple[Any, BaseException | None]] = {}
+_verdicts: dict[tuple[int, tuple], tuple[Any, BaseException | None]] = {}
 
 
 class Refused(UnsupportedOpError):
@@ -140,9 +140,11 @@ def _empty(x: Any) -> Any:
 
 def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
     """Run ``func`` on empty host tensors of the leaves' dtypes and ranks; raise what it raises."""
-    # by the class's identity (hashing the class tuple hashes the op: Python code); the value
-    # holds the class, so its id is not reused while the verdict lives
-    got = _verdicts.get(id(klass))
+    # by the class's identity (hashing the class tuple hashes the op: Python code) and the int
+    # constants' values, which the class holds by type only (pow(x, -1) raises, pow(x, 2) not);
+    # the value holds the class, so its id is not reused while the verdict lives
+    key = (id(klass), tuple(x for x in leaves if type(x) is int or type(x) is bool))
+    got = _verdicts.get(key)
     if got is not None and got[0] is klass:
         err = got[1]
     else:
@@ -159,7 +161,7 @@ def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
                 err = e
         if len(_verdicts) >= 1 << 16:
             _verdicts.clear()
-        _verdicts[id(klass)] = (klass, err)
+        _verdicts[key] = (klass, err)
     if err is not None:
         raise type(err)(*err.args).with_traceback(None) from None
 

@@ -514,3 +514,20 @@ def test_an_index_into_a_dimension_of_size_0():
     ref, got = both(lambda d: torch.empty(10, 0, device=d)[:, torch.tensor([], dtype=torch.long,
                                                                           device=d)])
     same(ref, got)
+
+
+def test_probe_verdicts_follow_int_constants():
+    """pow of an int tensor: exponent 2 runs, -1 raises (eager's check on the constant), in
+    either order; the shape class holds ints by type only, the verdict by value."""
+    for order in ((2, -1), (-1, 2)):
+        for e in order:
+            shape = (3,) if order[0] == 2 else (2, 2)  # a class new to each order
+
+            def power(d, e=e, shape=shape):
+                return torch.full(shape, 3, device=d) ** e
+            if e < 0:
+                power.__name__ = "power"
+                raises_as_eager(power)
+            else:
+                ref, got = both(power)
+                same(ref, got)
