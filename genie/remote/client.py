@@ -66,14 +66,13 @@ from . import (
 )
 from .cost import CLIENT, flops_of, model
 from .lineage import FreeEntry, Lineage, PeerEntry, PutEntry, RunEntry, host_sources
-from .peer import session_id, ticket
+from .peer import describe, session_id, ticket
 from .protocol import (
     ALIGN,
     EXT_INPUT,
     PROTOCOL_VERSION,
     FrameRef,
     const_delta,
-    dtype_name,
     dtype_of,
     encode_tape,
     frame_tensor,
@@ -691,7 +690,9 @@ class Client:
             raise ValueError("Client.send: every handle must belong to this client's session")
         if any(h.meta is None for h in handles):
             raise ValueError("Client.send: a handle without metadata cannot be sent")
-        signed = [[dtype_name(h.meta.dtype), list(h.meta.shape)] for h in handles]  # type: ignore[union-attr]
+        # what the ticket signs of each value: everything the destination acts on
+        signed = [describe(m.dtype, m.shape, m.stride, m.offset, m.conj, m.neg)
+                  for m in (h.meta for h in handles) if m is not None]
         self._bring_back(handles)
         with dest._lock:
             dest.open()
@@ -750,8 +751,7 @@ class Client:
                 header: dict[str, Any] = {
                     "t": "send", "ids": src_ids, "to": dest.address, "sid":
                     session_id(dest.session), "n": nonce, "dids": ids, "o": signed,
-                    "tk": ticket(dest.session, nonce, ids, signed), "to_s": self.timeout,
-                    "sk": dest._keys[0] if dest._keys is not None else None}
+                    "tk": ticket(dest.session, nonce, ids, signed), "to_s": self.timeout}
             with self._lock:
                 try:
                     h, _ = self._call(header, (), what)

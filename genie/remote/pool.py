@@ -14,6 +14,14 @@ replacement there (``genie.connect(pool=path)`` re-reads it when it recovers). `
 (:func:`main`) prints the ``GENIE_*=value`` lines a client needs, checks the members' health,
 and stops them all on exit.
 
+Hardening: ``genie-pool`` takes every flag of ``genie-server`` that is not the pool's own
+(quota, message size, sessions, run time, index checks, lease, workers, ...; see
+:func:`server_flags`) and passes it to every member, replacements included. The members are
+each other's only peers: the launcher registers the current member list with every member
+(:meth:`Launcher.set_peers`: a peers file the process members read, ``--peers``, or a call into
+each Ray actor), so a server sends values to the members of its pool and nowhere else
+(:mod:`genie.remote.peer`).
+
 Example::
 
     genie-pool --servers 2 --device cpu          # prints GENIE_POOL=... GENIE_SERVER=...
@@ -53,6 +61,9 @@ class Launcher(Protocol):
     def alive(self, m: Member) -> bool: ...
     def stop(self, m: Member) -> None: ...
     def close(self) -> None: ...
+    def set_peers(self, members: list[Member]) -> None:
+        """Register ``members`` with every member as its peers (the only servers it may send
+        values to); called whenever the membership changes."""
 
 
 class Pool:
@@ -141,6 +152,11 @@ class Pool:
         return d
 
     def _write(self) -> None:
+        set_peers = getattr(self.launcher, "set_peers", None)
+        if set_peers is not None:
+            with self._lock:
+                members = list(self.members)
+            set_peers(members)
         if self.pool_file is None:
             return
         tmp = self.pool_file.with_suffix(".tmp")
@@ -168,6 +184,20 @@ def read_pool_file(path: str | Path) -> dict[str, Any]:
 
 # --- launchers ---------------------------------------------------------------------------------
 
+def _server_key(keys_dir: Path | None) -> str | None:
+    """The members' CURVE server public key (they share ``keys_dir``), None when insecure."""
+    if keys_dir is None:
+        return None
+    import zmq.auth
+
+    pub, _ = zmq.auth.load_certificate(str(keys_dir / "server.key"))
+    return pub.decode() if pub is not None else None
+
+
+def _peer_entries(members: list[Member], key: str | None) -> list[dict[str, Any]]:
+    return [{"address": m.address, "server_public_key": key} for m in members]
+
+
 def _key_files(keys_dir: Path | None) -> dict[str, str]:
     """The server's key files (relative path -> text), to recreate its key directory anywhere."""
     if keys_dir is None:
@@ -179,9 +209,10 @@ def _key_files(keys_dir: Path | None) -> dict[str, str]:
 class _ServerActor:
     """A genie-server inside a Ray actor: it lives as long as the actor's process."""
 
-    def __init__(self, device: str, host: str, key_files: dict[str, str], lease: float) -> None:
+    def __init__(self, device: str, host: str, key_files: dict[str, str],
+                 server_args: list[str]) -> None:
         from .. import backends
-        from .server import Server
+        from .server import build_parser, server_from_args
 
         os.environ.pop("GENIE_SERVER", None)  # the server runs tapes itself
         backends.set_backends([n for n in backends.backend_order() if n != "remote"])
@@ -194,13 +225,27 @@ class _ServerActor:
                 fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with os.fdopen(fd, "w") as f:
                     f.write(text)
-        self.server = Server(device, f"{host}:0", insecure=not key_files, keys_dir=keys_dir,
-                             lease=lease)
+        sec = ["--keys", keys_dir] if keys_dir else ["--insecure"]
+        a = build_parser().parse_args(["--device", device, "--listen", f"{host}:0", *sec,
+                                       *server_args])
+        self.server = server_from_args(a)
         self.addr = self.server.start()
         threading.Thread(target=self.server.serve, name="genie-serve", daemon=True).start()
 
     def info(self) -> tuple[str, int]:
         return self.addr, os.getpid()
+
+    def set_peers(self, entries: list[dict[str, Any]]) -> int:
+        self.server.peers.set([(e["address"], e["server_public_key"]) for e in entries])
+        return len(self.server.peers)
+
+    def settings(self) -> dict[str, Any]:
+        """What the member serves with (tests check that the pool's flags reached it)."""
+        s = self.server
+        return {"quota": s.quota, "max_message": s.max_message,
+                "max_sessions": s.max_sessions, "max_run_seconds": s.max_run_seconds,
+                "workers": s.workers, "lease": s.lease, "index_check": s.index_check,
+                "peer_timeout": s.peer_timeout, "peers": len(s.peers)}
 
 
 class RayLauncher:
@@ -210,10 +255,11 @@ class RayLauncher:
         device: ``cuda`` or ``cpu`` (what each actor serves).
         address: a Ray cluster (``ray.init(address=...)``); None starts a local Ray instance.
         keys_dir: CURVE key directory to serve with (copied into each actor), None: insecure.
+        server_args: ``genie-server`` flags every member serves with (the hardening ones).
     """
 
     def __init__(self, device: str, address: str | None = None, keys_dir: Path | None = None,
-                 lease: float = 60.0) -> None:
+                 lease: float = 60.0, server_args: list[str] | None = None) -> None:
         try:
             import ray
         except ImportError:
@@ -222,7 +268,8 @@ class RayLauncher:
                              "--launcher process") from None
         self.ray = ray
         self.device = device
-        self.lease = lease
+        self.server_args = ["--lease", str(lease), *(server_args or [])]
+        self.server_key = _server_key(keys_dir)
         self._own = not ray.is_initialized()
         if self._own:
             kw: dict[str, Any] = {"address": address} if address else {
@@ -235,9 +282,13 @@ class RayLauncher:
 
     def start(self, index: int) -> Member:
         actor = self._cls.remote("cuda" if self.device.startswith("cuda") else "cpu", self.host,
-                                 self.key_files, self.lease)
+                                 self.key_files, self.server_args)
         addr, pid = self.ray.get(actor.info.remote(), timeout=120)
         return Member(addr, actor, pid)
+
+    def set_peers(self, members: list[Member]) -> None:
+        entries = _peer_entries(members, self.server_key)
+        self.ray.get([m.handle.set_peers.remote(entries) for m in members], timeout=60)
 
     def alive(self, m: Member) -> bool:
         try:
@@ -255,16 +306,39 @@ class RayLauncher:
 
 
 class ProcessLauncher:
-    """Members as local ``genie-server`` processes (for machines without Ray)."""
+    """Members as local ``genie-server`` processes (for machines without Ray).
 
-    def __init__(self, device: str, keys_dir: Path | None = None, lease: float = 60.0) -> None:
+    Args:
+        device: what each member serves.
+        keys_dir: the CURVE key directory they share (None: ``--insecure``).
+        lease: their ``--lease``.
+        server_args: further ``genie-server`` flags every member serves with.
+
+    The members' peers file (``--peers``) lives in a directory of this launcher's own (mode
+    700) and is rewritten, atomically, whenever the membership changes.
+    """
+
+    def __init__(self, device: str, keys_dir: Path | None = None, lease: float = 60.0,
+                 server_args: list[str] | None = None) -> None:
         self.device = device
         self.keys_dir = keys_dir
         self.lease = lease
+        self.server_args = list(server_args or [])
+        self.server_key = _server_key(keys_dir)
+        self._dir = Path(tempfile.mkdtemp(prefix="genie-pool-peers-"))
+        self.peers_file = self._dir / "peers.json"
+
+    def set_peers(self, members: list[Member]) -> None:
+        tmp = self._dir / "peers.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"peers": _peer_entries(members, self.server_key)}, f)
+        os.replace(tmp, self.peers_file)
 
     def start(self, index: int) -> Member:
         args = [sys.executable, "-m", "genie.remote.server", "--device", self.device,
-                "--listen", "127.0.0.1:0", "--lease", str(self.lease)]
+                "--listen", "127.0.0.1:0", "--lease", str(self.lease),
+                "--peers", str(self.peers_file), *self.server_args]
         args += ["--keys", str(self.keys_dir)] if self.keys_dir else ["--insecure"]
         env = {k: v for k, v in os.environ.items() if k != "GENIE_SERVER"}
         p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -297,7 +371,9 @@ class ProcessLauncher:
                 p.wait(timeout=15)
 
     def close(self) -> None:
-        pass
+        import shutil
+
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _drain(f: Any) -> None:
@@ -306,6 +382,44 @@ def _drain(f: Any) -> None:
 
 
 # --- genie-pool ---------------------------------------------------------------------------------
+
+#: ``genie-server`` flags the pool decides itself (never taken from the command line)
+POOL_OWN = frozenset({"help", "device", "listen", "insecure", "keys", "peers", "peer_keys",
+                      "log_level"})
+
+
+def server_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Add every ``genie-server`` flag but the pool's own (:data:`POOL_OWN`) to ``p``, unset
+    unless given (a member then uses the server's default); the actions added."""
+    from .server import build_parser
+
+    g = p.add_argument_group("server settings", "passed to every member (see genie-server "
+                             "--help): the hardening flags (--quota, --max-message, "
+                             "--max-sessions, --max-run-seconds, --index-check, --workers, ...)")
+    out = []
+    for act in build_parser()._actions:
+        if act.dest in POOL_OWN or not act.option_strings:
+            continue
+        act.default = argparse.SUPPRESS
+        act.required = False
+        g._add_action(act)
+        out.append(act)
+    return out
+
+
+def member_args(a: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
+    """The ``genie-server`` flags of ``a`` that were given, as a member's command line."""
+    out: list[str] = []
+    for act in actions:
+        if not hasattr(a, act.dest):
+            continue
+        v = getattr(a, act.dest)
+        if act.nargs == 0:  # a switch
+            if v:
+                out.append(act.option_strings[0])
+        else:
+            out += [act.option_strings[-1], str(v)]
+    return out
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``genie-pool``: start N servers, print how to connect, keep them alive."""
@@ -325,12 +439,13 @@ def main(argv: list[str] | None = None) -> int:
                    "or ~/.config/genie/server)")
     p.add_argument("--pool-file", default=None, help="where to write the pool file (default "
                    "KEYS/pool.json, or a temporary file with --insecure)")
-    p.add_argument("--lease", type=float, default=60.0)
     p.add_argument("--check-every", type=float, default=2.0,
                    help="seconds between health checks (default 2)")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
+    flags = server_flags(p)
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    margs = member_args(a, flags)
     import torch
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -355,8 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         pool_file = Path(tempfile.mkdtemp(prefix="genie-pool-")) / "pool.json"
     t0 = time.monotonic()
-    launcher: Launcher = (RayLauncher(device, a.address, keys_dir, a.lease)
-                          if a.launcher == "ray" else ProcessLauncher(device, keys_dir, a.lease))
+    launcher: Launcher = (RayLauncher(device, a.address, keys_dir, server_args=margs)
+                          if a.launcher == "ray" else
+                          ProcessLauncher(device, keys_dir, server_args=margs))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
         signal.signal(sig, lambda *_: stop.set())

@@ -14,7 +14,10 @@ Invariant: an item is returned by :meth:`get` at most once; :meth:`done` must fo
 :meth:`get` (it frees the key for the next request of that session).
 
 :class:`LoadMeter` measures how busy the workers are with each session's requests; ping replies
-carry it, and a client's placement sends compute-heavy tapes where compute is free.
+carry, to each session, the load of the *other sessions of the same client key* (the same
+tenant: one program's sessions, a pool's clients sharing one key file), and a client's placement
+sends compute-heavy tapes where compute is free. A session never learns anything of another
+tenant's activity from it (the server's own timing is what any tenant can measure anyway).
 """
 
 from __future__ import annotations
@@ -96,10 +99,12 @@ class LoadMeter:
     """How busy the workers were, per session, over the last ``window`` seconds.
 
     Workers call :meth:`begin` and :meth:`end` around each request; :meth:`load` gives the
-    seconds of work that *other* sessions' requests had running in the window (requests still
-    running count up to now), divided by the window: 0 for an idle server, 1 for one worker busy
-    all the time for others, 2 for two. A client's placement reads it from ping replies
-    (``ld``) to send compute-heavy work where compute is free.
+    seconds of work that *other* sessions' requests of the same principal (:meth:`bind`: the
+    client key that opened them) had running in the window (requests still running count up to
+    now), divided by the window: 0 for an idle server, 1 for one worker busy all the time for
+    them, 2 for two. Sessions of other principals, and requests of no session (hello), never
+    count. A client's placement reads it from ping replies (``ld``) to send compute-heavy work
+    where compute is free.
     """
 
     def __init__(self, window: float = 1.0) -> None:
@@ -107,6 +112,17 @@ class LoadMeter:
         self._lock = threading.Lock()
         self._done: collections.deque[tuple[float, float, Hashable]] = collections.deque()
         self._running: dict[int, tuple[float, Hashable]] = {}
+        self._principal: dict[Hashable, Any] = {}
+
+    def bind(self, key: Hashable, principal: Any, alive: Any = None) -> None:
+        """Session ``key`` belongs to ``principal`` (None: to no one, it never counts); keys
+        not in ``alive`` (the live sessions) are forgotten."""
+        with self._lock:
+            if alive is not None:
+                for k in [k for k in self._principal if k not in alive]:
+                    del self._principal[k]
+            if principal is not None:
+                self._principal[key] = principal
 
     def begin(self, key: Hashable) -> None:
         with self._lock:
@@ -122,15 +138,20 @@ class LoadMeter:
                 self._done.popleft()
 
     def load(self, exclude: Hashable = None) -> float:
-        """Busy seconds of other sessions' requests in the window, per second of it."""
+        """Busy seconds of the requests of ``exclude``'s principal's other sessions in the
+        window, per second of it (0 when ``exclude`` has no principal)."""
         now = time.monotonic()
         lo = now - self.window
         busy = 0.0
         with self._lock:
+            who = self._principal.get(exclude)
+            if who is None:
+                return 0.0
+            mine = self._principal
             for start, end, key in self._done:
-                if key != exclude and end > lo:
+                if key != exclude and end > lo and mine.get(key) == who:
                     busy += end - max(start, lo)
             for start, key in self._running.values():
-                if key != exclude:
+                if key != exclude and mine.get(key) == who:
                     busy += now - max(start, lo)
         return round(busy / self.window, 3)

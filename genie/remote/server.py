@@ -49,7 +49,6 @@ import argparse
 import collections
 import contextlib
 import hashlib
-import hmac
 import ipaddress
 import json
 import logging
@@ -72,6 +71,7 @@ from ..errors import ExecutionError
 from ..index_check import IndexCheck
 from ..index_check import server_scope as index_check_scope
 from . import ProtocolError, peer
+from . import keys as keyring
 from .guard import QuotaError, RunTimeout, run_guarded
 from .protocol import (
     ALIGN,
@@ -151,6 +151,8 @@ class Session:
     peer_bytes: list[int] = field(default_factory=lambda: [0, 0])
     put_nonce: int = 0
     sends: int = 0  # sends under way (the peer thread holds their values)
+    # the storages each send under way pins, (key, bytes) each: counted while no longer held
+    pins: tuple[tuple[tuple[int, int], ...], ...] = ()
     # residency: role code of hinted (evictable) handles, last use of each handle (a counter),
     # and whether the last tape was a decode step (its weights and KV caches stay)
     roles: dict[int, int] = field(default_factory=dict)
@@ -199,8 +201,11 @@ class Session:
                     e[1] = st.nbytes()
 
     def used(self) -> int:
-        """Bytes counted against the quota: resident storages and cached skeletons."""
-        return self.nbytes + self.skel_bytes
+        """Bytes counted against the quota: resident storages, cached skeletons, and storages
+        that transfers under way pin after the session freed them."""
+        pins = self.pins
+        return self.nbytes + self.skel_bytes + \
+            (peer.unheld_bytes(pins, self.storages) if pins else 0)
 
     def clear(self) -> None:
         self.store.clear()
@@ -269,7 +274,8 @@ class Server:
                  quota: int | None = None, max_message: int = 8 << 30,
                  max_sessions: int = 64, workers: int = 4,
                  max_run_seconds: float = MAX_RUN_SECONDS, peer_keys: str | None = None,
-                 peer_timeout: float = 30.0, index_check: str | None = None) -> None:
+                 peer_timeout: float = 30.0, index_check: str | None = None,
+                 peers: str | None = None) -> None:
         self.device = torch.device(device)
         # check index arguments before indexing kernels (genie.index_check): on CUDA, by default
         # ("all"); on a CPU, by default, those of the kernels that do not check ("cpu")
@@ -301,6 +307,9 @@ class Server:
         self.peer_keys = peer_keys
         self.peer_timeout = peer_timeout
         self._peers: peer.PeerLinks | None = None
+        self.peers_spec = peers  # --peers: the pool members this server may send to
+        self.peers = peer.Peers()  # (read in start, once this server's own key is known)
+        self._keyring: keyring.KeyRing | None = None
         self._meter = LoadMeter()
 
     # --- setup ------------------------------------------------------------------------------
@@ -320,7 +329,10 @@ class Server:
             pub, sec, authorized = ensure_keys(self.keys_dir)
             self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("genie.server.auth"))
             self._auth.start()
-            self._auth.configure_curve(domain="genie", location=str(authorized))
+            # clients' keys (authorized/) and peers' (peers/): puts come from peers only
+            self._keyring = keyring.KeyRing(self.keys_dir)
+            self._auth.configure_curve_callback(domain="genie",
+                                                credentials_provider=self._keyring)
             self._sock.curve_secretkey = sec
             self._sock.curve_publickey = pub
             self._sock.curve_server = True
@@ -333,7 +345,10 @@ class Server:
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.bind("inproc://genie-replies")
-        self._peers = peer.PeerLinks(self._ctx, self._peer_key_pair(), "inproc://genie-replies")
+        self.peers = peer.Peers(self.peers_spec,
+                                None if self.insecure else self._server_public)
+        self._peers = peer.PeerLinks(self._ctx, self._peer_key_pair(), "inproc://genie-replies",
+                                     min(self.max_message, peer.PEER_REPLY_MAX))
         if not self.insecure:
             self.key_file = write_connection_file(self.keys_dir, self.address,
                                                   self._server_public)
@@ -349,18 +364,14 @@ class Server:
         return self.address
 
     def _peer_key_pair(self) -> tuple[bytes, bytes] | None:
-        """The key pair this server authenticates with to its peers: ``--peer-keys``' client
-        pair, else the client pair of its own key directory (what a pool's members share)."""
+        """The key pair this server authenticates with to its peers (never the client pair):
+        ``--peer-keys``, else the peer pair of its own key directory (what a pool's members
+        share, see :mod:`genie.remote.keys`)."""
         if self.insecure:
             return None
         if self.peer_keys:
-            _, pub, sec = peer.load_peer_keys(self.peer_keys)
-            return pub, sec
-        import zmq.auth
-
-        pub, sec = zmq.auth.load_certificate(str(self.keys_dir / "client.key_secret"))
-        assert pub is not None and sec is not None
-        return pub, sec
+            return peer.load_peer_keys(self.peer_keys)
+        return keyring.ensure_peer_pair(self.keys_dir)
 
     def banner(self) -> str:
         if self.insecure:
@@ -434,6 +445,12 @@ class Server:
                                   f"'t' ({', '.join(sorted(REQUESTS))}) and an integer 'rid'")
         if len(parts) - 2 > MAX_FRAMES:
             return self._send_err(ident, rid, "protocol", f"more than {MAX_FRAMES} frames")
+        if self._keyring is not None:  # puts from peer keys only, the rest from client keys
+            why = self._keyring.refusal(parts[1].get("User-Id"), h["t"])
+            if why is not None:
+                return self._send_err(ident, rid, "protocol", why)
+        if h["t"] == "hello":  # whose session (its load is shared with the same key's only)
+            h["_p"] = parts[1].get("User-Id") if self._keyring is not None else ""
         if h["t"] == "put":  # a peer's values: authorized by a ticket, not the session token
             try:
                 h["s"] = self._put_session(h)
@@ -526,45 +543,35 @@ class Server:
                             "cancelled", n)
 
     def _pong(self, sess: Session, rid: Any) -> dict[str, Any]:
-        """A ping's answer: residency, how busy other sessions kept the workers (``ld``, see
-        :class:`~genie.remote.sched.LoadMeter`) and the session's peer bytes sent, received."""
+        """A ping's answer: residency, how busy the workers were with the other sessions of
+        the same client key (``ld``, see :class:`~genie.remote.sched.LoadMeter`: nothing about
+        other tenants) and the session's peer bytes sent, received."""
         return {"t": "ok", "rid": rid, "res": sess.residency(),
                 "ld": self._meter.load(sess.token), "pb": sess.peer_bytes}
 
     def _put_session(self, h: dict[str, Any]) -> bytes:
-        """The token of the session a peer's ``put`` is for, once its ticket is checked (the
-        MAC of the nonce, ids, dtypes and shapes under that session's token; see
-        :mod:`genie.remote.peer`); :class:`_Refused` otherwise. Main thread, before queueing."""
-        sid, n, ids, o, tk = h.get("sid"), h.get("n"), h.get("ids"), h.get("o"), h.get("tk")
-        if not isinstance(sid, bytes) or len(sid) != peer.SESSION_ID_BYTES or \
-                type(n) is not int or n <= 0 or not isinstance(tk, bytes) or \
-                len(tk) != peer.TICKET_BYTES:
-            raise _Refused("protocol", "a put needs 'sid' (8 bytes), 'n' (a positive nonce) "
-                                       "and 'tk' (a 16-byte ticket)")
-        if not isinstance(ids, list) or not 0 < len(ids) <= peer.MAX_VALUES or \
-                not all(type(i) is int and i >= 0 for i in ids) or len(set(ids)) != len(ids) or \
-                not isinstance(o, list) or len(o) != len(ids) or \
-                not all(isinstance(m, list) and len(m) == 6 for m in o):
-            raise _Refused("protocol", f"a put needs 'ids' (1 to {peer.MAX_VALUES} distinct "
-                                       "ids) and one geometry in 'o' per id")
-        with self._lock:
-            tok = next((t for t in self.sessions if peer.session_id(t) == sid), None)
-            sess = self.sessions.get(tok) if tok is not None else None
+        """The token of the session a peer's ``put`` is for, once its fields and ticket are
+        checked (:func:`genie.remote.peer.check_put`: the ticket signs everything the put acts
+        on, and a put carries nothing else); :class:`_Refused` otherwise. Main thread."""
+        def token_of(sid: bytes) -> bytes | None:
+            with self._lock:
+                return next((t for t in self.sessions if peer.session_id(t) == sid), None)
+
+        try:
+            tok, n = peer.check_put(h, token_of)
+        except ProtocolError as e:
+            raise _Refused("protocol", str(e)) from None
+        except LookupError as e:
+            raise _Refused("session", str(e)) from None
+        sess = self.sessions.get(tok)
         if sess is None:
             raise _Refused("session", "the destination session of this put does not exist "
                                       "(it expired or was closed)")
-        try:
-            expect = peer.ticket(tok, n, ids, [[m[1], m[2]] for m in o])  # type: ignore[arg-type]
-        except Exception:
-            raise _Refused("protocol", "a put whose dtypes and shapes cannot be signed") from None
-        if not hmac.compare_digest(expect, tk):
-            raise _Refused("protocol", "the put's ticket does not match its session, nonce, "
-                                       "ids, dtypes and shapes (only the session's client can "
-                                       "make one)")
         if n <= sess.put_nonce:
-            raise _Refused("protocol", f"a put ticket used again (nonce {n}, last {sess.put_nonce})")
+            raise _Refused("protocol", f"a put ticket used again (nonce {n}, last "
+                                       f"{sess.put_nonce})")
         sess.put_nonce = n
-        return tok  # type: ignore[return-value]
+        return tok
 
     def _unknown_session(self) -> str:
         return ("this session does not exist on the server (it was restarted, or the session "
@@ -681,6 +688,8 @@ class Server:
                 logger.info("genie-server: session %s expired; freed %d tensors (%d bytes)",
                             s.token.hex()[:8], *s.residency())
                 s.clear()
+                if self._peers is not None and s.sends:
+                    self._peers.cancel(s.token)  # what its transfers pinned goes too
             return {"t": "ok"}, []
         sess = self.sessions.get(h.get("s"))  # type: ignore[arg-type]
         if sess is None:
@@ -714,6 +723,8 @@ class Server:
             with self._lock:
                 self.sessions.pop(sess.token, None)
             sess.clear()
+            if self._peers is not None and sess.sends:
+                self._peers.cancel(sess.token)  # what its transfers pinned goes too
             return {"t": "ok"}, []
         if kind == "get":
             vals = []
@@ -730,7 +741,8 @@ class Server:
 
     def _peer_send(self, sess: Session, h: dict[str, Any], ident: bytes | None) -> None:
         """Push resident values to a peer server's session (:mod:`genie.remote.peer`): checked
-        here, sent by the peer thread, which answers the client; None (no reply now)."""
+        here, sent by the peer thread, which answers the client; None (no reply now). Only to a
+        member of this server's pool (``--peers``), with the key registered for it."""
         ids, dids, dest, sk = h.get("ids"), h.get("dids"), h.get("to"), h.get("sk")
         signed, to_s = h.get("o"), h.get("to_s", self.peer_timeout)
         if not isinstance(ids, list) or not 0 < len(ids) <= peer.MAX_VALUES or \
@@ -752,6 +764,12 @@ class Server:
                 not all(type(i) is int and 0 <= i < 1 << 63 for i in dids):
             raise ProtocolError("a send needs 'sid' (8 bytes), 'n' (a positive nonce), 'tk' (a "
                                 "16-byte ticket) and non-negative 'dids'")
+        registered, key = self.peers.lookup(dest)
+        if not registered:  # never connect to a place a client names: one answer for all
+            raise _Refused("peer", f"{dest} is not a member of this server's pool: a server "
+                                   f"sends only to the peers registered with it (--peers; "
+                                   f"{len(self.peers)} registered), whatever listens at an "
+                                   "address a client names")
         if sess.sends >= peer.MAX_PENDING:
             raise _Refused("busy", f"this session already has {sess.sends} transfers under "
                                    "way; wait for their answers")
@@ -765,30 +783,35 @@ class Server:
         for k, (g, want) in enumerate(zip(geo, signed, strict=True)):
             if g.signed() != want:
                 raise _Refused("protocol", f"value {k} (handle {ids[k]}) is {g.signed()} on this "
-                                           f"server; the send describes it as {want!r:.60}")
-        header = {"t": "put", "sid": sid, "n": n, "ids": dids, "o": [g.wire() for g in geo],
-                  "tk": tk}
+                                           "server (dtype, shape, strides, storage offset, math "
+                                           f"bits); the send describes it as {want!r:.80}")
+        header = {"t": "put", "sid": sid, "n": n, "ids": dids,
+                  "v": [g.signed() for g in geo], "g": [g.group for g in geo], "tk": tk}
+        pins = peer.pins_of(vals)
 
         def sent(nb: int | None) -> None:  # on the peer thread, once
             with self._qlock:
                 sess.sends -= 1
+                sess.pins = tuple(p for p in sess.pins if p is not pins)
                 if nb is not None:
                     sess.peer_bytes[0] += nb
 
         assert self._peers is not None and ident is not None
         with self._qlock:
             sess.sends += 1
-        self._peers.submit(peer.Outgoing(dest, sk, header, frames, nbytes, ident, h["rid"],
+            sess.pins = (*sess.pins, pins)
+        self._peers.submit(peer.Outgoing(dest, key, header, frames, nbytes, ident, h["rid"],
                                          timeout=min(float(to_s), self.peer_timeout),
-                                         keep=vals, done=sent))
+                                         keep=vals, done=sent, session=sess.token))
         return None
 
     def _peer_put(self, sess: Session, h: dict[str, Any], frames: list[zmq.Frame]
                   ) -> dict[str, Any]:
-        """Store a peer's values (ticket checked on arrival, :meth:`_put_session`): every
-        geometry checked against its bytes first; the session's quota applies."""
+        """Store a peer's values (fields and ticket checked on arrival, :meth:`_put_session`):
+        every geometry checked against its bytes first; the session's quota applies. The answer
+        tells the sender the bytes taken, nothing of the session's residency."""
         frames[:] = join_frames(frames, h.get("fc"))
-        geo = peer.read_geometry(h.get("o"), len(frames))
+        geo = peer.read_geometry(h.get("v"), h.get("g"), len(frames))
         vals = peer.read_values(geo, frames, self.device)
         added: list[int] = []
         try:
@@ -804,7 +827,7 @@ class Server:
         sess.peer_bytes[1] += nb
         assert self._peers is not None
         self._peers.received_bytes += nb
-        return {"t": "ok", "pb": nb, "res": sess.residency()}
+        return {"t": "ok", "pb": nb}
 
     def _hello(self, h: dict[str, Any]) -> dict[str, Any]:
         if h.get("v") != PROTOCOL_VERSION:
@@ -815,6 +838,7 @@ class Server:
                 raise _Refused("busy", f"the server already has {self.max_sessions} sessions")
             tok = secrets.token_bytes(16)
             self.sessions[tok] = Session(tok, self.quota)
+            self._meter.bind(tok, h.get("_p"), alive=self.sessions)
         logger.info("genie-server: session %s opened", tok.hex()[:8])
         return {"t": "ok", "session": tok, "device": str(self.device), "lease": self.lease,
                 "quota": self.quota, "torch": torch.__version__, "res": [0, 0]}
@@ -1079,10 +1103,13 @@ def _outputs(vals: list[torch.Tensor]) -> tuple[dict[str, Any], list[Any]]:
 
 def ensure_keys(keys_dir: Path) -> tuple[bytes, bytes, Path]:
     """The server's CURVE key pair and the directory of authorized client public keys (created
-    on first use, with one authorized client pair for the connection file)."""
+    on first use, with one authorized client pair for the connection file, and the peer pair
+    of :mod:`genie.remote.keys`). A directory others could write to, or a secret others could
+    read, is refused with the ``chmod`` that fixes it (:func:`genie.remote.keys.check_modes`)."""
     import zmq.auth
 
     keys_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    keyring.check_modes(keys_dir)
     secret_file = keys_dir / "server.key_secret"
     if not secret_file.exists():
         old = os.umask(0o077)  # pyzmq writes the secret file world-readable otherwise
@@ -1099,6 +1126,7 @@ def ensure_keys(keys_dir: Path) -> tuple[bytes, bytes, Path]:
         cpub, csec = zmq.curve_keypair()
         _write_cert(client_secret, cpub, csec)
         _write_cert(authorized / "client.key", cpub, None)
+    keyring.ensure_peer_pair(keys_dir)
     assert pub is not None and sec is not None
     return pub, sec, authorized
 
@@ -1155,8 +1183,8 @@ def parse_bytes(s: str) -> int:
     return int(t)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``genie-server`` and ``python -m genie.remote.server``."""
+def build_parser() -> argparse.ArgumentParser:
+    """``genie-server``'s flags (``genie-pool`` passes the hardening ones to its members)."""
     p = argparse.ArgumentParser(prog="genie-server", description="Serve a real device to Genie "
                                 "clients (remote_accelerator tensors run here).")
     p.add_argument("--device", default=None,
@@ -1182,10 +1210,15 @@ def main(argv: list[str] | None = None) -> int:
                    "requests run in order (default 4)")
     p.add_argument("--threads", type=int, default=0,
                    help="intra-op CPU threads (torch.set_num_threads; default: torch's choice)")
+    p.add_argument("--peers", default=None,
+                   help="the pool members this server may send values to (server-to-server "
+                   "transfers): tcp://HOST:PORT,... (served with this server's own key), or a "
+                   "JSON peers or pool file, read again when it changes; default: none (every "
+                   "send refused)")
     p.add_argument("--peer-keys", default=None,
-                   help="connection file whose client key pair this server uses with its peers "
-                   "(server-to-server transfers; default: the client pair of --keys, which the "
-                   "members of a pool share)")
+                   help="the key pair this server authenticates with to its peers: a "
+                   "certificate with its secret key, or a connection file's client pair "
+                   "(default: peer.key_secret of --keys, which the members of a pool share)")
     p.add_argument("--peer-timeout", type=float, default=30.0,
                    help="seconds of a peer's silence after which a transfer to it fails "
                    "(default 30)")
@@ -1196,19 +1229,29 @@ def main(argv: list[str] | None = None) -> int:
                    "a CPU the ops whose kernels do not bound their indices), 1 (every op), 0 "
                    "(a trusted single-tenant server); default $GENIE_SERVER_INDEX_CHECK or auto")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
-    a = p.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    return p
+
+
+def server_from_args(a: argparse.Namespace) -> Server:
+    """The :class:`Server` that parsed flags describe (``--threads`` applied to the process)."""
     device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     if a.threads > 0:
         torch.set_num_threads(a.threads)
+    return Server(device, a.listen, insecure=a.insecure, keys_dir=a.keys, lease=a.lease,
+                  quota=a.quota, max_message=a.max_message, max_sessions=a.max_sessions,
+                  workers=a.workers, max_run_seconds=a.max_run_seconds,
+                  peer_keys=a.peer_keys, peer_timeout=a.peer_timeout,
+                  index_check=a.index_check, peers=a.peers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``genie-server`` and ``python -m genie.remote.server``."""
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     # the server runs tapes itself: never forward them to another server
     os.environ.pop("GENIE_SERVER", None)
     backends.set_backends([n for n in backends.backend_order() if n != "remote"])
-    server = Server(device, a.listen, insecure=a.insecure, keys_dir=a.keys, lease=a.lease,
-                    quota=a.quota, max_message=a.max_message, max_sessions=a.max_sessions,
-                    workers=a.workers, max_run_seconds=a.max_run_seconds,
-                    peer_keys=a.peer_keys, peer_timeout=a.peer_timeout,
-                    index_check=a.index_check)
+    server = server_from_args(a)
     server.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())

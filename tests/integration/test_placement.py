@@ -1,7 +1,8 @@
 """Placement over a pool of servers and server-to-server transfers (issue 15).
 
 A loopback pool of two ``genie-server`` processes (CURVE, one key directory, as ``genie-pool``
-makes them; peers authenticate with the pool's client key pair). Every policy must give eager's
+makes them; peers authenticate with the pool's peer key pair, and every server of a key
+directory is registered in its peers file, ``--peers``, as ``genie-pool`` registers its members). Every policy must give eager's
 tokens for a small GPT-2 (random weights, built here) through ``generate`` and through a
 hand-written decode loop; ``phase-split`` must move the KV cache server to server, never through
 the client; ``fixed`` must be what it was. The transfer path is attacked with raw messages, over
@@ -41,13 +42,27 @@ TOKENS = 8
 POLICIES = ["fixed", "phase-split", "semantic"]
 
 
+def register(keys: Path, address: str) -> None:
+    """Add ``address`` to the peers file of the servers of ``keys`` (what a pool does)."""
+    f = keys / "peers.json"
+    d = json.loads(f.read_text()) if f.exists() else {"peers": []}
+    k = json.loads((keys / "client.json").read_text())["server_public_key"]
+    d["peers"].append({"address": address, "server_public_key": k})
+    tmp = keys / "peers.tmp"
+    tmp.write_text(json.dumps(d))
+    os.replace(tmp, f)
+
+
 class Srv:
-    """A genie-server subprocess (CURVE with ``keys``, or ``--insecure`` when None)."""
+    """A genie-server subprocess (CURVE with ``keys``, or ``--insecure`` when None); with keys,
+    registered in the key directory's peers file, which it reads (``--peers``)."""
 
     def __init__(self, keys: Path | None, *args: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "GENIE_LOG_LEVEL": "WARNING"}
         env.pop("GENIE_SERVER", None)
         sec = ["--keys", str(keys)] if keys is not None else ["--insecure"]
+        if keys is not None and "--peers" not in args:
+            sec += ["--peers", str(keys / "peers.json")]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "genie.remote.server", "--device", "cpu", "--listen",
              "127.0.0.1:0", "--threads", "1", *sec, *args],
@@ -64,6 +79,8 @@ class Srv:
             raise RuntimeError(f"genie-server did not start: {line!r}")
         self.address = m.group(0)
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+        if keys is not None and "--peers" not in args:
+            register(keys, self.address)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -342,16 +359,23 @@ def test_semantic_puts_prefill_where_compute_is_free(pool, keys) -> None:
 
 # --- the transfer path: attacks, quota, dead peers ---------------------------------------------------
 
-def _raw(address: str, keys: Path | None):
-    """A raw DEALER socket authenticated as a client (or plain TCP)."""
+def _raw(address: str, keys: Path | None, as_peer: bool = False):
+    """A raw DEALER socket authenticated as a client, or with the pool's peer key pair (or
+    plain TCP)."""
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.linger = 0
     if keys is not None:
         k = json.loads((keys / "client.json").read_text())
         s.curve_serverkey = k["server_public_key"].encode()
-        s.curve_publickey = k["client_public_key"].encode()
-        s.curve_secretkey = k["client_secret_key"].encode()
+        if as_peer:
+            from zmq.auth import load_certificate
+
+            s.curve_publickey, s.curve_secretkey = load_certificate(
+                str(keys / "peer.key_secret"))
+        else:
+            s.curve_publickey = k["client_public_key"].encode()
+            s.curve_secretkey = k["client_secret_key"].encode()
     s.connect(address)
     return s
 
@@ -369,46 +393,63 @@ def _ask(s, header: dict, frames=()) -> dict:
 
 
 def test_bad_peer_messages_are_refused(pool, keys) -> None:
-    """A put needs a ticket of the destination session (its token is the MAC key): wrong,
-    replayed or mismatched tickets, unknown sessions, geometry past the bytes that came, ids
-    already used; a send to a bad address, of a missing handle, or describing values wrongly.
-    Nothing is stored by a refused message."""
+    """A put needs a ticket of the destination session (its token is the MAC key) over every
+    field it acts on, and comes from a peer key only: wrong, replayed or mismatched tickets,
+    unknown sessions, geometry past the bytes that came, ids already used, fields the ticket
+    does not sign (a ``free`` deleted handles of the session once). A send to a bad address,
+    of a missing handle, or describing values wrongly. Nothing is stored, and nothing freed, by
+    a refused message; a put's answer tells nothing of the session's residency."""
     c = Client(pool[1].address, **_client_keys(keys), heartbeat=False).open()
-    s = _raw(pool[1].address, keys)
+    s = _raw(pool[1].address, keys, as_peer=True)
+    cs = _raw(pool[1].address, keys)  # a client key
     try:
         tok, sid = c.session, peer.session_id(c.session)
-        geo = [[0, "float32", [4], [1], 0, 0]]
+        v4 = [["float32", [4], [1], 0, 0]]
         frame = torch.arange(4.0).numpy().tobytes()
 
-        def put(n, ids=(7,), o=geo, tk=None, sid=sid, frames=(frame,)):
-            signed = [[m[1], m[2]] for m in o]
-            tk = tk if tk is not None else peer.ticket(tok, n, list(ids), signed)
-            return _ask(s, {"t": "put", "rid": n, "sid": sid, "n": n, "ids": list(ids),
-                            "o": o, "tk": tk}, frames)
+        def put(n, ids=(7,), v=v4, g=(0,), tk=None, sid=sid, frames=(frame,), sock=None,
+                **extra):
+            tk = tk if tk is not None else peer.ticket(tok, n, list(ids), v)
+            return _ask(sock or s, {"t": "put", "rid": n, "sid": sid, "n": n, "ids": list(ids),
+                                    "v": v, "g": list(g), "tk": tk, **extra}, frames)
 
+        # a client key cannot put, even with a valid ticket; a peer key cannot open a session
+        r = put(1, sock=cs)
+        assert r["t"] == "err" and "only from a peer server" in r["msg"], r
+        r = _ask(s, {"t": "hello", "rid": 1, "v": PROTOCOL_VERSION})
+        assert r["t"] == "err" and "from a client key" in r["msg"], r
         assert put(1, sid=b"\0" * 8)["kind"] == "session"
         assert "does not match" in put(1, tk=b"\0" * 16)["msg"]
-        oob = [[0, "float32", [5], [1], 0, 0]]
-        assert "reaches byte" in put(2, o=oob)["msg"]
+        assert "reaches byte" in put(2, v=[["float32", [5], [1], 0, 0]])["msg"]
         assert "names no frame" in put(3, frames=())["msg"]
-        assert "cannot be sent" in put(4, o=[[0, "qint8", [4], [1], 0, 0]])["msg"]
+        assert "cannot be sent" in put(4, v=[["qint8", [4], [1], 0, 0]])["msg"]
         assert c._call({"t": "ping"})[0]["res"] == [0, 0]  # nothing stored so far
         ok = put(5)
-        assert ok["t"] == "ok" and ok["pb"] == 16
+        assert ok == {"t": "ok", "rid": 5, "pb": 16, "st": ok["st"]}, ok  # no residency
         assert "used again" in put(5)["msg"]  # the same ticket twice
         assert "already in use" in put(6)["msg"]  # id 7 is taken now
         assert c._call({"t": "ping"})[0]["res"] == [1, 16]
-        # a ticket for one dtype does not cover another
-        t6 = peer.ticket(tok, 8, [9], [["float32", [4]]])
-        assert "does not match" in put(8, ids=(9,), o=[[0, "int32", [4], [1], 0, 0]],
-                                       tk=t6)["msg"]
+        # a ticket for one geometry covers no other: dtype, strides, storage offset, math bits
+        t8 = peer.ticket(tok, 8, [9], v4)
+        for other in (["int32", [4], [1], 0, 0], ["float32", [2], [2], 0, 0],
+                      ["float32", [4], [1], 0, 2], ["float32", [3], [1], 1, 0]):
+            assert "does not match" in put(8, ids=(9,), v=[other], tk=t8)["msg"], other
+        # fields the ticket does not sign are refused: the finding's free of another handle
+        for n, extra in enumerate(({"free": [7]}, {"ev": [7, 0]}, {"s": tok},
+                                   {"o": [[0, "float32", [4], [1], 0, 0]]}), start=10):
+            r = put(n, ids=(20 + n,), **extra)
+            assert r["t"] == "err" and "a put carries only" in r["msg"], (extra, r)
+        assert c._call({"t": "ping"})[0]["res"] == [1, 16]  # handle 7 still there
         # sends from this session: checked before anything moves
-        base = {"t": "send", "ids": [7], "dids": [1], "o": [["float32", [4]]], "sid": sid,
+        base = {"t": "send", "ids": [7], "dids": [1], "o": v4, "sid": sid,
                 "n": 99, "tk": b"\0" * 16, "s": tok}
         for bad, why in [({"to": "ipc:///tmp/x"}, "tcp://host:port"),
                          ({"to": "tcp://h"}, "tcp://host:port"),
                          ({"to": pool[0].address, "ids": [123]}, "no tensor with handle id"),
-                         ({"to": pool[0].address, "o": [["float32", [5]]]}, "describes it as"),
+                         ({"to": pool[0].address, "o": [["float32", [5], [1], 0, 0]]},
+                          "describes it as"),
+                         ({"to": pool[0].address, "o": [["float32", [4], [2], 0, 0]]},
+                          "describes it as"),
                          ({"to": pool[0].address, "sk": "short"}, "CURVE public key"),
                          # fields the put would carry: checked here, not passed on (a value
                          # the encoder cannot write stopped the peer thread once)
@@ -418,17 +459,16 @@ def test_bad_peer_messages_are_refused(pool, keys) -> None:
                          ({"to": pool[0].address, "n": -1}, "positive nonce"),
                          ({"to": pool[0].address, "tk": 5}, "16-byte ticket"),
                          ({"to": pool[0].address, "dids": [-3]}, "non-negative 'dids'")]:
-            r = _ask(s, {**base, "rid": 50, **bad})
+            r = _ask(cs, {**base, "rid": 50, **bad})
             assert r["t"] == "err" and why in r["msg"], (bad, r)
         # the server still sends: a valid send into this session, on this very server
-        k = json.loads((keys / "client.json").read_text())["server_public_key"]
-        signed = [["float32", [4]]]
-        r = _ask(s, {**base, "rid": 60, "to": pool[1].address, "sk": k, "n": 100, "dids": [8],
-                     "tk": peer.ticket(tok, 100, [8], signed)})
+        r = _ask(cs, {**base, "rid": 60, "to": pool[1].address, "n": 100, "dids": [8],
+                      "tk": peer.ticket(tok, 100, [8], v4)})
         assert r["t"] == "ok" and r["pb"] == 16, r
         assert c._call({"t": "ping"})[0]["res"] == [2, 32]
     finally:
         s.close(linger=0)
+        cs.close(linger=0)
         c.close()
 
 
@@ -510,7 +550,7 @@ def test_a_dead_decode_server_is_a_clear_error_at_the_call_site(keys) -> None:
         assert time.monotonic() - t0 < 15
         msg = str(e.value)
         assert servers[0].address in msg and servers[1].address in msg
-        assert "connection refused" in msg or "dropped" in msg
+        assert "did not take the values" in msg, msg
     finally:
         genie.disconnect()
         for s in servers:
@@ -561,8 +601,10 @@ class _FakePeer:
 
 @pytest.mark.parametrize("mode", ["die", "hang"])
 def test_a_peer_that_dies_or_hangs_mid_transfer_is_a_clear_error(mode) -> None:
-    src = Srv(None, "--peer-timeout", "2")
+    """One message whatever failed (the cause is in the sending server's log), within the
+    timeout; the source goes on."""
     fake = _FakePeer(mode)
+    src = Srv(None, "--peer-timeout", "2", "--peers", fake.address)
     try:
         genie.connect([src.address, fake.address], insecure=True, placement="fixed",
                       timeout=20, replay=False, lazy=True)
@@ -576,10 +618,11 @@ def test_a_peer_that_dies_or_hangs_mid_transfer_is_a_clear_error(mode) -> None:
         assert fake.got_put.is_set()
         msg = str(e.value)
         assert fake.address in msg and src.address in msg
+        assert "did not take the values" in msg and "within 2 s" in msg, msg
         if mode == "die":  # the drop, or the reconnect it refuses right after
-            assert ("dropped" in msg or "connection refused" in msg) and dt < 8, (dt, msg)
+            assert dt < 8, (dt, msg)
         else:
-            assert "no answer within 2 s" in msg and 1.5 < dt < 10, (dt, msg)
+            assert 1.5 < dt < 10, (dt, msg)
         assert (x + 1).sum().item() == sum(range(16)) * 2 + 16  # the source goes on
     finally:
         genie.disconnect()
