@@ -419,6 +419,7 @@ class Server:
                             self._incoming(parts)
                         except Exception as e:  # never let one message stop the server
                             logger.exception("genie-server: dropped a message: %s", e)
+                    parts = None  # the last message is not held (uncounted) until the next
                 if self._mon in events:
                     self._disconnects()
                 now = time.monotonic()
@@ -630,6 +631,9 @@ class Server:
                     self._meter.end()
                     self._dequeued(h, nbytes)
                     self._queue.done(key)
+                    # an idle worker holds nothing of its last request (an upload's frames
+                    # stayed alive, uncounted, until the worker's next request)
+                    got = frames = h = None
         finally:
             out.close(linger=0)
 

@@ -169,3 +169,280 @@ def test_frames_split_into_chunks_and_join_aligned() -> None:
     for bad in ([1, 2], [0, 4], [4.0], "x", [1, 1, 1, 1, 1]):
         with pytest.raises(ProtocolError, match="chunk counts"):
             join_frames(list(wire), bad)
+
+
+# --- server-to-server transfers: where to, and what a failed one holds (issue 27, finding 5) ----
+
+import json  # noqa: E402
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import zmq  # noqa: E402
+
+from genie.remote import PeerTransferError, QuotaExceededError  # noqa: E402
+from genie.remote.client import Client  # noqa: E402
+from genie.remote.peer import describe  # noqa: E402
+from genie.remote.protocol import pack, unpack  # noqa: E402
+from test_remote import ServerProc  # noqa: E402
+
+
+def _peers_file(keys: Path, addresses: list[str], key: str | None = None) -> Path:
+    """The peers file of the servers of ``keys``: ``addresses``, registered with ``key`` (the
+    key directory's own server key by default)."""
+    f = keys / "peers.json"
+    if key is None and (keys / "client.json").exists():
+        key = json.loads((keys / "client.json").read_text())["server_public_key"]
+    f.write_text(json.dumps({"peers": [{"address": a, "server_public_key": key}
+                                       for a in addresses]}))
+    return f
+
+
+class _Fake:
+    """What may listen at an address: a ``closed`` port (nothing listens), a ``silent`` one
+    (a TCP listener that never speaks), or a ZeroMQ ROUTER (``zmq``: CURVE with a made-up key
+    pair; ``big``: plain TCP, answering a put with a frame past a peer's message limit). Records
+    whether anything arrived."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.got: list[dict] = []
+        self.ctx = None
+        self.sock: socket.socket | None = None
+        if kind in ("closed", "silent"):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            self.address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+            if kind == "closed":
+                s.close()
+            else:
+                s.listen(16)
+                s.setblocking(False)
+                self.sock = s
+            return
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.linger = 0
+        if kind == "zmq":
+            pub, sec = zmq.curve_keypair()
+            self.router.curve_server = True
+            self.router.curve_publickey, self.router.curve_secretkey = pub, sec
+            self.public = pub.decode()
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.stop = threading.Event()
+        self.th = threading.Thread(target=self._serve, daemon=True)
+        self.th.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            if not self.router.poll(50):
+                continue
+            ident, head, *_ = self.router.recv_multipart()
+            h = unpack(head)
+            self.got.append(h)
+            if self.kind == "big" and h.get("t") == "put":  # a valid answer, 1 MiB large
+                self.router.send_multipart([ident, pack({"t": "ok", "rid": h["rid"],
+                                                         "pb": 16, "pad": b"x" * (1 << 20)})])
+
+    def connected(self) -> bool:
+        """Whether anyone connected (the silent listener) or sent anything (ZeroMQ)."""
+        if self.sock is not None:
+            try:
+                self.sock.accept()[0].close()
+                return True
+            except BlockingIOError:
+                return False
+        return bool(self.got)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        if self.ctx is not None:
+            self.stop.set()
+            self.th.join(timeout=5)
+            self.router.close(linger=0)
+            self.ctx.term()
+
+
+MiB = 1 << 20
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("VmRSS")
+
+
+@pytest.fixture(scope="module")
+def peered(tmp_path_factory: pytest.TempPathFactory):
+    """A CURVE server (quota 100 MiB) whose pool is a silent listener and a made-up CURVE
+    endpoint (registered with the pool's server key, which it does not hold); and three
+    addresses that are not its peers: a closed port, a silent listener, a ZeroMQ server."""
+    keys = tmp_path_factory.mktemp("genie-peers-keys")
+    fakes = {k: _Fake(k.split("_")[0]) for k in ("silent_reg", "zmq_reg", "closed", "silent",
+                                                   "zmq")}
+    srv = None
+    try:
+        srv = ServerProc(keys, "--quota", "100MiB", "--peers", str(keys / "peers.json"),
+                         "--peer-timeout", "30")
+        _peers_file(keys, [fakes["silent_reg"].address, fakes["zmq_reg"].address])
+        c = Client(srv.address, server_key=srv.keys["server_public_key"],
+                   client_public=srv.keys["client_public_key"],
+                   client_secret=srv.keys["client_secret_key"], heartbeat=False).open()
+        yield srv, c, fakes
+        c.close()
+    finally:
+        if srv is not None:
+            srv.stop()
+        for f in fakes.values():
+            f.close()
+
+
+def _raw_for(srv: ServerProc) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.linger = 0
+    s.curve_serverkey = srv.keys["server_public_key"].encode()
+    s.curve_publickey = srv.keys["client_public_key"].encode()
+    s.curve_secretkey = srv.keys["client_secret_key"].encode()
+    s.connect(srv.address)
+    return s
+
+
+def _answer(s: zmq.Socket, timeout: float) -> dict:
+    """The next answer on ``s`` that is not a "busy" note."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0 and s.poll(int(left * 1000)), "no answer"
+        h = unpack(s.recv_multipart()[0])
+        if h.get("t") != "busy":
+            return h
+
+
+def _send(c: Client, h, to: str, to_s: float = 20.0, **extra) -> dict:
+    """A ``send`` of the resident value ``h`` to ``to`` (into a session the destination would
+    check: its id and ticket are the destination's business)."""
+    m = h.meta
+    return {"t": "send", "s": c.session, "ids": [h.id], "dids": [1], "to": to,
+            "sid": b"\0" * 8, "n": 1, "tk": b"\0" * 16, "to_s": to_s,
+            "o": [describe(m.dtype, m.shape, m.stride, m.offset)], **extra}
+
+
+def _put(c: Client, n: int):
+    from genie.graph import TensorMeta
+
+    x = torch.ones(n)
+    return c.put(x, TensorMeta.of(x, 0))
+
+
+def test_a_send_goes_only_to_the_pool_and_other_addresses_get_one_answer(peered) -> None:
+    """Finding 5: a send connected to any host:port a client named, and its answers told closed,
+    silent and ZeroMQ ports apart (a port scanner). Now an address that is not a registered
+    peer gets one answer, at once, whatever listens there, and nothing connects to it."""
+    srv, c, fakes = peered
+    h = _put(c, 16)
+    msgs = {}
+    for k in ("closed", "silent", "zmq"):
+        t0 = time.monotonic()
+        with pytest.raises(PeerTransferError) as e:
+            c._call(_send(c, h, fakes[k].address))
+        assert time.monotonic() - t0 < 2
+        msgs[k] = str(e.value).replace(fakes[k].address, "ADDR")
+    assert len(set(msgs.values())) == 1, msgs
+    assert "is not a member of this server's pool" in msgs["zmq"] and "--peers" in msgs["zmq"]
+    time.sleep(0.5)
+    assert not fakes["silent"].connected() and not fakes["zmq"].connected()
+    # the client's word for a destination's key is not taken either (it is not needed)
+    with pytest.raises(PeerTransferError, match="not a member"):
+        c._call(_send(c, h, fakes["zmq"].address, sk=fakes["zmq"].public))
+
+
+def test_a_made_up_curve_endpoint_never_receives_values(peered) -> None:
+    """Finding 5: an endpoint with a CURVE key of its own completed the handshake with the key
+    the client named and received the values. The sender uses the key registered for the
+    address (whatever the client says): the handshake fails and nothing arrives; the client
+    gets the one answer of an undelivered transfer."""
+    srv, c, fakes = peered
+    fake = fakes["zmq_reg"]
+    h = _put(c, 16)
+    for extra in ({}, {"sk": fake.public}):
+        t0 = time.monotonic()
+        with pytest.raises(PeerTransferError, match="did not take the values") as e:
+            c._call(_send(c, h, fake.address, to_s=5, **extra))
+        assert time.monotonic() - t0 < 10
+        assert "not the server registered for that address" in str(e.value)
+    assert fake.got == []
+
+
+def test_a_transfer_that_cannot_be_delivered_frees_what_it_held(peered) -> None:
+    """Finding 5: sends to a silent port pinned values the session had freed (+578 MiB in 5 s
+    under a 32 MiB quota, held ~25 s after bye). Bytes a transfer pins that the session no
+    longer holds count against its quota; a failed transfer (its timeout) or the session's end
+    releases them at once (the server's RSS falls back)."""
+    srv, c, fakes = peered
+    to = fakes["silent_reg"].address
+    pid = srv.proc.pid
+    s = _raw_for(srv)
+    probe = [pack({"t": "free", "ids": [], "s": c.session, "rid": 7}), bytes(48 * MiB)]
+    try:
+        for end in ("timeout", "bye"):
+            if end == "bye":
+                c = Client(srv.address, server_key=srv.keys["server_public_key"],
+                           client_public=srv.keys["client_public_key"],
+                           client_secret=srv.keys["client_secret_key"], heartbeat=False).open()
+                probe[0] = pack({"t": "free", "ids": [], "s": c.session, "rid": 7})
+            base = _rss(pid)
+            h = _put(c, 16 * MiB)  # 64 MiB
+            s.send_multipart([pack({**_send(c, h, to, to_s=3 if end == "timeout" else 30),
+                                    "rid": 1})])
+            time.sleep(0.5)  # the send is under way: the value is pinned
+            c._call({"t": "free", "ids": [h.id]})
+            assert c._call({"t": "ping"})[0]["res"][1] < MiB  # the session holds nothing large
+            pinned = _rss(pid)
+            assert pinned - base > 56 * MiB, (pinned - base) / MiB
+            # 64 MiB pinned + 48 MiB of message: over the 100 MiB quota, though nothing is held
+            s.send_multipart(probe)
+            r = _answer(s, 10)
+            assert r["t"] == "err" and r["kind"] == "quota", r
+            t0 = time.monotonic()
+            if end == "bye":
+                c.close()
+            r = _answer(s, 15)
+            assert r["t"] == "err" and r["kind"] == "peer" and r["rid"] == 1, r
+            assert time.monotonic() - t0 < (2 if end == "bye" else 6)
+            if end == "timeout":
+                assert "did not take the values" in r["msg"], r
+                s.send_multipart(probe)
+                assert _answer(s, 10)["t"] == "ok"  # the quota has room again
+            else:
+                assert "the session ended" in r["msg"], r
+            deadline = time.monotonic() + 5
+            while _rss(pid) - base > 24 * MiB:
+                assert time.monotonic() < deadline, \
+                    f"{end}: the server still holds {(_rss(pid) - base) / MiB:.0f} MiB"
+                time.sleep(0.1)
+    finally:
+        s.close(linger=0)
+
+
+def test_peer_connections_take_small_answers_only() -> None:
+    """Finding 5: peer sockets set no message size limit (a 256 MiB reply frame was taken in by a
+    ``--max-message 16MiB`` server). A peer's answer is a few hundred bytes: a connection that
+    brings a larger message is closed, and the transfer fails at once."""
+    big = _Fake("big")
+    [(srv, addr)] = spawn_servers(1, "--peers", big.address, "--max-message", "16MiB")
+    try:
+        c = Client(addr, insecure=True, heartbeat=False).open()
+        h = _put(c, 4)
+        t0 = time.monotonic()
+        with pytest.raises(PeerTransferError, match="did not take the values"):
+            c._call(_send(c, h, big.address, to_s=20))
+        assert time.monotonic() - t0 < 10
+        assert [g["t"] for g in big.got] == ["put"]
+        c.close()
+    finally:
+        stop([srv])
+        big.close()
