@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import stat
 import time
 from pathlib import Path
@@ -484,10 +485,120 @@ def test_secret_keys_are_written_with_a_private_umask(tmp_path: Path, monkeypatc
         srv.ensure_keys(tmp_path / "keys")
     finally:
         os.umask(old)
-    for name in ("server.key_secret", "client.key_secret"):
+    for name in ("server.key_secret", "client.key_secret", "peer.key_secret"):
         mode = stat.S_IMODE((tmp_path / "keys" / name).stat().st_mode)
         assert mode & 0o077 == 0, (name, oct(mode))
     assert stat.S_IMODE((tmp_path / "keys").stat().st_mode) & 0o077 == 0
+
+
+@pytest.mark.parametrize("sub", ["", "authorized", "peers"])
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
+def test_8_a_keys_directory_others_can_write_is_refused(tmp_path: Path, sub: str,
+                                                        mode: int) -> None:
+    """Finding 8: a keys directory (or authorized/) that already existed world-writable was
+    used silently: any local user could authorize a key. Refused, as sshd's StrictModes does,
+    with the chmod that fixes it; fixed, the same directory serves again."""
+    from genie.remote import server as srv
+
+    keys = tmp_path / "keys"
+    srv.ensure_keys(keys)
+    d = keys / sub if sub else keys
+    os.chmod(d, mode)
+    with pytest.raises(SystemExit, match=f"writable by [^\n]*: chmod 700 {re.escape(str(d))}\n"):
+        srv.ensure_keys(keys)
+    os.chmod(d, 0o700)
+    srv.ensure_keys(keys)
+
+
+def test_8_keys_others_can_read_or_change_are_refused(tmp_path: Path) -> None:
+    """A secret key (or the connection file) readable by others, an authorized key others can
+    rewrite: refused with the chmod; the server process exits with the message."""
+    import subprocess
+    import sys
+
+    from genie.remote import server as srv
+
+    keys = tmp_path / "keys"
+    srv.ensure_keys(keys)
+    for f, fix in ((keys / "client.key_secret", "chmod 600"), (keys / "peer.key_secret",
+                                                                "chmod 600"),
+                   (keys / "authorized" / "client.key", "chmod 600"),
+                   (keys / "peers" / "peer.key", "chmod 600")):
+        old = stat.S_IMODE(f.stat().st_mode)
+        os.chmod(f, 0o666)
+        with pytest.raises(SystemExit, match=f"{fix} {re.escape(str(f))}\n"):
+            srv.ensure_keys(keys)
+        os.chmod(f, old)
+    srv.ensure_keys(keys)
+    os.chmod(keys / "authorized", 0o757)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("GENIE_SERVER", None)
+    out = subprocess.run([sys.executable, "-m", "genie.remote.server", "--device", "cpu",
+                          "--listen", "127.0.0.1:0", "--keys", str(keys)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"chmod 700 {keys / 'authorized'}" in out.stderr, out.stderr[-2000:]
+
+
+# --- ping (finding 6, last sentence) -------------------------------------------------------------
+
+_BUSY = """
+import sys, torch, genie
+genie.connect(sys.argv[1], key_file=sys.argv[2], timeout=120)
+z = torch.randn(384, 384, device="remote_accelerator") / 20
+print("start", flush=True)
+while True:
+    for _ in range(20):
+        z = torch.tanh(z @ z)
+    z.sum().item()
+"""
+
+
+def test_6_ping_tells_a_tenant_nothing_about_other_tenants(server: ServerProc,
+                                                          keys: Path) -> None:
+    """Ping's ``ld`` told every session how busy the others kept the workers. Now it covers the
+    other sessions of the asking session's own client key only (one tenant's program across
+    its sessions, what placement needs): another tenant's busy session shows as 0."""
+    import json
+    import subprocess
+    import sys
+
+    from genie.remote.client import Client
+    from genie.remote.keys import write_cert
+
+    pub, sec = zmq.curve_keypair()
+    write_cert(keys / "authorized" / "tenant2.key", pub, None)  # read again when it changes
+    k = server.keys
+    other = Client(server.address, server_key=k["server_public_key"],
+                   client_public=pub.decode(), client_secret=sec.decode(),
+                   heartbeat=False).open()
+    same = Client(server.address, server_key=k["server_public_key"],
+                  client_public=k["client_public_key"], client_secret=k["client_secret_key"],
+                  heartbeat=False).open()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("GENIE_SERVER", None)
+    busy = subprocess.Popen([sys.executable, "-c", _BUSY, server.address,
+                             str(server.key_file)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert busy.stdout.readline().startswith("start")
+        seen_same, seen_other = 0.0, []
+        deadline = time.monotonic() + 30
+        while seen_same < 0.3:
+            assert time.monotonic() < deadline, "the same key's busy session never showed"
+            seen_same = max(seen_same, same._call({"t": "ping"})[0]["ld"])
+            seen_other.append(other._call({"t": "ping"})[0]["ld"])
+            time.sleep(0.1)
+        for _ in range(10):
+            seen_other.append(other._call({"t": "ping"})[0]["ld"])
+            time.sleep(0.05)
+        assert set(seen_other) == {0.0}, seen_other
+        assert json.dumps(other._call({"t": "ping"})[0]).count("ld") == 1
+    finally:
+        busy.kill()
+        busy.wait(timeout=15)
+        other.close()
+        same.close()
+        os.unlink(keys / "authorized" / "tenant2.key")
 
 
 # --- what held keeps holding ----------------------------------------------------------------------
