@@ -90,6 +90,17 @@ class _Server:
         genie.connect(self.address, key_file=None if insecure else self.key_file,
                       insecure=insecure, timeout=60)
 
+    @staticmethod
+    def pool(keys: Path, *servers: _Server) -> list[_Server]:
+        """Register ``servers`` (started with ``--peers KEYS/peers.json``) as each other's peers,
+        as genie-pool does: a server sends values only to its pool's members."""
+        import json
+
+        k = json.loads((keys / "client.json").read_text())["server_public_key"]
+        (keys / "peers.json").write_text(json.dumps({"peers": [
+            {"address": s.address, "server_public_key": k} for s in servers]}))
+        return list(servers)
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -610,7 +621,8 @@ def test_placement_policies(benchmark, ratios) -> None:
     ref = model.generate(ids, max_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
     res: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as d:
-        pool = [_Server(Path(d)), _Server(Path(d))]
+        peers = ("--peers", str(Path(d) / "peers.json"))
+        pool = _Server.pool(Path(d), _Server(Path(d), *peers), _Server(Path(d), *peers))
         try:
             def once() -> None:
                 for policy in ("fixed", "phase-split", "semantic"):
@@ -688,8 +700,9 @@ def test_placement_decode_beside_a_long_prefill(benchmark, ratios, pinned) -> No
     moved: list[int] = []
     mine = os.sched_getaffinity(0) if pinned else None
     with tempfile.TemporaryDirectory() as d:
-        pool = [_Server(Path(d), cpu=0 if pinned else None),
-                _Server(Path(d), cpu=1 if pinned else None)]
+        peers = ("--peers", str(Path(d) / "peers.json"))
+        pool = _Server.pool(Path(d), _Server(Path(d), *peers, cpu=0 if pinned else None),
+                            _Server(Path(d), *peers, cpu=1 if pinned else None))
         addrs = [p.address for p in pool]
         key_file = pool[0].key_file
         cpu0 = 0 if pinned else None

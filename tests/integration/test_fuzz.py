@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import os
 import random
 import time
@@ -244,8 +245,13 @@ def _hello(sock: zmq.Socket, rid: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    s = ServerProc(tmp_path_factory.mktemp("genie-fuzz-keys"), "--quota", "64MiB",
-                   "--max-message", "16MiB", "--max-run-seconds", "5", "--workers", "2")
+    keys = tmp_path_factory.mktemp("genie-fuzz-keys")
+    s = ServerProc(keys, "--quota", "64MiB", "--max-message", "16MiB", "--max-run-seconds", "5",
+                   "--workers", "2", "--peers", str(keys / "peers.json"))
+    # its own pool: the sends of the peer fuzzer go to this very server
+    (keys / "peers.json").write_text(json.dumps({"peers": [
+        {"address": s.address, "server_public_key": s.keys["server_public_key"]}]}))
+    s.keys_dir = keys
     yield s
     assert s.stop() == 0
 
@@ -348,20 +354,26 @@ def _peer_seeds(address: str, tok: bytes, nonce: int, k: int, sk: str | None = N
 
     base = torch.arange(24.0).reshape(4, 6)
     geo, frames, _ = peer.pack_values([base, base.t(), base[1:3, 2:5], torch.arange(5)])
-    o = [g.wire() for g in geo]
     put = {"t": "put", "sid": peer.session_id(tok), "n": nonce, "ids": [k, k + 1, k + 2, k + 3],
-           "o": o}
+           "v": [g.signed() for g in geo], "g": [g.group for g in geo]}
     send = {"t": "send", "s": tok, "ids": [1, 2], "to": address, "dids": [k, k + 1],
             "o": [g.signed() for g in geo[:2]], "sid": peer.session_id(tok), "n": nonce,
             "to_s": 2.0, "sk": sk}
     return [(put, [bytes(memoryview(f).cast("B")) for f in frames]), (send, [])]
 
 
-def _signed(o: Any) -> Any:
-    try:
-        return [[m[1], m[2]] for m in o]
-    except Exception:
-        return []
+def _peer_sock(server: ServerProc):
+    """A raw socket authenticated with the server's peer key pair (puts come only from one)."""
+    import zmq
+    from zmq.auth import load_certificate
+
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.linger = 0
+    s.curve_serverkey = server.keys["server_public_key"].encode()
+    s.curve_publickey, s.curve_secretkey = load_certificate(
+        str(server.keys_dir / "peer.key_secret"))
+    s.connect(server.address)
+    return s
 
 
 def test_fuzz_peer_messages(server: ServerProc) -> None:
@@ -372,6 +384,7 @@ def test_fuzz_peer_messages(server: ServerProc) -> None:
 
     genie.disconnect()
     sock = _raw(server)
+    psock = _peer_sock(server)
     rid = 1
     nonce = 1
 
@@ -379,11 +392,11 @@ def test_fuzz_peer_messages(server: ServerProc) -> None:
         """A fresh session holding values under ids 1 to 4 (what the sends read)."""
         tok = _hello(sock, rid)
         h, frames = _peer_seeds(server.address, tok, 1, 1)[0]
-        h = {**h, "rid": rid, "tk": peer.ticket(tok, 1, h["ids"], _signed(h["o"]))}
-        sock.send_multipart([protocol.pack(h), *frames])
+        h = {**h, "rid": rid, "tk": peer.ticket(tok, 1, h["ids"], h["v"])}
+        psock.send_multipart([protocol.pack(h), *frames])
         while True:
-            assert sock.poll(15000)
-            a = protocol.unpack(sock.recv_multipart()[0])
+            assert psock.poll(15000)
+            a = protocol.unpack(psock.recv_multipart()[0])
             if a.get("rid") == rid and a["t"] != "busy":
                 assert a["t"] == "ok", a
                 return tok
@@ -417,19 +430,19 @@ def test_fuzz_peer_messages(server: ServerProc) -> None:
             if r.random() < 0.9:
                 try:
                     h["tk"] = peer.ticket(tok, h.get("n"), ids,
-                                          _signed(h.get("o") if h["t"] == "put" else None)
-                                          if h["t"] == "put" else h.get("o"))
+                                          h.get("v") if h["t"] == "put" else h.get("o"))
                 except Exception:
                     h["tk"] = b"\0" * 16
             else:
                 h["tk"] = m.tweak(b"\0" * 16)
             h["rid"] = rid
-            sock.send_multipart([protocol.pack(h), *frames])
+            to = psock if h["t"] == "put" else sock
+            to.send_multipart([protocol.pack(h), *frames])
             sent += 1
             got = None
             deadline = time.monotonic() + 15  # "busy" notes of an unanswered send never end it
-            while time.monotonic() < deadline and sock.poll(1000):
-                a = protocol.unpack(sock.recv_multipart()[0])
+            while time.monotonic() < deadline and to.poll(1000):
+                a = protocol.unpack(to.recv_multipart()[0])
                 if a.get("t") != "busy" and a.get("rid") in (rid, -1):
                     got = a
                     break
@@ -444,6 +457,7 @@ def test_fuzz_peer_messages(server: ServerProc) -> None:
         nonce = 2
         assert rss(pid) <= baseline + QUOTA + RSS_SLACK
     sock.close()
+    psock.close()
     print(f"\n[genie fuzz] {sent} peer messages, {answered} answered; answers {dict(kinds)}")
     assert answered == sent
     assert kinds.get("put/err:internal", 0) == 0 and kinds.get("send/err:internal", 0) == 0

@@ -1,13 +1,13 @@
 """Placement over a pool of servers and server-to-server transfers (issue 15).
 
-A loopback pool of two ``genie-server`` processes (CURVE, one key directory, as ``genie-pool``
-makes them; peers authenticate with the pool's peer key pair, and every server of a key
-directory is registered in its peers file, ``--peers``, as ``genie-pool`` registers its members). Every policy must give eager's
-tokens for a small GPT-2 (random weights, built here) through ``generate`` and through a
-hand-written decode loop; ``phase-split`` must move the KV cache server to server, never through
-the client; ``fixed`` must be what it was. The transfer path is attacked with raw messages, over
-quota, and with destinations that are dead, hang or die mid-transfer: each ends in a clear error
-within its timeout. Every subprocess is stopped in ``finally``.
+A loopback pool of two ``genie-server`` processes (CURVE, one key directory, as ``genie-pool`` makes
+them; peers authenticate with the pool's peer key pair, and every server of a key directory is
+registered in its peers file, ``--peers``, as ``genie-pool`` registers its members). Every policy
+must give eager's tokens for a small GPT-2 (random weights, built here) through ``generate`` and
+through a hand-written decode loop; ``phase-split`` must move the KV cache server to server, never
+through the client; ``fixed`` must be what it was. The transfer path is attacked with raw messages,
+over quota, and with destinations that are dead, hang or die mid-transfer: each ends in a clear
+error within its timeout. Every subprocess is stopped in ``finally``.
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def test_genie_pool_forward_matches_eager(genie_pool) -> None:
     assert proc.wait(timeout=60) == 0
 
 
-# --- hardening and peers (issue 27, finding 7) ------------------------------------------------------
+# --- hardening and peers (issue 27, finding 7) ---------------------------------------------------
 
 HARDENING = ["--quota", "16MiB", "--lease", "30", "--max-sessions", "2", "--max-message",
              "4MiB", "--workers", "1", "--max-run-seconds", "7", "--index-check", "1",
@@ -197,11 +197,12 @@ def test_genie_pool_members_are_hardened_and_peers_of_each_other_only(launcher,
     """Finding 7: genie-pool passed only device, listen, lease and keys to its members. Now the
     members serve with the pool's quota, lease, session and message limits; they send values to
     each other (a replaced member too) and to no server outside the pool."""
+    from test_recovery import spawn_servers, stop
+
+    from genie.graph import TensorMeta
     from genie.remote import PeerTransferError
     from genie.remote.client import Client
-    from genie.graph import TensorMeta
     from genie.remote.protocol import PROTOCOL_VERSION, pack, unpack
-    from test_recovery import spawn_servers, stop
 
     gen = _genie_pool(launcher, tmp_path, *HARDENING)
     proc, lines = next(gen)
