@@ -259,8 +259,17 @@ class Client:
             self._poller = zmq.Poller()
             self._poller.register(self._sock, zmq.POLLIN)
             self._poller.register(self._mon, zmq.POLLIN)
-            h, _ = self._call_locked({"t": "hello", "v": PROTOCOL_VERSION,
-                                      "torch": torch.__version__}, (), "opening a session")
+            try:
+                h, _ = self._call_locked({"t": "hello", "v": PROTOCOL_VERSION,
+                                          "torch": torch.__version__}, (), "opening a session")
+            except BaseException:
+                # a refused hello (busy: max sessions) leaves no open socket behind: the
+                # context's finalizer would wait for it forever
+                for sk in (self._mon, self._sock):
+                    if sk is not None:
+                        sk.close(linger=0)
+                self._sock = self._mon = self._poller = None
+                raise
             sess = h.get("session")
             if not isinstance(sess, bytes):
                 raise self._fail(ProtocolError("hello answered without a session",
