@@ -156,7 +156,11 @@ class Pool:
         if set_peers is not None:
             with self._lock:
                 members = list(self.members)
-            set_peers(members)
+            try:
+                set_peers(members)
+            except Exception as e:  # another member died meanwhile: the next check replaces
+                logger.warning("genie-pool: registering the members as peers failed (%s); "
+                               "retried at the next change", e)  # it and registers them again
         if self.pool_file is None:
             return
         tmp = self.pool_file.with_suffix(".tmp")
