@@ -111,7 +111,7 @@ def _genie_pool(launcher: str, tmp_path: Path, *extra: str):
                             env=env)
     try:
         lines: dict[str, str] = {}
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # Ray took 119 s on a loaded 2-core machine
         while "GENIE_INSECURE" not in lines and time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
