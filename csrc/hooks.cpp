@@ -5,10 +5,11 @@
 // seeding (getDefaultGenerator), the autograd engine's stream bookkeeping
 // (hasPrimaryContext), torch.accelerator (device count/current device).
 // Genie tensors are storage-less Python wrapper subclasses, so anything that
-// asks about host pointers or pinned memory gets a clear error or "no".
+// asks about host pointers gets a clear error or "no"; pinned memory is host memory.
 #include "hooks.h"
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
 #include "device.h"
@@ -72,14 +73,17 @@ struct Hooks final : public at::PrivateUse1HooksInterface {
                 "style paths are unsupported). Create the tensor on CPU and call .to(\"remote_accelerator\").");
   }
 
+  // "Pinned" memory for remote_accelerator is ordinary host memory: transfers are staged by
+  // Genie (the bytes go over the wire or to the embedded device from any host buffer), so
+  // t.pin_memory() is a copy in the CPU allocator's memory and no pointer reports pinned, as
+  // is_pinned() answers where no accelerator pins. DataLoader(pin_memory=True) then runs as in
+  // plain torch (it pins for the current accelerator, which Genie makes remote_accelerator).
   bool isPinnedPtr(const void* /*data*/) const override {
     return false;
   }
 
   at::Allocator* getPinnedMemoryAllocator() const override {
-    TORCH_CHECK(false,
-                "remote_accelerator has no pinned host memory; transfers are staged by Genie. "
-                "Drop pin_memory=True (or pin_memory_device) for remote_accelerator.");
+    return c10::GetCPUAllocator();
   }
 
   void resizePrivateUse1Bytes(const c10::Storage& /*storage*/, size_t newsize) const override {

@@ -20,6 +20,7 @@
 #include "hooks.h"
 #include "record.h"
 #include "slice.h"
+#include "storage.h"
 #include "replay.h"
 #include "state.h"
 #include "whole.h"
@@ -323,4 +324,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   genie::add_replay_functions(m);
   genie::add_whole_functions(m);
   genie::add_state_functions(m);
+  genie::add_storage_functions(m);
 }

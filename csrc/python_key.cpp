@@ -437,7 +437,10 @@ void factory_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet /*ks*/,
 // (~1.3k instructions, ~4% of a generated token). PyObject_FastGetAttrString takes the type's
 // tp_getattr (the char* slot) when there is one; LazyTensor's answers exactly as getattr()
 // does, with the names torch asks per call interned once. Nothing else in CPython uses
-// tp_getattr while tp_getattro is set.
+// tp_getattr while tp_getattro is set. Any other name goes to getattr() by a str: never by
+// PyObject_GetAttrString, which calls tp_getattr, this function, again (an endless loop, which
+// the compiler makes a tail call: autograd.Function.apply asked each output for "view_as", so a
+// Function returning its input, register_full_backward_hook included, spun at 100% CPU).
 PyObject* tf_name = nullptr;  // "__torch_function__"
 
 PyObject* lazy_getattr(PyObject* self, char* name) {
@@ -447,7 +450,13 @@ PyObject* lazy_getattr(PyObject* self, char* name) {
   if (std::strcmp(name, "__torch_dispatch__") == 0) {
     return PyObject_GetAttr(self, td_name);
   }
-  return PyObject_GetAttrString(self, name);
+  PyObject* s = PyUnicode_FromString(name);
+  if (s == nullptr) {
+    return nullptr;
+  }
+  PyObject* r = PyObject_GetAttr(self, s);
+  Py_DECREF(s);
+  return r;
 }
 
 // Registers the kernel for every aten operator that reaches the Python key through its fallback

@@ -77,6 +77,7 @@
 #include "record.h"
 #include "slots.h"
 #include "state.h"
+#include "storage.h"
 
 // The output wrapper: THPVariable_Wrap(tensor, type) is exported from torch 2.13 on, so there
 // the wrapper is made here as _make_wrapper_subclass makes it. Older torch (2.11 on the GPU
@@ -1496,12 +1497,12 @@ void add_reader(PyObject* storage, PyObject* wref) {
 }
 
 // torch's _make_wrapper_subclass for one output: a data-less tensor on remote_accelerator whose
-// every op reaches LazyTensor.__torch_dispatch__.
-PyObject* make_wrapper(const Out& o) {
+// every op reaches LazyTensor.__torch_dispatch__. Its storage (storage.cpp) is `base`'s (a
+// LazyTensor whose value the output aliases: a view, a detach) or a fresh fake one.
+PyObject* make_wrapper(const Out& o, PyObject* base) {
 #if GENIE_WRAP_NATIVE
-  c10::Storage storage(c10::Storage::use_byte_size_t{}, o.nbytes,
-                       at::DataPtr(nullptr, c10::Device(c10::DeviceType::PrivateUse1, o.index)),
-                       c10::GetAllocator(c10::kMeta), /*resizable=*/true);
+  c10::Storage storage = base != nullptr ? THPVariable_Unpack(base).storage()
+                                         : genie::fake_storage(o.nbytes, o.index);
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
       std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
       c10::scalarTypeToTypeMeta(o.dtype));
@@ -1529,7 +1530,14 @@ PyObject* make_wrapper(const Out& o) {
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(o.dtype));  // borrowed
   PyObject* args[] = {reinterpret_cast<PyObject*>(S.lazy), sizes.ptr(), strides.ptr(), offset.ptr(),
                       dtype, device.ptr(), Py_False};
-  return checked(PyObject_Vectorcall(make, args, 2, kw_names));
+  PyObject* r = checked(PyObject_Vectorcall(make, args, 2, kw_names));
+  if (base != nullptr) {
+    const at::Tensor b = THPVariable_Unpack(base);
+    genie::set_storage(THPVariable_Unpack(r), &b);
+  } else {
+    genie::set_storage(THPVariable_Unpack(r), nullptr);
+  }
+  return r;
 #endif
 }
 
@@ -1541,8 +1549,8 @@ PyObject* make_wrapper(const Out& o) {
 // names), in that order. `gc_untrack`: the dict goes off the GC (it holds the node, which never
 // holds the tensor).
 py::object bound_wrapper(const Out& o, PyObject* node, PyObject* out, PyObject* alive,
-                         bool gc_untrack) {
-  py::object t = py::reinterpret_steal<py::object>(make_wrapper(o));
+                         bool gc_untrack, PyObject* base) {
+  py::object t = py::reinterpret_steal<py::object>(make_wrapper(o, base));
   py::object d = py::reinterpret_steal<py::object>(checked(PyObject_GenericGetDict(t.ptr(), nullptr)));
   if (PyDict_SetItem(d.ptr(), names->node, node) < 0 ||
       PyDict_SetItem(d.ptr(), names->out, out) < 0 ||
@@ -1555,10 +1563,11 @@ py::object bound_wrapper(const Out& o, PyObject* node, PyObject* out, PyObject* 
   return t;
 }
 
-PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untracked) {
+PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untracked,
+                   PyObject* base) {
   py::object k = py::reinterpret_steal<py::object>(checked(PyLong_FromSsize_t(o.k)));
   py::object a = py::reinterpret_steal<py::object>(new_object(S.alive, !gc_untrack));
-  py::object t = bound_wrapper(o, node, k.ptr(), a.ptr(), gc_untrack);
+  py::object t = bound_wrapper(o, node, k.ptr(), a.ptr(), gc_untrack, base);
   PyObject* outputs = slot(node, S.n.outputs);
   PyObject* w = fresh(PyWeakref_NewRef(a.ptr(), nullptr), !node_untracked);
   PyObject* old = PyList_GET_ITEM(outputs, o.k);
@@ -1847,7 +1856,8 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   // outputs: fresh wrappers, or the written argument itself
   auto output = [&](size_t j) {
     const Out& o = e.outs[j];
-    return o.kind == Kind::kWrite ? new_ref(sources[j]) : new_lazy(n, o, gc_untrack, untracked);
+    return o.kind == Kind::kWrite ? new_ref(sources[j])
+                                  : new_lazy(n, o, gc_untrack, untracked, sources[j]);
   };
   if (n_out == 1 && e.single && e.outs.size() == 1) {
     return output(0);  // the common case: the one tensor itself, no list of flat outputs
@@ -1903,7 +1913,7 @@ PyObject* detach_alias(PyObject* args, PyObject* kwargs) {
   if (!decode_meta(PyList_GET_ITEM(metas, k), o)) {
     return kNotHandled;  // math bits: the Python path
   }
-  return bound_wrapper(o, node.ptr(), out.ptr(), alive.ptr(), flags.gc_untrack).release().ptr();
+  return bound_wrapper(o, node.ptr(), out.ptr(), alive.ptr(), flags.gc_untrack, x).release().ptr();
 }
 
 // The record path for one call: a new reference, nullptr with an error set, or kNotHandled.

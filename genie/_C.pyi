@@ -149,6 +149,15 @@ def _whole_ops() -> list[str]:
     when autograd does not need their decomposition (csrc/whole.cpp)."""
 def _whole_ops_enable(on: bool) -> None:
     """Record the whole ops as one node (True) or always as their decomposition (False)."""
+def _set_storage(t: torch.Tensor, base: torch.Tensor | None = None) -> None:
+    """Give the wrapper ``t`` the storage of ``base`` (an alias of its value), or a fresh storage
+    of its own size at a fake address (csrc/storage.cpp)."""
+def _new_storage(nbytes: int, index: int) -> torch.UntypedStorage:
+    """A storage of ``nbytes`` bytes on ``remote_accelerator:index`` at a fresh fake address,
+    holding no memory."""
+def _grow_storage(t: torch.Tensor, nbytes: int) -> None:
+    """Grow ``t``'s storage (shared with its views) to ``nbytes`` at a fresh fake address, as a
+    ``resize_`` that reallocates."""
 def _record_clear() -> None:
     """Forget every learned meta-cache entry (``genie.meta.MetaCache.clear``)."""
 

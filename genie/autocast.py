@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .config import config
+
 #: run in the autocast dtype (torch.get_autocast_dtype("remote_accelerator")); CPU ∩ CUDA lists
 LOWER_PRECISION = ("conv1d", "conv2d", "conv3d", "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm",
                    "addbmm", "linear", "matmul", "conv_tbc", "conv_transpose1d",
@@ -59,10 +61,21 @@ def _kernel(op: Any, fp32: bool) -> Any:
     return autocast_kernel
 
 
+def default_dtype() -> torch.dtype:
+    """The autocast dtype of the real device the embedded default runs on (``GENIE_DEVICE``,
+    else CUDA where present, else the CPU): float16 on CUDA, bfloat16 on the CPU, torch's own
+    defaults for those devices, so ``torch.autocast("remote_accelerator")`` computes in the dtype
+    the same program would on the real device."""
+    real = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.get_autocast_dtype(torch.device(real).type)
+
+
 def register() -> None:
-    """Register the fallthrough and the casting kernels (idempotent)."""
+    """Register the fallthrough and the casting kernels, and set the default autocast dtype of
+    ``remote_accelerator`` to :func:`default_dtype` (idempotent)."""
     if _libs:
         return
+    torch.set_autocast_dtype("remote_accelerator", default_dtype())
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(torch.library.fallthrough_kernel, _KEY)
     lib = torch.library.Library("aten", "IMPL")

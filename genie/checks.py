@@ -14,7 +14,7 @@ Two kinds:
   family): the op runs eagerly on the host on *empty* tensors of the inputs' dtypes and ranks
   (every size 0, so broadcasting never fails and nothing is computed); an exception there is
   eager's own, raised at the call. Verdicts are cached per shape class (dtypes, ranks, scalar
-  types), so a class pays the probe once. Exceptions saying a kernel is not implemented for a
+  types) and int constants, so a class pays the probe once. Exceptions saying a kernel is not implemented for a
   dtype on the host are ignored (the real device may be CUDA, whose kernels differ).
 * **index_put**: index dtypes, the number of indexed dims, mask shapes, the broadcast of the index
   tensors, the value's broadcast to the indexing result, and the value's dtype, with eager's
@@ -46,7 +46,10 @@ INDEX_PUT = frozenset(op for packet in (aten.index_put_, aten.index_put, aten._i
                                         aten._unsafe_index_put)
                       for op in (getattr(packet, name) for name in packet.overloads()))
 
-_verdicts: dict[int, tuple[Any, BaseException | None]] = {}
+INDEX = frozenset(op for packet in (aten.index, aten._unsafe_index)
+                  for op in (getattr(packet, name) for name in packet.overloads()))
+
+_verdicts: dict[tuple[int, tuple], tuple[Any, BaseException | None]] = {}
 
 
 class Refused(UnsupportedOpError):
@@ -101,7 +104,7 @@ def probed(func: Any) -> bool:
 
 def checked(func: Any) -> bool:
     """Whether :func:`check` has checks for ``func`` (cached on the op as ``_genie_checked``)."""
-    c = func in INDEX_PUT or probed(func)
+    c = func in INDEX_PUT or func in INDEX or probed(func)
     try:
         func._genie_checked = c
     except AttributeError:
@@ -113,6 +116,12 @@ def check(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
     """The checks of ``func`` for a call with meta leaves ``leaves`` (raises eager's error)."""
     if func in INDEX_PUT:
         check_index_put(func, leaves, spec)
+    elif func in INDEX:
+        args, kwargs = optree.tree_unflatten(spec, leaves)
+        self = args[0]
+        indices = args[1] if len(args) > 1 else kwargs.get("indices")
+        if type(self) is TensorMeta and indices is not None:
+            _into_empty_dims(self, indices)
     elif probed(func):
         probe(func, leaves, spec, klass)
 
@@ -131,9 +140,11 @@ def _empty(x: Any) -> Any:
 
 def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
     """Run ``func`` on empty host tensors of the leaves' dtypes and ranks; raise what it raises."""
-    # by the class's identity (hashing the class tuple hashes the op: Python code); the value
-    # holds the class, so its id is not reused while the verdict lives
-    got = _verdicts.get(id(klass))
+    # by the class's identity (hashing the class tuple hashes the op: Python code) and the int
+    # constants' values, which the class holds by type only (pow(x, -1) raises, pow(x, 2) not);
+    # the value holds the class, so its id is not reused while the verdict lives
+    key = (id(klass), tuple(x for x in leaves if type(x) is int or type(x) is bool))
+    got = _verdicts.get(key)
     if got is not None and got[0] is klass:
         err = got[1]
     else:
@@ -141,8 +152,8 @@ def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
         try:
             args, kwargs = optree.tree_unflatten(spec, [_empty(x) for x in leaves])
             from .meta import disable_modes
-            with disable_modes(), torch.no_grad():
-                func(*args, **kwargs)
+            with disable_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):
+                func(*args, **kwargs)  # (the host's autocast, if on, is no part of the call)
         except NotImplementedError:
             pass
         except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
@@ -150,7 +161,7 @@ def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
                 err = e
         if len(_verdicts) >= 1 << 16:
             _verdicts.clear()
-        _verdicts[id(klass)] = (klass, err)
+        _verdicts[key] = (klass, err)
     if err is not None:
         raise type(err)(*err.args).with_traceback(None) from None
 
@@ -166,6 +177,25 @@ def trivial_value(v: Any) -> bool:
     """A value that broadcasts to any indexing result of a mask (one element, rank <= 1)."""
     return not isinstance(v, (TensorMeta, torch.Tensor)) or \
         (len(v.shape) <= 1 and all(s == 1 for s in v.shape))
+
+
+def _into_empty_dims(self: TensorMeta, indices: Any) -> None:
+    """An integer index tensor with elements into a dimension of size 0: every element is out
+    of range, which eager's kernel reports as an IndexError before reading any index."""
+    dims = 0
+    for ix in indices:
+        if ix is None:
+            dims += 1
+            continue
+        if ix.dtype in (torch.uint8, torch.bool):
+            dims += len(ix.shape)
+            continue
+        n = 1
+        for s in ix.shape:
+            n *= s
+        if dims < len(self.shape) and self.shape[dims] == 0 and n > 0:
+            raise IndexError("index is out of bounds for dimension with size 0")
+        dims += 1
 
 
 def check_index_put(func: Any, leaves: list[Any], spec: Any) -> None:
@@ -210,6 +240,7 @@ def check_index_put(func: Any, leaves: list[Any], spec: Any) -> None:
                 raise IndexError("shape mismatch: indexing tensors could not be broadcast together "
                                  "with shapes " + ", ".join(_shape(t.shape) for t in tensors)
                                  ) from None
+            _into_empty_dims(self, indices)
             from .meta import meta_tensor
             meta = [None if ix is None else (meta_tensor(ix) if type(ix) is TensorMeta
                                              else ix.to("meta")) for ix in indices]

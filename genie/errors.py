@@ -58,7 +58,11 @@ class ExecutionError(GenieError):
         self.index = index
         self.__cause__ = cause  # also where it is made, not raised, from a cause (a server's reply)
         at = f" (recorded at {where})" if where else ""
-        super().__init__(f"[genie] {op}{at} failed on the device: {type(cause).__name__}: {cause}")
+        hint = "" if where else (
+            " (the line that recorded it is named with GENIE_RECORD_SOURCE=1, at a cost per "
+            "recorded op; docs/env.md)")
+        super().__init__(f"[genie] {op}{at} failed on the device: {type(cause).__name__}: "
+                         f"{cause}{hint}")
 
 
 _WITH_CAUSE: dict[type, type] = {}

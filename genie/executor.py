@@ -115,7 +115,12 @@ def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
                 partial, e.partial = e.partial, None  # the raised error holds no tensors
                 if partial is not None:
                     _bind_partial(tape, *partial, index)
-                raise
+                # the user's traceback ends here, in Genie's materialization, not a dozen frames
+                # below it in a backend; the message says the op, the cause and where it was
+                # recorded
+                if e.__cause__ is not None:
+                    e.__cause__.__traceback__ = None
+                raise e.with_traceback(None) from e.__cause__
     finally:
         if before is not None:
             _state_apply(before)

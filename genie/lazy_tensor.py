@@ -29,7 +29,7 @@ import torch
 import torch.autograd.profiler as _profiler
 
 
-from . import _C, checks, context, device, executor
+from . import _C, checks, context, device, executor, storages
 from .config import config
 from .device import DEVICE_TYPE, real_device
 from .errors import UnsupportedOpError
@@ -59,6 +59,8 @@ def device_of(index: int) -> torch.device:
 
 
 class _TLS(threading.local):
+    no_address = 0  # inside LazyTensor.__deepcopy__: data_ptr() answers 0
+
     def __init__(self) -> None:
         self.graphs: list[Graph] = []
 
@@ -112,8 +114,9 @@ class LazyTensor(torch.Tensor):
             graph_current.ctx = prev
 
     @staticmethod
-    def __new__(cls, node: Node, out: int, meta: TensorMeta) -> LazyTensor:
-        r = _wrapper(cls, meta)
+    def __new__(cls, node: Node, out: int, meta: TensorMeta,
+                base: LazyTensor | None = None) -> LazyTensor:
+        r = _wrapper(cls, meta, base)
         r._node = node
         r._out = out
         track(r, node, out)
@@ -187,8 +190,32 @@ class LazyTensor(torch.Tensor):
         suffix = f", device='{self.device}'"
         return body[:-1] + suffix + body[-1:] if body.endswith(")") else body + suffix
 
+    def __deepcopy__(self, memo: dict) -> LazyTensor:
+        # torch.Tensor.__deepcopy__ copies a subclass through its storage's bytes when its
+        # data_ptr() is not 0, else by clone(); a LazyTensor's bytes are not on this host (its
+        # address is a fake one), so it takes clone()'s way, as a storage-less wrapper does.
+        _tls.no_address += 1
+        try:
+            return super().__deepcopy__(memo)
+        finally:
+            _tls.no_address -= 1
+
+    def data_ptr(self) -> int:
+        return 0 if _tls.no_address else super().data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The tensor's storage: eager's size, a fake address, no bytes (genie.storages);
+        ``set_`` onto it records a view of this tensor's value."""
+        s = super().untyped_storage()
+        storages.note_owner(s, self)
+        return s
+
     def numpy(self, *, force: bool = False):  # noqa: ANN201
-        """Materialize and return a NumPy array (a copy on the host)."""
+        """Materialize and return a NumPy array (a copy on the host); as eager, a tensor that
+        requires grad needs ``force=True`` or ``detach()`` first."""
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
+                               "Use tensor.detach().numpy() instead.")
         return self.detach().cpu().numpy(force=force)
 
     def tolist(self):  # noqa: ANN201
@@ -494,6 +521,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
     storages: list[Storage | None] = [None] * len(metas)
     results: list[Any] = list(entry.consts)
     fresh: list[int] = []
+    bases: dict[int, LazyTensor] = {}  # a view's wrapper shares its base's storage
     for k, kind, pos in plan:
         if kind is None:
             storages[k] = Storage()
@@ -512,6 +540,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             results[k] = src  # in-place and out=: the op returns its mutated argument itself
         else:
             fresh.append(k)
+            bases[k] = src
 
     # A writer (or capture node) may close a cycle: what it reaches goes back under the
     # collector now, or, for a writer of the default graph, if it stays pending (defer_writer).
@@ -538,7 +567,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
         if deferred:
             defer_writer(wref)
     for k in fresh:
-        results[k] = LazyTensor(node, k, metas[k])
+        results[k] = LazyTensor(node, k, metas[k], bases.get(k))
     if untracked:
         untrack_node(node, rec)
     if len(results) == 1 and plan_single(out_spec):
@@ -643,10 +672,10 @@ def _record_inplace_view(func: Any, pol: Any, args: tuple, kwargs: dict, leaves:
     and the wrapper's own sizes/strides are updated by running the op's meta kernel on it, as
     ``torch.utils._python_dispatch.return_and_correct_aliasing`` does for wrapper subclasses.
     """
-    if func in _STORAGE_CHANGING:
-        raise UnsupportedOpError(func, "changing a remote_accelerator tensor's storage in place "
-                                 "(set_, resize_) is not supported; build a new tensor instead.")
     target = pol.arg(pol.writes[0], args, kwargs)
+    if func in _STORAGE_CHANGING:
+        # set_: target becomes the value eager's set_ makes it a view of (genie.storages)
+        return _rebind(target, storages.set_value(func, args, kwargs))
     view_pol = dataclasses.replace(pol, writes=(), returns=(("view", pol.writes[0]),))
     fresh = _record(func, view_pol, args, kwargs, leaves, spec, index, current_graph())
     node = fresh._node
@@ -660,13 +689,33 @@ def _record_inplace_view(func: Any, pol: Any, args: tuple, kwargs: dict, leaves:
         try:
             if func in _RESIZE:
                 # resize_ may need more storage than the wrapper's (data-less) one has, and its
-                # meta kernel wants a meta tensor: take a fresh wrapper's storage and metadata.
+                # meta kernel wants a meta tensor: grow the storage (every view of it sees the new
+                # address, as eager's reallocation) and take a wrapper's metadata on it.
                 m = node.metas[0]
-                torch.Tensor.set_(target, torch.Tensor._make_wrapper_subclass(
+                w = torch.Tensor._make_wrapper_subclass(
                     LazyTensor, m.shape, strides=m.stride, storage_offset=m.offset,
-                    dtype=m.dtype, device=target.device))
+                    dtype=m.dtype, device=target.device)
+                _C._grow_storage(target, w.untyped_storage().nbytes())
+                _C._set_storage(w, target)
+                torch.Tensor.set_(target, w)
             else:
                 func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+    return target
+
+
+def _rebind(target: LazyTensor, v: LazyTensor) -> LazyTensor:
+    """``target`` becomes ``v`` (its node, metadata and storage), as ``set_`` makes it."""
+    from torch.utils._mode_utils import no_dispatch
+
+    target._node, target._out = v._node, v._out
+    track(target, v._node, v._out)
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            torch.Tensor.set_(target, v)
         finally:
             torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
     return target
@@ -874,12 +923,15 @@ def _plain(real: Any) -> bool:
             and not real._is_zerotensor() and not torch._C._len_torch_dispatch_stack())
 
 
-def _wrapper(cls: type, meta: TensorMeta) -> Any:
+def _wrapper(cls: type, meta: TensorMeta, base: LazyTensor | None = None) -> Any:
     """A data-less ``cls`` tensor on the device with ``meta``'s metadata, math bits included
-    (the dispatcher's Conjugate/Negative fallbacks then act as eager); not yet bound to a node."""
+    (the dispatcher's Conjugate/Negative fallbacks then act as eager); not yet bound to a node.
+    Its storage is ``base``'s (it aliases base's value) or a fresh one at a fake address of its
+    own (``csrc/storage.cpp``): ``data_ptr()`` and ``untyped_storage()`` answer as eager's."""
     r = torch.Tensor._make_wrapper_subclass(
         cls, meta.shape, strides=meta.stride, storage_offset=meta.offset, dtype=meta.dtype,
         device=device_of(meta.index), requires_grad=False)
+    _C._set_storage(r, base)
     if meta.conj or meta.neg:
         torch._C._set_conj(r, meta.conj)
         torch._C._set_neg(r, meta.neg)
@@ -907,7 +959,7 @@ def _detach_alias(x: LazyTensor) -> LazyTensor | None:
     meta = node.metas[out]
     if w is None or w() is not alive or meta.conj or meta.neg:
         return None
-    r = _wrapper(LazyTensor, meta)
+    r = _wrapper(LazyTensor, meta, x)
     r._node = node
     r._out = out
     r._alive = alive

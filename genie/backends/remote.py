@@ -35,6 +35,9 @@ from ..planner import Slot, Tape
 from . import BackendUnsupported, backend_order, register_backend, set_backends
 
 _clients: list[Any] = []
+#: why GENIE_SERVER / GENIE_POOL could not be used at import (connect_from_env); raised, as a
+#: GenieError, by the first materialization, so that ``import torch`` itself never fails
+_env_error: str | None = None
 _router: Any = None  # genie.remote.placement.Router, when a policy other than fixed runs
 _atexit = False
 
@@ -164,7 +167,8 @@ def disconnect() -> None:
     Tensors whose values lived on a server cannot be used afterwards (they raise
     :class:`~genie.remote.SessionLostError`); ``.cpu()`` what you need first.
     """
-    global _router
+    global _router, _env_error
+    _env_error = None
     lazy_tensor.upload_now = None
     if _router is not None:
         _router.close()
@@ -266,7 +270,7 @@ class RemoteBackend:
     shape_generic = True  # it runs any tape as given: shapes need not be the plan's
 
     def is_available(self) -> bool:
-        return bool(_clients)
+        return bool(_clients) or _env_error is not None
 
     def check(self, tape: Tape) -> str | None:
         return None
@@ -279,6 +283,8 @@ class RemoteBackend:
         from ..remote.client import Handle
         from ..remote.protocol import Unsendable
 
+        if _env_error is not None and not _clients:
+            raise GenieError(_env_error)
         try:
             devs = {getattr(ins, "device", 0) for ins in tape.instrs}
             if len(devs) > 1:
@@ -343,12 +349,31 @@ def _run_split(tape: Tape) -> dict[int, Any]:
 
 
 def connect_from_env() -> None:
-    """``GENIE_SERVER`` at import: connect lazily (the session opens at first use)."""
-    pool = os.environ.get("GENIE_POOL", "").strip()
-    if pool:
-        connect(pool=pool, timeout=float(os.environ.get("GENIE_TIMEOUT", "30")), lazy=True)
-        return
-    addr = os.environ.get("GENIE_SERVER", "").strip()
-    if addr:
-        connect(addr, insecure=os.environ.get("GENIE_INSECURE", "") == "1",
-                timeout=float(os.environ.get("GENIE_TIMEOUT", "30")), lazy=True)
+    """``GENIE_SERVER`` at import: connect lazily (the session opens at first use).
+
+    Genie is imported by ``import torch`` (the ``torch.backends`` entry point), so a setting
+    that cannot be used (an unreadable ``GENIE_KEY_FILE``, ``GENIE_SERVER`` without keys, a bad
+    timeout) must not fail that import, nor any program that never touches the device: it is
+    kept, and the first materialization on the device raises it, with the fix. The remote
+    backend stays first meanwhile, so nothing silently runs on this machine instead.
+    """
+    global _env_error
+    names = ("GENIE_POOL", "GENIE_SERVER", "GENIE_KEY_FILE", "GENIE_INSECURE", "GENIE_TIMEOUT")
+    try:
+        pool = os.environ.get("GENIE_POOL", "").strip()
+        if pool:
+            connect(pool=pool, timeout=float(os.environ.get("GENIE_TIMEOUT", "30")), lazy=True)
+            return
+        addr = os.environ.get("GENIE_SERVER", "").strip()
+        if addr:
+            connect(addr, insecure=os.environ.get("GENIE_INSECURE", "") == "1",
+                    timeout=float(os.environ.get("GENIE_TIMEOUT", "30")), lazy=True)
+    except Exception as e:  # noqa: BLE001 (any of them must wait for the first use)
+        env = ", ".join(f"{n}={os.environ[n]!r}" for n in names if os.environ.get(n))
+        _env_error = (
+            f"[genie] cannot use the Genie server this environment names ({env}): {e}. Fix the "
+            "environment before starting Python: GENIE_KEY_FILE must be the client.json the "
+            "server wrote into its keys directory on first start (genie-server prints its path; "
+            "docs/deployment.md), GENIE_INSECURE=1 only for a server started with --insecure; "
+            "or unset GENIE_SERVER (and GENIE_POOL) to run remote_accelerator on this machine.")
+        set_backends(["remote", *[n for n in backend_order() if n != "remote"]])

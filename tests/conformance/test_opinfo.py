@@ -352,6 +352,13 @@ def _check_aliasing(a: torch.Tensor, e: torch.Tensor, dev_inputs: list[torch.Ten
            if isinstance(t, genie.LazyTensor) and t.numel() > 0 and t._storage is a._storage]
     assert got == want, (f"{what}: shares storage with inputs {got}, eager's output with {want} "
                          "(a view must alias its base, a fresh result must not)")
+    # and the wrappers say so, as eager's tensors do (csrc/storage.cpp): the same storage object
+    # and address for an alias, another for a fresh result
+    ptr = a.untyped_storage().data_ptr()
+    by_ptr = [j for j, t in enumerate(dev_inputs)
+              if isinstance(t, genie.LazyTensor) and t.numel() > 0
+              and t.untyped_storage().data_ptr() == ptr]
+    assert by_ptr == want, f"{what}: data_ptr aliases inputs {by_ptr}, eager's {want}"
 
 
 # --- the three variants -----------------------------------------------------------------------

@@ -6,8 +6,9 @@
 2. Checks eager does from metadata raise at the call, with eager's exception type and message
    (``out=`` dtypes, index and value shapes of ``index_put``, ``alpha`` of integral ``add``,
    ``frexp``, the matmul family's dtypes, the uint8-mask deprecation warning).
-3. What the device cannot hold (sparse, quantized tensors; ``set_`` with a storage) is refused at
-   the call with a message that says what to do; ``abs`` of a complex tensor into a complex
+3. What the device cannot hold (sparse, quantized tensors; ``set_`` onto a storage no live tensor
+   owns) is refused at the call with a message that says what to do (``set_`` onto a tensor's
+   storage runs as eager's); ``abs`` of a complex tensor into a complex
    ``out=`` runs as eager runs it.
 """
 
@@ -410,11 +411,17 @@ def test_quantized_tensors_are_refused_at_the_call():
     same(q.dequantize(), q.dequantize().to(DEV).cpu())
 
 
-def test_set_with_a_storage_is_refused_at_the_call():
-    t = torch.empty(0, device=DEV)
-    src = torch.ones(4, device=DEV)
-    with pytest.raises(NotImplementedError, match=r"set_.*not supported.*build a new tensor"):
-        t.set_(src.untyped_storage())
+def test_set_with_a_storage_equals_eager():
+    """set_ onto a tensor's storage is supported (genie.storages; tests/unit/test_first_use.py);
+    onto a storage no live tensor owns it is refused at the call."""
+    def f(d):
+        src = torch.arange(4., device=d)
+        t = torch.empty(0, device=d).set_(src.untyped_storage())
+        src.add_(1)
+        return t
+    same(*both(f))
+    with pytest.raises(NotImplementedError, match=r"set_.*belongs to no live tensor"):
+        torch.empty(0, device=DEV).set_(torch.ones(4, device=DEV).untyped_storage()[4:8])
 
 
 def test_abs_of_complex_into_complex_out():
@@ -490,3 +497,37 @@ def test_a_tape_runs_under_the_state_it_was_recorded_under(record_path):
         one = read_state(x)
     assert one.cpu().tolist() == [1, 0, 0, 0, 0]  # a tape of one state, not the current one
     assert torch.are_deterministic_algorithms_enabled() is False
+
+
+def test_an_index_into_a_dimension_of_size_0():
+    """Every element of a non-empty index into a size-0 dim is out of range: eager's IndexError
+    at the call (PyTorch's test_empty_ndim_index)."""
+    def read(d):
+        torch.empty(10, 0, device=d)[:, [0, 1]]
+    raises_as_eager(read)
+
+    def write(d):
+        torch.zeros(0, device=d).index_put_((torch.tensor([0], device=d),), torch.tensor(1.0))
+    raises_as_eager(write)
+    ref, got = both(lambda d: torch.empty(10, 0, device=d)[[1, 2]])
+    same(ref, got)
+    ref, got = both(lambda d: torch.empty(10, 0, device=d)[:, torch.tensor([], dtype=torch.long,
+                                                                          device=d)])
+    same(ref, got)
+
+
+def test_probe_verdicts_follow_int_constants():
+    """pow of an int tensor: exponent 2 runs, -1 raises (eager's check on the constant), in
+    either order; the shape class holds ints by type only, the verdict by value."""
+    for order in ((2, -1), (-1, 2)):
+        for e in order:
+            shape = (3,) if order[0] == 2 else (2, 2)  # a class new to each order
+
+            def power(d, e=e, shape=shape):
+                return torch.full(shape, 3, device=d) ** e
+            if e < 0:
+                power.__name__ = "power"
+                raises_as_eager(power)
+            else:
+                ref, got = both(power)
+                same(ref, got)
