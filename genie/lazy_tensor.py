@@ -203,6 +203,16 @@ class LazyTensor(torch.Tensor):
     def data_ptr(self) -> int:
         return 0 if _tls.no_address else super().data_ptr()
 
+    def is_set_to(self, tensor: torch.Tensor) -> bool:
+        """As eager's: the same storage, offset, sizes and strides; decided from the wrappers'
+        storages (csrc/storage.cpp), never from the values (a server's are copies)."""
+        if not isinstance(tensor, torch.Tensor):
+            return super().is_set_to(tensor)  # eager's TypeError
+        return (torch.Tensor.untyped_storage(self)._cdata ==
+                torch.Tensor.untyped_storage(tensor)._cdata
+                and self.storage_offset() == tensor.storage_offset()
+                and self.shape == tensor.shape and self.stride() == tensor.stride())
+
     def untyped_storage(self) -> torch.UntypedStorage:
         """The tensor's storage: eager's size, a fake address, no bytes (genie.storages);
         ``set_`` onto it records a view of this tensor's value."""
