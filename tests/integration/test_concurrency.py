@@ -46,8 +46,45 @@ def _long_client(addr: str, n: int = 400) -> subprocess.Popen:
                          stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     line = p.stdout.readline()
     assert line.startswith("start"), line
-    time.sleep(1.0)  # the tape reaches the server and runs
+    _wait_until_busy(addr)  # the tape reached the server and runs
     return p
+
+
+def _wait_until_busy(addr: str, timeout: float = 60.0) -> None:
+    """Until the server reports another session's request running (a ping's ``ld``: the load of
+    the same client key's other sessions; every ``--insecure`` client shares one)."""
+    import zmq
+
+    from genie.remote.protocol import PROTOCOL_VERSION, pack, unpack
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.connect(addr)
+
+    def ask(h: dict) -> dict:
+        s.send_multipart([pack(h)])
+        while True:
+            assert s.poll(30000), f"no answer to {h['t']}"
+            r = unpack(s.recv_multipart()[0])
+            if r.get("rid") == h["rid"] and r.get("t") != "busy":
+                return r
+
+    try:
+        tok = ask({"t": "hello", "rid": 1, "v": PROTOCOL_VERSION})["session"]
+        deadline = time.monotonic() + timeout
+        rid = 1
+        while time.monotonic() < deadline:
+            rid += 1
+            if ask({"t": "ping", "rid": rid, "s": tok}).get("ld", 0) > 0:
+                time.sleep(0.2)
+                ask({"t": "bye", "rid": rid + 1, "s": tok})
+                return
+            time.sleep(0.05)
+        raise AssertionError("the long tape never reached the server")
+    finally:
+        s.close()
+        ctx.term()
 
 
 @pytest.mark.parametrize("workers", [0, 4, 1])
