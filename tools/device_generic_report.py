@@ -74,7 +74,10 @@ NOT_FOR_DEVICE = re.compile(r"Only runs on|doesn't run on|onlyNativeDeviceTypes|
 
 
 def not_for_device(outcome: tuple[str, str]) -> bool:
-    return outcome[0] == "skipped" and bool(NOT_FOR_DEVICE.search(outcome[1]))
+    """Skipped by the file's own device restrictions, or never instantiated for the device (a
+    class the file instantiates for cpu only)."""
+    return outcome[0] == "missing" or (outcome[0] == "skipped"
+                                       and bool(NOT_FOR_DEVICE.search(outcome[1])))
 
 
 def report(file: str, cpu: dict, dev: dict, t_cpu: float, t_dev: float) -> tuple[int, int]:
@@ -88,7 +91,9 @@ def report(file: str, cpu: dict, dev: dict, t_cpu: float, t_dev: float) -> tuple
     rate = 100.0 * len(both) / max(1, len(counted))
     print(f"\n== {file}: {len(both)}/{len(counted)} of the tests that pass on cpu pass on the "
           f"device ({rate:.1f}%); cpu run {t_cpu:.0f} s, device run {t_dev:.0f} s; "
-          f"{len(other_device)} more are for cpu only (the file's own device restrictions)")
+          f"{len(other_device)} more are for cpu only (the file's own device restrictions); "
+          f"{sum(o == 'failed' for o, _ in cpu.values())} fail on cpu (torch has changed since "
+          "the file's version)")
     for k in lost:
         outcome, message = dev.get(k, ("missing", ""))
         mark = "  [excluded]" if exclusion_reason(k) else "  [NOT IN TABLE]"
