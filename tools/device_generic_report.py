@@ -89,7 +89,8 @@ def report(file: str, cpu: dict, dev: dict, t_cpu: float, t_dev: float) -> tuple
     both = [k for k in counted if dev.get(k, ("missing", ""))[0] == "passed"]
     lost = [k for k in counted if dev.get(k, ("missing", ""))[0] != "passed"]
     rate = 100.0 * len(both) / max(1, len(counted))
-    print(f"\n== {file}: {len(both)}/{len(counted)} of the tests that pass on cpu pass on the "
+    print(flush=True)
+    print(f"== {file}: {len(both)}/{len(counted)} of the tests that pass on cpu pass on the "
           f"device ({rate:.1f}%); cpu run {t_cpu:.0f} s, device run {t_dev:.0f} s; "
           f"{len(other_device)} more are for cpu only (the file's own device restrictions); "
           f"{sum(o == 'failed' for o, _ in cpu.values())} fail on cpu (torch has changed since "
@@ -113,6 +114,9 @@ def main() -> int:
     ap.add_argument("--fast", action="store_true", help="the CI subset, not every test")
     ap.add_argument("--json", help="write every outcome to this file")
     ap.add_argument("--from-json", nargs="+", help="report from files that --json wrote")
+    ap.add_argument("--cpu-from", nargs="+", default=[],
+                    help="take the cpu outcomes from files that --json wrote (cpu results do "
+                    "not depend on Genie): only the device runs")
     args = ap.parse_args()
 
     if args.from_json:
@@ -128,16 +132,26 @@ def main() -> int:
               f"({100.0 * total_both / max(1, total_cpu):.2f}%)")
         return 0
 
+    cpu_before: dict = {}
+    for path in args.cpu_from:
+        for file, v in json.loads(Path(path).read_text()).items():
+            cpu_before[file] = ({k: tuple(o) for k, o in v["cpu"].items()}, v["cpu_s"])
     everything: dict = {}
     total_cpu = total_both = 0
     with tempfile.TemporaryDirectory() as tmp:
         for file in args.files:
-            cpu, t_cpu = run(file, "cpu", args.fast, Path(tmp))
+            if file in cpu_before:
+                cpu, t_cpu = cpu_before[file]
+            else:
+                cpu, t_cpu = run(file, "cpu", args.fast, Path(tmp))
             dev, t_dev = run(file, "privateuse1", args.fast, Path(tmp))
             b, c = report(f"test_{file}.py", cpu, dev, t_cpu, t_dev)
             total_both += b
             total_cpu += c
             everything[file] = {"cpu": cpu, "device": dev, "cpu_s": t_cpu, "device_s": t_dev}
+            if args.json:  # after each file, so a stopped run keeps what it measured
+                Path(args.json).write_text(json.dumps(everything, indent=1))
+            sys.stdout.flush()
     stale = [k for k in EXCLUSIONS if "*" not in k
              and k.split("::")[0][len("test_"):-3] in args.files
              and all(k not in v["cpu"] for v in everything.values())]

@@ -32,22 +32,11 @@ EXCLUSIONS: dict[str, str] = {
     # test_indexing.py
     "test_indexing.py::TestIndexing::test_advancedindex_float64":
         _F4 + "set_ with a storage (UnsupportedOpError: aten.set_.source_Storage_storage_offset)",
-    "test_indexing.py::TestIndexing::test_byte_tensor_assignment":
-        _F2 + "the uint8-mask deprecation warning is not emitted",
     "test_indexing.py::TestIndexing::test_empty_ndim_index":
         _F2 + "an index into a dimension of size 0 (IndexError 'for dimension with size 0') is "
         "decidable from metadata but raised only at materialization",
     "test_indexing.py::TestIndexing::test_index_getitem_copy_bools_slices":
         _F3 + "data_ptr() is 0 for every tensor, so a[True].data_ptr() == a.data_ptr() for a copy",
-    "test_indexing.py::TestIndexing::test_index_put_accumulate_empty":
-        _F2 + "index_put_ with accumulate on empty inputs does not raise at the call",
-    "test_indexing.py::TestIndexing::test_setitem_expansion_error":
-        _F2 + "assigning a value that does not broadcast to the indexed shape raises only at "
-        "materialization",
-    "test_indexing.py::NumpyTests::test_boolean_assignment_value_mismatch":
-        _F2 + "boolean-mask assignment of the wrong length raises only at materialization",
-    "test_indexing.py::NumpyTests::test_broaderrors_indexing":
-        _F2 + "index tensors of mismatched shapes in __setitem__ raise only at materialization",
     "test_indexing.py::NumpyTests::test_trivial_fancy_out_of_bounds":
         _F2 + "an index out of range is data-dependent: deferred by design (as on CUDA), so "
         "IndexError is not raised by __getitem__ itself",

@@ -53,8 +53,10 @@ FILES: dict[str, str] = {
     "test_unary_ufuncs.py": "2ab12e2632c8da04394f6b9ac3f106a8a71d37e4c24cd08cc3246202dfa2cfa6",
 }
 
-#: The fast subset keeps one test in FAST_EVERY (by a stable hash of its device-free name).
+#: The fast subset keeps one test in FAST_EVERY (by a stable hash of its device-free name);
+#: test_unary_ufuncs.py (23,506 tests, 99.9% passing in issue 29) one in 100.
 FAST_EVERY = 25
+FAST_EVERY_FILE = {"test_unary_ufuncs.py": 100}
 #: A test that runs longer than this is stopped with a TimeoutError (a hang must not stall CI).
 TEST_TIMEOUT_S = 120
 
@@ -81,7 +83,8 @@ def generic_name(file: str, cls_name: str, test_name: str) -> str:
 
 
 def in_fast_subset(name: str) -> bool:
-    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % FAST_EVERY == 0
+    every = FAST_EVERY_FILE.get(name.split("::")[0], FAST_EVERY)
+    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % every == 0
 
 
 def exclusion_reason(name: str) -> str | None:
