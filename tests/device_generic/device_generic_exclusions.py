@@ -14,6 +14,9 @@ _F3 = "family 3 (issue 29): storages and data pointers: "
 _F4 = "family 4 (issue 29): missing op: "
 _F5 = "family 5 (issue 29): "
 _NEW = "not in families 1-5: "
+#: An entry with this prefix fails on cpu as well (torch changed since the file's version): it is
+#: skipped on cpu runs too, and not counted in the pass rates.
+CPU_TOO = "fails on cpu too with torch 2.13 (the file is of 2023): "
 
 EXCLUSIONS: dict[str, str] = {
     # test_view_ops.py
@@ -129,4 +132,14 @@ EXCLUSIONS: dict[str, str] = {
         "combinations are covered by this pattern too)",
     "test_binary_ufuncs.py::TestBinaryUfuncs::test_maximum_minimum_complex_*":
         _F2 + "maximum/minimum of complex tensors raise only at materialization",
+    # failing on cpu as well (not counted in the pass rates)
+    "test_view_ops.py::TestOldViewOps::test_broadcast_shapes":
+        CPU_TOO + "ValueError: Attempting to broadcast a dimension with negative length!",
+    "test_reductions.py::TestReductions::test_dim_empty_keepdim_linalg_vector_norm":
+        CPU_TOO + "dim=[] now reduces over every dimension (result shape differs)",
+    "test_binary_ufuncs.py::TestBinaryUfuncs::test_reference_numerics_extremal_values_heaviside_"
+    "float16":
+        CPU_TOO + "heaviside of nan gives 0/1 where the NumPy reference gives nan",
+    "test_binary_ufuncs.py::TestBinaryUfuncs::test_scalar_support__refs_sub_complex64":
+        CPU_TOO + "the reference's dtype differs from the result's (exact_dtype assertion)",
 }
