@@ -42,9 +42,15 @@ SERVER_DEVICE = os.environ.get("GENIE_TEST_SERVER_DEVICE") or real_device(0).typ
 
 
 class ServerProc:
+    """A CURVE genie-server subprocess; the servers of one key directory are each other's peers
+    (``KEYS/peers.json``, as genie-pool registers its members) unless ``--peers`` is given."""
+
     def __init__(self, keys: Path, *args: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "GENIE_LOG_LEVEL": "WARNING"}
         env.pop("GENIE_SERVER", None)
+        own_peers = "--peers" not in args
+        if own_peers:
+            args = (*args, "--peers", str(keys / "peers.json"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "genie.remote.server", "--device", SERVER_DEVICE, "--listen",
              "127.0.0.1:0", "--keys", str(keys), *args],
@@ -62,6 +68,13 @@ class ServerProc:
         self.address = m.group(0)
         self.key_file = keys / "client.json"
         self.keys = json.loads(self.key_file.read_text())
+        if own_peers:
+            f = keys / "peers.json"
+            d = json.loads(f.read_text()) if f.exists() else {"peers": []}
+            d["peers"].append({"address": self.address,
+                               "server_public_key": self.keys["server_public_key"]})
+            (keys / "peers.tmp").write_text(json.dumps(d))
+            os.replace(keys / "peers.tmp", f)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

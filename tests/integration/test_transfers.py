@@ -419,8 +419,8 @@ def test_a_transfer_that_cannot_be_delivered_frees_what_it_held(peered) -> None:
                 assert _answer(s, 10)["t"] == "ok"  # the quota has room again
             else:
                 assert "the session ended" in r["msg"], r
-            deadline = time.monotonic() + 5
-            while _rss(pid) - base > 24 * MiB:
+            deadline = time.monotonic() + 10  # the server's threads may be slow to run on a
+            while _rss(pid) - base > 24 * MiB:  # loaded machine (once 63 MiB after 5 s)
                 assert time.monotonic() < deadline, \
                     f"{end}: the server still holds {(_rss(pid) - base) / MiB:.0f} MiB"
                 time.sleep(0.1)

@@ -1,0 +1,5 @@
+"""PyTorch's test/test_binary_ufuncs.py on remote_accelerator (device_generic_harness.py)."""
+
+from device_generic_harness import load
+
+globals().update(load("test_binary_ufuncs.py"))
