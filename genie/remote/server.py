@@ -516,6 +516,9 @@ class Server:
                                 f"{peer.MAX_VALUES})")
         if not isinstance(dest, str) or not peer.ADDRESS.fullmatch(dest):
             raise ProtocolError(f"a send's destination must be tcp://host:port, got {dest!r:.80}")
+        sk = h.get("sk")  # an older client's destination key: checked, never used
+        if sk is not None and (not isinstance(sk, str) or not peer.Z85_KEY.fullmatch(sk)):
+            raise ProtocolError("a send's 'sk' must be the destination's CURVE public key (Z85)")
         if type(to_s) not in (int, float) or not to_s > 0:
             raise ProtocolError("a send's 'to_s' must be a positive number of seconds")
         sid, n, tk = h.get("sid"), h.get("n"), h.get("tk")
