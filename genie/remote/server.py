@@ -841,21 +841,11 @@ def ensure_keys(keys_dir: Path) -> tuple[bytes, bytes, Path]:
     client_secret = keys_dir / "client.key_secret"
     if not client_secret.exists():
         cpub, csec = zmq.curve_keypair()
-        _write_cert(client_secret, cpub, csec)
-        _write_cert(authorized / "client.key", cpub, None)
+        keyring.write_cert(client_secret, cpub, csec)
+        keyring.write_cert(authorized / "client.key", cpub, None)
     keyring.ensure_peer_pair(keys_dir)
     assert pub is not None and sec is not None
     return pub, sec, authorized
-
-
-def _write_cert(path: Path, public: bytes, secret: bytes | None) -> None:
-    lines = ["#   ZeroMQ CURVE certificate written by genie-server", "metadata", "curve",
-             f'    public-key = "{public.decode()}"']
-    if secret is not None:
-        lines.append(f'    secret-key = "{secret.decode()}"')
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines) + "\n")
 
 
 def write_connection_file(keys_dir: Path, address: str, server_public: str) -> Path:
