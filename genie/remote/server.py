@@ -98,8 +98,9 @@ KEEPALIVE = 0.25
 SPAWN_TIMEOUT = 30.0
 #: seconds the zygote may take to import torch and Genie and warm up, at the server's start
 ZYGOTE_TIMEOUT = 120.0
-#: the chunk size of a frame a worker sends back
-WORKER_HWM = 0  # unbounded: a worker's replies are bounded by the session's quota
+#: high-water mark of a worker's socket (0: unbounded; a worker answers one request at a time,
+#: and a reply is bounded by the session's quota)
+WORKER_HWM = 0
 
 
 @dataclass
@@ -165,6 +166,7 @@ class Server:
         self._by_sock: dict[Any, Link] = {}
         self._by_pid: dict[int, Link] = {}
         self._running = 0
+        self._answering: tuple[bytes | None, int] | None = None
         self._fd_ident: dict[int, bytes] = {}  # connection (fd) -> peer identity, to cancel
         self._inflight: dict[bytes, tuple[int, Any]] = {}
         self._stop = threading.Event()
@@ -305,7 +307,21 @@ class Server:
                 for s in events:
                     link = self._by_sock.get(s)
                     if link is not None:
-                        self._from_worker(link)
+                        try:
+                            self._from_worker(link)
+                        except Exception as e:  # a worker is no more trusted than a client
+                            logger.exception("genie-server: session %s: its worker sent what "
+                                             "the front cannot read (%s)",
+                                             link.token.hex()[:8], e)
+                            with contextlib.suppress(OSError):
+                                os.kill(link.pid, signal.SIGKILL)
+                            if self._answering is not None and self._answering[0] is not None:
+                                ident, rid = self._answering
+                                self._inflight.pop(ident, None)
+                                self._send_err(ident, rid, "session", "the session's worker "
+                                               "sent a malformed reply; the session is gone")
+                            self._answering = None
+                            self._worker_died(link, None, None, f"sent a malformed reply ({e})")
                 if self._replies in events:
                     for _ in range(256):
                         try:
@@ -564,6 +580,7 @@ class Server:
             cur, link.cur = link.cur, None
             if cur is None:
                 continue
+            self._answering = cur[0], cur[1]  # answered by the handler if the reply is bad
             self._meter.end(slot=link.token)
             self._running -= 1
             ident, rid, nbytes, kind, _ = cur
@@ -572,9 +589,9 @@ class Server:
             u, res, pb = internal.get("u"), internal.get("res"), internal.get("pb")
             if type(u) is int:
                 link.used = u
-            if isinstance(res, list):
+            if _two_ints(res):
                 link.res = res
-            if isinstance(pb, list):
+            if _two_ints(pb):
                 with self._qlock:
                     link.pb[1] = pb[1]
             send = internal.get("send")
@@ -588,6 +605,7 @@ class Server:
                         h["pb"] = list(link.pb)
                     parts = [parts[0], pack(h), *parts[2:]]
                 self._sock.send_multipart([ident, *parts[1:]], copy=False)
+            self._answering = None
             if kind == "bye":
                 self._end(link, "closed by its client")
                 continue
@@ -660,14 +678,15 @@ class Server:
                 if link is not None and link.token in self.links:
                     self._worker_died(link, msg.get("signal"), msg.get("code"))
 
-    def _worker_died(self, link: Link, sig: int | None, code: int | None) -> None:
+    def _worker_died(self, link: Link, sig: int | None, code: int | None,
+                     why: str | None = None) -> None:
         """A session's worker ended on its own (a crash) or was killed for a deadline: its
         client is told, the session is gone; no other session is touched."""
         if link.killed is not None:
             kind, msg = "timeout", link.killed
         else:
-            how = (f"killed by signal {signal.Signals(sig).name}" if sig else
-                   f"exited with status {code}")
+            how = why or (f"killed by signal {signal.Signals(sig).name}" if sig else
+                          f"exited with status {code}")
             what = f" while running a {link.cur[3]} request" if link.cur else ""
             kind, msg = "session", (
                 f"the session's worker process {how}{what} (a kernel crashed or ran out of "
@@ -806,6 +825,10 @@ class _Refused(Exception):
     def __init__(self, kind: str, msg: str) -> None:
         super().__init__(msg)
         self.kind = kind
+
+
+def _two_ints(x: Any) -> bool:
+    return isinstance(x, list) and len(x) == 2 and all(type(v) is int for v in x)
 
 
 def _send_line(s: socket.socket, obj: dict[str, Any]) -> None:

@@ -754,6 +754,8 @@ def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
     sock = ctx.socket(zmq.PAIR)
     sock.linger = 0
     sock.connect(endpoint)
+    global _front
+    _front = sock
     sock.send_multipart([pack({"ready": os.getpid()})])
     sess = w.sess
     try:
@@ -884,13 +886,15 @@ def register_test_kernels() -> list[str]:
     lib.impl("segfault", _segfault_impl, "CPU")
     lib.impl("overread", _overread_impl, "CPU")
     lib.impl("spin", _spin_impl, "CPU")
+    lib.impl("lie", _lie_impl, "CPU")
     tape_io.ALLOWED_NAMESPACES = (*tape_io.ALLOWED_NAMESPACES, "genie_test")
     allowlist.TEST_OPS.update({"genie_test::segfault.default", "genie_test::overread.default",
-                               "genie_test::spin.default"})
+                               "genie_test::spin.default", "genie_test::lie.default"})
     return sorted(allowlist.TEST_OPS)
 
 
 _test_lib: Any = None
+_front: Any = None  # the worker's socket to the front (the ``lie`` test kernel writes to it)
 
 
 def define_test_ops() -> Any:
@@ -902,6 +906,8 @@ def define_test_ops() -> Any:
         lib.define("overread(Tensor x, int n) -> Tensor")
         lib.define("spin(Tensor x, float seconds) -> Tensor")
         lib.impl("spin", lambda x, seconds: torch.empty_like(x), "Meta")
+        lib.define("lie(Tensor x) -> Tensor")
+        lib.impl("lie", lambda x: torch.empty_like(x), "Meta")
         lib.impl("segfault", lambda x: torch.empty_like(x), "Meta")
         lib.impl("overread", lambda x, n: torch.empty(n, dtype=torch.uint8, device="meta"),
                  "Meta")
@@ -912,6 +918,14 @@ def define_test_ops() -> Any:
 def _segfault_impl(x: torch.Tensor) -> torch.Tensor:
     ctypes.string_at(0xFFFFFFFFFFFFF000, 1)  # kernel space: SIGSEGV (page 0 may be mapped)
     os.kill(os.getpid(), signal.SIGSEGV)
+    return x.clone()
+
+
+def _lie_impl(x: torch.Tensor) -> torch.Tensor:
+    """A worker whose memory a kernel corrupted may say anything to the front: a transfer whose
+    header does not decode."""
+    if _front is not None:
+        _front.send_multipart([pack({"send": {}, "u": "x", "res": [1], "pb": None}), b"\xc1"])
     return x.clone()
 
 

@@ -107,6 +107,21 @@ def test_a_segfaulting_kernel_costs_only_its_own_session(server: ServerProc, vic
     v.alive()  # the victim's session and a fresh one still compute
 
 
+def test_a_worker_that_lies_to_the_front_costs_only_its_session(server: ServerProc,
+                                                                victim) -> None:
+    """A worker is no more trusted than a client: a reply the front cannot read (here a
+    transfer whose header does not decode) ends that session with a clear error."""
+    v, hid, x = victim
+    a = Session(server)
+    y = torch.zeros(4)
+    r = a.run(["genie_test::lie.default"], [[0, 0, [-1], [0], [], False]], [host(y, 0)],
+              (tensor_frame(y)[0],), specs=[A1])
+    err(r, "session", "malformed reply")
+    assert server.alive()
+    assert torch.equal(_get(v, hid, x), x)
+    v.alive()
+
+
 def test_an_out_of_bounds_read_never_sees_another_session(server: ServerProc, victim) -> None:
     v, hid, x = victim
     a = Session(server)
