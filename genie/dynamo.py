@@ -1,24 +1,46 @@
-"""How ``torch.compile`` sees Genie: Dynamo never traces Genie's own code.
+"""``torch.compile`` on the device: Dynamo traces ``remote_accelerator`` tensors whole, with fake
+tensors, and a call of a compiled graph records one node.
 
-``torch.compile(f)`` over ``remote_accelerator`` tensors compiles ``f``'s Python as usual; each op
-on a LazyTensor reaches Genie's ``__torch_dispatch__`` and is recorded, as in eager mode, and
-values still materialize only when the program asks for them. Genie's entry points (the dispatch
-hook, the factory and copy kernels, the materialization triggers) are marked for Dynamo's frame
-evaluator as "skip, recursively": Dynamo runs them as plain Python instead of trying to compile
-Genie's internals frame by frame (which would warn about ``_make_wrapper_subclass``, an untraceable
-builtin, and spend seconds compiling recording code). To compile the *kernels*, use Genie's
-``compiled`` backend (``GENIE_BACKENDS=compiled,eager``, see docs/backends.md): it applies
-``torch.compile`` to each recorded tape.
+How it fits PyTorch's integration points for an out-of-tree device:
 
-Invariant: marking uses ``torch._C._dynamo.eval_frame`` (part of ``torch._C``), so it costs no
-``import torch._dynamo`` at ``import genie``; it is idempotent.
+- **Dynamo sees device tensors as tensors.** A LazyTensor is a ``__torch_dispatch__`` subclass,
+  which Dynamo would treat as an opaque object (falling back to eager for the whole frame). Genie
+  registers the LazyTensor type with Dynamo's ``VariableBuilder`` as a plain tensor: Dynamo
+  fakeifies it (a ``FakeTensor`` on ``remote_accelerator:N``, metadata only), traces the frame
+  with meta kernels, and installs the same guards as for a CUDA tensor (dtype, device, shape,
+  strides, ``requires_grad``): a new shape recompiles (then marks the dimension dynamic), graph
+  breaks split the frame as on CUDA.
+- **A Dynamo device interface** for ``remote_accelerator`` (``torch._dynamo.device_interface``).
+- **A backend**: ``backend="genie"``, and the default (Inductor) when a graph's inputs are on
+  the device. AOTAutograd lowers the graph to Core ATen (forward and backward graphs), each becomes
+  content-addressed data (:mod:`genie.graphs`), and a call records ``genie::graph`` once: a call
+  costs a guard check and one record whatever the op count. The graph is compiled where the
+  device is, once per shape class (Inductor for the real device), its first run checked against
+  the op-by-op run. ``mode``/``options`` given to ``torch.compile`` go to that compilation.
+
+Genie's own entry points (the dispatch hook, the factory and copy kernels, the materialization
+triggers) are marked for Dynamo's frame evaluator as "skip, recursively": when a graph breaks and
+an op runs eagerly, Dynamo runs them as plain Python instead of compiling Genie's internals.
+
+Invariant: ``import genie`` does not import ``torch._dynamo`` (seconds). The hooks are installed
+when ``torch._dynamo`` is already loaded, else by the first ``torch.compile`` call; they act only on
+LazyTensors and graphs whose inputs are on the device, so a program that never touches the device
+compiles exactly as without Genie.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Any
 
+import torch
+
+from .config import logger
+from .stats import bump
+
 _done = False
+_hooked = False
 
 
 def install() -> None:
@@ -38,10 +60,237 @@ def install() -> None:
     # starts at lazy_tensor._dispatch.
     dispatch = getattr(lt.__torch_dispatch__, "__func__", lt.__torch_dispatch__)
     fns: list[Any] = [lazy_tensor._dispatch, lt.__repr__, lt.__format__, lt.numpy,
-                      lt.tolist, lt.__reduce_ex__, lt.data.fget, lt.data.fset,
+                      lt.tolist, lt.__reduce_ex__, lt.backward, lt.data.fget, lt.data.fset,
                       lazy_tensor.record_factory, lazy_tensor.copy_from, lazy_tensor.materialize]
     if hasattr(dispatch, "__code__"):
         fns.append(dispatch)
     for fn in fns:
         ef.set_code_exec_strategy(fn.__code__, skip)
     _done = True
+    if "torch._dynamo" in sys.modules:
+        install_hooks()
+    else:
+        _hook_torch_compile()
+
+
+def _hook_torch_compile() -> None:
+    """Install the Dynamo hooks at the first ``torch.compile`` call (then put it back)."""
+    original = torch.compile
+    if getattr(original, "_genie_hook", False):
+        return
+
+    @functools.wraps(original)
+    def compile(*args: Any, **kwargs: Any) -> Any:  # noqa: A001 (torch.compile's name)
+        if torch.compile is compile:
+            torch.compile = original
+        install_hooks()
+        return original(*args, **kwargs)
+
+    compile._genie_hook = True  # type: ignore[attr-defined]
+    torch.compile = compile
+
+
+def install_hooks() -> None:
+    """Dynamo treats LazyTensors as tensors; backend ``genie``; Inductor hands graphs on the
+    device to it; the device interface. Idempotent."""
+    global _hooked
+    if _hooked:
+        return
+    _hooked = True
+    import torch._dynamo
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+    from torch._dynamo.device_interface import register_interface_for_device
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    from .device import DEVICE_TYPE
+    from .lazy_tensor import LazyTensor
+
+    for trace_numpy in (False, True):  # the table is cached per value of config.trace_numpy
+        VariableBuilder._type_dispatch_impl(trace_numpy)[LazyTensor] = VariableBuilder.wrap_tensor
+    register_interface_for_device(DEVICE_TYPE, _device_interface())
+    if "genie" not in _BACKENDS:
+        register_backend(backend, "genie")
+    wrapper = torch._TorchCompileInductorWrapper
+    inductor_call = wrapper.__call__
+
+    def __call__(self: Any, model_: Any, inputs_: Any, **kw: Any) -> Any:  # noqa: N807
+        if on_device(inputs_):
+            return backend(model_, inputs_, options=dict(self.config))
+        return inductor_call(self, model_, inputs_, **kw)
+
+    wrapper.__call__ = __call__
+
+
+def on_device(inputs: Any) -> bool:
+    """Whether a graph's example inputs include a tensor on ``remote_accelerator``."""
+    from .device import DEVICE_TYPE
+
+    return any(isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE for x in inputs)
+
+
+def _device_interface() -> type:
+    from torch._dynamo.device_interface import DeviceInterface
+
+    from . import device as d
+
+    class RemoteAcceleratorInterface(DeviceInterface):
+        """``torch.remote_accelerator`` for Dynamo and Inductor (as ``CudaInterface``)."""
+
+        class device:  # noqa: N801
+            def __new__(cls, device: Any) -> Any:
+                return d.device(device)
+
+        class Worker:
+            @staticmethod
+            def set_device(device: int) -> None:
+                d.set_device(device)
+
+            @staticmethod
+            def current_device() -> int:
+                return d.current_device()
+
+            @staticmethod
+            def get_device_properties(device: Any = None) -> Any:
+                return None
+
+        current_device = staticmethod(d.current_device)
+        set_device = staticmethod(d.set_device)
+        device_count = staticmethod(d.device_count)
+        is_available = staticmethod(d.is_available)
+        synchronize = staticmethod(d.synchronize)
+
+        @staticmethod
+        def maybe_exchange_device(device: int) -> int:
+            prev = d.current_device()
+            if device != prev:
+                d.set_device(device)
+            return prev
+
+        exchange_device = maybe_exchange_device
+
+        @staticmethod
+        def is_bf16_supported(including_emulation: bool = False) -> bool:
+            return True
+
+        @staticmethod
+        def is_triton_capable(device: Any = None) -> bool:
+            return False
+
+    return RemoteAcceleratorInterface
+
+
+# --- the backend ----------------------------------------------------------------------------
+
+def backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
+            options: dict[str, Any] | None = None) -> Any:
+    """``torch.compile(..., backend="genie")``: AOTAutograd to Core ATen, each graph a
+    ``genie::graph`` node (see the module doc). ``options`` (Inductor's) apply where the graph
+    is compiled."""
+    from torch._decomp import core_aten_decompositions
+    from torch._dynamo.backends.common import aot_autograd
+
+    bump("dynamo_graphs")
+    compiler = functools.partial(_graph_compiler, options=options or {})
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
+                        decompositions=core_aten_decompositions())(gm, example_inputs)
+
+
+def _graph_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any],
+                    options: dict[str, Any]) -> Any:
+    """An AOTAutograd graph as a callable that records one ``genie::graph`` node per call."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from . import graphs
+    from .device import DEVICE_TYPE
+
+    reason = _refusal(gm, example_inputs)
+    if reason is None:
+        try:
+            data, kinds = graphs.encode(gm, example_inputs)
+        except graphs.GraphError as e:
+            reason = str(e)
+    if reason is not None:
+        if reason not in _warned:
+            _warned.add(reason)
+            logger.warning("genie: a compiled graph runs op by op on %s (%s)", DEVICE_TYPE,
+                           reason)
+        bump("graphs_op_by_op")
+        return make_boxed_func(gm.forward)
+    g = graphs.register(data, kinds)
+    g.options = options
+    return make_boxed_func(_caller(gm, g))
+
+
+_warned: set[str] = set()
+
+
+def _refusal(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | None:
+    """Why a graph cannot be one node (None when it can)."""
+    from . import graphs
+    from .device import DEVICE_TYPE
+
+    # 0-dim CPU tensors mix with device tensors as in eager (an optimizer's step counts)
+    devs = {x.device for x in example_inputs if isinstance(x, torch.Tensor)
+            and not (x.device.type == "cpu" and x.dim() == 0)}
+    if not devs:
+        return "it has no tensor inputs on the device"
+    if len(devs) > 1 or next(iter(devs)).type != DEVICE_TYPE:
+        return "its inputs are on several devices: " + ", ".join(sorted(map(str, devs)))
+    for n in gm.graph.nodes:
+        t = n.target
+        if n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and \
+                torch.Tag.nondeterministic_seeded in t.tags:
+            return (f"it draws random numbers ({t}); op by op, their values follow Genie's "
+                    "(seed, offset) contract as in eager mode")
+    host = graphs.host_nodes(gm)
+    for o in graphs.graph_outputs(gm):
+        if isinstance(o, torch.fx.Node) and o.op != "placeholder" and o not in host and \
+                not (isinstance(o.meta.get("val"), torch.Tensor)
+                     and o.meta["val"].device.type == DEVICE_TYPE):
+            return (f"it returns a value computed from device tensors on the host ({o.name}: "
+                    f"{type(o.meta.get('val')).__name__})")
+    return None
+
+
+def _caller(gm: torch.fx.GraphModule, g: Any) -> Any:
+    """``args -> outputs`` recording one ``genie::graph`` node; outputs that are inputs are
+    passed through, tensor outputs come from the node."""
+    from . import graphs
+
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    pos = {n: i for i, n in enumerate(ph)}
+    node_outs = graphs.node_outputs(gm)
+    host = graphs.host_nodes(gm)
+    host_outs = [o for o in graphs.graph_outputs(gm) if isinstance(o, torch.fx.Node)
+                 and o.op != "placeholder" and o in host]
+    host_fn = graphs.host_module(gm, host_outs) if host_outs else None
+    # per output: ("in", i) the i-th input, ("out", k) the node's k-th tensor, ("host", k) the
+    # k-th host value, ("const", v)
+    plan: list[tuple[str, Any]] = []
+    k = h = 0
+    for o in graphs.graph_outputs(gm):
+        if isinstance(o, torch.fx.Node) and o.op == "placeholder":
+            plan.append(("in", pos[o]))
+        elif isinstance(o, torch.fx.Node) and o in host:
+            plan.append(("host", h))
+            h += 1
+        elif isinstance(o, torch.fx.Node):
+            plan.append(("out", k))
+            k += 1
+        else:
+            plan.append(("const", o))
+    assert k == len(node_outs)
+    kinds = g.kinds
+    key = g.key
+    op = graphs.GRAPH_OP
+
+    def call(*args: Any) -> list[Any]:
+        tensors = [a for a, kd in zip(args, kinds) if kd == "t"]
+        ints = [a for a, kd in zip(args, kinds) if kd == "i"]
+        res = op(key, tensors, ints) if k else []
+        hv = host_fn(*args) if host_fn is not None else []
+        bump("graph_calls")
+        return [args[v] if w == "in" else res[v] if w == "out" else hv[v] if w == "host" else v
+                for w, v in plan]
+
+    return call

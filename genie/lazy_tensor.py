@@ -146,6 +146,14 @@ class LazyTensor(torch.Tensor):
     def __tensor_unflatten__(inner: Any, ctx: Any, outer_size: Any, outer_stride: Any) -> Any:
         return aten.alias.default(ctx)
 
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata: Any,
+                                            expected_type: Any = None) -> LazyTensor | None:
+        # torch.compile traces a LazyTensor as a plain device tensor (genie.dynamo); the
+        # gradients AOTAutograd's backward receives are LazyTensors standing for plain tensors
+        if expected_metadata is None and expected_type in (None, torch.Tensor):
+            return self
+        return None
+
     # `param.data = new` (nn.Module.half()/.double()/.to(dtype) on device parameters) replaces the
     # TensorImpl's metadata in C++; the wrapper must follow it to the new value's node, or it
     # would report the new dtype while its recorded value (and every op on it) keeps the old one.

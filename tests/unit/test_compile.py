@@ -1,6 +1,7 @@
 """torch.compile over Genie (genie/dynamo.py): equal to eager, lazy, and without warnings."""
 
 import logging
+import os
 import warnings
 
 import torch
@@ -50,7 +51,218 @@ def test_compiled_training_step_equals_eager():
     cstep = torch.compile(step, backend="eager")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        # Dynamo's own warning when it resumes after loss.backward(), on CPU tensors as well
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not")
         lz = cstep(lazy, x.to(DEV))
     rl = step(ref, x)
     torch.testing.assert_close(lz.cpu(), rl.detach())
     torch.testing.assert_close(lazy.weight.grad.cpu(), ref.weight.grad)
+
+
+# --- torch.compile on the device: one genie::graph node per compiled-graph call ---------------
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+
+from genie import graphs  # noqa: E402
+from genie.backends import compiled as compiled_backend  # noqa: E402
+
+
+@pytest.fixture
+def fast_compiler():
+    """Graphs compiled on the device with aot_eager (Inductor's C++ takes minutes here; the
+    Inductor test below runs with GENIE_FULL_TESTS=1)."""
+    before = compiled_backend.compiler()
+    compiled_backend.set_compiler("aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    compiled_backend.set_compiler(before)
+    torch._dynamo.reset()
+
+
+def _breaks():
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def _mlp(width=16, depth=3):
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.LayerNorm(width)]
+    return torch.nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("backend", ["inductor", "genie"])
+def test_compiled_module_records_one_node_per_call(fast_compiler, backend):
+    torch.manual_seed(0)
+    width = 16 if backend == "inductor" else 12  # graphs are cached by content, per process
+    ref = _mlp(width)
+    lazy = copy.deepcopy(ref).to(DEV)
+    cm = torch.compile(lazy) if backend == "inductor" else torch.compile(lazy, backend=backend)
+    x = torch.randn(8, width)
+    with torch.no_grad():
+        want = ref(x)
+        xd = x.to(DEV)
+        genie.reset_stats()
+        out = cm(xd)
+        s = genie.stats()
+        assert s["graph_calls"] == 1 and s["ops_recorded"] == 1, s  # the graph: one node
+        assert out._node.op is graphs.GRAPH_OP
+        assert s.get("materializations", 0) == 0
+        got = out.cpu()
+        torch.testing.assert_close(got, want)
+        assert got.stride() == want.stride() and got.dtype == want.dtype
+        for _ in range(3):
+            torch.testing.assert_close(cm(x.to(DEV)).cpu(), want)
+    s = genie.stats()
+    assert s["graph_calls"] == 4 and s["graphs"] == 1 and s["graph_compiles"] == 1, s
+    assert s["graph_cache_hits"] == 3, s
+    assert _breaks() == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_new_shape_recompiles_then_dynamic_as_on_cpu(fast_compiler):
+    def f(x):
+        return (x.sin() * 2).sum(-1)
+
+    cf = torch.compile(f)
+    for n in (2, 3, 4, 5):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(cf(x.to(DEV)).cpu(), f(x))
+    dev_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cpu_f = torch.compile(f, backend="eager")
+    for n in (2, 3, 4, 5):
+        cpu_f(torch.randn(n, 4))
+    # the same recompilations as on the CPU: one static graph, then one dynamic in dim 0
+    assert dev_graphs == torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert genie.stats()["graph_calls"] == 4
+
+
+def test_graph_break_splits_into_two_nodes(fast_compiler):
+    def f(x):
+        y = x.cos() + 1
+        torch._dynamo.graph_break()
+        return y * y.sum()
+
+    cf = torch.compile(f)
+    x = torch.randn(5)
+    torch.testing.assert_close(cf(x.to(DEV)).cpu(), f(x))
+    assert genie.stats()["graph_calls"] == 2
+    assert _breaks() == 1
+
+
+def test_requires_grad_guard_and_gradients_equal_eager(fast_compiler):
+    def f(x, w):
+        return torch.nn.functional.gelu(x @ w).square().mean()
+
+    cf = torch.compile(f)
+    x, w = torch.randn(4, 6), torch.randn(6, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(cf(x.to(DEV), w.to(DEV)).cpu(), f(x, w))
+    wr = w.clone().requires_grad_()
+    wl = w.to(DEV).requires_grad_()
+    genie.reset_stats()
+    loss = cf(x.to(DEV), wl)  # requires_grad changed: a guard fails, it recompiles
+    loss.backward()
+    ref = f(x, wr)
+    ref.backward()
+    torch.testing.assert_close(loss.cpu(), ref.detach())
+    torch.testing.assert_close(wl.grad.cpu(), wr.grad)
+    assert genie.stats()["graph_calls"] == 2  # forward and backward: one node each
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_training_20_steps_adamw_losses_equal_eager(fast_compiler):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                              torch.nn.Linear(16, 1))
+    lazy = copy.deepcopy(ref).to(DEV)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt_l = torch.optim.AdamW(lazy.parameters(), lr=1e-2)
+
+    def step(m, opt, x, y):
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    cstep = torch.compile(step)
+    losses_r, losses_l = [], []
+    for _ in range(20):
+        x, y = torch.randn(4, 8), torch.randn(4, 1)
+        losses_r.append(step(ref, opt_r, x, y).item())
+        losses_l.append(cstep(lazy, opt_l, x.to(DEV), y.to(DEV)))
+    assert genie.stats().get("materializations", 0) == 0  # 20 steps, nothing ran yet
+    torch.testing.assert_close(torch.stack([v.cpu() for v in losses_l]), torch.tensor(losses_r))
+    for a, b in zip(ref.parameters(), lazy.parameters(), strict=True):
+        torch.testing.assert_close(b.cpu(), a.detach())
+    s = genie.stats()
+    assert s["graph_calls"] == 60, s  # forward, backward, optimizer step: one node each
+    assert s.get("graphs_op_by_op", 0) == 0
+
+
+def test_random_graph_runs_op_by_op_with_genies_rng(fast_compiler):
+    def f(x):
+        return torch.nn.functional.dropout(x, 0.5, training=True) + 1
+
+    x = torch.randn(64)
+    torch.manual_seed(3)
+    want = f(x.to(DEV)).cpu()
+    torch.manual_seed(3)
+    got = torch.compile(f)(x.to(DEV)).cpu()
+    torch.testing.assert_close(got, want)
+    assert genie.stats()["graphs_op_by_op"] == 1
+
+
+def test_compiler_failure_falls_back_to_op_by_op_values(fast_compiler, caplog):
+    def broken(gm, example_inputs):
+        raise RuntimeError("no kernels today")
+
+    compiled_backend.set_compiler(broken)
+    f = torch.compile(lambda x: x.exp() - x)
+    x = torch.randn(3, 3)
+    with caplog.at_level(logging.WARNING, logger="genie"):
+        for _ in range(2):
+            torch.testing.assert_close(f(x.to(DEV)).cpu(), x.exp() - x)
+    assert "runs op by op" in caplog.text and "no kernels today" in caplog.text
+    assert genie.stats().get("graph_compiles", 0) == 0
+
+
+def test_graph_data_round_trip_and_refusals():
+    gm = torch.fx.symbolic_trace(lambda x: torch.ops.aten.mul.Tensor(x, 2.0))
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta["val"] = torch.empty(2, device="meta")
+    data, kinds = graphs.encode(gm, [torch.empty(2)])
+    assert kinds == ["t"] and graphs.content_key(data) == graphs.content_key(
+        graphs.encode(gm, [torch.empty(2)])[0])
+    back = graphs.decode(data, torch.device("cpu"))
+    torch.testing.assert_close(back(torch.ones(2))[0], torch.full((2,), 2.0))
+    import msgpack
+
+    d = msgpack.unpackb(data)
+    d["nodes"][0][0] = "os::system.default"
+    bad = msgpack.packb(d)
+    with pytest.raises(graphs.GraphError, match="not an ATen op"):
+        graphs.decode(bad, torch.device("cpu"))
+    with pytest.raises(graphs.GraphError, match="does not decode|not a version-1"):
+        graphs.decode(b"\x00garbage", torch.device("cpu"))
+
+
+@pytest.mark.skipif(os.environ.get("GENIE_FULL_TESTS") != "1",
+                    reason="inductor compiles C++ (a minute here); GENIE_FULL_TESTS=1")
+def test_inductor_compiles_the_graph_for_the_real_device():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled_backend.set_compiler("inductor")
+    f = torch.compile(lambda x, w: torch.nn.functional.layer_norm((x @ w).relu(), (8,)))
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    for _ in range(2):
+        torch.testing.assert_close(f(x.to(DEV), w.to(DEV)).cpu(),
+                                   torch.nn.functional.layer_norm((x @ w).relu(), (8,)))
+    s = genie.stats()
+    assert s["graph_compiles"] == 1 and s["graph_verified"] == 1 and s["graph_cache_hits"] == 1

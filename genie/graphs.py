@@ -1,0 +1,435 @@
+"""Compiled graphs as data: the ``genie::graph`` op, one recorded node per graph call.
+
+``torch.compile`` on the device (:mod:`genie.dynamo`) turns each graph AOTAutograd produces
+(forward, backward or inference; ATen ops only) into :class:`GraphData`: plain data (op names,
+constants, references between values), content-addressed by the SHA-256 of its canonical
+encoding. A call of the graph is one op, ``genie::graph(key, tensors, ints) -> Tensor[]``, recorded
+on LazyTensors like any other op: planning, liveness, the plan cache and the backends see one
+node. Its kernels:
+
+- ``Meta`` (output metadata at record time): the graph interpreted on meta tensors (then cached
+  by Genie's meta cache, per input metadata);
+- the real device (``CompositeExplicitAutograd``): the graph compiled once per shape class
+  (device, input shapes, strides, dtypes and ints) by :func:`genie.backends.compiled.compiler`
+  (Inductor where it can build kernels), its first run checked against the op-by-op run of the
+  same graph (eager is the oracle). A compilation that fails or disagrees is dropped (one
+  warning) and that shape class runs op by op from then on.
+
+A graph is data, never code: decoding resolves each op name through a ``resolve`` function
+(locally any ``torch.ops`` ATen overload; a server resolves against its admitted opset) and a
+short table of Python operators on sizes (:data:`PY_OPS`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+import torch
+
+from .config import logger
+from .progress import waiting
+from .stats import bump
+
+#: Python operators a graph may apply to sizes (dynamic shapes), by name
+PY_OPS: dict[str, Callable[..., Any]] = {
+    f"operator.{n}": getattr(operator, n)
+    for n in ("add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow", "eq", "ne", "lt",
+              "le", "gt", "ge", "getitem")
+}
+_PY_NAMES = {fn: name for name, fn in PY_OPS.items()}
+
+_DEVICE_TYPE = "remote_accelerator"
+
+
+class GraphError(RuntimeError):
+    """A graph that cannot be encoded, decoded or admitted."""
+
+
+# --- encoding -------------------------------------------------------------------------------
+
+def op_name(op: Any) -> str:
+    """``aten::add.Tensor``: an OpOverload's name as graph data (and the wire) spell it."""
+    s = op._schema
+    return f"{s.name}.{s.overload_name}" if s.overload_name else f"{s.name}.default"
+
+
+def _enc(x: Any, refs: dict[Any, int]) -> Any:
+    if isinstance(x, torch.fx.Node):
+        return {"r": refs[x]}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, (list, tuple)):
+        return [_enc(v, refs) for v in x]
+    if isinstance(x, torch.dtype):
+        return {"dtype": str(x).removeprefix("torch.")}
+    if isinstance(x, torch.device):
+        return {"device": x.type}
+    if isinstance(x, torch.layout):
+        return {"layout": str(x).removeprefix("torch.")}
+    if isinstance(x, torch.memory_format):
+        return {"memory_format": str(x).removeprefix("torch.")}
+    raise GraphError(f"a graph argument of type {type(x).__name__} ({x!r:.80}) is not data")
+
+
+_SIZE_OPS = {"sym_size": "size", "sym_stride": "stride", "sym_numel": "numel",
+             "sym_storage_offset": "storage_offset"}
+
+
+def host_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes whose values the caller's host computes without the device: inputs that are
+    not device tensors (sizes, 0-dim CPU tensors such as an optimizer's step counts), sizes of
+    any tensor, and what is computed from those alone (``step + 1``)."""
+    host: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op not in ("placeholder", "call_function"):
+            continue
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+            continue
+        if n.op == "call_function":
+            t = n.target
+            size_op = isinstance(t, torch._ops.OpOverload) and \
+                t._schema.name.removeprefix("aten::") in _SIZE_OPS
+            if not size_op and any(a not in host for a in n.all_input_nodes):
+                continue
+        host.add(n)
+    return host
+
+
+def graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def node_outputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The graph outputs a ``genie::graph`` node returns, in order: the device tensors computed
+    in the graph (the caller passes through outputs that are graph inputs and constants, and
+    computes host values itself, see :func:`host_nodes`)."""
+    host = host_nodes(gm)
+    return [o for o in graph_outputs(gm)
+            if isinstance(o, torch.fx.Node) and o.op != "placeholder" and o not in host]
+
+
+def host_module(gm: torch.fx.GraphModule, outs: list[torch.fx.Node]) -> torch.fx.GraphModule:
+    """A module computing the host values ``outs`` of ``gm`` (sizes read with ``Tensor.size``,
+    which a LazyTensor answers without running anything)."""
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, Any] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = g.placeholder(n.name)
+    need: set[torch.fx.Node] = set()
+    stack = list(outs)
+    while stack:
+        n = stack.pop()
+        if n not in need and n.op != "placeholder":
+            need.add(n)
+            stack.extend(n.all_input_nodes)
+    for n in gm.graph.nodes:
+        if n not in need:
+            continue
+        t = n.target
+        args = torch.fx.map_arg(n.args, env.__getitem__)
+        kwargs = torch.fx.map_arg(n.kwargs, env.__getitem__)
+        name = t._schema.name.removeprefix("aten::") if isinstance(t, torch._ops.OpOverload) \
+            else None
+        if name in _SIZE_OPS:
+            env[n] = g.call_method(_SIZE_OPS[name], args, kwargs)
+        else:
+            env[n] = g.call_function(t, args, kwargs)
+    g.output([env[o] for o in outs])
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def encode(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> tuple[bytes, list[str]]:
+    """``gm`` (an ATen graph) as canonical bytes, and its placeholders' kinds (``"t"``: tensor,
+    ``"i"``: int) from ``example_inputs``."""
+    refs: dict[Any, int] = {}
+    kinds = ["t" if isinstance(x, torch.Tensor) else "i" for x in example_inputs]
+    nodes: list[Any] = []
+    out: Any = None
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            refs[n] = len(refs)
+        elif n.op == "call_function":
+            t = n.target
+            if isinstance(t, torch._ops.OpOverload):
+                name = op_name(t)
+            elif t in _PY_NAMES:
+                name = _PY_NAMES[t]
+            else:
+                raise GraphError(f"{t} is not an ATen op")
+            nodes.append([name, _enc(list(n.args), refs),
+                          {k: _enc(v, refs) for k, v in sorted(n.kwargs.items())}])
+            refs[n] = len(refs)
+        elif n.op == "output":
+            out = _enc(node_outputs(gm), refs)
+        else:
+            raise GraphError(f"graph node {n.op} {n.target} is not data (constants must be "
+                             "graph inputs)")
+    n_in = sum(n.op == "placeholder" for n in gm.graph.nodes)
+    if n_in != len(kinds):
+        raise GraphError(f"the graph has {n_in} inputs, {len(kinds)} example inputs given")
+    data = {"v": 1, "in": kinds, "nodes": nodes, "out": out}
+    return msgpack.packb(data, use_bin_type=True), kinds
+
+
+def content_key(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --- decoding -------------------------------------------------------------------------------
+
+def aten_resolve(name: str) -> Any:
+    """An ATen op by its graph name (``aten::add.Tensor``); anything else is refused."""
+    ns, _, rest = name.partition("::")
+    base, _, overload = rest.partition(".")
+    if ns != "aten" or not base or not overload:
+        raise GraphError(f"{name!r} is not an ATen op name")
+    try:
+        return getattr(getattr(torch.ops.aten, base), overload)
+    except AttributeError:
+        raise GraphError(f"no ATen op {name!r} in this PyTorch") from None
+
+
+def _dec(x: Any, vals: list[Any], device: torch.device) -> Any:
+    if isinstance(x, list):
+        return [_dec(v, vals, device) for v in x]
+    if isinstance(x, dict):
+        if len(x) != 1:
+            raise GraphError(f"bad graph value {x!r:.80}")
+        (k, v), = x.items()
+        if k == "r":
+            if type(v) is not int or not 0 <= v < len(vals):
+                raise GraphError(f"graph reference {v!r} is out of range")
+            return vals[v]
+        if k == "dtype":
+            d = getattr(torch, str(v), None)
+            if not isinstance(d, torch.dtype):
+                raise GraphError(f"bad dtype {v!r}")
+            return d
+        if k == "device":
+            return device if v == _DEVICE_TYPE else torch.device(str(v))
+        if k == "layout":
+            d = getattr(torch, str(v), None)
+            if not isinstance(d, torch.layout):
+                raise GraphError(f"bad layout {v!r}")
+            return d
+        if k == "memory_format":
+            d = getattr(torch, str(v), None)
+            if not isinstance(d, torch.memory_format):
+                raise GraphError(f"bad memory format {v!r}")
+            return d
+        raise GraphError(f"bad graph value tag {k!r}")
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise GraphError(f"bad graph value {x!r:.80}")
+
+
+def decode(data: bytes, device: torch.device,
+           resolve: Callable[[str], Any] = aten_resolve) -> torch.fx.GraphModule:
+    """Graph data as a ``GraphModule`` running on ``device`` (its device arguments map there);
+    every op name goes through ``resolve`` (which raises for ops it does not admit)."""
+    try:
+        d = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise GraphError(f"graph data does not decode: {e}") from None
+    if not isinstance(d, dict) or d.get("v") != 1 or not isinstance(d.get("nodes"), list) \
+            or not isinstance(d.get("in"), list):
+        raise GraphError("graph data is not a version-1 graph")
+    g = torch.fx.Graph()
+    vals: list[Any] = []
+    for i, k in enumerate(d["in"]):
+        if k not in ("t", "i"):
+            raise GraphError(f"bad input kind {k!r}")
+        vals.append(g.placeholder(f"in{i}"))
+    for entry in d["nodes"]:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                and isinstance(entry[1], list) and isinstance(entry[2], dict)):
+            raise GraphError("bad graph node")
+        name, args, kwargs = entry
+        fn = PY_OPS.get(name) or resolve(name)
+        vals.append(g.call_function(fn, tuple(_dec(args, vals, device)),
+                                    {str(k): _dec(v, vals, device) for k, v in kwargs.items()}))
+    g.output(_dec(d["out"], vals, device))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+# --- the registry ---------------------------------------------------------------------------
+
+@dataclass
+class GraphData:
+    """A registered graph: its bytes, placeholder kinds and, per device, the decoded module and
+    compiled callables by shape class (``"eager"`` where compiling failed or disagreed)."""
+
+    key: str
+    data: bytes
+    kinds: list[str]
+    ops: int
+    modules: dict[str, torch.fx.GraphModule] = field(default_factory=dict)
+    compiled: dict[Any, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # Inductor's, from torch.compile
+
+    def module(self, device: torch.device) -> torch.fx.GraphModule:
+        k = str(device)
+        gm = self.modules.get(k)
+        if gm is None:
+            gm = self.modules[k] = decode(self.data, device)
+        return gm
+
+
+_graphs: dict[str, GraphData] = {}
+_lock = threading.Lock()
+
+
+def register(data: bytes, kinds: list[str]) -> GraphData:
+    """The graph whose encoding is ``data`` (registered once per content)."""
+    key = content_key(data)
+    with _lock:
+        g = _graphs.get(key)
+        if g is None:
+            ops = len(msgpack.unpackb(data, raw=False)["nodes"])
+            g = _graphs[key] = GraphData(key, data, kinds, ops)
+            bump("graphs")
+    return g
+
+
+def lookup(key: str) -> GraphData:
+    g = _graphs.get(key)
+    if g is None:
+        raise GraphError(f"no graph {key[:16]}... is registered in this process")
+    return g
+
+
+def _inputs(g: GraphData, tensors: list[Any], ints: list[Any]) -> list[Any]:
+    """The placeholders' values in order, from the op's tensor and int lists."""
+    ti, ii = iter(tensors), iter(ints)
+    try:
+        out = [next(ti) if k == "t" else next(ii) for k in g.kinds]
+    except StopIteration:
+        raise GraphError(f"graph {g.key[:16]} takes {g.kinds.count('t')} tensors and "
+                         f"{g.kinds.count('i')} ints, got {len(tensors)} and {len(ints)}") from None
+    if len(out) != len(tensors) + len(ints):
+        raise GraphError(f"graph {g.key[:16]} takes {g.kinds.count('t')} tensors and "
+                         f"{g.kinds.count('i')} ints, got {len(tensors)} and {len(ints)}")
+    return out
+
+
+def _tensor_outs(out: Any) -> list[torch.Tensor]:
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    return [o for o in outs if isinstance(o, torch.Tensor)]
+
+
+def interpret(gm: torch.fx.GraphModule, args: list[Any]) -> list[torch.Tensor]:
+    """The graph run op by op (the oracle); its tensor outputs."""
+    return _tensor_outs(torch.fx.Interpreter(gm).run(*args))
+
+
+def _meta(key: str, tensors: list[torch.Tensor], ints: list[int]) -> list[torch.Tensor]:
+    g = lookup(key)
+    return interpret(g.module(torch.device("meta")), _inputs(g, tensors, ints))
+
+
+def _unaliased(outs: list[torch.Tensor], inputs: list[Any]) -> list[torch.Tensor]:
+    """``outs`` with fresh storages: a compiled graph may return views of its inputs or several
+    views of one buffer, but the op promises new, distinct tensors (as its recorded node says)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    res = []
+    for t in outs:
+        p = t.untyped_storage().data_ptr()
+        if p in seen and t.untyped_storage().nbytes():
+            t = t.clone(memory_format=torch.preserve_format)
+        else:
+            seen.add(p)
+        res.append(t)
+    return res
+
+
+def _shape_class(device: torch.device, args: list[Any]) -> tuple[Any, ...]:
+    return (str(device),) + tuple(
+        (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _run(key: str, tensors: list[torch.Tensor], ints: list[int]) -> list[torch.Tensor]:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    g = lookup(key)
+    device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
+    args = _inputs(g, tensors, ints)
+    sk = _shape_class(device, args)
+    with _disable_current_modes(), torch.no_grad():
+        fn = g.compiled.get(sk)
+        if fn is None:
+            return _unaliased(_first_run(g, device, args, sk), args)
+        bump("graph_cache_hits")
+        if fn == "eager":
+            return interpret(g.module(device), args)
+        fn, restride = fn
+        outs = _tensor_outs(fn(*args))
+        for k, st in restride:
+            o = outs[k]
+            outs[k] = torch.empty_strided(o.shape, st, dtype=o.dtype, device=o.device).copy_(o)
+        return _unaliased(outs, args)
+
+
+def _first_run(g: GraphData, device: torch.device, args: list[Any],
+               sk: tuple[Any, ...]) -> list[torch.Tensor]:
+    """Compile ``g`` for this shape class, run it and the op-by-op oracle; keep the compilation
+    only if they agree. Returns the oracle's values."""
+    from .backends import compiled as cb
+
+    gm = g.module(device)
+    want = interpret(gm, args)
+    name = cb.compiler()
+    reason = None
+    try:
+        with waiting(f"compiling a graph of {g.ops} ops with {name} for {device}"):
+            fn = _compile(gm, args, name, g.options)
+            got = _tensor_outs(fn(*args))
+        bump("graph_compiles")
+    except Exception as e:  # a compiler failure: the graph runs op by op instead
+        reason = f"{name} failed: {type(e).__name__}: {str(e).strip()[:200]}"
+    else:
+        if len(got) != len(want):
+            reason = f"it returned {len(got)} tensors, the graph {len(want)}"
+        for k, (a, b) in enumerate(zip(got, want)):
+            if reason is None and not cb._agrees(a, b):
+                reason = f"output {k} differs from the op-by-op run"
+        # outputs the compiler laid out otherwise than the graph's op-by-op run (whose strides
+        # the recorded node carries) are copied into that layout on every call
+        restride = tuple((k, b.stride()) for k, (a, b) in enumerate(zip(got, want))
+                         if a.stride() != b.stride() and b.numel() > 1)
+    if reason is None:
+        g.compiled[sk] = (fn, restride)
+        bump("graph_verified")
+    else:
+        g.compiled[sk] = "eager"
+        logger.warning("genie: compiled graph %s... runs op by op on %s (%s)", g.key[:12],
+                       device, reason)
+    return want
+
+
+def _compile(gm: torch.fx.GraphModule, args: list[Any], name: str,
+             options: dict[str, Any]) -> Callable[..., Any]:
+    if name == "inductor":
+        from torch._inductor import compile as inductor_compile
+
+        return inductor_compile(gm, list(args), options=options or None)
+    if name in ("eager", "aot_eager"):
+        return gm
+    return torch.compile(gm, backend=name, fullgraph=True, dynamic=False)
+
+
+# --- the op ---------------------------------------------------------------------------------
+
+_lib = torch.library.Library("genie", "DEF")
+_lib.define("graph(str key, Tensor[] tensors, SymInt[] ints) -> Tensor[]")
+_lib.impl("graph", _meta, "Meta")
+_lib.impl("graph", _run, "CompositeExplicitAutograd")
+
+GRAPH_OP = torch.ops.genie.graph.default
