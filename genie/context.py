@@ -446,6 +446,53 @@ def _opt_post(opt: Any, args: tuple, kwargs: dict) -> None:
     st = _tls.modules
     if st and st[-1][0] is opt:
         current.ctx = st.pop()[1]
+    if _compiling():
+        return
+    # a recorded step on the device: its effects join the next materialization's tape
+    # (:func:`take_steps`); an optimizer of host tensors is not noted (it costs this check)
+    for g in opt.param_groups:
+        ps = g["params"]
+        if ps:
+            if getattr(ps[0], "_node", None) is not None and \
+                    not any(r() is opt for r in _steps.pending):
+                _steps.pending.append(weakref.ref(opt))
+            return
+
+
+class _Steps(threading.local):
+    def __init__(self) -> None:
+        self.pending: list[weakref.ref[Any]] = []  # optimizers stepped since the last trigger
+
+
+_steps = _Steps()
+
+
+def take_steps() -> list[Any]:
+    """The optimizers whose step this thread recorded on the device since the last call, in
+    step order (the executor folds their pending effects into the next tape: one tape per
+    training step, see docs/semantics.md "A training step is one tape")."""
+    refs = _steps.pending
+    if not refs:
+        return []
+    _steps.pending = []
+    return [o for o in (r() for r in refs) if o is not None]
+
+
+def step_tensors(opt: Any) -> list[torch.Tensor]:
+    """What an optimizer's step writes that the program holds: each parameter, its ``.grad``
+    and its optimizer state tensors (``momentum_buffer``, ``exp_avg``, ``step``, ...), in the
+    optimizer's own order (deterministic)."""
+    out: list[torch.Tensor] = []
+    state = opt.state
+    for g in opt.param_groups:
+        for p in g["params"]:
+            out.append(p)
+            if p.grad is not None:
+                out.append(p.grad)
+            st = state.get(p)
+            if st:
+                out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    return out
 
 
 def push_phase(name: str) -> Any:

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch.autograd import profiler as _profiler
 
-from . import backends, memory, plan_cache
+from . import backends, context, memory, plan_cache
 from ._C import _bind_nodes, _gc_untrack, _state_apply, _state_word
 from .config import config
+from .context import _steps
 from .device import real_device
 from .errors import DeviceError, ExecutionError
 from .graph import Node, pending_total
@@ -243,15 +244,49 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
     fast = [_ready(n, o) for n, o in targets]
     if all(v is not None for v in fast):
         outs = fast
-    elif not _profiler._is_profiler_enabled:  # as below, without the no-op phase contexts
-        outs = run_tape(plan_cache.plan(targets, backends.shape_generic()), index)
     else:
-        with phase("plan"):
-            tape = plan_cache.plan(targets, backends.shape_generic())
-        with phase("execute"):
-            outs = run_tape(tape, index)
+        n = len(targets)
+        if _steps.pending:
+            targets = with_step(targets, index)
+        if not _profiler._is_profiler_enabled:  # as below, without the no-op phase contexts
+            outs = run_tape(plan_cache.plan(targets, backends.shape_generic()), index)
+        else:
+            with phase("plan"):
+                tape = plan_cache.plan(targets, backends.shape_generic())
+            with phase("execute"):
+                outs = run_tape(tape, index)
+        del outs[n:]
     with phase("transfer"):
         return backends.fetch(outs)  # handles of values resident on a server -> real tensors
+
+
+def with_step(targets: list[tuple[Node, int]], index: int) -> list[tuple[Node, int]]:
+    """``targets`` and the pending effects of the optimizer steps recorded since the last
+    trigger (:func:`genie.context.take_steps`): the parameters, gradients and optimizer state
+    on ``remote_accelerator:index`` that the steps left pending, so that forward, backward and
+    update run in the tape of the value asked for (one tape per training step: the passes plan
+    them together, ``recompute`` frees activations across the whole step, a server gets one
+    request). Only work the program already committed to: values it holds, written by ops it
+    recorded, which eager ran at ``opt.step()``. Not for an index other than the step's (those
+    stay pending as before). Extra targets come after the requested ones, in the optimizer's
+    order, each once."""
+    extra: list[tuple[Node, int]] = []
+    seen = {(id(n), o) for n, o in targets}
+    for opt in context.take_steps():
+        for t in context.step_tensors(opt):
+            n = getattr(t, "_node", None)
+            if n is None:
+                continue
+            o = t._out
+            if n.metas[o].index != index or (n.executed and not n.storages[o].pending_writes):
+                continue
+            k = (id(n), o)
+            if k not in seen:
+                seen.add(k)
+                extra.append((n, o))
+    if extra:
+        bump("step_tapes")
+    return [*targets, *extra]
 
 
 def _ready(n: Node, out: int) -> torch.Tensor | None:

@@ -1,0 +1,148 @@
+"""A training step is one tape (issue 31): the loop people write, ``loss.item()`` each step,
+runs forward, backward and update together, so ``recompute`` keeps it within a memory budget.
+Eager is the oracle for losses and gradients."""
+
+import gc
+
+import pytest
+import torch
+
+import genie
+from genie import passes, plan_cache
+from genie.passes import pipeline
+
+D = "remote_accelerator"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_passes():
+    plan_cache.clear()
+    pipeline.clear_reports()
+    yield
+    passes.set_passes(None)
+    passes.set_memory_budget(None)
+    plan_cache.clear()
+
+
+def _model(device, width, depth, dropout):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+        if dropout:
+            layers.append(torch.nn.Dropout(0.1))
+    return torch.nn.Sequential(*layers).to(device)
+
+
+def _loop(device, steps, width=32, batch=1024, depth=8, dropout=False, opt_cls=None):
+    """The standard loop as written: losses, final gradients and parameters, and each step's
+    peak device bytes above what was held before it (other tests' leftovers excluded)."""
+    gc.collect()
+    on = device == D
+    base = torch.remote_accelerator.memory_allocated() if on else 0
+    model = _model(device, width, depth, dropout)
+    opt = (opt_cls or (lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)))(model.parameters())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, width, generator=g).to(device)
+    y = torch.randn(batch, width, generator=g).to(device)
+    losses, peaks = [], []
+    torch.manual_seed(2)
+    for _ in range(steps):
+        if on:
+            torch.remote_accelerator.reset_peak_memory_stats()
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if on:
+            peaks.append(torch.remote_accelerator.max_memory_allocated() - base)
+    grads = [p.grad.cpu() for p in model.parameters()]
+    params = [p.detach().cpu() for p in model.parameters()]
+    return losses, grads, params, peaks
+
+
+def test_loss_item_after_the_step_runs_the_whole_step_in_its_tape():
+    model = _model(D, 8, 2, False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(4, 8).to(D)
+    genie.reset_stats()
+    for _ in range(2):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        loss.item()
+        # nothing the step wrote is left pending: parameters, gradients, momentum buffers
+        for p in model.parameters():
+            for t in (p, p.grad, opt.state[p]["momentum_buffer"]):
+                assert t._node.executed and not t._node.storages[t._out].pending_writes
+    s = genie.stats()
+    assert s["step_tapes"] == 2 and s["materializations"] == 2
+
+
+def test_a_value_asked_before_the_step_runs_alone():
+    """Without a recorded step nothing more runs: the forward's value alone (its activations
+    kept for the backward), as before."""
+    model = _model(D, 8, 2, False)
+    x = torch.randn(4, 8).to(D)
+    loss = model(x).square().mean()
+    loss.item()
+    loss.backward()
+    w = model[0].weight.grad
+    assert not w._node.executed  # the backward waits for its own trigger
+    assert genie.stats().get("step_tapes", 0) == 0
+
+
+def test_standard_loop_equals_eager_and_fits_the_budget():
+    want = _loop("cpu", 4)
+    passes.set_passes([])
+    got0 = _loop(D, 4)
+    budget = max(got0[3][1:]) // 2
+    plan_cache.clear()
+    passes.set_passes(None)  # the default passes, recompute among them
+    passes.set_memory_budget(budget)
+    got1 = _loop(D, 4)
+    for got in (got0, got1):
+        assert got[0] == want[0]  # losses bit-equal to eager
+        for a, b in zip(got[1] + got[2], want[1] + want[2], strict=True):
+            assert torch.equal(a, b)  # gradients and updated parameters too
+    # step 1 is the plan's miss (run as recorded), step 2 its verification (the unoptimized
+    # tape runs for real); from then on the optimized plan
+    assert max(got1[3][2:]) <= budget * 1.1, (got0[3], budget, got1[3])
+    rep = [r for r in passes.report() if "recompute" in r.passes]
+    assert rep and rep[0].peak_after < rep[0].peak_before
+
+
+def test_dropout_is_recomputed_with_the_values_it_had():
+    """Random ops recomputed inside the step replay their ``(seed, offset)``: the masks, hence
+    losses and gradients, are those of the unoptimized run (Genie's RNG contract: not eager's
+    CPU stream, docs/semantics.md "Random numbers")."""
+    passes.set_passes([])
+    got0 = _loop(D, 4, dropout=True)
+    budget = max(got0[3][1:]) // 2
+    plan_cache.clear()
+    passes.set_passes(["recompute"])
+    passes.set_memory_budget(budget)
+    got1 = _loop(D, 4, dropout=True)
+    assert got1[0] == got0[0]
+    assert all(torch.equal(a, b) for a, b in zip(got1[1] + got1[2], got0[1] + got0[2],
+                                                  strict=True))
+    assert max(got1[3][2:]) <= budget * 1.1
+    scripts = [p.artifacts["passes"] for p in plan_cache.cache().plans()
+               if isinstance(p.artifacts.get("passes"), pipeline.Script)]
+
+    def replays_rng(script):  # a random op of the plan runs twice: its value recomputed
+        origins = [e.origin for e, ins in zip(script.edits, script.tmpl) if ins.rng is not None]
+        return len(origins) > len(set(origins))
+
+    assert any(replays_rng(s) for s in scripts)
+
+
+def test_adamw_loop_equals_eager():
+    opt = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
+    want = _loop("cpu", 3, depth=2, batch=64, opt_cls=opt)
+    got = _loop(D, 3, depth=2, batch=64, opt_cls=opt)
+    assert got[0] == want[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1] + got[2], want[1] + want[2],
+                                                  strict=True))
