@@ -13,13 +13,18 @@ Per plan (:class:`~genie.plan_cache.Plan`), state on ``plan.artifacts["passes"]`
    *edit script*: for each optimized instruction, the plan instruction it comes from (its
    *origin*: dropped instructions have none, recomputed ones share one), the slot arguments it
    reads instead, its output slots and frees; plus new inputs (folded constants). Passes see
-   instructions tagged with their origin in ``uid`` and must keep op, argument tree, constants
-   and ``rng`` of an origin (they rewire, drop, duplicate; they do not invent ops).
+   instructions tagged with their origin in ``uid`` (an instruction a pass adds takes the tag
+   of the one it stands in for) and may rewire, drop, duplicate, and rewrite: another op,
+   argument tree, constants or ``rng`` (a substitution, a fusion that drops the instructions it
+   absorbs), as long as the instruction still makes its origin's outputs (same count, same
+   metadata: eager verification below is what catches a wrong one). A rewritten instruction is
+   kept whole in the script and its origin frozen (see 2).
 2. Every tape of the plan (hits, that first tape too) is rewritten by applying the script to its
    *own* instructions, so per-step parameters (host tensors, floats, ``(seed, offset)``, the
    ints of a shape-generic hit) flow through. Instructions a hit shares with the plan map to
    shared optimized instructions; only the rebuilt ones are edited again. A decision that
-   compared constants (CSE merging two instructions, a folded constant) is checked against
+   compared constants (CSE merging two instructions, a folded constant, a rewritten
+   instruction's own constants) is checked against
    the step: if a step's constants differ there, that step runs unoptimized.
 3. Verification, on the first run: the optimized tape runs (eager interpreter) on copies of the
    inputs while the unoptimized tape runs for real; every kept value and every input after
@@ -65,6 +70,7 @@ from itertools import compress
 from operator import is_not, itemgetter
 from typing import Any
 
+import optree
 import torch
 
 from .. import backends, memory
@@ -228,6 +234,9 @@ class Shadow:
         return self.base.key + ":passes"
 
 
+_STEP_RNG = object()
+
+
 @dataclass(frozen=True, slots=True)
 class Edit:
     """How optimized instruction ``n`` is made from the step's instruction ``origin``."""
@@ -236,8 +245,18 @@ class Edit:
     reads: tuple[tuple[int, int], ...]  # (leaf position, slot read instead)
     outs: tuple[int | None, ...] | None  # new output slots (None: the origin's)
     free: tuple[int, ...]
+    # a rewritten instruction (another op, other constants): the pass's op, spec and leaves as
+    # they are (its origin is frozen: a step whose constants differ runs unoptimized), and its
+    # rng: _STEP_RNG takes the step's (seed, offset), as the pass kept the origin's
+    rewrite: tuple[Any, Any, tuple[Any, ...], Any] | None = None
 
     def apply(self, x: Instr) -> Instr:
+        w = self.rewrite
+        if w is not None:
+            op, spec, leaves, rng = w
+            return Instr(op, list(leaves), spec, self.outs if self.outs is not None else x.outs,
+                         x.rng if rng is _STEP_RNG else rng, self.free, x.uid, x.where,
+                         x.device)
         leaves = x.leaves
         if self.reads:
             leaves = list(leaves)
@@ -490,30 +509,53 @@ def _lint(base: Tape, t: Tape) -> None:
     defined = set(t.inputs)
     for ins in t.instrs:
         o = base.instrs[int(ins.uid)]
-        if ins.op is not o.op or ins.spec != o.spec or ins.rng != o.rng or \
-                ins.device != o.device or len(ins.leaves) != len(o.leaves) or \
-                len(ins.outs) != len(o.outs):
-            raise ValueError(f"it changed instruction {ins.uid} ({o.op}) beyond its slots")
-        for x, y in zip(ins.leaves, o.leaves, strict=True):
-            if type(y) is Slot:
-                if type(x) is not Slot:
-                    raise ValueError(f"it replaced a slot argument of {o.op} by a constant")
-                if x.id not in defined:
-                    raise ValueError(f"{o.op} reads %{x.id} before any instruction makes it")
-            elif x is not y:
-                raise ValueError(f"it changed a constant argument of {o.op}")
+        if ins.device != o.device or len(ins.outs) != len(o.outs):
+            raise ValueError(f"instruction {ins.uid} ({o.op}) now has {len(ins.outs)} outputs "
+                             f"on device {ins.device}, its origin {len(o.outs)} on device "
+                             f"{o.device}: an instruction stands for its origin's values (a "
+                             "rewrite may change the op and its arguments, not what it makes)")
+        if rewritten(ins, o):
+            if not isinstance(ins.op, torch._ops.OpOverload):
+                raise ValueError(f"instruction {ins.uid} ({o.op}) was rewritten to {ins.op!r}, "
+                                 "which is not an ATen overload (torch.ops.<ns>.<op>.<overload>)")
+            try:
+                optree.tree_unflatten(ins.spec, ins.leaves)
+            except Exception as e:
+                raise ValueError(f"instruction {ins.uid} rewritten to {ins.op}: its spec and "
+                                 f"leaves do not fit ({e}); build both with optree.tree_flatten("
+                                 "(args, kwargs), none_is_leaf=True)") from None
+        for x, y in zip(ins.leaves, o.leaves) if not rewritten(ins, o) else ():
+            if type(y) is Slot and type(x) is not Slot:
+                raise ValueError(f"it replaced a slot argument of {o.op} by a constant")
+        for x in ins.leaves:
+            if type(x) is Slot and x.id not in defined:
+                raise ValueError(f"{ins.op} reads %{x.id} before any instruction makes it")
         defined.update(s for s in ins.outs if s is not None)
     missing = set(t.keep) - defined
     if missing:
         raise ValueError(f"kept slots {sorted(missing)} are no longer produced")
 
 
+def rewritten(ins: Instr, o: Instr) -> bool:
+    """Whether ``ins`` changed its origin ``o`` beyond the slots it reads: another op, spec,
+    rng or constant argument (an op rewrite, which the edit script keeps whole)."""
+    if ins.op is not o.op or ins.spec != o.spec or ins.rng != o.rng or \
+            len(ins.leaves) != len(o.leaves):
+        return True
+    for x, y in zip(ins.leaves, o.leaves, strict=True):
+        if x is not y and (type(x) is not Slot or type(y) is not Slot):
+            return True
+    return False
+
+
 def _same_program(a: Tape, b: Tape) -> bool:
     if len(a.instrs) != len(b.instrs) or a.inputs.keys() != b.inputs.keys():
         return False
     for x, y in zip(a.instrs, b.instrs, strict=True):
-        if x.uid != y.uid or x.outs != y.outs or \
-                any(type(p) is Slot and p.id != q.id for p, q in zip(x.leaves, y.leaves)):
+        if x.uid != y.uid or x.outs != y.outs or x.op is not y.op or x.spec != y.spec or \
+                x.rng != y.rng or len(x.leaves) != len(y.leaves) or \
+                any(p is not q and (type(p) is not Slot or type(q) is not Slot or p.id != q.id)
+                    for p, q in zip(x.leaves, y.leaves)):
             return False
     return True
 
@@ -534,6 +576,17 @@ def _diff(base: Tape, opt: Tape, renamed: dict[int, int]
     for ins in opt.instrs:
         o = int(ins.uid)
         src = base.instrs[o]
+        if rewritten(ins, src):  # kept whole, for steps whose constants are the plan's
+            frozen[o] = []
+            outs = None if ins.outs == src.outs else ins.outs
+            if outs is not None:
+                for s, s0 in zip(ins.outs, src.outs, strict=True):
+                    if s is not None and s != s0:
+                        new_slots[s] = o
+            rng = _STEP_RNG if ins.rng == src.rng else ins.rng
+            edits.append(Edit(o, (), outs, tuple(ins.free),
+                              (ins.op, ins.spec, tuple(ins.leaves), rng)))
+            continue
         reads = []
         for p, (x, y) in enumerate(zip(ins.leaves, src.leaves, strict=True)):
             if type(y) is Slot and x.id != y.id:

@@ -97,6 +97,65 @@ def test_a_wrong_pass_is_rolled_back_with_one_warning_and_eager_values(caplog):
         passes.register_pass("swap_sub_test", swap)
 
 
+def _rewrite_pass(name, src_op, make):
+    """A pass replacing every ``src_op`` instruction by ``make(ins) -> (op, args, kwargs)``."""
+    import optree
+
+    def fn(tape):
+        instrs = []
+        for ins in tape.instrs:
+            if ins.op is src_op:
+                op, args, kwargs = make(ins)
+                leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+                ins = replace(ins, op=op, leaves=leaves, spec=spec)
+            instrs.append(ins)
+        return replace(tape, instrs=instrs), PassReport(name, 0)
+
+    passes.register_pass(name, fn)
+    return fn
+
+
+def test_a_wrong_op_rewrite_is_rolled_back(caplog):
+    aten = torch.ops.aten
+    # deliberately wrong: exp(x) rewritten to expm1(x) (an op change, not a rewiring)
+    _rewrite_pass("exp_to_expm1_test", aten.exp.default,
+                  lambda ins: (aten.expm1.default, (ins.leaves[0],), {}))
+    passes.set_passes(["exp_to_expm1_test"])
+    x = torch.arange(4.0, device=D)
+    genie.materialize(x)
+    with caplog.at_level(logging.WARNING, logger="genie"):
+        vals = [(x.exp() * 2).sum().item() for _ in range(4)]
+    assert vals == [(torch.arange(4.0).exp() * 2).sum().item()] * 4
+    s = genie.stats()
+    assert s["passes_applied"] == 1 and s["passes_rolled_back"] == 1
+    assert s.get("passes_verified", 0) == 0
+    warns = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
+    assert len(warns) == 1 and "'exp_to_expm1_test'" in warns[0]
+
+
+def test_a_correct_op_rewrite_is_applied_on_every_hit_with_its_steps_values():
+    aten = torch.ops.aten
+    # sub(a, b, alpha=k) == add(a, b, alpha=-k): another op, another constant
+    _rewrite_pass("sub_to_add_test", aten.sub.Tensor,
+                  lambda ins: (aten.add.Tensor, (ins.leaves[0], ins.leaves[1]), {"alpha": -1}))
+    passes.set_passes(["sub_to_add_test"])
+    x = torch.arange(6.0, device=D)
+    genie.materialize(x)
+    got = []
+    for step in range(6):
+        y = torch.full((6,), float(step), device=D)  # a host constant that changes every step
+        got.append((x - y).cpu())
+    want = [torch.arange(6.0) - float(step) for step in range(6)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    s = genie.stats()
+    assert s["passes_applied"] == 1 and s["passes_verified"] == 1
+    assert s.get("passes_rolled_back", 0) == 0 and s.get("passes_step_unoptimized", 0) == 0
+    script = [p.artifacts["passes"] for p in plan_cache.cache().plans()
+              if isinstance(p.artifacts.get("passes"), pipeline.Script)][0]
+    assert [i.op for i in script.tmpl if i.op in (aten.add.Tensor, aten.sub.Tensor)] == \
+        [aten.add.Tensor]
+
+
 def test_a_slower_pass_is_rejected_by_the_gate():
     def slow(tape):  # deliberately slower: every matmul runs 20 more times, results unused
         instrs, nxt = [], max([*tape.inputs, *(s for i in tape.instrs for s in i.outs
