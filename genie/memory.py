@@ -45,6 +45,14 @@ def _remote_session(index: int) -> Any:
     return cl[index] if index < len(cl) else None
 
 
+def session_quota(index: int) -> int | None:
+    """The quota (bytes) of this process's session on the server of ``remote_accelerator:index``
+    (None: embedded, or a server that did not say)."""
+    s = _remote_session(index)
+    q = s.info.get("quota") if s is not None else None
+    return q if type(q) is int and q > 0 else None
+
+
 _real_device: list[Any] = []  # genie.device.real_device, imported at first use (device imports us)
 
 

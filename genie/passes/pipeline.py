@@ -77,6 +77,7 @@ from .. import backends, memory
 from ..config import logger
 from ..graph import same_const
 from ..planner import Instr, MetaArg, PendingSlots, Slot, Tape
+from ..remote import QuotaExceededError
 from ..stats import bump
 from . import PassReport
 
@@ -304,6 +305,8 @@ class _Record:
 class Script:
     """An optimized plan: the edits, the state of its verification and gate, its figures."""
 
+    where: str | None = None  # "remote": prepared for a server (_remote_run)
+
     def __init__(self, plan: Any, edits: list[Edit], consts: dict[int, torch.Tensor],
                  frozen: dict[int, list[Any]], changed_by: tuple[str, ...], memory_pass: bool,
                  before: Tape, after: Tape, cost: float) -> None:
@@ -370,11 +373,12 @@ class Script:
 class _Off:
     """A plan the passes leave alone (nothing changed, or rolled back, or rejected)."""
 
-    __slots__ = ("gen", "state")
+    __slots__ = ("gen", "state", "where")
 
     def __init__(self, state: str = "off") -> None:
         self.gen = _config["gen"]
         self.state = state
+        self.where: str | None = None  # "remote": prepared for a server (_remote_run)
 
 
 def _same_leaves(a: list[Any], b: list[Any]) -> bool:
@@ -408,10 +412,15 @@ def run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]:
     Returns the values of ``tape.keep`` and the tape that ran (for memory accounting).
     """
     plan = tape.plan
-    if plan is None or not active_passes() or _not_eager():
+    if plan is None or not active_passes():
         return backends.run(tape, device)[0], tape
+    first = _not_eager()
+    if first:
+        if first != "remote":
+            return backends.run(tape, device)[0], tape
+        return _remote_run(tape, device)
     st = plan.artifacts.get("passes")
-    if st is None or st.gen != _config["gen"]:
+    if st is None or st.gen != _config["gen"] or st.where is not None:
         try:
             st = _prepare(tape)
         except Exception as e:  # a bug here must not cost the program its step
@@ -434,22 +443,91 @@ def run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]:
     return _gate_run(st, plan, tape, opt, device, time.perf_counter() - t0)
 
 
-def _not_eager() -> bool:
-    """Whether a backend other than ``eager`` comes first and is available: ``compiled`` does
-    its own CSE, DCE and fusion (passes would double its compilations), ``remote`` runs on a
-    server (verification needs local copies)."""
+def _not_eager() -> str | None:
+    """The backend other than ``eager`` that comes first and is available, if any: ``compiled``
+    does its own CSE, DCE and fusion (passes would double its compilations), ``remote`` runs on
+    a server (verification needs local copies: only ``recompute`` runs there,
+    :func:`_remote_run`)."""
     for name in backends.backend_order():
         if name == "eager":
-            return False
+            return None
         if backends.get_backend(name).is_available():
-            return True
-    return False
+            return name
+    return None
 
 
-def _prepare(tape: Tape) -> Script | _Off:
-    """Run the passes on the first tape of a plan; its :class:`Script`, or :class:`_Off`."""
+#: the share of a server session's quota a recompute schedule plans for: the server also counts
+#: its cached tape skeletons and a fixed cost per resident value against the quota
+QUOTA_SHARE = 0.9
+
+
+def _remote_run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]:
+    """A tape for a server: ``recompute`` alone, when configured, under the smaller of the
+    memory budget and the session's quota (:data:`QUOTA_SHARE` of it), so that a step whose
+    peak passes the quota recomputes activations instead of failing. Not verified against
+    eager (that needs the values here); ``recompute`` only frees values and runs pure
+    instructions again with their own arguments and ``(seed, offset)``, bit-equal by
+    construction, as the embedded path verifies (tests/unit/test_step_tape.py,
+    tests/integration/test_eviction.py). ``genie.QuotaExceededError`` when even the
+    recomputing schedule does not fit."""
+    plan = tape.plan
+    st = plan.artifacts.get("passes")
+    if st is None or st.gen != _config["gen"] or getattr(st, "where", None) != "remote":
+        st = _Off()
+        quota = memory.session_quota(tape.index)
+        budget = memory_budget()
+        if quota is not None:
+            q = int(quota * QUOTA_SHARE)
+            budget = q if budget is None else min(budget, q)
+        if "recompute" in active_passes() and budget is not None:
+            try:
+                st = _prepare(tape, ("recompute",), budget)
+            except Exception as e:  # as in run: a bug here must not cost the program its step
+                logger.warning("genie: recompute not applied to plan %s (%s: %s)",
+                               plan.key[:8], type(e).__name__, e)
+        if type(st) is Script:
+            st.state = "on (unverified: remote)"
+        elif budget is not None and "recompute" in active_passes():
+            st.state = "nothing to recompute"
+        st.where = "remote"
+        plan.artifacts["passes"] = st
+    opt = st.apply(tape) if type(st) is Script else None
+    if opt is None and type(st) is Script:
+        bump("passes_step_unoptimized")
+    try:
+        return (backends.run(tape, device)[0], tape) if opt is None else \
+            (backends.run(opt, device)[0], opt)
+    except QuotaExceededError as e:
+        if type(st) is Script:
+            note = (f"even with activations recomputed: the schedule's values peak at "
+                    f"{st.rec.figures['peak_after']} bytes on top of what the session holds")
+        elif st.state == "nothing to recompute":
+            note = ("even with activations recomputed: the recompute pass found no schedule "
+                    "that lowers this tape's peak (what the step keeps - parameters, gradients, "
+                    "optimizer state - passes the quota by itself)")
+        else:
+            raise
+        e.args = (f"{e.args[0] if e.args else e} ({note})", *e.args[1:])
+        raise
+
+
+def _prepare(tape: Tape, names: Sequence[str] | None = None, budget: int | None = None
+             ) -> Script | _Off:
+    """Run the passes (``names``, default the active ones; ``budget``: the one ``recompute``
+    keeps to, default :func:`memory_budget`) on the first tape of a plan; its
+    :class:`Script`, or :class:`_Off`."""
     t0 = time.perf_counter()
     _load_builtin()
+    saved = _budget[0]
+    if budget is not None:
+        _budget[0] = budget
+    try:
+        return _prepare_with(tape, names if names is not None else active_passes(), t0)
+    finally:
+        _budget[0] = saved
+
+
+def _prepare_with(tape: Tape, names: Sequence[str], t0: float) -> Script | _Off:
     n = len(tape.instrs)
     base = Tape([replace(ins, uid=str(i)) for i, ins in enumerate(tape.instrs)],
                 dict(tape.inputs), list(tape.outputs), set(tape.keep), list(tape.nodes),
@@ -457,7 +535,7 @@ def _prepare(tape: Tape) -> Script | _Off:
     cur = base
     changed: list[str] = []
     renamed: dict[int, int] = {}  # merged values (CSE): old slot -> the slot that stays
-    for name in active_passes():
+    for name in names:
         fn = _registry[name]
         try:
             new, rep = fn(cur)

@@ -283,3 +283,54 @@ def test_malformed_hints_are_refused(server: ServerProc) -> None:
     finally:
         s.close()
         other.close()
+
+
+# --- a training step whose peak passes the quota: recomputed, not refused (issue 31) -----------
+
+def _standard_loop(device: str, steps: int, width: int, depth: int, batch: int) -> tuple:
+    """``opt.zero_grad(); loss = mse(model(x), y); loss.backward(); opt.step(); loss.item()``."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    m = torch.nn.Sequential(*layers).to(device)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, width, generator=g).to(device)
+    y = torch.randn(batch, width, generator=g).to(device)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.grad.cpu() for p in m.parameters()], [p.detach().cpu() for p in m.parameters()]
+
+
+def test_a_step_over_the_quota_recomputes_instead_of_failing(remote) -> None:
+    from genie import passes, plan_cache
+
+    shape = dict(width=64, depth=8, batch=4096)  # 16 MiB of activations, 0.3 MiB of weights
+    want = _standard_loop("cpu", 3, **shape)
+    try:
+        plan_cache.clear()
+        passes.set_passes([])
+        with pytest.raises(QuotaExceededError, match="quota"):
+            _standard_loop(DEV, 3, **shape)
+        plan_cache.clear()
+        passes.set_passes(None)  # the defaults: on a server, recompute under the quota
+        got = _standard_loop(DEV, 3, **shape)
+        assert got[0] == want[0]  # eager's losses, bit for bit
+        for a, b in zip(got[1] + got[2], want[1] + want[2], strict=True):
+            assert torch.equal(a, b)
+        rep = [r for r in passes.report() if "recompute" in r.passes]
+        assert rep and all(r.peak_after < r.peak_before for r in rep)
+        # weights and gradients alone pass the quota (2 x 8 MiB): no schedule fits, the error
+        # says recomputation was tried
+        plan_cache.clear()
+        with pytest.raises(QuotaExceededError, match="even with activations recomputed"):
+            _standard_loop(DEV, 1, width=1024, depth=2, batch=1024)
+    finally:
+        passes.set_passes(None)
+        plan_cache.clear()
