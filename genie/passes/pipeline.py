@@ -479,16 +479,18 @@ def _remote_run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]
         if quota is not None:
             q = int(quota * QUOTA_SHARE)
             budget = q if budget is None else min(budget, q)
-        if "recompute" in active_passes() and budget is not None:
+        # most tapes fit: one pass over the tape says so, before any preparation
+        if "recompute" in active_passes() and budget is not None and \
+                memory.memory_allocated(tape.index) + memory.tape_high_water(tape) > budget:
             try:
                 st = _prepare(tape, ("recompute",), budget)
             except Exception as e:  # as in run: a bug here must not cost the program its step
                 logger.warning("genie: recompute not applied to plan %s (%s: %s)",
                                plan.key[:8], type(e).__name__, e)
-        if type(st) is Script:
-            st.state = "on (unverified: remote)"
-        elif budget is not None and "recompute" in active_passes():
-            st.state = "nothing to recompute"
+            if type(st) is Script:
+                st.state = "on (unverified: remote)"
+            else:
+                st.state = "nothing to recompute"
         st.where = "remote"
         plan.artifacts["passes"] = st
     opt = st.apply(tape) if type(st) is Script else None
