@@ -23,8 +23,18 @@ figures printed with ``-s``)::
   the gate's own timings, which alternate both tapes in one process: ``GENIE_PASSES_GATE``
   runs of each, 5 here), the passes' cost per plan against what a hit saves.
 
+* The standard loop (issue 31), as people write it: ``opt.zero_grad(); loss = ...;
+  loss.backward(); opt.step(); loss.item()``, one tape per step (docs/semantics.md). Rows:
+  ``std_mlp1024`` (the issue's MLP), ``std_mlp128`` (activation-bound), ``std_gpt2`` (GPT-2
+  4 x 256 AdamW, no dropout so eager's losses compare), each unoptimized against the default
+  passes with the budget at half the unoptimized peak, eager in the same process; and
+  ``std_remote``: the GPT-2 loop through a loopback server whose quota is 60% and 90% of the
+  embedded unoptimized peak, without and with passes. Each row prints what the step keeps
+  (parameters, gradients, optimizer state): a budget below it cannot be met by any schedule.
+
 ``GENIE_BENCH_ROUNDS``: timed steps per variant (default 5); step times are the best of them
-(the machine is shared). ``python bench/bench_passes.py mlp`` or ``gpt2`` runs one part.
+(the machine is shared). ``python bench/bench_passes.py mlp`` or ``gpt2`` runs one part;
+``standard`` runs the standard-loop rows, ``std_<row>`` one of them.
 """
 
 from __future__ import annotations
