@@ -280,13 +280,15 @@ def _caller(gm: torch.fx.GraphModule, g: Any) -> Any:
         else:
             plan.append(("const", o))
     assert k == len(node_outs)
-    kinds = g.kinds
     key = g.key
     op = graphs.GRAPH_OP
+    t_idx = [i for i, kd in enumerate(g.kinds) if kd == "t"]
+    i_idx = [i for i, kd in enumerate(g.kinds) if kd == "i"]
+    all_tensors = not i_idx
 
     def call(*args: Any) -> list[Any]:
-        tensors = [a for a, kd in zip(args, kinds) if kd == "t"]
-        ints = [a for a, kd in zip(args, kinds) if kd == "i"]
+        tensors = list(args) if all_tensors else [args[i] for i in t_idx]
+        ints = [args[i] for i in i_idx]
         res = op(key, tensors, ints) if k else []
         hv = host_fn(*args) if host_fn is not None else []
         bump("graph_calls")

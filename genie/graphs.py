@@ -274,12 +274,13 @@ class GraphData:
     modules: dict[str, torch.fx.GraphModule] = field(default_factory=dict)
     compiled: dict[Any, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)  # Inductor's, from torch.compile
+    resolve: Callable[[str], Any] = aten_resolve  # a server's admits only its opset
 
     def module(self, device: torch.device) -> torch.fx.GraphModule:
         k = str(device)
         gm = self.modules.get(k)
         if gm is None:
-            gm = self.modules[k] = decode(self.data, device)
+            gm = self.modules[k] = decode(self.data, device, self.resolve)
         return gm
 
 
@@ -287,16 +288,46 @@ _graphs: dict[str, GraphData] = {}
 _lock = threading.Lock()
 
 
-def register(data: bytes, kinds: list[str]) -> GraphData:
-    """The graph whose encoding is ``data`` (registered once per content)."""
+def register(data: bytes, kinds: list[str] | None = None,
+             resolve: Callable[[str], Any] = aten_resolve) -> GraphData:
+    """The graph whose encoding is ``data`` (registered once per content). Decoded once here, so
+    a graph with an op ``resolve`` refuses (or bad data) raises :class:`GraphError` (or
+    ``resolve``'s error) now, before any call."""
     key = content_key(data)
     with _lock:
         g = _graphs.get(key)
         if g is None:
-            ops = len(msgpack.unpackb(data, raw=False)["nodes"])
-            g = _graphs[key] = GraphData(key, data, kinds, ops)
+            meta = decode(data, torch.device("meta"), resolve)
+            ph = [n for n in meta.graph.nodes if n.op == "placeholder"]
+            d = msgpack.unpackb(data, raw=False)
+            if kinds is None:
+                kinds = list(d["in"])
+            if len(kinds) != len(ph):
+                raise GraphError(f"{len(kinds)} input kinds for a graph of {len(ph)} inputs")
+            g = _graphs[key] = GraphData(key, data, kinds, len(d["nodes"]), resolve=resolve)
+            g.modules["meta"] = meta
             bump("graphs")
     return g
+
+
+def forget(key: str) -> None:
+    """Drop a registered graph and its compilations (a server evicting a session's graph)."""
+    with _lock:
+        _graphs.pop(key, None)
+
+
+def is_key(v: Any) -> bool:
+    """Whether ``v`` is a graph key (64 lowercase hex digits: a SHA-256)."""
+    return type(v) is str and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
+def keys_of(instrs: Any) -> list[str]:
+    """The graph keys the ``genie::graph`` instructions of a tape call, in order, once each."""
+    out: dict[str, None] = {}
+    for ins in instrs:
+        if ins.op is GRAPH_OP:
+            out[ins.leaves[0]] = None
+    return list(out)
 
 
 def lookup(key: str) -> GraphData:

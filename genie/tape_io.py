@@ -38,7 +38,7 @@ from .remote import allowlist
 UPLOAD = "genie.upload"
 
 #: Namespaces whose ops a received tape may name.
-ALLOWED_NAMESPACES: tuple[str, ...] = ("aten",)
+ALLOWED_NAMESPACES: tuple[str, ...] = ("aten", "genie")  # genie: allowlist.GENIE_OPS only
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DTYPES: dict[str, torch.dtype] = {

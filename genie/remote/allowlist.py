@@ -190,11 +190,16 @@ def checked_in() -> frozenset[str]:
 #: ``GENIE_SERVER_TEST_KERNELS=1`` (:func:`genie.remote.worker.register_test_kernels`)
 TEST_OPS: set[str] = set()
 
+#: Genie's own ops a server runs: ``genie::graph``, a compiled graph the client sends as data
+#: (each op of the graph must itself be admitted here: checked when the graph arrives,
+#: :meth:`genie.remote.worker.Worker._add_graphs`)
+GENIE_OPS = frozenset({"genie::graph.default"})
+
 
 def admitted(name: str) -> bool:
     """Whether the server runs the op named ``name`` (``aten::mm.default``): listed, and the
     rule still admits it in this PyTorch."""
-    if name in TEST_OPS:
+    if name in TEST_OPS or name in GENIE_OPS:
         return True
     if name not in checked_in():
         return False

@@ -50,6 +50,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .. import graphs
 from ..errors import ExecutionError, GenieError
 from ..graph import TensorMeta
 from ..planner import Tape
@@ -220,6 +221,8 @@ class Client:
         self._ids = itertools.count(1)
         self._pending_free: collections.deque[int] = collections.deque()
         self._skeletons: collections.OrderedDict[bytes, list[Any]] = collections.OrderedDict()
+        # compiled graphs (genie::graph) this session holds: sent once, then named by key
+        self._graphs_sent: set[str] = set()
         self._uploads: dict[int, tuple[weakref.ref, Handle]] = {}
         self._hb: threading.Thread | None = None
         self._hb_stop = threading.Event()
@@ -539,6 +542,11 @@ class Client:
             else:
                 header["d"] = delta
             extra: dict[str, Any] = {}
+            gkeys = graphs.keys_of(tape.instrs)
+            new_graphs = [k for k in gkeys if k not in self._graphs_sent]
+            if new_graphs:
+                header["g"] = [[k, graphs.lookup(k).data] for k in new_graphs]
+                bump("graphs_sent", len(new_graphs))
             ev = res.hints(restored)
             if ev:
                 extra["ev"] = ev
@@ -561,11 +569,15 @@ class Client:
                     header = {"t": "run", "k": enc.key, "id0": id0, "sk": enc.skeleton,
                               "c": enc.consts, **extra}
                     bump("skeletons_sent")
+                    if gkeys:  # and the graphs it calls (evicted, or a new session)
+                        header["g"] = [[k, graphs.lookup(k).data] for k in gkeys]
+                        bump("graphs_sent", len(gkeys))
                     h, frames = self._call_run(header, enc.frames, what + " (resent)", reads)
             except _ExecFailure as f:
                 err = f.error(tape, self.address)
                 raise err from err.__cause__  # the server's exception, rebuilt (None: none)
             self._runs += 1
+            self._graphs_sent.update(gkeys)
             st = h.get("st")
             if base is not None and self._runs % FLOP_SAMPLE_EVERY == 0 and \
                     (type(st) is float or type(st) is int):
@@ -886,6 +898,7 @@ class Client:
         self._connected = False
         self._hb_stop = threading.Event()
         self._skeletons.clear()
+        self._graphs_sent.clear()
         self.open()
 
     def _replay(self, lin: Lineage) -> int:
@@ -926,6 +939,7 @@ class Client:
             n += 1
         self._skeletons.clear()
         self._skeletons.update(sent)
+        self._graphs_sent.clear()
         return n
 
     def _read_outputs(self, h: dict[str, Any], frames: list[zmq.Frame],

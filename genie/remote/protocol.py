@@ -42,6 +42,7 @@ import msgpack
 import optree
 import torch
 
+from .. import graphs
 from ..graph import TensorMeta, same_const
 from ..planner import Instr, MetaArg, Slot, Tape
 from ..tape_io import (  # one table of names, shared
@@ -531,7 +532,8 @@ def check_args(op: Any, checks: tuple[ArgCheck, ...], args: Any, kwargs: Any, i:
               (k == "dtype" and type(v) is torch.dtype and v in WIRE_DTYPES) or
               (k == "layout" and v is torch.strided) or
               (k == "memfmt" and type(v) is torch.memory_format) or
-              (k == "str" and type(v) is str and v in allowlist.STR_ENUMS.get(c.name, ())))
+              (k == "str" and type(v) is str and v in allowlist.STR_ENUMS.get(c.name, ())) or
+              (k == "str" and op is graphs.GRAPH_OP and c.name == "key" and graphs.is_key(v)))
         if not ok:
             want = {"device": "a device constant (cpu or remote_accelerator)",
                     "dtype": "a dense dtype", "layout": "torch.strided",

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import zmq
 
-from .. import backends, tape_io
+from .. import backends, graphs, tape_io
 from ..errors import ExecutionError
 from ..index_check import IndexCheck
 from . import ProtocolError, allowlist, peer
@@ -77,6 +77,7 @@ from .protocol import (
     frame_view,
     join_frames,
     pack,
+    resolve_op,
     split_frames,
     tensor_frame,
     unpack,
@@ -90,6 +91,11 @@ SKELETON_SHARE = 0.25
 #: bytes a compiled skeleton is counted per byte of its packed form (measured: ~24x for a
 #: 243-instruction MLP tape, tracemalloc)
 SKELETON_COST = 32
+#: bytes a compiled graph (genie::graph, sent as data) is counted per byte of its data: its
+#: decoded modules and compiled kernels; graphs share the skeletons' share of the quota
+GRAPH_COST = 64
+#: graphs one request may carry
+MAX_GRAPHS_PER_REQUEST = 64
 #: under pressure, victims free the deficit plus this share of the quota (fewer pressure rounds)
 EVICT_SLACK = 0.125
 #: what a resident handle costs against the quota whatever its bytes (its tensor object, its
@@ -134,6 +140,8 @@ class Session:
     storages: dict[int, list[int]] = field(default_factory=dict)
     nbytes: int = 0
     skel_bytes: int = 0
+    # compiled graphs (genie::graph) by content key -> bytes counted, least recently used first
+    graphs: collections.OrderedDict[str, int] = field(default_factory=collections.OrderedDict)
     peer_bytes: list[int] = field(default_factory=lambda: [0, 0])
     # residency: role code of hinted (evictable) handles, last use of each handle (a counter),
     # and whether the last tape was a decode step (its weights and KV caches stay)
@@ -195,6 +203,9 @@ class Session:
         self.used_at.clear()
         self.storages.clear()
         self.skeletons.clear()
+        for key in self.graphs:
+            graphs.forget(key)
+        self.graphs.clear()
         self.nbytes = 0
         self.skel_bytes = 0
 
@@ -388,6 +399,8 @@ class Worker:
         entry = sess.skeletons.get(key)
         if "sk" in h:
             entry = self._add_skeleton(key, h["sk"])
+        if "g" in h:
+            self._add_graphs(h["g"])
         if entry is None:
             return {"t": "miss"}, []
         sess.skeletons.move_to_end(key)
@@ -452,6 +465,13 @@ class Worker:
             self._check_quota(protect)
             inputs_before = set(inputs)
             tape = fill(c, consts, frames, inputs, upload=lambda t: _device_value(t, dev))
+            gkeys = graphs.keys_of(tape.instrs)
+            if any(k not in sess.graphs for k in gkeys):  # evicted, or never sent: resend
+                for a in added:
+                    sess.drop(a)
+                return {"t": "miss", "graphs": [k for k in gkeys if k not in sess.graphs]}, []
+            for k in gkeys:
+                sess.graphs.move_to_end(k)
             # uploads inside the tape are inputs now, not yet counted in the session
             uploaded = sum(t.untyped_storage().nbytes() for sl, t in tape.inputs.items()
                            if sl not in inputs_before)
@@ -603,6 +623,44 @@ class Worker:
         sess.skel_bytes += cost
         return entry
 
+    def _add_graphs(self, entries: Any) -> None:
+        """Admit compiled graphs sent as data (``[[key, data], ...]``): the key must be the
+        SHA-256 of the data, every op of the graph must be admitted by this server's opset
+        (:mod:`genie.remote.allowlist`), and the graphs share the skeletons' share of the quota
+        (least recently used ones evicted; the client resends on a miss)."""
+        sess = self.sess
+        if not isinstance(entries, list) or len(entries) > MAX_GRAPHS_PER_REQUEST:
+            raise ProtocolError(f"'g' must be a list of at most {MAX_GRAPHS_PER_REQUEST} "
+                                "[key, graph data] pairs")
+        cap = int(sess.quota * SKELETON_SHARE)
+        for e in entries:
+            if not (isinstance(e, list) and len(e) == 2 and graphs.is_key(e[0])
+                    and isinstance(e[1], bytes)):
+                raise ProtocolError("a graph entry must be [key (64 hex digits), data (bytes)]")
+            key, data = e
+            if graphs.content_key(data) != key:
+                raise ProtocolError(f"graph {key[:12]}...: the key is not the SHA-256 of its "
+                                    "data; the server caches graphs by content")
+            if key in sess.graphs:
+                continue
+            cost = len(data) * GRAPH_COST
+            if cost > cap:
+                raise Refused("quota", f"a compiled graph of {len(data)} bytes (~{cost} bytes "
+                                       f"compiled) passes the session's share of the quota for "
+                                       f"compiled code ({cap} bytes); compile smaller functions")
+            while sess.graphs and sess.skel_bytes + cost > cap:
+                old, n = sess.graphs.popitem(last=False)
+                graphs.forget(old)
+                sess.skel_bytes -= n
+            try:
+                graphs.register(data, resolve=_graph_op)
+            except graphs.GraphError as err:
+                raise ProtocolError(f"compiled graph {key[:12]}... refused: {err}") from None
+            except ProtocolError as err:
+                raise ProtocolError(f"compiled graph {key[:12]}... refused: {err}") from None
+            sess.graphs[key] = cost
+            sess.skel_bytes += cost
+
     def _check_quota(self, protect: set[int] | None = None) -> None:
         sess = self.sess
         if sess.used() > sess.quota:
@@ -632,6 +690,14 @@ class Worker:
         return (f". Resident by role: {what}; only hinted values (activations first) can be "
                 "evicted, never the tape's own inputs, nor weights and KV caches while "
                 "decoding")
+
+
+def _graph_op(name: str) -> Any:
+    """An op of a compiled graph: an ATen op this server admits (never a graph in a graph)."""
+    if not name.startswith("aten::"):
+        raise ProtocolError(f"op {name[:120]!r} does not run on a Genie server inside a graph: "
+                            "only admitted ATen ops (genie/remote/allowlist.txt)")
+    return resolve_op(name)
 
 
 def shape_key(key: bytes, tape: Tape) -> tuple[bytes, tuple, tuple] | None:
