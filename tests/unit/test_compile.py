@@ -94,14 +94,14 @@ def _mlp(width=16, depth=3):
 
 
 @pytest.mark.parametrize("backend", ["inductor", "genie"])
-def test_compiled_module_records_one_node_per_call(fast_compiler, backend):
+def test_compiled_module_records_one_node_per_call(fast_compiler, backend, caplog):
     torch.manual_seed(0)
     width = 16 if backend == "inductor" else 12  # graphs are cached by content, per process
     ref = _mlp(width)
     lazy = copy.deepcopy(ref).to(DEV)
     cm = torch.compile(lazy) if backend == "inductor" else torch.compile(lazy, backend=backend)
     x = torch.randn(8, width)
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="genie.progress"):
         want = ref(x)
         xd = x.to(DEV)
         genie.reset_stats()
@@ -113,6 +113,7 @@ def test_compiled_module_records_one_node_per_call(fast_compiler, backend):
         got = out.cpu()
         torch.testing.assert_close(got, want)
         assert got.stride() == want.stride() and got.dtype == want.dtype
+        assert "compiling a graph of" in caplog.text  # progress while compiling
         for _ in range(3):
             torch.testing.assert_close(cm(x.to(DEV)).cpu(), want)
     s = genie.stats()
