@@ -256,6 +256,7 @@ def _caller(gm: torch.fx.GraphModule, g: Any) -> Any:
     """``args -> outputs`` recording one ``genie::graph`` node; outputs that are inputs are
     passed through, tensor outputs come from the node."""
     from . import graphs
+    from .lazy_tensor import LazyTensor, record_known
 
     ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
     pos = {n: i for i, n in enumerate(ph)}
@@ -285,11 +286,26 @@ def _caller(gm: torch.fx.GraphModule, g: Any) -> Any:
     t_idx = [i for i, kd in enumerate(g.kinds) if kd == "t"]
     i_idx = [i for i, kd in enumerate(g.kinds) if kd == "i"]
     all_tensors = not i_idx
+    # per ints (sizes of a dynamic graph): the node's meta-cache entry. Dynamo's guards fix the
+    # inputs' metadata given the sizes, so later calls record without the key over all inputs
+    entries: dict[tuple[int, ...], Any] = {}
+    LT = LazyTensor
 
     def call(*args: Any) -> list[Any]:
         tensors = list(args) if all_tensors else [args[i] for i in t_idx]
         ints = [args[i] for i in i_idx]
-        res = op(key, tensors, ints) if k else []
+        if not k:
+            res: Any = []
+        else:
+            sizes = tuple(ints)
+            entry = entries.get(sizes)
+            if entry is not None and not torch._C._len_torch_dispatch_stack() and \
+                    all(type(t) is LT for t in tensors):
+                res = record_known(op, (key, tensors, ints), entry)
+            else:
+                res = op(key, tensors, ints)
+                if type(res[0]) is LT and all(type(t) is LT for t in tensors):
+                    entries[sizes] = res[0]._node.entry
         hv = host_fn(*args) if host_fn is not None else []
         bump("graph_calls")
         return [args[v] if w == "in" else res[v] if w == "out" else hv[v] if w == "host" else v

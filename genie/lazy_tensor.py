@@ -481,15 +481,33 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
     return optree.tree_flatten((args, kwargs), none_is_leaf=True)
 
 
+def record_known(func: Any, args: tuple, entry: MetaEntry) -> Any:
+    """Record ``func(*args)`` over LazyTensors with its meta-cache entry already known (no key
+    lookup): for a caller whose guards fix the inputs' metadata, a call of a compiled graph
+    (genie.dynamo), whose key over many inputs would cost more than the rest of the record.
+    ``entry`` must be one this op's calls with the same input metadata got from :func:`record`;
+    the tensors of ``args`` are LazyTensors, its other leaves numbers and strings.
+    """
+    leaves, spec = _flatten(args, {})
+    index = -1
+    for x in leaves:
+        if type(x) is LazyTensor:
+            index = x._node.metas[x._out].index
+            break
+    return _record(func, policy(func), args, {}, leaves, spec, index, current_graph(), entry)
+
+
 def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
-            index: int, graph: Graph) -> Any:
+            index: int, graph: Graph, known: MetaEntry | None = None) -> Any:
     _counts["ops_recorded"] += 1
     # One pass over the leaves builds both the cache key and the recorded arguments (entry_for
     # builds the same key; test_native_record's native_cold mode compares the entries found).
     # The global state word (default dtype, deterministic flags: csrc/state.cpp) is in the key.
     key_parts: list[Any] = [pol.key, spec, _state_word()]
     rec: list[Any] = []
-    for x in leaves:
+    if known is not None:  # record_known: LazyTensors and plain constants, no key to build
+        rec = [Ref(x._node, x._out) if type(x) is LazyTensor else x for x in leaves]
+    for x in (leaves if known is None else ()):
         t = type(x)
         if t is LazyTensor:
             n = x._node
@@ -515,7 +533,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             key_parts.append(t)
             key_parts.append(x)
             rec.append(x)
-    entry = _entry(func, pol, key_parts, leaves, spec, index)[0]
+    entry = _entry(func, pol, key_parts, leaves, spec, index)[0] if known is None else known
     metas = entry.metas
     out_spec = entry.out_spec
     plan = entry.plan
