@@ -51,7 +51,9 @@ def stats() -> dict[str, int]:
       ``phase.prefill.nodes``, ``phase.decode.nodes`` (phases found on the default path);
     - remote: ``round_trips``, ``bytes_sent``, ``bytes_received``, ``skeletons_sent``,
       ``frees_sent``, ``resident_tensors``, ``resident_bytes``, ``uploads_sent_now`` (large
-      uploads sent at ``.to()``, from the host tensor's own memory); recovery: ``replays``,
+      uploads sent at ``.to()``, from the host tensor's own memory),
+      ``ops_decomposed_for_server`` (instructions outside the server's opset, sent as their
+      decomposition); recovery: ``replays``,
       ``replayed_requests``, ``checkpoints``, ``last_recovery_ms``; memory pressure
       (:mod:`genie.remote.residency`): ``pressure_events``, ``evictions``,
       ``evictions.<role>`` (``evictions.activation``, ...), ``evict_bytes``,

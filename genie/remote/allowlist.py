@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 #: Version of the rule; bump it when the rule changes (the data file records it).
-RULE_VERSION = 1
+RULE_VERSION = 2
 LIST_FILE = Path(__file__).with_name("allowlist.txt")
 
 #: String arguments admitted, by argument name, with the values a call may give them.
@@ -122,6 +122,167 @@ REFUSED_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"^_set_|^set_|_rng_state|^seed$", "process state"),
 )
 _REFUSED_RE = [(re.compile(p), why) for p, why in REFUSED_PATTERNS]
+
+#: The server's opset beyond Core ATen: ops kept whole because a client needs them (what Genie's
+#: client sends for the model suite, autograd's backward kernels of admitted ops that have no
+#: decomposition, optimizers, fused kernels worth a round of review), by base name (an in-place
+#: ``x_`` and the ``out=`` overloads share ``x``'s kernels and checks), each group with its
+#: reason. Everything else the schema rule admits is *not* run by a server: Genie's client
+#: decomposes it into ops that are (:mod:`genie.remote.decompose`, ``torch._decomp``) before
+#: sending, or refuses it at the materialization with the op's name. A private ``_`` op is here
+#: only when reviewed. Adding an op: add it to a group, regenerate ``allowlist.txt``, and run the
+#: per-op fuzzer (``tests/integration/test_opset_fuzz.py``) on it.
+REVIEWED_GROUPS: dict[str, tuple[str, ...]] = {
+    "a view or alias (metadata only; every view is bounded against its storage on meta first)": (
+        "t", "transpose", "_unsafe_view", "detach", "lift_fresh", "split", "unbind", "unfold",
+        "view_as_real", "view_as_complex", "_conj", "_neg_view", "resolve_conj", "resolve_neg",
+        "conj_physical", "narrow", "movedim", "swapaxes", "chunk", "split_with_sizes_copy",
+        "expand_as", "view_as", "reshape", "flatten", "unflatten", "squeeze_copy", "real", "imag",
+    ),
+    "a factory (the quota accounts its output before it runs; random ops take the tape's seed)": (
+        "zeros", "ones", "zeros_like", "ones_like", "empty_like", "new_ones", "new_zeros",
+        "new_empty", "new_full", "new_empty_strided", "eye", "linspace", "logspace",
+        "tril_indices", "triu_indices", "randint", "randint_like", "rand_like", "randn_like",
+        "normal", "bernoulli", "uniform", "random", "exponential", "multinomial", "zero",
+        "empty_permuted", "full", "scalar_tensor", "rrelu_with_noise",
+    ),
+    "a backward kernel of an admitted op, as autograd emits it (no decomposition)": (
+        "_log_softmax_backward_data", "_softmax_backward_data", "gelu_backward",
+        "hardtanh_backward", "leaky_relu_backward", "mse_loss_backward",
+        "native_batch_norm_backward", "native_dropout_backward", "nll_loss_backward",
+        "nll_loss2d_backward", "select_backward", "slice_backward", "diagonal_backward",
+        "sigmoid_backward", "softplus_backward", "tanh_backward", "threshold_backward",
+        "adaptive_max_pool2d_backward", "silu_backward", "elu_backward",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_flash_attention_backward", "max_pool3d_with_indices_backward",
+        "avg_pool3d_backward", "upsample_nearest2d_backward", "upsample_bilinear2d_backward",
+        "reflection_pad1d_backward", "reflection_pad2d_backward", "replication_pad2d_backward",
+        "grid_sampler_2d_backward", "log_sigmoid_backward", "smooth_l1_loss_backward",
+        "huber_loss_backward", "binary_cross_entropy_backward", "index_select_backward",
+        "glu_backward", "mish_backward", "hardswish_backward", "hardsigmoid_backward",
+        "cumprod_backward", "_cdist_backward", "_pdist_backward", "hardshrink_backward",
+        "softshrink_backward", "logit_backward", "adaptive_max_pool3d_backward",
+        "upsample_bicubic2d_backward", "upsample_linear1d_backward",
+        "upsample_nearest1d_backward", "upsample_nearest3d_backward",
+        "upsample_trilinear3d_backward", "_upsample_nearest_exact1d_backward",
+        "_upsample_nearest_exact2d_backward", "_upsample_nearest_exact3d_backward",
+        "replication_pad1d_backward", "replication_pad3d_backward", "grid_sampler_3d_backward",
+        "masked_scatter_backward", "rrelu_with_noise_backward", "multi_margin_loss_backward",
+        "batch_norm_backward",
+    ),
+    "a fused kernel worth keeping whole (one kernel instead of its decomposition)": (
+        "linear", "matmul", "_safe_softmax", "_transformer_encoder_layer_fwd",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention", "native_batch_norm", "mse_loss",
+        "nll_loss_forward", "nll_loss2d_forward", "silu", "mish", "softplus", "logsumexp",
+        "linalg_vector_norm", "addcmul", "addcdiv", "baddbmm", "addbmm", "addmv", "addr",
+        "lerp", "dot", "vdot", "mv", "cumprod", "std", "std_mean", "var_mean", "nan_to_num",
+        "masked_fill", "index_add", "index_copy", "index_fill", "isin", "roll", "rsub", "sgn",
+        "tril", "triu", "stack", "hstack", "vstack", "all", "glu", "hardswish", "hardsigmoid",
+        "log_sigmoid_forward", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+        "smooth_l1_loss", "huber_loss", "_fused_rms_norm", "clamp_min", "clamp_max", "xlogy",
+        "erfinv", "lgamma", "digamma", "frac", "logit", "hypot", "logaddexp", "copysign",
+        "floor_divide", "bitwise_left_shift", "bitwise_right_shift", "heaviside", "fmin",
+        "fmax", "signbit", "isfinite", "isneginf", "isposinf", "angle", "complex", "polar",
+        "cross", "outer", "kron", "diag_embed", "masked_select", "count_nonzero",
+        "adaptive_max_pool2d", "embedding_renorm", "_native_multi_head_attention",
+        "_masked_softmax",
+    ),
+    "an elementwise kernel with no decomposition (shapes and dtypes checked on meta)": (
+        "erfc", "exp2", "i0", "igamma", "igammac", "lcm", "gcd", "ldexp", "nextafter",
+        "polygamma", "frexp", "__lshift__", "__rshift__", "__ilshift__", "__irshift__",
+        "softmax", "log_softmax", "special_airy_ai", "special_bessel_j0", "special_bessel_j1",
+        "special_bessel_y0", "special_bessel_y1", "special_chebyshev_polynomial_t",
+        "special_chebyshev_polynomial_u", "special_chebyshev_polynomial_v",
+        "special_chebyshev_polynomial_w", "special_erfcx", "special_hermite_polynomial_h",
+        "special_hermite_polynomial_he", "special_i0e", "special_i1", "special_i1e",
+        "special_laguerre_polynomial_l", "special_legendre_polynomial_p",
+        "special_modified_bessel_i0", "special_modified_bessel_i1",
+        "special_modified_bessel_k0", "special_modified_bessel_k1", "special_ndtri",
+        "special_scaled_modified_bessel_k0", "special_scaled_modified_bessel_k1",
+        "special_shifted_chebyshev_polynomial_t", "special_shifted_chebyshev_polynomial_u",
+        "special_shifted_chebyshev_polynomial_v", "special_shifted_chebyshev_polynomial_w",
+        "special_spherical_bessel_j0", "special_zeta", "dist", "allclose", "equal",
+    ),
+    "pooling, upsampling and sampling forward kernels (sizes checked on meta)": (
+        "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool3d",
+        "upsample_bicubic2d", "upsample_nearest1d", "upsample_nearest3d",
+        "upsample_trilinear3d", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
+        "_upsample_nearest_exact3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
+        "grid_sampler_3d", "_fft_c2c", "_logcumsumexp",
+    ),
+    "linear algebra (LAPACK on shapes the meta kernels check; pivot-taking solvers stay out)": (
+        "cholesky", "cholesky_solve", "cholesky_inverse", "linalg_cholesky_ex",
+        "linalg_inv_ex", "linalg_qr", "_linalg_svd", "_linalg_eigh", "_linalg_det",
+        "_linalg_slogdet", "_linalg_solve_ex", "linalg_lu_factor_ex", "linalg_lu",
+        "triangular_solve", "linalg_solve_triangular", "linalg_eig", "linalg_eigvals",
+        "_linalg_eigvals", "linalg_householder_product", "geqrf", "ormqr", "linalg_lstsq",
+        "linalg_matrix_exp", "linalg_pinv",
+    ),
+    "a copy of a view (functional views, as functionalization and export write them)": (
+        "view_copy", "permute_copy", "select_copy", "slice_copy", "detach_copy", "split_copy",
+        "unbind_copy", "narrow_copy", "expand_copy", "transpose_copy", "t_copy",
+        "unsqueeze_copy", "diagonal_copy", "alias_copy", "view_as_real_copy",
+        "view_as_complex_copy", "lift_fresh_copy",
+    ),
+    "a window or range factory (sizes from arguments, accounted before they run)": (
+        "bartlett_window", "blackman_window", "hamming_window", "hann_window",
+        "kaiser_window", "range", "fft_fftfreq", "fft_rfftfreq",
+    ),
+    "a random distribution (the tape's seed; sizes from its arguments)": (
+        "cauchy", "geometric", "log_normal", "poisson", "binomial", "_standard_gamma",
+    ),
+    "a resize (growth accounted in the quota and zeroed; resize_ is Core ATen)": (
+        "resize_as",
+    ),
+    "an optimizer step (torch.optim's foreach path; list lengths and shapes checked on meta)": (
+        "_foreach_add", "_foreach_sub", "_foreach_mul", "_foreach_div", "_foreach_addcdiv",
+        "_foreach_addcmul", "_foreach_lerp", "_foreach_sqrt", "_foreach_neg",
+        "_foreach_maximum", "_foreach_minimum", "_foreach_pow", "_foreach_reciprocal",
+        "_foreach_norm", "_foreach_clamp_max", "_foreach_clamp_min", "_foreach_copy",
+        "_foreach_zero", "_foreach_abs", "_foreach_exp", "_foreach_sign", "_foreach_clone",
+        "_foreach_acos", "_foreach_asin", "_foreach_atan", "_foreach_ceil", "_foreach_cos",
+        "_foreach_cosh", "_foreach_erf", "_foreach_erfc", "_foreach_expm1", "_foreach_floor",
+        "_foreach_frac", "_foreach_lgamma", "_foreach_log", "_foreach_log10",
+        "_foreach_log1p", "_foreach_log2", "_foreach_round", "_foreach_rsqrt",
+        "_foreach_sigmoid", "_foreach_sin", "_foreach_sinh", "_foreach_tan", "_foreach_tanh",
+        "_foreach_trunc", "_foreach_max", "_amp_foreach_non_finite_check_and_unscale",
+        "_amp_update_scale",
+    ),
+    "a sort, search or count whose result depends on data (no decomposition)": (
+        "searchsorted", "bucketize", "_unique2", "unique_consecutive", "unique_dim", "median",
+        "nanmedian", "kthvalue", "mode", "histc", "bincount", "logcumsumexp", "argsort",
+        "msort", "repeat_interleave", "cummax", "cummin", "unique_dim_consecutive", "_unique",
+        "index_reduce", "put",
+    ),
+}
+REVIEWED: dict[str, str] = {name: why for why, names in REVIEWED_GROUPS.items()
+                            for name in names}
+
+
+@functools.cache
+def core_bases() -> frozenset[str]:
+    """Base names of the Core ATen ops (``torch.Tag.core``) in the installed PyTorch."""
+    return frozenset(op._schema.name.removeprefix("aten::") for op in all_aten_overloads()
+                     if torch.Tag.core in op.tags)
+
+
+def _family(base: str) -> str:
+    """The op an overload's kernels belong to: ``add_`` and ``add`` share ``add``'s."""
+    return base[:-1] if base.endswith("_") and not base.endswith("__") else base
+
+
+def outside_opset(base: str) -> str | None:
+    """Why the op named ``base`` (no namespace, no overload) is outside the server's opset, or
+    None when it is in (Core ATen or :data:`REVIEWED`)."""
+    fam = _family(base)
+    core = core_bases()
+    if base in core or fam in core or base in REVIEWED or fam in REVIEWED:
+        return None
+    return ("outside the server's opset (Core ATen plus the reviewed ops in genie/remote/"
+            "allowlist.py): Genie's client decomposes it into ops the server runs before "
+            "sending")
 _ADMITTED_BY_NAME = frozenset({"_unsafe_view"})
 
 
@@ -150,7 +311,7 @@ def refusal(op: torch._ops.OpOverload) -> str | None:
         t = str(r.real_type)
         if t not in RETURN_TYPES:
             return f"returns a {t}"
-    return None
+    return outside_opset(base)
 
 
 def all_aten_overloads() -> list[torch._ops.OpOverload]:

@@ -58,6 +58,7 @@ from ..tape_io import (  # one table of names, shared
     spec_to_data,
 )
 from . import ProtocolError, allowlist
+from .decompose import for_server
 
 PROTOCOL_VERSION = 1
 
@@ -432,7 +433,7 @@ def encode_tape(tape: Tape, input_const: Any) -> Encoded:
     frames: list[Any] = []
     inputs = sorted(tape.inputs)
     consts: list[Any] = [input_const(s, tape.inputs[s], frames) for s in inputs]
-    for ins in tape.instrs:
+    for ins in for_server(tape):
         try:
             name = op_to_name(ins.op)
         except TypeError as e:
