@@ -254,7 +254,7 @@ REVIEWED_GROUPS: dict[str, tuple[str, ...]] = {
         "searchsorted", "bucketize", "_unique2", "unique_consecutive", "unique_dim", "median",
         "nanmedian", "kthvalue", "mode", "histc", "bincount", "logcumsumexp", "argsort",
         "msort", "repeat_interleave", "cummax", "cummin", "unique_dim_consecutive", "_unique",
-        "index_reduce", "put",
+        "index_reduce", "put", "take",
     ),
 }
 REVIEWED: dict[str, str] = {name: why for why, names in REVIEWED_GROUPS.items()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -66,6 +67,7 @@ from . import (
     SessionLostError,
 )
 from .cost import CLIENT, flops_of, model
+from .decompose import for_server
 from .lineage import FreeEntry, Lineage, PeerEntry, PutEntry, RunEntry, host_sources
 from .peer import describe, session_id, ticket
 from .protocol import (
@@ -1152,7 +1154,10 @@ class _ExecFailure(Exception):
             cause = etype(msg)
         except Exception:
             cause = RuntimeError(msg)
-        if type(i) is int and 0 <= i < len(tape.instrs):
-            ins = tape.instrs[i]
-            return ExecutionError(ins.op, ins.where, cause, i)
+        origin: list[int] = []  # the wire's instructions: ops outside the opset decomposed
+        with contextlib.suppress(Exception):
+            for_server(tape, origin)
+        if type(i) is int and 0 <= i < len(origin):
+            ins = tape.instrs[origin[i]]
+            return ExecutionError(ins.op, ins.where, cause, origin[i])
         return RemoteError(address, f"a tape failed on the server: {msg}")

@@ -238,10 +238,16 @@ def _metas_of(ins: Instr, node: Any) -> list[TensorMeta | None]:
     return metas
 
 
-def for_server(tape: Tape) -> list[Instr]:
-    """``tape.instrs`` with every op a server does not run replaced by its decomposition."""
+def for_server(tape: Tape, origin: list[int] | None = None) -> list[Instr]:
+    """``tape.instrs`` with every op a server does not run replaced by its decomposition.
+
+    ``origin``, when given, receives for each returned instruction the index of the tape's
+    instruction it comes from (a server names a failing instruction by its index on the wire).
+    """
     instrs = tape.instrs
     if all(served(ins.op) for ins in instrs):
+        if origin is not None:
+            origin.extend(range(len(instrs)))
         return instrs
     top = max([*tape.inputs, *(o for ins in instrs for o in ins.outs if o is not None), -1])
     nodes = tape.nodes
@@ -252,6 +258,8 @@ def for_server(tape: Tape) -> list[Instr]:
     for i, ins in enumerate(instrs):
         if served(ins.op):
             out.append(ins)
+            if origin is not None:
+                origin.append(i)
             continue
         if ins.rng is not None:
             where = f" (recorded at {ins.where})" if ins.where else ""
@@ -307,4 +315,6 @@ def for_server(tape: Tape) -> list[Instr]:
             raise NotServedError(f"[genie] internal: {op_to_name(ins.op)} decomposed to nothing")
         made[-1].free = tuple(made[-1].free) + tuple(ins.free)
         out.extend(made)
+        if origin is not None:
+            origin.extend([i] * len(made))
     return out

@@ -47,12 +47,15 @@ model (what a key holder can and cannot do) is in docs/deployment.md.
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import contextlib
 import ipaddress
 import json
 import logging
+import logging.handlers
 import os
+import queue
 import secrets
 import shutil
 import signal
@@ -974,10 +977,40 @@ def server_from_args(a: argparse.Namespace) -> Server:
                   index_check=a.index_check, peers=a.peers, threads=a.threads)
 
 
+class _DroppingQueueHandler(logging.handlers.QueueHandler):
+    """Hands records to the log thread; when its queue is full (the log sink stalls: a pipe
+    nobody reads, a slow disk, a tenant whose sessions die faster than lines are written) a
+    record is dropped and counted, never waited for: the front's loop must not block on I/O."""
+
+    dropped = 0
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            type(self).dropped += 1
+
+
+def _log_off_the_loop(capacity: int = 10_000) -> None:
+    """Route the root logger's records through a bounded queue to a thread that writes them."""
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    if not handlers:
+        return
+    q: queue.Queue[logging.LogRecord] = queue.Queue(capacity)
+    for h in handlers:
+        root.removeHandler(h)
+    root.addHandler(_DroppingQueueHandler(q))
+    listener = logging.handlers.QueueListener(q, *handlers, respect_handler_level=True)
+    listener.start()
+    atexit.register(listener.stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``genie-server`` and ``python -m genie.remote.server``."""
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    _log_off_the_loop()
     os.environ.pop("GENIE_SERVER", None)  # the workers run tapes themselves
     server = server_from_args(a)
     server.start()

@@ -256,3 +256,22 @@ def test_an_allocation_past_the_accounting_is_bounded_by_the_os(server: ServerPr
               [host(i, 0), None, 0], (tensor_frame(i)[0],), specs=[A3])
     assert r and r["t"] == "ok", r
     assert torch.frombuffer(bytearray(v.frames[0]), dtype=torch.int64).tolist() == [0, 1, 2]
+
+
+def test_a_stalled_log_sink_never_stops_the_front(tmp_path) -> None:
+    """Found by the per-op fuzzer: the front wrote its log lines synchronously, so once nobody
+    read its output (a pipe full at 64 KiB; a stalled journal or disk) the next line blocked its
+    loop and every session hung (a tenant gets a line logged per refused request). Records now go
+    through a bounded queue to a log thread, dropped when it is full, never waited for."""
+    s = ServerProc(tmp_path, "--quota", "64MiB", drain=False, log_level="INFO")
+    try:
+        a = Session(s)
+        for _ in range(1500):  # ~150 bytes of log each: several times what the pipe holds
+            r = a.ask({"t": "ping", "s": b"\x00" * 16, "free": []}, timeout_ms=10000)
+            assert r is not None, "the front stopped answering"
+            assert r["t"] == "err"
+        a.alive()  # the front answers, a fresh session computes
+        a.close()
+    finally:
+        s.proc.kill()
+        s.proc.wait()

@@ -41,6 +41,9 @@ FULL = os.environ.get("GENIE_FULL_TESTS", "0") == "1"
 N_OPS = int(os.environ.get("GENIE_OPSET_FUZZ_OPS", 0 if FULL else 160))  # 0: all
 CALLS = 6 if FULL else 3
 QUOTA = 64 << 20
+#: GENIE_OPSET_FUZZ_TRACE=path: each call is written there before it is sent
+TRACE = open(os.environ["GENIE_OPSET_FUZZ_TRACE"], "w") if os.environ.get(  # noqa: SIM115
+    "GENIE_OPSET_FUZZ_TRACE") else None
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -190,7 +193,10 @@ def test_every_admitted_op_against_a_server(server: ServerProc) -> None:
     unanswered: list[str] = []
     t0 = time.monotonic()
     calls = 0
+    start = int(os.environ.get("GENIE_OPSET_FUZZ_FROM", "0"))  # to replay a stretch
     for k, op in enumerate(ops):
+        if k < start:
+            continue
         gen = Gen(k)
         name = allowlist.op_name(op)
         for _ in range(CALLS):
@@ -202,6 +208,8 @@ def test_every_admitted_op_against_a_server(server: ServerProc) -> None:
                 continue
             s.hid += 100
             calls += 1
+            if TRACE:
+                print(f"{k} {name} {args!r:.200} {kwargs!r:.100}", file=TRACE, flush=True)
             r = s.ask(h, *frames, timeout_ms=30000)
             assert server.alive(), f"the front died on {name}{args!r:.300}"
             if r is None:

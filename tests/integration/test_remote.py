@@ -7,6 +7,7 @@ them cleanly. Round trips and bytes come from :func:`genie.stats`.
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import os
@@ -45,8 +46,9 @@ class ServerProc:
     """A CURVE genie-server subprocess; the servers of one key directory are each other's peers
     (``KEYS/peers.json``, as genie-pool registers its members) unless ``--peers`` is given."""
 
-    def __init__(self, keys: Path, *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "GENIE_LOG_LEVEL": "WARNING"}
+    def __init__(self, keys: Path, *args: str, drain: bool = True,
+                 log_level: str = "WARNING") -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "GENIE_LOG_LEVEL": log_level}
         env.pop("GENIE_SERVER", None)
         own_peers = "--peers" not in args
         if own_peers:
@@ -66,6 +68,9 @@ class ServerProc:
             self.proc.kill()
             raise RuntimeError(f"genie-server did not start: {line!r}")
         self.address = m.group(0)
+        if drain:  # read its log as a terminal would (an unread pipe fills at 64 KiB)
+            threading.Thread(target=lambda: collections.deque(self.proc.stdout, maxlen=200),
+                             daemon=True).start()
         self.key_file = keys / "client.json"
         self.keys = json.loads(self.key_file.read_text())
         if own_peers:

@@ -20,12 +20,13 @@ import pytest
 import torch
 
 import genie
-from genie.remote import ProtocolError, QuotaExceededError, RunTimeoutError
+from genie.remote import QuotaExceededError, RunTimeoutError
 
 zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 
 from genie.remote import protocol  # noqa: E402
+from genie.remote.decompose import NotServedError  # noqa: E402
 from genie.remote.protocol import EXT_DEVICE, EXT_DTYPE, EXT_HOST, EXT_INPUT, EXT_META  # noqa: E402
 from test_remote import ServerProc, _raw  # noqa: E402
 
@@ -613,7 +614,12 @@ def test_genie_programs_still_run_and_errors_reach_the_call_site(server: ServerP
         assert e.sum().item() == 18.0
         with pytest.raises(QuotaExceededError, match="--quota"):
             torch.zeros(BIG, device=DEV).sum().item()
-        with pytest.raises(ProtocolError, match="does not run on a Genie server"):
-            torch.ops.aten._reshape_alias(torch.ones(4, device=DEV), (2, 2), (2, 1)).cpu()
+        # off the server's opset: the client sends its decomposition (a bounds-checked
+        # as_strided), or refuses it by name at the call's materialization where there is none
+        v = torch.ops.aten._reshape_alias(torch.arange(4.0, device=DEV), (2, 2), (2, 1))
+        assert torch.equal(v.cpu(), torch.arange(4.0).view(2, 2))
+        LU, piv = torch.linalg.lu_factor(torch.randn(3, 3))
+        with pytest.raises(NotServedError, match="lu_unpack"):
+            torch.lu_unpack(LU.to(DEV), piv.to(DEV))[1].cpu()
     finally:
         genie.disconnect()
