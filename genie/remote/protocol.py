@@ -58,7 +58,7 @@ from ..tape_io import (  # one table of names, shared
     spec_to_data,
 )
 from . import ProtocolError, allowlist
-from .decompose import for_server
+from .decompose import for_server, served
 
 PROTOCOL_VERSION = 1
 
@@ -251,7 +251,9 @@ def tensor_frame(t: torch.Tensor) -> tuple[Any, list[Any]]:
         else:
             t = t.contiguous()
     n = t.numel()
-    buf = t.reshape(n).view(torch.uint8).numpy() if n else b""
+    # t is contiguous here; a size-1 dimension may still have any stride (a diagonal of one
+    # element), so flatten by its layout, not by reshape (which keeps that stride)
+    buf = t.as_strided((n,), (1,), t.storage_offset()).view(torch.uint8).numpy() if n else b""
     return buf, [dtype_name(t.dtype), shape, stride]
 
 
@@ -425,38 +427,53 @@ def _spec_data(spec: Any) -> Any:
 
 def encode_tape(tape: Tape, input_const: Any) -> Encoded:
     """Split ``tape`` into skeleton and constants; ``input_const(slot, value, frames)`` gives the
-    constant that names each tape input (a handle id or an :class:`InputUpload` extension)."""
-    ops: dict[str, int] = {}
-    specs: dict[Any, int] = {}
-    spec_list: list[Any] = []
-    rows: list[Any] = []
+    constant that names each tape input (a handle id or an :class:`InputUpload` extension).
+
+    An op the server does not run is sent as its decomposition (:mod:`.decompose`): checked once
+    per distinct op of the tape, so a tape of served ops pays nothing more.
+    """
     frames: list[Any] = []
     inputs = sorted(tape.inputs)
     consts: list[Any] = [input_const(s, tape.inputs[s], frames) for s in inputs]
-    for ins in for_server(tape):
-        try:
-            name = op_to_name(ins.op)
-        except TypeError as e:
-            raise Unsendable(str(e)) from None
-        oi = ops.setdefault(name, len(ops))
-        if ins.spec is None:
-            si = -1
-        else:
-            si = specs.get(ins.spec)
-            if si is None:
-                si = specs[ins.spec] = len(spec_list)
-                spec_list.append(_spec_data(ins.spec))
-        code = []
-        for x in ins.leaves:
-            if type(x) is Slot:
-                code.append(x.id)
+    n_consts, n_frames = len(consts), len(frames)
+    instrs = tape.instrs
+    while True:
+        ops: dict[str, int] = {}
+        specs: dict[Any, int] = {}
+        spec_list: list[Any] = []
+        rows: list[Any] = []
+        for ins in instrs:
+            try:
+                name = op_to_name(ins.op)
+            except TypeError as e:
+                raise Unsendable(str(e)) from None
+            oi = ops.get(name)
+            if oi is None:
+                if instrs is tape.instrs and not served(ins.op):
+                    break  # decompose, then encode again
+                oi = ops[name] = len(ops)
+            if ins.spec is None:
+                si = -1
             else:
-                code.append(-1)
-                consts.append(const_data(x, frames))
-        if ins.rng is not None:
-            consts.append(int(ins.rng[0]))
-            consts.append(int(ins.rng[1]))
-        rows.append([oi, si, code, list(ins.outs), list(ins.free), ins.rng is not None])
+                si = specs.get(ins.spec)
+                if si is None:
+                    si = specs[ins.spec] = len(spec_list)
+                    spec_list.append(_spec_data(ins.spec))
+            code = []
+            for x in ins.leaves:
+                if type(x) is Slot:
+                    code.append(x.id)
+                else:
+                    code.append(-1)
+                    consts.append(const_data(x, frames))
+            if ins.rng is not None:
+                consts.append(int(ins.rng[0]))
+                consts.append(int(ins.rng[1]))
+            rows.append([oi, si, code, list(ins.outs), list(ins.free), ins.rng is not None])
+        else:
+            break
+        instrs = for_server(tape)
+        del consts[n_consts:], frames[n_frames:]
     skel = pack([PROTOCOL_VERSION, list(ops), spec_list, rows, inputs, list(tape.outputs),
                  sorted(tape.keep)])
     return Encoded(hashlib.blake2b(skel, digest_size=16).digest(), skel, consts, frames)
@@ -509,10 +526,20 @@ class ArgCheck:
     kind: str
 
 
+#: list arguments of a ``_foreach_`` op, which must all have one length (the foreach contract;
+#: ``_foreach_copy``'s kernel read past a shorter list: found by the per-op fuzzer)
+_FOREACH_LISTS = frozenset({"List[Tensor]", "List[number]", "List[float]",
+                            "List[Optional[Tensor]]"})
+
+
 def arg_checks(op: Any) -> tuple[ArgCheck, ...]:
-    return tuple(ArgCheck(i, a.name, _CHECKED_TYPES[str(a.real_type)])
+    foreach = op._schema.name.startswith("aten::_foreach_") or \
+        op._schema.name.startswith("aten::_amp_foreach_")
+    return tuple(ArgCheck(i, a.name, _CHECKED_TYPES[str(a.real_type)]
+                          if str(a.real_type) in _CHECKED_TYPES else "list")
                  for i, a in enumerate(op._schema.arguments)
-                 if str(a.real_type) in _CHECKED_TYPES)
+                 if str(a.real_type) in _CHECKED_TYPES or
+                 (foreach and str(a.real_type) in _FOREACH_LISTS))
 
 
 def check_args(op: Any, checks: tuple[ArgCheck, ...], args: Any, kwargs: Any, i: int) -> None:
@@ -524,11 +551,19 @@ def check_args(op: Any, checks: tuple[ArgCheck, ...], args: Any, kwargs: Any, i:
     for k in kwargs:
         if k not in names:
             raise ProtocolError(f"instruction {i}: {op} has no argument {k!r:.40}")
+    lengths: dict[str, int] = {}
     for c in checks:
         v = args[c.pos] if c.pos < len(args) else kwargs.get(c.name)
         if v is None:
             continue
         k = c.kind
+        if k == "list":
+            lengths[c.name] = len(v) if isinstance(v, (list, tuple)) else -1
+            if len(set(lengths.values())) > 1:
+                raise ProtocolError(
+                    f"instruction {i}: the lists of {op} must have one length (tensor lists "
+                    f"must have the same number of tensors); got {lengths}")
+            continue
         ok = ((k == "device" and type(v) is torch.device) or
               (k == "dtype" and type(v) is torch.dtype and v in WIRE_DTYPES) or
               (k == "layout" and v is torch.strided) or

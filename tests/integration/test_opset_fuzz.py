@@ -35,7 +35,7 @@ from genie.planner import Instr, Tape  # noqa: E402
 from genie.remote import allowlist, protocol  # noqa: E402
 from test_isolation import _get, _keep  # noqa: E402
 from test_remote import ServerProc  # noqa: E402
-from test_security import RSS_SLACK, Session, rss  # noqa: E402
+from test_security import RSS_SLACK, Session, err, rss  # noqa: E402
 
 FULL = os.environ.get("GENIE_FULL_TESTS", "0") == "1"
 N_OPS = int(os.environ.get("GENIE_OPSET_FUZZ_OPS", 0 if FULL else 160))  # 0: all
@@ -252,3 +252,24 @@ def test_the_fuzzer_covers_the_opset() -> None:
             if t == "str" and not allowlist.STR_ENUMS.get(a.name):
                 continue
             assert gen.value(a) is not None, (n, a.name, t)
+
+
+def test_foreach_lists_of_different_lengths_are_refused(server: ServerProc) -> None:
+    """Found by this fuzzer: ``_foreach_copy([t], [a, b, c])`` read past the shorter list in
+    its kernel (the worker died of SIGSEGV). The lists of a ``_foreach_`` op must have one
+    length: refused before anything runs, the session goes on."""
+    s = Session(server)
+    one = torch.ones(1)
+    for op, args in ((torch.ops.aten._foreach_copy.default, ([one], [one, one, one], True)),
+                     (torch.ops.aten._foreach_add.List, ([one, one], [one])),
+                     (torch.ops.aten._foreach_mul.ScalarList, ([one], [2.0, 3.0]))):
+        h, frames = _request(op, args, {}, s.hid)
+        s.hid += 100
+        err(s.ask(h, *frames), "protocol", "one length")
+    h, frames = _request(torch.ops.aten._foreach_add.List, ([one, one], [one, one]),
+                         {"alpha": 2.0}, s.hid)
+    s.hid += 100
+    r = s.ask(h, *frames)
+    assert r and r["t"] == "ok", r
+    s.alive()
+    s.close()

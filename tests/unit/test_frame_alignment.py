@@ -47,3 +47,18 @@ def test_every_dtype_count_and_offset(dtype: torch.dtype) -> None:
                 got = t.sum()  # a reduction reads the frame's memory with the dtype's loads
                 assert got.reshape(1).view(torch.uint8).equal(want.reshape(1).view(torch.uint8)), \
                     (dtype, n, offset)
+
+
+@pytest.mark.parametrize("view", ["diag1", "col1", "row_of_t", "every_other1", "dense_t"])
+def test_views_whose_size_one_dims_have_any_stride(view: str) -> None:
+    """A contiguous tensor may have any stride on a size-1 dimension (one element of a diagonal:
+    shape (1,), stride (4,)); its frame is still its bytes (OpInfo diagonal-out through a server
+    failed with "stride(-1) must be 1 to view Float as Byte")."""
+    x = torch.arange(24.0).view(4, 6)
+    v = {"diag1": torch.diagonal(x)[:1], "col1": x[:1, 2:3], "row_of_t": x.t()[1:2, :1],
+         "every_other1": x[::2, ::3][:1, :1], "dense_t": x.t()}[view]
+    buf, (dt, shape, stride) = tensor_frame(v)
+    got = frame_tensor(memoryview(bytes(buf)), FrameRef(0, v.dtype, tuple(shape),
+                                                         tuple(stride) if stride else None),
+                       copy=True)
+    assert torch.equal(got, v) and got.shape == v.shape

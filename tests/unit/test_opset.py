@@ -4,7 +4,7 @@ The list is data (:data:`genie.remote.allowlist.REVIEWED_GROUPS`, every name wit
 reason); an op outside it is decomposed by the client (:mod:`genie.remote.decompose`) into ops
 the server runs, or refused at the materialization naming the op. The decomposed tape is run here
 by the eager backend and compared with eager on the same inputs; the same through a real server
-is in ``tests/integration/test_opset.py``.
+is in ``tests/integration/test_opset_remote.py``.
 """
 
 from __future__ import annotations
