@@ -27,6 +27,8 @@ Two kinds:
 
 from __future__ import annotations
 
+import re
+import warnings
 from typing import Any
 
 import optree
@@ -40,8 +42,23 @@ aten = torch.ops.aten
 _MATMULS = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.addbmm, aten.mv, aten.addmv,
             aten.dot, aten.vdot, aten.matmul, aten.linear, aten.addr, aten.outer, aten.ger,
             aten.inner, aten.tensordot)
-_PROBED = frozenset(op for packet in _MATMULS for op in
+# ``complex``/``polar`` are elementwise without the pointwise tag (complex(out=) of another dtype)
+_PROBED = frozenset(op for packet in (*_MATMULS, aten.complex, aten.polar) for op in
                     (getattr(packet, name) for name in packet.overloads()))
+#: Random ops whose checks are of dtypes and scalar arguments only (``random_(from, to)`` in the
+#: dtype's range, ``uniform_(from, to)`` with ``from <= to``, ``normal_`` with ``std >= 0``,
+#: ``randint`` of a complex dtype): probed like pointwise ops, with a generator of their own where
+#: the op takes one, the host's default generator's state restored after, and, for the
+#: factories, every size 0 (nothing is drawn).
+_RANDOM_PROBED = frozenset(op for packet in (
+    aten.random_, aten.random, aten.uniform_, aten.uniform, aten.normal_, aten.cauchy_,
+    aten.cauchy, aten.log_normal_, aten.log_normal, aten.exponential_, aten.exponential,
+    aten.geometric_, aten.geometric, aten.randint, aten.randint_like)
+    for op in (getattr(packet, name) for name in packet.overloads()))
+# ATen's dispatch macros' "kernel not compiled for this dtype": "max_all" not implemented for
+# 'ComplexFloat'. The host's kernels are not the device's (CUDA has others): never eager's verdict
+# for the device. A check's own message ("maximum not implemented for complex tensors") is.
+_NO_KERNEL_FOR_DTYPE = re.compile(r"\"[^\"]+\" not implemented for '")
 INDEX_PUT = frozenset(op for packet in (aten.index_put_, aten.index_put, aten._index_put_impl_,
                                         aten._unsafe_index_put)
                       for op in (getattr(packet, name) for name in packet.overloads()))
@@ -93,13 +110,25 @@ def probed(func: Any) -> bool:
     except AttributeError:
         pass
     tags = func.tags  # random ops are not probed: a host run must not touch the host's generator
-    p = (func in _PROBED or torch.Tag.pointwise in tags) and \
-        torch.Tag.nondeterministic_seeded not in tags
+    p = func in _RANDOM_PROBED or ((func in _PROBED or torch.Tag.pointwise in tags or
+                                    _pointwise_inplace(func)) and
+                                   torch.Tag.nondeterministic_seeded not in tags)
     try:
         func._genie_probed = p
     except AttributeError:
         pass
     return p
+
+
+def _pointwise_inplace(func: Any) -> bool:
+    """An in-place op whose functional form is pointwise (``heaviside_``: the in-place forms do
+    not all carry the tag their functional forms do)."""
+    if torch.Tag.inplace not in func.tags:
+        return False
+    name = func._schema.name.split("::")[-1]
+    packet = getattr(aten, name[:-1], None) if name.endswith("_") else None
+    functional = getattr(packet, func._overloadname, None) if packet is not None else None
+    return functional is not None and torch.Tag.pointwise in functional.tags
 
 
 def checked(func: Any) -> bool:
@@ -139,31 +168,63 @@ def _empty(x: Any) -> Any:
 
 
 def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
-    """Run ``func`` on empty host tensors of the leaves' dtypes and ranks; raise what it raises."""
+    """Run ``func`` on empty host tensors of the leaves' dtypes and ranks; raise what it raises,
+    and warn what it warns (``random_`` beyond a float's exact integers)."""
     # by the class's identity (hashing the class tuple hashes the op: Python code) and the int
     # constants' values, which the class holds by type only (pow(x, -1) raises, pow(x, 2) not);
-    # the value holds the class, so its id is not reused while the verdict lives
-    key = (id(klass), tuple(x for x in leaves if type(x) is int or type(x) is bool))
+    # the value holds the class, so its id is not reused while the verdict lives. A random op's
+    # float arguments are checked by value (uniform_(2, 1) raises, uniform_(1, 2) not).
+    random = func in _RANDOM_PROBED
+    key = (id(klass), tuple(x for x in leaves if type(x) is int or type(x) is bool or
+                            (random and type(x) is float)))
     got = _verdicts.get(key)
     if got is not None and got[0] is klass:
-        err = got[1]
+        err, warned = got[1], got[2]
     else:
         err = None
-        try:
-            args, kwargs = optree.tree_unflatten(spec, [_empty(x) for x in leaves])
-            from .meta import disable_modes
-            with disable_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):
-                func(*args, **kwargs)  # (the host's autocast, if on, is no part of the call)
-        except NotImplementedError:
-            pass
-        except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
-            if "not implemented for" not in str(e):
-                err = e
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                args, kwargs = optree.tree_unflatten(spec, [_empty(x) for x in leaves])
+                if random:
+                    args, kwargs = _private_rng(func, list(args), dict(kwargs))
+                from .meta import disable_modes
+                state = torch.get_rng_state() if random else None
+                try:
+                    with disable_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):
+                        func(*args, **kwargs)  # (the host's autocast is no part of the call)
+                finally:
+                    if state is not None:
+                        torch.set_rng_state(state)
+            except NotImplementedError:
+                pass
+            except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
+                if not _NO_KERNEL_FOR_DTYPE.search(str(e)):
+                    err = e
+        warned = tuple((w.category, str(w.message)) for w in caught
+                       if issubclass(w.category, UserWarning))
         if len(_verdicts) >= 1 << 16:
             _verdicts.clear()
-        _verdicts[key] = (klass, err)
+        _verdicts[key] = (klass, err, warned)
+    for category, message in warned:
+        warnings.warn(message, category, stacklevel=2)
     if err is not None:
         raise type(err)(*err.args).with_traceback(None) from None
+
+
+def _private_rng(func: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple[list, dict]:
+    """A random op's probe call with a generator of its own and, for a factory, every size 0."""
+    for i, a in enumerate(func._schema.arguments):
+        target: Any = (args, i) if i < len(args) else (kwargs, a.name)
+        if a.name == "generator":
+            if i < len(args):
+                args[i] = torch.Generator()
+            else:
+                kwargs["generator"] = torch.Generator()
+        elif a.name == "size" and (i < len(args) or a.name in kwargs):
+            c, k = target
+            c[k] = [0] * len(c[k])
+    return args, kwargs
 
 
 _INDEX_DTYPES = (torch.long, torch.int, torch.uint8, torch.bool)

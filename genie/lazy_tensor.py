@@ -67,6 +67,9 @@ class _TLS(threading.local):
 
 _tls = _TLS()
 
+_NO_DLPACK = ("DLPack shares a tensor's memory by its address, and a remote_accelerator tensor's "
+              "memory is on the device, not in this process: export t.cpu() instead (a copy)")
+
 
 def current_graph() -> Graph:
     """The graph new nodes go to: the innermost ``genie.capture()`` block's, else the default."""
@@ -235,6 +238,27 @@ class LazyTensor(torch.Tensor):
             raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
                                "Use tensor.detach().numpy() instead.")
         return self.detach().cpu().numpy(force=force)
+
+    def __bool__(self) -> bool:
+        # A value computed already (``all(t)`` iterates t's unbind, whose first element's run
+        # computed every element): read it without recording an ``item`` and planning a run.
+        node = self._node
+        if node.executed and node.values is not None and \
+                not node.storages[self._out].pending_writes:
+            real = node.values[self._out]
+            if _plain(real):
+                _counts["forced_materializations"] += 1
+                return bool(real)
+        return super().__bool__()
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """Refused (BufferError, as eager's for a tensor it cannot export): a DLPack capsule
+        hands out a pointer to the tensor's memory, and a remote_accelerator tensor's memory is
+        on the device (or another machine), not in this process."""
+        raise BufferError(_NO_DLPACK)
+
+    def __dlpack_device__(self) -> Any:
+        raise BufferError(_NO_DLPACK)
 
     def tolist(self):  # noqa: ANN201
         """Materialize and return nested Python lists (as ``torch.Tensor.tolist``)."""
@@ -540,7 +564,6 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
     # the cached spec equals this call's: nodes share one spec object instead of keeping their own
     spec = entry.spec
 
-    rng = _draw_rng(leaves, index) if pol.random else None
     if pol.metadata_only and type(rec[0]) is Ref:
         rec[0] = MetaArg(metas_of(rec[0]))
 
@@ -577,6 +600,8 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
         else:
             fresh.append(k)
             bases[k] = src
+    # drawn once the call is sure to be recorded (an out= resized above records it again)
+    rng = _draw_rng(leaves, index) if pol.random else None
 
     # A writer (or capture node) may close a cycle: what it reaches goes back under the
     # collector now, or, for a writer of the default graph, if it stays pending (defer_writer).

@@ -20,6 +20,7 @@ comes only from ``op._schema`` alias annotations and ``op.tags``, never from nam
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -348,13 +349,69 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
         checked = checks.checked(func)
     if checked:
         checks.check(func, leaves, spec, entry.klass)
+    if pol.writes and _overlapping_write(pol, leaves, spec):
+        # Most eager kernels refuse to write into a tensor whose elements share memory (an
+        # expanded out=: "unsupported operation: more than one element ..."), few meta kernels
+        # do, and some eager ones (sum.out) do not either: eager's verdict, from a run on zeros.
+        # An error there is the overlap's where the same call into a dense copy runs (zeros can
+        # fail data checks of their own: a multinomial of zero probabilities).
+        state = torch.get_rng_state() if pol.random else None
+        try:
+            err = _host_call(func, leaves, spec)
+            if isinstance(err, BaseException) and not isinstance(
+                    _host_call(func, [_dense(x) for x in leaves], spec), BaseException):
+                raise rename_device(err, index) from None
+        finally:
+            if state is not None:
+                torch.set_rng_state(state)
     return entry
+
+
+def _dense(x: Any) -> Any:
+    """A contiguous TensorMeta of ``x``'s shape where ``x`` is one with internal overlap."""
+    if type(x) is not TensorMeta or not any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride)):
+        return x
+    return TensorMeta.of(torch.empty(x.shape, dtype=x.dtype, device="meta"), x.index)
+
+
+def _overlapping_write(pol: OpPolicy, leaves: list[Any], spec: Any) -> bool:
+    """Whether a tensor the op writes has internal overlap as eager's ``has_internal_overlap``
+    sees it for sure: a dimension of more than one element with stride 0."""
+    args, kwargs = optree.tree_unflatten(spec, leaves)
+    for pos in pol.writes:
+        a = pol.arg(pos, args, kwargs)
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if type(t) is TensorMeta and any(st == 0 and n > 1
+                                             for n, st in zip(t.shape, t.stride)):
+                return True
+    return False
 
 
 #: The state words entries were made under (the native path's entries copy a class's first
 #: entry's): while it holds one, every node of every plan has the same state, and the plan cache
 #: skips comparing them (genie.plan_cache).
 states_seen: set[int] = set()
+
+
+#: Factories whose eager kernels resize an ``out=`` only when its element count differs
+#: (``if (result.numel() != n) result.resize_({n})``): an ``out=`` of the right count keeps its
+#: shape and strides (a non-contiguous view is written in place), where their meta kernels
+#: (torch._refs) resize it to ``[n]`` and warn. The value: whether eager warns when it resizes
+#: (arange does, in its own words; linspace and logspace resize silently).
+_RESIZE_BY_NUMEL = {getattr(packet, name): packet is aten.arange
+                    for packet in (aten.arange, aten.linspace, aten.logspace)
+                    for name in packet.overloads() if name.endswith("out")}
+
+
+def _cpu_scalar(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 0 and x.device.type == "cpu"
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -> MetaEntry:
@@ -384,8 +441,9 @@ def _infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -
     if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE:
         mkwargs["device"] = torch.device("meta")
     _counts["meta_cache_misses"] += 1
+    resize_by_numel = func in _RESIZE_BY_NUMEL
     try:
-        with disable_modes():
+        with disable_modes(), warnings.catch_warnings(record=resize_by_numel) as resized:
             out = func(*margs, **mkwargs)
     except NotImplementedError as e:
         raise UnsupportedOpError(func, f"no meta kernel to infer its output shape ({e}). "
@@ -397,6 +455,17 @@ def _infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -
         # (Only where every tensor is the device's: a host tensor's device is part of the call.)
         out = None if pol.dynamic or any(isinstance(x, torch.Tensor) for x in leaves) else \
             _host_call(func, leaves, spec)
+        if out is None and torch.Tag.pointwise in func.tags and any(
+                _cpu_scalar(x) for x in leaves):
+            # a 0-dim host tensor is a scalar to eager's elementwise kernels, on any device; some
+            # meta kernels (copysign's) refuse it for its device: ask them with a meta one
+            try:
+                with disable_modes():
+                    out = func(*optree.tree_unflatten(spec, [
+                        x.to("meta") if _cpu_scalar(x) else x for x in mleaves])[0],
+                        **mkwargs)
+            except Exception:  # noqa: BLE001 - the first error is the user's
+                out = None
         if out is None or isinstance(out, BaseException):
             raise (out if isinstance(out, BaseException) else rename_device(e, index)) from None
     flat, out_spec = optree.tree_flatten(out, none_is_leaf=True)
@@ -408,6 +477,13 @@ def _infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -
     out_index = dev.index if isinstance(dev, torch.device) and dev.type == DEVICE_TYPE and \
         dev.index is not None else index
     metas = [TensorMeta.of(o, out_index) if isinstance(o, torch.Tensor) else None for o in flat]
+    if resize_by_numel:
+        given = optree.tree_unflatten(spec, leaves)[1].get("out")
+        if type(given) is TensorMeta and _numel(given.shape) == _numel(metas[0].shape):
+            metas[0] = given
+        elif _RESIZE_BY_NUMEL[func]:  # resized, as eager resizes it (and warns, in other words)
+            for w in resized or ():
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     consts = [None if isinstance(o, torch.Tensor) else o for o in flat]
     return MetaEntry(metas, out_spec, consts, output_plan(pol, metas), spec,
                      shape_class(func, spec, leaves, metas, out_spec, state), state)

@@ -531,3 +531,164 @@ def test_probe_verdicts_follow_int_constants():
             else:
                 ref, got = both(power)
                 same(ref, got)
+
+
+# --- found by PyTorch's device-generic files (tests/device_generic) ----------------------------
+
+@pytest.mark.parametrize("factory", ["arange", "linspace", "logspace"])
+def test_factory_out_into_a_non_contiguous_view(factory):
+    """arange/linspace/logspace(out=) resize the out= only when its element count differs (eager's
+    kernels); a non-contiguous view of the right count is written in place, without a warning
+    (test_arange, test_linspace_*: the meta kernels resize it to [n] and warn)."""
+    def call(d, rows):
+        x = torch.zeros(rows, 4, device=d)
+        out = x.narrow(1, 1, 2)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            if factory == "arange":
+                r = torch.arange(0, 6, out=out)
+            else:
+                r = getattr(torch, factory)(0, 1, 6, out=out)
+        assert r is out
+        return x, out.shape, out.stride(), [str(m.message) for m in w]
+    for rows in (3, 2):  # 6 elements (written in place), 4 (resized, as eager resizes it)
+        (xr, shape_r, stride_r, warned_r), (xg, shape_g, stride_g, warned_g) = (
+            call("cpu", rows), call(DEV, rows))
+        same(xr, xg.cpu())
+        assert (shape_g, stride_g) == (shape_r, stride_r)
+        # the same warnings; when resized, eager's says it in other words than the meta kernel's
+        assert (warned_g == warned_r) if rows == 3 else (len(warned_g) == len(warned_r))
+
+
+def test_random_argument_checks_at_the_call():
+    """random_/uniform_/randint check their bounds and dtypes from the arguments: eager's error at
+    the call (test_random_from_to_*, test_uniform_from_to_*, test_tensor_factories_empty); the
+    check runs on the host with a generator of its own, so the host's stream does not move."""
+    def random_int8(d):
+        torch.empty(3, dtype=torch.int8, device=d).random_(0, 300)
+    raises_as_eager(random_int8)
+
+    def uniform_reversed(d):
+        torch.empty(3, device=d).uniform_(2, 1)
+    raises_as_eager(uniform_reversed)
+
+    def uniform_too_wide(d):
+        torch.empty(3, dtype=torch.float64, device=d).uniform_(-1e308, 1e308)
+    raises_as_eager(uniform_too_wide)
+
+    def randint_complex(d):
+        torch.randint(0, 10, (3,), dtype=torch.cfloat, device=d)
+    raises_as_eager(randint_complex)
+    # the float arguments' values decide (uniform_(1, 2) after uniform_(2, 1) in the same class)
+    got = torch.empty(1000, device=DEV).uniform_(1, 2).cpu()
+    assert got.min() >= 1 and got.max() < 2
+    # the checks do not draw from the host's generator
+    torch.manual_seed(5)
+    torch.empty(4, dtype=torch.int8, device=DEV).random_(0, 100)
+    torch.empty(4, device=DEV).uniform_(0, 1)
+    drawn = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(drawn, torch.rand(3))
+
+
+def test_random_beyond_a_floats_exact_integers_warns_as_eager():
+    """random_(to) past 2**53 into float64 warns (eager's UserWarning), at the call."""
+    for d in ("cpu", DEV):
+        with pytest.warns(UserWarning, match="out of bounds"):
+            torch.empty(3, dtype=torch.float64, device=d).random_(2 ** 60)
+
+
+def test_checks_of_in_place_and_complex_forms():
+    """heaviside_ (whose in-place form lacks the pointwise tag), maximum of complex tensors,
+    complex(out=) of another dtype: eager's error at the call (test_heaviside_*,
+    test_maximum_minimum_complex_*, test_torch_complex_same_dtype_error_*)."""
+    def heaviside_complex(d):
+        x = torch.tensor([1j, 2], device=d)
+        x.heaviside_(x)
+    raises_as_eager(heaviside_complex)
+
+    def heaviside_mixed(d):
+        torch.ones(3, dtype=torch.int64, device=d).heaviside_(torch.ones(3, dtype=torch.int8,
+                                                                         device=d))
+    raises_as_eager(heaviside_mixed)
+
+    def maximum_complex(d):
+        torch.maximum(torch.ones(1, dtype=torch.cfloat, device=d),
+                      torch.ones(1, dtype=torch.cfloat, device=d))
+    raises_as_eager(maximum_complex)
+
+    def complex_out(d):
+        torch.complex(torch.ones(3, device=d), torch.ones(3, device=d),
+                      out=torch.empty(3, dtype=torch.complex128, device=d))
+    raises_as_eager(complex_out)
+    ref, got = both(lambda d: torch.ones(3, device=d).heaviside_(torch.zeros(3, device=d)))
+    same(ref, got)
+
+
+@pytest.mark.parametrize("op", ["cat", "linspace", "add", "copy_"])
+def test_out_with_internal_overlap_raises_at_the_call(op):
+    """Writing into an expanded tensor: eager's "unsupported operation" at the call, decided by
+    eager itself on zeros (test_cat_mem_overlap, test_linlogspace_mem_overlap); an op eager lets
+    write there (sum.out) still records."""
+    def write(d):
+        out = torch.empty(1, 3, device=d).expand(6, 3)
+        if op == "cat":
+            torch.cat([torch.ones(3, 3, device=d)] * 2, out=out)
+        elif op == "linspace":
+            torch.linspace(0, 1, 6, out=out[:, 0])
+        elif op == "add":
+            torch.add(torch.ones(6, 3, device=d), 1, out=out)
+        else:
+            out.copy_(torch.ones(6, 3, device=d))
+    write.__name__ = "write"
+    raises_as_eager(write)
+    ref, got = both(lambda d: torch.sum(torch.ones(6, 3, device=d), 1,
+                                        out=torch.zeros(1, device=d).expand(6)))
+    same(ref, got)
+
+
+def test_copysign_with_a_0_dim_cpu_tensor():
+    """A 0-dim CPU tensor is a scalar to eager's elementwise kernels on any device (copysign's
+    meta kernel refuses it for its device): test_copysign_*."""
+    ref, got = both(lambda d: torch.copysign(torch.arange(-2.0, 3.0, device=d),
+                                             torch.tensor(-1.0)))
+    same(ref, got)
+
+    with pytest.raises(RuntimeError):  # a 1-dim CPU tensor is refused, as by eager on CUDA
+        torch.copysign(torch.ones(3, device=DEV), torch.ones(3))
+
+
+def test_dlpack_is_refused_with_what_to_do():
+    """DLPack hands out a pointer to the tensor's memory, which is not in this process:
+    BufferError (eager's type for a tensor it cannot export), naming t.cpu()."""
+    t = torch.arange(4, device=DEV)
+    for fn in (t.__dlpack__, t.__dlpack_device__, lambda: torch.from_dlpack(t)):
+        with pytest.raises(BufferError, match=r"t\.cpu\(\)"):
+            fn()
+    assert torch.equal(torch.from_dlpack(t.cpu()), torch.arange(4))
+
+
+def test_bool_of_computed_elements_reads_them():
+    """all(t) iterates t's elements: after the first element's run computed them all, each
+    bool() reads its value (no recorded item, no plan): test_linspace_*'s all(cond) over a
+    million elements."""
+    for d in ("cpu", DEV):
+        cond = torch.linspace(0, 1, 1000, device=d) >= 0.5
+        assert all(cond[500:]) and not all(cond)
+    c = torch.arange(1000, device=DEV) >= 0
+    genie.reset_stats()
+    assert all(c)
+    assert genie.stats().get("ops_recorded", 0) <= 2  # unbind, and one item for the first
+
+
+def test_rand_into_an_out_to_resize_draws_once():
+    """rand(out=) of another size: the out= is resized and the call recorded again; its numbers
+    are drawn once, so the stream equals rand()'s (test_rand_*)."""
+    for d in ("cpu", DEV):
+        torch.manual_seed(123456)
+        a = torch.rand(10, 10, device=d)
+        b = torch.tensor([], device=d)
+        torch.manual_seed(123456)
+        torch.rand(10, 10, out=b)
+        assert torch.equal(a.cpu(), b.cpu())
+        assert not torch.equal(torch.rand(3, device=d).cpu(), torch.rand(3, device=d).cpu())
