@@ -692,3 +692,18 @@ def test_rand_into_an_out_to_resize_draws_once():
         torch.rand(10, 10, out=b)
         assert torch.equal(a.cpu(), b.cpu())
         assert not torch.equal(torch.rand(3, device=d).cpu(), torch.rand(3, device=d).cpu())
+
+
+def test_tensor_of_a_list_of_device_scalars():
+    """torch.tensor() of device 0-dim tensors reads each with the Python key excluded: the
+    backend's _local_scalar_dense (test_cartesian_prod, test_combinations)."""
+    from itertools import combinations, product
+
+    def build(d):
+        a = torch.tensor([1, 2], device=d)
+        b = torch.tensor([1, 2, 3], device=d)
+        return torch.cat([torch.tensor(list(product(a, b)), device=d),
+                          torch.tensor(list(combinations(b, r=2)), device=d)])
+    ref, got = both(build)
+    same(ref, got)
+    assert torch.tensor([torch.tensor(2.5, device=DEV)]).tolist() == [2.5]
