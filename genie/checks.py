@@ -28,7 +28,6 @@ Two kinds:
 from __future__ import annotations
 
 import re
-import warnings
 from typing import Any
 
 import optree
@@ -53,7 +52,8 @@ _PROBED = frozenset(op for packet in (*_MATMULS, aten.complex, aten.polar) for o
 _RANDOM_PROBED = frozenset(op for packet in (
     aten.random_, aten.random, aten.uniform_, aten.uniform, aten.normal_, aten.cauchy_,
     aten.cauchy, aten.log_normal_, aten.log_normal, aten.exponential_, aten.exponential,
-    aten.geometric_, aten.geometric, aten.randint, aten.randint_like)
+    aten.geometric_, aten.geometric, aten.randint, aten.randint_like, aten.rand, aten.rand_like,
+    aten.randn, aten.randn_like, aten.normal, aten.bernoulli_)
     for op in (getattr(packet, name) for name in packet.overloads()))
 # ATen's dispatch macros' "kernel not compiled for this dtype": "max_all" not implemented for
 # 'ComplexFloat'. The host's kernels are not the device's (CUDA has others): never eager's verdict
@@ -168,8 +168,8 @@ def _empty(x: Any) -> Any:
 
 
 def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
-    """Run ``func`` on empty host tensors of the leaves' dtypes and ranks; raise what it raises,
-    and warn what it warns (``random_`` beyond a float's exact integers)."""
+    """Run ``func`` on empty host tensors of the leaves' dtypes and ranks; raise what it raises.
+    (What it warns reaches the user where the call returns, as eager's warning.)"""
     # by the class's identity (hashing the class tuple hashes the op: Python code) and the int
     # constants' values, which the class holds by type only (pow(x, -1) raises, pow(x, 2) not);
     # the value holds the class, so its id is not reused while the verdict lives. A random op's
@@ -179,37 +179,57 @@ def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
                             (random and type(x) is float)))
     got = _verdicts.get(key)
     if got is not None and got[0] is klass:
-        err, warned = got[1], got[2]
+        err = got[1]
     else:
         err = None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        try:
+            args, kwargs = optree.tree_unflatten(spec, [_empty(x) for x in leaves])
+            if random:
+                args, kwargs = _private_rng(func, list(args), dict(kwargs))
+            from .meta import disable_modes
+            state = torch.get_rng_state() if random else None
             try:
-                args, kwargs = optree.tree_unflatten(spec, [_empty(x) for x in leaves])
-                if random:
-                    args, kwargs = _private_rng(func, list(args), dict(kwargs))
-                from .meta import disable_modes
-                state = torch.get_rng_state() if random else None
-                try:
-                    with disable_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):
-                        func(*args, **kwargs)  # (the host's autocast is no part of the call)
-                finally:
-                    if state is not None:
-                        torch.set_rng_state(state)
-            except NotImplementedError:
-                pass
-            except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
-                if not _NO_KERNEL_FOR_DTYPE.search(str(e)):
-                    err = e
-        warned = tuple((w.category, str(w.message)) for w in caught
-                       if issubclass(w.category, UserWarning))
+                with disable_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):
+                    func(*args, **kwargs)  # (the host's autocast is no part of the call)
+            finally:
+                if state is not None:
+                    torch.set_rng_state(state)
+        except NotImplementedError as e:
+            if random:  # (below)
+                err = e
+        except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
+            # (the random kernels cover the same dtypes on every device: rand of an integer
+            # dtype is refused everywhere)
+            if random or not _NO_KERNEL_FOR_DTYPE.search(str(e)):
+                err = e
         if len(_verdicts) >= 1 << 16:
             _verdicts.clear()
-        _verdicts[key] = (klass, err, warned)
-    for category, message in warned:
-        warnings.warn(message, category, stacklevel=2)
+        _verdicts[key] = (klass, err)
     if err is not None:
         raise type(err)(*err.args).with_traceback(None) from None
+
+
+#: ``random_`` into a floating tensor warns, on every call, where its bounds exceed the dtype's
+#: exact integers ("to - 1 is out of bounds [-(2^24), 2^24] ..."): eager's kernel warns, also on
+#: an empty tensor, and a C++ warning reaches Python only where the user's call returns, so the
+#: probe cannot keep it with its verdict: a call whose verdict is cached runs the probe again.
+WARNS_EVERY_CALL = frozenset(getattr(p, n) for p in (aten.random_, aten.random)
+                             for n in p.overloads())
+
+
+def warn_again(func: Any, leaves: list[Any], spec: Any) -> None:
+    """The probe of a :data:`WARNS_EVERY_CALL` call of a floating tensor run again, uncached,
+    for its warnings (its verdict, cached, stands)."""
+    if not any(type(x) is TensorMeta and x.dtype.is_floating_point for x in leaves[:1]):
+        return
+    args, kwargs = optree.tree_unflatten(spec, [_empty(x) for x in leaves])
+    args, kwargs = _private_rng(func, list(args), dict(kwargs))
+    from .meta import disable_modes
+    try:
+        with disable_modes(), torch.no_grad():
+            func(*args, **kwargs)
+    except Exception:  # noqa: BLE001, S110 - raised (once) by the cached verdict's probe
+        pass
 
 
 def _private_rng(func: Any, args: list[Any], kwargs: dict[str, Any]) -> tuple[list, dict]:

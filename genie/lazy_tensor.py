@@ -654,6 +654,8 @@ def _entry(func: Any, pol: Any, key_parts: list[Any], leaves: list[Any], spec: A
             meta_cache.put(key, entry)
     else:
         _counts["meta_cache_hits"] += 1
+        if pol.random and func in checks.WARNS_EVERY_CALL:
+            checks.warn_again(func, _meta_leaves(leaves), spec)
     return entry, key is not None
 
 

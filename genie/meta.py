@@ -443,7 +443,9 @@ def _infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -
     _counts["meta_cache_misses"] += 1
     resize_by_numel = func in _RESIZE_BY_NUMEL
     try:
-        with disable_modes(), warnings.catch_warnings(record=resize_by_numel) as resized:
+        with disable_modes(), warnings.catch_warnings():
+            if resize_by_numel:  # the refs' words, not eager's (below)
+                warnings.simplefilter("ignore", UserWarning)
             out = func(*margs, **mkwargs)
     except NotImplementedError as e:
         raise UnsupportedOpError(func, f"no meta kernel to infer its output shape ({e}). "
@@ -481,9 +483,13 @@ def _infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) -
         given = optree.tree_unflatten(spec, leaves)[1].get("out")
         if type(given) is TensorMeta and _numel(given.shape) == _numel(metas[0].shape):
             metas[0] = given
-        elif _RESIZE_BY_NUMEL[func]:  # resized, as eager resizes it (and warns, in other words)
-            for w in resized or ():
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        elif _RESIZE_BY_NUMEL[func] and type(given) is TensorMeta:  # eager's kernel warns
+            n = _numel(metas[0].shape)
+            warnings.warn(
+                f"The number of elements in the out tensor of shape {list(given.shape)} is "
+                f"{_numel(given.shape)} which does not match the computed number of elements "
+                f"{n}. Note that this may occur as a result of rounding error. The out tensor "
+                f"will be resized to a tensor of shape ({n},).", UserWarning, stacklevel=2)
     consts = [None if isinstance(o, torch.Tensor) else o for o in flat]
     return MetaEntry(metas, out_spec, consts, output_plan(pol, metas), spec,
                      shape_class(func, spec, leaves, metas, out_spec, state), state)

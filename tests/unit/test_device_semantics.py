@@ -592,10 +592,12 @@ def test_random_argument_checks_at_the_call():
 
 
 def test_random_beyond_a_floats_exact_integers_warns_as_eager():
-    """random_(to) past 2**53 into float64 warns (eager's UserWarning), at the call."""
+    """random_(to) past 2**53 into float64 warns (eager's UserWarning), at the call, on every
+    call (a meta-cache hit too: test_random_from_to_*)."""
     for d in ("cpu", DEV):
-        with pytest.warns(UserWarning, match="out of bounds"):
-            torch.empty(3, dtype=torch.float64, device=d).random_(2 ** 60)
+        for _ in range(2):
+            with pytest.warns(UserWarning, match="out of bounds"):
+                torch.empty(3, dtype=torch.float64, device=d).random_(2 ** 60)
 
 
 def test_checks_of_in_place_and_complex_forms():
