@@ -709,3 +709,21 @@ def test_tensor_of_a_list_of_device_scalars():
     ref, got = both(build)
     same(ref, got)
     assert torch.tensor([torch.tensor(2.5, device=DEV)]).tolist() == [2.5]
+
+
+@pytest.mark.parametrize("op", ["fmod", "remainder", "floor_divide", "div_floor"])
+def test_integer_division_by_zero_raises_eagers_type(op):
+    """Integer division by zero is data-dependent: deferred (as on CUDA), then raised as eager's
+    RuntimeError('ZeroDivisionError') (Genie's ExecutionError is one), naming the op."""
+    def divide(d):
+        x = torch.arange(1, 5, device=d)
+        z = torch.zeros(4, dtype=torch.long, device=d)
+        r = torch.div(x, z, rounding_mode="floor") if op == "div_floor" else getattr(torch, op)(x, z)
+        return r.cpu()
+    with pytest.raises(RuntimeError, match="ZeroDivisionError") as ref:
+        divide("cpu")
+    with pytest.raises(RuntimeError, match="ZeroDivisionError") as got:
+        divide(DEV)
+    assert isinstance(got.value, type(ref.value))
+    assert isinstance(got.value, genie.errors.ExecutionError) and "failed on the device" in \
+        str(got.value)
