@@ -369,7 +369,8 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
 
 def _dense(x: Any) -> Any:
     """A contiguous TensorMeta of ``x``'s shape where ``x`` is one with internal overlap."""
-    if type(x) is not TensorMeta or not any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride)):
+    if type(x) is not TensorMeta or not any(
+            st == 0 and n > 1 for n, st in zip(x.shape, x.stride, strict=True)):
         return x
     return TensorMeta.of(torch.empty(x.shape, dtype=x.dtype, device="meta"), x.index)
 
@@ -382,7 +383,7 @@ def _overlapping_write(pol: OpPolicy, leaves: list[Any], spec: Any) -> bool:
         a = pol.arg(pos, args, kwargs)
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
             if type(t) is TensorMeta and any(st == 0 and n > 1
-                                             for n, st in zip(t.shape, t.stride)):
+                                             for n, st in zip(t.shape, t.stride, strict=True)):
                 return True
     return False
 

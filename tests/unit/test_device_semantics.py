@@ -718,7 +718,8 @@ def test_integer_division_by_zero_raises_eagers_type(op):
     def divide(d):
         x = torch.arange(1, 5, device=d)
         z = torch.zeros(4, dtype=torch.long, device=d)
-        r = torch.div(x, z, rounding_mode="floor") if op == "div_floor" else getattr(torch, op)(x, z)
+        r = torch.div(x, z, rounding_mode="floor") if op == "div_floor" else \
+            getattr(torch, op)(x, z)
         return r.cpu()
     with pytest.raises(RuntimeError, match="ZeroDivisionError") as ref:
         divide("cpu")
