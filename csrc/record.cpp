@@ -2410,6 +2410,150 @@ PyObject* ctx_pop(PyObject* /*self*/, PyObject* entry) {
   });
 }
 
+// --- nn.Module.__call__ while contexts are on ------------------------------------------------
+//
+// genie.context installs a ModuleCall as nn.Module.__call__ (a C function in place of a Python
+// wrapper): a module call that never touches the device decides so here, without a Python frame
+// (the Python wrapper cost an eager 8-layer MLP forward ~1.2-1.4x; this check costs it ~1%:
+// docs/semantics.md). Its outcomes:
+//   - no module call of the device running on this thread and every tensor argument
+//     (positional and keyword) on another device: torch's own __call__, nothing else;
+//   - inside a device module call, a submodule its outermost module names: ctx_push's context
+//     around torch's __call__ (popped however the call ends);
+//   - anything else (a device tensor among the arguments, no tensor argument, a module the
+//     outermost one does not name): genie.context._module_call decides, in Python.
+// Read on the class (`nn.Module.__call__`) it is torch's own function: TorchDynamo reads
+// `type(m).__call__` and inlines that, so traced code never sees Genie's check. Read on a module
+// (`m.__call__`, as transformers' generate takes `model_forward = self.__call__`) it is this
+// object bound to the module, so such calls get their context. The type's method-descriptor
+// flag makes `m(x)` call it with the module first, no bound method made.
+
+struct ModuleCall {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* orig;  // nn.Module.__call__ as torch defines it
+  PyObject* slow;  // genie.context._module_call
+};
+
+// 1: every tensor among the arguments is on a device other than remote_accelerator and there
+// is at least one; 0: otherwise (Python decides).
+int host_only(PyObject* const* args, Py_ssize_t n, PyObject* kwnames) {
+  const Py_ssize_t nk = kwnames != nullptr ? PyTuple_GET_SIZE(kwnames) : 0;
+  bool seen = false;
+  for (Py_ssize_t i = 0; i < n + nk; ++i) {
+    PyObject* a = args[i];
+    if (!THPVariable_Check(a)) {
+      continue;
+    }
+    if (Py_TYPE(a) == S.lazy ||
+        THPVariable_Unpack(a).device().type() == c10::DeviceType::PrivateUse1) {
+      return 0;
+    }
+    seen = true;
+  }
+  return seen ? 1 : 0;
+}
+
+PyObject* module_call_vectorcall(PyObject* callable, PyObject* const* args, size_t nargsf,
+                                 PyObject* kwnames) {
+  auto* self = reinterpret_cast<ModuleCall*>(callable);
+  const Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  if (n < 1 || !CX.ready || !S.ready) {
+    return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+  }
+  PyObject* entry = guarded([&]() -> PyObject* {
+    ThreadObjects& t = const_cast<ThreadObjects&>(this_thread());
+    if (!ctx_lists(t)) {
+      Py_RETURN_NONE;
+    }
+    if (PyList_GET_SIZE(t.ctx_modules) == 0) {
+      if (host_only(args + 1, n - 1, kwnames)) {
+        return new_ref(Py_True);  // torch's call, nothing else
+      }
+      Py_RETURN_NONE;
+    }
+    return ctx_push_impl(args[0]);
+  });
+  if (entry == nullptr) {
+    return nullptr;
+  }
+  if (entry == Py_None) {
+    Py_DECREF(entry);
+    return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+  }
+  if (entry == Py_True) {
+    Py_DECREF(entry);
+    return PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
+  }
+  PyObject* r = PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb);  // the call's error, if any, survives the pop
+  PyObject* popped = ctx_pop(nullptr, entry);
+  Py_DECREF(entry);
+  if (popped == nullptr) {
+    if (r == nullptr) {
+      PyErr_Clear();  // the call's own error is the one to raise
+    } else {
+      Py_DECREF(r);
+      Py_XDECREF(et);
+      Py_XDECREF(ev);
+      Py_XDECREF(tb);
+      return nullptr;
+    }
+  } else {
+    Py_DECREF(popped);
+  }
+  PyErr_Restore(et, ev, tb);
+  return r;
+}
+
+PyObject* module_call_get(PyObject* self, PyObject* obj, PyObject* /*type*/) {
+  if (obj == nullptr || obj == Py_None) {
+    return new_ref(reinterpret_cast<ModuleCall*>(self)->orig);
+  }
+  return PyMethod_New(self, obj);  // `m.__call__` (transformers' generate calls the model so)
+}
+
+void module_call_dealloc(PyObject* self) {
+  auto* m = reinterpret_cast<ModuleCall*>(self);
+  Py_XDECREF(m->orig);
+  Py_XDECREF(m->slow);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyTypeObject ModuleCallType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject* module_call_new(PyObject* /*module*/, PyObject* const* args, Py_ssize_t n) {
+  if (n != 2 || !PyCallable_Check(args[0]) || !PyCallable_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "_module_call(orig, slow) takes nn.Module.__call__ and the Python wrapper");
+    return nullptr;
+  }
+  if (ModuleCallType.tp_name == nullptr) {
+    ModuleCallType.tp_name = "genie._C.ModuleCall";
+    ModuleCallType.tp_basicsize = sizeof(ModuleCall);
+    ModuleCallType.tp_flags =
+        Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR;
+    ModuleCallType.tp_doc = "nn.Module.__call__ while genie.context is active (csrc/record.cpp)";
+    ModuleCallType.tp_vectorcall_offset = offsetof(ModuleCall, vectorcall);
+    ModuleCallType.tp_call = PyVectorcall_Call;
+    ModuleCallType.tp_descr_get = module_call_get;
+    ModuleCallType.tp_dealloc = module_call_dealloc;
+    if (PyType_Ready(&ModuleCallType) < 0) {
+      ModuleCallType.tp_name = nullptr;
+      return nullptr;
+    }
+  }
+  auto* m = PyObject_New(ModuleCall, &ModuleCallType);
+  if (m == nullptr) {
+    return nullptr;
+  }
+  m->vectorcall = module_call_vectorcall;
+  m->orig = new_ref(args[0]);
+  m->slow = new_ref(args[1]);
+  return reinterpret_cast<PyObject*>(m);
+}
+
 bool context_init(const py::dict& objs) {
   CtxState c;
   c.tls = object_of(objs, "tls");
@@ -2447,6 +2591,10 @@ PyMethodDef methods[] = {
      "module call and return the stack entry, or None where the Python code decides."},
     {"_ctx_pop", ctx_pop, METH_O,
      "Pop the entry _ctx_push returned, if it is still on top, restoring the outer context."},
+    {"_module_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(module_call_new)),
+     METH_FASTCALL,
+     "_module_call(orig, slow): the object genie.context installs as nn.Module.__call__ (calls "
+     "that never touch the device go straight to orig, natively; see csrc/record.cpp)."},
     {"_record_factory",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_factory)), METH_FASTCALL,
      "_record_factory(func, args, kwargs): a factory call recorded natively where the common case "

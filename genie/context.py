@@ -22,10 +22,12 @@ of one attribute per node:
   ``optimizer_state`` (recorded by an optimizer step), ``input`` (uploaded host data) or
   ``activation``.
 
-The hooks (a wrapper around ``nn.Module.__call__`` rather than torch's global module hooks, which
-would take every module call of the process off its fast path; and global optimizer step hooks)
-are installed when the first tensor is put on the device (:func:`activate`, called by uploads and
-factories), not at import: programs that never use the device pay nothing. ``GENIE_CONTEXT=0`` leaves them off (nodes then have no
+The hooks (a native object in place of ``nn.Module.__call__`` rather than torch's global module
+hooks, which would take every module call of the process off its fast path; and global optimizer
+step hooks) are installed when the first tensor is put on the device (:func:`activate`, called by
+uploads and factories), not at import: programs that never use the device pay nothing, and a
+module call that never touches the device is told so natively, before any Python of Genie's
+runs (csrc/record.cpp, ``ModuleCall``). ``GENIE_CONTEXT=0`` leaves them off (nodes then have no
 context). Measured cost: see docs/semantics.md ("Meaning on the default path").
 
 Example:
@@ -47,20 +49,22 @@ from typing import Any
 
 import torch
 
-from ._C import _context_init, _ctx_pop, _ctx_push
+from ._C import _context_init, _module_call as _native_module_call
 from .graph import current
 from .stats import _counts, bump, sync
 
 _on = os.environ.get("GENIE_CONTEXT", "1").strip() != "0"
-# A submodule's context inside a module call pushed and popped natively (csrc/record.cpp,
-# _ctx_push: the inline path below; ~1 instead of ~2.4 µs per call, the wrapper's frame
-# included); 0: the Python path.
+# nn.Module.__call__ replaced by a native object (csrc/record.cpp, ModuleCall): a call that
+# never touches the device goes straight to torch's __call__ and a submodule's context inside a
+# module call is pushed natively; everything else comes to _module_call. 0: _module_call itself
+# is installed (the reference path, a Python frame on every module call of the process).
 _native = os.environ.get("GENIE_NATIVE_CONTEXT", "1").strip() != "0"
 _compiling = torch.compiler.is_compiling
 _active = False
 _lock = threading.Lock()
 _handles: list[Any] = []
 _orig_call: Any = torch.nn.Module.__call__
+_installed: Any = None  # what activate() put in nn.Module.__dict__["__call__"]
 
 
 class Call:
@@ -134,7 +138,7 @@ _names: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyDictiona
 def activate() -> None:
     """Install the module call wrapper and optimizer hooks (idempotent; a no-op with
     ``GENIE_CONTEXT=0``)."""
-    global _active, _orig_call
+    global _active, _orig_call, _installed
     if _active or not _on:
         return
     with _lock:
@@ -145,9 +149,12 @@ def activate() -> None:
         # Not torch's global module hooks: with any installed, every module call of the process
         # leaves nn.Module's fast path for the hook-processing one (8.8 µs per call, measured in
         # docs/semantics.md). One wrapper around Module.__call__ keeps the fast path and gets the
-        # call's kwargs (where models take their KV cache) without reading a frame.
+        # call's kwargs (where models take their KV cache) without reading a frame; the native
+        # one costs a module that never touches the device no Python frame (reading
+        # Module.__call__ still gives torch's function: TorchDynamo inlines that one).
         _orig_call = torch.nn.Module.__call__
-        torch.nn.Module.__call__ = _module_call
+        _installed = _native_module_call(_orig_call, _module_call) if _native else _module_call
+        torch.nn.Module.__call__ = _installed
         _handles[:] = [
             optim.register_optimizer_step_pre_hook(_opt_pre),
             optim.register_optimizer_step_post_hook(_opt_post)]
@@ -161,7 +168,7 @@ def deactivate() -> None:
     cost."""
     global _active
     with _lock:
-        if torch.nn.Module.__call__ is _module_call:
+        if _installed is not None and torch.nn.Module.__dict__.get("__call__") is _installed:
             torch.nn.Module.__call__ = _orig_call
         for h in _handles:
             h.remove()
@@ -175,19 +182,14 @@ def deactivate() -> None:
 def _module_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     """``nn.Module.__call__`` while the context is active: the module's context around the
     original call (popped however the call ends, as an ``always_call`` forward hook would be).
+    By default the native ``ModuleCall`` is installed and calls this only for what it does not
+    decide itself (its two fast paths are the first two branches below).
 
     A submodule called inside a module call (55 a token in a GPT-2 decode) takes the inline
     path: its name from the outermost module's names, its :class:`Context` interned on the
     call, no helper calls (~1.5 µs less per module call than :func:`_enter` / :func:`_leave`)."""
     if _compiling():  # first: dynamo traces this wrapper and must see nothing else of it
         return _orig_call(self, *args, **kwargs)
-    if _native:
-        entry = _ctx_push(self)  # the inline path below, natively; None: decided below
-        if entry is not None:
-            try:
-                return _orig_call(self, *args, **kwargs)
-            finally:
-                _ctx_pop(entry)
     st = _tls.modules
     if not st and _host_call(args, kwargs):  # an eager model in this process: no context
         return _orig_call(self, *args, **kwargs)

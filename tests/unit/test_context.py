@@ -15,12 +15,23 @@ D = "remote_accelerator"
 pytestmark = pytest.mark.skipif(not context._on, reason="GENIE_CONTEXT=0 turns the hooks off")
 
 
+def _use(native, monkeypatch):
+    """Install the native nn.Module.__call__ (csrc/record.cpp, ModuleCall) or the Python
+    wrapper context._module_call (GENIE_NATIVE_CONTEXT=0, the reference)."""
+    context.deactivate()
+    monkeypatch.setattr(context, "_native", native)
+    context.activate()
+
+
 @pytest.fixture(autouse=True, params=[True, False], ids=["native", "python"])
 def _push_path(request, monkeypatch):
-    """Every case both ways: a submodule's context pushed by csrc/record.cpp (_ctx_push) and by
-    the Python inline path of context._module_call (GENIE_NATIVE_CONTEXT=0, the reference)."""
-    monkeypatch.setattr(context, "_native", request.param)
-    return request.param
+    """Every case both ways: module calls decided and submodule contexts pushed natively, and
+    by the Python wrapper."""
+    _use(request.param, monkeypatch)
+    yield request.param
+    context.deactivate()
+    monkeypatch.setattr(context, "_native", True)
+    context.activate()
 
 
 def _contexts(t):
@@ -58,7 +69,7 @@ def test_native_and_python_pushes_give_the_same_contexts(monkeypatch):
     m.to(D)
     got = {}
     for native in (True, False):
-        monkeypatch.setattr(context, "_native", native)
+        _use(native, monkeypatch)
         genie.reset_stats()
         x = torch.linspace(-1, 1, 24).reshape(1, 3, 8).to(D)
         with torch.no_grad():
@@ -381,3 +392,45 @@ def test_a_forward_leaves_no_cyclic_garbage():
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def test_an_eager_module_never_reaches_python_and_attribute_reads_see_torchs_call(_push_path):
+    """With the native ``nn.Module.__call__`` installed (the default), a module call that never
+    touches the device runs no Python of Genie's: torch's ``__call__`` directly, the values
+    eager's; a device call still reaches Genie. Reading ``Module.__call__``
+    gives torch's function (TorchDynamo inlines that one); ``m.__call__(x)``, as transformers'
+    ``generate`` calls its model, is the installed call bound to ``m``."""
+    import sys
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 2)))
+    x = torch.randn(3, 4)
+    want = torch.nn.functional.linear(
+        torch.relu(torch.nn.functional.linear(x, m[0].weight, m[0].bias)), m[2][0].weight,
+        m[2][0].bias)
+    entered = []
+    slow = context._module_call.__code__
+
+    def prof(frame, event, arg):  # noqa: ANN001, ANN202
+        if event == "call" and frame.f_code is slow:
+            entered.append(frame.f_locals["self"])
+
+    sys.setprofile(prof)
+    try:
+        got = m(x)
+        lazy = nn.Linear(4, 4).to(D)
+        y = lazy(torch.ones(1, 4, device=D))
+    finally:
+        sys.setprofile(None)
+    torch.testing.assert_close(got, want)
+    assert y._node.ctx.path == "" and y._node.ctx.cls == "Linear"
+    if _push_path:
+        assert entered == [lazy], entered  # the eager model: decided natively
+        assert type(nn.Module.__dict__["__call__"]).__name__ == "ModuleCall"
+        assert nn.Module.__call__ is context._orig_call  # what TorchDynamo inlines
+    else:
+        assert len(entered) == 6 and entered[-1] is lazy  # the reference: a frame per call
+    # a bound read (transformers' generate: model_forward = self.__call__) still gets a context
+    y = lazy.__call__(torch.ones(1, 4, device=D))
+    assert y._node.ctx.path == "" and y._node.ctx.cls == "Linear"
+    torch.testing.assert_close(m.__call__(x), want)
