@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .lazy_tensor import materialize
+
 _registered = False
 
 
@@ -37,7 +39,6 @@ def _is_lazy(t: torch.Tensor) -> bool:
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    from .lazy_tensor import materialize
 
     lazy = [t for t in tensors if _is_lazy(t)]
     if lazy:

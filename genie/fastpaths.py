@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from .lazy_tensor import LazyTensor
+
 _installed = False
 
 
@@ -35,8 +37,6 @@ def install() -> None:
     def forward(self: Any, src: torch.Tensor, mask: torch.Tensor | None = None,
                 src_key_padding_mask: torch.Tensor | None = None,
                 is_causal: bool | None = None) -> torch.Tensor:
-        from .lazy_tensor import LazyTensor
-
         if type(src) is LazyTensor and _takes_nested_path(self, src, mask, src_key_padding_mask):
             return _dense_encoder(self, src, src_key_padding_mask, is_causal)
         return original(self, src, mask, src_key_padding_mask, is_causal)

@@ -67,6 +67,7 @@ from .meta import states_seen
 from .planner import (Instr, PendingSlots, Slot, Tape, build_tape, held_after,
                       slice_nodes)
 from .stats import _counts
+from .tape_io import _meta_data, op_to_name, spec_to_data
 
 UPLOAD = "genie.upload"
 
@@ -1034,7 +1035,6 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node],
 def structure_key(plan: Plan) -> str:
     """BLAKE2b-128 hex digest of a plan's structure (ops by schema name, trees, constants,
     metadata, wiring); independent of ``id()``, object hashes and tensor values."""
-    from .tape_io import _meta_data, op_to_name, spec_to_data
 
     def leaf(x: Any) -> Any:
         if type(x) is Slot:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import _C
-from .device import DEVICE_TYPE
+from .device import DEVICE_TYPE, current_device, device_count
 from .errors import UnsupportedOpError
 
 aten = torch.ops.aten
@@ -146,7 +146,6 @@ def _deserialize(obj: Any, location: str) -> Any:
     m = _LOCATION.match(location) if isinstance(location, str) else None
     if m is None:
         return None
-    from .device import device_count
 
     index = int(m.group(2) or 0)
     if index >= device_count():
@@ -161,7 +160,6 @@ def _storage_to_device(self: Any, device: Any = None, non_blocking: bool = False
                        **kwargs: Any) -> Any:
     """``storage.remote_accelerator(device)``: the callable ``map_location`` of torch.load's
     docs (``lambda storage, loc: storage.remote_accelerator()``) and a storage's own move."""
-    from .device import current_device
 
     if isinstance(device, torch.device):
         index = device.index

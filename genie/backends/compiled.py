@@ -50,6 +50,7 @@ from typing import Any
 import optree
 import torch
 
+from ..config import logger
 from ..errors import ExecutionError
 from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
@@ -582,7 +583,6 @@ def _trial(tape: Tape, device: torch.device, art: Compiled) -> dict[int, Any]:
     A compilation that fails or disagrees is remembered as the plan's refusal reason (one warning)
     and never touches a real value; the step's values are eager's either way.
     """
-    from ..config import logger
     from . import _warned
 
     args = _args(tape, device, art)

@@ -66,6 +66,7 @@ from typing import Any
 import optree
 import torch
 
+from ..planner import MetaArg, Slot
 from ..semantics import flop_formula
 
 #: the endpoint name of this process (the client) in link keys
@@ -479,7 +480,6 @@ def _as_list(instrs: Iterable[Any]) -> list[Any]:
 
 
 def _instr_flops(ins: Any, known: dict[int, Any]) -> int:
-    from ..planner import MetaArg, Slot
 
     leaves: list[Any] = []
     for x in ins.leaves:

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..errors import GenieError
+
 logger = logging.getLogger("genie.pool")
 
 
@@ -176,7 +178,6 @@ def read_pool_file(path: str | Path) -> dict[str, Any]:
     try:
         d = json.loads(p.read_text())
     except (OSError, ValueError) as e:
-        from ..errors import GenieError
 
         raise GenieError(f"cannot read the Genie pool file {p}: {e}; start the pool with "
                          "genie-pool, which writes it") from None

@@ -1,4 +1,6 @@
-"""Layering of Genie's modules: no import cycle among module-level imports.
+"""Layering of Genie's modules: no import cycle among module-level imports, and no import of
+Genie's own modules inside a function but the listed ones (each deferring a heavy or optional
+dependency, or a known cycle still to be layered away).
 
 The core is layered (docs/architecture: ``graph`` at the bottom, then ``device``, ``meta``, the
 planner and plan cache, the backends and ``executor``, the tensor facade ``lazy_tensor``, then
@@ -118,3 +120,111 @@ def test_graph_has_the_core_edges() -> None:
     assert "genie.graph" in g["genie.planner"]
     assert "genie.executor" in g["genie.lazy_tensor"]
     assert "genie.meta" in g["genie.lazy_tensor"]
+
+
+# --- imports inside functions ---------------------------------------------------------------------
+#
+# A function-level import of one of Genie's own modules is allowed only where it defers a heavy
+# or optional dependency. Every one left is listed here, (module, function, imported module):
+# reason. "cycle" entries dodge an import cycle (a type or function on the wrong layer): known
+# layering debt, to be removed as the core is layered (issue 28), never added to.
+_DEFERS_ZMQ = "defers the remote client (pyzmq, msgpack: the optional 'remote' extra)"
+_DEFERS_RAY = "defers the pool's server side and ray (the optional 'pool' extra)"
+_PLUGINS = "registers the built-in passes/backends on first use (their modules import the registry)"
+_CYCLE = "cycle (layering debt)"
+ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str, str], str] = {
+    ("genie", "_autoload", "genie.device"):
+        "torch's backend autoload entry point: runs while genie/__init__ has not imported torch",
+    ("genie.backends", "_load_builtin", "genie.backends.compiled"): _PLUGINS,
+    ("genie.backends", "_load_builtin", "genie.backends.eager"): _PLUGINS,
+    ("genie.backends.codegen", "_rng_call", "genie.backends.eager"): _CYCLE,
+    ("genie.backends.compiled", "_trial", "genie.backends"): _CYCLE,
+    ("genie.backends.remote", "connect", "genie.remote.client"): _DEFERS_ZMQ,
+    ("genie.backends.remote", "connect", "genie.remote.pool"): _DEFERS_RAY,
+    ("genie.backends.remote", "connect", "genie.remote.placement"): _DEFERS_ZMQ,
+    ("genie.backends.remote", "_upload_now", "genie.remote.protocol"): _DEFERS_ZMQ,
+    ("genie.backends.remote", "fetch_values", "genie.remote.client"): _DEFERS_ZMQ,
+    ("genie.backends.remote", "_run_split", "genie.remote.client"): _DEFERS_ZMQ,
+    ("genie.backends.remote", "run", "genie.remote.client"): _DEFERS_ZMQ,
+    ("genie.backends.remote", "run", "genie.remote.protocol"): _DEFERS_ZMQ,
+    ("genie.checks", "probe", "genie.meta"): _CYCLE,
+    ("genie.checks", "check_index_put", "genie.meta"): _CYCLE,
+    ("genie.device", "_native", "genie"): "the native module once genie/__init__ loaded it",
+    ("genie.dynamo", "install", "genie.factories"): "defers torch._dynamo's backend setup",
+    ("genie.dynamo", "install", "genie.lazy_tensor"): "defers torch._dynamo's backend setup",
+    ("genie.factories", "_register_refusals", "genie.checks"): _CYCLE,
+    ("genie.memory", "_remote_session", "genie.backends.remote"): _CYCLE,
+    ("genie.memory", "_real", "genie.device"): _CYCLE,
+    ("genie.memory", "tape_high_water", "genie.meta"): _CYCLE,
+    ("genie.memory", "_idx", "genie.device"): _CYCLE,
+    ("genie.passes", "optimize", "genie.passes.cse"): _PLUGINS,
+    ("genie.passes", "optimize", "genie.passes.dce"): _PLUGINS,
+    ("genie.passes", "verify", "genie.backends.compiled"): _CYCLE,
+    ("genie.passes", "verify", "genie.backends.eager"): _CYCLE,
+    ("genie.passes", "verify", "genie.device"): _CYCLE,
+    ("genie.passes.fold", "fold", "genie.backends.eager"): _CYCLE,
+    ("genie.passes.pipeline", "_verify_run", "genie.backends.compiled"): _CYCLE,
+    ("genie.passes.pipeline", "_verify_run", "genie.backends.eager"): _CYCLE,
+    ("genie.passes.pipeline", "_verify_run", "genie.passes"): _CYCLE,
+    ("genie.passes.pipeline", "_load_builtin", "genie.passes.cse"): _PLUGINS,
+    ("genie.passes.pipeline", "_load_builtin", "genie.passes.dce"): _PLUGINS,
+    ("genie.passes.pipeline", "_load_builtin", "genie.passes.fold"): _PLUGINS,
+    ("genie.passes.pipeline", "_load_builtin", "genie.passes.recompute"): _PLUGINS,
+    ("genie.passes.recompute", "recompute", "genie.passes.pipeline"): _CYCLE,
+    ("genie.remote.peer", "read_values", "genie.remote.guard"): _CYCLE,
+    ("genie.remote.pool", "server_flags", "genie.remote.server"): _DEFERS_RAY,
+    ("genie.remote.pool", "main", "genie.remote.server"): _DEFERS_RAY,
+    ("genie.remote.pool", "__init__", "genie.backends"): _CYCLE,
+    ("genie.remote.pool", "__init__", "genie.remote.server"): _DEFERS_RAY,
+    ("genie.remote.residency", "before_run", "genie.remote.client"): _CYCLE,
+    ("genie.remote.residency", "ran", "genie.remote.client"): _CYCLE,
+    ("genie.remote.residency", "_recipe", "genie.remote.client"): _CYCLE,
+    ("genie.remote.residency", "relieve", "genie.remote.client"): _CYCLE,
+}
+
+
+def function_level_imports() -> set[tuple[str, str, str]]:
+    """(module, function, imported module) for every import of one of the package's modules
+    inside a function (a method counts under its own name; nested functions too)."""
+    mods = _modules()
+    out: set[tuple[str, str, str]] = set()
+    for name, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        package = name if is_pkg else name.rpartition(".")[0]
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for st in ast.walk(fn):
+                if isinstance(st, ast.ImportFrom):
+                    if st.level:
+                        parts = package.split(".")
+                        parts = parts[:len(parts) - (st.level - 1)]
+                        base = ".".join(parts + ([st.module] if st.module else []))
+                    else:
+                        base = st.module or ""
+                    targets = {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                               for a in st.names}
+                elif isinstance(st, ast.Import):
+                    targets = {a.name for a in st.names}
+                else:
+                    continue
+                out |= {(name, fn.name, t) for t in targets if t in mods}
+    return out
+
+
+def test_function_level_imports_only_where_listed() -> None:
+    found = function_level_imports()
+    new = sorted(found - ALLOWED_FUNCTION_IMPORTS.keys())
+    assert not new, (
+        "imports of genie's own modules inside functions: " + ", ".join(
+            f"{f} in {m} imports {t}" for m, f, t in new) + ". Import at module level; if that "
+        "makes a cycle, move the shared code down a layer (docs/architecture.md). Only a heavy "
+        "or optional dependency may be deferred: then list it in ALLOWED_FUNCTION_IMPORTS with "
+        "its reason.")
+    gone = sorted(ALLOWED_FUNCTION_IMPORTS.keys() - found)
+    assert not gone, f"no longer imported inside a function: remove from the table: {gone}"
+
+
+def test_function_level_import_counter_sees_one() -> None:
+    # a sanity check that the test can fail: a plugin registration that stays deferred
+    assert ("genie.backends", "_load_builtin", "genie.backends.eager") in function_level_imports()
