@@ -76,6 +76,7 @@ import torch
 from .. import backends, memory
 from ..config import logger
 from ..graph import same_const
+from ..meta import policy
 from ..planner import Instr, MetaArg, PendingSlots, Slot, Tape
 from ..remote import QuotaExceededError
 from ..stats import bump
@@ -306,6 +307,7 @@ class Script:
     """An optimized plan: the edits, the state of its verification and gate, its figures."""
 
     where: str | None = None  # "remote": prepared for a server (_remote_run)
+    budget: int | None = None  # remote: the budget it was prepared for
 
     def __init__(self, plan: Any, edits: list[Edit], consts: dict[int, torch.Tensor],
                  frozen: dict[int, list[Any]], changed_by: tuple[str, ...], memory_pass: bool,
@@ -373,12 +375,13 @@ class Script:
 class _Off:
     """A plan the passes leave alone (nothing changed, or rolled back, or rejected)."""
 
-    __slots__ = ("gen", "state", "where")
+    __slots__ = ("gen", "state", "where", "budget")
 
     def __init__(self, state: str = "off") -> None:
         self.gen = _config["gen"]
         self.state = state
         self.where: str | None = None  # "remote": prepared for a server (_remote_run)
+        self.budget: int | None = None  # remote: the budget it was prepared for
 
 
 def _same_leaves(a: list[Any], b: list[Any]) -> bool:
@@ -464,53 +467,95 @@ QUOTA_SHARE = 0.9
 def _remote_run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]:
     """A tape for a server: ``recompute`` alone, when configured, under the smaller of the
     memory budget and the session's quota (:data:`QUOTA_SHARE` of it), so that a step whose
-    peak passes the quota recomputes activations instead of failing. Not verified against
-    eager (that needs the values here); ``recompute`` only frees values and runs pure
+    peak passes the quota recomputes activations instead of failing.
+
+    The client's estimate of a tape's peak is a bound for the tape it holds; the server vets
+    the tape it runs (decomposed to its opset: more intermediates). So a refusal of a tape the
+    server vetted whole before running anything (no op whose output size depends on data)
+    is answered by planning again for :data:`SHRINK` of the budget, a few times, before
+    ``genie.QuotaExceededError`` says that even recomputation does not fit. Not verified
+    against eager (that needs the values here); ``recompute`` only frees values and runs pure
     instructions again with their own arguments and ``(seed, offset)``, bit-equal by
     construction, as the embedded path verifies (tests/unit/test_step_tape.py,
-    tests/integration/test_eviction.py). ``genie.QuotaExceededError`` when even the
-    recomputing schedule does not fit."""
+    tests/integration/test_eviction.py)."""
     plan = tape.plan
     st = plan.artifacts.get("passes")
     if st is None or st.gen != _config["gen"] or getattr(st, "where", None) != "remote":
-        st = _Off()
-        quota = memory.session_quota(tape.index)
-        budget = memory_budget()
-        if quota is not None:
-            q = int(quota * QUOTA_SHARE)
-            budget = q if budget is None else min(budget, q)
-        # most tapes fit: one pass over the tape says so, before any preparation
-        if "recompute" in active_passes() and budget is not None and \
-                memory.memory_allocated(tape.index) + memory.tape_high_water(tape) > budget:
-            try:
-                st = _prepare(tape, ("recompute",), budget)
-            except Exception as e:  # as in run: a bug here must not cost the program its step
-                logger.warning("genie: recompute not applied to plan %s (%s: %s)",
-                               plan.key[:8], type(e).__name__, e)
+        st = _remote_prepare(tape, _remote_budget(tape), None)
+    tries = 0
+    while True:
+        opt = st.apply(tape) if type(st) is Script else None
+        if opt is None and type(st) is Script:
+            bump("passes_step_unoptimized")
+        try:
+            return (backends.run(tape, device)[0], tape) if opt is None else \
+                (backends.run(opt, device)[0], opt)
+        except QuotaExceededError as e:
+            budget = st.budget
+            if budget is not None and tries < len(SHRINK) and _vetted_before_running(tape):
+                st = _remote_prepare(tape, int(budget * SHRINK[tries]), st)
+                tries += 1
+                if type(st) is Script:
+                    continue
             if type(st) is Script:
-                st.state = "on (unverified: remote)"
+                note = (f"even with activations recomputed: the schedule's values peak at "
+                        f"{st.rec.figures['peak_after']} bytes on top of what the session holds")
+            elif st.state == "nothing to recompute":
+                note = ("even with activations recomputed: the recompute pass found no "
+                        "schedule that lowers this tape's peak enough (what the step keeps - "
+                        "parameters, gradients, optimizer state - and what it needs at once "
+                        "pass the quota)")
             else:
-                st.state = "nothing to recompute"
-        st.where = "remote"
-        plan.artifacts["passes"] = st
-    opt = st.apply(tape) if type(st) is Script else None
-    if opt is None and type(st) is Script:
-        bump("passes_step_unoptimized")
-    try:
-        return (backends.run(tape, device)[0], tape) if opt is None else \
-            (backends.run(opt, device)[0], opt)
-    except QuotaExceededError as e:
-        if type(st) is Script:
-            note = (f"even with activations recomputed: the schedule's values peak at "
-                    f"{st.rec.figures['peak_after']} bytes on top of what the session holds")
-        elif st.state == "nothing to recompute":
-            note = ("even with activations recomputed: the recompute pass found no schedule "
-                    "that lowers this tape's peak (what the step keeps - parameters, gradients, "
-                    "optimizer state - passes the quota by itself)")
-        else:
+                raise
+            e.args = (f"{e.args[0] if e.args else e} ({note})", *e.args[1:])
             raise
-        e.args = (f"{e.args[0] if e.args else e} ({note})", *e.args[1:])
-        raise
+
+
+#: budgets tried again, as shares of the last one, after a server refused a recomputed tape
+SHRINK = (0.8, 0.6, 0.4)
+
+
+def _remote_budget(tape: Tape) -> int | None:
+    quota = memory.session_quota(tape.index)
+    budget = memory_budget()
+    if quota is not None:
+        q = int(quota * QUOTA_SHARE)
+        budget = q if budget is None else min(budget, q)
+    # host tensors among the inputs are uploaded with this request: resident from its start,
+    # though the session does not hold them yet (a first step's weights)
+    if budget is not None:
+        budget -= sum(v.untyped_storage().nbytes() for v in tape.inputs.values()
+                      if isinstance(v, torch.Tensor))
+    return budget
+
+
+def _remote_prepare(tape: Tape, budget: int | None, prev: Any) -> Script | _Off:
+    """The plan's remote state for ``budget``; ``prev``: the state a refusal replaces (None:
+    the plan's first tape, which is left unoptimized when it fits by the client's estimate)."""
+    plan = tape.plan
+    st: Script | _Off = _Off()
+    if "recompute" in active_passes() and budget is not None and (
+            prev is not None or
+            memory.memory_allocated(tape.index) + memory.tape_high_water(tape) > budget):
+        try:
+            st = _prepare(tape, ("recompute",), budget)
+        except Exception as e:  # as in run: a bug here must not cost the program its step
+            logger.warning("genie: recompute not applied to plan %s (%s: %s)",
+                           plan.key[:8], type(e).__name__, e)
+        st.state = "on (unverified: remote)" if type(st) is Script else "nothing to recompute"
+    st.where = "remote"
+    st.budget = budget
+    plan.artifacts["passes"] = st
+    return st
+
+
+def _vetted_before_running(tape: Tape) -> bool:
+    """Whether the server vets ``tape`` whole before running any of it (no op whose output
+    size depends on data), so a quota refusal means nothing ran and it may be sent again."""
+    for ins in tape.instrs:
+        if isinstance(ins.op, torch._ops.OpOverload) and policy(ins.op).dynamic:
+            return False
+    return True
 
 
 def _prepare(tape: Tape, names: Sequence[str] | None = None, budget: int | None = None
