@@ -28,8 +28,9 @@ figures printed with ``-s``)::
   ``std_mlp1024`` (the issue's MLP), ``std_mlp128`` (activation-bound), ``std_gpt2`` (GPT-2
   4 x 256 AdamW, no dropout so eager's losses compare), each unoptimized against the default
   passes with the budget at half the unoptimized peak, eager in the same process; and
-  ``std_remote``: the GPT-2 loop through a loopback server whose quota is 60% and 90% of the
-  embedded unoptimized peak, without and with passes. Each row prints what the step keeps
+  ``std_remote``: the GPT-2 loop through a loopback server whose quota is 60% and 110% of the
+  embedded unoptimized peak, without and with passes (the server vets the tape it runs,
+  decomposed to its opset, with its own accounting: its peak is above the embedded one). Each row prints what the step keeps
   (parameters, gradients, optimizer state): a budget below it cannot be met by any schedule.
 
 ``GENIE_BENCH_ROUNDS``: timed steps per variant (default 5); step times are the best of them
@@ -352,7 +353,7 @@ def standard(which: str) -> None:
     _restore_gate(gate)
 
 
-def standard_remote(shares: tuple[float, ...] = (0.6, 0.9)) -> None:
+def standard_remote(shares: tuple[float, ...] = (0.6, 1.1)) -> None:
     """The GPT-2 standard loop through a loopback server whose session quota is a share of the
     embedded unoptimized peak: default passes (on a server: ``recompute`` under the quota)."""
     import tempfile
