@@ -146,3 +146,19 @@ def test_adamw_loop_equals_eager():
     assert got[0] == want[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1] + got[2], want[1] + want[2],
                                                   strict=True))
+
+
+def test_a_trigger_that_runs_nothing_leaves_the_step_for_the_next_one():
+    model = _model(D, 8, 2, False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8).to(D)
+    ready = torch.ones(3, device=D) * 2
+    ready.cpu()
+    genie.reset_stats()
+    model(x).square().mean().backward()
+    opt.step()
+    assert ready.cpu().tolist() == [2.0] * 3  # already computed: no tape, the step waits
+    w = model[0].weight
+    assert w._node.storages[w._out].pending_writes and genie.stats().get("step_tapes", 0) == 0
+    assert (ready + 1).sum().item() == 9.0  # the next tape that runs takes the step along
+    assert not w._node.storages[w._out].pending_writes and genie.stats()["step_tapes"] == 1
