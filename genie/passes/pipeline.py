@@ -649,7 +649,7 @@ def _lint(base: Tape, t: Tape) -> None:
                 raise ValueError(f"instruction {ins.uid} rewritten to {ins.op}: its spec and "
                                  f"leaves do not fit ({e}); build both with optree.tree_flatten("
                                  "(args, kwargs), none_is_leaf=True)") from None
-        for x, y in zip(ins.leaves, o.leaves) if not rewritten(ins, o) else ():
+        for x, y in zip(ins.leaves, o.leaves, strict=True) if not rewritten(ins, o) else ():
             if type(y) is Slot and type(x) is not Slot:
                 raise ValueError(f"it replaced a slot argument of {o.op} by a constant")
         for x in ins.leaves:
@@ -680,7 +680,7 @@ def _same_program(a: Tape, b: Tape) -> bool:
         if x.uid != y.uid or x.outs != y.outs or x.op is not y.op or x.spec != y.spec or \
                 x.rng != y.rng or len(x.leaves) != len(y.leaves) or \
                 any(p is not q and (type(p) is not Slot or type(q) is not Slot or p.id != q.id)
-                    for p, q in zip(x.leaves, y.leaves)):
+                    for p, q in zip(x.leaves, y.leaves, strict=True)):
             return False
     return True
 

@@ -305,7 +305,8 @@ def _standard_loop(device: str, steps: int, width: int, depth: int, batch: int) 
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, [p.grad.cpu() for p in m.parameters()], [p.detach().cpu() for p in m.parameters()]
+    params = list(m.parameters())
+    return losses, [p.grad.cpu() for p in params], [p.detach().cpu() for p in params]
 
 
 def test_a_step_over_the_quota_recomputes_instead_of_failing(remote) -> None:

@@ -133,7 +133,8 @@ def test_dropout_is_recomputed_with_the_values_it_had():
                if isinstance(p.artifacts.get("passes"), pipeline.Script)]
 
     def replays_rng(script):  # a random op of the plan runs twice: its value recomputed
-        origins = [e.origin for e, ins in zip(script.edits, script.tmpl) if ins.rng is not None]
+        origins = [e.origin for e, ins in zip(script.edits, script.tmpl, strict=True)
+                   if ins.rng is not None]
         return len(origins) > len(set(origins))
 
     assert any(replays_rng(s) for s in scripts)
