@@ -1,22 +1,25 @@
-"""Host overhead on real models: the six workloads of issue 11, genie against eager and ``torch._lazy``.
+"""Host overhead on real models: genie against eager (in genie's process and as a process
+without genie runs it) and ``torch._lazy``.
 
 Every row runs its variants interleaved (``interleave`` in conftest.py), so each ratio is the
-median of per-round paired ratios. Eager runs in the process Genie runs in; Genie's process-wide
-``nn.Module.__call__`` wrapper (``genie.context``) is removed before each eager and peer sample
-and installed before each genie one (``_pure``), so the baseline is eager as a process without
-Genie runs it (with the wrapper in place eager paid 3-5% of a GPT-2 token; 11% before its host
-check read keyword arguments: docs/benchmarks.md, issue 11). Each row also prints genie's host cost per recorded op,
-``(genie - eager) / ops``, where ``ops`` is what genie records for one call (ATen ops and
-factory calls, from ``genie.stats()``).
+median of per-round paired ratios. Eager runs twice, in the process genie runs in: ``eager`` as a
+user sees it there (genie's ``nn.Module.__call__`` in place, ``genie.context``: what every
+module call of a process that uses the device pays), and ``eager, no genie`` with it removed
+before each sample (``_pure``): eager as a process without genie runs it. ``eager/eager, no
+genie`` is what genie costs a model that never touches the device. Each row also prints genie's
+host cost per recorded op, ``(genie - eager) / ops``, where ``ops`` is what genie records for one
+call (ATen ops and factory calls, from ``genie.stats()``).
 
 | row | workload | one call |
 |---|---|---|
 | decode | GPT-2-sized (12 layers, width 768, 12 heads, vocab 1000, random weights), ``no_grad``, after a 64-token prompt | ``GENIE_BENCH_DECODE`` decode steps (default 4), the KV cache growing by one token per step across calls (every step a KV length not seen before, as in a real decode), each step's logits materialized |
-| generate | GPT-2 4 x 128 (4 heads, vocab 1000) | greedy ``generate`` of 32 new tokens, with a prompt length never seen before in every call (shapes new every round, as on a server); per token |
+| generate | GPT-2 4 x 128 (4 heads, vocab 1000) | greedy ``generate`` of 32 new tokens, with a prompt length never seen before in every call (shapes new every round, as on a server); per token. Two rows: ``model.generate(ids, max_new_tokens=32)`` as most scripts call it (no ``attention_mask``; the model's ``eos_token_id`` unset so that every call makes 32 tokens), and with ``attention_mask`` and ``min_new_tokens`` |
+| gpt2 train | GPT-2 12 x 768 (vocab 1000), batch 1 x 32 tokens, LM loss, AdamW | one training step (``loss.item()`` the one materialization) |
 | mlp256 | MLP 4 x Linear(256)+ReLU, batch 32, MSE, AdamW | one steady training step (``loss.item()`` the one materialization) |
 | mlp2048 | the same at 4 x Linear(2048), batch 64 | one step, default backend order |
 | record | a 2,000-op elementwise chain on 4x4 | record only (no materialization); per op; also against a "dispatch floor": a ``__torch_dispatch__`` subclass that records nothing and returns its input, the least any subclass-based backend pays per op |
 | warm | the same already-seen chain | record + materialize (plan cache warm); per op |
+| eager beside genie | an eager 8 x (Linear(64)+ReLU) MLP, batch 4, `no_grad` | one forward (17 module calls), `eager` against `eager, no genie` only |
 
 ``torch._lazy`` (TorchScript backend) runs the MLP and chain rows, and the GPT-2 rows with
 ``GENIE_BENCH_LAZY_GPT2=1`` (off by default: it recompiles for every new shape, minutes per row on
@@ -50,14 +53,16 @@ NEW_TOKENS = 32
 N_CHAIN = 2000
 
 
+PURE = "eager, no genie"
+
+
 def _pure(variants: dict[str, Callable[[], object]]) -> dict[str, Callable[[], object]]:
-    """Per variant, what runs before its samples (``interleave``'s ``before``): genie's module
-    wrapper (``genie.context``, process-wide once a tensor is on the device) installed for
-    genie's variants and removed for eager's and the peers', so that their baseline is eager as a
-    process without Genie runs it (with the wrapper in place eager paid 3-5% of a GPT-2 token,
-    11% before its host check read keyword arguments: docs/benchmarks.md, issue 11)."""
-    return {k: (context.activate if k.startswith("genie") else context.deactivate)
-            for k in variants}
+    """Per variant, what runs before its samples (``interleave``'s ``before``): genie's
+    ``nn.Module.__call__`` (``genie.context``, process-wide once a tensor is on the device)
+    installed for genie and ``eager`` (eager as it runs in a process that uses genie) and removed
+    for ``eager, no genie`` and the peers (eager as a process without genie runs it)."""
+    return {k: (context.activate if k.startswith("genie") or k == "eager"
+                else context.deactivate) for k in variants}
 
 
 def _rounds(n: int) -> int:
@@ -78,7 +83,7 @@ def _device_sync() -> None:
 
 
 def _variants(workloads, row, lazy: bool) -> dict[str, torch.device]:
-    devs = {"eager": _eager_device(), "genie": torch.device(workloads.dev)}
+    devs = {"eager": _eager_device(), PURE: _eager_device(), "genie": torch.device(workloads.dev)}
     if devs["eager"].type != "cpu":
         # torch._lazy's TorchScript backend is set up on the CPU here: a CPU peer beside CUDA
         # eager and genie would compare different kernels.
@@ -114,7 +119,7 @@ def _note_peer_failure(row, e: Exception) -> None:
 
 
 def _ratios(lazy: bool) -> list[tuple[str, str]]:
-    out = [("genie", "eager")]
+    out = [("genie", "eager"), ("genie", PURE), ("eager", PURE)]
     if lazy:
         out += [("genie", "torch._lazy"), ("torch._lazy", "eager")]
     return out
@@ -184,9 +189,13 @@ def test_gpt2_decode(benchmark, ratios, workloads) -> None:
                      "KV cache growing, no_grad, logits materialized", unit="ms/step", scale=1e3,
                      ratios=_ratios(LAZY_GPT2))
     variants = {}
+    models: dict[str, torch.nn.Module] = {}  # both eager variants run one model
     for name, dev in _variants(workloads, row, LAZY_GPT2).items():
         try:
-            model = _gpt2(12, 768, 12).to(dev)
+            key = "eager" if name == PURE else name
+            model = models.get(key)
+            if model is None:
+                model = models[key] = _gpt2(12, 768, 12).to(dev)
             variants[name] = _decode_run(model, dev, _sync(name, workloads))
         except Exception as e:  # noqa: BLE001 - the peer's failure is reported, genie's raised
             if name != "torch._lazy":
@@ -201,7 +210,7 @@ def test_gpt2_decode(benchmark, ratios, workloads) -> None:
 
 # --- GPT-2 4 x 128 greedy generate, new prompt length every call -------------------------------
 
-def _generate_run(model, dev: torch.device, start: int) -> Callable[[], object]:
+def _generate_run(model, dev: torch.device, start: int, mask: bool) -> Callable[[], object]:
     lengths = itertools.count(start)
 
     def run() -> torch.Tensor:
@@ -209,26 +218,86 @@ def _generate_run(model, dev: torch.device, start: int) -> Callable[[], object]:
         g = torch.Generator().manual_seed(n)
         ids = torch.randint(1, 1000, (1, n), generator=g).to(dev)
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                 min_new_tokens=NEW_TOKENS, do_sample=False)
+            if mask:
+                out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                     do_sample=False)
+            else:  # as most scripts call it
+                out = model.generate(ids, max_new_tokens=NEW_TOKENS)
+        assert out.shape[1] == n + NEW_TOKENS, out.shape
         return out.cpu()
 
     return run
 
 
-def test_gpt2_generate(benchmark, ratios, workloads) -> None:
-    benchmark.group = f"models: GPT-2 4 x 128 greedy generate of {NEW_TOKENS} tokens, new shapes"
+def _generate_model(dev: torch.device, mask: bool) -> torch.nn.Module:
+    model = _gpt2(4, 128, 4).to(dev)
+    if not mask:  # no end-of-text token: every call makes NEW_TOKENS tokens without being told
+        model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["no-mask", "mask"])
+def test_gpt2_generate(benchmark, ratios, workloads, mask: bool) -> None:
+    how = ("with attention_mask and min_new_tokens" if mask else
+           "generate(ids, max_new_tokens) without attention_mask")
+    benchmark.group = (f"models: GPT-2 4 x 128 greedy generate of {NEW_TOKENS} tokens, new "
+                       f"shapes, {how}")
     row = ratios.row(SUITE, f"GPT-2 4x128: greedy generate {NEW_TOKENS} tokens, prompt length new "
-                     "every round", unit="ms/token", scale=1e3, ratios=_ratios(LAZY_GPT2))
+                     f"every round, {how}", unit="ms/token", scale=1e3,
+                     ratios=_ratios(LAZY_GPT2))
     variants = {}
     for name, dev in _variants(workloads, row, LAZY_GPT2).items():
         # Every variant walks the same lengths (8, 9, ...): round k uses one length in all.
-        variants[name] = _generate_run(_gpt2(4, 128, 4).to(dev), dev, start=8)
+        variants[name] = _generate_run(_generate_model(dev, mask), dev, 8, mask)
     _drop_peer_failures(row, variants)
-    ops = _ops_of(_generate_run(_gpt2(4, 128, 4).to(workloads.dev), workloads.dev, 400))
+    ops = _ops_of(_generate_run(_generate_model(workloads.dev, mask), workloads.dev, 400, mask))
     workloads.interleave(benchmark, row, variants, rounds=_rounds(7), per=NEW_TOKENS,
                          before=_pure(variants))
     _host_us(row, ops / NEW_TOKENS)
+
+
+# --- GPT-2 12 x 768 training step ----------------------------------------------------------------
+
+def _gpt2_train_step(model, dev: torch.device) -> Callable[[], float]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (1, 32), generator=g).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def test_gpt2_train_step(benchmark, ratios, workloads) -> None:
+    benchmark.group = "models: GPT-2 12 x 768 training step, 1 x 32 tokens, AdamW"
+    row = ratios.row(SUITE, "GPT-2 12x768 vocab 1000: training step on 1 x 32 tokens, LM loss, "
+                     "AdamW (dropout off)", unit="ms/step", scale=1e3, ratios=_ratios(False))
+    devs = _variants(workloads, row, False)
+    if devs["eager"].type == "cuda":  # see test_mlp_train_step
+        del devs["eager"], devs[PURE]
+        row.notes.append("eager CUDA backward cannot run in a process with genie imported "
+                         "(PyTorch #161129): genie only")
+    variants: dict[str, Callable[[], object]] = {}
+    eager_step = None
+    for name, dev in devs.items():
+        if name == PURE and eager_step is not None:
+            variants[name] = eager_step  # one model and optimizer for both eager variants
+            continue
+        variants[name] = _gpt2_train_step(_gpt2(12, 768, 12).to(dev), dev)
+        if name == "eager":
+            eager_step = variants[name]
+    for fn in variants.values():  # optimizer state, plan cache
+        for _ in range(2):
+            fn()
+    ops = _ops_of(variants["genie"])
+    workloads.interleave(benchmark, row, variants, rounds=_rounds(5), before=_pure(variants))
+    _host_us(row, ops)
 
 
 # --- MLP training step ---------------------------------------------------------------------------
@@ -261,6 +330,7 @@ def test_mlp_train_step(benchmark, ratios, workloads, width: int, batch: int) ->
                      ratios=_ratios(True))
     devs = _variants(workloads, row, True)
     if devs["eager"].type == "cuda":
+        del devs[PURE]
         # PyTorch's autograd engine cannot run a CUDA backward in a process where a PrivateUse1
         # backend is registered (at::getAccelerator() is then PrivateUse1, CUDA nodes get no
         # stream: "opt_ready_stream && opt_parent_stream" assert, pytorch/pytorch#161129; seen
@@ -331,3 +401,28 @@ def test_chain_warm(benchmark, ratios, workloads) -> None:
     workloads.interleave(benchmark, row, variants, rounds=_rounds(9), per=N_CHAIN,
                          before=_pure(variants))
     _host_us(row, 1)
+
+
+# --- an eager model in a process that uses genie -------------------------------------------------
+
+def test_eager_forward_beside_genie(benchmark, ratios, workloads) -> None:
+    """What genie costs a model that never touches the device: an eager forward with genie's
+    ``nn.Module.__call__`` in place (``eager``) against the same forward with it removed
+    (``eager, no genie``); module-dense (17 module calls, ~2 ops each)."""
+    benchmark.group = "models: eager 8 x (Linear(64) + ReLU) forward beside genie"
+    row = ratios.row(SUITE, "eager MLP 8 x (Linear(64)+ReLU) batch 4 forward, no_grad, in a "
+                     "process using genie (17 module calls)", unit="µs/forward",
+                     ratios=[("eager", PURE)])
+    genie.materialize(torch.ones(1, device=workloads.dev) + 1)  # genie in use: contexts active
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(64, 64),
+                                                                 torch.nn.ReLU())])
+    x = torch.randn(4, 64)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+
+    variants = {"eager": forward, PURE: forward}
+    workloads.interleave(benchmark, row, variants, rounds=_rounds(40), inner=200,
+                         before=_pure(variants))
