@@ -2514,6 +2514,21 @@ PyObject* module_call_get(PyObject* self, PyObject* obj, PyObject* /*type*/) {
   return PyMethod_New(self, obj);  // `m.__call__` (transformers' generate calls the model so)
 }
 
+// Attributes read through to torch's function (`__name__`, `__qualname__`, ...), and
+// `__wrapped__` is that function: inspect.signature(m.__call__) and functools.wraps see torch's.
+PyObject* module_call_getattro(PyObject* self, PyObject* name) {
+  PyObject* orig = reinterpret_cast<ModuleCall*>(self)->orig;
+  if (PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__wrapped__") == 0) {
+    return new_ref(orig);
+  }
+  PyObject* r = PyObject_GenericGetAttr(self, name);
+  if (r == nullptr && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+    PyErr_Clear();
+    r = PyObject_GetAttr(orig, name);
+  }
+  return r;
+}
+
 void module_call_dealloc(PyObject* self) {
   auto* m = reinterpret_cast<ModuleCall*>(self);
   Py_XDECREF(m->orig);
@@ -2538,6 +2553,7 @@ PyObject* module_call_new(PyObject* /*module*/, PyObject* const* args, Py_ssize_
     ModuleCallType.tp_vectorcall_offset = offsetof(ModuleCall, vectorcall);
     ModuleCallType.tp_call = PyVectorcall_Call;
     ModuleCallType.tp_descr_get = module_call_get;
+    ModuleCallType.tp_getattro = module_call_getattro;
     ModuleCallType.tp_dealloc = module_call_dealloc;
     if (PyType_Ready(&ModuleCallType) < 0) {
       ModuleCallType.tp_name = nullptr;

@@ -434,3 +434,9 @@ def test_an_eager_module_never_reaches_python_and_attribute_reads_see_torchs_cal
     y = lazy.__call__(torch.ones(1, 4, device=D))
     assert y._node.ctx.path == "" and y._node.ctx.cls == "Linear"
     torch.testing.assert_close(m.__call__(x), want)
+    if _push_path:  # introspection of a module's __call__ sees what it saw without Genie
+        import inspect
+
+        assert str(inspect.signature(m.__call__)) == str(inspect.signature(
+            context._orig_call.__get__(m)))
+        assert m.__call__.__name__ == context._orig_call.__name__
