@@ -40,13 +40,6 @@ EXCLUSIONS: dict[str, str] = {
     "test_tensor_creation_ops.py::TestTensorCreation::test_block_diag":
         _NEW + "error text: block_diag of a cpu and a device tensor raises with another message "
         "than eager's 'torch.block_diag: input tensors must all be on the same device'",
-    "test_tensor_creation_ops.py::TestTensorCreation::test_linspace_complex*":
-        _NEW + "slow: all(cond) over a 1,000,000-element device tensor unbinds it into a "
-        "million outputs; binding them after the run costs ~40 us each (csrc replay), past the "
-        "120 s limit under load (eager: ~1 us each). bool() of each is read directly since "
-        "issue 29's second session (tests/unit/test_device_semantics.py)",
-    "test_tensor_creation_ops.py::TestTensorCreation::test_linspace_int[36]*":
-        _NEW + "slow: all(cond) over a 1,000,000-element device tensor (as test_linspace_complex*)",
     "test_tensor_creation_ops.py::TestAsArray::test_alias_from_dlpack_*":
         _F4 + "DLPack shares memory by its address, and a device tensor's memory is not in this "
         "process: t.__dlpack__()/torch.from_dlpack(t) raise BufferError saying to export "
