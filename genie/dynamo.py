@@ -31,6 +31,8 @@ compiles exactly as without Genie.
 from __future__ import annotations
 
 import functools
+import operator
+import os
 import sys
 from typing import Any
 
@@ -191,8 +193,58 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
 
     bump("dynamo_graphs")
     compiler = functools.partial(_graph_compiler, options=options or {})
+    decomps = core_aten_decompositions()
+    if _flash_attention_for_cpu(gm, example_inputs):
+        decomps.pop(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, None)
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
-                        decompositions=core_aten_decompositions())(gm, example_inputs)
+                        decompositions=decomps)(gm, example_inputs)
+
+
+def _flash_attention_for_cpu(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> bool:
+    """Where the graph runs on the embedded CPU: ``F.scaled_dot_product_attention`` calls become
+    the CPU's flash-attention op (and its backward), as eager's CPU kernel chooses and as
+    ``torch.compile`` on the CPU keeps them, instead of the math path the fake
+    ``remote_accelerator`` device would trace (the T x T attention matrix, forward and
+    backward). Only calls flash takes on the CPU: 4-D float inputs of one dtype, no dropout, no
+    grouped-query expansion, no mask (flash on the CPU wants it in the query's dtype). Returns whether a call was rewritten."""
+    from .backends.remote import clients
+    from .device import real_device
+
+    devs = {x.device.index or 0 for x in example_inputs if isinstance(x, torch.Tensor)
+            and x.device.type == "remote_accelerator"}
+    if clients() or os.environ.get("GENIE_SERVER") or len(devs) != 1 or \
+            real_device(devs.pop()).type != "cpu":
+        return False
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+             "enable_gqa")
+    defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
+                "enable_gqa": False}
+    done = False
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not torch._C._nn.scaled_dot_product_attention:
+            continue
+        a = {**defaults, **dict(zip(names, n.args)), **n.kwargs}
+        vals = [x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+                for x in (a["query"], a["key"], a["value"])]
+        if a["dropout_p"] != 0.0 or a["enable_gqa"] or a["attn_mask"] is not None or \
+                not all(isinstance(v, torch.Tensor) and v.dim() == 4 for v in vals) or \
+                len({v.dtype for v in vals}) != 1 or \
+                vals[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            continue
+        with gm.graph.inserting_before(n):
+            call = gm.graph.call_function(flash, (a["query"], a["key"], a["value"]),
+                                          {"dropout_p": 0.0, "is_causal": a["is_causal"],
+                                           "attn_mask": a["attn_mask"], "scale": a["scale"]})
+            out = gm.graph.call_function(operator.getitem, (call, 0))
+        out.meta.update(n.meta)
+        n.replace_all_uses_with(out)
+        gm.graph.erase_node(n)
+        done = True
+    if done:
+        gm.recompile()
+        bump("flash_attention_calls")
+    return done
 
 
 def _graph_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any],
@@ -239,7 +291,7 @@ def _refusal(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | None:
     for n in gm.graph.nodes:
         t = n.target
         if n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and \
-                torch.Tag.nondeterministic_seeded in t.tags:
+                torch.Tag.nondeterministic_seeded in t.tags and not _no_dropout(n):
             return (f"it draws random numbers ({t}); op by op, their values follow Genie's "
                     "(seed, offset) contract as in eager mode")
     host = graphs.host_nodes(gm)
@@ -250,6 +302,15 @@ def _refusal(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | None:
             return (f"it returns a value computed from device tensors on the host ({o.name}: "
                     f"{type(o.meta.get('val')).__name__})")
     return None
+
+
+def _no_dropout(n: torch.fx.Node) -> bool:
+    """A flash-attention call (seeded only for its dropout) with ``dropout_p == 0``: it draws
+    nothing (see :func:`_flash_attention_for_cpu`)."""
+    if n.target is not torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+        return False
+    p = n.kwargs.get("dropout_p", n.args[3] if len(n.args) > 3 else 0.0)
+    return p == 0.0
 
 
 def _caller(gm: torch.fx.GraphModule, g: Any) -> Any:
