@@ -123,9 +123,12 @@ def probed(func: Any) -> bool:
 def _pointwise_inplace(func: Any) -> bool:
     """An in-place op whose functional form is pointwise (``heaviside_``: the in-place forms do
     not all carry the tag their functional forms do)."""
-    if torch.Tag.inplace not in func.tags:
-        return False
     name = func._schema.name.split("::")[-1]
+    args = func._schema.arguments
+    # by schema, not by torch.Tag.inplace (a tag torch 2.11 does not have)
+    if not (name.endswith("_") and not name.endswith("__") and args and
+            args[0].alias_info is not None and args[0].alias_info.is_write):
+        return False
     packet = getattr(aten, name[:-1], None) if name.endswith("_") else None
     functional = getattr(packet, func._overloadname, None) if packet is not None else None
     return functional is not None and torch.Tag.pointwise in functional.tags
