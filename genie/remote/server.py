@@ -248,6 +248,10 @@ class Server:
         env = dict(os.environ)
         env.pop("GENIE_SERVER", None)
         env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # genie is imported explicitly
+        # CUDA must not be initialized in the zygote, or no forked worker can use it ("Cannot
+        # re-initialize CUDA in forked subprocess"): torch.cuda.is_available() asks NVML instead
+        # of the CUDA runtime (found on the first GPU run: every CUDA session failed to start)
+        env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         self._zygote = subprocess.Popen(
             [sys.executable, "-m", "genie.remote.worker", str(theirs.fileno()), cfg.to_json()],
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)

@@ -1023,6 +1023,10 @@ def zygote(ctl_fd: int, cfg: Config) -> int:
     exits when the front closes the socket (and dies with the front)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if torch.cuda.is_initialized():  # a forked worker could not use CUDA: fail now, clearly
+        raise RuntimeError("genie-server: CUDA was initialized in the zygote, so no session "
+                           "worker forked from it could use the GPU; start the server with "
+                           "PYTORCH_NVML_BASED_CUDA_CHECK=1 (genie-server sets it) and report this")
     ctl = socket.socket(fileno=ctl_fd)
     _send_line(ctl, {"zygote": os.getpid()})
     buf = b""
