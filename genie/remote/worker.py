@@ -936,6 +936,8 @@ def sandbox(cfg: Config) -> dict[str, Any]:
 def _cuda_limit(cfg: Config) -> None:
     dev = torch.device(cfg.device)
     if dev.type == "cuda":  # the caching allocator refuses past the quota's share (and slack)
+        if dev.index is None:  # "--device cuda": the current one (the fraction needs an index)
+            dev = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, (2 * cfg.quota) / total), dev)
 
