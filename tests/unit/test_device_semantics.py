@@ -715,6 +715,9 @@ def test_tensor_of_a_list_of_device_scalars():
 def test_integer_division_by_zero_raises_eagers_type(op):
     """Integer division by zero is data-dependent: deferred (as on CUDA), then raised as eager's
     RuntimeError('ZeroDivisionError') (Genie's ExecutionError is one), naming the op."""
+    if genie.device.real_device(0).type == "cuda":
+        pytest.skip("CUDA's integer division by zero does not raise (eager on CUDA neither): "
+                    "the oracle here is eager on the CPU")
     def divide(d):
         x = torch.arange(1, 5, device=d)
         z = torch.zeros(4, dtype=torch.long, device=d)
