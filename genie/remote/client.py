@@ -259,6 +259,8 @@ class Client:
             if self.session is not None:
                 return self
             self._check_alive()
+            if self._ctx is not None:  # left by a hello that failed: its sockets are closed
+                _retire(self._ctx)
             self._ctx = zmq.Context()
             self._sock, self._mon = self._socket(monitor=True)
             self._poller = zmq.Poller()
@@ -334,7 +336,7 @@ class Client:
                 s.close(linger=0)
         self._mon = self._sock = None
         if self._ctx is not None:
-            self._ctx.term()
+            _retire(self._ctx)
             self._ctx = None
 
     def _check_alive(self) -> None:
@@ -892,7 +894,7 @@ class Client:
                 s.close(linger=0)
         self._mon = self._sock = None
         if self._ctx is not None:
-            self._ctx.term()
+            _retire(self._ctx)
             self._ctx = None
         self.address = addr
         self.alive, self.lost, self.session = True, None, None
@@ -1128,6 +1130,15 @@ class Client:
             ld = h.get("ld")
             if type(ld) in (int, float) and ld >= 0:
                 self.load = (float(ld), time.monotonic())
+
+
+def _retire(ctx: zmq.Context) -> None:
+    """Terminate a client's ZeroMQ context off the caller's thread. ``term()`` waits until every
+    socket of the context is closed; one still open elsewhere (a heartbeat thread that did not
+    stop in time, a socket libzmq keeps for a monitor) must not hang the program: a context
+    dropped to the garbage collector ran ``term()`` inside the next request and hung a test run
+    for good (found by a clean-clone CI run). The sockets are closed with linger 0 before this."""
+    threading.Thread(target=ctx.term, name="genie-zmq-term", daemon=True).start()
 
 
 class _Pressure(Exception):
