@@ -109,8 +109,13 @@ def test_short_request_while_another_clients_long_tape_runs(workers: int) -> Non
             from genie.remote.protocol import unpack
 
             s.send_multipart([pack({"t": "hello", "rid": 1, "v": PROTOCOL_VERSION})])
-            assert s.poll(30000), "no answer to hello"  # sessions open whatever runs
-            tok = unpack(s.recv_multipart()[0])["session"]
+            while True:  # sessions open whatever runs (a "busy" note may come first)
+                assert s.poll(30000), "no answer to hello"
+                h = unpack(s.recv_multipart()[0])
+                if h.get("rid") == 1 and h.get("t") != "busy":
+                    break
+            assert h["t"] == "ok", h
+            tok = h["session"]
             s.send_multipart([pack({"t": "free", "rid": 2, "s": tok, "ids": []})])
             time.sleep(0.3)
             s.close(linger=0)
