@@ -162,6 +162,17 @@ def activate() -> None:
         _active = True
 
 
+def reinstall() -> None:
+    """Put Genie's module call back where a tracer replaced it: torch.fx's patcher (under
+    ``torch.compile``, ``make_fx``, ``torch.export``) restores ``nn.Module.__call__`` to what
+    reading the class gave it, torch's own function, which silently ended module contexts and
+    phase detection for the rest of the process (found by a full CI run: a compiled test before
+    the placement tests)."""
+    if _active and _installed is not None and \
+            torch.nn.Module.__dict__.get("__call__") is not _installed:
+        torch.nn.Module.__call__ = _installed
+
+
 def deactivate() -> None:
     """Remove the wrapper and hooks (nodes recorded from now on get no context); :func:`activate`
     or the next upload installs them again unless ``GENIE_CONTEXT=0``. For measuring what they

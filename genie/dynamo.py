@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from . import context
 from .config import logger
 from .stats import bump
 
@@ -111,16 +112,32 @@ def install_hooks() -> None:
         VariableBuilder._type_dispatch_impl(trace_numpy)[LazyTensor] = VariableBuilder.wrap_tensor
     register_interface_for_device(DEVICE_TYPE, _device_interface())
     if "genie" not in _BACKENDS:
-        register_backend(backend, "genie")
+        register_backend(_then_reinstall(backend), "genie")
     wrapper = torch._TorchCompileInductorWrapper
     inductor_call = wrapper.__call__
 
     def __call__(self: Any, model_: Any, inputs_: Any, **kw: Any) -> Any:  # noqa: N807
-        if on_device(inputs_):
-            return backend(model_, inputs_, options=dict(self.config))
-        return inductor_call(self, model_, inputs_, **kw)
+        try:
+            if on_device(inputs_):
+                return backend(model_, inputs_, options=dict(self.config))
+            return inductor_call(self, model_, inputs_, **kw)
+        finally:
+            context.reinstall()  # fx tracing put torch's Module.__call__ back
 
     wrapper.__call__ = __call__
+
+
+def _then_reinstall(fn: Any) -> Any:
+    """``fn`` (a Dynamo backend), then Genie's module call put back (fx tracing inside the
+    backend restores torch's ``nn.Module.__call__``: :func:`genie.context.reinstall`)."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            context.reinstall()
+
+    return run
 
 
 def on_device(inputs: Any) -> bool:

@@ -287,3 +287,20 @@ def test_attention_runs_the_cpus_flash_kernel_with_eagers_values_and_grads(fast_
     if genie.device.real_device(0).type == "cpu":
         assert s["flash_attention_calls"] == 1  # not the math path of the fake device
     assert s["graph_calls"] == 2 and s.get("graphs_op_by_op", 0) == 0, s
+
+
+def test_compiling_keeps_genies_module_call(fast_compiler):
+    """torch.fx's patcher (inside torch.compile) restores ``nn.Module.__call__`` to what reading
+    the class gives, torch's own function: Genie puts its module call back after each compile,
+    else module contexts and phase detection ended for the rest of the process (a full CI run:
+    the placement tests after a compiled test)."""
+    from genie import context
+
+    m = torch.nn.Linear(4, 4).to(DEV)
+    x = torch.randn(2, 4).to(DEV)
+    m(x).sum().item()
+    assert context._active and torch.nn.Module.__dict__["__call__"] is context._installed
+    for backend in ("genie", "inductor"):  # the default backend's wrapper too
+        torch._dynamo.reset()
+        torch.compile(m, backend=backend)(x).sum().item()
+        assert torch.nn.Module.__dict__["__call__"] is context._installed, backend
