@@ -97,6 +97,9 @@ SKELETON_MEMORY = 256
 MAX_PRESSURE_ROUNDS = 8
 #: every N-th run of a known skeleton, the tape's FLOPs and run time feed the cost model
 FLOP_SAMPLE_EVERY = 16
+#: run replies' ``vt`` (how the server vetted the tape) -> the counter it bumps
+_VETTED_AS = {"guarded": "server_guarded_runs", "vetted": "server_vets",
+              "class": "server_shape_class_hits", "hit": "server_vet_hits"}
 #: seconds between the heartbeat's pings while :attr:`Client.watch_load` is on
 LOAD_EVERY = 0.25
 
@@ -429,6 +432,9 @@ class Client:
                 bump("server_index_checks", ix[0])
                 bump("server_index_check_syncs", ix[1])
                 bump("server_index_check_refusals", ix[2])
+            vt = h.get("vt")  # how the server vetted a run (genie.remote.shape_class)
+            if vt in _VETTED_AS:
+                bump(_VETTED_AS[vt])
             res = h.get("res")
             if isinstance(res, list) and len(res) == 2:
                 self.resident = (res[0], res[1])

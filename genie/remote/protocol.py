@@ -35,7 +35,7 @@ import hashlib
 import math
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -607,6 +607,25 @@ class Compiled:
     keep: list[int]
     n_consts: int
     consts: list[Any] | None = None  # the last call's constants (base of the next delta)
+    #: the last :func:`fill`'s instructions and where each constant went (see :func:`refill`)
+    filled: Filled | None = None
+
+
+@dataclass(slots=True)
+class Filled:
+    """A filled tape's instructions, kept to be patched by the next call's changed constants.
+
+    ``where[k]`` is ``(instruction, leaf)`` of constant ``k`` (leaf -1/-2: the random seed /
+    offset; instruction -1: an upload, which a patch cannot follow); ``frames`` lists the
+    constants that are host tensors (read from every call's own frames)."""
+
+    instrs: list[Instr]
+    where: dict[int, tuple[int, int]]
+    frames: list[int]
+    #: leaves patched ``(instruction, leaf)`` since ``params`` was found
+    patched: list[tuple[int, int]] = field(default_factory=list)
+    #: what :func:`genie.remote.shape_class.shape_params` found in these instructions
+    params: Any = None
 
 
 def _is_call_tree(spec: Any) -> bool:
@@ -715,22 +734,28 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
         raise ProtocolError(f"{len(consts)} constants for a skeleton that takes "
                             f"{c.n_consts}")
     k = len(c.inputs)
-    instrs = []
+    instrs: list[Instr] = []
+    where: dict[int, tuple[int, int]] = {}
+    at_frames: list[int] = []
     for i, t in enumerate(c.templates):
         if upload is not None and t.op == UPLOAD:
             v = consts[k]
+            where[k] = (-1, 0)
             k += 1
             if type(v) is not FrameRef or v.index >= len(frames):
                 raise ProtocolError(f"instruction {i}: an upload needs a tensor frame")
             inputs[t.outs[0]] = upload(frame_tensor(frames[v.index], v, copy=False))
             continue
         leaves = []
+        n = len(instrs)
         for x in t.leaves:
             if x is None:
                 v = consts[k]
+                where[k] = (n, len(leaves))
                 k += 1
                 tv = type(v)
                 if tv is FrameRef:
+                    at_frames.append(k - 1)
                     if v.index >= len(frames):
                         raise ProtocolError(f"tensor frame {v.index} is missing")
                     v = frame_tensor(frames[v.index], v, copy=t.op != UPLOAD)
@@ -744,6 +769,8 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
         rng = None
         if t.rng:
             seed, off = consts[k], consts[k + 1]
+            where[k] = (n, -1)
+            where[k + 1] = (n, -2)
             k += 2
             if type(seed) is not int or type(off) is not int or seed < 0 or off < 0:
                 raise ProtocolError(f"instruction {i}: bad random seed/offset")
@@ -753,5 +780,76 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
             args, kwargs = optree.tree_unflatten(t.spec, leaves)
             check_args(t.op, t.checks, args, kwargs, i)
         instrs.append(Instr(t.op, leaves, t.spec, t.outs, rng, t.free, uid=f"#{i}"))
+    # a skeleton with uploads is filled anew every call (an upload becomes an input)
+    c.filled = Filled(instrs, where, at_frames) if upload is not None and \
+        len(instrs) == len(c.templates) else None
     return Tape(instrs, inputs, list(c.outputs), set(c.keep), [], {})
+
+
+#: constant types a patch may change in place (others fill the tape anew)
+_PATCHABLE = (int, float, bool, type(None))
+
+
+def refill(c: Compiled, old: list[Any], consts: list[Any], changed: list[int],
+           frames: list[Any], inputs: dict[int, Any]) -> Tape | None:
+    """:func:`fill` of a call whose constants differ from the last call's (``old``) only at
+    ``changed``: the last tape's instructions patched in place (the last call's tape is not used
+    again), host tensors read from this call's frames. None when a change is not a patch of a
+    plain number (a type that changes, a tensor, an upload): fill anew. Checks as :func:`fill`
+    does: the schema's argument checks of every patched instruction, seeds >= 0."""
+    f = c.filled
+    if f is None or len(consts) != c.n_consts:
+        return None
+    n_in = len(c.inputs)
+    touched: set[int] = set()
+    for k in changed:
+        if k < n_in:
+            continue  # an input: resolved by the caller
+        a, b = old[k], consts[k]
+        if type(a) is not type(b) or type(b) not in _PATCHABLE:
+            return None
+        i, j = f.where[k]
+        if i < 0:
+            return None
+        touched.add(i)
+    instrs = f.instrs
+    patched = f.patched
+    for i in touched:  # a patched instruction is a new object: a native program skips the
+        ins = instrs[i]  # baked leaves of the very Instr it was compiled from
+        instrs[i] = Instr(ins.op, list(ins.leaves), ins.spec, ins.outs, ins.rng, ins.free,
+                          ins.uid, ins.where, ins.device)
+    for k in changed:
+        if k < n_in:
+            continue
+        i, j = f.where[k]
+        v = consts[k]
+        ins = instrs[i]
+        if j >= 0:
+            ins.leaves[j] = v
+            patched.append((i, j))
+        else:
+            if type(v) is not int or v < 0:
+                raise ProtocolError(f"instruction {i}: bad random seed/offset")
+            seed, off = ins.rng  # type: ignore[misc]
+            ins.rng = (v, off) if j == -1 else (seed, v)
+    for k in f.frames:
+        v = consts[k]
+        if type(v) is not FrameRef:
+            return None
+        if v.index >= len(frames):
+            raise ProtocolError(f"tensor frame {v.index} is missing")
+        i, j = f.where[k]
+        instrs[i].leaves[j] = frame_tensor(frames[v.index], v, copy=True)
+    for i in touched:
+        ins = instrs[i]
+        t = c.templates[_template_index(c, i)]
+        if t.checks:
+            args, kwargs = optree.tree_unflatten(t.spec, ins.leaves)
+            check_args(t.op, t.checks, args, kwargs, i)
+    return Tape(instrs, inputs, list(c.outputs), set(c.keep), [], {})
+
+
+def _template_index(c: Compiled, i: int) -> int:
+    """The template of filled instruction ``i`` (uploads are not instructions once filled)."""
+    return int(c.filled.instrs[i].uid[1:])  # type: ignore[union-attr]
 

@@ -60,9 +60,10 @@ from ..errors import ExecutionError
 from ..index_check import IndexCheck
 from . import ProtocolError, allowlist, peer
 from ..backends import native_replay
-from ..meta import policy
-from ..planner import MetaArg, Slot, Tape
+from ..planner import Tape
 from .guard import QuotaError, RunTimeout, run_guarded, vet_tape
+from . import shape_class
+from .shape_class import NotAClass, build, moved, shape_params
 from .protocol import (
     ALIGN,
     DECODE_PINNED,
@@ -74,6 +75,7 @@ from .protocol import (
     compile_skeleton,
     fill,
     frame_tensor,
+    refill,
     frame_view,
     join_frames,
     pack,
@@ -109,6 +111,8 @@ DATA_SLACK = 512 << 20
 #: vetted (structure, shapes) and native programs a session keeps (cleared when full)
 MAX_VETTED = 4096
 MAX_PROGRAMS = 256
+#: shape classes one structure may be given (each widens the last by what moved)
+CLASS_TRIES = 3
 #: the test-only kernels (a segfault, an out-of-bounds read) are registered in workers started
 #: with this variable set to 1; never in production
 TEST_KERNELS_ENV = "GENIE_SERVER_TEST_KERNELS"
@@ -292,7 +296,16 @@ class Worker:
         self.programs: dict[Any, Any] = {}
         self.barriers: set[bytes] = set()
         self.replays = 0
-        self._guarded: tuple[Any, Any] | None = None
+        self._guarded: tuple[Any, Any, Any] | None = None
+        # shape classes by structure (False: none can be built), the integers of the last
+        # vetted call of each structure, and how many classes each structure has been given
+        self.classes: dict[Any, Any] = {}
+        self.last_ints: dict[Any, tuple[int, ...]] = {}
+        self.class_tries: dict[Any, int] = {}
+        self.vets = 0  # concrete vets (guarded runs included)
+        self.refills = 0  # tapes patched from the last call's (protocol.refill)
+        self.unindexed: set[bytes] = set()  # skeletons without an op the index check covers
+        self.how = "guarded"  # how the last run was vetted: guarded, vetted, class, hit
 
     # --- dispatch ---------------------------------------------------------------------------------
     def handle(self, h: dict[str, Any], frames: list[Any]
@@ -406,18 +419,23 @@ class Worker:
         sess.skeletons.move_to_end(key)
         c = entry[0]
         consts = h.get("c")
+        old = c.consts
+        changed: list[int] | None = None  # the constants a delta changed (None: all sent)
         if consts is None:
             d = h.get("d")
-            if c.consts is None or not isinstance(d, list) or len(d) % 2:
+            if old is None or not isinstance(d, list) or len(d) % 2:
                 return {"t": "miss"}, []
-            consts = list(c.consts)
+            consts = list(old)
+            changed = []
             for i in range(0, len(d), 2):
                 p = d[i]
                 if type(p) is not int or not 0 <= p < len(consts):
                     raise ProtocolError(f"bad constant position {p!r}")
                 consts[p] = d[i + 1]
+                changed.append(p)
         if not isinstance(consts, list) or len(consts) != c.n_consts:
             c.consts = None
+            c.filled = None
             raise ProtocolError(f"the skeleton takes {c.n_consts} constants")
         c.consts = consts
         dev = self.device
@@ -464,7 +482,18 @@ class Worker:
                 _apply_hints(sess, [(i, c) for i, c in hints if i not in made])  # held now
             self._check_quota(protect)
             inputs_before = set(inputs)
-            tape = fill(c, consts, frames, inputs, upload=lambda t: _device_value(t, dev))
+            tape = None
+            if changed is not None and old is not None:
+                try:
+                    tape = refill(c, old, consts, changed, frames, inputs)
+                except BaseException:
+                    c.filled = None  # patched half way: fill anew next time
+                    raise
+                if tape is not None:
+                    self.refills += 1
+            if tape is None:
+                c.filled = None  # a fill that fails half way leaves nothing to patch
+                tape = fill(c, consts, frames, inputs, upload=lambda t: _device_value(t, dev))
             gkeys = graphs.keys_of(tape.instrs)
             if any(k not in sess.graphs for k in gkeys):  # evicted, or never sent: resend
                 for a in added:
@@ -475,11 +504,17 @@ class Worker:
             # uploads inside the tape are inputs now, not yet counted in the session
             uploaded = sum(t.untyped_storage().nbytes() for sl, t in tape.inputs.items()
                            if sl not in inputs_before)
-            ix = IndexCheck(tape, self.index_check) if self.index_check else None
+            # which ops the index check covers is the skeleton's: one that has none skips it
+            ix = IndexCheck(tape, self.index_check) if self.index_check and \
+                key not in self.unindexed else None
+            if ix is not None and not ix.plan and not ix._writers:
+                self.unindexed.add(key)
             budget = sess.quota - sess.used() - uploaded
             try:
                 self._guarded = None
-                kept = self._replay(key, tape, budget, started) if ix is None or not ix.plan \
+                self.how = "guarded"
+                kept = self._replay(key, tape, budget, started, c.filled) \
+                    if ix is None or not ix.plan \
                     else None
                 if kept is None:
                     info: dict[str, Any] = {}
@@ -522,32 +557,48 @@ class Worker:
         _apply_hints(sess, hints)  # the values this request made too, now that they exist
         reply, rframes = _outputs([kept[s] for s in c.outputs])
         reply["res"] = sess.residency()
+        reply["vt"] = self.how
         reply.update(_index_counts(ix))
         return reply, rframes
 
-    def _replay(self, key: bytes, tape: Tape, budget: int, started: float
-                ) -> dict[int, Any] | None:
+    def _replay(self, key: bytes, tape: Tape, budget: int, started: float,
+                filled: Any = None) -> dict[int, Any] | None:
         """Vet once, replay natively: a structure's first call runs through the guard (vetted,
         interpreted, stopped between instructions at the deadline); once one has run whole
         (no op whose output size depends on data) well within the deadline, its later calls run
         as one native program (:mod:`genie.backends.native_replay`, compiled once per structure
-        and baked constants, shapes as parameters), vetted only for shapes not vetted before.
+        and baked constants, shapes as parameters). A call is vetted on meta only when neither
+        its exact shapes were vetted before nor a shape class of its structure admits it
+        (:mod:`genie.remote.shape_class`: built from two calls whose integers moved).
         None: run it through the guard (:attr:`_guarded` says what to learn from that run)."""
         self._guarded = None
+        self.how = "guarded"
         if key in self.barriers:
             return None
-        vkey = shape_key(key, tape)
-        if vkey is None:
+        got = shape_params(key, tape, filled)
+        if got is None:
             return None
-        pkey = (key, vkey[1])
+        ck, ints = got
+        pkey = (key, ck[1])
         prog = self.programs.get(pkey)
         if prog is None:
-            self._guarded = (pkey, vkey)
+            self._guarded = (pkey, ck, ints)
             return None
         if prog is False:
             return None
+        vkey = (ck, ints)
         peak = self.vetted.get(vkey)
+        self.how = "hit"
         if peak is None:
+            cls = self.classes.get(ck)
+            if cls:
+                peak = cls.admit(ints)
+                self.how = "class"
+                if peak is not None and peak > budget:
+                    peak = None  # a bound, not the peak: the exact vet may still fit
+        if peak is None:
+            self.how = "vetted"
+            self.vets += 1
             v = vet_tape(tape, budget, started + self.cfg.max_run_seconds,
                          self.cfg.max_run_seconds)
             if v.upto < len(tape.instrs):  # data-dependent sizes: vetted step by step
@@ -555,6 +606,7 @@ class Worker:
                 return None
             peak = v.peak
             self._remember(vkey, peak)
+            self._classify(ck, ints, tape)
         elif peak > budget:
             e = QuotaError(0, "the tape", peak, budget)
             e.ran = False
@@ -567,17 +619,48 @@ class Worker:
         finally:
             torch._C._set_grad_enabled(grad)
 
+    def _classify(self, ck: Any, ints: tuple[int, ...], tape: Tape) -> None:
+        """After a clean concrete vet: when the structure's integers moved since its last vetted
+        call, vet it once symbolically (a shape class) so that calls like these skip the vet."""
+        prev = self.last_ints.get(ck)
+        self.last_ints[ck] = ints
+        cls = self.classes.get(ck)
+        tries = self.class_tries.get(ck, 0)
+        if prev is None or cls is False or tries >= CLASS_TRIES:
+            return
+        pos = moved(prev, ints)
+        if pos is None:
+            return
+        if cls:  # a class that did not admit this call: widen it by what moved now
+            pos = sorted(set(pos) | set(cls.sym_idx))
+        self.class_tries[ck] = tries + 1
+        t0 = time.monotonic()
+        try:
+            new = build(tape, ints, pos, prev)
+        except NotAClass as e:
+            logger.debug("genie-server: no shape class for a structure (%s)", e)
+            if tries + 1 >= CLASS_TRIES or cls is None:
+                self.classes[ck] = False
+            return
+        logger.debug("genie-server: shape class of %d symbols, %d guards in %.3f s",
+                     len(pos), new.n_guards, time.monotonic() - t0)
+        if len(self.classes) >= MAX_PROGRAMS:
+            self.classes.clear()
+        self.classes[ck] = new
+
     def _learn(self, tape: Tape, info: dict[str, Any], seconds: float) -> None:
         """After a guarded run of a structure not replayed yet: remember its vet, and compile it
         when it ran whole, in under a quarter of the deadline."""
         if self._guarded is None:
             return
-        pkey, vkey = self._guarded
+        pkey, ck, ints = self._guarded
         self._guarded = None
+        self.vets += 1
         if not info.get("whole"):
             self.barriers.add(pkey[0])
             return
-        self._remember(vkey, info["peak"])
+        self._remember((ck, ints), info["peak"])
+        self.last_ints[ck] = ints
         if seconds > self.cfg.max_run_seconds / 4:
             return  # long tapes stay where the deadline can stop them between instructions
         full = Tape(tape.instrs, tape.inputs, tape.outputs, set(tape.keep) | set(tape.outputs),
@@ -698,42 +781,6 @@ def _graph_op(name: str) -> Any:
         raise ProtocolError(f"op {name[:120]!r} does not run on a Genie server inside a graph: "
                             "only admitted ATen ops (genie/remote/allowlist.txt)")
     return resolve_op(name)
-
-
-def shape_key(key: bytes, tape: Tape) -> tuple[bytes, tuple, tuple] | None:
-    """``(skeleton key, baked constants, shapes)`` of one call of a skeleton, or None when a
-    constant cannot be keyed. *Baked* are the constants a native program holds as compiled
-    (bools, dtypes, strings, devices, None, ...: see ``native_replay.compile_tape``); *shapes*
-    are the inputs' layouts and storage sizes, every int, every host tensor's and metadata
-    argument's layout, and the floats of ops whose float values decide sizes: what decides the
-    vet's result. Random seeds are not constants (``Instr.rng``), so they never miss."""
-    baked: list[Any] = []
-    shapes: list[Any] = []
-    for s, v in tape.inputs.items():
-        shapes.append((s, tuple(v.shape), v.stride(), v.storage_offset(), v.dtype,
-                       v.untyped_storage().nbytes()))
-    for ins in tape.instrs:
-        floats = policy(ins.op).float_values_matter
-        for x in ins.leaves:
-            t = type(x)
-            if t is Slot:
-                continue
-            if t is int:
-                shapes.append(x)
-            elif t is float:
-                shapes.append(x if floats else float)
-            elif t is MetaArg:
-                m = x.meta
-                shapes.append((m.shape, m.stride, m.dtype))
-            elif isinstance(x, torch.Tensor):
-                shapes.append((tuple(x.shape), x.stride(), x.dtype))
-            elif x is None or t is bool or t is str or t is complex or t is torch.dtype or \
-                    t is torch.device or t is torch.layout or t is torch.memory_format:
-                baked.append((t, x))
-            else:
-                return None
-        shapes.append(len(ins.leaves))
-    return key, tuple(baked), tuple(shapes)
 
 
 def _index_counts(ix: IndexCheck | None) -> dict[str, Any]:
@@ -1141,6 +1188,7 @@ def warm() -> None:
         aten.index_select.default(m, 0, i)
         aten._softmax.default(m, -1, False)
         aten.native_layer_norm.default(m, [4], None, None, 1e-5)
+    shape_class.warm()  # the symbolic machinery's lazy imports (~1 s on a worker's first class)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,370 @@
+"""Vet a structure once per *shape class*, not once per shape (issue 27: vet once, replay natively).
+
+A session's tapes repeat one structure with shapes that move: a decode step's KV cache grows by
+a token, ``generate`` starts at a prompt length never seen. The worker's concrete vet
+(:func:`genie.remote.guard.vet_tape`) runs every instruction on meta tensors of the exact
+shapes, ~30 ms for a GPT-2 12x768 decode step: more than the step's kernels. A shape class
+vets the structure once with the moving integers as *symbols* and keeps what the check
+depended on:
+
+1. :func:`shape_params` splits one call of a structure into its **static** part (dtypes,
+   ranks, aliasing, host constants, baked constants: equal or a different class) and its flat
+   list of **integers** (the inputs' sizes, strides, offsets and storage bytes; every ``int``
+   argument of every instruction).
+2. When a second call of the same static part vets clean with different integers,
+   :func:`build` runs the tape once under a ``FakeTensorMode`` with a ``ShapeEnv``: each
+   integer that moved (both values >= 2) becomes a backed symbol, every other one stays as it
+   is. Every meta kernel's check, every bounds check of a view (:func:`guard.check_bounds`),
+   every branch on a size, records a guard on the symbols; the bytes every instruction
+   allocates sum to a symbolic **bound** of the working set (host constants and metadata-only
+   arguments included).
+3. A later call is admitted by :meth:`ShapeClass.admit` when its fixed integers are the class's
+   exactly and its symbols satisfy every guard (PyTorch's own guard code,
+   ``ShapeEnv.produce_guards_expression``, ranges and 0/1 specialization included); the bound
+   is then its working set for the quota. Anything else (a guard fails, the bound passes the
+   budget, a kernel that cannot run symbolically) goes through the concrete vet as before:
+   a class only ever skips work the concrete vet would have done with the same answer.
+
+Soundness rests on the meta kernels being traced symbolically: a check on a size is a branch on
+a symbolic boolean, which the ShapeEnv records as a guard; a kernel that needs a concrete size
+specializes the symbol (a guard of equality). A class never admits a call whose concrete vet
+would have failed any check the symbolic run went through.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import optree
+import torch
+from torch._dynamo.source import LocalSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, DimDynamic, ShapeEnv
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._sympy.printers import PythonPrinter
+
+from ..meta import policy
+from ..planner import Instr, MetaArg, Slot, Tape
+from .guard import META, UPLOAD, _has_device_arg, _meta_arg_nbytes, _short, _with_meta_device, \
+    check_bounds
+
+#: a class is built from two calls whose moving integers are all at least this (0 and 1 are
+#: specialized by PyTorch's symbolic shapes: a size of 1 broadcasts)
+MIN_SYMBOL = 2
+#: at most this many symbols per class (a structure whose every integer moves is not a class)
+MAX_SYMBOLS = 1024
+
+_BAKED = (bool, str, complex, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def shape_params(key: bytes, tape: Tape, filled: Any = None
+                 ) -> tuple[tuple, tuple[int, ...]] | None:
+    """``(class key, integers)`` of one call of a skeleton (None when a constant cannot be
+    keyed). The class key holds everything but the integers: the skeleton's key, the constants
+    a native program bakes (see ``native_replay.compile_tape``), the inputs' ranks, dtypes,
+    conj/neg bits, density and aliasing, host tensors' and metadata arguments' layouts, and the
+    floats of ops whose float values decide sizes. Random seeds are not constants
+    (``Instr.rng``). With ``filled`` (a :class:`genie.remote.protocol.Filled` whose tape this
+    is), the instructions' part is kept there and patched when only numbers changed."""
+    static: list[Any] = []
+    ints: list[int] = []
+    storages: dict[int, int] = {}
+    for s, v in tape.inputs.items():
+        st = v.untyped_storage()
+        nb = st.nbytes()
+        dense = v.storage_offset() == 0 and nb == v.numel() * v.element_size() and \
+            v.is_contiguous() and st._cdata not in storages
+        static.append((s, v.dim(), v.dtype, v.is_conj(), v.is_neg(), dense,
+                       storages.setdefault(st._cdata, len(storages))))
+        ints.extend(v.shape)
+        if not dense:  # a dense input's layout follows from its shape
+            ints.extend(v.stride())
+            ints.append(v.storage_offset())
+            ints.append(nb)
+    got = _instr_params(tape, filled)
+    if got is None:
+        return None
+    baked, istatic, iints = got
+    return (key, baked, tuple(static), istatic), tuple(ints) + iints
+
+
+def _instr_params(tape: Tape, filled: Any) -> tuple[tuple, tuple, tuple[int, ...]] | None:
+    if filled is not None and filled.params is not None:
+        baked, istatic, iints, pos = filled.params
+        fresh = list(iints)
+        for i, j in filled.patched:
+            x = tape.instrs[i].leaves[j]
+            p = pos.get((i, j))
+            if p is not None and type(x) is int:
+                fresh[p] = x
+            elif type(x) is not float or policy(tape.instrs[i].op).float_values_matter:
+                break  # a baked constant or a float that decides sizes: key it anew
+        else:
+            out = tuple(fresh)
+            filled.params = (baked, istatic, out, pos)
+            filled.patched.clear()
+            return baked, istatic, out
+    baked_l: list[Any] = []
+    static: list[Any] = []
+    ints: list[int] = []
+    where: dict[tuple[int, int], int] = {}
+    for i, ins in enumerate(tape.instrs):
+        floats = policy(ins.op).float_values_matter if ins.op != UPLOAD else True
+        for j, x in enumerate(ins.leaves):
+            t = type(x)
+            if t is Slot:
+                continue
+            if t is int:
+                where[(i, j)] = len(ints)
+                ints.append(x)
+                static.append(int)
+            elif t is float:
+                static.append(x if floats else float)
+            elif t is MetaArg:
+                m = x.meta
+                static.append((m.shape, m.stride, m.dtype))
+            elif isinstance(x, torch.Tensor):
+                static.append((tuple(x.shape), x.stride(), x.dtype))
+            elif x is None or t in _BAKED:
+                baked_l.append((t, x))
+            else:
+                return None
+        static.append(len(ins.leaves))
+    out = (tuple(baked_l), tuple(static), tuple(ints))
+    if filled is not None:
+        filled.params = (*out, where)
+        filled.patched.clear()
+    return out
+
+
+def _getter(idx: tuple[int, ...]) -> Callable[[tuple], tuple]:
+    """``f(ints) -> tuple(ints[i] for i in idx)``, at C speed."""
+    if not idx:
+        return lambda _: ()
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda s: (s[i],)
+    return operator.itemgetter(*idx)
+
+
+@dataclass(slots=True)
+class ShapeClass:
+    """A structure's calls that one symbolic vet covers: fixed integers, guards, a bound."""
+
+    n: int                                  # integers per call
+    sym_idx: tuple[int, ...]                # positions that are symbols
+    fixed: Callable[[tuple], tuple]         # the fixed positions of a call
+    fixed_vals: tuple                       # ... and their values
+    syms: Callable[[tuple], tuple]          # the symbols' values of a call
+    same_a: Callable[[tuple], tuple]        # positions that share a symbol ...
+    same_b: Callable[[tuple], tuple]        # ... equal to these (the symbol's first position)
+    guard: Callable[[dict[str, int]], bool]
+    bound: Callable[..., int]
+    n_guards: int
+    hits: int = 0
+
+    def admit(self, ints: tuple[int, ...]) -> int | None:
+        """The working-set bound of a call in this class, or None when it is not in it."""
+        if len(ints) != self.n or self.fixed(ints) != self.fixed_vals or \
+                self.same_a(ints) != self.same_b(ints):
+            return None
+        vals = self.syms(ints)
+        if not self.guard({f"t{k}": v for k, v in enumerate(vals)}):
+            return None
+        self.hits += 1
+        return int(self.bound(*vals))
+
+
+class NotAClass(Exception):
+    """The structure cannot be vetted symbolically (the concrete vet stays its only check)."""
+
+
+def moved(a: tuple[int, ...], b: tuple[int, ...]) -> list[int] | None:
+    """Positions where two calls' integers differ, or None when they cannot be one class's
+    symbols (a value below :data:`MIN_SYMBOL`, or too many)."""
+    if len(a) != len(b):
+        return None
+    out = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if not out or len(out) > MAX_SYMBOLS or any(a[i] < MIN_SYMBOL or b[i] < MIN_SYMBOL
+                                                for i in out):
+        return None
+    return out
+
+
+def build(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
+          prev: tuple[int, ...] | None = None) -> ShapeClass:
+    """Vet ``tape`` symbolically with the integers at ``sym_idx`` as symbols (their values in
+    ``ints`` as hints). Positions whose values were equal in ``prev`` and are equal now share a
+    symbol (the class then requires them equal). :class:`NotAClass` when it cannot; the class
+    admits ``ints``."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for p in sym_idx:
+        groups.setdefault((prev[p] if prev is not None else p, ints[p]), []).append(p)
+    env = ShapeEnv(duck_shape=False)
+    vals: list[Any] = list(ints)
+    placeholders = []
+    reps: list[int] = []
+    same_a: list[int] = []
+    same_b: list[int] = []
+    for k, ps in enumerate(groups.values()):
+        p = ps[0]
+        s = env.create_symbol(ints[p], LocalSource(f"t{k}"), dynamic_dim=DimDynamic.DYNAMIC)
+        node = env.create_symintnode(s, hint=ints[p])
+        for q in ps:
+            vals[q] = node
+            if q != p:
+                same_a.append(q)
+                same_b.append(p)
+        placeholders.append(node)
+        reps.append(p)
+    try:
+        with _disable_current_modes(), torch.no_grad(), FakeTensorMode(shape_env=env):
+            bound = _run(tape, iter(vals))
+    except NotAClass:
+        raise
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot run symbolically
+        raise NotAClass(f"{type(e).__name__}: {e}") from e
+    finally:
+        FakeTensorMode.cache_clear()  # its entries hold this class's symbols
+    code = env.produce_guards_expression(placeholders) or "True"
+    guard = eval(compile(f"lambda L: {code}", "<genie shape class guard>", "eval"),
+                 dict(SYMPY_INTERP))
+    symbols = [x.node._expr for x in placeholders]
+    expr = bound.node._expr if isinstance(bound, torch.SymInt) else bound
+    free = getattr(expr, "free_symbols", set())
+    if any(f not in symbols for f in free):
+        raise NotAClass("the working set depends on a value that is not an argument")
+    names = ", ".join(str(s) for s in symbols) or ""
+    body = PythonPrinter().doprint(expr) if free else str(int(expr))
+    bound_fn = eval(compile(f"lambda {names}: {body}", "<genie shape class bound>", "eval"),
+                    dict(SYMPY_INTERP))
+    sym_set = set(sym_idx)
+    fixed_idx = tuple(i for i in range(len(ints)) if i not in sym_set)
+    fixed = _getter(fixed_idx)
+    cls = ShapeClass(len(ints), tuple(sym_idx), fixed, fixed(ints), _getter(tuple(reps)),
+                     _getter(tuple(same_a)), _getter(tuple(same_b)), guard, bound_fn,
+                     code.count(" and ") + 1)
+    if cls.admit(ints) is None:
+        raise NotAClass("the class does not admit the call it was built from")
+    cls.hits = 0
+    return cls
+
+
+def _run(tape: Tape, it: Any) -> Any:
+    """The symbolic run (under the fake mode): the working-set bound; raises on any check."""
+    bases: dict[int, torch.Tensor] = {}
+    env: dict[int, Any] = {}
+    bound: Any = 0
+    own: set[int] = set()  # storages of inputs and of what the tape made
+    for s, v in tape.inputs.items():
+        shape = [next(it) for _ in range(v.dim())]
+        st = v.untyped_storage()
+        sid = st._cdata
+        if v.storage_offset() == 0 and st.nbytes() == v.numel() * v.element_size() and \
+                v.is_contiguous() and sid not in bases:  # dense: as shape_params keyed it
+            m = torch.empty(shape, dtype=v.dtype, device=META)
+            bases[sid] = m
+        else:
+            stride = [next(it) for _ in range(v.dim())]
+            off = next(it)
+            nb = next(it)
+            base = bases.get(sid)
+            if base is None:
+                base = bases[sid] = torch.empty(nb, dtype=torch.uint8, device=META)
+            if check_bounds(shape, stride, off, v.element_size(),
+                            base.untyped_storage().nbytes()) is not None:
+                raise NotAClass("an input leaves its storage")
+            m = torch.empty(0, dtype=v.dtype, device=META)
+            m.set_(base.untyped_storage(), off, shape, stride)
+        if v.is_conj():
+            m = m.conj()
+        if v.is_neg():
+            m = torch._neg_view(m)
+        env[s] = m
+        own.add(_sid(m))
+    for ins in tape.instrs:
+        op = ins.op
+        if op == UPLOAD:
+            raise NotAClass("an upload instruction")
+        pol = policy(op)
+        if pol.inplace_view or pol.dynamic:
+            raise NotAClass(f"{op} changes metadata in place or depends on data")
+        leaves: list[Any] = []
+        for x in ins.leaves:
+            t = type(x)
+            if t is Slot:
+                leaves.append(env[x.id])
+            elif t is int:
+                leaves.append(next(it))
+            elif t is torch.device:
+                leaves.append(META)
+            elif t is MetaArg:
+                bound = bound + _meta_arg_nbytes(x.meta)
+                leaves.append(torch.empty_strided(x.meta.shape, x.meta.stride,
+                                                  dtype=x.meta.dtype, device=META))
+            elif isinstance(x, torch.Tensor):
+                bound = bound + x.untyped_storage().nbytes()
+                leaves.append(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
+                                                  device=META))
+            else:
+                leaves.append(x)
+        sizes = {_sid(v): v.untyped_storage().nbytes() for v in leaves
+                 if isinstance(v, torch.Tensor)}
+        args, kwargs = optree.tree_unflatten(ins.spec, leaves)
+        if _has_device_arg(op):
+            args, kwargs = _with_meta_device(op, args, kwargs)
+        out = op(*args, **kwargs)
+        for sid, n in sizes.items():  # resize_, out= growth: not a class (the ledger tracks it)
+            if not _same(n, _storage_bytes(leaves, sid)):
+                raise NotAClass(f"{op} resizes a storage")
+        outs = optree.tree_leaves(out, none_is_leaf=True)
+        if _short(len(outs), ins.outs):
+            raise NotAClass(f"{op} returns {len(outs)} values; the tape names {len(ins.outs)}")
+        for s, o in zip(ins.outs, outs):
+            if isinstance(o, torch.Tensor):
+                st = o.untyped_storage()
+                if check_bounds(o.shape, o.stride(), o.storage_offset(), o.element_size(),
+                                st.nbytes()) is not None:
+                    raise NotAClass(f"{op} makes a view past its storage")
+                sid = st._cdata
+                if sid not in own and sid not in sizes:
+                    own.add(sid)
+                    bound = bound + st.nbytes()
+            elif isinstance(o, (torch.SymFloat, torch.SymBool)):
+                raise NotAClass(f"{op} returns a symbolic scalar")
+            if s is not None:
+                env[s] = o
+    return bound
+
+
+def _sid(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two byte counts are the same expression (no guard is recorded to decide it)."""
+    if type(a) is int and type(b) is int:
+        return a == b
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return bool(a.node._expr == b.node._expr)
+    return False
+
+
+def _storage_bytes(leaves: list[Any], sid: int) -> Any:
+    for v in leaves:
+        if isinstance(v, torch.Tensor) and _sid(v) == sid:
+            return v.untyped_storage().nbytes()
+    return None
+
+
+def warm() -> None:
+    """Build a class of a one-instruction tape: what a worker's first class would import and
+    initialize (sympy's caches, the guard printer) happens here, once, in the zygote."""
+    aten = torch.ops.aten
+    leaves, spec = optree.tree_flatten(((Slot(0), 2.0), {}), none_is_leaf=True)
+    tapes = [Tape([Instr(aten.mul.Scalar, leaves, spec, (1,), None)],
+                  {0: torch.empty(n, device=META)}, [1], {1}, [], {}) for n in (3, 4)]
+    (_, a), (_, b) = (shape_params(b"", t) for t in tapes)  # type: ignore[misc]
+    build(tapes[1], b, moved(a, b) or [], a)

@@ -1,0 +1,135 @@
+"""Shape classes (issue 27, vet once): a structure vetted once symbolically, then admitted by guards.
+
+A worker vets a structure's calls on meta until two calls of it vet clean with moving integers;
+then it vets the structure once with those integers as symbols (:mod:`genie.remote.shape_class`)
+and admits later calls by the guards that run recorded. Each test compares with eager (the values
+a call returns) and plays the attacker who knows a class exists: a call that the guards do not
+admit must meet the concrete vet's refusal, never a kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+zmq = pytest.importorskip("zmq")
+msgpack = pytest.importorskip("msgpack")
+
+from genie.remote import protocol  # noqa: E402
+from test_remote import ServerProc  # noqa: E402
+from test_security import A1, Session, host, keys, server  # noqa: E402,F401
+
+DEV = "remote_accelerator:0"
+#: view(x, [a, b]) then mul(_, 2.0): leaves x, a, b
+VIEW = [1, [1, 0, [2, 0, 0]], [3, [], []]]
+MUL = [1, [1, 0, 0], [3, [], []]]
+#: as_strided(x, [n], [1]) then clone
+STRIDED = [1, [1, 0, [2, 0], [2, 0]], [3, [], []]]
+
+
+def _resident(s: Session, x: torch.Tensor) -> int:
+    """Upload ``x`` as a resident value of the session: its handle id."""
+    hid = s.hid
+    r = s.run(["aten::clone.default"], [[0, 0, [-1], [0], [], False]], [host(x, 0)],
+              [protocol.tensor_frame(x)[0]], outputs=(0,), keep=(0,), specs=[A1])
+    assert r and r["t"] == "ok", r
+    return hid
+
+
+def _view_mul(s: Session, hid: int, a: int, b: int) -> dict | None:
+    return s.run(["aten::view.default", "aten::mul.Scalar"],
+                 [[0, 0, [0, -1, -1], [1], [], False], [1, 1, [1, -1], [2], [1], False]],
+                 [hid, a, b, 2.0], inputs=(0,), outputs=(2,), specs=[VIEW, MUL])
+
+
+@pytest.fixture
+def sess(server: ServerProc):
+    s = Session(server)
+    yield s
+    s.alive()
+    s.close()
+
+
+def _calls(sess: Session, n: int) -> list[tuple[str, torch.Tensor]]:
+    """view(x, [2, n]) * 2 of a resident arange(2n), for n = 3, 4, ...: the class is built at
+    the third call (the first runs guarded, the second is vetted and moved)."""
+    out = []
+    for k in range(3, 3 + n):
+        x = torch.arange(2.0 * k)
+        r = _view_mul(sess, _resident(sess, x), 2, k)
+        assert r and r["t"] == "ok", r
+        out.append((r["vt"], _reply_tensor(sess, r)))
+    return out
+
+
+def test_moving_sizes_are_admitted_by_the_class_with_eagers_values(sess: Session) -> None:
+    rs = _calls(sess, 5)
+    assert [vt for vt, _ in rs] == ["guarded", "vetted", "class", "class", "class"], rs
+    for k, (_, got) in zip(range(3, 8), rs):
+        want = torch.arange(2.0 * k).view(2, k) * 2
+        assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_a_call_the_guards_do_not_admit_meets_the_concrete_vet(sess: Session) -> None:
+    _calls(sess, 3)  # the class exists now
+    hid = _resident(sess, torch.arange(12.0))
+    # 2 x 7 = 14 elements of a 12-element value: the view's own check refuses it (on meta)
+    r = _view_mul(sess, hid, 2, 7)
+    assert r and r["t"] == "err" and r["kind"] == "exec", r
+    assert "invalid for input of size 12" in r["msg"], r["msg"]
+    # an honest call of the class after the refusal still runs, and is eager's
+    r = _view_mul(sess, hid, 3, 4)
+    assert r and r["t"] == "ok", r
+    assert torch.equal(_reply_tensor(sess, r), torch.arange(12.0).view(3, 4) * 2)
+
+
+def test_a_view_past_its_storage_is_refused_even_with_a_class(sess: Session) -> None:
+    def strided(hid: int, n: int) -> dict | None:
+        return sess.run(["aten::as_strided.default", "aten::clone.default"],
+                        [[0, 0, [0, -1, -1], [1], [], False], [1, 1, [1], [2], [1], False]],
+                        [hid, n, 1], inputs=(0,), outputs=(2,), specs=[STRIDED, A1])
+
+    for n in (4, 5, 6, 7):
+        r = strided(_resident(sess, torch.arange(float(n))), n)
+        assert r and r["t"] == "ok", r
+    assert r["vt"] == "class", r
+    # the class's guard says n <= the storage's elements: 4096 of an 8-element value is not
+    r = strided(_resident(sess, torch.arange(8.0)), 4096)
+    assert r and r["t"] == "err" and r["kind"] == "exec", r
+    assert "storage" in r["msg"] or "bounds" in r["msg"], r["msg"]
+
+
+def _reply_tensor(sess: Session, r: dict) -> torch.Tensor:
+    dtype, shape, stride = r["o"][0]
+    ref = protocol.FrameRef(0, protocol.dtype_of(dtype), tuple(shape),
+                            None if stride is None else tuple(stride))
+    return protocol.frame_tensor(sess.frames[0], ref, copy=True)
+
+
+def test_constants_sent_as_deltas_patch_the_last_tape(sess: Session) -> None:
+    """Genie's client sends a known skeleton's changed constants only (``d``); the worker
+    patches its last tape (``protocol.refill``) and its native program must read the patched
+    numbers, not the ones it was compiled with: values against eager, every call."""
+    import hashlib
+
+    names = ["aten::view.default", "aten::mul.Scalar"]
+    rows = [[0, 0, [0, -1, -1], [1], [], False], [1, 1, [1, -1], [2], [1], False]]
+    sk = protocol.pack([protocol.PROTOCOL_VERSION, names, [VIEW, MUL], rows, [0], [2], []])
+    key = hashlib.blake2b(sk, digest_size=16).digest()
+    seen = []
+    for k in range(3, 9):
+        hid = _resident(sess, torch.arange(2.0 * k))
+        scale = 1.0 + k
+        head: dict = {"t": "run", "k": key, "id0": sess.hid}
+        if k == 3:
+            head.update(sk=sk, c=[hid, 2, k, scale])
+        else:  # the input, the view's second size and the scale changed
+            head.update(d=[0, hid, 2, k, 3, scale])
+        r = sess.ask(head)
+        sess.hid += 100
+        assert r and r["t"] == "ok", r
+        seen.append(r["vt"])
+        want = torch.arange(2.0 * k).view(2, k) * scale
+        got = _reply_tensor(sess, r)
+        assert got.shape == want.shape and torch.equal(got, want), (k, got, want)
+    assert seen[2:] == ["class"] * 4, seen
