@@ -53,7 +53,10 @@ def stats() -> dict[str, int]:
       ``frees_sent``, ``resident_tensors``, ``resident_bytes``, ``uploads_sent_now`` (large
       uploads sent at ``.to()``, from the host tensor's own memory),
       ``ops_decomposed_for_server`` (instructions outside the server's opset, sent as their
-      decomposition); recovery: ``replays``,
+      decomposition), how the server vetted each run (:mod:`genie.remote.shape_class`):
+      ``server_guarded_runs`` (interpreted under the guard), ``server_vets`` (vetted on meta,
+      then replayed natively), ``server_shape_class_hits`` (admitted by a shape class's guards),
+      ``server_vet_hits`` (shapes vetted before); recovery: ``replays``,
       ``replayed_requests``, ``checkpoints``, ``last_recovery_ms``; memory pressure
       (:mod:`genie.remote.residency`): ``pressure_events``, ``evictions``,
       ``evictions.<role>`` (``evictions.activation``, ...), ``evict_bytes``,
