@@ -40,6 +40,7 @@ import torch
 
 from . import context
 from .config import logger
+from .graph import Ref
 from .stats import bump
 
 _done = False
@@ -368,21 +369,25 @@ def _caller(gm: torch.fx.GraphModule, g: Any) -> Any:
     # inputs' metadata given the sizes, so later calls record without the key over all inputs
     entries: dict[tuple[int, ...], Any] = {}
     LT = LazyTensor
+    only_lt = {LT}
+    dispatch_modes = torch._C._len_torch_dispatch_stack
 
     def call(*args: Any) -> list[Any]:
-        tensors = list(args) if all_tensors else [args[i] for i in t_idx]
-        ints = [args[i] for i in i_idx]
+        tensors = args if all_tensors else [args[i] for i in t_idx]
+        ints = [args[i] for i in i_idx] if i_idx else []
         if not k:
             res: Any = []
         else:
             sizes = tuple(ints)
             entry = entries.get(sizes)
-            if entry is not None and not torch._C._len_torch_dispatch_stack() and \
-                    all(type(t) is LT for t in tensors):
-                res = record_known(op, (key, tensors, ints), entry)
+            plain = set(map(type, tensors)) == only_lt and not dispatch_modes()
+            if entry is not None and plain:
+                # the recorded leaves of (key, tensors, ints), as record would flatten them
+                rec = [key, *[Ref(t._node, t._out) for t in tensors], *ints]
+                res = record_known(op, (key, tensors, ints), rec, entry)
             else:
-                res = op(key, tensors, ints)
-                if type(res[0]) is LT and all(type(t) is LT for t in tensors):
+                res = op(key, list(tensors), ints)
+                if plain and type(res[0]) is LT:
                     entries[sizes] = res[0]._node.entry
         hv = host_fn(*args) if host_fn is not None else []
         bump("graph_calls")

@@ -208,9 +208,13 @@ class Storage:
         readers = self.readers
         readers.append(r)
         if len(readers) >= self._prune_at:
-            self.readers = readers = [w for w in readers
-                                      if (n := w()) is not None and not n.executed]
-            self._prune_at = max(64, 2 * len(readers))
+            self.prune_grown()
+
+    def prune_grown(self) -> None:
+        """:meth:`add_reader`'s pruning, once the list reached ``_prune_at``."""
+        self.readers = readers = [w for w in self.readers
+                                  if (n := w()) is not None and not n.executed]
+        self._prune_at = max(64, 2 * len(readers))
 
 
 class Node:

@@ -505,20 +505,18 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
     return optree.tree_flatten((args, kwargs), none_is_leaf=True)
 
 
-def record_known(func: Any, args: tuple, entry: MetaEntry) -> Any:
-    """Record ``func(*args)`` over LazyTensors with its meta-cache entry already known (no key
-    lookup): for a caller whose guards fix the inputs' metadata, a call of a compiled graph
-    (genie.dynamo), whose key over many inputs would cost more than the rest of the record.
-    ``entry`` must be one this op's calls with the same input metadata got from :func:`record`;
-    the tensors of ``args`` are LazyTensors, its other leaves numbers and strings.
+def record_known(func: Any, args: tuple, rec: list[Any], entry: MetaEntry) -> Any:
+    """Record ``func(*args)`` over LazyTensors with its meta-cache entry and its recorded leaves
+    already known (no flattening, no key): for a caller whose guards fix the inputs' metadata, a
+    call of a compiled graph (genie.dynamo), whose key over many inputs would cost more than the
+    rest of the record.
+
+    ``rec`` is what :func:`_record` would record for ``args``: the leaves of ``_flatten(args,
+    {})`` with each LazyTensor as its :class:`Ref`. ``entry`` must be one this op's calls with the
+    same input metadata got from :func:`record`. Only for ops that neither write nor draw random
+    numbers (``genie::graph``).
     """
-    leaves, spec = _flatten(args, {})
-    index = -1
-    for x in leaves:
-        if type(x) is LazyTensor:
-            index = x._node.metas[x._out].index
-            break
-    return _record(func, policy(func), args, {}, leaves, spec, index, current_graph(), entry)
+    return _record(func, policy(func), args, {}, rec, entry.spec, -1, current_graph(), entry)
 
 
 def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
@@ -528,9 +526,8 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
     # builds the same key; test_native_record's native_cold mode compares the entries found).
     # The global state word (default dtype, deterministic flags: csrc/state.cpp) is in the key.
     key_parts: list[Any] = [pol.key, spec, _state_word()]
-    rec: list[Any] = []
-    if known is not None:  # record_known: LazyTensors and plain constants, no key to build
-        rec = [Ref(x._node, x._out) if type(x) is LazyTensor else x for x in leaves]
+    # record_known: the leaves are the recorded ones already, no key to build
+    rec: list[Any] = [] if known is None else leaves
     for x in (leaves if known is None else ()):
         t = type(x)
         if t is LazyTensor:
@@ -620,7 +617,11 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             xn = x.node
             if not xn.executed:  # consumers only decide what a run of xn keeps
                 xn.consumers.append(wref)
-            xn.storages[x.out].add_reader(wref)
+            s = xn.storages[x.out]  # Storage.add_reader, inlined (once per lazy input)
+            readers = s.readers
+            readers.append(wref)
+            if len(readers) >= s._prune_at:
+                s.prune_grown()
     if writes:
         for s in writes:
             s.add_writer(node, deferred)
