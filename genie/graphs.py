@@ -22,6 +22,7 @@ short table of Python operators on sizes (:data:`PY_OPS`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import operator
 import threading
@@ -276,6 +277,11 @@ class GraphData:
     options: dict[str, Any] = field(default_factory=dict)  # Inductor's, from torch.compile
     resolve: Callable[[str], Any] = aten_resolve  # a server's admits only its opset
 
+    @property
+    def all_tensors(self) -> bool:
+        """Whether every input is a tensor (then the op's tensor list is the inputs, in order)."""
+        return "i" not in self.kinds
+
     def module(self, device: torch.device) -> torch.fx.GraphModule:
         k = str(device)
         gm = self.modules.get(k)
@@ -369,43 +375,63 @@ def _meta(key: str, tensors: list[torch.Tensor], ints: list[int]) -> list[torch.
 def _unaliased(outs: list[torch.Tensor], inputs: list[Any]) -> list[torch.Tensor]:
     """``outs`` with fresh storages: a compiled graph may return views of its inputs or several
     views of one buffer, but the op promises new, distinct tensors (as its recorded node says)."""
-    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-    res = []
-    for t in outs:
-        p = t.untyped_storage().data_ptr()
-        if p in seen and t.untyped_storage().nbytes():
-            t = t.clone(memory_format=torch.preserve_format)
-        else:
-            seen.add(p)
-        res.append(t)
+    res = list(outs)
+    for k in _aliased(outs, inputs):
+        res[k] = outs[k].clone(memory_format=torch.preserve_format)
     return res
 
 
+def _aliased(outs: list[torch.Tensor], inputs: list[Any]) -> tuple[int, ...]:
+    """The positions of ``outs`` whose storage is an input's or an earlier output's (not empty)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    found = []
+    for k, t in enumerate(outs):
+        p = t.untyped_storage().data_ptr()
+        if p in seen and t.untyped_storage().nbytes():
+            found.append(k)
+        else:
+            seen.add(p)
+    return tuple(found)
+
+
 def _shape_class(device: torch.device, args: list[Any]) -> tuple[Any, ...]:
-    return (str(device),) + tuple(
-        (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+    return (device,) + tuple(
+        (a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _run(key: str, tensors: list[torch.Tensor], ints: list[int]) -> list[torch.Tensor]:
-    from torch.utils._python_dispatch import _disable_current_modes
-
     g = lookup(key)
-    device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
-    args = _inputs(g, tensors, ints)
+    device = next((t.device for t in tensors if t.device.type != "cpu"), _CPU)
+    args = tensors if g.all_tensors and not ints and len(tensors) == len(g.kinds) else \
+        _inputs(g, tensors, ints)
     sk = _shape_class(device, args)
-    with _disable_current_modes(), torch.no_grad():
+    with _no_modes(), torch.no_grad():
         fn = g.compiled.get(sk)
         if fn is None:
             return _unaliased(_first_run(g, device, args, sk), args)
         bump("graph_cache_hits")
         if fn == "eager":
             return interpret(g.module(device), args)
-        fn, restride = fn
+        fn, restride, clone = fn
         outs = _tensor_outs(fn(*args))
         for k, st in restride:
             o = outs[k]
             outs[k] = torch.empty_strided(o.shape, st, dtype=o.dtype, device=o.device).copy_(o)
-        return _unaliased(outs, args)
+        for k in clone:
+            outs[k] = outs[k].clone(memory_format=torch.preserve_format)
+        return outs
+
+
+_CPU = torch.device("cpu")
+
+
+def _no_modes() -> Any:
+    """``_disable_current_modes()`` where a dispatch mode is on (a kernel run inside a mode's
+    handler), else nothing to leave (most runs: entering it costs as much as a small kernel)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else \
+        contextlib.nullcontext()
 
 
 def _first_run(g: GraphData, device: torch.device, args: list[Any],
@@ -435,8 +461,13 @@ def _first_run(g: GraphData, device: torch.device, args: list[Any],
         # the recorded node carries) are copied into that layout on every call
         restride = tuple((k, b.stride()) for k, (a, b) in enumerate(zip(got, want))
                          if a.stride() != b.stride() and b.numel() > 1)
+        # outputs the compiled code returns as views of its inputs or of another output (where
+        # a buffer lives is fixed by the code, not by the values) are cloned on every call;
+        # restrided ones are copies already
+        copied = {k for k, _ in restride}
+        clone = tuple(k for k in _aliased(got, args) if k not in copied)
     if reason is None:
-        g.compiled[sk] = (fn, restride)
+        g.compiled[sk] = (fn, restride, clone)
         bump("graph_verified")
     else:
         g.compiled[sk] = "eager"

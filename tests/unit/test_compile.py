@@ -304,3 +304,29 @@ def test_compiling_keeps_genies_module_call(fast_compiler):
         torch._dynamo.reset()
         torch.compile(m, backend=backend)(x).sum().item()
         assert torch.nn.Module.__dict__["__call__"] is context._installed, backend
+
+
+def test_graph_outputs_never_alias_its_inputs_or_each_other(fast_compiler):
+    """A compiled graph that returns a view of its input and one tensor twice: each call's outputs
+    have their own storages (the op promises fresh tensors), on the first run (the op-by-op
+    oracle) and on the cached compiled runs, with eager's values."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    v = g.call_function(torch.ops.aten.view.default, (x, [6]))
+    y = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    g.output([v, y, y])
+    for n, shape in ((x, (2, 3)), (v, (6,)), (y, (2, 3))):
+        n.meta["val"] = torch.empty(shape, device="meta")
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    data, kinds = graphs.encode(gm, [torch.empty(2, 3)])
+    key = graphs.register(data, kinds).key
+    for call in range(3):
+        a = torch.arange(6.0).reshape(2, 3)
+        outs = torch.ops.genie.graph(key, [a], [])
+        want = [a.view(6).clone(), a * 2, a * 2]
+        ptrs = {a.untyped_storage().data_ptr()} | {o.untyped_storage().data_ptr() for o in outs}
+        assert len(ptrs) == 4, f"call {call}: outputs share storage with the input or each other"
+        a.fill_(-1.0)  # writing the input changes no output
+        for o, w in zip(outs, want, strict=True):
+            torch.testing.assert_close(o, w)
+    assert genie.stats().get("graph_cache_hits", 0) >= 2
