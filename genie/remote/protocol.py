@@ -31,6 +31,7 @@ receives is checked against its schema (:func:`fill`); a malformed message raise
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import re
@@ -437,6 +438,16 @@ def encode_tape(tape: Tape, input_const: Any) -> Encoded:
     consts: list[Any] = [input_const(s, tape.inputs[s], frames) for s in inputs]
     n_consts, n_frames = len(consts), len(frames)
     instrs = tape.instrs
+    shape = _structure(tape, inputs)
+    memo = _encoded.get(shape)
+    if memo is not None:  # a structure encoded before: only its constants are new
+        _encoded.move_to_end(shape)
+        key, skel, where = memo
+        for i, j in where:
+            ins = instrs[i]
+            consts.append(const_data(ins.leaves[j], frames) if j >= 0 else int(ins.rng[-1 - j]))
+        return Encoded(key, skel, consts, frames)
+    where = []
     while True:
         ops: dict[str, int] = {}
         specs: dict[Any, int] = {}
@@ -460,23 +471,48 @@ def encode_tape(tape: Tape, input_const: Any) -> Encoded:
                     si = specs[ins.spec] = len(spec_list)
                     spec_list.append(_spec_data(ins.spec))
             code = []
-            for x in ins.leaves:
+            i = len(rows)
+            for j, x in enumerate(ins.leaves):
                 if type(x) is Slot:
                     code.append(x.id)
                 else:
                     code.append(-1)
                     consts.append(const_data(x, frames))
+                    where.append((i, j))
             if ins.rng is not None:
                 consts.append(int(ins.rng[0]))
                 consts.append(int(ins.rng[1]))
+                where += ((i, -1), (i, -2))
             rows.append([oi, si, code, list(ins.outs), list(ins.free), ins.rng is not None])
         else:
             break
         instrs = for_server(tape)
         del consts[n_consts:], frames[n_frames:]
+        where = []
     skel = pack([PROTOCOL_VERSION, list(ops), spec_list, rows, inputs, list(tape.outputs),
                  sorted(tape.keep)])
-    return Encoded(hashlib.blake2b(skel, digest_size=16).digest(), skel, consts, frames)
+    key = hashlib.blake2b(skel, digest_size=16).digest()
+    if instrs is tape.instrs:  # a decomposition may depend on the constants: not memoized
+        if len(_encoded) >= ENCODED_MEMORY:
+            _encoded.popitem(last=False)
+        _encoded[shape] = (key, skel, where)
+    return Encoded(key, skel, consts, frames)
+
+
+#: skeletons encoded by :func:`encode_tape`, by tape structure (least recently used dropped)
+_encoded: collections.OrderedDict[Any, tuple[bytes, bytes, list[tuple[int, int]]]] = \
+    collections.OrderedDict()
+ENCODED_MEMORY = 512
+
+
+def _structure(tape: Tape, inputs: list[int]) -> Any:
+    """What a skeleton is made of (ops, argument trees, which leaves are which slots, outputs,
+    frees, random or not; the tape's inputs, outputs and kept slots): equal structures encode to
+    the same skeleton, whatever their constants."""
+    return (tuple(inputs), tuple(tape.outputs), tuple(sorted(tape.keep)),
+            tuple([(ins.op, ins.spec, ins.outs, ins.free, ins.rng is None,
+                    tuple([x.id if type(x) is Slot else -1 for x in ins.leaves]))
+                   for ins in tape.instrs]))
 
 
 def const_delta(old: list[Any], new: list[Any]) -> list[Any] | None:

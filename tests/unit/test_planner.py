@@ -209,3 +209,29 @@ def test_allowlist_can_be_narrowed():
     assert op_from_name("aten::mul.Tensor", allow_only({"aten::mul", "aten::relu"})) is mul
     with pytest.raises(TapeDataError, match="allowlist"):
         op_from_name("aten::relu.default", allow_only({"aten::mul"}))
+
+
+def test_a_structure_encoded_before_gives_the_skeleton_and_constants_a_fresh_encoding_does():
+    """encode_tape memoizes skeletons by tape structure: a second tape of that structure with
+    other constants (sizes, scalars, a host tensor, a seed) encodes to exactly what an encoding
+    without the memo gives."""
+    from genie.remote import protocol
+
+    def program(n: int, scale: float):
+        torch.manual_seed(n)
+        x = torch.arange(float(2 * n)).to(D)
+        noise = torch.rand(2, n, device=D)  # a seed and offset per call
+        host = torch.full((2, 1), scale)  # a host tensor constant
+        return ((x.view(2, n) * scale + noise) * host.to(D)).sum(1)
+
+    tapes = [_tape(program(n, 1.5 + n)) for n in (3, 4, 5, 5)]
+    first = protocol.encode_tape(tapes[0], lambda slot, _v, _f: slot)
+    for t in tapes[1:]:
+        memo = protocol.encode_tape(t, lambda slot, _v, _f: slot)
+        protocol._encoded.clear()
+        fresh = protocol.encode_tape(t, lambda slot, _v, _f: slot)
+        assert memo.key == fresh.key == first.key and memo.skeleton == fresh.skeleton
+        assert protocol.pack(memo.consts) == protocol.pack(fresh.consts)
+        assert [bytes(memoryview(f)) for f in memo.frames] == \
+            [bytes(memoryview(f)) for f in fresh.frames]
+    assert protocol.pack(first.consts) != protocol.pack(memo.consts)  # the constants moved
