@@ -36,6 +36,7 @@ from .factories import register_factories as _register_factories
 from .fastpaths import install as _install_fastpaths
 from .autocast import register as _register_autocast
 from .storages import register as _register_storages
+from .dlpack import register as _register_dlpack
 from .dynamo import install as _install_dynamo_skips
 from .distributed import register as _register_distributed
 from .lazy_tensor import LazyTensor, materialize
@@ -51,6 +52,7 @@ _register_factories()  # the PrivateUse1 factory kernels record through genie.la
 _install_fastpaths()  # nn fast paths that need nested tensors run densely (genie.fastpaths)
 _register_autocast()  # torch.autocast("remote_accelerator") (genie.autocast)
 _register_storages()  # torch.load(..., map_location="remote_accelerator") (genie.storages)
+_register_dlpack()  # DLPack imports of device tensors are aliases (genie.dlpack)
 _install_dynamo_skips()  # torch.compile runs Genie's own code as plain Python (genie.dynamo)
 _register_distributed()  # torch.distributed backend "genie" for remote_accelerator
 atexit.register(_drain_device_threads)  # no abort at exit right after backward (genie.shutdown)

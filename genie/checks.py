@@ -68,6 +68,12 @@ INDEX = frozenset(op for packet in (aten.index, aten._unsafe_index)
 
 _verdicts: dict[tuple[int, tuple], tuple[Any, BaseException | None]] = {}
 
+RANDPERM = frozenset(getattr(aten.randperm, name) for name in aten.randperm.overloads())
+#: the largest n eager's randperm takes for a dtype (its check, before it allocates)
+_RANDPERM_BOUND = {torch.float16: 2 ** 11 + 1, torch.float32: 2 ** 24 + 1,
+                   torch.float64: 2 ** 53 + 1, torch.uint8: 2 ** 8, torch.int8: 2 ** 7,
+                   torch.int16: 2 ** 15}
+
 
 class Refused(UnsupportedOpError):
     """A call whose result Genie cannot represent (a sparse or quantized tensor): refused at the
@@ -136,7 +142,7 @@ def _pointwise_inplace(func: Any) -> bool:
 
 def checked(func: Any) -> bool:
     """Whether :func:`check` has checks for ``func`` (cached on the op as ``_genie_checked``)."""
-    c = func in INDEX_PUT or func in INDEX or probed(func)
+    c = func in INDEX_PUT or func in INDEX or func in RANDPERM or probed(func)
     try:
         func._genie_checked = c
     except AttributeError:
@@ -154,8 +160,49 @@ def check(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
         indices = args[1] if len(args) > 1 else kwargs.get("indices")
         if type(self) is TensorMeta and indices is not None:
             _into_empty_dims(self, indices)
+    elif func in RANDPERM:
+        check_randperm(func, leaves, spec)
     elif probed(func):
         probe(func, leaves, spec, klass)
+
+
+#: ``normal`` with a std tensor: eager checks its elements (``std.min() >= 0``, read with a sync
+#: on every device, CUDA's included): :func:`check_normal_std` at the call, as eager.
+NORMAL_STD = frozenset(getattr(aten.normal, n) for n in (
+    "Tensor_Tensor", "Tensor_Tensor_out", "float_Tensor", "float_Tensor_out"))
+
+
+def check_normal_std(args: tuple, kwargs: dict) -> None:
+    """Eager's ``normal expects all elements of std >= 0.0`` (NaN fails it too), from the
+    device's values of std: a forced materialization, as eager's sync."""
+    std = args[1] if len(args) > 1 else kwargs.get("std")
+    if not isinstance(std, torch.Tensor) or std.numel() == 0 or std.is_complex():
+        return  # (complex: the meta kernel's own check, without data)
+    if not bool(std.min().ge(0)):
+        raise RuntimeError("normal expects all elements of std >= 0.0")
+
+
+def check_randperm(func: Any, leaves: list[Any], spec: Any) -> None:
+    """``randperm(n)`` into a dtype whose exact integers stop below ``n - 1`` (half beyond 2049,
+    uint8 beyond 256): eager's error, from eager's own check on an empty host tensor of that
+    dtype. Only then: the check comes before eager's kernel allocates n elements, and a call it
+    accepts would allocate them (randperm of 2^53 doubles), so the probe runs only past the
+    dtype's bound (each float's 2^digits + 1, each integer's maximum + 1)."""
+    args, kwargs = optree.tree_unflatten(spec, leaves)
+    n = args[0] if args else kwargs.get("n")
+    out = kwargs.get("out")
+    dtype = out.dtype if out is not None else kwargs.get("dtype") or torch.int64
+    if type(n) is not int or dtype == torch.bool:
+        return
+    bound = _RANDPERM_BOUND.get(dtype)
+    if bound is None:  # int32/int64: beyond any n a device holds; bfloat16: eager checks none
+        return
+    if n <= bound:
+        return
+    try:
+        torch.randperm(n, out=torch.empty(0, dtype=dtype), generator=torch.Generator())
+    except Exception as e:  # noqa: BLE001 - eager's verdict
+        raise type(e)(*e.args).with_traceback(None) from None
 
 
 def _empty(x: Any) -> Any:

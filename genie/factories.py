@@ -22,7 +22,7 @@ import torch
 
 from . import _C
 from .config import config
-from .lazy_tensor import _item_now, copy_from, record_factory
+from .lazy_tensor import copy_from, item_kernel, record_factory
 
 aten = torch.ops.aten
 
@@ -89,7 +89,7 @@ def register_factories() -> None:
     # And ``.item()`` of each element of a list of device tensors (``torch.tensor([t0, t1])``,
     # ``torch.tensor(list(itertools.product(a, b)))``) reaches the backend's
     # ``_local_scalar_dense``, with the Python key excluded the same way.
-    lib.impl("_local_scalar_dense", _item_now, "PrivateUse1")
+    lib.impl("_local_scalar_dense", item_kernel, "PrivateUse1")
     _register_refusals(lib)
     _lib = lib
 

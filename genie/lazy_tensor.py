@@ -27,7 +27,7 @@ from typing import Any
 import optree
 import torch
 import torch.autograd.profiler as _profiler
-
+from torch.utils.dlpack import DLDeviceType
 
 from . import _C, checks, context, device, executor, storages
 from .config import config
@@ -67,8 +67,11 @@ class _TLS(threading.local):
 
 _tls = _TLS()
 
-_NO_DLPACK = ("DLPack shares a tensor's memory by its address, and a remote_accelerator tensor's "
-              "memory is on the device, not in this process: export t.cpu() instead (a copy)")
+#: Set by genie.dlpack: ``alias_import(x)`` is the LazyTensor view that ``x``, a plain tensor
+#: on the device made by PyTorch's DLPack import of a LazyTensor, aliases; ``_note_export(t)``
+#: notes a LazyTensor about to be exported.
+alias_import: Any = None
+_note_export: Any = None
 
 
 def current_graph() -> Graph:
@@ -252,13 +255,14 @@ class LazyTensor(torch.Tensor):
         return super().__bool__()
 
     def __dlpack__(self, **kwargs: Any) -> Any:
-        """Refused (BufferError, as eager's for a tensor it cannot export): a DLPack capsule
-        hands out a pointer to the tensor's memory, and a remote_accelerator tensor's memory is
-        on the device (or another machine), not in this process."""
-        raise BufferError(_NO_DLPACK)
+        """torch's capsule (device ``kDLExtDev``, the fake address), the tensor noted so that
+        PyTorch's import of it is an alias of this tensor (genie.dlpack)."""
+        if _note_export is not None:
+            _note_export(self)
+        return super().__dlpack__(**kwargs)
 
     def __dlpack_device__(self) -> Any:
-        raise BufferError(_NO_DLPACK)
+        return (DLDeviceType.kDLExtDev, self.device.index or 0)
 
     def tolist(self):  # noqa: ANN201
         """Materialize and return nested Python lists (as ``torch.Tensor.tolist``)."""
@@ -382,6 +386,13 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         elif isinstance(x, torch.Tensor):
             real_inputs = True
     if real_inputs or func is _to_copy or func is _copy:
+        if alias_import is not None and any(
+                type(x) is not LazyTensor and isinstance(x, torch.Tensor)
+                and x.device.type == DEVICE_TYPE for x in leaves):
+            # a DLPack import of a LazyTensor: its alias (genie.dlpack)
+            return record(func, *optree.tree_unflatten(spec, [
+                alias_import(x) if type(x) is not LazyTensor and isinstance(x, torch.Tensor)
+                and x.device.type == DEVICE_TYPE else x for x in leaves]))
         special = _transfer(func, args, kwargs, leaves, index)
         if special is not _NOT_HANDLED:
             return special
@@ -389,6 +400,8 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         return _run_now(func, args, kwargs, leaves, spec, index)
     if pol.inplace_view:
         return _record_inplace_view(func, pol, args, kwargs, leaves, spec, index)
+    if pol.random and func in checks.NORMAL_STD:  # a check of std's values, as eager's (a sync)
+        checks.check_normal_std(args, kwargs)
     if pol.portable is not None:  # a CUDA-only fused op: record its decomposition (genie.portable)
         return pol.portable(*args, **kwargs)
     try:
@@ -931,6 +944,11 @@ def _upload_into(dst: LazyTensor, src: torch.Tensor, non_blocking: bool) -> Lazy
 
 def copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """PrivateUse1 kernel of ``aten::_copy_from`` (copies that reach the backend directly)."""
+    if type(src) is not LazyTensor and src.device.type == DEVICE_TYPE:
+        src = _import_alias(src)
+    if type(dst) is not LazyTensor and dst.device.type == DEVICE_TYPE:
+        _copy(_import_alias(dst), src, non_blocking)
+        return dst
     if isinstance(dst, LazyTensor) and not isinstance(src, LazyTensor):
         return _upload_into(dst, src, non_blocking)
     return record(_copy, (dst, src, non_blocking), {})
@@ -1030,6 +1048,19 @@ def _detach_alias(x: LazyTensor) -> LazyTensor | None:
     if config.gc_untrack:
         _C._gc_untrack(r.__dict__)  # as graph.track: the dict holds the node, never the tensor
     return r
+
+
+def _import_alias(x: torch.Tensor) -> LazyTensor:
+    """:data:`alias_import` of ``x``, or materialize's TypeError where there is none."""
+    if alias_import is None:
+        return materialize(x)  # its TypeError
+    return alias_import(x)
+
+
+def item_kernel(x: torch.Tensor) -> Any:
+    """PrivateUse1 kernel of ``_local_scalar_dense``: reached with the Python key excluded
+    (``torch.tensor([t0, t1])``) or by a DLPack import (genie.dlpack)."""
+    return _item_now(x if type(x) is LazyTensor else _import_alias(x))
 
 
 def _item_now(x: LazyTensor) -> Any:

@@ -10,6 +10,10 @@
    owns) is refused at the call with a message that says what to do (``set_`` onto a tensor's
    storage runs as eager's); ``abs`` of a complex tensor into a complex
    ``out=`` runs as eager runs it.
+
+Found by PyTorch's device-generic files (tests/device_generic): ``out=`` of factories, random
+ops' checks, overlapping writes, DLPack (an import of a device tensor is eager's alias),
+``randperm``'s dtype bound and ``normal``'s std elements at the call.
 """
 
 import contextlib
@@ -660,14 +664,100 @@ def test_copysign_with_a_0_dim_cpu_tensor():
         torch.copysign(torch.ones(3, device=DEV), torch.ones(3))
 
 
-def test_dlpack_is_refused_with_what_to_do():
-    """DLPack hands out a pointer to the tensor's memory, which is not in this process:
-    BufferError (eager's type for a tensor it cannot export), naming t.cpu()."""
-    t = torch.arange(4, device=DEV)
-    for fn in (t.__dlpack__, t.__dlpack_device__, lambda: torch.from_dlpack(t)):
-        with pytest.raises(BufferError, match=r"t\.cpu\(\)"):
-            fn()
-    assert torch.equal(torch.from_dlpack(t.cpu()), torch.arange(4))
+def _dlpack_program(d, route):
+    """An export and an import of a tensor on ``d`` by one of DLPack's routes, then what eager
+    promises: the import aliases the original (address, reads, writes both ways, in-place
+    returns the import), copies and conversions do not."""
+    from torch.utils.dlpack import to_dlpack
+
+    t = torch.arange(12.0, device=d).reshape(3, 4)
+    src = t[1:, 1:3]  # a view: offset and strides go through the capsule
+    imp = {"to_dlpack": lambda: torch.from_dlpack(to_dlpack(src)),
+           "asarray": lambda: torch.asarray(to_dlpack(src)),
+           "from_dlpack": lambda: torch.from_dlpack(src),
+           "torch.to_dlpack": lambda: torch.from_dlpack(torch.to_dlpack(src))}[route]()
+    facts = [imp.data_ptr() == src.data_ptr(), imp.shape, imp.stride(), imp.dtype,
+             imp.device.type == t.device.type]
+    imp[0, 0] = -1                 # an op on the import alone writes the original
+    same_obj = imp.mul_(2) is imp  # in-place: the import itself, as eager
+    t.add_(1)                      # a write to the original is seen through the import
+    imp[1:].t()[1].fill_(-7)       # views of the import (offsets are into its own storage)
+    strided = imp.as_strided((2,), (1,), 1)
+    copy = torch.asarray(to_dlpack(src), copy=True)
+    as64 = torch.asarray(to_dlpack(src), dtype=torch.float64)
+    copy.zero_()
+    mixed = torch.isclose(src, imp).all()
+    vals = [t, imp, imp + 1, imp.sum(), as64, copy, mixed, strided]
+    return facts, same_obj, copy.data_ptr() != src.data_ptr(), \
+        [v.cpu() for v in vals], imp.sum().item()
+
+
+@pytest.mark.parametrize("route", ["to_dlpack", "asarray", "from_dlpack", "torch.to_dlpack"])
+def test_dlpack_import_aliases_as_eager(route):
+    """torch's DLPack round trip of a device tensor gives eager's alias (genie.dlpack)."""
+    ref = _dlpack_program("cpu", route)
+    got = _dlpack_program(DEV, route)
+    assert got[:3] == ref[:3]
+    for r, g in zip(ref[3], got[3], strict=True):
+        same(r, g)
+    assert got[4] == ref[4]
+
+
+def test_dlpack_refusals_and_other_consumers():
+    """What eager refuses to export it refuses on the device (BufferError); a consumer other
+    than torch refuses the capsule's device (kDLExtDev) instead of reading a fake address; a
+    plain device tensor Genie never exported names what to do."""
+    from torch.utils.dlpack import DLDeviceType
+
+    def grad(d):
+        torch.ones(2, device=d, requires_grad=True).__dlpack__()
+    raises_as_eager(grad)
+    t = torch.arange(4.0, device=DEV)
+    assert t.__dlpack_device__() == (DLDeviceType.kDLExtDev, 0)
+    np = pytest.importorskip("numpy")
+    with pytest.raises(RuntimeError, match="Unsupported device"):
+        np.from_dlpack(t)
+    assert torch.equal(torch.from_dlpack(t.cpu()), torch.arange(4.0))
+    # a capsule whose tensor Genie did not note (its address alone names nothing)
+    from genie import dlpack
+    imp = torch.from_dlpack(t)
+    dlpack._exported.clear()
+    with pytest.raises(RuntimeError, match="Genie did not make"):
+        imp + 1
+    with pytest.raises(RuntimeError, match="Genie did not make"):
+        imp.cpu()
+
+
+@pytest.mark.parametrize("std", [[1.0, -1.0, 1.0], [1.0, float("nan")], -1.0, [0.0, 2.0], []])
+@pytest.mark.parametrize("form", ["tensor_tensor", "float_tensor", "out"])
+def test_normal_with_a_negative_std_element_raises_at_the_call(std, form):
+    """normal(mean, std_tensor) checks std's elements at the call, as eager on every device
+    (a sync: std.min() >= 0); NaN fails it too; an empty std passes."""
+    def normal(d):
+        s = torch.tensor(std, device=d)
+        if form == "tensor_tensor":
+            return torch.normal(torch.zeros_like(s), s).isfinite().sum()
+        if form == "float_tensor":
+            return torch.normal(0.0, s).isfinite().sum()
+        return torch.normal(torch.zeros_like(s), s, out=torch.empty_like(s)).isfinite().sum()
+    if isinstance(std, float) or float("nan") in std or any(x < 0 for x in std) or \
+            any(x != x for x in std):
+        raises_as_eager(normal)
+    else:
+        same(*both(normal))
+
+
+@pytest.mark.parametrize("dtype,n", [(torch.float16, 2 ** 11 + 2), (torch.float32, 2 ** 24 + 2),
+                                     (torch.float64, 2 ** 53 + 2), (torch.uint8, 2 ** 8 + 1),
+                                     (torch.int16, 2 ** 15 + 1)])
+def test_randperm_beyond_the_dtypes_integers_raises_at_the_call(dtype, n):
+    """randperm(n, out=) into a dtype whose exact integers stop below n: eager's error at the
+    call (PyTorch's test_randperm), without allocating n elements on the host."""
+    def randperm_out(d):
+        torch.randperm(n, out=torch.empty(0, dtype=dtype, device=d))
+    raises_as_eager(randperm_out)
+    ref, got = both(lambda d: torch.randperm(300, dtype=torch.int16, device=d).sort().values)
+    same(ref, got)
 
 
 def test_bool_of_computed_elements_reads_them():

@@ -188,6 +188,15 @@ _PLAIN = """
         sd = torch.load(buf)
         print(sorted(sd), sd["0.weight"].sum().item())
         print(torch.arange(6.).reshape(2, 3), m)
+        from torch.utils.dlpack import to_dlpack  # DLPack of host tensors: torch's own
+        d = torch.from_dlpack(to_dlpack(sd["0.bias"])); d.mul_(2)
+        print(d.data_ptr() == sd["0.bias"].data_ptr(), sd["0.bias"].sum().item(),
+              torch.from_dlpack(torch.arange(3)).tolist(), torch.asarray(torch.to_dlpack(
+                  torch.ones(2)), dtype=torch.float64).tolist())
+        try:
+            torch.ones(1, requires_grad=True).__dlpack__()
+        except BufferError as e:
+            print("BufferError", e)
     print(sorted({{(w.category.__name__, str(w.message)) for w in caught}}))
 """
 
