@@ -6,7 +6,7 @@
 | mlp | 6 x (Linear(128) + GELU + LayerNorm), batch 8, ``no_grad`` | forward, ``.sum().item()`` |
 | gpt | nanoGPT-style GPT: 6 layers, width 384, 6 heads, block 256, vocab 4096, batch ``GENIE_BENCH_GPT_BATCH`` (default 2), AdamW | one training step, ``loss.item()`` |
 | generate | GPT-2 4 x 128 (4 heads, vocab 1000), static KV cache | greedy ``generate`` of 16 tokens from a 16-token prompt (the same shapes every call: the compiled decode step is reused) |
-| host | the mlp row at depth 6 and at depth 24, compiled on Genie | one call recorded, nothing run: the host cost of a compiled graph call (guard + one record) |
+| host | the mlp row's model at depth 6, at depth 24, and at depth 6 applied 4 times (4x the ops over the same parameters), compiled on Genie; next to ``torch.compile``'s front end on the CPU for the same model (Dynamo's guards and frame, AOTAutograd's runtime wrapper; no kernel) | one call recorded, nothing run: the host cost of a compiled graph call (guard + one record), and Genie's share of it |
 
 Variants: ``eager`` (the real device, CPU here), ``compile`` (``torch.compile`` there, Inductor),
 ``genie`` (``remote_accelerator``, recorded op by op), ``genie+compile`` (``torch.compile`` over
@@ -25,6 +25,7 @@ import copy
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -230,31 +231,83 @@ def test_compile_row(benchmark, ratios, workloads, name: str) -> None:
                      f"op-by-op graphs {s.get('graphs_op_by_op', 0)}")
 
 
+class _Repeat(nn.Module):
+    """``m`` applied ``n`` times: ``n`` times the ops over the same parameters."""
+
+    def __init__(self, m: nn.Module, n: int) -> None:
+        super().__init__()
+        self.m, self.n = m, n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n):
+            x = self.m(x)
+        return x
+
+
+def _no_kernels(gm: torch.fx.GraphModule, example_inputs: list[object]) -> Callable[..., object]:
+    """A Dynamo backend with ``torch.compile``'s front end (AOTAutograd, as Inductor gets its
+    graphs) whose compiled graph runs once and then returns that first result: a call costs
+    Dynamo's guards and frame and AOTAutograd's runtime wrapper, and no kernel."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def compiler(g: torch.fx.GraphModule, inputs: list[object]) -> Callable[..., object]:
+        first: list[object] = []
+
+        def run(*args: object) -> object:
+            if not first:
+                first.append(g(*args))
+            return first[0]
+
+        return make_boxed_func(run)
+
+    return aot_autograd(fw_compiler=compiler)(gm, example_inputs)
+
+
 def test_compiled_call_host_cost(benchmark, ratios, workloads) -> None:
-    """Record-only: one compiled call's host cost (guard + one record), depth 6 vs 24."""
+    """Record-only: one compiled call's host cost (guard + one record), next to what
+    ``torch.compile``'s front end (Dynamo and AOTAutograd, no kernel) costs on the CPU for the
+    same model; depth 6, depth 24 (4x the parameters and ops) and depth 6 applied 4 times (4x
+    the ops, the same parameters)."""
     if "host" not in ROWS:
         pytest.skip("GENIE_BENCH_COMPILE_ROWS leaves out host")
     benchmark.group = "compile: host"
     row = ratios.row(SUITE, "host cost of a compiled call", unit="µs/call", scale=1e6,
-                     ratios=[("depth 24", "depth 6")])
+                     ratios=[("genie depth 24", "genie depth 6"),
+                             ("genie depth 6, 4x ops", "genie depth 6"),
+                             ("front end cpu depth 24", "front end cpu depth 6")])
     torch._dynamo.reset()
-    context.activate()
+    models = {"depth 6": lambda: _mlp_model(6), "depth 24": lambda: _mlp_model(24),
+              "depth 6, 4x ops": lambda: _Repeat(_mlp_model(6), 4)}
     variants = {}
-    for depth in (6, 24):
-        m = torch.compile(_mlp_model(depth).to(DEV))
-        x = torch.randn(8, 128).to(DEV)
-        with torch.no_grad():
-            m(x).sum().item()  # compiled and run once
-
-        def call(m: nn.Module = m, x: torch.Tensor = x) -> object:
+    for name, make in models.items():
+        for dev in (DEV, "cpu"):
+            if dev == "cpu" and name.endswith("ops"):
+                continue
+            context.activate() if dev == DEV else context.deactivate()
+            m = torch.compile(make().to(dev), backend=None if dev == DEV else _no_kernels)
+            x = torch.randn(8, 128).to(dev)
             with torch.no_grad():
-                return m(x)
+                float(m(x).sum())  # compiled (and run once)
 
-        variants[f"depth {depth}"] = call
+            def call(m: nn.Module = m, x: torch.Tensor = x) -> object:
+                with torch.no_grad():
+                    return m(x)
+
+            variants[f"{'genie' if dev == DEV else 'front end cpu'} {name}"] = call
     before = genie.stats().get("ops_recorded", 0)
-    workloads.interleave(benchmark, row, variants, rounds=_rounds(30), inner=20)
-    calls = 2 * _rounds(30) * 20 + 2
-    row.notes.append(f"ops recorded per call {(genie.stats().get('ops_recorded', 0) - before) / calls:.2f}")
+    calls_before = genie.stats().get("graph_calls", 0)
+    workloads.interleave(benchmark, row, variants, rounds=_rounds(30), inner=20,
+                         before=_before(variants))
+    s = genie.stats()
+    row.notes.append(f"ops recorded per genie call {(s.get('ops_recorded', 0) - before) / max(1, s.get('graph_calls', 0) - calls_before):.2f}")
+    # Genie's share: what a call costs beyond torch.compile's own front end for the same model
+    # (the median of the per-round differences, paired)
+    for name in ("depth 6", "depth 24"):
+        g, d = row.samples.get(f"genie {name}"), row.samples.get(f"front end cpu {name}")
+        if g and d:
+            share = statistics.median(a - b for a, b in zip(g, d, strict=True)) * 1e6
+            row.notes.append(f"genie's share at {name} {share:.0f} µs/call")
 
 
 class _Server:

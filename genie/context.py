@@ -334,7 +334,11 @@ def _begin(module: Any, args: tuple, kwargs: dict) -> Call:
     module produced (that call, if it was not a decode, was the prefill)."""
     call = Call(module)
     producers: dict[int, Call] = {}
-    for t in _lazy_tensors((args, kwargs)):
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # model(x): no walk
+        found = [a for a in args if getattr(a, "_node", None) is not None]
+    else:
+        found = _lazy_tensors((args, kwargs))
+    for t in found:
         c = t._node.ctx
         p = c.call if c is not None else None
         if p is not None and p.root() is module:
