@@ -730,13 +730,17 @@ def _diff(base: Tape, opt: Tape, renamed: dict[int, int]
                     new_slots[s] = o
         edits.append(Edit(o, tuple(reads), outs, tuple(ins.free)))
     # fold: the instructions a new input (a folded constant) was computed by are frozen
+    # (walked through instructions frozen already: a CSE pair that fold then folded is frozen
+    # by the merge, and the constants it was computed from, expand's sizes, by this walk)
     kept_origins = {int(ins.uid) for ins in opt.instrs}
     stack = [produced[s] for s in opt.inputs if s not in base.inputs and s in produced]
+    walked: set[int] = set()
     while stack:
         i = stack.pop()
-        if i in frozen or i in kept_origins:
+        if i in walked or i in kept_origins:
             continue
-        frozen[i] = []
+        walked.add(i)
+        frozen.setdefault(i, [])
         stack.extend(produced[x.id] for x in base.instrs[i].leaves
                      if type(x) is Slot and x.id in produced)
     return edits, frozen

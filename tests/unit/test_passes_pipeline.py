@@ -262,6 +262,25 @@ def test_fold_computes_constants_once_and_refuses_other_shapes():
         assert v == pytest.approx(sum(torch.arange(float(n)).exp().tolist()), rel=1e-6)
 
 
+def test_a_folded_constant_that_cse_merged_is_not_served_to_other_shapes():
+    """CSE merges the two ``abs`` of an expanded constant, fold folds them: the constants they
+    were computed from (expand's sizes) are compared too, so a shape-generic hit with another
+    length runs unoptimized (a folded value of the first length failed it; found by PyTorch's
+    test_binary_ufuncs ``test_broadcasting__refs_floor_divide``, issue 29)."""
+    passes.set_passes(["cse", "dce", "fold"])
+
+    def f(x, d):
+        c = torch.scalar_tensor(0, device=d).expand(x.shape)
+        return torch.where(x > 0, c.abs().neg(), c.abs()) + x
+
+    for n in (2, 5, 3, 5):
+        x = torch.randn(n)
+        ref = f(x, "cpu")
+        got = f(x.to(D), D).cpu()
+        assert torch.equal(got, ref), n
+    assert any(rep.passes for rep in passes.report())  # the passes did apply to the plan
+
+
 def _mlp_steps(steps, seed=0, width=32, batch=1024, depth=16):
     """Losses, gradients and each step's peak device bytes above what was held before (values
     other tests left alive are not this program's)."""
