@@ -253,6 +253,7 @@ class Client:
         self._fallbacks = fallbacks
         self.res = Residency(self)
         self._runs = 0
+        self._work: dict[bytes, Any] = {}  # estimated work by skeleton key (cost model samples)
         self._decoding = False  # the last tape was a decode step (sticky for puts, restores)
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -591,7 +592,13 @@ class Client:
             st = h.get("st")
             if base is not None and self._runs % FLOP_SAMPLE_EVERY == 0 and \
                     (type(st) is float or type(st) is int):
-                w = flops_of(tape)
+                # the work of a structure is estimated once (its shapes may move since: an
+                # estimate for the cost model; flops_of costs ~20 ms on a GPT-2 step)
+                w = self._work.get(enc.key)
+                if w is None:
+                    w = self._work[enc.key] = flops_of(tape)
+                    if len(self._work) > SKELETON_MEMORY:
+                        self._work.pop(next(iter(self._work)))
                 model().observe_run(w.flops, w.ops, st, self.address)
             self._skeletons[enc.key] = enc.consts
             lin = self._lineage

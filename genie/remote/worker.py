@@ -113,6 +113,9 @@ MAX_VETTED = 4096
 MAX_PROGRAMS = 256
 #: shape classes one structure may be given (each widens the last by what moved)
 CLASS_TRIES = 3
+#: longer tapes keep the concrete vet (a symbolic vet costs ~2 ms per instruction, inside the
+#: request's deadline)
+CLASS_MAX_INSTRS = 8192
 #: the test-only kernels (a segfault, an out-of-bounds read) are registered in workers started
 #: with this variable set to 1; never in production
 TEST_KERNELS_ENV = "GENIE_SERVER_TEST_KERNELS"
@@ -626,8 +629,9 @@ class Worker:
         self.last_ints[ck] = ints
         cls = self.classes.get(ck)
         tries = self.class_tries.get(ck, 0)
-        if prev is None or cls is False or tries >= CLASS_TRIES:
-            return
+        if prev is None or cls is False or tries >= CLASS_TRIES or \
+                len(tape.instrs) > min(CLASS_MAX_INSTRS, self.cfg.max_run_seconds * 125):
+            return  # (~2 ms an instruction: at most a quarter of the run deadline)
         pos = moved(prev, ints)
         if pos is None:
             return
