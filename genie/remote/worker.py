@@ -626,6 +626,9 @@ class Worker:
         """After a clean concrete vet: when the structure's integers moved since its last vetted
         call, vet it once symbolically (a shape class) so that calls like these skip the vet."""
         prev = self.last_ints.get(ck)
+        if len(self.last_ints) >= MAX_PROGRAMS and prev is None:
+            self.last_ints.clear()
+            self.class_tries.clear()
         self.last_ints[ck] = ints
         cls = self.classes.get(ck)
         tries = self.class_tries.get(ck, 0)
@@ -664,6 +667,8 @@ class Worker:
             self.barriers.add(pkey[0])
             return
         self._remember((ck, ints), info["peak"])
+        if len(self.last_ints) >= MAX_PROGRAMS:
+            self.last_ints.clear()
         self.last_ints[ck] = ints
         if seconds > self.cfg.max_run_seconds / 4:
             return  # long tapes stay where the deadline can stop them between instructions
