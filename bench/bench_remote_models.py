@@ -13,6 +13,9 @@ security; client and server one intra-op thread each, ``GENIE_BENCH_THREADS``):
   request, isolation included (front, worker, and back);
 - a 128 MiB upload (``t.to(dev)`` then ``.sum().item()``), MB/s.
 
+Each row's note says how the timed runs were vetted by the server (``genie.stats()``'s
+``server_*`` counters: concrete vets, shape-class hits, shapes vetted before).
+
 With ``GENIE_BENCH_BASE=PATH`` (a checkout of an earlier tree with its native module built, e.g.
 a ``git worktree`` of the commit before the session-worker server), every row is measured again
 against a server started from that tree, interleaved with eager in the same way, so the cost of
@@ -200,11 +203,16 @@ def test_remote_model(benchmark, ratios, servers, name: str) -> None:
     for sname, srv in servers.items():
         genie.connect(srv.address, key_file=srv.key_file, timeout=120)
         remote = make(DEV)
+        before = genie.stats()
         med, ratio = _paired({"eager": eager, sname: remote}, rounds, per)
         row.values[sname] = med[sname]
         row.values.setdefault("eager", med["eager"])
+        after = genie.stats()
+        vetted = ", ".join(f"{k.removeprefix('server_')} {after[k] - before.get(k, 0)}"
+                           for k in ("server_vets", "server_shape_class_hits", "server_vet_hits")
+                           if after.get(k, 0) > before.get(k, 0))
         row.notes.append(f"{sname}: {ratio:.2f}x eager (median of per-round ratios, its own "
-                         "run)")
+                         f"run){'; runs: ' + vetted if vetted else ''}")
         if sname == "server":
             benchmark.extra_info["ratio_vs_eager"] = ratio
             benchmark.pedantic(remote, rounds=1, iterations=1)
