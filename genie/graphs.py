@@ -428,10 +428,12 @@ _CPU = torch.device("cpu")
 def _no_modes() -> Any:
     """``_disable_current_modes()`` where a dispatch mode is on (a kernel run inside a mode's
     handler), else nothing to leave (most runs: entering it costs as much as a small kernel)."""
+    from torch._ops import _len_torch_dispatch_stack_pre_dispatch
     from torch.utils._python_dispatch import _disable_current_modes
 
-    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else \
-        contextlib.nullcontext()
+    if torch._C._len_torch_dispatch_stack() or _len_torch_dispatch_stack_pre_dispatch():
+        return _disable_current_modes()
+    return contextlib.nullcontext()
 
 
 def _first_run(g: GraphData, device: torch.device, args: list[Any],
