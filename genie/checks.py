@@ -27,6 +27,7 @@ Two kinds:
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -44,6 +45,22 @@ _MATMULS = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.addbmm, aten.mv, a
 # ``complex``/``polar`` are elementwise without the pointwise tag (complex(out=) of another dtype)
 _PROBED = frozenset(op for packet in (*_MATMULS, aten.complex, aten.polar) for op in
                     (getattr(packet, name) for name in packet.overloads()))
+#: Reductions whose eager kernels check what their meta kernels do not (at most 64 dims, the
+#: ``out=`` dtypes of ``all``/``any``/``mode``, an empty reduced dim of ``max(dim)``, the rank of
+#: ``bucketize``'s boundaries): probed on
+#: host zeros whose every dim is min(size, 1), not 0 (argmax of an empty tensor raises): a
+#: reduction that takes a dim of size n takes one of size 1, and an empty dim stays empty.
+_SHRINK_PROBED = frozenset(op for packet in (
+    aten.sum, aten.nansum, aten.mean, aten.nanmean, aten.std, aten.var, aten.std_mean,
+    aten.var_mean, aten.logsumexp, aten.norm, aten.linalg_vector_norm, aten.argmax, aten.argmin,
+    aten.amax, aten.amin, aten.aminmax, aten.max, aten.min, aten.all, aten.any, aten.prod,
+    aten.mode, aten.median, aten.nanmedian, aten.searchsorted, aten.bucketize)
+    for op in (getattr(packet, name) for name in packet.overloads()))
+#: Of those, the ones that warn where a reduced dim holds one element (std's degrees of
+#: freedom): probed with every dim min(size, 2) instead, where that stays small (a C++ warning
+#: reaches Python where the user's call returns: the probe's cannot be silenced).
+_TWO_PROBED = frozenset(op for packet in (aten.std, aten.var, aten.std_mean, aten.var_mean)
+                        for op in (getattr(packet, name) for name in packet.overloads()))
 #: Random ops whose checks are of dtypes and scalar arguments only (``random_(from, to)`` in the
 #: dtype's range, ``uniform_(from, to)`` with ``from <= to``, ``normal_`` with ``std >= 0``,
 #: ``randint`` of a complex dtype): probed like pointwise ops, with a generator of their own where
@@ -116,9 +133,9 @@ def probed(func: Any) -> bool:
     except AttributeError:
         pass
     tags = func.tags  # random ops are not probed: a host run must not touch the host's generator
-    p = func in _RANDOM_PROBED or ((func in _PROBED or torch.Tag.pointwise in tags or
-                                    _pointwise_inplace(func)) and
-                                   torch.Tag.nondeterministic_seeded not in tags)
+    p = func in _RANDOM_PROBED or func in _SHRINK_PROBED or (
+        (func in _PROBED or torch.Tag.pointwise in tags or _pointwise_inplace(func)) and
+        torch.Tag.nondeterministic_seeded not in tags)
     try:
         func._genie_probed = p
     except AttributeError:
@@ -206,15 +223,43 @@ def check_randperm(func: Any, leaves: list[Any], spec: Any) -> None:
 
 
 def _empty(x: Any) -> Any:
-    if type(x) is TensorMeta:
+    """A probe's host tensor for ``x``: every dim empty. A 0-dim tensor holds one element: one,
+    a value no check refuses (not uninitialized memory: a 0-dim std of ``normal`` read as
+    negative, a 0-dim integer divisor as zero, made the verdict a matter of chance)."""
+    if type(x) is TensorMeta or isinstance(x, torch.Tensor):
+        if len(x.shape) == 0:
+            try:
+                return torch.ones((), dtype=x.dtype)
+            except RuntimeError:  # a dtype without fill_ (bits8): no value to read either
+                return torch.empty((), dtype=x.dtype)
         return torch.empty((0,) * len(x.shape), dtype=x.dtype)
-    if isinstance(x, torch.Tensor):
-        return torch.empty((0,) * x.dim(), dtype=x.dtype)
     if isinstance(x, torch.device):
         return torch.device("cpu")
     if isinstance(x, torch.Generator):
         return None
     return x
+
+
+class _NotProbed(Exception):  # noqa: N818 - a signal inside probe()
+    """A call too large to probe (:func:`_shrunk_leaves`)."""
+
+
+def _small(x: Any, most: int = 1) -> Any:
+    """Host zeros of ``x``'s dtype, every dim min(size, most) (:data:`_SHRINK_PROBED`)."""
+    if type(x) is TensorMeta or isinstance(x, torch.Tensor):
+        return torch.zeros([min(s, most) for s in x.shape], dtype=x.dtype)
+    return _empty(x)
+
+
+def _shrunk_leaves(func: Any, leaves: list[Any]) -> list[Any] | None:
+    """The probe's leaves of a :data:`_SHRINK_PROBED` call, or None where those of a
+    :data:`_TWO_PROBED` op would hold more than 4096 elements (not probed)."""
+    if func not in _TWO_PROBED:
+        return [_small(x) for x in leaves]
+    for x in leaves:
+        if type(x) is TensorMeta and math.prod(min(s, 2) for s in x.shape) > 4096:
+            return None
+    return [_small(x, 2) for x in leaves]
 
 
 def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
@@ -225,15 +270,22 @@ def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
     # the value holds the class, so its id is not reused while the verdict lives. A random op's
     # float arguments are checked by value (uniform_(2, 1) raises, uniform_(1, 2) not).
     random = func in _RANDOM_PROBED
+    shrink = func in _SHRINK_PROBED
     key = (id(klass), tuple(x for x in leaves if type(x) is int or type(x) is bool or
                             (random and type(x) is float)))
+    if shrink:  # which dims are empty decides too (a class may hold sizes by rank)
+        key += (tuple(tuple(s == 0 for s in x.shape) for x in leaves if type(x) is TensorMeta),)
     got = _verdicts.get(key)
     if got is not None and got[0] is klass:
         err = got[1]
     else:
         err = None
         try:
-            args, kwargs = optree.tree_unflatten(spec, [_empty(x) for x in leaves])
+            small = _shrunk_leaves(func, leaves) if shrink else None
+            if shrink and small is None:
+                raise _NotProbed
+            args, kwargs = optree.tree_unflatten(
+                spec, small if shrink else [_empty(x) for x in leaves])
             if random:
                 args, kwargs = _private_rng(func, list(args), dict(kwargs))
             from .meta import disable_modes
@@ -244,6 +296,8 @@ def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
             finally:
                 if state is not None:
                     torch.set_rng_state(state)
+        except _NotProbed:
+            pass
         except NotImplementedError as e:
             if random:  # (below)
                 err = e

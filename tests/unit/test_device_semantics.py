@@ -728,6 +728,68 @@ def test_dlpack_refusals_and_other_consumers():
         imp.cpu()
 
 
+@pytest.mark.parametrize("case", ["65_dims_sum", "65_dims_std", "65_dims_argmax",
+                                  "65_dims_logsumexp", "all_out_float", "any_out_long",
+                                  "mode_out_dtype", "max_of_an_empty_dim", "argmax_of_an_empty_dim",
+                                  "median_of_an_empty_dim", "bucketize_2d_boundaries"])
+def test_reduction_checks_at_the_call(case):
+    """Checks eager's reduction kernels make and the meta kernels skip (PyTorch's
+    test_reductions: at most 64 dims, out= dtypes of all/any/mode, an empty reduced dim): at the
+    call, eager's type and message (genie.checks, the shrunk-zeros probe)."""
+    def call(d):
+        x65 = torch.ones([1] * 65, device=d)
+        if case == "65_dims_sum":
+            torch.sum(x65, dim=-1)
+        elif case == "65_dims_std":
+            torch.std(x65, dim=64)
+        elif case == "65_dims_argmax":
+            torch.argmax(x65, dim=0)
+        elif case == "65_dims_logsumexp":
+            torch.logsumexp(x65, dim=3)
+        elif case == "all_out_float":
+            torch.all(torch.ones(3, 2, device=d), 1, out=torch.empty(0, device=d))
+        elif case == "any_out_long":
+            torch.any(torch.ones(3, device=d), 0, out=torch.empty(0, dtype=torch.long, device=d))
+        elif case == "mode_out_dtype":
+            torch.mode(torch.ones(10, device=d), -1, True,
+                       out=(torch.empty(0, dtype=torch.long, device=d),
+                            torch.empty(0, dtype=torch.long, device=d)))
+        elif case == "max_of_an_empty_dim":
+            torch.max(torch.ones(2, 0, device=d), dim=1)
+        elif case == "median_of_an_empty_dim":
+            torch.median(torch.ones(2, 0, 4, device=d), dim=1)
+        elif case == "bucketize_2d_boundaries":
+            torch.bucketize(torch.ones(3, device=d), torch.ones(2, 2, device=d))
+        else:
+            torch.argmax(torch.ones(2, 0, device=d), dim=1)
+    raises_as_eager(call)
+
+
+def test_reduction_checks_pass_what_eager_passes():
+    """The probe never refuses, nor warns about, what eager takes: std over dims of 2+
+    elements (a probe of one element would warn of its degrees of freedom), an empty dim that
+    is not reduced, uint8 out= of any on uint8, 64 dims."""
+    x = torch.arange(24.0).reshape(2, 3, 4)
+    cases = [
+        lambda d: torch.std(x.to(d), dim=1),
+        lambda d: torch.var_mean(x.to(d), dim=(0, 2))[0],
+        lambda d: torch.amax(torch.ones(0, 4, device=d), dim=1),
+        lambda d: torch.any(torch.ones(3, dtype=torch.uint8, device=d), 0,
+                            out=torch.empty(0, dtype=torch.uint8, device=d)),
+        lambda d: torch.sum(torch.ones([1] * 64, device=d), dim=-1),
+        lambda d: torch.mode(torch.tensor([1.0, 2, 2, 3], device=d)).values,
+        lambda d: torch.median(x.to(d), dim=2).values,
+        lambda d: torch.bucketize(x.to(d), torch.tensor([1.0, 5.0, 9.0], device=d)),
+        lambda d: torch.searchsorted(torch.arange(6.0, device=d).reshape(2, 3),
+                                     torch.ones(2, 5, device=d)),
+    ]
+    for fn in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ref, got = both(fn)
+        same(ref, got)
+
+
 @pytest.mark.parametrize("std", [[1.0, -1.0, 1.0], [1.0, float("nan")], -1.0, [0.0, 2.0], []])
 @pytest.mark.parametrize("form", ["tensor_tensor", "float_tensor", "out"])
 def test_normal_with_a_negative_std_element_raises_at_the_call(std, form):
