@@ -54,7 +54,7 @@ from zmq.utils.monitor import recv_monitor_message
 from .. import graphs
 from ..errors import ExecutionError, GenieError
 from ..graph import TensorMeta
-from ..planner import Tape
+from ..planner import PendingSlots, Tape
 from ..progress import transfer_done, transfer_started
 from ..stats import _counts, bump
 from . import (
@@ -623,11 +623,16 @@ class Client:
             metas: dict[int, TensorMeta] = {}
             owners: dict[int, tuple[Any, int]] = {}
             keep = tape.keep
-            for n in tape.nodes:
-                for k, m in enumerate(n.metas):
-                    if m is not None:
-                        s = tape.slots.get((n.index, k))
-                        if s in keep:
+            pending = tape._slots
+            # the kept values' metadata and nodes: by each node's slots in order when the tape
+            # has not built its slot map (a plan-cache hit), else through it
+            outs_of = pending.outs if type(pending) is PendingSlots else \
+                [[tape.slots.get((n.index, k)) for k in range(len(n.metas))] for n in tape.nodes]
+            for n, outs in zip(tape.nodes, outs_of, strict=True):
+                for k, s in enumerate(outs):
+                    if s is not None and s in keep:
+                        m = n.metas[k]
+                        if m is not None:
                             metas[s] = m
                             owners[s] = (n, k)
             kept: dict[int, Any] = {}
