@@ -334,3 +334,30 @@ def test_graph_outputs_never_alias_its_inputs_or_each_other(fast_compiler):
         for o, w in zip(outs, want, strict=True):
             torch.testing.assert_close(o, w)
     assert genie.stats().get("graph_cache_hits", 0) >= 2
+
+
+def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler):
+    """Later calls record from the cached meta-cache entry, with the leaves built by the caller:
+    the node must be the one the op's own record made on the first call (same leaves in the same
+    order, same argument tree, same entry), so planning and the plan cache cannot tell them
+    apart."""
+    from genie.graph import Ref
+
+    ref = _mlp(8, 2)
+    cm = torch.compile(copy.deepcopy(ref).to(DEV))
+    xc = torch.randn(4, 8)
+    x = xc.to(DEV)
+    with torch.no_grad():
+        first = cm(x)._node  # recorded by genie::graph's dispatch (the entry is then cached)
+        later = cm(x)._node  # recorded from the cached entry
+    assert first.op is later.op is graphs.GRAPH_OP
+    assert later.entry is first.entry and later.spec is first.spec
+    assert len(later.leaves) == len(first.leaves)
+    for a, b in zip(first.leaves, later.leaves, strict=True):
+        assert type(a) is type(b)
+        if type(a) is Ref:
+            assert (a.node, a.out) == (b.node, b.out)
+        else:
+            assert a == b
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x).cpu(), ref(xc))
