@@ -518,8 +518,15 @@ def _remove_hooks() -> None:
     with _hooks_lock:
         _hook_users -= 1
         if _hook_users == 0:
+            from torch.nn.modules import module as nn_module
+
             for h in _hook_handles:
                 h.remove()
+                # the handle of a global forward hook registered with_kwargs leaves that flag
+                # behind (torch's handle does not remove it): nn.Module's "any global hook" test
+                # would then stay true for good, and every later torch.compile(module) call
+                # warns of global hooks. Handle ids are unique, so this drops only ours.
+                nn_module._global_forward_hooks_with_kwargs.pop(h.id, None)
             _hook_handles.clear()
 
 

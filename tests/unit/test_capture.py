@@ -23,11 +23,12 @@ DEV = "remote_accelerator"
 
 
 def _hooks_installed() -> bool:
-    """Whether a capture's module hooks are still installed (genie.context's default path
-    installs none: it wraps ``nn.Module.__call__``)."""
+    """Whether a capture's module hooks are still installed, or any trace of them that makes
+    ``torch.compile(module)`` warn of global hooks (genie.context's default path installs none:
+    it wraps ``nn.Module.__call__``)."""
     from torch.nn.modules import module as m
 
-    return bool(m._global_forward_pre_hooks) or bool(m._global_forward_hooks)
+    return bool(m._has_any_global_hook())
 
 
 # --- the block ---------------------------------------------------------------------------------
