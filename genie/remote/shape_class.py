@@ -163,6 +163,7 @@ class ShapeClass:
     guard: Callable[[dict[str, int]], bool]
     bound: Callable[..., int]
     n_guards: int
+    signs: tuple[int, ...] | None = None  # -1: the symbol is the negation of its integers
     hits: int = 0
 
     def admit(self, ints: tuple[int, ...]) -> int | None:
@@ -171,6 +172,8 @@ class ShapeClass:
                 self.same_a(ints) != self.same_b(ints):
             return None
         vals = self.syms(ints)
+        if self.signs is not None:
+            vals = tuple(v * s for v, s in zip(vals, self.signs, strict=True))
         if not self.guard({f"t{k}": v for k, v in enumerate(vals)}):
             return None
         self.hits += 1
@@ -183,13 +186,13 @@ class NotAClass(Exception):
 
 def moved(a: tuple[int, ...], b: tuple[int, ...]) -> list[int] | None:
     """Positions where two calls' integers differ, or None when they cannot be one class's
-    symbols (a value below :data:`MIN_SYMBOL`, or too many)."""
+    symbols (too many, or a pair not both >= :data:`MIN_SYMBOL` nor both <= its negation)."""
     if len(a) != len(b):
         return None
     out = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-    if not out or len(out) > MAX_SYMBOLS or any(a[i] < MIN_SYMBOL or b[i] < MIN_SYMBOL
-                                                for i in out):
-        return None
+    if not out or len(out) > MAX_SYMBOLS or any(
+            not (min(a[i], b[i]) >= MIN_SYMBOL or max(a[i], b[i]) <= -MIN_SYMBOL) for i in out):
+        return None  # (a negative integer that moves, ``x[-n:]``, is the negation of a symbol)
     return out
 
 
@@ -208,12 +211,16 @@ def build(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
     reps: list[int] = []
     same_a: list[int] = []
     same_b: list[int] = []
+    signs: list[int] = []
     for k, ps in enumerate(groups.values()):
         p = ps[0]
-        s = env.create_symbol(ints[p], LocalSource(f"t{k}"), dynamic_dim=DimDynamic.DYNAMIC)
-        node = env.create_symintnode(s, hint=ints[p])
+        sign = -1 if ints[p] < 0 else 1
+        s = env.create_symbol(sign * ints[p], LocalSource(f"t{k}"),
+                              dynamic_dim=DimDynamic.DYNAMIC)
+        node = env.create_symintnode(s, hint=sign * ints[p])
+        signs.append(sign)
         for q in ps:
-            vals[q] = node
+            vals[q] = node if sign > 0 else -node
             if q != p:
                 same_a.append(q)
                 same_b.append(p)
@@ -245,7 +252,7 @@ def build(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
     fixed = _getter(fixed_idx)
     cls = ShapeClass(len(ints), tuple(sym_idx), fixed, fixed(ints), _getter(tuple(reps)),
                      _getter(tuple(same_a)), _getter(tuple(same_b)), guard, bound_fn,
-                     code.count(" and ") + 1)
+                     code.count(" and ") + 1, tuple(signs) if -1 in signs else None)
     if cls.admit(ints) is None:
         raise NotAClass("the class does not admit the call it was built from")
     cls.hits = 0

@@ -45,6 +45,8 @@ def test_only_integers_of_at_least_two_that_moved_become_symbols() -> None:
     assert moved((1, 8), (2, 8)) is None  # a 1 broadcasts: not one class with a 2
     assert moved((0, 8), (5, 8)) is None
     assert moved((4, 8), (4, 8, 1)) is None
+    assert moved((4, -8), (4, -9)) == [1]  # x[-n:]: the negation of a symbol
+    assert moved((4, -8), (4, 8)) is None and moved((4, -1), (4, -2)) is None
 
 
 def test_a_class_admits_exactly_what_the_concrete_vet_passes() -> None:
@@ -82,3 +84,27 @@ def test_a_structure_that_resizes_is_not_a_class() -> None:
     (_, i0), (_, i1) = shape_params(b"k", tapes[0]), shape_params(b"k", tapes[1])
     with pytest.raises(NotAClass):
         build(tapes[1], i1, moved(i0, i1), i0)
+
+
+def test_a_negative_integer_that_moves_is_the_negation_of_a_symbol() -> None:
+    """``x[-k:] * 2``: the slice's start moves as -k; the class admits other k with the bound
+    at least the concrete vet's peak, and only those."""
+    aten = torch.ops.aten
+
+    def tape(x: torch.Tensor, k: int) -> Tape:
+        args = ((Slot(0), 0, -k, 2 ** 62), {})
+        leaves, spec = optree.tree_flatten(args, none_is_leaf=True)
+        mleaves, mspec = optree.tree_flatten(((Slot(1), 2.0), {}), none_is_leaf=True)
+        return Tape([Instr(aten.slice.Tensor, leaves, spec, (1,), None),
+                     Instr(aten.mul.Scalar, mleaves, mspec, (2,), None, (1,))],
+                    {0: x}, [2], {2}, [], {})
+
+    (_, i0), (_, i1) = shape_params(b"k", tape(torch.zeros(16), 3)), \
+        shape_params(b"k", tape(torch.zeros(16), 4))
+    cls = build(tape(torch.zeros(16), 4), i1, moved(i0, i1), i0)
+    assert cls.signs is not None and -1 in cls.signs
+    for k in (2, 5, 9, 16):
+        t = tape(torch.zeros(16), k)
+        bound = cls.admit(shape_params(b"k", t)[1])
+        assert bound is not None and bound >= vet_tape(t, 1 << 30).peak, k
+    assert cls.admit(shape_params(b"k", tape(torch.zeros(16), 1))[1]) is None  # -1: 0/1 rule
