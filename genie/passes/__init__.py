@@ -41,11 +41,14 @@ Pass = Callable[[Tape], "tuple[Tape, PassReport]"]
 
 @dataclass(frozen=True)
 class PassReport:
-    """What one pass did: instructions removed, and slots renamed (old -> surviving slot)."""
+    """What one pass did: instructions removed, slots renamed (old -> surviving slot), and new
+    inputs that are zero-size placeholders (they stand for no value: reading one in place of a
+    tape value freezes nothing, unlike a folded constant)."""
 
     name: str
     removed: int
     renamed: dict[int, int] = field(default_factory=dict)
+    placeholders: frozenset[int] = frozenset()
 
     def __str__(self) -> str:
         return f"{self.name}: removed {self.removed} instruction(s)"
@@ -103,7 +106,9 @@ def verify(before: Tape, after: Tape, device: torch.device | None = None,
     runs = []
     for t in (before, after):
         copies = dict(zip(ins, _copy_sharing([t.inputs[s] for s in ins]), strict=True))
-        kept = run_instrs(replace(t, inputs=copies), dev)
+        # the rewritten tape's own new inputs (folded constants, placeholders) as they are
+        extra = {s: v for s, v in t.inputs.items() if s not in copies}
+        kept = run_instrs(replace(t, inputs={**copies, **extra}), dev)
         runs.append((kept, copies))
     (k0, in0), (k1, in1) = runs
     for s in before.keep:

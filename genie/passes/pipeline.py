@@ -85,9 +85,11 @@ from . import PassReport
 Pass = Callable[[Tape], "tuple[Tape, PassReport]"]
 
 _registry: dict[str, Pass] = {}
-DEFAULT = ("cse", "dce", "fold", "recompute")
+DEFAULT = ("cse", "dce", "fold", "split_foreach", "recompute")
 GATE_SLACK = 1.05  # the optimized plan may be this much slower than unoptimized (timer noise)
 GATE_NOISE_S = 10e-6  # and this much (a 50 µs tape's timings vary by more than 5%)
+# passes run for the memory budget: a plan they changed skips the speed gate (it may be slower)
+MEMORY_PASSES = frozenset({"recompute", "split_foreach"})
 
 
 def register_pass(name: str, fn: Pass | None = None) -> Any:
@@ -582,6 +584,7 @@ def _prepare_with(tape: Tape, names: Sequence[str], t0: float) -> Script | _Off:
     cur = base
     changed: list[str] = []
     renamed: dict[int, int] = {}  # merged values (CSE): old slot -> the slot that stays
+    placeholders: set[int] = set()  # zero-size new inputs standing for no value (split_foreach)
     for name in names:
         fn = _registry[name]
         try:
@@ -598,13 +601,15 @@ def _prepare_with(tape: Tape, names: Sequence[str], t0: float) -> Script | _Off:
             changed.append(name)
             cur = new
             renamed.update(getattr(rep, "renamed", None) or {})
+            placeholders.update(getattr(rep, "placeholders", None) or ())
     if not changed:
         return _Off()
-    edits, frozen = _diff(base, cur, renamed)
+    edits, frozen = _diff(base, cur, renamed, placeholders)
     consts = {s: v for s, v in cur.inputs.items() if s not in base.inputs}
     for o in frozen:
         frozen[o] = list(tape.instrs[o].leaves)
-    st = Script(tape.plan, edits, consts, frozen, tuple(changed), "recompute" in changed,
+    st = Script(tape.plan, edits, consts, frozen, tuple(changed),
+                not MEMORY_PASSES.isdisjoint(changed),
                 base, cur, time.perf_counter() - t0)
     bump("passes_applied")
     _reports.append(st.rec)
@@ -685,7 +690,8 @@ def _same_program(a: Tape, b: Tape) -> bool:
     return True
 
 
-def _diff(base: Tape, opt: Tape, renamed: dict[int, int]
+def _diff(base: Tape, opt: Tape, renamed: dict[int, int],
+          placeholders: set[int] | frozenset[int] = frozenset()
           ) -> tuple[list[Edit], dict[int, list[Any]]]:
     """The edits that make ``opt`` from ``base``, and the origins whose constants a decision
     compared: both producers of each merged pair (``renamed`` of the passes' reports, and any
@@ -718,7 +724,7 @@ def _diff(base: Tape, opt: Tape, renamed: dict[int, int]
                 reads.append((p, x.id))
                 a, b = produced.get(y.id), produced.get(x.id, new_slots.get(x.id))
                 if b is None and x.id not in base.inputs:  # a new input: a folded constant
-                    if a is not None:
+                    if a is not None and x.id not in placeholders:
                         frozen[a] = []
                 elif a is not None and b is not None and a != b:
                     frozen[a] = []
@@ -855,6 +861,8 @@ def _load_builtin() -> None:
     from .dce import dce
     from .fold import fold
     from .recompute import recompute
+    from .split_foreach import split_foreach
 
-    for name, fn in (("cse", cse), ("dce", dce), ("fold", fold), ("recompute", recompute)):
+    for name, fn in (("cse", cse), ("dce", dce), ("fold", fold), ("split_foreach", split_foreach),
+                     ("recompute", recompute)):
         _registry.setdefault(name, fn)

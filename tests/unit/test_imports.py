@@ -187,6 +187,8 @@ ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str, str], str] = {
     ("genie.passes.pipeline", "_load_builtin", "genie.passes.fold"): _PLUGINS,
     ("genie.passes.pipeline", "_load_builtin", "genie.passes.recompute"): _PLUGINS,
     ("genie.passes.recompute", "recompute", "genie.passes.pipeline"): _CYCLE,
+    ("genie.passes.pipeline", "_load_builtin", "genie.passes.split_foreach"): _PLUGINS,
+    ("genie.passes.split_foreach", "split_foreach", "genie.passes.pipeline"): _CYCLE,
     ("genie.remote.peer", "read_values", "genie.remote.guard"): _CYCLE,
     ("genie.remote.pool", "server_flags", "genie.remote.server"): _DEFERS_RAY,
     ("genie.remote.pool", "main", "genie.remote.server"): _DEFERS_RAY,
