@@ -26,7 +26,8 @@ figures printed with ``-s``)::
 * The standard loop (issue 31), as people write it: ``opt.zero_grad(); loss = ...;
   loss.backward(); opt.step(); loss.item()``, one tape per step (docs/semantics.md). Rows:
   ``std_mlp1024`` (the issue's MLP), ``std_mlp128`` (activation-bound), ``std_gpt2`` (GPT-2
-  4 x 256 AdamW, no dropout so eager's losses compare), each unoptimized against the default
+  4 x 256 AdamW, no dropout so eager's losses compare; ``std_gpt2b1`` at batch 1, where
+  AdamW's update sets the peak: with and without ``split_foreach``), each unoptimized against the default
   passes with the budget at half the unoptimized peak, eager in the same process; and
   ``std_remote``: the GPT-2 loop through a loopback server whose quota is 60% and 110% of the
   embedded unoptimized peak, without and with passes (the server vets the tape it runs,
@@ -244,7 +245,7 @@ def _std_mlp(width: int, batch: int) -> tuple[torch.nn.Module, Any, tuple]:
     return torch.nn.Sequential(*layers), lambda p: torch.optim.SGD(p, lr=1e-3), data
 
 
-def _std_gpt2() -> tuple[torch.nn.Module, Any, tuple]:
+def _std_gpt2(batch: int = 4) -> tuple[torch.nn.Module, Any, tuple]:
     import transformers
 
     # no dropout: the losses are compared with eager's CPU run, whose random stream Genie does
@@ -256,7 +257,7 @@ def _std_gpt2() -> tuple[torch.nn.Module, Any, tuple]:
                                   embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     transformers.logging.set_verbosity_error()
-    ids = torch.randint(0, 1000, (4, 128), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 1000, (batch, 128), generator=torch.Generator().manual_seed(1))
     return transformers.GPT2LMHeadModel(cfg), lambda p: torch.optim.AdamW(p, lr=1e-4), (ids,)
 
 
@@ -316,8 +317,10 @@ def standard(which: str) -> None:
         "mlp128": (lambda: _std_mlp(128, 4096), 5, 3, 0,
                    "MLP 16 x (Linear(128) + GELU), batch 4096, SGD"),
         "gpt2": (_std_gpt2, 6, 4, 2, "GPT-2 4 x 256, seq 128, batch 4, AdamW"),
+        # batch 1: the activations are small enough that AdamW's update sets the peak
+        "gpt2b1": (lambda: _std_gpt2(1), 6, 4, 2, "GPT-2 4 x 256, seq 128, batch 1, AdamW"),
     }[which]
-    rounds = ROUNDS if which != "gpt2" else max(1, ROUNDS // 3)
+    rounds = ROUNDS if not which.startswith("gpt2") else max(1, ROUNDS // 3)
     want, _, te = _std_loop(make, steps, "cpu")
     passes.clear_reports()
     l0, p0, _ = _std_variant(make, steps, None)
@@ -411,7 +414,8 @@ def standard_remote(shares: tuple[float, ...] = (0.6, 1.1)) -> None:
 
 
 @pytest.mark.parametrize("part", ["mlp1024", "mlp128", "gpt2", "gpt2_budget", "std_mlp1024",
-                                  "std_mlp128", "std_gpt2", "std_remote"])
+                                  "std_mlp128", "std_gpt2", "std_gpt2b1",
+                                  "std_remote"])
 def test_passes(benchmark, part: str) -> None:
     benchmark.group = f"passes: {part} (figures printed; one timed run)"
     gate = os.environ.get("GENIE_PASSES_GATE")
@@ -420,7 +424,8 @@ def test_passes(benchmark, part: str) -> None:
         fn = {"mlp1024": lambda: mlp(1024, 256), "mlp128": lambda: mlp(128, 4096),
               "gpt2": gpt2, "gpt2_budget": gpt2_budget,
               "std_mlp1024": lambda: standard("mlp1024"), "std_mlp128": lambda: standard("mlp128"),
-              "std_gpt2": lambda: standard("gpt2"), "std_remote": standard_remote}[part]
+              "std_gpt2": lambda: standard("gpt2"), "std_gpt2b1": lambda: standard("gpt2b1"),
+              "std_remote": standard_remote}[part]
         benchmark.pedantic(fn, rounds=1, iterations=1)
     finally:
         _restore_gate(gate)
@@ -441,7 +446,7 @@ if __name__ == "__main__":
         gpt2()
     if "gpt2" in which or "gpt2_budget" in which:
         gpt2_budget()
-    for part in ("mlp1024", "mlp128", "gpt2"):
+    for part in ("mlp1024", "mlp128", "gpt2", "gpt2b1"):
         if "standard" in which or f"std_{part}" in which:
             standard(part)
     if "standard" in which or "std_remote" in which:
