@@ -40,6 +40,8 @@ from ..meta import policy
 from ..planner import Instr, Slot, Tape
 from . import PassReport, rebuild
 
+MIN_GAIN = 0.05  # a run is split only to save at least this share of the tape's high-water mark
+
 
 def split_foreach(tape: Tape) -> tuple[Tape, PassReport]:
     """Run the ``_foreach_*`` chains that make temporaries one group of parameters at a time."""
@@ -48,7 +50,8 @@ def split_foreach(tape: Tape) -> tuple[Tape, PassReport]:
     budget = memory_budget()
     if budget is None or not tape.instrs:
         return tape, PassReport("split_foreach", 0)
-    if memory.memory_allocated(tape.index) + memory.tape_high_water(tape) <= budget:
+    high_water = memory.tape_high_water(tape)
+    if memory.memory_allocated(tape.index) + high_water <= budget:
         return tape, PassReport("split_foreach", 0)
     a = _Aliases(tape)
     out: list[Instr] = []
@@ -66,6 +69,7 @@ def split_foreach(tape: Tape) -> tuple[Tape, PassReport]:
         return s
 
     i, n_instrs, added = 0, len(tape.instrs), 0
+    dtypes: dict[int, torch.dtype] | None = None
     while i < n_instrs:
         run = _run_at(tape, i)
         if run is None:
@@ -74,15 +78,18 @@ def split_foreach(tape: Tape) -> tuple[Tape, PassReport]:
             continue
         j, n, lists = run  # instructions [i, j), lists of length n, their list leaf positions
         first = next((k for k in range(i, j) if _makes(tape.instrs[k])), None)
-        groups = _groups(tape, first, j, n) if first is not None else None
-        if groups is None or not a.disjoint(tape.instrs[first:j], lists[first - i:], n):
+        groups = _groups(tape, first, j, n, high_water * MIN_GAIN) if first is not None \
+            else None
+        if groups is None or not a.disjoint(tape.instrs[first:j], lists[first - i:]):
             out.extend(tape.instrs[i:j])
             i = j
             continue
         out.extend(tape.instrs[i:first])
+        if dtypes is None:
+            dtypes = _dtypes(tape)
         for g in groups:
             for k in range(first, j):
-                out.append(_piece(tape, k, lists[k - i], g, n, holder))
+                out.append(_piece(tape, k, lists[k - i], g, dtypes, holder))
         added += (len(groups) - 1) * (j - first)
         i = j
     if not added:
@@ -148,9 +155,11 @@ def _run_at(tape: Tape, i: int) -> tuple[int, int, list[list[list[int]]]] | None
     return (j, n, lists) if n is not None else None
 
 
-def _groups(tape: Tape, first: int, end: int, n: int) -> list[list[int]] | None:
+def _groups(tape: Tape, first: int, end: int, n: int, min_gain: float
+            ) -> list[list[int]] | None:
     """Consecutive positions whose temporaries add up to at most the largest one's; None when
-    splitting gains nothing."""
+    splitting would save less than ``min_gain`` bytes (``clip_grad_norm_``'s
+    ``_foreach_norm`` makes one scalar per gradient: not worth n instructions)."""
     size = [0] * n
     for k in range(first, end):
         if not _makes(tape.instrs[k]):
@@ -159,7 +168,7 @@ def _groups(tape: Tape, first: int, end: int, n: int) -> list[list[int]] | None:
             if m is not None:
                 size[p] = max(size[p], memory._nbytes(m))
     cap = max(size)
-    if cap == 0 or sum(size) <= cap:
+    if cap == 0 or sum(size) - cap < max(min_gain, 1):
         return None
     groups: list[list[int]] = [[]]
     acc = 0
@@ -172,8 +181,8 @@ def _groups(tape: Tape, first: int, end: int, n: int) -> list[list[int]] | None:
     return groups if len(groups) > 1 else None
 
 
-def _piece(tape: Tape, k: int, lists: list[list[int]], group: list[int], n: int,
-           holder: Any) -> Instr:
+def _piece(tape: Tape, k: int, lists: list[list[int]], group: list[int],
+           dtypes: dict[int, torch.dtype], holder: Any) -> Instr:
     """Instruction ``k`` restricted to the positions in ``group``."""
     ins = tape.instrs[k]
     leaves = list(ins.leaves)
@@ -181,20 +190,20 @@ def _piece(tape: Tape, k: int, lists: list[list[int]], group: list[int], n: int,
     for ps in lists:
         for pos, p in enumerate(ps):
             if pos not in keep:
-                leaves[p] = Slot(holder(ins.device, _dtype(tape, leaves[p].id)))
+                leaves[p] = Slot(holder(ins.device, dtypes[leaves[p].id]))
     outs = tuple(s if pos in keep else None for pos, s in enumerate(ins.outs)) if _makes(ins) \
         else ins.outs
     return replace(ins, leaves=leaves, outs=outs)
 
 
-def _dtype(tape: Tape, s: int) -> torch.dtype:
-    t = tape.inputs.get(s)
-    if t is not None:
-        return t.dtype
+def _dtypes(tape: Tape) -> dict[int, torch.dtype]:
+    """Each tape value's dtype (inputs' and what the instructions make)."""
+    out = {s: t.dtype for s, t in tape.inputs.items()}
     for ins, node in zip(tape.instrs, tape.nodes):
-        if s in ins.outs:
-            return node.metas[ins.outs.index(s)].dtype
-    raise KeyError(s)
+        for s, m in zip(ins.outs, node.metas):
+            if s is not None and m is not None:
+                out[s] = m.dtype
+    return out
 
 
 class _Aliases:
@@ -218,7 +227,7 @@ class _Aliases:
                 self.root[s] = self.root.get(src, ("slot", src)) if r is not None and \
                     src is not None else ("slot", s)
 
-    def disjoint(self, instrs: list[Instr], lists: list[list[list[int]]], n: int) -> bool:
+    def disjoint(self, instrs: list[Instr], lists: list[list[list[int]]]) -> bool:
         """Whether no storage is read or written at two positions of these instructions' lists."""
         at: dict[Any, int] = {}
         for ins, ls in zip(instrs, lists, strict=True):

@@ -154,3 +154,18 @@ def test_a_storage_at_two_positions_is_not_split():
         new, _ = split_foreach(tape)
         assert format_tape(new).count("_foreach_sqrt") == 1
         genie.materialize(a)
+
+
+def test_scalar_temporaries_are_not_worth_a_split():
+    """``clip_grad_norm_``'s ``_foreach_norm`` makes one scalar per gradient: splitting it would
+    add instructions to save a few bytes of a tape whose values are kilobytes."""
+    gs = [torch.randn(256, device=D) for _ in range(4)]
+    genie.materialize(*gs)
+    hs = [g * 2 for g in gs]
+    total = torch.stack(torch._foreach_norm(hs)).sum()
+    tape = build_tape([(t._node, t._out) for t in (total, *hs)])
+    passes.set_memory_budget(1)
+    assert split_foreach(tape)[0] is tape
+    torch._foreach_add_(hs, torch._foreach_sqrt(hs))  # kilobytes of temporaries: split
+    tape = build_tape([(t._node, t._out) for t in hs])
+    assert format_tape(split_foreach(tape)[0]).count("_foreach_sqrt") == 4
