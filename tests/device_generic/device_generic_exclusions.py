@@ -56,6 +56,27 @@ EXCLUSIONS: dict[str, str] = {
         "floor_divide by zero on the embedded device raises the CPU kernel's "
         "RuntimeError('ZeroDivisionError') where the test expects a non-cpu device to return "
         "values",
+    "test_binary_ufuncs.py::TestBinaryUfuncs::test_complex_scalar_pow_tensor_float16":
+        "upstream test limitation (as test_fmod_remainder_by_zero_integral_*): a complex base "
+        "with a half exponent computes in ComplexHalf, which the CPU's pow kernel lacks; the test "
+        "expects it to fail on cpu only, and the embedded device runs the CPU kernels (the "
+        "NotImplementedError comes at materialization: the host's dispatch-macro messages are "
+        "not taken as the device's verdict, see genie.checks)",
+    # test_reductions.py: half-precision tolerance failures that depend on the random values.
+    # The device's generator gives other values than cpu's; on those values eager itself fails
+    # (checked on the device's values, seeds 0-299/0-199: device results bit-equal to eager's;
+    # eager outside the test's tolerance for 59/300 noncontiguous fp16 sums, 104/600 fp16
+    # duplicate-value reductions, 40/1200 expanded bf16 reductions).
+    **{f"test_reductions.py::TestReductions::{name}":
+       "upstream test limitation, not a Genie bug: a half-precision tolerance that eager itself "
+       "fails for some random inputs (1 in 5 for fp16, 1 in 30 for bf16); the device's values are bit-equal to eager's on "
+       "the same inputs, its random inputs are other than cpu's"
+       for name in ("test_noncontiguous_all_nansum_float16",
+                    "test_noncontiguous_expanded_nanmean_bfloat16",
+                    "test_noncontiguous_expanded_nansum_bfloat16",
+                    "test_ref_duplicate_values_masked_sum_float16",
+                    "test_ref_duplicate_values_nanmean_float16",
+                    "test_ref_duplicate_values_nansum_float16")},
     # failing on cpu as well (not counted in the pass rates)
     "test_view_ops.py::TestOldViewOps::test_broadcast_shapes":
         CPU_TOO + "ValueError: Attempting to broadcast a dimension with negative length!",
