@@ -200,8 +200,21 @@ def build(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
           prev: tuple[int, ...] | None = None) -> ShapeClass:
     """Vet ``tape`` symbolically with the integers at ``sym_idx`` as symbols (their values in
     ``ints`` as hints). Positions whose values were equal in ``prev`` and are equal now share a
-    symbol (the class then requires them equal). :class:`NotAClass` when it cannot; the class
+    symbol (the class then requires them equal). :class:`NotAClass` when it cannot (whatever
+    went wrong: a class is an optimization, never a reason for a request to fail); the class
     admits ``ints``."""
+    try:
+        return _build(tape, ints, sym_idx, prev)
+    except NotAClass:
+        raise
+    except Exception as e:  # noqa: BLE001 - see above
+        raise NotAClass(f"{type(e).__name__}: {e}") from e
+    finally:
+        FakeTensorMode.cache_clear()  # its entries hold this class's symbols
+
+
+def _build(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
+           prev: tuple[int, ...] | None) -> ShapeClass:
     groups: dict[tuple[int, int], list[int]] = {}
     for p in sym_idx:
         groups.setdefault((prev[p] if prev is not None else p, ints[p]), []).append(p)
@@ -226,15 +239,10 @@ def build(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
                 same_b.append(p)
         placeholders.append(node)
         reps.append(p)
-    try:
-        with _disable_current_modes(), torch.no_grad(), FakeTensorMode(shape_env=env):
-            bound = _run(tape, iter(vals))
-    except NotAClass:
-        raise
-    except Exception as e:  # noqa: BLE001 - a kernel that cannot run symbolically
-        raise NotAClass(f"{type(e).__name__}: {e}") from e
-    finally:
-        FakeTensorMode.cache_clear()  # its entries hold this class's symbols
+    if not all(isinstance(x, torch.SymInt) for x in placeholders):
+        raise NotAClass("an integer was specialized when made a symbol")
+    with _disable_current_modes(), torch.no_grad(), FakeTensorMode(shape_env=env):
+        bound = _run(tape, iter(vals))
     code = env.produce_guards_expression(placeholders) or "True"
     guard = eval(compile(f"lambda L: {code}", "<genie shape class guard>", "eval"),
                  dict(SYMPY_INTERP))

@@ -108,3 +108,17 @@ def test_a_negative_integer_that_moves_is_the_negation_of_a_symbol() -> None:
         bound = cls.admit(shape_params(b"k", t)[1])
         assert bound is not None and bound >= vet_tape(t, 1 << 30).peak, k
     assert cls.admit(shape_params(b"k", tape(torch.zeros(16), 1))[1]) is None  # -1: 0/1 rule
+
+
+def test_whatever_goes_wrong_in_a_build_is_not_a_class(monkeypatch) -> None:
+    """A class is an optimization: an error anywhere in building one (here PyTorch's guard
+    printer failing, as an AttributeError did on a foreach gradient tape through a server) is
+    NotAClass, never the request's error."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    def broken(self, *a, **k):
+        raise AttributeError("'int' object has no attribute 'node'")
+
+    monkeypatch.setattr(ShapeEnv, "produce_guards_expression", broken)
+    with pytest.raises(NotAClass, match="AttributeError"):
+        _class(3, 4)
