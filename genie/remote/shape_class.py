@@ -174,10 +174,14 @@ class ShapeClass:
         vals = self.syms(ints)
         if self.signs is not None:
             vals = tuple(v * s for v, s in zip(vals, self.signs, strict=True))
-        if not self.guard({f"t{k}": v for k, v in enumerate(vals)}):
+        try:  # a guard over a client's integers may divide by one of them: not admitted
+            if not self.guard({f"t{k}": v for k, v in enumerate(vals)}):
+                return None
+            bound = int(self.bound(*vals))
+        except (ArithmeticError, ValueError, TypeError, OverflowError):
             return None
         self.hits += 1
-        return int(self.bound(*vals))
+        return bound
 
 
 class NotAClass(Exception):
