@@ -16,8 +16,7 @@ zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 
 from genie.remote import protocol  # noqa: E402
-from test_remote import ServerProc  # noqa: E402
-from test_security import A1, Session, host, keys, server  # noqa: E402,F401
+from test_security import A1, Session, host, keys, server, sess  # noqa: E402,F401
 
 DEV = "remote_accelerator:0"
 #: view(x, [a, b]) then mul(_, 2.0): leaves x, a, b
@@ -40,14 +39,6 @@ def _view_mul(s: Session, hid: int, a: int, b: int) -> dict | None:
     return s.run(["aten::view.default", "aten::mul.Scalar"],
                  [[0, 0, [0, -1, -1], [1], [], False], [1, 1, [1, -1], [2], [1], False]],
                  [hid, a, b, 2.0], inputs=(0,), outputs=(2,), specs=[VIEW, MUL])
-
-
-@pytest.fixture
-def sess(server: ServerProc):
-    s = Session(server)
-    yield s
-    s.alive()
-    s.close()
 
 
 def _calls(sess: Session, n: int) -> list[tuple[str, torch.Tensor]]:
