@@ -35,6 +35,7 @@ import collections
 import hashlib
 import math
 import re
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -439,9 +440,11 @@ def encode_tape(tape: Tape, input_const: Any) -> Encoded:
     n_consts, n_frames = len(consts), len(frames)
     instrs = tape.instrs
     shape = _structure(tape, inputs)
-    memo = _encoded.get(shape)
+    with _encoded_lock:  # clients of several servers may encode at once (threads)
+        memo = _encoded.get(shape)
+        if memo is not None:
+            _encoded.move_to_end(shape)
     if memo is not None:  # a structure encoded before: only its constants are new
-        _encoded.move_to_end(shape)
         key, skel, where = memo
         for i, j in where:
             ins = instrs[i]
@@ -493,9 +496,10 @@ def encode_tape(tape: Tape, input_const: Any) -> Encoded:
                  sorted(tape.keep)])
     key = hashlib.blake2b(skel, digest_size=16).digest()
     if instrs is tape.instrs:  # a decomposition may depend on the constants: not memoized
-        if len(_encoded) >= ENCODED_MEMORY:
-            _encoded.popitem(last=False)
-        _encoded[shape] = (key, skel, where)
+        with _encoded_lock:
+            if len(_encoded) >= ENCODED_MEMORY:
+                _encoded.popitem(last=False)
+            _encoded[shape] = (key, skel, where)
     return Encoded(key, skel, consts, frames)
 
 
@@ -503,6 +507,7 @@ def encode_tape(tape: Tape, input_const: Any) -> Encoded:
 _encoded: collections.OrderedDict[Any, tuple[bytes, bytes, list[tuple[int, int]]]] = \
     collections.OrderedDict()
 ENCODED_MEMORY = 512
+_encoded_lock = threading.Lock()
 
 
 def _structure(tape: Tape, inputs: list[int]) -> Any:
