@@ -280,15 +280,19 @@ def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
         err = got[1]
     else:
         err = None
+        from .meta import disable_modes
+
         try:
-            small = _shrunk_leaves(func, leaves) if shrink else None
-            if shrink and small is None:
-                raise _NotProbed
-            args, kwargs = optree.tree_unflatten(
-                spec, small if shrink else [_empty(x) for x in leaves])
-            if random:
-                args, kwargs = _private_rng(func, list(args), dict(kwargs))
-            from .meta import disable_modes
+            # the probe's own host tensors too are made outside any dispatch mode (a
+            # genie.capture() block around the call would record them as the program's)
+            with disable_modes():
+                small = _shrunk_leaves(func, leaves) if shrink else None
+                if shrink and small is None:
+                    raise _NotProbed
+                args, kwargs = optree.tree_unflatten(
+                    spec, small if shrink else [_empty(x) for x in leaves])
+                if random:
+                    args, kwargs = _private_rng(func, list(args), dict(kwargs))
             state = torch.get_rng_state() if random else None
             try:
                 with disable_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):

@@ -474,3 +474,22 @@ def test_to_dot_writes_file(tmp_path):
         torch.ones(2) + 1
     p = tmp_path / "g.dot"
     assert g.to_dot(str(p)) == p.read_text()
+
+
+def test_genies_own_probes_are_not_recorded_in_a_fresh_process():
+    """The first call of an op runs Genie's metadata probe (genie.checks) on host tensors of its
+    own; in a fresh process (nothing cached) nested blocks recorded that probe's tensors as the
+    program's (an extra ``empty`` in the outer block, the ``add`` twice in the inner)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, genie\n"
+            "with genie.capture() as outer:\n"
+            "    a = torch.ones(2)\n"
+            "    with genie.capture() as inner:\n"
+            "        b = a + 1\n"
+            "    c = b * 3\n"
+            "print([str(n.op) for n in inner.nodes], [str(n.op) for n in outer.nodes])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout.strip().splitlines()[-1]
+    assert out == "['aten.add.Tensor'] ['aten.ones.default', 'aten.mul.Tensor']", out
