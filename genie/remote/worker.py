@@ -113,6 +113,20 @@ MAX_VETTED = 4096
 MAX_PROGRAMS = 256
 #: shape classes one structure may be given (each widens the last by what moved)
 CLASS_TRIES = 3
+#: a shape class build's first estimate of its cost (then measured), seconds per instruction;
+#: ``GENIE_SERVER_CLASS_BUILD_COST`` sets it (0: a class at a structure's second clean vet)
+BUILD_SECONDS_PER_INSTR = 0.002
+
+
+def build_cost() -> float:
+    """The first estimate of a class build's seconds per instruction (see above)."""
+    v = os.environ.get("GENIE_SERVER_CLASS_BUILD_COST", "")
+    try:
+        return max(float(v), 0.0) if v else BUILD_SECONDS_PER_INSTR
+    except ValueError:
+        logger.warning("genie-server: GENIE_SERVER_CLASS_BUILD_COST=%r is not a number of "
+                       "seconds; using %s", v, BUILD_SECONDS_PER_INSTR)
+        return BUILD_SECONDS_PER_INSTR
 #: longer tapes keep the concrete vet (a symbolic vet costs ~2 ms per instruction, inside the
 #: request's deadline)
 CLASS_MAX_INSTRS = 8192
@@ -306,6 +320,8 @@ class Worker:
         self.last_ints: dict[Any, tuple[int, ...]] = {}
         self.class_tries: dict[Any, int] = {}
         self.vets = 0  # concrete vets (guarded runs included)
+        self.vet_seconds: dict[Any, float] = {}  # concrete vet time per structure since a build
+        self.build_cost = build_cost()  # a class build's seconds per instruction
         self.refills = 0  # tapes patched from the last call's (protocol.refill)
         self.unindexed: set[bytes] = set()  # skeletons without an op the index check covers
         self.how = "guarded"  # how the last run was vetted: guarded, vetted, class, hit
@@ -602,6 +618,7 @@ class Worker:
         if peak is None:
             self.how = "vetted"
             self.vets += 1
+            t0 = time.monotonic()
             v = vet_tape(tape, budget, started + self.cfg.max_run_seconds,
                          self.cfg.max_run_seconds)
             if v.upto < len(tape.instrs):  # data-dependent sizes: vetted step by step
@@ -609,6 +626,7 @@ class Worker:
                 return None
             peak = v.peak
             self._remember(vkey, peak)
+            self.vet_seconds[ck] = self.vet_seconds.get(ck, 0.0) + time.monotonic() - t0
             self._classify(ck, ints, tape)
         elif peak > budget:
             e = QuotaError(0, "the tape", peak, budget)
@@ -629,12 +647,18 @@ class Worker:
         if len(self.last_ints) >= MAX_PROGRAMS and prev is None:
             self.last_ints.clear()
             self.class_tries.clear()
+            self.vet_seconds.clear()
         self.last_ints[ck] = ints
         cls = self.classes.get(ck)
         tries = self.class_tries.get(ck, 0)
         if prev is None or cls is False or tries >= CLASS_TRIES or \
                 len(tape.instrs) > min(CLASS_MAX_INSTRS, self.cfg.max_run_seconds * 125):
             return  # (~2 ms an instruction: at most a quarter of the run deadline)
+        # ski rental: build once the concrete vets of this structure have cost what a build is
+        # expected to (a structure seen a few times never pays a build it cannot win back;
+        # one that keeps moving pays at most about twice what vetting it once per class costs)
+        if self.vet_seconds.get(ck, 0.0) < len(tape.instrs) * self.build_cost:
+            return
         pos = moved(prev, ints)
         if pos is None:
             return
@@ -649,8 +673,12 @@ class Worker:
             if tries + 1 >= CLASS_TRIES or cls is None:
                 self.classes[ck] = False
             return
+        took = time.monotonic() - t0
         logger.debug("genie-server: shape class of %d symbols, %d guards in %.3f s",
-                     len(pos), new.n_guards, time.monotonic() - t0)
+                     len(pos), new.n_guards, took)
+        if self.build_cost:  # (0: classes as soon as they can be built, for tests)
+            self.build_cost = 0.5 * self.build_cost + 0.5 * took / max(len(tape.instrs), 1)
+        self.vet_seconds[ck] = 0.0  # a widened class is paid for again
         if len(self.classes) >= MAX_PROGRAMS:
             self.classes.clear()
         self.classes[ck] = new

@@ -9,6 +9,8 @@ admit must meet the concrete vet's refusal, never a kernel.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -19,6 +21,15 @@ from genie.remote import protocol  # noqa: E402
 from test_security import A1, Session, host, keys, server, sess  # noqa: E402,F401
 
 DEV = "remote_accelerator:0"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _classes_at_once():
+    """This module's server builds a class at a structure's second clean vet (by default it
+    waits until the vets have cost what a build would: see ``Worker._classify``)."""
+    os.environ["GENIE_SERVER_CLASS_BUILD_COST"] = "0"
+    yield
+    os.environ.pop("GENIE_SERVER_CLASS_BUILD_COST", None)
 #: view(x, [a, b]) then mul(_, 2.0): leaves x, a, b
 VIEW = [1, [1, 0, [2, 0, 0]], [3, [], []]]
 MUL = [1, [1, 0, 0], [3, [], []]]
