@@ -135,3 +135,27 @@ def test_constants_sent_as_deltas_patch_the_last_tape(sess: Session) -> None:
         got = _reply_tensor(sess, r)
         assert got.shape == want.shape and torch.equal(got, want), (k, got, want)
     assert seen[2:] == ["class"] * 4, seen
+
+
+def test_hostile_deltas_get_the_full_fill_checks(sess: Session) -> None:
+    """A delta that changes a constant's type (an int size into a string, a list, a float), or
+    names a position past the constants, is not patched: it is filled and checked as a fresh
+    call is, refused with a clear error, and the session goes on with eager's values."""
+    import hashlib
+
+    names = ["aten::view.default", "aten::mul.Scalar"]
+    rows = [[0, 0, [0, -1, -1], [1], [], False], [1, 1, [1, -1], [2], [1], False]]
+    sk = protocol.pack([protocol.PROTOCOL_VERSION, names, [VIEW, MUL], rows, [0], [2], []])
+    key = hashlib.blake2b(sk, digest_size=16).digest()
+    hid = _resident(sess, torch.arange(6.0))
+    r = sess.ask({"t": "run", "k": key, "id0": sess.hid, "sk": sk, "c": [hid, 2, 3, 2.0]})
+    assert r and r["t"] == "ok", r
+    for d in ([2, "3"], [2, [3]], [2, 3.0], [9, 1], [-1, 1], [2, 1 << 63]):
+        sess.hid += 100
+        r = sess.ask({"t": "run", "k": key, "id0": sess.hid, "d": d})
+        assert r is not None and r["t"] == "err", (d, r)
+        assert r["kind"] in ("protocol", "exec"), (d, r)
+    sess.hid += 100
+    r = sess.ask({"t": "run", "k": key, "id0": sess.hid, "d": [1, 3, 2, 2]})  # honest again
+    assert r and r["t"] == "ok", r
+    assert torch.equal(_reply_tensor(sess, r), torch.arange(6.0).view(3, 2) * 2.0)
