@@ -113,6 +113,9 @@ MAX_VETTED = 4096
 MAX_PROGRAMS = 256
 #: shape classes one structure may be given (each widens the last by what moved)
 CLASS_TRIES = 3
+#: longer tapes keep the concrete vet (a symbolic vet costs ~2 ms per instruction, inside the
+#: request's deadline)
+CLASS_MAX_INSTRS = 8192
 #: a shape class build's first estimate of its cost (then measured), seconds per instruction;
 #: ``GENIE_SERVER_CLASS_BUILD_COST`` sets it (0: a class at a structure's second clean vet)
 BUILD_SECONDS_PER_INSTR = 0.002
@@ -127,9 +130,8 @@ def build_cost() -> float:
         logger.warning("genie-server: GENIE_SERVER_CLASS_BUILD_COST=%r is not a number of "
                        "seconds; using %s", v, BUILD_SECONDS_PER_INSTR)
         return BUILD_SECONDS_PER_INSTR
-#: longer tapes keep the concrete vet (a symbolic vet costs ~2 ms per instruction, inside the
-#: request's deadline)
-CLASS_MAX_INSTRS = 8192
+
+
 #: the test-only kernels (a segfault, an out-of-bounds read) are registered in workers started
 #: with this variable set to 1; never in production
 TEST_KERNELS_ENV = "GENIE_SERVER_TEST_KERNELS"
@@ -527,6 +529,8 @@ class Worker:
             ix = IndexCheck(tape, self.index_check) if self.index_check and \
                 key not in self.unindexed else None
             if ix is not None and not ix.plan and not ix._writers:
+                if len(self.unindexed) >= MAX_PROGRAMS:
+                    self.unindexed.clear()
                 self.unindexed.add(key)
             budget = sess.quota - sess.used() - uploaded
             try:
