@@ -23,6 +23,21 @@ def _fresh_stats():
 
 
 @pytest.fixture
+def fresh_passes():
+    """A test of genie.passes starts from an empty plan cache and leaves passes and the memory
+    budget at their defaults (``pytestmark = pytest.mark.usefixtures("fresh_passes")``)."""
+    from genie import passes, plan_cache
+    from genie.passes import pipeline
+
+    plan_cache.clear()
+    pipeline.clear_reports()
+    yield
+    passes.set_passes(None)
+    passes.set_memory_budget(None)
+    plan_cache.clear()
+
+
+@pytest.fixture
 def dev() -> torch.device:
     return torch.device(DEV)
 

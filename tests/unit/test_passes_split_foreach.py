@@ -17,14 +17,7 @@ D = "remote_accelerator"
 WHOLE = [n for n in pipeline.DEFAULT if n != "split_foreach"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_passes():
-    plan_cache.clear()
-    pipeline.clear_reports()
-    yield
-    passes.set_passes(None)
-    passes.set_memory_budget(None)
-    plan_cache.clear()
+pytestmark = pytest.mark.usefixtures("fresh_passes")
 
 
 class _Conv1D(torch.nn.Module):

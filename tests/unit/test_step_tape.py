@@ -14,14 +14,7 @@ from genie.passes import pipeline
 D = "remote_accelerator"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_passes():
-    plan_cache.clear()
-    pipeline.clear_reports()
-    yield
-    passes.set_passes(None)
-    passes.set_memory_budget(None)
-    plan_cache.clear()
+pytestmark = pytest.mark.usefixtures("fresh_passes")
 
 
 def _model(device, width, depth, dropout):
