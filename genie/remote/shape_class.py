@@ -33,12 +33,15 @@ would have failed any check the symbolic run went through.
 
 from __future__ import annotations
 
+import ast
 import operator
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import optree
 import torch
+import torch._dynamo.config
 from torch._dynamo.source import LocalSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, DimDynamic, ShapeEnv
@@ -207,22 +210,30 @@ def build(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
     symbol (the class then requires them equal). :class:`NotAClass` when it cannot (whatever
     went wrong: a class is an optimization, never a reason for a request to fail); the class
     admits ``ints``."""
+    return from_spec(build_spec(tape, ints, sym_idx, prev), ints)
+
+
+def build_spec(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
+               prev: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """What :func:`build` vets, as plain data (integers, lists, two expressions as text): what a
+    worker's background build (a forked child, :mod:`genie.remote.worker`) sends back to be
+    compiled by :func:`from_spec`."""
     try:
         return _build(tape, ints, sym_idx, prev)
     except NotAClass:
         raise
-    except Exception as e:  # noqa: BLE001 - see above
+    except Exception as e:  # noqa: BLE001 - see build()
         raise NotAClass(f"{type(e).__name__}: {e}") from e
     finally:
         FakeTensorMode.cache_clear()  # its entries hold this class's symbols
 
 
 def _build(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
-           prev: tuple[int, ...] | None) -> ShapeClass:
+           prev: tuple[int, ...] | None) -> dict[str, Any]:
     groups: dict[tuple[int, int], list[int]] = {}
     for p in sym_idx:
         groups.setdefault((prev[p] if prev is not None else p, ints[p]), []).append(p)
-    env = ShapeEnv(duck_shape=False)
+    env = ShapeEnv(duck_shape=False, should_record_events=False)  # (no replay of its events)
     vals: list[Any] = list(ints)
     placeholders = []
     reps: list[int] = []
@@ -245,30 +256,114 @@ def _build(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
         reps.append(p)
     if not all(isinstance(x, torch.SymInt) for x in placeholders):
         raise NotAClass("an integer was specialized when made a symbol")
-    with _disable_current_modes(), torch.no_grad(), FakeTensorMode(shape_env=env):
+    # each instruction runs once: FakeTensorMode's cache of results costs more than it saves
+    with _disable_current_modes(), torch.no_grad(), \
+            torch._dynamo.config.patch(fake_tensor_cache_enabled=False), \
+            FakeTensorMode(shape_env=env):
         bound = _run(tape, iter(vals))
     code = env.produce_guards_expression(placeholders) or "True"
-    guard = eval(compile(f"lambda L: {code}", "<genie shape class guard>", "eval"),
-                 dict(SYMPY_INTERP))
     symbols = [x.node._expr for x in placeholders]
     expr = bound.node._expr if isinstance(bound, torch.SymInt) else bound
     free = getattr(expr, "free_symbols", set())
     if any(f not in symbols for f in free):
         raise NotAClass("the working set depends on a value that is not an argument")
-    names = ", ".join(str(s) for s in symbols) or ""
-    body = PythonPrinter().doprint(expr) if free else str(int(expr))
-    bound_fn = eval(compile(f"lambda {names}: {body}", "<genie shape class bound>", "eval"),
-                    dict(SYMPY_INTERP))
+    return {"n": len(ints), "sym_idx": list(sym_idx), "reps": reps, "same_a": same_a,
+            "same_b": same_b, "signs": signs, "guard": code,
+            "names": [str(s) for s in symbols],
+            "bound": PythonPrinter().doprint(expr) if free else str(int(expr))}
+
+
+def from_spec(spec: Any, ints: tuple[int, ...]) -> ShapeClass:
+    """The class :func:`build_spec` described, compiled; it must admit ``ints`` (the call it was
+    built from). A spec is checked before anything of it runs: its integers are positions
+    within a call, its two expressions use only arithmetic, comparisons and the pure functions
+    of PyTorch's guard printers over the class's own symbols (:func:`check_expr`), so a spec
+    that did not come from :func:`build_spec` is refused (:class:`NotAClass`), never run."""
+    try:
+        n = spec["n"]
+        sym_idx, reps, same_a, same_b, signs = (tuple(spec[k]) for k in (
+            "sym_idx", "reps", "same_a", "same_b", "signs"))
+        code, names, body = spec["guard"], list(spec["names"]), spec["bound"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise NotAClass(f"a malformed class ({type(e).__name__}: {e})") from None
+    if n != len(ints) or not all(type(i) is int and 0 <= i < n for i in (
+            *sym_idx, *reps, *same_a, *same_b)) or len(set(sym_idx)) != len(sym_idx) or \
+            not set(reps) | set(same_a) | set(same_b) <= set(sym_idx) or \
+            len(same_a) != len(same_b) or len(signs) != len(reps) or \
+            any(s not in (1, -1) for s in signs) or len(names) != len(reps) or \
+            len(set(names)) != len(names) or \
+            not all(type(x) is str and _SYMBOL.fullmatch(x) for x in names) or \
+            not isinstance(code, str) or not isinstance(body, str):
+        raise NotAClass("a malformed class")
+    check_expr(code, {"L"}, guard=True)
+    check_expr(body, set(names))
+    guard = eval(compile(f"lambda L: {code}", "<genie shape class guard>", "eval"),
+                 dict(SYMPY_INTERP))
+    bound_fn = eval(compile(f"lambda {', '.join(names)}: {body}", "<genie shape class bound>",
+                            "eval"), dict(SYMPY_INTERP))
     sym_set = set(sym_idx)
-    fixed_idx = tuple(i for i in range(len(ints)) if i not in sym_set)
-    fixed = _getter(fixed_idx)
-    cls = ShapeClass(len(ints), tuple(sym_idx), fixed, fixed(ints), _getter(tuple(reps)),
-                     _getter(tuple(same_a)), _getter(tuple(same_b)), guard, bound_fn,
-                     code.count(" and ") + 1, tuple(signs) if -1 in signs else None)
+    fixed = _getter(tuple(i for i in range(n) if i not in sym_set))
+    cls = ShapeClass(n, sym_idx, fixed, fixed(ints), _getter(reps), _getter(same_a),
+                     _getter(same_b), guard, bound_fn, code.count(" and ") + 1,
+                     signs if -1 in signs else None)
     if cls.admit(ints) is None:
         raise NotAClass("the class does not admit the call it was built from")
     cls.hits = 0
     return cls
+
+
+#: what a class's expressions may call: PyTorch's guard and size printers emit these
+_PURE_BUILTINS = frozenset({"abs", "min", "max", "int", "float", "bool", "round"})
+_PURE_GLOBALS = frozenset({"IsNonOverlappingAndDenseIndicator",
+                           "cast_symbool_to_symint_guardless"})
+_EXPR_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub,
+               ast.UAdd, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod,
+               ast.Pow, ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE,
+               ast.IfExp, ast.Call, ast.Name, ast.Load, ast.Attribute, ast.Subscript,
+               ast.Constant, ast.Tuple)
+
+
+def check_expr(text: str, names: set[str], guard: bool = False) -> None:
+    """:class:`NotAClass` unless ``text`` is an expression of arithmetic, comparisons and
+    boolean logic over ``names`` (``L['tK']`` in a guard), calling only pure functions."""
+    if len(text) > 1 << 20:
+        raise NotAClass("a class expression of more than 1 MiB")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, RecursionError) as e:
+        raise NotAClass(f"a class expression that does not parse ({e})") from None
+    keys = {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}
+    for node in ast.walk(tree):
+        if not isinstance(node, _EXPR_NODES):
+            raise NotAClass(f"a class expression with {type(node).__name__}")
+        if isinstance(node, ast.Constant) and (type(node.value) not in (int, float, bool, str) or
+                                               (type(node.value) is str and id(node) not in keys)):
+            raise NotAClass("a class expression with a constant of another type")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and not (
+                isinstance(node.right, ast.Constant) and type(node.right.value) is int and
+                0 <= node.right.value <= 64):
+            raise NotAClass("a class expression with a power that is not a small constant")
+        if isinstance(node, ast.Subscript):  # L['t3']
+            if not (guard and isinstance(node.value, ast.Name) and node.value.id == "L" and
+                    isinstance(node.slice, ast.Constant) and type(node.slice.value) is str and
+                    _SYMBOL.fullmatch(node.slice.value)):
+                raise NotAClass("a class expression that indexes something else")
+        elif isinstance(node, ast.Attribute):  # math.floor, torch.sym_max
+            if not (isinstance(node.value, ast.Name) and (
+                    (node.value.id == "math" and not node.attr.startswith("_")) or
+                    (node.value.id == "torch" and node.attr.startswith("sym_")))):
+                raise NotAClass(f"a class expression that reads .{node.attr}")
+        elif isinstance(node, ast.Name):
+            if node.id not in names and node.id not in _PURE_BUILTINS and \
+                    node.id not in _PURE_GLOBALS and node.id not in ("math", "torch"):
+                raise NotAClass(f"a class expression that names {node.id!r:.40}")
+        elif isinstance(node, ast.Call):
+            if node.keywords or not isinstance(node.func, (ast.Name, ast.Attribute)) or (
+                    isinstance(node.func, ast.Name) and node.func.id in ("math", "torch")):
+                raise NotAClass("a class expression with a call of something else")
+
+
+_SYMBOL = re.compile(r"[a-z]{1,2}[0-9]{1,6}")  # t3 (a guard's source), s3 (its symbol)
 
 
 def _run(tape: Tape, it: Any) -> Any:

@@ -117,8 +117,16 @@ CLASS_TRIES = 3
 #: request's deadline)
 CLASS_MAX_INSTRS = 8192
 #: a shape class build's first estimate of its cost (then measured), seconds per instruction;
-#: ``GENIE_SERVER_CLASS_BUILD_COST`` sets it (0: a class at a structure's second clean vet)
+#: ``GENIE_SERVER_CLASS_BUILD_COST`` sets it (0: a class at a structure's second clean vet).
+#: Only builds made inline (``GENIE_SERVER_CLASS_BUILD=inline``) stall a request, so only they
+#: wait until vetting has cost as much (ski rental); background builds start at once.
 BUILD_SECONDS_PER_INSTR = 0.002
+#: a background build (a forked child) that runs longer is stopped; its structure keeps the
+#: concrete vet (and may try again, up to :data:`CLASS_TRIES`)
+BUILD_SECONDS_MAX = 120.0
+#: what a build's child may send back (a class is integers and two expressions)
+BUILD_REPLY_MAX = 8 << 20
+BUILD_MODES = ("background", "inline", "off")
 
 
 def build_cost() -> float:
@@ -130,6 +138,128 @@ def build_cost() -> float:
         logger.warning("genie-server: GENIE_SERVER_CLASS_BUILD_COST=%r is not a number of "
                        "seconds; using %s", v, BUILD_SECONDS_PER_INSTR)
         return BUILD_SECONDS_PER_INSTR
+
+
+def build_mode() -> str:
+    """How a worker builds shape classes (``GENIE_SERVER_CLASS_BUILD``): ``background`` (a
+    forked child per build, the request path never waits; the default), ``inline`` (in the
+    request that finds the class, ski rental: see :data:`BUILD_SECONDS_PER_INSTR`), ``off``."""
+    v = os.environ.get("GENIE_SERVER_CLASS_BUILD", "") or "background"
+    if v not in BUILD_MODES:
+        logger.warning("genie-server: GENIE_SERVER_CLASS_BUILD=%r is not one of %s; using "
+                       "background", v, ", ".join(BUILD_MODES))
+        return "background"
+    return v
+
+
+class ClassBuilds:
+    """A worker's shape-class builds, one at a time, each in a forked child of the worker
+    (:func:`shape_class.build_spec`): the session's requests go on, concretely vetted, while the
+    symbolic vet (seconds for a GPT-2 step) runs beside them at a lower priority. The child
+    shares nothing it can change with the worker (a copy-on-write fork, killed with it) and
+    sends back the class as data, which :func:`shape_class.from_spec` checks before compiling
+    it; a child that fails, crashes, sends too much or runs past :data:`BUILD_SECONDS_MAX`
+    costs its structure the class, nothing else."""
+
+    def __init__(self) -> None:
+        self.pid = 0
+        self.fd = -1
+        self.job: tuple[Any, tuple[int, ...], Any] | None = None  # (structure, ints, class)
+        self.buf = bytearray()
+        self.started = 0.0
+        self.done = 0
+        self.failed = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.pid != 0
+
+    def start(self, ck: Any, tape: Tape, ints: tuple[int, ...], pos: list[int],
+              prev: tuple[int, ...], cls: Any) -> bool:
+        if self.pid:
+            return False
+        r, w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            os.close(r)
+            os.close(w)
+            logger.debug("genie-server: no background class build (%s)", e)
+            return False
+        if pid == 0:  # the child: build, write, exit (no handler, no zmq, no atexit)
+            code = 0
+            try:
+                os.close(r)
+                die_with_parent()
+                with contextlib.suppress(OSError):
+                    os.nice(5)  # requests first
+                try:
+                    out = {"spec": shape_class.build_spec(tape, ints, pos, prev)}
+                except NotAClass as e:
+                    out = {"no": str(e)[:500]}
+                data = json.dumps(out).encode()
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(w, view):]
+            except BaseException:  # noqa: BLE001 - a child never returns into the worker
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(w)
+        os.set_blocking(r, False)
+        self.pid, self.fd, self.job = pid, r, (ck, ints, cls)
+        self.buf = bytearray()
+        self.started = time.monotonic()
+        return True
+
+    def poll(self) -> tuple[Any, tuple[int, ...], Any, Any] | None:
+        """A finished build: ``(structure, ints, class before, spec or why not)``."""
+        if not self.pid:
+            return None
+        why: Any = None
+        while True:
+            try:
+                chunk = os.read(self.fd, 1 << 20)
+            except BlockingIOError:
+                chunk = None
+                break
+            except OSError as e:
+                why = f"its pipe failed ({e})"
+                break
+            if not chunk:
+                break
+            self.buf += chunk
+            if len(self.buf) > BUILD_REPLY_MAX:
+                why = f"it sent more than {BUILD_REPLY_MAX} bytes"
+                break
+        if why is None and chunk is None:  # still running
+            if time.monotonic() - self.started <= BUILD_SECONDS_MAX:
+                return None
+            why = f"it ran past {BUILD_SECONDS_MAX:.0f} s"
+        return self._finish(why)
+
+    def _finish(self, why: Any) -> tuple[Any, tuple[int, ...], Any, Any]:
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+        job, data = self.job, bytes(self.buf)
+        self.pid, self.fd, self.job, self.buf = 0, -1, None, bytearray()
+        assert job is not None
+        out: Any = why
+        if why is None:
+            try:
+                got = json.loads(data)
+                out = got["spec"] if "spec" in got else str(got["no"])
+            except (ValueError, TypeError, KeyError) as e:
+                out = f"its reply did not parse ({type(e).__name__})"
+        self.done += 1
+        return (*job, out)
+
+    def stop(self) -> None:
+        if self.pid:
+            self._finish("stopped")
 
 
 #: the test-only kernels (a segfault, an out-of-bounds read) are registered in workers started
@@ -323,7 +453,9 @@ class Worker:
         self.class_tries: dict[Any, int] = {}
         self.vets = 0  # concrete vets (guarded runs included)
         self.vet_seconds: dict[Any, float] = {}  # concrete vet time per structure since a build
-        self.build_cost = build_cost()  # a class build's seconds per instruction
+        self.build_cost = build_cost()  # a class build's seconds per instruction (inline)
+        self.build_mode = build_mode()
+        self.builds = ClassBuilds()
         self.refills = 0  # tapes patched from the last call's (protocol.refill)
         self.unindexed: set[bytes] = set()  # skeletons without an op the index check covers
         self.how = "guarded"  # how the last run was vetted: guarded, vetted, class, hit
@@ -598,6 +730,8 @@ class Worker:
         self.how = "guarded"
         if key in self.barriers:
             return None
+        if self.builds.busy:
+            self._take_build()
         got = shape_params(key, tape, filled)
         if got is None:
             return None
@@ -646,7 +780,9 @@ class Worker:
 
     def _classify(self, ck: Any, ints: tuple[int, ...], tape: Tape) -> None:
         """After a clean concrete vet: when the structure's integers moved since its last vetted
-        call, vet it once symbolically (a shape class) so that calls like these skip the vet."""
+        call, vet it once symbolically (a shape class) so that calls like these skip the vet:
+        in a forked child by default (:class:`ClassBuilds`; the class serves from the first
+        request after it is done), or inline."""
         prev = self.last_ints.get(ck)
         if len(self.last_ints) >= MAX_PROGRAMS and prev is None:
             self.last_ints.clear()
@@ -655,13 +791,19 @@ class Worker:
         self.last_ints[ck] = ints
         cls = self.classes.get(ck)
         tries = self.class_tries.get(ck, 0)
-        if prev is None or cls is False or tries >= CLASS_TRIES or \
-                len(tape.instrs) > min(CLASS_MAX_INSTRS, self.cfg.max_run_seconds * 125):
-            return  # (~2 ms an instruction: at most a quarter of the run deadline)
-        # ski rental: build once the concrete vets of this structure have cost what a build is
-        # expected to (a structure seen a few times never pays a build it cannot win back;
-        # one that keeps moving pays at most about twice what vetting it once per class costs)
-        if self.vet_seconds.get(ck, 0.0) < len(tape.instrs) * self.build_cost:
+        if prev is None or cls is False or tries >= CLASS_TRIES or self.build_mode == "off" or \
+                len(tape.instrs) > CLASS_MAX_INSTRS:
+            return
+        background = self.build_mode == "background"
+        if background and self.builds.busy:
+            return  # one build at a time: a later call of this structure tries again
+        if not background and len(tape.instrs) > self.cfg.max_run_seconds * 125:
+            return  # (inline: ~2 ms an instruction, at most a quarter of the run deadline)
+        # inline, ski rental: build once the concrete vets of this structure have cost what a
+        # build is expected to (a structure seen a few times never pays a build it cannot win
+        # back; one that keeps moving pays at most about twice what vetting it once per class
+        # costs)
+        if not background and self.vet_seconds.get(ck, 0.0) < len(tape.instrs) * self.build_cost:
             return
         pos = moved(prev, ints)
         if pos is None:
@@ -669,13 +811,16 @@ class Worker:
         if cls:  # a class that did not admit this call: widen it by what moved now
             pos = sorted(set(pos) | set(cls.sym_idx))
         self.class_tries[ck] = tries + 1
+        if background:
+            if self.builds.start(ck, tape, ints, pos, prev, cls):
+                return
+            self.class_tries[ck] = tries  # no child (fork refused): nothing was tried
+            return
         t0 = time.monotonic()
         try:
             new = build(tape, ints, pos, prev)
         except NotAClass as e:
-            logger.debug("genie-server: no shape class for a structure (%s)", e)
-            if tries + 1 >= CLASS_TRIES or cls is None:
-                self.classes[ck] = False
+            self._no_class(ck, cls, tries, e)
             return
         took = time.monotonic() - t0
         logger.debug("genie-server: shape class of %d symbols, %d guards in %.3f s",
@@ -683,6 +828,37 @@ class Worker:
         if self.build_cost:  # (0: classes as soon as they can be built, for tests)
             self.build_cost = 0.5 * self.build_cost + 0.5 * took / max(len(tape.instrs), 1)
         self.vet_seconds[ck] = 0.0  # a widened class is paid for again
+        self._add_class(ck, new)
+
+    def _take_build(self) -> None:
+        """Install the class a background build finished (checked by ``from_spec``)."""
+        got = self.builds.poll()
+        if got is None:
+            return
+        ck, ints, cls, out = got
+        if self.classes.get(ck) is not cls:
+            return  # the structure's classes were dropped (or replaced) meanwhile
+        tries = self.class_tries.get(ck, 1) - 1
+        if isinstance(out, dict):
+            try:
+                new = shape_class.from_spec(out, ints)
+            except NotAClass as e:
+                self._no_class(ck, cls, tries, e)
+                return
+            logger.debug("genie-server: shape class of %d symbols, %d guards in %.3f s "
+                         "(background)", len(new.sym_idx), new.n_guards,
+                         time.monotonic() - self.builds.started)
+            self._add_class(ck, new)
+        else:
+            self.builds.failed += 1
+            self._no_class(ck, cls, tries, out)
+
+    def _no_class(self, ck: Any, cls: Any, tries: int, why: Any) -> None:
+        logger.debug("genie-server: no shape class for a structure (%s)", why)
+        if tries + 1 >= CLASS_TRIES or cls is None:
+            self.classes[ck] = False
+
+    def _add_class(self, ck: Any, new: Any) -> None:
         if len(self.classes) >= MAX_PROGRAMS:
             self.classes.clear()
         self.classes[ck] = new
@@ -952,6 +1128,7 @@ def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
     except zmq.ContextTerminated:
         return
     finally:
+        w.builds.stop()
         sess.clear()
         sock.close(linger=0)
         ctx.term()

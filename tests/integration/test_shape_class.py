@@ -10,6 +10,7 @@ admit must meet the concrete vet's refusal, never a kernel.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 
 from genie.remote import protocol  # noqa: E402
+from test_remote import ServerProc  # noqa: E402
 from test_security import A1, Session, host, keys, server, sess  # noqa: E402,F401
 
 DEV = "remote_accelerator:0"
@@ -25,11 +27,14 @@ DEV = "remote_accelerator:0"
 
 @pytest.fixture(scope="module", autouse=True)
 def _classes_at_once():
-    """This module's server builds a class at a structure's second clean vet (by default it
-    waits until the vets have cost what a build would: see ``Worker._classify``)."""
+    """This module's server builds a class inline at a structure's second clean vet, so that
+    each call's vetting is known (by default a forked child builds it while calls go on: see
+    ``Worker._classify`` and the background tests at the end)."""
     os.environ["GENIE_SERVER_CLASS_BUILD_COST"] = "0"
+    os.environ["GENIE_SERVER_CLASS_BUILD"] = "inline"
     yield
     os.environ.pop("GENIE_SERVER_CLASS_BUILD_COST", None)
+    os.environ.pop("GENIE_SERVER_CLASS_BUILD", None)
 #: view(x, [a, b]) then mul(_, 2.0): leaves x, a, b
 VIEW = [1, [1, 0, [2, 0, 0]], [3, [], []]]
 MUL = [1, [1, 0, 0], [3, [], []]]
@@ -159,3 +164,44 @@ def test_hostile_deltas_get_the_full_fill_checks(sess: Session) -> None:
     r = sess.ask({"t": "run", "k": key, "id0": sess.hid, "d": [1, 3, 2, 2]})  # honest again
     assert r and r["t"] == "ok", r
     assert torch.equal(_reply_tensor(sess, r), torch.arange(6.0).view(3, 2) * 2.0)
+
+
+# --- background builds (the default) -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def background(keys):
+    """A server that builds classes as it does by default: in a forked child, while calls go
+    on (``GENIE_SERVER_CLASS_BUILD=background``)."""
+    os.environ["GENIE_SERVER_CLASS_BUILD"] = "background"
+    try:
+        s = ServerProc(keys, "--quota", "64MiB")
+    finally:
+        os.environ["GENIE_SERVER_CLASS_BUILD"] = "inline"
+    yield s
+    assert s.stop() == 0
+
+
+def test_a_class_built_in_the_background_serves_later_calls_with_eagers_values(background) -> None:
+    s = Session(background)
+    try:
+        seen: list[str] = []
+        deadline = time.monotonic() + 120
+        k = 3
+        while "class" not in seen:
+            assert time.monotonic() < deadline, f"no class arrived: {seen}"
+            x = torch.arange(2.0 * k)
+            r = _view_mul(s, _resident(s, x), 2, k)
+            assert r and r["t"] == "ok", r
+            seen.append(r["vt"])
+            got = _reply_tensor(s, r)
+            assert got.shape == (2, k) and torch.equal(got, x.view(2, k) * 2), k
+            k += 1
+            time.sleep(0.05)
+        # no call waited for the build: each one before the class was vetted concretely
+        assert seen[0] == "guarded" and set(seen[1:-1]) <= {"vetted"}, seen
+        # and the class refuses what the view's own check refuses
+        r = _view_mul(s, _resident(s, torch.arange(12.0)), 2, 7)
+        assert r and r["t"] == "err" and r["kind"] == "exec", r
+    finally:
+        s.alive()
+        s.close()

@@ -8,13 +8,18 @@ sweep of sizes), and that its working-set bound is never below the concrete vet'
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
+
 import optree
 import pytest
 import torch
 
 from genie.planner import Instr, Slot, Tape
 from genie.remote.guard import vet_tape
-from genie.remote.shape_class import NotAClass, build, moved, shape_params
+from genie.remote.shape_class import NotAClass, build, build_spec, from_spec, moved, shape_params
 
 
 def _tape(x: torch.Tensor, a: int, b: int) -> Tape:
@@ -122,3 +127,132 @@ def test_whatever_goes_wrong_in_a_build_is_not_a_class(monkeypatch) -> None:
     monkeypatch.setattr(ShapeEnv, "produce_guards_expression", broken)
     with pytest.raises(NotAClass, match="AttributeError"):
         _class(3, 4)
+
+
+# --- a class as data (what a background build sends back) ---------------------------------------
+
+def _spec(n0: int = 3, n1: int = 4) -> tuple[dict, tuple[int, ...], Tape]:
+    t0, t1 = _tape(torch.zeros(2 * n0), 2, n0), _tape(torch.zeros(2 * n1), 2, n1)
+    (_, i0), (_, i1) = shape_params(b"k", t0), shape_params(b"k", t1)
+    return build_spec(t1, i1, moved(i0, i1), i0), i1, t1
+
+
+def test_a_spec_through_json_admits_what_the_class_built_in_place_admits() -> None:
+    spec, ints, _ = _spec()
+    assert json.loads(json.dumps(spec)) == spec  # plain data: a child sends it as JSON
+    got, want = from_spec(json.loads(json.dumps(spec)), ints), _class(3, 4)
+    for n in range(2, 12):
+        for a, b in ((2, n), (n, 2), (4, n)):
+            _, i = shape_params(b"k", _tape(torch.zeros(2 * n), a, b))
+            assert got.admit(i) == want.admit(i), (a, b)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("guard", "__import__('os').system('true')"),
+    ("guard", "L['t0'].__class__ is int"),
+    ("guard", "(lambda: 1)()"),
+    ("guard", "[x for x in L]"),
+    ("guard", "L['t0'] >= 2 and 'x' * 10 ** 12"),      # a string constant; a power bomb
+    ("guard", "L['t0'] >= 2 and 2 ** L['t0'] > 0"),
+    ("guard", "L[0] >= 2"),
+    ("guard", "math.__dict__"),
+    ("guard", "torch.save"),
+    ("guard", "getattr(L, 'x')"),
+    ("guard", "max(L['t0'], key=print)"),
+    ("guard", "L['t0'] >="),
+    ("bound", "open('/etc/passwd')"),
+    ("bound", "L"),                                     # a bound names only its symbols
+    ("names", ["__builtins__"]),
+    ("names", ["s0", "s0"]),
+    ("sym_idx", [-1]),
+    ("sym_idx", [10 ** 9]),
+    ("reps", ["0"]),
+    ("signs", [2]),
+    ("n", 10 ** 9),
+])
+def test_a_spec_that_build_spec_would_not_make_is_refused_before_it_runs(field, value) -> None:
+    spec, ints, _ = _spec()
+    spec[field] = value
+    with pytest.raises(NotAClass):
+        from_spec(spec, ints)
+
+
+def test_a_malformed_spec_is_not_a_class() -> None:
+    spec, ints, _ = _spec()
+    for bad in (None, [], {"n": 3}, {**spec, "guard": None}, "spec"):
+        with pytest.raises(NotAClass):
+            from_spec(bad, ints)
+    with pytest.raises(NotAClass):  # a class must admit the call it was built from
+        from_spec({**spec, "guard": "L['t0'] > 10 ** 6"}, ints)
+
+
+# --- background builds (a forked child per build) ------------------------------------------------
+
+def _finish(builds, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = builds.poll()
+        if got is not None:
+            assert not builds.busy
+            return got
+        assert time.monotonic() < deadline, "the background build did not finish"
+        time.sleep(0.02)
+
+
+def test_a_background_build_sends_back_the_class_it_built() -> None:
+    from genie.remote.worker import ClassBuilds
+
+    spec, ints, tape = _spec()
+    t0 = _tape(torch.zeros(6), 2, 3)
+    _, i0 = shape_params(b"k", t0)
+    b = ClassBuilds()
+    assert b.start("ck", tape, ints, moved(i0, ints), i0, None) and b.busy
+    assert not b.start("ck", tape, ints, moved(i0, ints), i0, None)  # one at a time
+    ck, got_ints, before, out = _finish(b)
+    assert (ck, got_ints, before) == ("ck", ints, None) and out == spec
+
+
+def _crash(*_a):
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def _flood(*_a):
+    return {"x": "y" * (9 << 20)}
+
+
+def _refuse(*_a):
+    raise NotAClass("no")
+
+
+def _boom(*_a):
+    raise RuntimeError("a bug")
+
+
+@pytest.mark.parametrize("child,why", [
+    (_crash, "did not parse"), (_flood, "more than"), (_refuse, "no"), (_boom, "did not parse"),
+])
+def test_a_background_build_that_fails_costs_only_its_class(monkeypatch, child, why) -> None:
+    from genie.remote import shape_class
+    from genie.remote.worker import ClassBuilds
+
+    monkeypatch.setattr(shape_class, "build_spec", child)  # what the forked child runs
+    _, ints, tape = _spec()
+    b = ClassBuilds()
+    assert b.start("ck", tape, ints, [0], ints, None)
+    *_, out = _finish(b)
+    assert isinstance(out, str) and why in out, out
+
+
+def test_a_background_build_past_its_time_is_stopped(monkeypatch) -> None:
+    from genie.remote import shape_class, worker
+
+    monkeypatch.setattr(shape_class, "build_spec", lambda *_a: time.sleep(600))
+    monkeypatch.setattr(worker, "BUILD_SECONDS_MAX", 0.5)
+    _, ints, tape = _spec()
+    b = worker.ClassBuilds()
+    assert b.start("ck", tape, ints, [0], ints, None)
+    pid = b.pid
+    *_, out = _finish(b, 30)
+    assert "ran past" in out
+    with pytest.raises(ChildProcessError):  # killed and reaped
+        os.waitpid(pid, os.WNOHANG)
