@@ -387,6 +387,67 @@ def _into_empty_dims(self: TensorMeta, indices: Any) -> None:
         dims += 1
 
 
+def check_known_indices(func: Any, args: tuple, kwargs: dict, host: Any) -> bool:
+    """Eager's bounds check of advanced indexing (``index``, ``index_put``) at the call, for
+    index tensors whose values the host holds (``host(ix)``: the values, or None where they are
+    computed on the device): ``a[[10]]``, ``a[torch.tensor([10]).to(D)]``. Raises eager's
+    ``IndexError`` with eager's text: the first out-of-range element in the order eager's kernel
+    reads them (row-major over the broadcast indices, then index tensor by index tensor; the
+    "dimension" eager names is the index tensor's position among the defined ones, a mask
+    counting one per dim). Nothing is checked where the indexing result is empty (eager's kernel
+    reads no index) or where the metadata is wrong (the meta kernels raise eager's error).
+
+    Returns whether an integer index is computed on the device: its check stays deferred to the
+    kernel, as on CUDA (the caller records the line, so the deferred error names it)."""
+    self = args[0]
+    indices = args[1] if len(args) > 1 else kwargs.get("indices")
+    if not isinstance(self, torch.Tensor) or not isinstance(indices, (list, tuple)):
+        return False
+    shape = tuple(self.shape)
+    parts: list[tuple[torch.Tensor, int | None]] = []  # (values, size); a mask's: None
+    rest, pos, deferred = 1, 0, False
+    for ix in indices:
+        if ix is None:
+            rest *= shape[pos] if pos < len(shape) else 1
+            pos += 1
+            continue
+        if not isinstance(ix, torch.Tensor):
+            return deferred
+        h = host(ix)
+        if ix.dtype in (torch.bool, torch.uint8):
+            if h is None:  # a mask on the device: its true elements are in range by its shape
+                return deferred
+            parts.extend((c, None) for c in h.nonzero().unbind(1))  # in range: not judged
+            pos += ix.dim()
+            continue
+        if ix.is_floating_point() or ix.is_complex():
+            return deferred  # eager's dtype error: the meta kernel's
+        if h is None:
+            deferred = True
+        elif pos < len(shape):
+            parts.append((h, shape[pos]))
+        pos += 1
+    if deferred or all(n is None for _, n in parts) or pos > len(shape):
+        return deferred
+    for s in shape[pos:]:
+        rest *= s
+    try:
+        ts = torch.broadcast_tensors(*(t for t, _ in parts))
+    except RuntimeError:
+        return False  # eager's shape-mismatch error: the meta kernel's
+    if rest == 0 or ts[0].numel() == 0:
+        return False
+    sizes = [n for _, n in parts]
+    bad = torch.stack([torch.zeros_like(t, dtype=torch.bool) if n is None else (t < -n) | (t >= n)
+                       for t, n in zip(ts, sizes, strict=True)], -1).reshape(-1)
+    first = bad.nonzero()
+    if first.numel():
+        e, j = divmod(int(first[0, 0]), len(parts))
+        v = int(ts[j].reshape(-1)[e])
+        raise IndexError(f"index {v} is out of bounds for dimension {j} with size {sizes[j]}")
+    return False
+
+
 def check_index_put(func: Any, leaves: list[Any], spec: Any) -> None:
     """eager's metadata checks of ``index_put(self, indices, values, accumulate)``."""
     args, kwargs = optree.tree_unflatten(spec, leaves)

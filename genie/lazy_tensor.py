@@ -404,8 +404,11 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         checks.check_normal_std(args, kwargs)
     if pol.portable is not None:  # a CUDA-only fused op: record its decomposition (genie.portable)
         return pol.portable(*args, **kwargs)
+    where = False
+    if func in checks.INDEX or func in checks.INDEX_PUT:
+        where = _check_indices(func, pol, args, kwargs, leaves, spec, index)
     try:
-        return _record(func, pol, args, kwargs, leaves, spec, index, current_graph())
+        return _record(func, pol, args, kwargs, leaves, spec, index, current_graph(), where=where)
     except checks.MaskNeedsData:  # index_put with a mask: see genie.checks
         return record(func, *_index_put_masks(args, kwargs))
     except UnsupportedOpError as e:
@@ -419,6 +422,44 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         if eager is e:
             raise
         raise eager from None
+
+
+def _check_indices(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
+                   index: int) -> bool:
+    """Advanced indexing's bounds check at the call where the host holds the indices' values
+    (:func:`genie.checks.check_known_indices`; eager's metadata errors first, as eager checks
+    them first). Returns whether an index is computed on the device: its out-of-range error
+    stays deferred to the kernel, as on CUDA, and its node keeps the line that recorded it, so
+    the deferred ``IndexError`` names that line."""
+    try:
+        return checks.check_known_indices(func, args, kwargs, _host_value)
+    except IndexError:
+        try:  # a metadata error of the call is eager's first: _record raises it
+            infer(func, pol, _meta_leaves(leaves), spec, index)
+        except Exception:
+            return False
+        raise
+
+
+def _host_value(x: torch.Tensor) -> torch.Tensor | None:
+    """The values of ``x`` if the host holds them now (no sync, no transfer), else None: a host
+    tensor, or a LazyTensor that is a pending upload's snapshot (``a[[10]]``, ``t.to(D)``; through
+    ``lift_fresh``) with no write after it. Alike for every backend: an executed value is not
+    read, even where the backend keeps it on the host."""
+    if type(x) is not LazyTensor:
+        return x if x.device.type == "cpu" else None
+    n, o = x._node, x._out
+    while True:
+        if n.executed or n.storages[o].pending_writes:
+            return None  # (an executed value is the device's, even where it is a host tensor)
+        if n.op is _UPLOAD:
+            return n.leaves[0] if n.leaves else None
+        if n.op not in _LIFTS or type(n.leaves[0]) is not Ref:
+            return None
+        n, o = n.leaves[0].node, n.leaves[0].out  # a list index: an upload, then lift_fresh
+
+
+_LIFTS = (aten.lift_fresh.default, aten.lift_fresh_copy.default)
 
 
 def _index_put_masks(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -533,7 +574,7 @@ def record_known(func: Any, args: tuple, rec: list[Any], entry: MetaEntry) -> An
 
 
 def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
-            index: int, graph: Graph, known: MetaEntry | None = None) -> Any:
+            index: int, graph: Graph, known: MetaEntry | None = None, where: bool = False) -> Any:
     _counts["ops_recorded"] += 1
     # One pass over the leaves builds both the cache key and the recorded arguments (entry_for
     # builds the same key; test_native_record's native_cold mode compares the entries found).
@@ -622,7 +663,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
         retrack_below(rec)
     node = Node(func, rec, spec, metas, out_spec, storages, writes, graph, rng)
     node.entry = entry  # interned per meta-cache key: the plan cache compares nodes by identity
-    if config.record_source or graph.keep_nodes:
+    if where or config.record_source or graph.keep_nodes:
         node.where = _where()
     wref = node._wref
     for x in rec:
@@ -1104,7 +1145,10 @@ def _install_native_record() -> bool:
         counts=_counts, profiler=vars(_profiler), tls=_tls,
         current=graph_current,
         default_graph=DEFAULT_GRAPH, counter=_record_counter, leaf_spec=_LEAF_SPEC,
-        copy_ops=(_copy,), device_ops=(_to_copy,), detach=_detach, pending_total=pending_total,
+        # ops that always take the fallback: copy_, and index_put, whose indices the host may
+        # hold (record's _check_indices reads their values at every call, not once per key)
+        copy_ops=(_copy, *checks.INDEX_PUT),
+        device_ops=(_to_copy,), detach=_detach, pending_total=pending_total,
         retrack_below=_C._gc_retrack_below, defer_writer=defer_writer, limit=meta_cache.limit,
         factory_fallback=record_factory, context=context, rules=RULES,
         meta_cache_dict=meta_cache._d)

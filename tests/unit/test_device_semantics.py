@@ -883,3 +883,112 @@ def test_integer_division_by_zero_raises_eagers_type(op):
     assert isinstance(got.value, type(ref.value))
     assert isinstance(got.value, genie.errors.ExecutionError) and "failed on the device" in \
         str(got.value)
+
+
+# --- advanced indexing out of range: at the call where the host holds the index's values -------
+
+_X = (3, 4, 5)
+
+
+@pytest.mark.parametrize("case", [
+    "list", "negative", "uploaded", "cpu_index", "none_first", "first_in_row_major",
+    "broadcast", "mask_then_list", "second_call_same_shapes",
+    "set_list", "set_uploaded", "set_second_call_same_shapes", "put_accumulate"])
+def test_a_host_known_index_out_of_range_raises_at_the_call(case):
+    """An index whose values the host holds (a list, a host tensor uploaded with ``.to(D)``, a CPU
+    index tensor): eager's IndexError at the call, with eager's text (the first bad element in
+    eager's order, the index tensor's position as its "dimension"); PyTorch's
+    test_advancedindex's ``reference[[10]]`` / ``reference[torch.LongTensor([10]).to(D)]``."""
+    def t(v, d):
+        return torch.tensor(v).to(d)
+
+    def fn(d):
+        x = torch.zeros(_X, device=d)
+        if case == "list":
+            x[[1, 3]]
+        elif case == "negative":
+            x[[-4]]
+        elif case == "uploaded":
+            x[t([1, 2, 10], d)]
+        elif case == "cpu_index":
+            x[torch.tensor([0, 5])]
+        elif case == "none_first":  # eager names the index tensor's position: 1, not dim 2
+            x[:, [0], [7]]
+        elif case == "first_in_row_major":  # 5 comes before 9
+            x[t([5, 9], d)]
+        elif case == "broadcast":  # (1, 9) is the first element: the second index's 9
+            x[[[1], [7]], [9, 1]]
+        elif case == "mask_then_list":  # a mask counts one index per dim
+            x[t([True, False, True], d), [9]]
+        elif case == "second_call_same_shapes":
+            x[[1, 2]]
+            x[[1, 3]]
+        elif case == "set_list":
+            x[[1, 3]] = 1.0
+        elif case == "set_uploaded":
+            x[t([0, 1], d), t([2, -5], d)] = torch.ones(2, 5, device=d)
+        elif case == "set_second_call_same_shapes":  # the native record path must not skip it
+            x[t([1], d)] = 2.0
+            x[t([1], d)] = 2.0
+            x[t([4], d)] = 2.0
+        elif case == "put_accumulate":
+            x.index_put_((t([1, 7], d), t([0, 9], d)), torch.tensor(1.0, device=d),
+                         accumulate=True)
+    e = raises_as_eager(fn)
+    assert type(e) is IndexError and "out of bounds" in str(e)
+
+
+def test_host_known_indices_in_range_and_empty_results_record_as_eager():
+    """What eager does not refuse still records: in-range and negative indices, an index whose
+    result is empty (eager's kernel reads no index: no error), a metadata error before a value
+    error (eager's order), and an index written after its upload (its snapshot is stale: the
+    check stays the kernel's, which sees the written value)."""
+    def t(v, d):
+        return torch.tensor(v).to(d)
+
+    ref, got = both(lambda d: torch.arange(60.0, device=d).view(_X)[[2, -3], :, t([4, -5], d)])
+    same(ref, got)
+    ref, got = both(lambda d: torch.zeros(0, 5, device=d)[:, [10]])
+    same(ref, got)
+    ref, got = both(lambda d: torch.zeros(3, 0, device=d)[[5]])
+    same(ref, got)
+
+    def written(d):
+        i = t([9], d)
+        i[0] = 1
+        return torch.arange(3.0, device=d)[i]
+    ref, got = both(written)
+    same(ref, got)
+
+    def dtype_first(d):  # the value's dtype is eager's first error
+        torch.zeros(3, device=d).index_put_((t([7], d),), torch.ones(1, dtype=torch.float64,
+                                                                     device=d))
+    raises_as_eager(dtype_first)
+
+    def shapes_first(d):
+        torch.zeros(3, 3, device=d)[[0, 7], [0, 1, 2]]
+    raises_as_eager(shapes_first)
+
+
+@pytest.mark.kernel_error  # an out-of-range index computed on the device
+@pytest.mark.parametrize("op", ["get", "set"])
+def test_a_device_computed_index_out_of_range_is_deferred_as_eagers_error_naming_its_line(op):
+    """An index computed on the device (PyTorch's test_trivial_fancy_out_of_bounds): its values
+    are known only by running it, so the check stays the kernel's, as on CUDA; the error is
+    eager's type and text and names the line that recorded the indexing, without
+    GENIE_RECORD_SOURCE."""
+    with pytest.raises(IndexError) as ref:
+        torch.zeros(5)[torch.ones(20, dtype=torch.int64).index_fill(0, torch.tensor([19]), 10)]
+    a = torch.zeros(5, device=DEV)
+    ind = torch.ones(20, dtype=torch.int64, device=DEV)
+    ind[-1] = 10
+    if op == "get":
+        y, line = a[ind], inspect.currentframe().f_lineno
+    else:
+        a[ind], line = 0.0, inspect.currentframe().f_lineno
+        y = a
+    with pytest.raises(IndexError) as got:
+        y.cpu()
+    assert isinstance(got.value, genie.ExecutionError)
+    assert str(ref.value) in str(got.value)
+    assert f"(recorded at {__file__}:{line})" in str(got.value)
