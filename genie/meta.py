@@ -20,6 +20,7 @@ comes only from ``op._schema`` alias annotations and ``op.tags``, never from nam
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -530,7 +531,24 @@ def eager_error(func: Any, leaves: list[Any], spec: Any, err: Exception) -> Exce
     its exception, if any, is the one the user gets; otherwise ``err`` stands.
     """
     out = _host_call(func, leaves, spec)
-    return out if isinstance(out, BaseException) else err
+    if isinstance(out, BaseException):
+        return out
+    native = _NATIVE_TEXTS.get(func)
+    if native is not None and type(err) is RuntimeError:
+        m = native[0].fullmatch(str(err))
+        if m is not None:  # the host call, all on cpu, cannot see a device mismatch
+            return RuntimeError(native[1].format(*m.groups()))
+    return err
+
+
+#: Ops whose meta kernel is torch's Python reference, whose text differs from the native kernel's
+#: (eager's on a backend): the reference's message as a pattern, the native one as a template.
+_NATIVE_TEXTS: dict[Any, tuple[Any, str]] = {
+    torch.ops.aten.block_diag.default: (
+        re.compile(r"Input tensors must all be on the same device\. "
+                   r"(Input 0 is on device \S+ and input \d+ is on device \S+)\."),
+        "torch.block_diag: input tensors must all be on the same device. {0}"),
+}
 
 
 def _host_call(func: Any, leaves: list[Any], spec: Any) -> Any:

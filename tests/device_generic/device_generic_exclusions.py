@@ -36,9 +36,6 @@ EXCLUSIONS: dict[str, str] = {
         "__getitem__ itself (an index the host holds, a list or an uploaded host tensor, "
         "raises at the call: test_advancedindex passes)",
     # test_tensor_creation_ops.py
-    "test_tensor_creation_ops.py::TestTensorCreation::test_block_diag":
-        _NEW + "error text: block_diag of a cpu and a device tensor raises with another message "
-        "than eager's 'torch.block_diag: input tensors must all be on the same device'",
     # test_binary_ufuncs.py (from its fast subset: the patterns cover the dtype combinations)
     "test_binary_ufuncs.py::TestBinaryUfuncs::test_fmod_remainder_by_zero_integral_*":
         "upstream test limitation, not a Genie bug: for any device but cpu the test expects "

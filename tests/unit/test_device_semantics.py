@@ -992,3 +992,23 @@ def test_a_device_computed_index_out_of_range_is_deferred_as_eagers_error_naming
     assert isinstance(got.value, genie.ExecutionError)
     assert str(ref.value) in str(got.value)
     assert f"(recorded at {__file__}:{line})" in str(got.value)
+
+
+@pytest.mark.parametrize("order", ["cpu_first", "device_first"])
+def test_block_diag_of_a_cpu_and_a_device_tensor_raises_the_native_kernels_text(order):
+    """block_diag's native kernel (eager's on any backend: CompositeExplicitAutograd) checks the
+    inputs' devices with its own text; the meta kernel is torch's Python reference, whose text
+    differs (PyTorch's test_block_diag asserts the native one). Eager cannot show it on one
+    device: the text is the kernel's (TensorShape.cpp, in libtorch_cpu)."""
+    a, b = torch.ones(2, 2), torch.ones(2, 3, device=DEV)
+    first, second = (a, b) if order == "cpu_first" else (b, a)
+    with pytest.raises(RuntimeError) as e:
+        torch.block_diag(first, torch.ones(1, device=first.device), second)
+    assert type(e.value) is RuntimeError
+    assert str(e.value) == ("torch.block_diag: input tensors must all be on the same device. "
+                            f"Input 0 is on device {first.device} and input 2 is on device "
+                            f"{second.device}")
+    # what eager allows still records: every input on the device
+    ref, got = both(lambda d: torch.block_diag(torch.ones(2, 2, device=d),
+                                               torch.arange(3.0, device=d)))
+    same(ref, got)
