@@ -68,7 +68,11 @@ _installed: Any = None  # what activate() put in nn.Module.__dict__["__call__"]
 
 
 class Call:
-    """One call of an outermost module on a thread: its phase, once known, and its size."""
+    """One call of an outermost module on a thread: its phase, once known, and its size.
+
+    The decode calls of one outermost module on one thread share a single ``Call``: their phase is known when they start, and their module contexts are the same every step, so
+    a steady decode interns none (``_decode_call``). ``start`` and ``nodes`` then describe the
+    latest of those calls."""
 
     __slots__ = ("root", "phase", "start", "nodes", "contexts", "__weakref__")
 
@@ -127,6 +131,9 @@ class _Stack(threading.local):
         # (module, context before the call, {submodule: path} of the outermost module)
         self.modules: list[tuple[Any, Any, dict[Any, str]]] = []
         self.phases: list[str] = []  # genie.phase(...) blocks, innermost last
+        # outermost module -> the Call its decode calls on this thread share (weak: a cache
+        # entry never keeps a model alive)
+        self.decode: weakref.WeakKeyDictionary[Any, Call] = weakref.WeakKeyDictionary()
 
 
 _tls = _Stack()
@@ -324,7 +331,10 @@ def _leave(module: Any) -> None:
         # left ~110 objects (55 contexts and their keys) in a cycle only the cyclic collector
         # frees (a full collection of the process's heap every ~600 generated tokens). Nodes
         # keep their contexts (and through them the call) alive as long as they need them.
-        call.contexts.clear()
+        # A shared decode Call keeps them for the next step, until its module goes
+        # (_decode_call).
+        if _tls.decode.get(module) is not call:
+            call.contexts.clear()
         if call.phase is not None:
             bump(f"phase.{call.phase}.nodes", call.nodes)
 
@@ -332,7 +342,6 @@ def _leave(module: Any) -> None:
 def _begin(module: Any, args: tuple, kwargs: dict) -> Call:
     """A call of an outermost module: a decode if it receives state an earlier call of the same
     module produced (that call, if it was not a decode, was the prefill)."""
-    call = Call(module)
     producers: dict[int, Call] = {}
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # model(x): no walk
         found = [a for a in args if getattr(a, "_node", None) is not None]
@@ -351,8 +360,35 @@ def _begin(module: Any, args: tuple, kwargs: dict) -> Call:
         for p in producers.values():
             if p.phase is None:
                 p.set_phase("prefill")
+        return _decode_call(module)
+    return Call(module)
+
+
+def _decode_call(module: Any) -> Call:
+    """The :class:`Call` of a decode call of outermost ``module`` on this thread: one per module
+    and thread, shared by its decode calls (``share_decode_calls``; off: a new one per call, the
+    reference), so that the module contexts of a steady decode are interned once."""
+    if not share_decode_calls:
+        call = Call(module)
         call.set_phase("decode")
+        return call
+    calls = _tls.decode
+    call = calls.get(module)
+    if call is None:
+        call = calls[module] = Call(module)
+        call.phase = "decode"
+        # its contexts point at it: break that cycle when the module goes, so that it is freed
+        # by reference counting, not left for the cyclic collector
+        weakref.finalize(module, call.contexts.clear)
+    else:
+        call.start = _recorded()
+        call.nodes = None
+    bump("phase.decode.calls")
     return call
+
+
+#: Whether the decode calls of an outermost module share one :class:`Call` (the default).
+share_decode_calls = True
 
 
 def caller_kwargs() -> dict:

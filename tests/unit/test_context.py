@@ -188,6 +188,64 @@ def test_hand_written_decode_loop_phases_and_kv_role():
     assert past2[0]._node.ctx.phase == "decode"
 
 
+def test_decode_calls_share_one_call_and_intern_no_context_per_step(monkeypatch):
+    """The decode calls of one model share a Call: after the first decode step a steady decode
+    interns no new context (the same objects, the same count), and every node's context, the
+    phase counters and the values are those of a new Call per call (the reference)."""
+    torch.manual_seed(0)
+    ref = _Attn()
+    m = _Attn()
+    m.load_state_dict(ref.state_dict())
+    m.to(D)
+    want, _ = _decode_loop(ref, "cpu", steps=5)
+    got = {}
+    for share in (True, False):
+        monkeypatch.setattr(context, "share_decode_calls", share)
+        genie.reset_stats()
+        out, past = _decode_loop(m, D, steps=5)
+        torch.testing.assert_close(out.cpu(), want)
+        s = genie.stats()
+        got[share] = (_contexts(out), {k: v for k, v in s.items() if k.startswith("phase.")})
+    assert got[True] == got[False]
+    assert got[True][1]["phase.decode.calls"] == 5 and got[True][1]["phase.prefill.calls"] == 1
+
+    monkeypatch.setattr(context, "share_decode_calls", True)
+    x = torch.linspace(-1, 1, 5 * 8).reshape(1, 5, 8).to(D)
+    with torch.no_grad():
+        y, past = m(x)
+        y1, past = m(y[:, -1:], past)
+        call = y1._node.ctx.call
+        interned = dict(call.contexts)
+        y2, past = m(y1, past)
+        y3, past = m(y2, past)
+    assert y2._node.ctx.call is call and y3._node.ctx.call is call
+    assert y._node.ctx.call is not call and y._node.ctx.phase == "prefill"
+    assert call.contexts == interned  # no context made after the first decode step
+    assert {y3._node.ctx, past[0]._node.ctx} <= set(interned.values())
+
+
+def test_a_shared_decode_call_is_freed_with_its_model_without_cyclic_garbage():
+    """The decode Call a model's calls share (and its contexts, which point at it) goes with the
+    model by reference counting: nothing is left for the cyclic collector."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    m = _Attn().to(D)
+    out, past = _decode_loop(m, D, steps=2)
+    call = weakref.ref(past[0]._node.ctx.call)
+    assert call() is not None and call().phase == "decode"
+    gc.collect()
+    gc.disable()
+    try:
+        out.cpu()
+        del m, out, past
+        assert call() is None, "the shared decode Call outlived its model and nodes"
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
 def test_explicit_phase_overrides_detection():
     torch.manual_seed(0)
     m = _Attn().to(D)
