@@ -235,3 +235,60 @@ def test_a_structure_encoded_before_gives_the_skeleton_and_constants_a_fresh_enc
         assert [bytes(memoryview(f)) for f in memo.frames] == \
             [bytes(memoryview(f)) for f in fresh.frames]
     assert protocol.pack(first.consts) != protocol.pack(memo.consts)  # the constants moved
+
+
+def test_a_plan_cache_hit_encodes_to_what_a_fresh_encoding_gives(monkeypatch):
+    """A tape instantiated from a plan takes the plan's encoding (no structure key) and the
+    constants of the plan's own instructions from the last call: each call's skeleton,
+    constants and frames are still exactly what an encoding without any memo gives, as sizes,
+    scalars, a host tensor and seeds move."""
+    from genie.passes import pipeline
+    from genie.remote import protocol
+
+    tapes = []
+    run = pipeline.run
+
+    def grab(tape, device):
+        tapes.append(tape)
+        return run(tape, device)
+
+    monkeypatch.setattr(pipeline, "run", grab)
+
+    def program(n: int, scale: float, k: int):
+        x = torch.arange(float(2 * n)).to(D)
+        noise = torch.rand(2, n, device=D)  # a seed and offset per call
+        host = torch.full((2, 1), float(k))  # a host tensor constant
+        return ((x.view(2, n) * scale + noise) * host.to(D) + 1.0).sum(1).cpu()
+
+    calls = [(3, 2.0, 1), (3, 2.0, 1), (3, 2.5, 1), (4, 2.5, 2), (4, 2.5, 2), (3, 2.0, 1)]
+    for n, scale, k in calls:
+        program(n, scale, k)
+    assert len(tapes) == len(calls) and sum(t.plan is not None for t in tapes) >= 4
+    for t in tapes:
+        memo = protocol.encode_tape(t, lambda slot, _v, _f: slot)
+        if t.plan is not None:
+            assert protocol._WIRE in t.plan.artifacts  # the plan keeps its encoding
+        protocol._encoded.clear()
+        saved = dict(t.plan.artifacts) if t.plan is not None else {}
+        if t.plan is not None:
+            t.plan.artifacts.pop(protocol._WIRE, None)
+        fresh = protocol.encode_tape(t, lambda slot, _v, _f: slot)
+        if t.plan is not None:
+            t.plan.artifacts.update(saved)  # the memo (and its shared constants) goes on
+        assert memo.key == fresh.key and memo.skeleton == fresh.skeleton
+        assert protocol.pack(memo.consts) == protocol.pack(fresh.consts)
+        assert [bytes(memoryview(f)) for f in memo.frames] == \
+            [bytes(memoryview(f)) for f in fresh.frames]
+
+
+def test_a_constant_delta_names_exactly_the_positions_that_differ():
+    from genie.remote.protocol import const_delta
+
+    shared = [1.5, 2]
+    assert const_delta([1, 2.0, "a", shared], [1, 2.0, "a", shared]) == []
+    same = list(range(10))
+    assert const_delta([1, 2.0, 0.0, True, *same], [1, 2.5, -0.0, 1, *same]) == \
+        [1, 2.5, 2, -0.0, 3, 1]
+    assert const_delta([float("nan")] * 3, [float("nan")] * 3) == []  # a NaN repeats
+    assert const_delta([1, 2], [1, 2, 3]) is None  # another length: all of them
+    assert const_delta([1, 2], [3, 4]) is None  # all changed: no cheaper than all
