@@ -5,10 +5,13 @@ Usage:
     PYTHONPATH=. py-spy record --native -r 100 -f raw -o /tmp/decode.txt -- \
         .venv/bin/python tools/profile_models.py run decode 20
     .venv/bin/python tools/profile_models.py classify /tmp/decode.txt [-v]
+    .venv/bin/python tools/profile_models.py split generate [ROUNDS]
 
 Rows (as in ``bench/bench_models.py``): ``decode`` (GPT-2 12 x 768, one decode step per call
 after a 64-token prompt, KV cache growing, logits materialized), ``generate`` (GPT-2 4 x 128,
-``generate(ids, max_new_tokens=32)``, a new prompt length per call), ``mlp256`` / ``mlp2048``
+``generate(ids, max_new_tokens=32)``, a new prompt length per call; ``generate-eos``: the model's
+``eos_token_id`` kept and ``min_new_tokens=32``, so every token's stopping check materializes
+its forward, as ``bench/bench_remote_models.py`` calls it), ``mlp256`` / ``mlp2048``
 (4 x Linear + ReLU, MSE, AdamW step). ``DEV=cpu`` runs the row eagerly instead. The first four
 calls run inside ``warm()``: the classifier leaves their samples out (first runs of plans, the
 passes' verification). A sample counts under the innermost Genie frame it has (native frames
@@ -26,7 +29,9 @@ import sys
 import time
 
 
-def run(row: str, secs: float) -> None:
+def make(row: str, D: str) -> tuple:  # noqa: N803
+    """``(step, model, units)``: one call of ``row`` on device ``D``, the model it calls and how
+    many tokens (generate: 32) or steps one call makes."""
     import torch
 
     import genie
@@ -34,8 +39,6 @@ def run(row: str, secs: float) -> None:
     from transformers import DynamicCache
 
     torch.set_num_threads(1)
-    D = os.environ.get("DEV", "remote_accelerator")  # noqa: N806
-
     sync = (lambda t: t) if D == "cpu" else genie.materialize
 
     def gpt2(layers: int, width: int, heads: int) -> torch.nn.Module:
@@ -59,16 +62,19 @@ def run(row: str, secs: float) -> None:
         def step() -> None:
             with torch.no_grad():
                 sync(m(tok, cache=cache, use_cache=True).logits)
-    elif row == "generate":
+    elif row in ("generate", "generate-eos"):
         m = gpt2(4, 128, 4).to(D)
-        m.generation_config.eos_token_id = None  # 32 tokens every call
+        kw: dict = {"min_new_tokens": 32}  # generate-eos: the EOS check reads every token
+        if row == "generate":
+            m.generation_config.eos_token_id = None  # 32 tokens every call
+            kw = {}
         lengths = itertools.count(8)
 
         def step() -> None:
             n = next(lengths)
             ids = torch.randint(1, 1000, (1, n), generator=torch.Generator().manual_seed(n))
             with torch.no_grad():
-                m.generate(ids.to(D), max_new_tokens=32).cpu()
+                m.generate(ids.to(D), max_new_tokens=32, **kw).cpu()
     elif row in ("mlp256", "mlp2048"):
         w, b = (256, 32) if row == "mlp256" else (2048, 64)
         torch.manual_seed(0)
@@ -84,7 +90,12 @@ def run(row: str, secs: float) -> None:
             opt.step()
             loss.item()
     else:
-        sys.exit(f"unknown row {row!r}: decode, generate, mlp256 or mlp2048")
+        sys.exit(f"unknown row {row!r}: decode, generate, generate-eos, mlp256 or mlp2048")
+    return step, (model if row.startswith("mlp") else m), 32 if row.startswith("generate") else 1
+
+
+def run(row: str, secs: float) -> None:
+    step = make(row, os.environ.get("DEV", "remote_accelerator"))[0]
 
     def warm() -> None:
         for _ in range(4):
@@ -168,9 +179,85 @@ def classify(path: str, verbose: bool) -> None:
                 print(f"        {m / tot * 100:5.1f}% {leaf[:110]}")
 
 
+def split(row: str, rounds: int) -> None:
+    """Where a call's time goes, by timers rather than samples: genie's and eager's call of
+    ``row`` interleaved in this process (``rounds`` pairs after four warm-up calls each), medians
+    per token (generate) or step. The model's forward is timed at its outermost module's
+    ``forward`` (a training step: forward and loss, backward, ``opt.step`` are the forward);
+    genie's materializations at ``executor.run_targets``, split into the plan lookup
+    (``plan_cache.plan``), the replay (``pipeline.run``: the device kernels included), binding
+    (``executor._bind``), ``memory.after_run`` and the rest (the glue between them and the
+    teardown of the nodes that ran, freed when the tape goes). ``other`` is the caller's Python
+    and what it records outside the forward (a generate loop's logits processing, stopping
+    criteria, ``.item()``'s path into the materialization)."""
+    import statistics
+
+    import torch
+
+    from genie import executor, memory, plan_cache
+    from genie.passes import pipeline
+
+    acc: collections.Counter = collections.Counter()
+
+    def timed(owner: object, name: str, label: str) -> None:
+        f = getattr(owner, name)
+
+        def w(*a: object, **k: object) -> object:
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[label] += time.perf_counter() - t0
+
+        setattr(owner, name, w)
+
+    g_step, g_model, units = make(row, "remote_accelerator")
+    e_step, e_model, _ = make(row, "cpu")
+    if row.startswith("mlp"):  # the training step's record: everything before loss.item()
+        timed(torch.Tensor, "item", "materialize+item")
+        fwd = None
+    else:
+        fwd = type(g_model)
+        timed(fwd, "forward", "forward")
+    timed(executor, "run_targets", "materialize")
+    timed(plan_cache, "plan", "plan")
+    timed(pipeline, "run", "replay")
+    timed(executor, "_bind", "bind")
+    timed(memory, "after_run", "after_run")
+    for _ in range(4):
+        g_step()
+        e_step()
+    rows: dict[str, dict[str, list[float]]] = {"genie": {}, "eager": {}}
+    for i in range(rounds):
+        for who, step in (("genie", g_step), ("eager", e_step))[:: 1 if i % 2 else -1]:
+            acc.clear()
+            t0 = time.perf_counter()
+            step()
+            acc["total"] = time.perf_counter() - t0
+            for k, v in acc.items():
+                rows[who].setdefault(k, []).append(v / units * 1e6)
+    med = {w: {k: statistics.median(v) for k, v in r.items()} for w, r in rows.items()}
+    g, e = med["genie"], med["eager"]
+    if fwd is None:  # mlp: the record is the step minus loss.item()
+        g["forward"] = g["total"] - g.get("materialize+item", 0.0)
+        e["forward"] = e["total"] - e.get("materialize+item", 0.0)
+    mat = g.get("materialize", 0.0)
+    parts = {k: g.get(k, 0.0) for k in ("plan", "replay", "bind", "after_run")}
+    unit = "token" if units > 1 else "step"
+    print(f"{row}: medians of {rounds} interleaved calls, µs per {unit}")
+    print(f"  eager: total {e['total']:.0f} | forward {e['forward']:.0f} | other "
+          f"{e['total'] - e['forward']:.0f}")
+    print(f"  genie: total {g['total']:.0f} ({g['total'] / e['total']:.2f}x) | forward (record) "
+          f"{g['forward']:.0f} | other {g['total'] - g['forward'] - mat:.0f} | materialize "
+          f"{mat:.0f}: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items()) +
+          f", glue+teardown {mat - sum(parts.values()):.0f}")
+
+
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "run":
         run(sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 20)
+    elif len(sys.argv) >= 3 and sys.argv[1] == "split":
+        split(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 10)
     elif len(sys.argv) >= 3 and sys.argv[1] == "classify":
         classify(sys.argv[2], "-v" in sys.argv)
     else:
