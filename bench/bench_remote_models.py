@@ -6,6 +6,9 @@ security; client and server one intra-op thread each, ``GENIE_BENCH_THREADS``):
 
 - GPT-2 12x768 (vocab 1000) decode step after a 64-token prompt, KV cache growing, logits
   materialized every step;
+- the same decode step later in a long generation: through the server once its shape class
+  (built in the background, see docs/deployment.md "Shape classes") serves the step; eager after
+  as many steps;
 - GPT-2 4x128 greedy ``generate`` of 32 tokens, a prompt length never seen before every call,
   called as most scripts call it (no ``attention_mask``);
 - MLP 4 x Linear(256) + ReLU, batch 32, MSE, AdamW, ``loss.item()`` every step;
@@ -49,6 +52,9 @@ DEV = "remote_accelerator:0"
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = 64
 DECODE_STEPS = 4
+#: the long-generation decode row waits at most this long (seconds, and steps) for the class
+CLASS_WAIT = 90.0
+MAX_WARM_STEPS = 600
 NEW_TOKENS = 32
 
 
@@ -107,7 +113,10 @@ def _gpt2(layers: int, width: int, heads: int):
     return model
 
 
-def _decode(dev: str) -> Callable[[], object]:
+def _decode(dev: str, warm: int | None = 0) -> Callable[[], object]:
+    """``DECODE_STEPS`` decode steps per call after a ``PROMPT``-token prompt (and ``warm``
+    steps more; None: as many as the server takes to serve a step by its shape class, see
+    :func:`_decode_long`)."""
     from transformers import DynamicCache
 
     model = _gpt2(12, 768, 12).to(dev)
@@ -125,7 +134,28 @@ def _decode(dev: str) -> Callable[[], object]:
                 logits.cpu()
         return None
 
+    n = 0
+    hits = lambda: genie.stats().get("server_shape_class_hits", 0)  # noqa: E731
+    first = hits()
+    deadline = time.monotonic() + CLASS_WAIT
+    while (n < warm if warm is not None else
+           hits() == first and time.monotonic() < deadline and n < MAX_WARM_STEPS):
+        with torch.no_grad():
+            model(tokens[0], past_key_values=cache, use_cache=True).logits.cpu()
+        n += 1
+    run.warm = n  # type: ignore[attr-defined]
     return run
+
+
+def _decode_long(dev: str, warm: int | None = None) -> Callable[[], object]:
+    """The decode row later in a long generation: through a server, once a step of the
+    structure is served by its shape class (the worker builds it in the background while the
+    first steps are vetted one by one; at most ``CLASS_WAIT`` seconds); eager after as many
+    steps (the same KV length)."""
+    return _decode(dev, warm)
+
+
+_decode_long.remote_first = True  # type: ignore[attr-defined]
 
 
 def _generate(dev: str) -> Callable[[], object]:
@@ -172,6 +202,8 @@ def _one_op(dev: str) -> Callable[[], object]:
 WORKLOADS: dict[str, tuple[Callable[[str], Callable[[], object]], float, str, int]] = {
     # name: (factory, per (units per call), unit, rounds)
     "GPT-2 12x768 decode step, KV cache growing": (_decode, DECODE_STEPS, "ms/step", 5),
+    "GPT-2 12x768 decode step, later in a long generation (shape class built)":
+        (_decode_long, DECODE_STEPS, "ms/step", 5),
     "GPT-2 4x128 generate 32 tokens, new prompt lengths, no attention_mask":
         (_generate, NEW_TOKENS, "ms/token", 5),
     "MLP 4x256 AdamW step, loss.item()": (_mlp, 1, "ms/step", 15),
@@ -199,10 +231,14 @@ def test_remote_model(benchmark, ratios, servers, name: str) -> None:
     make, per, unit, rounds = WORKLOADS[name]
     benchmark.group = f"remote: {name}"
     row = ratios.row(SUITE, name, unit=unit, scale=1e3)
-    eager = make("cpu")
+    later = getattr(make, "remote_first", False)  # eager after as many warm-up steps
+    eager = None if later else make("cpu")
     for sname, srv in servers.items():
         genie.connect(srv.address, key_file=srv.key_file, timeout=120)
         remote = make(DEV)
+        if later:
+            eager = make("cpu", remote.warm)
+            row.notes.append(f"{sname}: after {remote.warm} steps")
         before = genie.stats()
         med, ratio = _paired({"eager": eager, sname: remote}, rounds, per)
         row.values[sname] = med[sname]
