@@ -235,23 +235,24 @@ class PlanCache:
         self._writes.clear()
         self._size = 0
 
-    def writes_last(self, targets: list[tuple[Node, int]]) -> bool:
-        """Whether the last hit for these requested ops was a plan that writes."""
-        return bool(self._writes) and _target_key(targets) in self._writes
+    def writes_last(self, targets: list[tuple[Node, int]], key: Any = None) -> bool:
+        """Whether the last hit for these requested ops was a plan that writes (``key``: their
+        :func:`_target_key`, when the caller has it)."""
+        return bool(self._writes) and (key or _target_key(targets)) in self._writes
 
-    def note_hit(self, targets: list[tuple[Node, int]], plan: Plan) -> None:
+    def note_hit(self, targets: list[tuple[Node, int]], plan: Plan, key: Any = None) -> None:
         """Remember whether a hit found through the slice was a plan that writes."""
         if not plan.fast:
-            self._writes.add(_target_key(targets))
+            self._writes.add(key or _target_key(targets))
         elif self._writes:
-            self._writes.discard(_target_key(targets))
+            self._writes.discard(key or _target_key(targets))
 
     def match(self, targets: list[tuple[Node, int]], generic: bool = False,
-              span: int = -1) -> Tape | None:
+              span: int = -1, key: Any = None) -> Tape | None:
         """A hit found from the targets alone (no :func:`~genie.planner.slice_nodes`): the
         cached plans for these requested ops are tried with :func:`match`, those last used at
         ``span`` (:meth:`span`) first, then most recently used first."""
-        plans = self._by_targets.get(_target_key(targets))
+        plans = self._by_targets.get(key or _target_key(targets))
         if not plans:
             return None
         order = plans
@@ -365,8 +366,11 @@ def plan(targets: list[tuple[Node, int]], generic: bool = True) -> Tape:
     """
     generic = generic and _generic
     span = _cache.span(targets) if targets else -1
-    if _enabled and targets and not _cache.writes_last(targets):
-        tape = _cache.match(targets, generic, span)
+    # the requested ops' key, once: a training step's targets hold every parameter, gradient
+    # and optimizer state it updates (33 for a 4-layer MLP's AdamW step)
+    key = _target_key(targets) if _enabled and targets else None
+    if key is not None and not _cache.writes_last(targets, key):
+        tape = _cache.match(targets, generic, span, key)
         if tape is not None:
             _counts["plan_cache_hits"] += 1
             if tape.generic:
@@ -377,7 +381,7 @@ def plan(targets: list[tuple[Node, int]], generic: bool = True) -> Tape:
         return build_tape(targets, nodes)
     tape = _cache.lookup(targets, nodes, generic)
     if tape is not None:
-        _cache.note_hit(targets, tape.plan)
+        _cache.note_hit(targets, tape.plan, key)
         tape.plan.span = span
         _counts["plan_cache_hits"] += 1
         if tape.generic:
@@ -401,7 +405,7 @@ def _opname(op: Any) -> str:
 
 
 def _target_key(targets: list[tuple[Node, int]]) -> tuple[Any, ...]:
-    return tuple((_opname(n.op), out) for n, out in targets)
+    return tuple([(getattr(n.op, "_name", n.op), out) for n, out in targets])  # as _opname
 
 
 (_index, _entry, _rng, _leaves, _node, _out, _storages, _pending, _outputs, _consumers,
