@@ -442,9 +442,13 @@ def encode_tape(tape: Tape, input_const: Any) -> Encoded:
     n_consts, n_frames = len(consts), len(frames)
     instrs = tape.instrs
     plan = tape.plan
-    # a tape instantiated from a plan has the plan's structure: its encoding is the plan's
-    # (the plan-cache match checked every op, tree, wiring and kind of constant), so a steady
-    # step pays no structure key (~0.5 ms for a 225-instruction GPT-2 token)
+    # a tape instantiated from a plan (genie.plan_cache) has the plan's structure: its encoding
+    # is the plan's (the plan-cache match checked every op, tree, wiring and kind of constant),
+    # so a steady step pays no structure key (~0.5 ms for a 225-instruction GPT-2 token). Not a
+    # tape a pass rewrote (its ``plan`` is the pass's shadow of the plan, without instructions)
+    tmpl = getattr(plan, "instrs", None)
+    if tmpl is None:
+        plan = None
     memo: _Wire | None = plan.artifacts.get(_WIRE) if plan is not None else None
     if memo is None:
         shape = _structure(tape, inputs)
@@ -455,7 +459,6 @@ def encode_tape(tape: Tape, input_const: Any) -> Encoded:
         if memo is not None and plan is not None:
             plan.artifacts[_WIRE] = memo
     if memo is not None:  # a structure encoded before: only its constants are new
-        tmpl = plan.instrs if plan is not None else None
         cached = memo.cached
         for i, js in memo.where:
             ins = instrs[i]
