@@ -108,14 +108,16 @@ class Vetted:
 
 
 class TV:
-    """A tensor value as the vet sees it: metadata and the id of its storage."""
+    """A tensor value as the vet sees it: metadata and the id of its storage (``meta``: the
+    metadata as one tuple, what an effect's key holds)."""
 
-    __slots__ = ("shape", "stride", "offset", "dtype", "conj", "neg", "sid")
+    __slots__ = ("shape", "stride", "offset", "dtype", "conj", "neg", "sid", "meta")
 
     def __init__(self, shape: tuple, stride: tuple, offset: int, dtype: torch.dtype,
                  conj: bool, neg: bool, sid: int) -> None:
         self.shape, self.stride, self.offset, self.dtype = shape, stride, offset, dtype
         self.conj, self.neg, self.sid = conj, neg, sid
+        self.meta = (shape, stride, offset, dtype, conj, neg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +142,8 @@ class _Effect:
 
 
 _BARRIER = _Effect((), ())  # an op whose output size depends on data
+#: per op: whether its float arguments' values are part of an effect's key
+_floats: dict[Any, bool] = {}
 #: effects by (op, tree, leaf keys): the vet of a repeated op is a dict lookup
 _effects: dict[Any, _Effect] = {}
 MAX_EFFECTS = 8192
@@ -339,25 +343,31 @@ def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict
     if peak > budget:
         raise QuotaError(start, "the values so far", peak, budget)
     n = len(tape.instrs)
+    st = ledger.st
+    instrs = tape.instrs
     for i in range(start, n):
         if deadline is not None and time.monotonic() > deadline:
             raise RunTimeout(i, n, limit)
-        ins = tape.instrs[i]
+        ins = instrs[i]
         op = ins.op
+        floats = _floats.get(op)
+        if floats is None:
+            floats = _floats[op] = op == UPLOAD or policy(op).float_values_matter
         transient = 0
-        floats = op == UPLOAD or policy(op).float_values_matter
         try:
             parts: list[Any] = [op, ins.spec]
             for x in ins.leaves:
                 t = type(x)
                 if t is Slot:
                     v = menv[x.id]
-                    parts.append((v.shape, v.stride, v.offset, v.dtype, v.conj, v.neg,
-                                  ledger.st[v.sid][0]) if type(v) is TV
+                    parts.append((v.meta, st[v.sid][0]) if type(v) is TV
                                  else _const_key(v, True))
                 elif t is MetaArg:
                     m = x.meta
                     parts.append((MetaArg, m.shape, m.stride, m.dtype))
+                    transient += _meta_arg_nbytes(m)
+                elif t is int or t is bool or x is None:
+                    parts.append((t, x))
                 elif t is torch.device:
                     parts.append(torch.device)
                 elif isinstance(x, torch.Tensor):
@@ -368,6 +378,7 @@ def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict
             eff = _effects.get(key)
         except _NoKey:
             key, eff = None, None
+            transient = sum(_meta_arg_nbytes(x.meta) for x in ins.leaves if type(x) is MetaArg)
         if eff is None:
             eff = _infer(ins, menv, ledger, i)
             if key is not None:
@@ -376,16 +387,14 @@ def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict
                 _effects[key] = eff
         if eff is _BARRIER:
             return Vetted(i, peak)
-        if _short(len(eff.outs), ins.outs):
+        outs = eff.outs
+        if len(ins.outs) > len(outs) and _short(len(outs), ins.outs):
             raise ExecutionError(op, ins.where, ValueError(
-                f"the op returns {len(eff.outs)} values; the tape names {len(ins.outs)}"), i)
-        for x in ins.leaves:
-            if type(x) is MetaArg:
-                transient += _meta_arg_nbytes(x.meta)
+                f"the op returns {len(outs)} values; the tape names {len(ins.outs)}"), i)
         for j, nb in eff.grows:
             ledger.resize(menv[ins.leaves[j].id].sid, nb)
         fresh = 0
-        for s, o in zip(ins.outs, eff.outs):
+        for s, o in zip(ins.outs, outs):
             if o.meta is None:
                 if s is not None:
                     menv[s] = o.value
@@ -400,11 +409,13 @@ def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict
                     ledger.hold(sid)
                     ledger.release(sid)
                 continue
-            ledger.hold(sid)
+            st[sid][1] += 1  # ledger.hold
             menv[s] = TV(*o.meta, sid)
-        peak = max(peak, ledger.live + baseline + transient + fresh)
-        if peak > budget:
-            raise QuotaError(i, op, peak, budget)
+        live = ledger.live + baseline + transient + fresh
+        if live > peak:
+            peak = live
+            if peak > budget:
+                raise QuotaError(i, op, peak, budget)
         for s in ins.free:
             v = menv.pop(s)
             if type(v) is TV:
