@@ -416,9 +416,9 @@ def _extents(rule: Rule, a: dict[str, Any]) -> list[tuple[torch.Tensor, int, int
     target, an empty tensor)."""
     ref = a.get(rule.ref)
     k = rule.kind
-    if k == "advanced":
-        out: list[tuple[torch.Tensor, int, int] | None] = []
-        shape, pos = ref.shape, 0
+    if k == "advanced":  # the "dimension" eager's message names: the index tensor's position
+        out: list[tuple[torch.Tensor, int, int] | None] = []  # among the defined ones (a mask
+        shape, pos, j = ref.shape, 0, 0                      # counts one per dim it covers)
         for t in a.get(rule.index) or ():
             if t is None:
                 pos += 1
@@ -426,10 +426,12 @@ def _extents(rule: Rule, a: dict[str, Any]) -> list[tuple[torch.Tensor, int, int
             if t.dtype in (torch.bool, torch.uint8):
                 out.append(None)
                 pos += t.dim()
+                j += t.dim()
                 continue
-            out.append((t, shape[pos], pos) if _is_index(t, True) and pos < len(shape)
+            out.append((t, shape[pos], j) if _is_index(t, True) and pos < len(shape)
                        else None)
             pos += 1
+            j += 1
         return out
     t = a.get(rule.index)
     if t is None:

@@ -10,6 +10,7 @@ the kernel, so these tests are safe on CUDA too (no ``kernel_error`` marker).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import optree
@@ -338,8 +339,13 @@ def test_messages_say_eagers_words() -> None:
     with pytest.raises(RuntimeError,
                        match=r"^index 7 is out of bounds for dimension 0 with size 3$"):
         check_call(aten.gather.default, (x, 0, _t([[7]])), {})
-    with pytest.raises(IndexError, match=r"index -5 is out of bounds for dimension 1 with size 4"):
-        check_call(aten.index.Tensor, (x, [None, _t([-5])]), {})
+    # advanced indexing: the "dimension" is the index tensor's position among the defined
+    # ones, as eager's CPU kernel says it (x[:, i] names dimension 0); eager is asked here
+    for indices in ([None, _t([-5])], [_t([0]), _t([9])], [_t([9]), None]):
+        with pytest.raises(IndexError) as want:
+            aten.index.Tensor(x, indices)
+        with pytest.raises(IndexError, match=f"^{re.escape(str(want.value))}$"):
+            check_call(aten.index.Tensor, (x, indices), {})
     with pytest.raises(IndexError, match=r"^Target 4 is out of bounds\.$"):
         check_call(aten.nll_loss.default, (x, _t([4, 0, 0])), {})
 
@@ -348,8 +354,11 @@ def test_masks_floats_and_empty_indices_are_not_indices() -> None:
     x = _x()
     check_call(aten.index.Tensor, (x, [_t([True, False, True], torch.bool)]), {})
     check_call(aten.index.Tensor, (x, [_t([1, 0, 1], torch.uint8), _t([3])]), {})
+    mask = [_t([True, False, True], torch.bool), _t([4])]
     with pytest.raises(IndexError, match="dimension 1 with size 4"):  # after a 1-D mask
-        check_call(aten.index.Tensor, (x, [_t([True, False, True], torch.bool), _t([4])]), {})
+        aten.index.Tensor(x, mask)  # (eager's words)
+    with pytest.raises(IndexError, match="dimension 1 with size 4"):
+        check_call(aten.index.Tensor, (x, mask), {})
     check_call(aten.cross_entropy_loss.default, (x, torch.softmax(_f(3, 4), 1)), {})
     check_call(aten.gather.default, (x, 0, _t([[]]).reshape(1, 0)), {})
     check_call(aten.embedding.default, (torch.zeros(0, 4), _t([]).reshape(0)), {})
