@@ -1012,3 +1012,34 @@ def test_block_diag_of_a_cpu_and_a_device_tensor_raises_the_native_kernels_text(
     ref, got = both(lambda d: torch.block_diag(torch.ones(2, 2, device=d),
                                                torch.arange(3.0, device=d)))
     same(ref, got)
+
+
+@pytest.mark.parametrize("base", ["int", "complex"])
+@pytest.mark.parametrize("out_dtype", [torch.long, torch.float, torch.double, torch.cdouble])
+def test_float_power_out_and_in_place_dtypes_as_eager(base, out_dtype):
+    """PyTorch's test_float_power_exceptions, without its helper's ``type(i) == torch.Tensor``
+    (false for a device tensor, a torch.Tensor subclass): every form raises or computes as
+    eager does."""
+    def make(d):
+        return (torch.tensor([-2, -1, 0, 1, 2], device=d) if base == "int" else
+                torch.tensor([-1.0j, 0j, 1.0j, 1.0 + 1.0j], device=d))
+    exp = -0.25 if base == "int" else 2.0
+    required = torch.double if base == "int" else torch.cdouble
+    for form in ("out", "exponent_out", "in_place"):
+        def fn(d, form=form):
+            if form == "in_place":
+                return make(d).to(out_dtype).float_power_(exp)
+            out = torch.empty(1, device=d, dtype=out_dtype)
+            if form == "out":
+                return torch.float_power(make(d), exp, out=out)
+            return torch.float_power(exp, make(d), out=out)
+        try:
+            fn("cpu")
+        except RuntimeError:
+            assert form == "in_place" or out_dtype != required
+            raises_as_eager(fn)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # out= of one element resized
+                ref, got = both(fn)
+            same(ref, got)
