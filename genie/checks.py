@@ -180,7 +180,60 @@ def check(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
     elif func in RANDPERM:
         check_randperm(func, leaves, spec)
     elif probed(func):
+        if _in_place(func):
+            check_in_place_broadcast(func, leaves, spec)
         probe(func, leaves, spec, klass)
+
+
+def _in_place(func: Any) -> bool:
+    """Whether ``func`` writes its first argument in place (``pow_``; not an ``out=`` form)."""
+    try:
+        return func._genie_in_place
+    except AttributeError:
+        pass
+    args = func._schema.arguments
+    r = bool(func._schema.name.endswith("_") and args and args[0].alias_info is not None and
+             args[0].alias_info.is_write)
+    try:
+        func._genie_in_place = r
+    except AttributeError:
+        pass
+    return r
+
+
+def check_in_place_broadcast(func: Any, leaves: list[Any], spec: Any) -> None:
+    """An in-place elementwise op whose inputs broadcast to more than ``self``'s shape: eager's
+    ``output with shape [2, 1] doesn't match the broadcast shape [2, 2]`` at the call (the meta
+    kernels of ``pow_``, ``atan2_``, ``clamp_``, the comparisons' ``eq_``... resize instead).
+    Eager's verdict comes from the op run on host zeros of the same broadcasting (every size
+    above 1 mapped to a small one, equal sizes to equal ones): only its shape error is taken
+    (the text made of the real shapes); any other error is left to the usual paths."""
+    args = optree.tree_unflatten(spec, leaves)[0]
+    self = args[0] if args else None
+    if type(self) is not TensorMeta:
+        return
+    shapes = [tuple(x.shape) for x in leaves if type(x) is TensorMeta]
+    try:
+        b = tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError:
+        return  # the meta kernel's error
+    if b == tuple(self.shape):
+        return
+    small = {n: i + 2 for i, n in enumerate(sorted({n for sh in shapes for n in sh if n > 1}))}
+    if math.prod(small.get(n, n) for n in b) > 4096:
+        return
+    from .meta import disable_modes
+
+    try:
+        with disable_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):
+            hargs, hkwargs = optree.tree_unflatten(spec, [
+                torch.zeros([small.get(n, n) for n in x.shape], dtype=x.dtype)
+                if type(x) is TensorMeta else x for x in leaves])
+            func(*hargs, **hkwargs)
+    except Exception as e:  # noqa: BLE001 - eager's verdict is what we are after
+        if "doesn't match the broadcast shape" in str(e):
+            raise RuntimeError(f"output with shape {_shape(self.shape)} doesn't match the "
+                               f"broadcast shape {_shape(b)}") from None
 
 
 #: ``normal`` with a std tensor: eager checks its elements (``std.min() >= 0``, read with a sync

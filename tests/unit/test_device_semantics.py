@@ -1043,3 +1043,24 @@ def test_float_power_out_and_in_place_dtypes_as_eager(base, out_dtype):
                 warnings.simplefilter("ignore")  # out= of one element resized
                 ref, got = both(fn)
             same(ref, got)
+
+
+@pytest.mark.parametrize("op", ["pow_", "atan2_", "clamp_", "copysign_", "eq_", "fmod_",
+                                "hypot_", "remainder_", "xlogy_", "float_power_", "mul_"])
+@pytest.mark.parametrize("shapes", [((2, 1), (2, 2)), ((), (3,)), ((2, 2), (2, 1, 1))])
+def test_in_place_ops_whose_inputs_broadcast_beyond_self_raise_at_the_call(op, shapes):
+    """PyTorch's test_pow_inplace_resizing_exception: the meta kernels of many in-place ops
+    resize self where eager raises "output with shape [2, 1] doesn't match the broadcast shape
+    [2, 2]"; on the device too, at the call. In-place broadcasting that eager allows records."""
+    def bad(d):
+        getattr(torch.rand(shapes[0], dtype=torch.float64, device=d),
+                op)(torch.rand(shapes[1], dtype=torch.float64, device=d))
+    raises_as_eager(bad)
+
+    def good(d):
+        torch.manual_seed(0)
+        x = torch.rand(2, 3, dtype=torch.float64).to(d)
+        getattr(x, op)(torch.rand(3, dtype=torch.float64).to(d))
+        return x
+    ref, got = both(good)
+    same(ref, got)
