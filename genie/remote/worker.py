@@ -456,6 +456,7 @@ class Worker:
         self.build_cost = build_cost()  # a class build's seconds per instruction (inline)
         self.build_mode = build_mode()
         self.builds = ClassBuilds()
+        self._next_build: tuple | None = None  # a build to start once the reply is out
         self.refills = 0  # tapes patched from the last call's (protocol.refill)
         self.unindexed: set[bytes] = set()  # skeletons without an op the index check covers
         self.how = "guarded"  # how the last run was vetted: guarded, vetted, class, hit
@@ -811,10 +812,8 @@ class Worker:
         if cls:  # a class that did not admit this call: widen it by what moved now
             pos = sorted(set(pos) | set(cls.sym_idx))
         self.class_tries[ck] = tries + 1
-        if background:
-            if self.builds.start(ck, tape, ints, pos, prev, cls):
-                return
-            self.class_tries[ck] = tries  # no child (fork refused): nothing was tried
+        if background:  # forked once the reply is out (a fork of a large worker: ~30-90 ms)
+            self._next_build = (ck, tape, ints, pos, prev, cls, tries)
             return
         t0 = time.monotonic()
         try:
@@ -829,6 +828,20 @@ class Worker:
             self.build_cost = 0.5 * self.build_cost + 0.5 * took / max(len(tape.instrs), 1)
         self.vet_seconds[ck] = 0.0  # a widened class is paid for again
         self._add_class(ck, new)
+
+    def after_reply(self) -> None:
+        """Start the background build the last request found (:meth:`_classify`), now that its
+        reply is out: the fork's cost falls between requests, not in one. The tape ran since
+        it was vetted, so it is keyed again first: a build reads the inputs' metadata as they
+        are now, and must build the class of the call that was vetted."""
+        job, self._next_build = self._next_build, None
+        if job is None:
+            return
+        ck, tape, ints, pos, prev, cls, tries = job
+        if self.builds.busy or self.classes.get(ck) is not cls or \
+                shape_params(ck[0], tape) != (ck, ints) or \
+                not self.builds.start(ck, tape, ints, pos, prev, cls):
+            self.class_tries[ck] = tries  # nothing was tried: a later call tries again
 
     def _take_build(self) -> None:
         """Install the class a background build finished (checked by ``from_spec``)."""
@@ -1125,6 +1138,7 @@ def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
             if counts is not None:
                 reply["fc"] = counts
             sock.send_multipart([pack(internal), pack(reply), *rframes], copy=False)
+            w.after_reply()
     except zmq.ContextTerminated:
         return
     finally:
