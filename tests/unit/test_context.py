@@ -235,10 +235,12 @@ def test_a_shared_decode_call_is_freed_with_its_model_without_cyclic_garbage():
     out, past = _decode_loop(m, D, steps=2)
     call = weakref.ref(past[0]._node.ctx.call)
     assert call() is not None and call().phase == "decode"
-    gc.collect()
+    out.cpu()  # a first run of a plan (passes, verification) may leave garbage of its own
+    for _ in range(10):  # earlier tests' garbage (TorchDynamo's fake tensors after
+        if not gc.collect():  # test_compile) can take several passes to go
+            break
     gc.disable()
     try:
-        out.cpu()
         del m, out, past
         assert call() is None, "the shared decode Call outlived its model and nodes"
         assert gc.collect() == 0
