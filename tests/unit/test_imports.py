@@ -152,6 +152,7 @@ ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str, str], str] = {
     ("genie.checks", "probe", "genie.meta"): _CYCLE,
     ("genie.checks", "check_index_put", "genie.meta"): _CYCLE,
     ("genie.checks", "warn_again", "genie.meta"): _CYCLE,
+    ("genie.checks", "check_in_place_broadcast", "genie.meta"): _CYCLE,
     ("genie.device", "_native", "genie"): "the native module once genie/__init__ loaded it",
     ("genie.dynamo", "install", "genie.factories"): "defers torch._dynamo's backend setup",
     ("genie.dynamo", "install", "genie.lazy_tensor"): "defers torch._dynamo's backend setup",
