@@ -147,10 +147,7 @@ def _pointwise_inplace(func: Any) -> bool:
     """An in-place op whose functional form is pointwise (``heaviside_``: the in-place forms do
     not all carry the tag their functional forms do)."""
     name = func._schema.name.split("::")[-1]
-    args = func._schema.arguments
-    # by schema, not by torch.Tag.inplace (a tag torch 2.11 does not have)
-    if not (name.endswith("_") and not name.endswith("__") and args and
-            args[0].alias_info is not None and args[0].alias_info.is_write):
+    if not _in_place(func) or name.endswith("__"):
         return False
     packet = getattr(aten, name[:-1], None) if name.endswith("_") else None
     functional = getattr(packet, func._overloadname, None) if packet is not None else None
@@ -186,7 +183,8 @@ def check(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
 
 
 def _in_place(func: Any) -> bool:
-    """Whether ``func`` writes its first argument in place (``pow_``; not an ``out=`` form)."""
+    """Whether ``func`` writes its first argument in place (``pow_``; not an ``out=`` form), by
+    schema, not by ``torch.Tag.inplace`` (a tag torch 2.11 does not have)."""
     try:
         return func._genie_in_place
     except AttributeError:

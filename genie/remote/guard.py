@@ -108,16 +108,13 @@ class Vetted:
 
 
 class TV:
-    """A tensor value as the vet sees it: metadata and the id of its storage (``meta``: the
-    metadata as one tuple, what an effect's key holds)."""
+    """A tensor value as the vet sees it: its metadata as one tuple (what an effect's key holds:
+    shape, stride, offset, dtype, conj, neg) and the id of its storage."""
 
-    __slots__ = ("shape", "stride", "offset", "dtype", "conj", "neg", "sid", "meta")
+    __slots__ = ("meta", "sid")
 
-    def __init__(self, shape: tuple, stride: tuple, offset: int, dtype: torch.dtype,
-                 conj: bool, neg: bool, sid: int) -> None:
-        self.shape, self.stride, self.offset, self.dtype = shape, stride, offset, dtype
-        self.conj, self.neg, self.sid = conj, neg, sid
-        self.meta = (shape, stride, offset, dtype, conj, neg)
+    def __init__(self, meta: tuple, sid: int) -> None:
+        self.meta, self.sid = meta, sid
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,8 +216,8 @@ def _tv_of(v: torch.Tensor, ledger: _Ledger, base: int) -> TV:
         ledger.st[sid] = [n, 0, base]
         ledger.live += max(n - base, 0)
     ledger.hold(sid)
-    return TV(tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, v.is_conj(),
-              v.is_neg(), sid)
+    return TV((tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, v.is_conj(),
+               v.is_neg()), sid)
 
 
 def _with_meta_device(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -262,11 +259,12 @@ def _infer(ins: Any, env: dict[int, Any], ledger: _Ledger, i: int) -> _Effect:
                 if base is None:
                     base = bases[sid] = torch.empty(ledger.st[sid][0], dtype=torch.uint8,
                                                     device=META)
-                m = torch.empty(0, dtype=v.dtype, device=META)
-                m.set_(base.untyped_storage(), v.offset, v.shape, v.stride)
-                if v.conj:
+                shape, stride, offset, dtype, conj, neg = v.meta
+                m = torch.empty(0, dtype=dtype, device=META)
+                m.set_(base.untyped_storage(), offset, shape, stride)
+                if conj:
                     m = m.conj()
-                if v.neg:
+                if neg:
                     m = torch._neg_view(m)
                 v = m
         elif t is torch.device:
@@ -410,7 +408,7 @@ def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict
                     ledger.release(sid)
                 continue
             st[sid][1] += 1  # ledger.hold
-            menv[s] = TV(*o.meta, sid)
+            menv[s] = TV(o.meta, sid)
         live = ledger.live + baseline + transient + fresh
         if live > peak:
             peak = live

@@ -167,8 +167,6 @@ class ClassBuilds:
         self.job: tuple[Any, tuple[int, ...], Any] | None = None  # (structure, ints, class)
         self.buf = bytearray()
         self.started = 0.0
-        self.done = 0
-        self.failed = 0
 
     @property
     def busy(self) -> bool:
@@ -254,7 +252,6 @@ class ClassBuilds:
                 out = got["spec"] if "spec" in got else str(got["no"])
             except (ValueError, TypeError, KeyError) as e:
                 out = f"its reply did not parse ({type(e).__name__})"
-        self.done += 1
         return (*job, out)
 
     def stop(self) -> None:
@@ -863,7 +860,6 @@ class Worker:
                          time.monotonic() - self.builds.started)
             self._add_class(ck, new)
         else:
-            self.builds.failed += 1
             self._no_class(ck, cls, tries, out)
 
     def _no_class(self, ck: Any, cls: Any, tries: int, why: Any) -> None:
