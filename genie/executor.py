@@ -25,8 +25,9 @@ from .context import _steps
 from .device import real_device
 from .errors import DeviceError, ExecutionError
 from .graph import Node, pending_total
+from .meta import policy
 from .passes import pipeline
-from .planner import PendingSlots, Slot, Tape
+from .planner import PendingSlots, Slot, Tape, build_tape, value_slice
 from .profiling import phase
 from .stats import _counts, bump
 from .backends import eager as eager_backend  # noqa: E402 - the backends package is imported above
@@ -235,6 +236,71 @@ def _ran_prefix(tape: Tape, failed: Tape, at: int, live: dict[int, Any]
     kept = {s: live[s] for j in range(upto) for s in instrs[j].outs
             if s is not None and s in made[j] and s in live}
     return upto, kept
+
+
+#: The values :func:`host_value` evaluates: a lineage of at most ``HOST_NODES`` nodes, each value
+#: of at most ``HOST_ELEMENTS`` elements (microseconds on the host).
+HOST_NODES = 32
+HOST_ELEMENTS = 4096
+
+_aten = torch.ops.aten
+# ops whose outputs hold uninitialized memory: their values are whatever the device had there
+_UNINITIALIZED = frozenset(
+    op for packet in (_aten.empty, _aten.empty_strided, _aten.empty_permuted, _aten.empty_like,
+                      _aten.new_empty, _aten.new_empty_strided, _aten._resize_output_)
+    for op in (getattr(packet, name) for name in packet.overloads()))
+_UPLOAD = "genie.upload"
+_HOST = torch.device("cpu")
+
+
+def host_value(node: Node, out: int) -> torch.Tensor | None:
+    """The value of output ``out`` of the pending ``node``, evaluated on the host, where every
+    value it depends on is known to the host and small: ``torch.ones(20, dtype=torch.long,
+    device=D)`` then ``ind[-1] = 10``. Else None (nothing runs).
+
+    Known to the host: made by ops on constants and on such values, or a pending upload's
+    snapshot. Every value of the lineage (up to :data:`HOST_NODES` nodes, each up to
+    :data:`HOST_ELEMENTS` elements) is of an integer or bool dtype, so exact: the host's kernels
+    give the device's values on every backend (an upload, the host's own snapshot, may be of any
+    dtype). Never a random op (its values are the device generator's), an uninitialized one
+    (``empty``), one that changes metadata in place, or a value that ran (that value is the
+    device's: an embedded and a remote device must agree). The nodes stay pending: their run on
+    the device is unchanged. Used by advanced indexing's bounds check at the call
+    (:func:`genie.checks.check_known_indices`)."""
+    nodes = value_slice(node, out, _host_known, HOST_NODES)
+    if nodes is None:
+        return None
+    tape = build_tape([(node, out)], nodes)
+    for ins in tape.instrs:
+        ins.free = ()  # a short run: nothing to free early
+    try:
+        with real_dispatch():
+            kept = eager_backend.run_instrs(
+                tape, _HOST, [n.entry.state if n.entry is not None else None for n in nodes])
+    except Exception:
+        return None  # the device's run raises it, where eager's would (a deferred error)
+    bump("host_evaluations")
+    return kept[tape.outputs[0]]
+
+
+def _host_known(n: Node) -> bool:
+    """Whether ``n`` may be in a lineage :func:`host_value` evaluates (its inputs aside)."""
+    op = n.op
+    if n.rng is not None or (op != _UPLOAD and (
+            not isinstance(op, torch._ops.OpOverload) or op in _UNINITIALIZED
+            or policy(op).inplace_view)):
+        return False
+    for m in n.metas:
+        if m is None:
+            continue
+        if op != _UPLOAD and (m.dtype.is_floating_point or m.dtype.is_complex):
+            return False
+        count = 1
+        for s in m.shape:
+            count *= s
+        if count > HOST_ELEMENTS:
+            return False
+    return True
 
 
 def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:

@@ -442,21 +442,26 @@ def _check_indices(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[
 
 
 def _host_value(x: torch.Tensor) -> torch.Tensor | None:
-    """The values of ``x`` if the host holds them now (no sync, no transfer), else None: a host
-    tensor, or a LazyTensor that is a pending upload's snapshot (``a[[10]]``, ``t.to(D)``; through
-    ``lift_fresh``) with no write after it. Alike for every backend: an executed value is not
-    read, even where the backend keeps it on the host."""
+    """The values of ``x`` if the host knows them now (no sync, no transfer), else None: a host
+    tensor; a LazyTensor that is a pending upload's snapshot (``a[[10]]``, ``t.to(D)``; through
+    ``lift_fresh``) with no write after it; or a small pending value made on the device from
+    constants (``torch.ones(20, dtype=torch.long, device=D)``, then ``ind[-1] = 10``), evaluated
+    on the host (:func:`genie.executor.host_value`). Alike for every backend: an executed value
+    is not read, even where the backend keeps it on the host."""
     if type(x) is not LazyTensor:
         return x if x.device.type == "cpu" else None
     n, o = x._node, x._out
     while True:
-        if n.executed or n.storages[o].pending_writes:
+        if n.executed:
             return None  # (an executed value is the device's, even where it is a host tensor)
+        if n.storages[o].pending_writes:
+            break
         if n.op is _UPLOAD:
             return n.leaves[0] if n.leaves else None
         if n.op not in _LIFTS or type(n.leaves[0]) is not Ref:
-            return None
+            break
         n, o = n.leaves[0].node, n.leaves[0].out  # a list index: an upload, then lift_fresh
+    return executor.host_value(x._node, x._out)
 
 
 _LIFTS = (aten.lift_fresh.default, aten.lift_fresh_copy.default)

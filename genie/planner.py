@@ -147,6 +147,49 @@ def slice_nodes(targets: list[tuple[Node, int]]) -> list[Node]:
     return [needed[i] for i in sorted(needed)]
 
 
+def value_slice(node: Node, out: int, accept: Any, limit: int) -> list[Node] | None:
+    """The pending nodes that the value ``out`` of ``node`` depends on, in record order: the
+    data and write-before-read dependencies of :func:`slice_nodes`, without its write-after-read
+    readers (a run needs them, the value does not). None where a node is executed (its value
+    would be the device's), fails ``accept(node)``, or there are more than ``limit``: the walk
+    stops there, so a value computed by a large graph costs a few steps."""
+    needed: dict[int, Node] = {}
+    bound: dict[Storage, int] = {}
+    stack: list[Node] = []
+
+    def need(n: Node) -> bool:
+        if n.index in needed:
+            return True
+        if n.executed or len(needed) >= limit or not accept(n):
+            return False
+        needed[n.index] = n
+        stack.append(n)
+        return True
+
+    def need_storage(s: Storage, upto: int) -> bool:
+        if bound.get(s, -1) >= upto:
+            return True
+        bound[s] = upto
+        for w in s.pending_writes:
+            if w.index >= upto:
+                break
+            if not need(w):
+                return False
+        return True
+
+    if not (need(node) and need_storage(node.storages[out], 1 << 62)):
+        return None
+    while stack:
+        n = stack.pop()
+        for ref in n.inputs():
+            if not (need(ref.node) and need_storage(ref.node.storages[ref.out], n.index)):
+                return None
+        for s in n.writes:
+            if not need_storage(s, n.index):
+                return None
+    return [needed[i] for i in sorted(needed)]
+
+
 @gc_paused
 def build_tape(targets: list[tuple[Node, int]], nodes: list[Node] | None = None) -> Tape:
     """Slice, order and lower the requested values to a :class:`Tape`.

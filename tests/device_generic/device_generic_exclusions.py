@@ -28,13 +28,6 @@ EXCLUSIONS: dict[str, str] = {
         _F4 + "quantized tensors are refused at the call (genie.checks.Refused, as "
         "docs/semantics.md "
         "lists); the test quantizes a tensor on the device",
-    "test_indexing.py::NumpyTests::test_trivial_fancy_out_of_bounds":
-        _F2 + "the index is computed on the device (torch.ones, then ind[-1] = 10), so its "
-        "values are known only by running it: its out-of-range check stays the kernel's, "
-        "deferred by design as on CUDA (the test skips CUDA for this), and the IndexError, "
-        "with eager's text and the line of the indexing, comes at materialization, not from "
-        "__getitem__ itself (an index the host holds, a list or an uploaded host tensor, "
-        "raises at the call: test_advancedindex passes)",
     # test_binary_ufuncs.py (from its fast subset: the patterns cover the dtype combinations)
     "test_binary_ufuncs.py::TestBinaryUfuncs::test_fmod_remainder_by_zero_integral_*":
         "upstream test limitation, not a Genie bug: for any device but cpu the test expects "

@@ -65,6 +65,14 @@ def T(*v) -> torch.Tensor:
     return torch.tensor(v[0] if len(v) == 1 else list(v))
 
 
+def ran(i: torch.Tensor) -> torch.Tensor:
+    """``i`` run on the device (a value the server holds), where the host neither holds nor can
+    evaluate its values (genie.executor.host_value): the check of an index is then the server's."""
+    if i.device.type != "cpu":
+        genie.materialize(i)
+    return i
+
+
 #: family -> (program of (x, idx) on any device, in-range idx, out-of-range idx, exception type,
 #: words of eager's message)
 FAMILIES = {
@@ -74,13 +82,13 @@ FAMILIES = {
                         RuntimeError, "index -1 is out of bounds for dimension 1 with size 4"),
     "index_select": (lambda x, i: x.index_select(0, i), T([2, 0]), T([0, 3]), IndexError,
                      "index out of range in self"),
-    # advanced indexing: an index computed on the device (``i * 1``), since one the host holds
-    # is checked at the call (genie.checks.check_known_indices), never reaching the server
-    "index": (lambda x, i: x[:, i * 1], T([-4, 3, -1]), T([4]), IndexError,
+    # advanced indexing: an index the server holds (``ran``), since one the host knows is
+    # checked at the call (genie.checks.check_known_indices), never reaching the server
+    "index": (lambda x, i: x[:, ran(i)], T([-4, 3, -1]), T([4]), IndexError,
               "index 4 is out of bounds for dimension 0 with size 4"),
-    "index_2d": (lambda x, i: x[i * 0, i * 1], T([-4, 3, -1]), T([1, 4]), IndexError,
+    "index_2d": (lambda x, i: x[ran(i * 0), ran(i)], T([-4, 3, -1]), T([1, 4]), IndexError,
                  "index 4 is out of bounds for dimension 1 with size 4"),
-    "index_negative": (lambda x, i: x[i * 1], T([-3, 2]), T([-4]), IndexError,
+    "index_negative": (lambda x, i: x[ran(i)], T([-3, 2]), T([-4]), IndexError,
                        "index -4 is out of bounds for dimension 0 with size 3"),
     "embedding": (lambda x, i: F.embedding(i, x), T([[0, 2], [1, 1]]), T([[0, 3]]), IndexError,
                   "index out of range in self"),
@@ -89,7 +97,7 @@ FAMILIES = {
     "scatter_add": (lambda x, i: x.scatter_add(1, i, torch.ones_like(i, dtype=x.dtype)),
                     T([[3], [0], [1]]), T([[3], [4], [1]]), RuntimeError,
                     "index 4 is out of bounds for dimension 1 with size 4"),
-    "index_put_": (lambda x, i: x.clone().index_put_((i * 1,), torch.tensor(1.0)), T([0, -1]),
+    "index_put_": (lambda x, i: x.clone().index_put_((ran(i),), torch.tensor(1.0)), T([0, -1]),
                    T([3]), IndexError, "index 3 is out of bounds for dimension 0 with size 3"),
     "index_add_": (lambda x, i: x.clone().index_add_(0, i, torch.ones(len(i), 4, device=x.device)),
                    T([2, 2]),

@@ -970,18 +970,134 @@ def test_host_known_indices_in_range_and_empty_results_record_as_eager():
     raises_as_eager(shapes_first)
 
 
+def _lineage(d, case):
+    """An index tensor made on ``d`` from constants (values known without running the device)."""
+    if case in ("get_last", "set_last", "put_accumulate"):  # PyTorch's test_trivial_fancy_...
+        ind = torch.ones(20, dtype=torch.int64, device=d)
+        ind[-1] = 10
+    elif case == "get_first":
+        ind = torch.ones(20, dtype=torch.int64, device=d)
+        ind[0] = 11
+    elif case == "arithmetic":  # 0 - 3 * (arange + 1): -6 is out of range, eager names it
+        ind = 0 - (torch.arange(4, device=d) + 1) * 3
+    elif case == "view_of_a_written_base":
+        base = torch.zeros(4, 5, dtype=torch.int32, device=d)
+        base[1].fill_(2)
+        base[1, 3] = 7
+        ind = base[1]
+    elif case == "upload_written":  # a pending upload, then written on the device
+        ind = torch.tensor([1, 2, 3]).to(d)
+        ind.add_(torch.tensor([0, 6, 0], device=d))
+    elif case == "written_through_an_alias":
+        ind = torch.zeros(6, dtype=torch.long, device=d)
+        ind.view(2, 3).t()[2, 1] = 8
+    elif case == "second_index":
+        ind = torch.full((2,), 4, device=d)
+        ind += torch.tensor(1, device=d)  # 5: out of range of dim 1 (size 5)
+    return ind
+
+
+_MADE = ["get_last", "set_last", "get_first", "arithmetic", "view_of_a_written_base",
+         "upload_written", "written_through_an_alias", "second_index", "put_accumulate"]
+
+
+@pytest.mark.parametrize("case", _MADE)
+def test_a_small_index_made_on_the_device_from_constants_raises_at_the_call(case):
+    """An index made on the device from constants (PyTorch's test_trivial_fancy_out_of_bounds:
+    ``torch.ones(20, dtype=long, device=D)``, then ``ind[-1] = 10``): its lineage is small and
+    known to the host, so the host evaluates it (genie.executor.host_value) and eager's
+    IndexError, eager's text, comes at the call; nothing runs on the device."""
+    def fn(d):
+        x = torch.zeros(5, 5, device=d)
+        ind = _lineage(d, case)
+        if case == "set_last":
+            x[ind] = 0.0
+        elif case == "put_accumulate":
+            x.index_put_((ind,), torch.ones(5, device=d), accumulate=True)
+        elif case == "second_index":
+            x[[0, 1], ind]
+        else:
+            x[ind]
+    before = genie.stats()
+    e = raises_as_eager(fn)
+    assert type(e) is IndexError and "out of bounds" in str(e)
+    after = genie.stats()
+    assert after.get("nodes_executed", 0) == before.get("nodes_executed", 0)
+    assert after.get("materializations", 0) == before.get("materializations", 0)
+    assert after.get("host_evaluations", 0) > before.get("host_evaluations", 0)
+
+
+@pytest.mark.parametrize("case", ["in_range", "masks", "twice"])
+def test_small_indices_made_on_the_device_give_eagers_values_and_stay_pending(case):
+    """In range, the host's evaluation changes nothing: the values are eager's, the index's
+    nodes stay pending and run on the device with the indexing (one materialization, at the
+    download); a mask made from constants and an index read twice (the same lineage, evaluated
+    at each call: a write in between is seen) too."""
+    def fn(d):
+        x = torch.arange(30.0, device=d).view(6, 5)
+        ind = torch.ones(8, dtype=torch.int64, device=d)
+        ind[-1] = 5
+        if case == "in_range":
+            y = torch.cat([x[ind].flatten(), x[ind.view(2, 4), ind[:4] - 2].flatten()])
+            x[ind[:2]] = 0.5
+            return torch.cat([y, x.flatten()])
+        if case == "masks":
+            m = torch.arange(6, device=d) % 2 == 0
+            x[m] = -1.0
+            x[m, ind[:3] - 1] = 2.0  # (x[m, ...] would run now: its shape is the mask's count)
+            return x
+        r = x[ind]
+        ind[0] = 4
+        return torch.cat([r, x[ind]])
+    ref, got = both(fn)
+    same(ref, got)
+    before = genie.stats()
+    y = fn(DEV)
+    mid = genie.stats()
+    assert mid.get("materializations", 0) == before.get("materializations", 0)
+    assert mid.get("host_evaluations", 0) > before.get("host_evaluations", 0)
+    assert not y._node.executed
+    y.cpu()
+    assert genie.stats().get("nodes_executed", 0) > mid.get("nodes_executed", 0)
+
+
+def _device_made(d, case):
+    """An index whose values only a run gives: each rule of genie.executor.host_value."""
+    if case == "float_lineage":  # float arithmetic: rounding is the device's
+        ind = (torch.ones(20, device=d) * 10).long()
+    elif case == "random":
+        ind = torch.randint(10, 11, (20,), device=d)
+    elif case == "uninitialized":
+        ind = torch.empty(20, dtype=torch.int64, device=d).fill_(10)
+    elif case == "large":
+        ind = torch.full((5000,), 10, device=d)
+    elif case == "long_lineage":
+        ind = torch.zeros(20, dtype=torch.int64, device=d)
+        for _ in range(40):
+            ind = ind + 1
+        ind = ind - 30
+    elif case == "ran":  # a value that ran is the device's: not read back for a check
+        ind = torch.ones(20, dtype=torch.int64, device=d)
+        ind.cpu()
+        ind[-1] = 10
+    return ind
+
+
 @pytest.mark.kernel_error  # an out-of-range index computed on the device
+@pytest.mark.parametrize("case", ["float_lineage", "random", "uninitialized", "large",
+                                  "long_lineage", "ran"])
 @pytest.mark.parametrize("op", ["get", "set"])
-def test_a_device_computed_index_out_of_range_is_deferred_as_eagers_error_naming_its_line(op):
-    """An index computed on the device (PyTorch's test_trivial_fancy_out_of_bounds): its values
-    are known only by running it, so the check stays the kernel's, as on CUDA; the error is
-    eager's type and text and names the line that recorded the indexing, without
-    GENIE_RECORD_SOURCE."""
+def test_a_device_computed_index_out_of_range_is_deferred_as_eagers_error_naming_its_line(
+        op, case):
+    """An index whose values only running it gives (float arithmetic, random, uninitialized
+    memory, past the host evaluation's bounds, a value that ran): the check stays the kernel's,
+    as on CUDA; the error is eager's type and text and names the line that recorded the
+    indexing, without GENIE_RECORD_SOURCE."""
+    ind = _device_made("cpu", case)
     with pytest.raises(IndexError) as ref:
-        torch.zeros(5)[torch.ones(20, dtype=torch.int64).index_fill(0, torch.tensor([19]), 10)]
+        torch.zeros(5)[ind]
     a = torch.zeros(5, device=DEV)
-    ind = torch.ones(20, dtype=torch.int64, device=DEV)
-    ind[-1] = 10
+    ind = _device_made(DEV, case)
     if op == "get":
         y, line = a[ind], inspect.currentframe().f_lineno
     else:
