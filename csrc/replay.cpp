@@ -286,7 +286,14 @@ class Program {
   // the step's `inputs` ({slot: tensor}) and `instrs` (its tape's, read for per-step leaves).
   // Returns {slot: value} of the kept slots, or (instruction index, exception, {slot: value} of
   // the live registers) when one failed.
-  py::object run(const py::dict& inputs, const py::list& instrs, const py::list& devices) {
+  //
+  // With `early` (a callable) and 0 < `split` < the program's length: once instruction
+  // `split - 1` has run, `early({slot: value})` is called with the kept slots defined so far
+  // (a server answers with them while the rest runs: genie/remote/worker.py "early replies").
+  // The caller picks `split` so that nothing after it writes what it reads; an exception
+  // `early` raises propagates as the failure of instruction `split - 1`.
+  py::object run(const py::dict& inputs, const py::list& instrs, const py::list& devices,
+                 int64_t split = -1, const py::object& early = py::none()) {
     static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
     static PyObject* const rng_name = PyUnicode_InternFromString("rng");
     static PyObject* const meta_name = PyUnicode_InternFromString("meta");
@@ -368,6 +375,20 @@ class Program {
       }
       for (int64_t f : s.frees) {
         regs[f] = c10::IValue();
+      }
+      if (static_cast<int64_t>(i) + 1 == split && !early.is_none()) {
+        py::dict now;
+        for (int64_t k : keep_) {
+          if (!regs[k].isNone()) {
+            now[py::int_(k)] = torch::jit::toPyObject(regs[k]);
+          }
+        }
+        try {
+          early(now);
+        } catch (py::error_already_set& e) {
+          e.restore();
+          return failure(i, regs);
+        }
       }
     }
     py::dict out;
@@ -623,7 +644,8 @@ void add_replay_functions(py::module_& m) {
            py::arg("kwargs"), py::arg("margs"), py::arg("mkwargs"), py::arg("patches"),
            py::arg("outs"), py::arg("frees"), py::arg("device"), py::arg("rng"),
            py::arg("source") = py::none())
-      .def("run", &Program::run, py::arg("inputs"), py::arg("instrs"), py::arg("devices"))
+      .def("run", &Program::run, py::arg("inputs"), py::arg("instrs"), py::arg("devices"),
+           py::arg("split") = -1, py::arg("early") = py::none())
       .def_property_readonly("freed", &Program::freed)
       .def("__len__", &Program::size);
 }

@@ -179,7 +179,13 @@ def synchronize(device: Any = None) -> None:
     Recording is lazy, so this does not force pending values (use ``genie.materialize``); it waits
     for work already sent, as ``torch.cuda.synchronize`` does.
     """
-    dev = real_device(_index(device))
+    i = _index(device)
+    from .backends import remote
+
+    if i < len(remote.clients()):  # a server's worker may still run the rest of a step
+        remote.client_for(i).synchronize()
+        return
+    dev = real_device(i)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 

@@ -56,7 +56,9 @@ def stats() -> dict[str, int]:
       decomposition), how the server vetted each run (:mod:`genie.remote.shape_class`):
       ``server_guarded_runs`` (interpreted under the guard), ``server_vets`` (vetted on meta,
       then replayed natively), ``server_shape_class_hits`` (admitted by a shape class's guards),
-      ``server_vet_hits`` (shapes vetted before); recovery: ``replays``,
+      ``server_vet_hits`` (shapes vetted before), ``server_early_replies`` (runs answered
+      as soon as their values were final, while the rest of the tape ran: a training step's
+      loss before its backward and update; ``GENIE_SERVER_EARLY_REPLY``); recovery: ``replays``,
       ``replayed_requests``, ``checkpoints``, ``last_recovery_ms``; memory pressure
       (:mod:`genie.remote.residency`): ``pressure_events``, ``evictions``,
       ``evictions.<role>`` (``evictions.activation``, ...), ``evict_bytes``,

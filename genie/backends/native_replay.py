@@ -85,9 +85,12 @@ class Program:
     def __len__(self) -> int:
         return len(self.native)  # instructions
 
-    def __call__(self, tape: Tape, dev: torch.device) -> dict[int, Any]:
+    def __call__(self, tape: Tape, dev: torch.device, split: int = -1,
+                 early: Any = None) -> dict[int, Any]:
+        """Run ``tape``; with ``early``, call it with ``{slot: value}`` of the kept slots
+        defined once instruction ``split - 1`` has run (see :func:`early_split`)."""
         devices = [dev, *map(real_device, self.others)] if self.others else [dev]
-        r = self.native.run(tape.inputs, tape.instrs, devices)
+        r = self.native.run(tape.inputs, tape.instrs, devices, split, early)
         if type(r) is tuple:  # (failing instruction, the exception it raised, live values)
             i, e, live = r
             ins = tape.instrs[i]
@@ -194,3 +197,67 @@ def compile_tape(tape: Tape, generic: bool = False) -> Program:
                       dict(mkwargs), patches, [-1 if o is None else o for o in ins.outs], frees,
                       k, ins.rng is not None, ins)
     return Program(native, others)
+
+
+def early_split(tape: Tape) -> int:
+    """The first instruction index ``k`` after which nothing the tape's outputs hold changes:
+    every output is defined before ``k``, and no instruction from ``k`` on writes a storage an
+    output lives in (what an output is a view of included). A run can hand its outputs over
+    after instruction ``k - 1`` while the rest runs (a server's early reply: the loss of a
+    training step goes back while its backward and update run). ``len(tape.instrs)`` when the
+    outputs are final only at the end, or when the tape has an instruction whose effects the
+    op's schema does not say (a non-ATen op, an upload).
+
+    Storages are followed by the schema's alias annotations (``Tensor(a)`` views,
+    ``Tensor(a!)`` writes, in lists too), plus ``_unsafe_view`` (a view its schema does not
+    annotate); all the tape's inputs count as one storage, since resident values may share one.
+    """
+    n = len(tape.instrs)
+    inputs = object()  # the root of every input
+    root: dict[int, Any] = {s: inputs for s in tape.inputs}
+    last: dict[Any, int] = {}  # root -> the last instruction that defines or writes it
+
+    def roots(x: Any) -> list[Any]:
+        if type(x) is Slot:
+            r = root.get(x.id)
+            return [r] if r is not None else []
+        if isinstance(x, (list, tuple)):
+            return [r for e in x for r in roots(e)]
+        return []
+
+    for i, ins in enumerate(tape.instrs):
+        op = ins.op
+        if not isinstance(op, torch._ops.OpOverload):
+            return n
+        pol = policy(op)
+        args, kwargs = optree.tree_unflatten(ins.spec, ins.leaves)
+
+        def arg(j: int) -> Any:
+            return args[j] if j < len(args) else kwargs.get(pol.names[j])
+
+        for j in pol.writes:
+            for r in roots(arg(j)):
+                last[r] = i
+        if pol.inplace_view and args:
+            for r in roots(args[0]):
+                last[r] = i
+        for k, o in enumerate(ins.outs):
+            if o is None:
+                continue
+            ret = pol.returns[k] if k < len(pol.returns) else None
+            src = roots(arg(ret[1])) if ret is not None else \
+                roots(args[0]) if op is _UNSAFE_VIEW and args else []
+            if src:
+                root[o] = src[0]
+                for r in src[1:]:  # (an output of several storages: none in ATen's schemas)
+                    last[r] = max(last.get(r, i), i)
+            else:
+                root[o] = (i, k)
+            last[root[o]] = max(last.get(root[o], i), i)
+    outs = [root.get(s) for s in tape.outputs]
+    if not outs or any(r is None for r in outs):
+        return n
+    return max(last.get(r, -1) for r in outs) + 1
+
+
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default

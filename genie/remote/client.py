@@ -436,6 +436,8 @@ class Client:
             vt = h.get("vt")  # how the server vetted a run (genie.remote.shape_class)
             if vt in _VETTED_AS:
                 bump(_VETTED_AS[vt])
+            if h.get("er") == 1:  # answered before the rest of its tape ran (worker.py)
+                bump("server_early_replies")
             res = h.get("res")
             if isinstance(res, list) and len(res) == 2:
                 self.resident = (res[0], res[1])
@@ -817,6 +819,13 @@ class Client:
         bump("peer_transfers")
         bump("peer_bytes", nb)
         return nb
+
+    def synchronize(self) -> None:
+        """Wait until the server has finished the work this session gave it: a ping, which
+        its worker answers after the rest of a tape it answered early (nothing to wait for when
+        no session is open)."""
+        if self.session is not None and self.alive:
+            self._call({"t": "ping", "sync": 1}, (), "a synchronize")
 
     def _lost_and_rebuilt(self) -> bool:
         """After a failed transfer into this session: whether the session was lost and has

@@ -87,6 +87,8 @@ MAX_FRAMES = 1 << 16
 MAX_QUEUE = 1024
 #: requests one session may have queued (beyond them: a "busy" refusal)
 MAX_QUEUED_PER_SESSION = 64
+#: why sessions whose workers died ended, kept for their clients' next request (the latest)
+MAX_ENDED = 256
 #: the largest ``hello`` (no session yet, so nothing to count it against)
 MAX_HELLO_BYTES = 64 << 10
 #: default of ``--max-run-seconds``
@@ -132,6 +134,7 @@ class Link:
     pinned: int = 0  # bytes those transfers hold here, counted against the quota
     last_seen: float = field(default_factory=time.monotonic)
     killed: str | None = None  # why the front killed the worker (a deadline)
+    answered: bool = False  # the running request's client has its reply (an early reply)
     send_to: dict[int, tuple[str, float]] = field(default_factory=dict)
 
 
@@ -172,6 +175,8 @@ class Server:
         self._answering: tuple[bytes | None, int] | None = None
         self._fd_ident: dict[int, bytes] = {}  # connection (fd) -> peer identity, to cancel
         self._inflight: dict[bytes, tuple[int, Any]] = {}
+        # why sessions whose workers died ended (token -> message), the latest MAX_ENDED
+        self._ended: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._stop = threading.Event()
         self._ctx: zmq.Context | None = None
         self._auth: Any = None
@@ -397,7 +402,7 @@ class Server:
                 token = h.get("s")
                 link = self.links.get(token) if isinstance(token, bytes) else None  # type: ignore[assignment]
                 if link is None:
-                    return self._send_err(ident, rid, "session", self._unknown_session())
+                    return self._send_err(ident, rid, "session", self._unknown_session(token))
                 if kind == "send":
                     self._check_send(h)
                     link.send_to[rid] = (h["to"], h.get("to_s", self.peer_timeout))
@@ -406,8 +411,8 @@ class Server:
         except _Refused as e:
             return self._send_err(ident, rid, e.kind, str(e))
         link.last_seen = time.monotonic()
-        if kind == "ping" and not h.get("free"):
-            return self._send(ident, self._pong(link, rid))
+        if kind == "ping" and not h.get("free") and h.get("sync") != 1:
+            return self._send(ident, self._pong(link, rid))  # (a sync waits for the worker)
         if sum(len(lk.pending) for lk in self.links.values()) > MAX_QUEUE:
             return self._send_err(ident, rid, "busy", "the server's queue is full; retry later")
         if link.nqueued >= MAX_QUEUED_PER_SESSION:
@@ -584,9 +589,31 @@ class Server:
                                        "res": [0, 0]})
                 self._pump(link)
                 continue
+            if internal.get("early") == 1:  # the values are final; the tape's rest still runs
+                if link.cur is None or link.answered or len(parts) < 2:
+                    continue  # (a worker answers a request once)
+                link.answered = True
+                u, res = internal.get("u"), internal.get("res")
+                if type(u) is int:
+                    link.used = u
+                if _two_ints(res):
+                    link.res = res
+                ident = link.cur[0]
+                if ident is not None:
+                    self._inflight.pop(ident, None)
+                    self._sock.send_multipart([ident, *parts[1:]], copy=False)
+                continue
             cur, link.cur = link.cur, None
             if cur is None:
                 continue
+            if link.answered:  # the end of an answered run: the session is free again
+                link.answered = False
+                cur = (None, *cur[1:])  # (its client has the reply)
+                fatal = internal.get("fatal")
+                if isinstance(fatal, str):
+                    link.cur = cur
+                    self._worker_died(link, None, None, fatal=fatal[:2000])
+                    continue
             self._answering = cur[0], cur[1]  # answered by the handler if the reply is bad
             self._meter.end(slot=link.token)
             self._running -= 1
@@ -686,10 +713,16 @@ class Server:
                     self._worker_died(link, msg.get("signal"), msg.get("code"))
 
     def _worker_died(self, link: Link, sig: int | None, code: int | None,
-                     why: str | None = None) -> None:
-        """A session's worker ended on its own (a crash) or was killed for a deadline: its
-        client is told, the session is gone; no other session is touched."""
-        if link.killed is not None:
+                     why: str | None = None, fatal: str | None = None) -> None:
+        """A session's worker ended on its own (a crash) or was killed for a deadline, or
+        reported ``fatal`` (the rest of a tape it had answered early failed): its client is
+        told, the session is gone; no other session is touched."""
+        if fatal is not None:
+            kind, msg = "session", (
+                f"the session ended: {fatal}; the session and its {link.res[0]} resident "
+                "tensors are gone. Other sessions are not affected. Connect again and rerun; "
+                "run the program eagerly on the CPU to find the failing op")
+        elif link.killed is not None:
             kind, msg = "timeout", link.killed
         else:
             how = why or (f"killed by signal {signal.Signals(sig).name}" if sig else
@@ -701,6 +734,9 @@ class Server:
                 "sessions are not affected. Run the failing program eagerly on the CPU to find "
                 "the op, or report it with the server's log")
         logger.warning("genie-server: session %s: %s", link.token.hex()[:8], msg)
+        self._ended[link.token] = msg  # told to the token's holder when it next asks
+        while len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
         victims = [(p[0], p[2]) for p in link.pending]
         if link.cur is not None:
             victims.insert(0, (link.cur[0], link.cur[1]))
@@ -771,7 +807,10 @@ class Server:
                 logger.info("genie-server: a client disconnected; %d queued request(s) "
                             "cancelled", n)
 
-    def _unknown_session(self) -> str:
+    def _unknown_session(self, token: Any = None) -> str:
+        why = self._ended.get(token) if isinstance(token, bytes) else None
+        if why is not None:  # its worker died with no request of its client waiting to hear it
+            return f"this session does not exist on the server any more: {why}"
         return ("this session does not exist on the server (it was restarted, or the session "
                 f"expired after {self.lease:g} s without a message, or its worker died); its "
                 "tensors are gone")

@@ -152,6 +152,23 @@ def build_mode() -> str:
     return v
 
 
+#: an early reply (:meth:`Worker._replay`) leaves at least this share of a tape's instructions
+#: to run after it (less is not worth a second message to the front)
+EARLY_MIN_TAIL = 0.2
+#: outputs of at most this many bytes go back early (they are copied: the rest may free them)
+EARLY_MAX_BYTES = 1 << 20
+
+
+def early_replies() -> bool:
+    """Whether a worker answers a replayed run as soon as its outputs are final, while the rest
+    of the tape runs (``GENIE_SERVER_EARLY_REPLY``, ``1`` by default; ``0``: at the end)."""
+    v = os.environ.get("GENIE_SERVER_EARLY_REPLY", "") or "1"
+    if v not in ("0", "1"):
+        logger.warning("genie-server: GENIE_SERVER_EARLY_REPLY=%r is not 0 or 1; using 1", v)
+        return True
+    return v == "1"
+
+
 class ClassBuilds:
     """A worker's shape-class builds, one at a time, each in a forked child of the worker
     (:func:`shape_class.build_spec`): the session's requests go on, concretely vetted, while the
@@ -457,6 +474,13 @@ class Worker:
         self.refills = 0  # tapes patched from the last call's (protocol.refill)
         self.unindexed: set[bytes] = set()  # skeletons without an op the index check covers
         self.how = "guarded"  # how the last run was vetted: guarded, vetted, class, hit
+        # early replies: where each program's outputs are final (native_replay.early_split),
+        # the front's sender (set by serve_session), and whether this request was answered
+        self.early = early_replies()
+        self.splits: dict[Any, int] = {}
+        self.answer: Any = None
+        self.answered = False
+        self.early_count = 0
 
     # --- dispatch ---------------------------------------------------------------------------------
     def handle(self, h: dict[str, Any], frames: list[Any]
@@ -769,12 +793,33 @@ class Worker:
             e.ran = False
             raise e
         self.replays += 1
+        split = self.splits.get(pkey, -1) if self.answer is not None else -1
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
+            if split > 0:
+                return prog(tape, self.device, split, lambda now: self._answer_early(tape, now))
             return prog(tape, self.device)
         finally:
             torch._C._set_grad_enabled(grad)
+
+    def _answer_early(self, tape: Tape, now: dict[int, Any]) -> None:
+        """The replayed tape's outputs are final (nothing after this instruction writes them):
+        answer now, while the rest of the tape (a training step's backward and update) runs. The
+        front keeps the session busy until the worker says it is done; what the rest keeps is
+        the session's then. A failure of the rest ends the session (serve_session): its client
+        has its values, and what the rest was to write is unknown."""
+        vals = [now.get(s) for s in tape.outputs]
+        if any(not isinstance(v, torch.Tensor) for v in vals) or \
+                sum(v.untyped_storage().nbytes() for v in vals) > EARLY_MAX_BYTES:
+            return
+        # copies: the values go out while the rest runs (and may free or reuse their memory)
+        reply, frames = _outputs([v.clone(memory_format=torch.preserve_format) for v in vals])
+        reply["vt"] = self.how
+        reply["er"] = 1
+        self.answer(reply, frames)
+        self.answered = True
+        self.early_count += 1
 
     def _classify(self, ck: Any, ints: tuple[int, ...], tape: Tape) -> None:
         """After a clean concrete vet: when the structure's integers moved since its last vetted
@@ -898,7 +943,13 @@ class Worker:
             prog = False
         if len(self.programs) >= MAX_PROGRAMS:
             self.programs.clear()
+            self.splits.clear()
         self.programs[pkey] = prog
+        if prog and self.early:
+            n = len(tape.instrs)
+            k = native_replay.early_split(full)
+            if 0 < k <= n * (1 - EARLY_MIN_TAIL):
+                self.splits[pkey] = k
 
     def _remember(self, vkey: Any, peak: int) -> None:
         if len(self.vetted) >= MAX_VETTED:
@@ -1097,6 +1148,20 @@ def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
     _front = sock
     sock.send_multipart([pack({"ready": os.getpid()})])
     sess = w.sess
+    h: Any = None
+    t0 = 0.0
+
+    def answer(reply: dict[str, Any], rframes: list[Any]) -> None:  # an early reply
+        reply["rid"] = h.get("rid", -1)
+        reply["st"] = round(time.monotonic() - t0, 6)
+        rframes, counts = split_frames(rframes)
+        if counts is not None:
+            reply["fc"] = counts
+        sock.send_multipart([pack({"early": 1, "u": sess.used(), "res": sess.residency(),
+                                   "pb": sess.peer_bytes}), pack(reply), *rframes], copy=False)
+
+    if w.early:
+        w.answer = answer
     try:
         while True:
             parts = sock.recv_multipart(copy=False)
@@ -1104,7 +1169,8 @@ def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
                 return  # the front's goodbye
             t0 = time.monotonic()
             send = None
-            h: Any = None
+            h = None
+            w.answered = False
             try:
                 h = unpack(parts[0].buffer)
                 if not isinstance(h, dict):
@@ -1124,6 +1190,16 @@ def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
                             reply.get("msg"))
             internal: dict[str, Any] = {"u": sess.used(), "res": sess.residency(),
                                         "pb": sess.peer_bytes}
+            if w.answered:  # the client has its values: the front now learns the run is done
+                w.answered = False
+                internal["done"] = 1
+                if reply.get("t") == "err":  # the rest of the tape failed after the answer
+                    internal["fatal"] = (
+                        f"the work that ran after its reply failed ({reply.get('etype', '')}: "
+                        f"{reply.get('msg')}), so what it was to write is unknown")
+                sock.send_multipart([pack(internal)], copy=False)
+                w.after_reply()
+                continue
             if send is not None:
                 internal["send"] = send
                 sock.send_multipart([pack(internal), pack(reply), *rframes], copy=False)
@@ -1224,15 +1300,19 @@ def register_test_kernels() -> list[str]:
     dereferences a null pointer; ``overread(x, n)`` returns ``n`` bytes starting at ``x``'s data,
     whatever lies past its end. Registered (and admitted by the server) only when the server runs
     with ``GENIE_SERVER_TEST_KERNELS=1``; clients define the same schemas to record them.
-    ``spin(x, seconds)`` keeps a core busy for ``seconds`` inside one kernel."""
+    ``spin(x, seconds)`` keeps a core busy for ``seconds`` inside one kernel; ``fail_if(x)``
+    raises when ``x``'s first element is not zero (a data-dependent error the meta vet cannot
+    see)."""
     lib = define_test_ops()
     lib.impl("segfault", _segfault_impl, "CPU")
+    lib.impl("fail_if", _fail_if_impl, "CPU")
     lib.impl("overread", _overread_impl, "CPU")
     lib.impl("spin", _spin_impl, "CPU")
     lib.impl("lie", _lie_impl, "CPU")
     tape_io.ALLOWED_NAMESPACES = (*tape_io.ALLOWED_NAMESPACES, "genie_test")
     allowlist.TEST_OPS.update({"genie_test::segfault.default", "genie_test::overread.default",
-                               "genie_test::spin.default", "genie_test::lie.default"})
+                               "genie_test::spin.default", "genie_test::lie.default",
+                               "genie_test::fail_if.default"})
     return sorted(allowlist.TEST_OPS)
 
 
@@ -1249,6 +1329,8 @@ def define_test_ops() -> Any:
         lib.define("overread(Tensor x, int n) -> Tensor")
         lib.define("spin(Tensor x, float seconds) -> Tensor")
         lib.impl("spin", lambda x, seconds: torch.empty_like(x), "Meta")
+        lib.define("fail_if(Tensor x) -> Tensor")
+        lib.impl("fail_if", lambda x: torch.empty_like(x), "Meta")
         lib.define("lie(Tensor x) -> Tensor")
         lib.impl("lie", lambda x: torch.empty_like(x), "Meta")
         lib.impl("segfault", lambda x: torch.empty_like(x), "Meta")
@@ -1256,6 +1338,12 @@ def define_test_ops() -> Any:
                  "Meta")
         _test_lib = lib
     return _test_lib
+
+
+def _fail_if_impl(x: torch.Tensor) -> torch.Tensor:
+    if x.numel() and x.reshape(-1)[0].item() != 0:
+        raise RuntimeError("genie_test::fail_if: its input's first element is not zero")
+    return x.clone()
 
 
 def _segfault_impl(x: torch.Tensor) -> torch.Tensor:

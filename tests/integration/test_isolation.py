@@ -275,3 +275,65 @@ def test_a_stalled_log_sink_never_stops_the_front(tmp_path) -> None:
     finally:
         s.proc.kill()
         s.proc.wait()
+
+
+def test_a_failure_after_an_early_reply_ends_only_its_session(server: ServerProc,
+                                                              victim) -> None:
+    """A replayed tape whose outputs are final before its end is answered early (worker.py,
+    "early replies"); when the rest then fails (``fail_if``: a data-dependent error the meta vet
+    cannot see), what it was to write is unknown: the session ends, and its client's next
+    request says why. Other sessions are not touched."""
+    v, hid, x = victim
+    a = Session(server)
+    zeros, ones = _keep(a, torch.zeros(4)), _keep(a, torch.ones(4))
+    rows = [[0, 0, [0, -1], [1], [], False],  # y = x * 2: the output
+            [1, 1, [0], [2], [], False]]      # fail_if(x): kept, after the output is final
+
+    def call(h: int) -> dict | None:
+        return a.run(["aten::mul.Scalar", "genie_test::fail_if.default"], rows, [h, 2.0],
+                     inputs=(0,), outputs=(1,), keep=(2,), specs=[A2, A1])
+
+    replies = [call(zeros) for _ in range(3)]  # guarded, then replayed (answered early)
+    assert all(r and r["t"] == "ok" for r in replies), replies
+    assert replies[0].get("er") is None and replies[2].get("er") == 1, replies
+    r = call(ones)  # answered early with its values; then fail_if raises
+    assert r and r["t"] == "ok" and r.get("er") == 1, r
+    assert torch.equal(torch.frombuffer(bytearray(a.frames[0]), dtype=torch.float32),
+                       torch.full((4,), 2.0))
+    msg = err(a.ask({"t": "ping", "sync": 1}), "session", "after its reply failed",
+              "fail_if")
+    assert "Other sessions are not affected" in msg, msg
+    assert server.alive()
+    assert torch.equal(_get(v, hid, x), x)
+    v.alive()
+
+
+def test_a_sync_ping_waits_for_the_rest_of_an_early_answered_tape(server: ServerProc) -> None:
+    """``torch.remote_accelerator.synchronize()`` sends ``ping`` with ``sync``: the front
+    answers a plain ping itself, a sync ping goes through the session's worker, after the rest
+    of the tape it answered early (here ``spin`` for 0.15 s after the output is final; a tape
+    that runs longer than a quarter of ``--max-run-seconds`` stays interpreted)."""
+    a = Session(server)
+    x = _keep(a, torch.zeros(4))
+    rows = [[0, 0, [0, -1], [1], [], False], [1, 0, [0, -1], [2], [], False]]
+
+    def call() -> dict | None:
+        return a.run(["aten::mul.Scalar", "genie_test::spin.default"], rows, [x, 2.0, 0.15],
+                     inputs=(0,), outputs=(1,), keep=(2,), specs=[A2])
+
+    for _ in range(3):
+        r = call()
+        assert r and r["t"] == "ok", r
+    assert a.ask({"t": "ping", "sync": 1})["t"] == "ok"  # (the last call's spin is over)
+    t0 = time.monotonic()
+    r = call()
+    answered = time.monotonic() - t0
+    assert r and r.get("er") == 1, r
+    assert answered < 0.1, answered  # before the spin
+    t0 = time.monotonic()
+    assert a.ask({"t": "ping"})["t"] == "ok"
+    plain = time.monotonic() - t0
+    assert a.ask({"t": "ping", "sync": 1})["t"] == "ok"
+    waited = time.monotonic() - t0
+    assert plain < 0.1 and waited > 0.1, (plain, waited)
+    a.close()
