@@ -90,7 +90,8 @@ class Program:
         """Run ``tape``; with ``early``, call it with ``{slot: value}`` of the kept slots
         defined once instruction ``split - 1`` has run (see :func:`early_split`)."""
         devices = [dev, *map(real_device, self.others)] if self.others else [dev]
-        r = self.native.run(tape.inputs, tape.instrs, devices, split, early)
+        r = self.native.run(tape.inputs, tape.instrs, devices, split, early) if early else \
+            self.native.run(tape.inputs, tape.instrs, devices)
         if type(r) is tuple:  # (failing instruction, the exception it raised, live values)
             i, e, live = r
             ins = tape.instrs[i]
