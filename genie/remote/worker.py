@@ -811,7 +811,7 @@ class Worker:
         has its values, and what the rest was to write is unknown."""
         vals = [now.get(s) for s in tape.outputs]
         if any(not isinstance(v, torch.Tensor) for v in vals) or \
-                sum(v.untyped_storage().nbytes() for v in vals) > EARLY_MAX_BYTES:
+                sum(v.nbytes for v in vals) > EARLY_MAX_BYTES:
             return
         # copies: the values go out while the rest runs (and may free or reuse their memory)
         reply, frames = _outputs([v.clone(memory_format=torch.preserve_format) for v in vals])
