@@ -210,8 +210,9 @@ def early_split(tape: Tape) -> int:
     op's schema does not say (a non-ATen op, an upload).
 
     Storages are followed by the schema's alias annotations (``Tensor(a)`` views,
-    ``Tensor(a!)`` writes, in lists too), plus ``_unsafe_view`` (a view its schema does not
-    annotate); all the tape's inputs count as one storage, since resident values may share one.
+    ``Tensor(a!)`` writes, in lists too; each element of a returned list), plus the views whose
+    schemas do not say so (``_unsafe_view``, ``unsafe_split``, ``unsafe_chunk``); all the
+    tape's inputs count as one storage, since resident values may share one.
     """
     n = len(tape.instrs)
     inputs = object()  # the root of every input
@@ -242,12 +243,15 @@ def early_split(tape: Tape) -> int:
         if pol.inplace_view and args:
             for r in roots(args[0]):
                 last[r] = i
+        rets = pol.returns
+        if len(rets) != 1 and len(ins.outs) != len(rets):
+            return n  # (outputs that do not map onto the schema's returns)
         for k, o in enumerate(ins.outs):
             if o is None:
                 continue
-            ret = pol.returns[k] if k < len(pol.returns) else None
+            ret = rets[0] if len(rets) == 1 else rets[k]  # (a list return: each element)
             src = roots(arg(ret[1])) if ret is not None else \
-                roots(args[0]) if op is _UNSAFE_VIEW and args else []
+                roots(args[0]) if op in _UNANNOTATED_VIEWS and args else []
             if src:
                 root[o] = src[0]
                 for r in src[1:]:  # (an output of several storages: none in ATen's schemas)
@@ -261,4 +265,8 @@ def early_split(tape: Tape) -> int:
     return max(last.get(r, -1) for r in outs) + 1
 
 
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+#: views whose schemas do not say so
+_UNANNOTATED_VIEWS = frozenset((torch.ops.aten._unsafe_view.default,
+                                torch.ops.aten.unsafe_split.Tensor,
+                                torch.ops.aten.unsafe_split_with_sizes.default,
+                                torch.ops.aten.unsafe_chunk.default))

@@ -138,3 +138,17 @@ def test_an_early_callback_that_raises_fails_the_run_at_its_instruction() -> Non
     with torch.no_grad(), pytest.raises(Exception) as e:
         prog(tape, torch.device("cpu"), 2, boom)
     assert "the callback failed" in str(e.value.__cause__ or e.value)
+
+
+def test_each_element_of_a_list_of_views_is_a_view() -> None:
+    x = torch.randn(6)
+    tape = Tape([ins(aten.mul.Scalar, (Slot(0), 3.0), (1,)),
+                 ins(aten.unbind.int, (Slot(1),), (2, 3, 4, 5, 6, 7)),  # views of x * 3
+                 ins(aten.exp.default, (Slot(0),), (8,)),
+                 ins(aten.add_.Scalar, (Slot(5), 1.0), (9,)),           # writes through one
+                 ins(aten.exp.default, (Slot(8),), (10,))],
+                {0: x}, [7], {7, 10}, [], {})
+    k, seen, out = run_early(tape)
+    assert k == 4  # the write to element 3 is a write to the base that element 5 views
+    assert torch.equal(seen[7], out[7])
+    assert torch.equal(out[7], (x * 3)[5])
