@@ -244,7 +244,8 @@ def early_split(tape: Tape) -> int:
             for r in roots(args[0]):
                 last[r] = i
         rets = pol.returns
-        if len(rets) != 1 and len(ins.outs) != len(rets):
+        if len(rets) != 1 and len(ins.outs) != len(rets) and \
+                any(o is not None for o in ins.outs):
             return n  # (outputs that do not map onto the schema's returns)
         for k, o in enumerate(ins.outs):
             if o is None:

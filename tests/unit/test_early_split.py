@@ -152,3 +152,58 @@ def test_each_element_of_a_list_of_views_is_a_view() -> None:
     assert k == 4  # the write to element 3 is a write to the base that element 5 views
     assert torch.equal(seen[7], out[7])
     assert torch.equal(out[7], (x * 3)[5])
+
+
+def test_on_real_tapes_the_values_at_the_early_point_are_the_final_ones(monkeypatch) -> None:
+    """Every tape the embedded executor replays natively in a training loop (AdamW's foreach
+    updates, views of parameters read after the step) and a GPT-2 forward, run with the early
+    callback at ``early_split``: what the callback saw is what the run ends with, and the loop
+    is eager's."""
+    transformers = pytest.importorskip("transformers")
+    orig = native_replay.Program.__call__
+    checked = []
+
+    def call(self, tape, dev, split=-1, early=None):
+        k = early_split(tape)
+        seen = {}
+        out = orig(self, tape, dev, k,
+                   lambda now: seen.update({s: now[s].clone() for s in tape.outputs}))
+        if 0 < k < len(tape.instrs):
+            for s in tape.outputs:
+                assert torch.equal(seen[s], out[s]), (s, k, len(tape.instrs))
+            checked.append(k)
+        return out
+
+    monkeypatch.setattr(native_replay.Program, "__call__", call)
+
+    def loop(dev):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                    torch.nn.Linear(16, 4)).to(dev)
+        x, y = torch.randn(6, 8).to(dev), torch.randn(6, 4).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        row = model[0].weight[1]
+        out = []
+        for i in range(6):
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            out.append(loss.item() if i % 2 else row.detach().cpu().clone())
+        return out
+
+    got, want = loop("remote_accelerator"), loop("cpu")
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    assert checked, "no tape had an early point: the loop's losses should"
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50,
+                                  attn_implementation="eager")
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 50, (1, 7))
+    md = m.to("remote_accelerator")
+    with torch.no_grad():
+        for _ in range(3):
+            logits = md(ids.to("remote_accelerator")).logits.cpu()
+        m.to("cpu")
+        assert torch.equal(logits, m(ids).logits)
