@@ -173,6 +173,11 @@ def reset_device_map() -> None:
     _real_devices.clear()
 
 
+#: set by :mod:`genie.backends.remote`: ``remote_sync(index)`` waits for the server of device
+#: ``index`` and says whether there is one
+remote_sync: Any = None
+
+
 def synchronize(device: Any = None) -> None:
     """Wait until the real device has finished the work Genie gave it.
 
@@ -180,10 +185,7 @@ def synchronize(device: Any = None) -> None:
     for work already sent, as ``torch.cuda.synchronize`` does.
     """
     i = _index(device)
-    from .backends import remote
-
-    if i < len(remote.clients()):  # a server's worker may still run the rest of a step
-        remote.client_for(i).synchronize()
+    if remote_sync is not None and remote_sync(i):  # a server's worker may run a step's rest
         return
     dev = real_device(i)
     if dev.type == "cuda":

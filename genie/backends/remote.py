@@ -212,6 +212,18 @@ def clients() -> list[Any]:
     return list(_clients)
 
 
+def _synchronize(index: int) -> bool:
+    """``torch.remote_accelerator.synchronize()`` on a connected device: wait for its server
+    (the rest of a tape its worker answered early); False when the device has no server."""
+    if index >= len(_clients):
+        return False
+    _clients[index].synchronize()
+    return True
+
+
+device.remote_sync = _synchronize
+
+
 def client_for(index: int) -> Any:
     if index >= len(_clients):
         raise DeviceError(f"remote_accelerator:{index} has no server: connected to "
