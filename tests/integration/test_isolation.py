@@ -337,3 +337,32 @@ def test_a_sync_ping_waits_for_the_rest_of_an_early_answered_tape(server: Server
     waited = time.monotonic() - t0
     assert plain < 0.1 and waited > 0.1, (plain, waited)
     a.close()
+
+
+def test_the_deadline_covers_the_rest_of_an_early_answered_tape(server: ServerProc,
+                                                                victim) -> None:
+    """The rest of a tape answered early still runs under ``--max-run-seconds``: a kernel in it
+    that never returns is stopped by killing the worker, and the client's next request says so;
+    other sessions are not touched."""
+    v, hid, x = victim
+    a = Session(server)
+    y = _keep(a, torch.zeros(4))
+    rows = [[0, 0, [0, -1], [1], [], False], [1, 0, [0, -1], [2], [], False]]
+
+    def call(seconds: float) -> dict | None:
+        return a.run(["aten::mul.Scalar", "genie_test::spin.default"], rows, [y, 2.0, seconds],
+                     inputs=(0,), outputs=(1,), keep=(2,), specs=[A2])
+
+    for _ in range(3):
+        r = call(0.01)
+        assert r and r["t"] == "ok", r
+    t0 = time.monotonic()
+    r = call(30.0)  # answered at once; the spin then runs past the limit
+    assert r and r["t"] == "ok" and r.get("er") == 1, r
+    assert time.monotonic() - t0 < 1.0
+    msg = err(a.ask({"t": "ping", "sync": 1}, timeout_ms=30000), "timeout",
+              "past the server's limit of 1 s", "worker was stopped")
+    assert time.monotonic() - t0 < 10, msg
+    assert server.alive()
+    assert torch.equal(_get(v, hid, x), x)
+    v.alive()
