@@ -620,6 +620,8 @@ class Server:
             ident, rid, nbytes, kind, _ = cur
             link.queued -= nbytes
             link.nqueued -= 1
+            if len(parts) < 2 and ident is not None:
+                raise ProtocolError("a reply without its header")
             u, res, pb = internal.get("u"), internal.get("res"), internal.get("pb")
             if type(u) is int:
                 link.used = u
