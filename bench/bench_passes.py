@@ -41,6 +41,7 @@ figures printed with ``-s``)::
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -292,6 +293,7 @@ def _std_variant(make: Any, steps: int, budget: int | None, dev: str = D,
                  names: list[str] | None = None) -> tuple[list[float], list[int], list[float]]:
     """``names``: the passes with a budget (default: the default passes)."""
     plan_cache.clear()
+    gc.collect()  # the previous variant's model and optimizer state: not this variant's
     passes.set_passes([] if budget is None else names)
     passes.set_memory_budget(budget)
     return _std_loop(make, steps, dev)

@@ -89,6 +89,12 @@ def recompute(tape: Tape) -> tuple[Tape, PassReport]:
                     acc += a.size[c]
                     r.add(c)
                 tries.append(r)
+    # checkpoints at the forward's cuts (a transformer's residual stream between blocks):
+    # every candidate dropped but every k-th cut, so that each chain stops at the cut before it
+    cuts = a.cuts(cands)
+    for k in (1, 2, 3):
+        if len(cuts) >= k:
+            tries.append(set(cands) - set(cuts[k - 1::k]))
     best: tuple[Any, ...] | None = None
     seen: set[frozenset[int]] = set()
     for r in tries:
@@ -239,6 +245,22 @@ class _Analysis:
         out.sort(key=self.prod.__getitem__)
         return out
 
+    def cuts(self, cands: list[int]) -> list[int]:
+        """The candidates (in forward order) that no other candidate's forward reads cross: once
+        one is made, the forward reads no earlier candidate again, so a chain recomputing a value
+        after it stops there when it is kept (the values between two blocks of a network)."""
+        out, reach = [], -1  # the last early read of the candidates made so far
+        i = 0
+        while i < len(cands):
+            p = self.prod[cands[i]]
+            same = [c for c in cands[i:] if self.prod[c] == p]
+            if reach <= p and len(same) == 1:
+                out.append(cands[i])
+            for c in same:
+                reach = max(reach, self.split[c][0])
+            i += len(same)
+        return out
+
     def no_chain(self, v: int) -> bool:
         """Whether ``v``'s producer's arguments are all alive at its first late read."""
         late = self.split[v][1]
@@ -310,11 +332,22 @@ class _Scheduler:
         c = self.cur.get(y)
         return c if c is not None else self.materialize(y, t, added)
 
+    def extend(self, y: int, r: int, i: int | None, t: int) -> bool:
+        """Whether a chain may read the original ``y`` at ``t`` though it is not recomputable
+        (an upload: an empty KV cache's ``torch.tensor([])``): when its storage is small, kept
+        (not dropped) and not written since it was made, the original lives on until ``t``
+        (the tape's frees follow the last read) instead of failing the whole chain."""
+        a = self.a
+        return (i is not None and r not in self.dropped and 0 <= a.size.get(r, -1) < MIN_BYTES
+                and not any(a.prod[r] < q < t for q in a.written.get(r, ())))
+
     def materialize(self, y: int, t: int, added: list[int]) -> int:
         a = self.a
         r = a.root.get(y, y)
         i = a.prod.get(y)
         if i is None or not a.pure[i]:
+            if self.extend(y, r, i, t):
+                return y
             raise _Fail(r, f"%{y} (made by {i}) is not recomputable")
         view = r != y  # a view reads its base's storage as it is now, as the original does
         if not view and any(i < q < t for q in a.written.get(y, ())):
