@@ -335,3 +335,45 @@ def test_a_step_over_the_quota_recomputes_instead_of_failing(remote) -> None:
     finally:
         passes.set_passes(None)
         plan_cache.clear()
+
+
+def test_a_gpt2_step_at_60_percent_of_its_peak_completes_with_eagers_losses(keys: Path) -> None:
+    """The issue's server row, small: a GPT-2 AdamW standard loop through a server whose session
+    quota is 60% of the step's embedded unoptimized peak. Unoptimized, the server refuses the
+    step; with the default passes (``recompute`` under the quota) it completes with eager's
+    losses, gradients and parameters, bit for bit."""
+    import sys
+
+    from genie import passes, plan_cache
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from test_step_tape import D, _gpt2_loop  # the same loop, model and data as the unit test
+
+    # batch 8: activations well above what the step keeps (parameters, gradients, AdamW's
+    # state: 2.6 MB), which the server's own accounting of its decomposed tape also counts
+    want = _gpt2_loop("cpu", 3, batch=8)
+    try:
+        plan_cache.clear()
+        passes.set_passes([])
+        peak = max(_gpt2_loop(D, 3, batch=8)[3])  # embedded: no server connected yet
+        s = ServerProc(keys, "--quota", str(int(peak * 0.6)))
+        try:
+            genie.connect(s.address, key_file=str(s.key_file), timeout=30)
+            plan_cache.clear()
+            with pytest.raises(QuotaExceededError, match="quota"):
+                _gpt2_loop(D, 1, batch=8)
+            genie.disconnect()
+            genie.connect(s.address, key_file=str(s.key_file), timeout=30)
+            plan_cache.clear()
+            passes.set_passes(None)
+            got = _gpt2_loop(D, 3, batch=8)
+            assert got[0] == want[0]
+            for a, b in zip(got[1] + got[2], want[1] + want[2], strict=True):
+                assert torch.equal(a, b)
+            assert any("recompute" in r.passes for r in passes.report())
+        finally:
+            genie.disconnect()
+            assert s.stop() == 0
+    finally:
+        passes.set_passes(None)
+        plan_cache.clear()

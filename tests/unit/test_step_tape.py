@@ -133,8 +133,8 @@ def test_dropout_is_recomputed_with_the_values_it_had():
     assert any(replays_rng(s) for s in scripts)
 
 
-def _gpt2_loop(device, steps):
-    """A small GPT-2 (3 blocks, width 64, sequence 128, batch 4, no dropout) in the standard
+def _gpt2_loop(device, steps, batch=4):
+    """A small GPT-2 (3 blocks, width 64, sequence 128, ``batch``, no dropout) in the standard
     loop with AdamW: activations (attention probabilities, MLP) set its peak, as in real
     training. Losses, final gradients and parameters, each step's peak above what was held."""
     transformers = pytest.importorskip("transformers")
@@ -148,7 +148,7 @@ def _gpt2_loop(device, steps):
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 100, (4, 128), generator=torch.Generator().manual_seed(1)).to(device)
+    ids = torch.randint(0, 100, (batch, 128), generator=torch.Generator().manual_seed(1)).to(device)
     losses, peaks = [], []
     for _ in range(steps):
         if on:
