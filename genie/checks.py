@@ -29,11 +29,15 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
+import weakref
 from typing import Any
 
 import optree
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
+from ._C import _without_warning
 from .errors import UnsupportedOpError
 from .graph import TensorMeta
 
@@ -56,11 +60,68 @@ _SHRINK_PROBED = frozenset(op for packet in (
     aten.amax, aten.amin, aten.aminmax, aten.max, aten.min, aten.all, aten.any, aten.prod,
     aten.mode, aten.median, aten.nanmedian, aten.searchsorted, aten.bucketize)
     for op in (getattr(packet, name) for name in packet.overloads()))
-#: Of those, the ones that warn where a reduced dim holds one element (std's degrees of
-#: freedom): probed with every dim min(size, 2) instead, where that stays small (a C++ warning
-#: reaches Python where the user's call returns: the probe's cannot be silenced).
+#: Of those, the ones that warn where a reduction has no degrees of freedom (std, var): probed
+#: with every dim min(size, 2) instead, where that stays small, and their probe's warning
+#: dropped (eager's is :func:`dof_warning`'s, decided on the call's own sizes).
 _TWO_PROBED = frozenset(op for packet in (aten.std, aten.var, aten.std_mean, aten.var_mean)
                         for op in (getattr(packet, name) for name in packet.overloads()))
+#: What eager's std/var kernels warn where a reduction has no degrees of freedom (the number of
+#: elements reduced per output, less the correction, is <= 0): Genie warns it at the call
+#: (:func:`dof_warning`), so the same C++ warning of a probe or of the device's kernel is dropped
+#: (genie._C._without_warning).
+DOF_TEXT = "degrees of freedom is <= 0"
+#: Pending nodes whose call warned :data:`DOF_TEXT` (weakly): while one is, a tape runs with that
+#: warning of its kernels dropped (genie.executor.run_tape).
+DOF_PENDING: list[weakref.ref[Any]] = []
+_DOF_MESSAGES: dict[str, str] = {}
+
+
+def dof_warning(func: Any, leaves: list[Any], spec: Any, out: Any) -> tuple[str, ...]:
+    """Eager's warnings for a :data:`_TWO_PROBED` call (``std``, ``var``, ``std_mean``,
+    ``var_mean``) whose reduction has no degrees of freedom, word for word, or none: eager's
+    condition on metadata (elements reduced per output, 0 where the output is empty, less the
+    correction, <= 0), the text from a host call of the same function (it names it, and where
+    in ATen it was raised); twice for a complex input (eager reduces its real and imaginary
+    parts, each warning). ``out``: the call's first output's :class:`TensorMeta`."""
+    args, kwargs = optree.tree_unflatten(spec, leaves)
+    self = args[0] if args else kwargs.get("self")
+    if type(self) is not TensorMeta or type(out) is not TensorMeta:
+        return ()
+    n_out = math.prod(out.shape)
+    reduced = 0 if n_out == 0 else math.prod(self.shape) // n_out
+    correction: Any = 1
+    for i, a in enumerate(func._schema.arguments):
+        if a.name not in ("correction", "unbiased"):
+            continue
+        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name, None)
+        if a.name == "unbiased":
+            correction = 1 if v is None or v else 0
+        elif v is not None:
+            correction = v
+    if reduced - correction > 0:
+        return ()
+    name = func._schema.name.split("::")[-1]
+    msg = _DOF_MESSAGES.get(name)
+    if msg is None:
+        with warnings.catch_warnings(record=True) as w, _disable_current_modes():
+            warnings.simplefilter("always")
+            getattr(torch, name)(torch.zeros(1))  # a binding: its warning is issued on return
+        msg = _DOF_MESSAGES[name] = next(
+            (str(x.message) for x in w if DOF_TEXT in str(x.message)),
+            f"{name}(): {DOF_TEXT}. Correction should be strictly less than the reduction "
+            "factor (input numel divided by output numel).")
+    return (msg, msg) if self.dtype.is_complex else (msg,)
+
+
+def dof_pending() -> bool:
+    """Whether a node in :data:`DOF_PENDING` is still pending (the others are dropped)."""
+    DOF_PENDING[:] = [w for w in DOF_PENDING if (n := w()) is not None and not n.executed]
+    return bool(DOF_PENDING)
+
+
+DOF_WARNED = _TWO_PROBED  # the ops dof_warning judges
+
+
 #: Random ops whose checks are of dtypes and scalar arguments only (``random_(from, to)`` in the
 #: dtype's range, ``uniform_(from, to)`` with ``from <= to``, ``normal_`` with ``std >= 0``,
 #: ``randint`` of a complex dtype): probed like pointwise ops, with a generator of their own where
@@ -347,7 +408,10 @@ def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
             state = torch.get_rng_state() if random else None
             try:
                 with disable_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):
-                    func(*args, **kwargs)  # (the host's autocast is no part of the call)
+                    if func in _TWO_PROBED:  # its degrees-of-freedom warning: dof_warning's
+                        _without_warning(DOF_TEXT, lambda: func(*args, **kwargs))
+                    else:
+                        func(*args, **kwargs)  # (the host's autocast is no part of the call)
             finally:
                 if state is not None:
                     torch.set_rng_state(state)

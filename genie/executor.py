@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch.autograd import profiler as _profiler
 
-from . import backends, context, memory, plan_cache
-from ._C import _bind_nodes, _gc_untrack, _state_apply, _state_word
+from . import backends, checks, context, memory, plan_cache
+from ._C import _bind_nodes, _gc_untrack, _state_apply, _state_word, _without_warning
 from .config import config
 from .context import _steps
 from .device import real_device
@@ -111,10 +111,14 @@ def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
             # genie.passes: the plan's optimized tape when it has one (issue 13); ``ran`` is the
             # tape that ran, ``kept`` the values of ``tape.keep`` either way
             try:
-                if per_op is None:
-                    kept, ran = pipeline.run(tape, _device_for(index))
+                run: Any = pipeline.run if per_op is None else _run_per_op
+                args = (tape, _device_for(index)) if per_op is None else \
+                    (tape, _device_for(index), per_op)
+                if checks.DOF_PENDING and checks.dof_pending():
+                    # a std/var call warned at its line what its kernel warns again now
+                    kept, ran = _without_warning(checks.DOF_TEXT, lambda: run(*args))
                 else:
-                    kept, ran = eager_backend.run_instrs(tape, _device_for(index), per_op), tape
+                    kept, ran = run(*args)
             except ExecutionError as e:
                 partial, e.partial = e.partial, None  # the raised error holds no tensors
                 if partial is not None:
@@ -133,6 +137,12 @@ def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
     _bind(tape, kept)
     memory.after_run(ran, kept, index)
     return outputs
+
+
+def _run_per_op(tape: Tape, dev: torch.device, states: list[int | None]
+                ) -> tuple[dict[int, Any], Tape]:
+    """A tape of several states, op by op in the eager interpreter (see :func:`run_tape`)."""
+    return eager_backend.run_instrs(tape, dev, states), tape
 
 
 _PRUNE_AT = 16  # readers of a storage that _bind prunes (shorter lists: Storage.add_reader)

@@ -38,8 +38,8 @@ from .graph import (DEFAULT_GRAPH, Alive, Graph, MetaArg, Node, Ref, Storage, Te
                     _record_counter, defer_writer, pending_total, retrack_below, track,
                     untrack_node)
 from .graph import current as graph_current
-from .meta import (MetaEntry, disable_modes, eager_error, infer, meta_cache, meta_tensor, policy,
-                   static_shape)
+from .meta import (MetaEntry, WarnedEntry, disable_modes, eager_error, infer, meta_cache,
+                   meta_tensor, policy, static_shape)
 from .profiling import phase
 from .shape_rules import RULES
 from .stats import _counts, _syncs, bump
@@ -668,6 +668,10 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
         retrack_below(rec)
     node = Node(func, rec, spec, metas, out_spec, storages, writes, graph, rng)
     node.entry = entry  # interned per meta-cache key: the plan cache compares nodes by identity
+    if type(entry) is WarnedEntry:  # eager's warning of this call (std with no degrees of freedom)
+        for msg in entry.warnings:
+            _warn_at_user(msg)
+        checks.DOF_PENDING.append(node._wref)  # its kernel's own is dropped (executor.run_tape)
     if where or config.record_source or graph.keep_nodes:
         node.where = _where()
     wref = node._wref

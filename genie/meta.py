@@ -290,6 +290,17 @@ class MetaEntry:
     state: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class WarnedEntry(MetaEntry):
+    """The entry of a call eager warns for, on every call, from metadata alone (std of a
+    reduction with no degrees of freedom: :func:`genie.checks.dof_warning`): ``warnings`` are
+    eager's texts, which ``lazy_tensor._record`` warns at each call it records. The native record
+    path learns only exact :class:`MetaEntry` objects (csrc/record.cpp), so such calls always
+    take the Python path, which warns."""
+
+    warnings: tuple[str, ...] = ()
+
+
 _classes: dict[Any, Any] = {}
 
 
@@ -350,6 +361,11 @@ def infer(func: Any, pol: OpPolicy, leaves: list[Any], spec: Any, index: int) ->
         checked = checks.checked(func)
     if checked:
         checks.check(func, leaves, spec, entry.klass)
+        if func in checks.DOF_WARNED:
+            msgs = checks.dof_warning(func, leaves, spec, entry.metas[0])
+            if msgs:
+                entry = WarnedEntry(entry.metas, entry.out_spec, entry.consts, entry.plan,
+                                    entry.spec, entry.klass, entry.state, msgs)
     if pol.writes and _overlapping_write(pol, leaves, spec):
         # Most eager kernels refuse to write into a tensor whose elements share memory (an
         # expanded out=: "unsupported operation: more than one element ..."), few meta kernels

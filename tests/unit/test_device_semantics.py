@@ -790,6 +790,55 @@ def test_reduction_checks_pass_what_eager_passes():
         same(ref, got)
 
 
+_DOF_CASES = {  # name: (input shape, dtype, call); eager warns where (reduced - correction) <= 0
+    "std_all_of_one": ((1,), torch.float32, lambda x: x.std()),
+    "var_dim_of_one": ((1, 3), torch.float32, lambda x: x.var(0)),
+    "var_keepdim": ((3, 1), torch.float64, lambda x: torch.var(x, 1, keepdim=True)),
+    "std_mean_dim_of_one": ((3, 1), torch.float32, lambda x: torch.std_mean(x, 1)[0]),
+    "var_mean_correction_past_n": ((2, 3), torch.float32,
+                                   lambda x: torch.var_mean(x, (0, 1), correction=6)[1]),
+    "correction_equal_to_n": ((2, 3), torch.float32, lambda x: x.var(0, correction=2)),
+    "correction_2_of_10": ((10, 3), torch.float32, lambda x: x.var(0, correction=2)),
+    "fractional_correction": ((2, 3), torch.float32, lambda x: x.std(0, correction=1.5)),
+    "biased_of_one": ((1, 3), torch.float32, lambda x: x.std(0, unbiased=False)),
+    "empty_reduced_dim": ((0, 3), torch.float32, lambda x: x.var(0)),
+    "empty_output": ((3, 0), torch.float32, lambda x: x.var(0)),
+    "biased_empty": ((0,), torch.float32, lambda x: torch.var_mean(x, correction=0)[0]),
+    "complex_of_one": ((1,), torch.complex64, lambda x: x.std()),
+    "out": ((3, 1), torch.float32,
+            lambda x: torch.var(x, 1, out=torch.empty(3, device=x.device))),
+    "dims_of_two": ((2, 3), torch.float32, lambda x: x.std(0)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_DOF_CASES))
+@pytest.mark.parametrize("action", ["always", "default"])
+def test_std_with_no_degrees_of_freedom_warns_as_eager(case, action):
+    """std/var/std_mean/var_mean of a reduction with no degrees of freedom: eager's warning,
+    word for word, at the call's line, once per call (every call under "always"; once per line
+    under "default"), on the meta cache's miss and its hits alike, and not again when the
+    kernel runs at the download (nor where eager does not warn: a correction the reduction
+    exceeds); eager's values (NaN and inf)."""
+    shape, dtype, call = _DOF_CASES[case]
+
+    def run(d):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter(action)
+            out = []
+            for _ in range(3):
+                x = torch.ones(shape, dtype=dtype, device=d) * torch.arange(
+                    shape[-1] if shape else 1, device=d)
+                out.append(call(x))
+            vals = [o.cpu() for o in out]
+        return vals, [(str(m.message), m.category, m.filename, m.lineno) for m in w
+                      if "degrees of freedom" in str(m.message)]
+    ref_vals, ref_warned = run("cpu")
+    got_vals, got_warned = run(DEV)
+    assert got_warned == ref_warned
+    for r, g in zip(ref_vals, got_vals, strict=True):
+        same(r, g)
+
+
 @pytest.mark.parametrize("std", [[1.0, -1.0, 1.0], [1.0, float("nan")], -1.0, [0.0, 2.0], []])
 @pytest.mark.parametrize("form", ["tensor_tensor", "float_tensor", "out"])
 def test_normal_with_a_negative_std_element_raises_at_the_call(std, form):
