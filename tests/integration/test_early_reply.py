@@ -16,7 +16,7 @@ import genie
 
 zmq = pytest.importorskip("zmq")
 
-from test_remote import ServerProc  # noqa: E402
+from test_remote import ServerProc, remote  # noqa: E402,F401 - connects to this module's server
 
 DEV = "remote_accelerator:0"
 
@@ -26,13 +26,6 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     s = ServerProc(tmp_path_factory.mktemp("genie-early-keys"), "--quota", "64MiB")
     yield s
     assert s.stop() == 0, "genie-server did not shut down cleanly on SIGTERM"
-
-
-@pytest.fixture
-def remote(server: ServerProc):
-    genie.connect(server.address, key_file=str(server.key_file), timeout=30)
-    yield server
-    genie.disconnect()
 
 
 def _loop(dev: str, steps: int, probe: bool = False) -> tuple[list[float], list[torch.Tensor]]:
