@@ -277,7 +277,8 @@ def host_value(node: Node, out: int) -> torch.Tensor | None:
     device's: an embedded and a remote device must agree). The nodes stay pending: their run on
     the device is unchanged. Used by advanced indexing's bounds check at the call
     (:func:`genie.checks.check_known_indices`)."""
-    nodes = value_slice(node, out, _host_known, HOST_NODES)
+    index = node.metas[out].index
+    nodes = value_slice(node, out, lambda n: _host_known(n, index), HOST_NODES)
     if nodes is None:
         return None
     tape = build_tape([(node, out)], nodes)
@@ -293,8 +294,10 @@ def host_value(node: Node, out: int) -> torch.Tensor | None:
     return kept[tape.outputs[0]]
 
 
-def _host_known(n: Node) -> bool:
-    """Whether ``n`` may be in a lineage :func:`host_value` evaluates (its inputs aside)."""
+def _host_known(n: Node, index: int) -> bool:
+    """Whether ``n`` may be in a lineage :func:`host_value` evaluates for a value of
+    ``remote_accelerator:index`` (its inputs aside; all on that device: the interpreter runs
+    another index's op on that index's real device)."""
     op = n.op
     if n.rng is not None or (op != _UPLOAD and (
             not isinstance(op, torch._ops.OpOverload) or op in _UNINITIALIZED
@@ -303,7 +306,8 @@ def _host_known(n: Node) -> bool:
     for m in n.metas:
         if m is None:
             continue
-        if op != _UPLOAD and (m.dtype.is_floating_point or m.dtype.is_complex):
+        if m.index != index or (op != _UPLOAD and (m.dtype.is_floating_point or
+                                                   m.dtype.is_complex)):
             return False
         count = 1
         for s in m.shape:
