@@ -480,7 +480,6 @@ class Worker:
         self.splits: dict[Any, int] = {}
         self.answer: Any = None
         self.answered = False
-        self.early_count = 0
 
     # --- dispatch ---------------------------------------------------------------------------------
     def handle(self, h: dict[str, Any], frames: list[Any]
@@ -819,7 +818,6 @@ class Worker:
         reply["er"] = 1
         self.answer(reply, frames)
         self.answered = True
-        self.early_count += 1
 
     def _classify(self, ck: Any, ints: tuple[int, ...], tape: Tape) -> None:
         """After a clean concrete vet: when the structure's integers moved since its last vetted
