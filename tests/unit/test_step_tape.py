@@ -38,13 +38,19 @@ def _loop(device, steps, width=32, batch=1024, depth=8, dropout=False, opt_cls=N
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, width, generator=g).to(device)
     y = torch.randn(batch, width, generator=g).to(device)
-    losses, peaks = [], []
     torch.manual_seed(2)
+    return _steps(model, opt, lambda: torch.nn.functional.mse_loss(model(x), y), steps, on, base)
+
+
+def _steps(model, opt, loss_of, steps, on, base):
+    """``steps`` of the standard loop: losses, final gradients and parameters, and each step's
+    peak device bytes above ``base`` (on the device only)."""
+    losses, peaks = [], []
     for _ in range(steps):
         if on:
             torch.remote_accelerator.reset_peak_memory_stats()
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = loss_of()
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -149,20 +155,7 @@ def _gpt2_loop(device, steps, batch=4):
     model = transformers.GPT2LMHeadModel(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 100, (batch, 128), generator=torch.Generator().manual_seed(1)).to(device)
-    losses, peaks = [], []
-    for _ in range(steps):
-        if on:
-            torch.remote_accelerator.reset_peak_memory_stats()
-        opt.zero_grad()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        if on:
-            peaks.append(torch.remote_accelerator.max_memory_allocated() - base)
-    grads = [p.grad.cpu() for p in model.parameters()]
-    params = [p.detach().cpu() for p in model.parameters()]
-    return losses, grads, params, peaks
+    return _steps(model, opt, lambda: model(ids, labels=ids).loss, steps, on, base)
 
 
 def test_gpt2_standard_loop_fits_half_its_peak():
