@@ -436,8 +436,10 @@ class Peers:
 
 #: the one answer a client gets when a registered peer did not take a transfer (whatever failed:
 #: the cause is logged on the sending server)
-#: seconds after a failed transfer's connection closes before freed memory goes back to the OS
-TRIM_AFTER = 0.3
+#: seconds after a failed transfer's connection closes at which freed memory goes back to the
+#: OS: ZeroMQ's reaper frees the queued frames when it gets to run (late on a loaded machine), so
+#: the allocator is asked again until the last of these
+TRIM_AFTER = (0.3, 1.0, 3.0, 8.0)
 
 
 def _malloc_trim() -> None:
@@ -581,9 +583,10 @@ class PeerLinks:
             for s in (link.mon, link.sock):
                 s.close(linger=0)
             if had:  # what it pinned is freed by ZeroMQ's own thread, in chunks the allocator
-                trim[0] = time.monotonic() + TRIM_AFTER  # keeps: hand it back to the OS soon
+                now = time.monotonic()  # keeps: hand it back to the OS soon
+                trim[:] = [now + d for d in TRIM_AFTER]
 
-        trim = [0.0]  # when to return freed memory to the OS (0: nothing to)
+        trim: list[float] = []  # when to return freed memory to the OS (soonest first)
         try:
             while True:
                 events = dict(poller.poll(100))
@@ -625,8 +628,8 @@ class PeerLinks:
                         drop(key, None, f"no answer within {late[0].timeout:g} s")
                     elif not link.pending and now - link.used > 60:
                         drop(key, "idle")
-                if trim[0] and now >= trim[0]:
-                    trim[0] = 0.0
+                if trim and now >= trim[0]:
+                    del trim[0]
                     _malloc_trim()
         finally:
             for key in list(links):

@@ -401,8 +401,8 @@ def test_a_transfer_that_cannot_be_delivered_frees_what_it_held(peered) -> None:
             time.sleep(0.5)  # the send is under way (10 s of silence, on a loaded machine too)
             c._call({"t": "free", "ids": [h.id]})
             assert c._call({"t": "ping"})[0]["res"][1] < MiB  # the session holds nothing large
-            pinned = _rss(pid)
-            assert pinned - base > 56 * MiB, (pinned - base) / MiB
+            pinned = _rss(pid)  # (it may have grown less than 64 MiB: the server's allocator
+            # can reuse chunks earlier tests freed; what it releases below counts those too)
             # 64 MiB pinned + 48 MiB of message: over the 100 MiB quota, though nothing is held
             s.send_multipart(probe)
             r = _answer(s, 10)
@@ -413,17 +413,19 @@ def test_a_transfer_that_cannot_be_delivered_frees_what_it_held(peered) -> None:
             r = _answer(s, 15)
             assert r["t"] == "err" and r["kind"] == "peer" and r["rid"] == 1, r
             assert time.monotonic() - t0 < (3 if end == "bye" else 15)
+            assert ("did not take the values" if end == "timeout" else "the session ended") \
+                in r["msg"], r
+            # the pinned bytes are released (measured before anything else crosses the front:
+            # a probe accepted below passes through it on its way to the worker)
+            deadline = time.monotonic() + 20  # the server's threads may be slow to run on a
+            while pinned - _rss(pid) < 56 * MiB:  # loaded machine (once 63 MiB after 5 s)
+                assert time.monotonic() < deadline, \
+                    f"{end}: the server gave back {(pinned - _rss(pid)) / MiB:.0f} of the 64 " \
+                    f"MiB the transfer pinned ({(_rss(pid) - base) / MiB:.0f} MiB over before)"
+                time.sleep(0.1)
             if end == "timeout":
-                assert "did not take the values" in r["msg"], r
                 s.send_multipart(probe)
                 assert _answer(s, 10)["t"] == "ok"  # the quota has room again
-            else:
-                assert "the session ended" in r["msg"], r
-            deadline = time.monotonic() + 10  # the server's threads may be slow to run on a
-            while _rss(pid) - base > 24 * MiB:  # loaded machine (once 63 MiB after 5 s)
-                assert time.monotonic() < deadline, \
-                    f"{end}: the server still holds {(_rss(pid) - base) / MiB:.0f} MiB"
-                time.sleep(0.1)
     finally:
         s.close(linger=0)
 
