@@ -266,7 +266,8 @@ def decode(data: bytes, device: torch.device,
 @dataclass
 class GraphData:
     """A registered graph: its bytes, placeholder kinds and, per device, the decoded module and
-    compiled callables by shape class (``"eager"`` where compiling failed or disagreed)."""
+    compiled callables by shape class (the decoded module itself where compiling failed or
+    disagreed: the graph's ops run in order, op by op)."""
 
     key: str
     data: bytes
@@ -410,8 +411,6 @@ def _run(key: str, tensors: list[torch.Tensor], ints: list[int]) -> list[torch.T
         if fn is None:
             return _unaliased(_first_run(g, device, args, sk), args)
         bump("graph_cache_hits")
-        if fn == "eager":
-            return interpret(g.module(device), args)
         fn, restride, clone = fn
         outs = _tensor_outs(fn(*args))
         for k, st in restride:
@@ -472,7 +471,9 @@ def _first_run(g: GraphData, device: torch.device, args: list[Any],
         g.compiled[sk] = (fn, restride, clone)
         bump("graph_verified")
     else:
-        g.compiled[sk] = "eager"
+        # op by op: the graph module's own code (the graph's ops called in order, as the oracle
+        # ran them, without the interpreter's per-node bookkeeping); its aliasing is the oracle's
+        g.compiled[sk] = (gm, (), _aliased(want, args))
         logger.warning("genie: compiled graph %s... runs op by op on %s (%s)", g.key[:12],
                        device, reason)
     return want
