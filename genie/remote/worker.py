@@ -127,6 +127,10 @@ BUILD_SECONDS_MAX = 120.0
 #: what a build's child may send back (a class is integers and two expressions)
 BUILD_REPLY_MAX = 8 << 20
 BUILD_MODES = ("background", "inline", "off")
+#: background builds a worker runs at once (forked children at the lowest priority): a build
+#: of a large structure (seconds on a loaded machine) does not hold back a small one's, e.g. a
+#: generate call's prefill (a new prompt length each call) beside its decode step
+BUILD_SLOTS = 2
 
 
 def build_cost() -> float:
@@ -170,8 +174,9 @@ def early_replies() -> bool:
 
 
 class ClassBuilds:
-    """A worker's shape-class builds, one at a time, each in a forked child of the worker
-    (:func:`shape_class.build_spec`): the session's requests go on, concretely vetted, while the
+    """One of a worker's shape-class build slots (:data:`BUILD_SLOTS`): a build in a forked
+    child of the worker (:func:`shape_class.build_spec`): the session's requests go on,
+    concretely vetted, while the
     symbolic vet (seconds for a GPT-2 step) runs beside them at a lower priority. The child
     shares nothing it can change with the worker (a copy-on-write fork, killed with it) and
     sends back the class as data, which :func:`shape_class.from_spec` checks before compiling
@@ -469,7 +474,7 @@ class Worker:
         self.vet_seconds: dict[Any, float] = {}  # concrete vet time per structure since a build
         self.build_cost = build_cost()  # a class build's seconds per instruction (inline)
         self.build_mode = build_mode()
-        self.builds = ClassBuilds()
+        self.builds = [ClassBuilds() for _ in range(BUILD_SLOTS)]
         self._next_build: tuple | None = None  # a build to start once the reply is out
         self.refills = 0  # tapes patched from the last call's (protocol.refill)
         self.unindexed: set[bytes] = set()  # skeletons without an op the index check covers
@@ -751,8 +756,7 @@ class Worker:
         self.how = "guarded"
         if key in self.barriers:
             return None
-        if self.builds.busy:
-            self._take_build()
+        self._take_builds()
         got = shape_params(key, tape, filled)
         if got is None:
             return None
@@ -836,8 +840,8 @@ class Worker:
                 len(tape.instrs) > CLASS_MAX_INSTRS:
             return
         background = self.build_mode == "background"
-        if background and self.builds.busy:
-            return  # one build at a time: a later call of this structure tries again
+        if background and (self._free_build() is None or self._building(ck)):
+            return  # every slot busy, or this structure's build runs: a later call tries again
         if not background and len(tape.instrs) > self.cfg.max_run_seconds * 125:
             return  # (inline: ~2 ms an instruction, at most a quarter of the run deadline)
         # inline, ski rental: build once the concrete vets of this structure have cost what a
@@ -878,14 +882,27 @@ class Worker:
         if job is None:
             return
         ck, tape, ints, pos, prev, cls, tries = job
-        if self.builds.busy or self.classes.get(ck) is not cls or \
+        slot = self._free_build()
+        if slot is None or self._building(ck) or self.classes.get(ck) is not cls or \
                 shape_params(ck[0], tape) != (ck, ints) or \
-                not self.builds.start(ck, tape, ints, pos, prev, cls):
+                not slot.start(ck, tape, ints, pos, prev, cls):
             self.class_tries[ck] = tries  # nothing was tried: a later call tries again
 
-    def _take_build(self) -> None:
+    def _free_build(self) -> ClassBuilds | None:
+        return next((b for b in self.builds if not b.busy), None)
+
+    def _building(self, ck: Any) -> bool:
+        return any(b.job is not None and b.job[0] == ck for b in self.builds)
+
+    def _take_builds(self) -> None:
+        for b in self.builds:
+            if b.busy:
+                self._take_build(b)
+
+    def _take_build(self, slot: ClassBuilds) -> None:
         """Install the class a background build finished (checked by ``from_spec``)."""
-        got = self.builds.poll()
+        started = slot.started
+        got = slot.poll()
         if got is None:
             return
         ck, ints, cls, out = got
@@ -900,7 +917,7 @@ class Worker:
                 return
             logger.debug("genie-server: shape class of %d symbols, %d guards in %.3f s "
                          "(background)", len(new.sym_idx), new.n_guards,
-                         time.monotonic() - self.builds.started)
+                         time.monotonic() - started)
             self._add_class(ck, new)
         else:
             self._no_class(ck, cls, tries, out)
@@ -1212,7 +1229,8 @@ def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
     except zmq.ContextTerminated:
         return
     finally:
-        w.builds.stop()
+        for b in w.builds:
+            b.stop()
         sess.clear()
         sock.close(linger=0)
         ctx.term()

@@ -205,3 +205,40 @@ def test_a_class_built_in_the_background_serves_later_calls_with_eagers_values(b
     finally:
         s.alive()
         s.close()
+
+
+def test_two_structures_that_move_together_each_get_their_class(background) -> None:
+    """A generate call moves two structures at once (its prefill, a new prompt length each
+    call, and its decode step): a build of one does not keep the other vetted concretely until
+    it is done (a worker runs a build per structure side by side, ``BUILD_SLOTS``). Both are
+    served by their classes, with eager's values."""
+    s = Session(background)
+
+    def strided(hid: int, n: int) -> dict | None:
+        return s.run(["aten::as_strided.default", "aten::clone.default"],
+                     [[0, 0, [0, -1, -1], [1], [], False], [1, 1, [1], [2], [1], False]],
+                     [hid, n, 1], inputs=(0,), outputs=(2,), specs=[STRIDED, A1])
+
+    try:
+        seen: dict[str, list[str]] = {"view": [], "strided": []}
+        deadline = time.monotonic() + 120
+        k = 3
+        while any("class" not in v for v in seen.values()):
+            assert time.monotonic() < deadline, f"no classes for both: {seen}"
+            x = torch.arange(2.0 * k)
+            r = _view_mul(s, _resident(s, x), 2, k)
+            assert r and r["t"] == "ok", r
+            seen["view"].append(r["vt"])
+            assert torch.equal(_reply_tensor(s, r), x.view(2, k) * 2), k
+            y = torch.arange(float(k + 1))
+            r = strided(_resident(s, y), k + 1)
+            assert r and r["t"] == "ok", r
+            seen["strided"].append(r["vt"])
+            assert torch.equal(_reply_tensor(s, r), y), k
+            k += 1
+            time.sleep(0.05)
+        for v in seen.values():  # no call waited for a build
+            assert v[0] == "guarded" and set(v[1:v.index("class")]) <= {"vetted"}, seen
+    finally:
+        s.alive()
+        s.close()
