@@ -109,6 +109,9 @@ def run(row: str, secs: float) -> None:
     print(f"{row}: {n} calls, {(time.perf_counter() - t0) / n * 1e3:.1f} ms/call")
 
 
+SMALL = 16  # split: a materialization of fewer instructions is "small"
+
+
 # (category, substrings of a frame), tried in order on the innermost frame that matches any
 _KINDS = [
     ("passes: verify (a new plan's first run, twice, compared)",
@@ -140,7 +143,7 @@ def kind(frame: str) -> str | None:
             return name
     return None
 
-_STEP, _WARM = "run.<locals>.step (profile_models.py", "run.<locals>.warm (profile_models.py"
+_STEP, _WARM = "make.<locals>.step (profile_models.py", "run.<locals>.warm (profile_models.py"
 
 
 def classify(path: str, verbose: bool) -> None:
@@ -189,7 +192,13 @@ def split(row: str, rounds: int) -> None:
     (``executor._bind``), ``memory.after_run`` and the rest (the glue between them and the
     teardown of the nodes that ran, freed when the tape goes). ``other`` is the caller's Python
     and what it records outside the forward (a generate loop's logits processing, stopping
-    criteria, ``.item()``'s path into the materialization)."""
+    criteria, ``.item()``'s path into the materialization).
+
+    The materializations are also counted per call and told apart by size: ``small`` (tapes of
+    fewer than ``SMALL`` instructions: a generate loop's stopping check, ``bool(unfinished.max()
+    == 0)``, 7 instructions once per token) and ``large`` (the model's work), with the median
+    time of one small materialization: a fixed cost per materialization, paid with the caches
+    cold from the record before it."""
     import statistics
 
     import torch
@@ -220,6 +229,28 @@ def split(row: str, rounds: int) -> None:
         fwd = type(g_model)
         timed(fwd, "forward", "forward")
     timed(executor, "run_targets", "materialize")
+    sizes: list[int] = []  # per materialization of the call: its tape's instructions
+    small: list[float] = []  # µs of each small one
+
+    def sized(f: object) -> object:
+        def w(*a: object, **k: object) -> object:
+            tape = f(*a, **k)
+            sizes.append(len(tape.instrs))
+            return tape
+        return w
+
+    run_targets = executor.run_targets
+
+    def run_targets_sized(*a: object, **k: object) -> object:
+        n, t0 = len(sizes), time.perf_counter()
+        try:
+            return run_targets(*a, **k)
+        finally:
+            if len(sizes) > n and sizes[-1] < SMALL:
+                small.append((time.perf_counter() - t0) * 1e6)
+
+    executor.run_targets = run_targets_sized
+    plan_cache.plan = sized(plan_cache.plan)
     timed(plan_cache, "plan", "plan")
     timed(pipeline, "run", "replay")
     timed(executor, "_bind", "bind")
@@ -228,14 +259,19 @@ def split(row: str, rounds: int) -> None:
         g_step()
         e_step()
     rows: dict[str, dict[str, list[float]]] = {"genie": {}, "eager": {}}
+    counts: list[tuple[int, int]] = []  # per genie call: (small, large) materializations
+    small.clear()
     for i in range(rounds):
         for who, step in (("genie", g_step), ("eager", e_step))[:: 1 if i % 2 else -1]:
             acc.clear()
+            sizes.clear()
             t0 = time.perf_counter()
             step()
             acc["total"] = time.perf_counter() - t0
             for k, v in acc.items():
                 rows[who].setdefault(k, []).append(v / units * 1e6)
+            if who == "genie":
+                counts.append((sum(n < SMALL for n in sizes), sum(n >= SMALL for n in sizes)))
     med = {w: {k: statistics.median(v) for k, v in r.items()} for w, r in rows.items()}
     g, e = med["genie"], med["eager"]
     if fwd is None:  # mlp: the record is the step minus loss.item()
@@ -251,6 +287,10 @@ def split(row: str, rounds: int) -> None:
           f"{g['forward']:.0f} | other {g['total'] - g['forward'] - mat:.0f} | materialize "
           f"{mat:.0f}: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items()) +
           f", glue+teardown {mat - sum(parts.values()):.0f}")
+    ns, nl = (statistics.median(c) for c in zip(*counts))
+    one = statistics.median(small) if small else 0.0
+    print(f"  genie materializations per call: {ns:.0f} small (< {SMALL} instructions, "
+          f"{one:.0f} µs each: {ns * one / units:.0f} µs per {unit}), {nl:.0f} large")
 
 
 if __name__ == "__main__":
