@@ -176,6 +176,9 @@ def reset_device_map() -> None:
 #: set by :mod:`genie.backends.remote`: ``remote_sync(index)`` waits for the server of device
 #: ``index`` and says whether there is one
 remote_sync: Any = None
+#: set by :mod:`genie.backends.remote`: ``remote_served(index)``, whether a server runs device
+#: ``index``'s tapes (a value read from it costs a round trip)
+remote_served: Any = None
 
 
 def synchronize(device: Any = None) -> None:

@@ -261,6 +261,22 @@ _UNINITIALIZED = frozenset(
     for op in (getattr(packet, name) for name in packet.overloads()))
 _UPLOAD = "genie.upload"
 _HOST = torch.device("cpu")
+# ops whose result eager fully specifies (no order of ties, no choice among duplicate writes,
+# no rounding): a scalar read on the host (:func:`host_read`) is made of these and views only
+_READ_OPS = frozenset(
+    op for packet in (
+        _aten.eq, _aten.ne, _aten.lt, _aten.le, _aten.gt, _aten.ge, _aten.logical_and,
+        _aten.logical_or, _aten.logical_xor, _aten.logical_not, _aten.bitwise_and,
+        _aten.bitwise_or, _aten.bitwise_xor, _aten.bitwise_not, _aten.__and__, _aten.__or__,
+        _aten.__xor__, _aten.any, _aten.all, _aten.isin, _aten.max, _aten.min, _aten.amax,
+        _aten.amin, _aten.sum, _aten.add, _aten.sub, _aten.mul, _aten.neg, _aten.abs,
+        _aten.where, _aten.clamp, _aten.maximum, _aten.minimum, _aten.ones, _aten.zeros,
+        _aten.full, _aten.ones_like, _aten.zeros_like, _aten.full_like, _aten.arange,
+        _aten.scalar_tensor, _aten.lift_fresh, _aten.lift_fresh_copy, _aten.clone, _aten.copy,
+        _aten._to_copy, _aten.cat, _aten.stack, _aten.view, _aten._unsafe_view, _aten.reshape,
+        _aten.unsqueeze, _aten.squeeze, _aten.expand, _aten.slice, _aten.select, _aten.alias,
+        _aten.permute, _aten.t, _aten.transpose, _aten.numel, _aten.fill)
+    for op in (getattr(packet, name) for name in packet.overloads()))
 
 
 def host_value(node: Node, out: int) -> torch.Tensor | None:
@@ -279,8 +295,10 @@ def host_value(node: Node, out: int) -> torch.Tensor | None:
     (:func:`genie.checks.check_known_indices`)."""
     index = node.metas[out].index
     nodes = value_slice(node, out, lambda n: _host_known(n, index), HOST_NODES)
-    if nodes is None:
-        return None
+    return None if nodes is None else _run_on_host(node, out, nodes)
+
+
+def _run_on_host(node: Node, out: int, nodes: list[Node]) -> torch.Tensor | None:
     tape = build_tape([(node, out)], nodes)
     for ins in tape.instrs:
         ins.free = ()  # a short run: nothing to free early
@@ -292,6 +310,22 @@ def host_value(node: Node, out: int) -> torch.Tensor | None:
         return None  # the device's run raises it, where eager's would (a deferred error)
     bump("host_evaluations")
     return kept[tape.outputs[0]]
+
+
+def host_read(node: Node, out: int) -> torch.Tensor | None:
+    """:func:`host_value` for a scalar read (``.item()``, ``bool()``) of a device served by a
+    server: the checks a library makes on small values it made from constants (transformers'
+    ``generate``: ``(eos_token_tensor < 0).any()``, ``isin(pad, eos).any()``) cost no round trip.
+    Only where the lineage is made of ops whose result eager fully specifies
+    (:data:`_READ_OPS`: a value another device would order or round differently is read from the
+    device), and never while a training step's effects wait for the next trigger (they run with
+    it, :func:`genie.executor.with_step`). None: read it from the device."""
+    if _steps.pending:
+        return None
+    index = node.metas[out].index
+    nodes = value_slice(node, out, lambda n: (n.op == _UPLOAD or n.op in _READ_OPS) and
+                        _host_known(n, index), HOST_NODES)
+    return None if nodes is None else _run_on_host(node, out, nodes)
 
 
 def _host_known(n: Node, index: int) -> bool:

@@ -1116,7 +1116,16 @@ def item_kernel(x: torch.Tensor) -> Any:
 def _item_now(x: LazyTensor) -> Any:
     """:func:`_run_now` for ``_local_scalar_dense(x)`` (``.item()``, ``bool()``: once per token
     in a generate loop, once per training step), without its generic argument handling: one
-    input, a Python number out, read directly where the real tensor needs no dispatch state."""
+    input, a Python number out, read directly where the real tensor needs no dispatch state.
+    On a device a server runs, a small exact value the host can compute from constants is read
+    without a round trip (:func:`genie.executor.host_read`; its nodes stay pending)."""
+    served = device.remote_served
+    if served is not None and not x._node.executed and served(x._node.metas[x._out].index):
+        real = executor.host_read(x._node, x._out)
+        if real is not None:
+            _counts["forced_materializations"] += 1
+            bump("host_reads")
+            return _item(real)
     real = materialize(x, trigger="item")
     if _plain(real):
         out = _item(real)

@@ -49,7 +49,9 @@ def stats() -> dict[str, int]:
       ``passes_step_unoptimized``;
     - meaning (:mod:`genie.context`): ``phase.prefill.calls``, ``phase.decode.calls``,
       ``phase.prefill.nodes``, ``phase.decode.nodes`` (phases found on the default path);
-    - remote: ``round_trips``, ``bytes_sent``, ``bytes_received``, ``skeletons_sent``,
+    - remote: ``round_trips``, ``host_reads`` (scalar reads of small exact values the host
+      computed from constants, no round trip: :func:`genie.executor.host_read`),
+      ``bytes_sent``, ``bytes_received``, ``skeletons_sent``,
       ``frees_sent``, ``resident_tensors``, ``resident_bytes``, ``uploads_sent_now`` (large
       uploads sent at ``.to()``, from the host tensor's own memory),
       ``ops_decomposed_for_server`` (instructions outside the server's opset, sent as their

@@ -222,6 +222,7 @@ def _synchronize(index: int) -> bool:
 
 
 device.remote_sync = _synchronize
+device.remote_served = lambda index: index < len(_clients)
 
 
 def client_for(index: int) -> Any:

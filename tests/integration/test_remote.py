@@ -153,6 +153,35 @@ def test_item_is_one_round_trip(remote) -> None:
     assert genie.stats()["round_trips"] == 1
 
 
+def test_small_exact_checks_on_host_made_values_cost_no_round_trip(remote) -> None:
+    """transformers' generate checks values it made from constants (``isin(eos, pad).any()``,
+    ``(eos < 0).any()``): the host reads them (integer and bool ops whose result eager fully
+    specifies), with eager's answers; the nodes stay pending and give the same values on the
+    device; anything else is read from the device."""
+    def checks(dev: str) -> list:
+        eos = torch.tensor([3, 5, 3], device=dev)
+        pad = eos[0]
+        ids = torch.arange(1, 9, device=dev).view(2, 4)
+        return [bool(torch.isin(eos, pad).any()), bool((eos < 0).any()),
+                int((ids == 3).sum()), (ids.max() - eos.min()).item(), eos, ids]
+
+    want = checks("cpu")
+    genie.reset_stats()
+    got = checks(DEV)
+    assert got[:4] == want[:4]
+    st = genie.stats()
+    assert st["host_reads"] == 4 and st.get("round_trips", 0) == 0, st
+    for g, w in zip(got[4:], want[4:], strict=True):  # the device computes the same values
+        assert torch.equal(g.cpu(), w)
+    genie.reset_stats()
+    x = torch.tensor([1.5, -2.0], device=DEV)  # float arithmetic: the device's answer
+    assert bool((x * 3 > 0).any()) == bool((torch.tensor([1.5, -2.0]) * 3 > 0).any())
+    v, _ = torch.sort(torch.tensor([2, 1, 2], device=DEV))  # an op eager leaves unspecified
+    assert v[0].item() == 1
+    st = genie.stats()
+    assert st.get("host_reads", 0) == 0 and st["round_trips"] == 2, st
+
+
 def test_random_ops_match_in_process(server: ServerProc) -> None:
     def draw() -> list[torch.Tensor]:
         torch.manual_seed(7)
