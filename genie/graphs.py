@@ -294,6 +294,11 @@ class GraphData:
 _graphs: dict[str, GraphData] = {}
 _lock = threading.Lock()
 
+#: where Inductor cannot write its files itself (a server's sandboxed worker): a callable that has
+#: them built for a graph and its arguments' shape class before the compile here loads them
+#: (:mod:`genie.remote.compiler`)
+builder: Callable[[GraphData, list[Any]], None] | None = None
+
 
 def register(data: bytes, kinds: list[str] | None = None,
              resolve: Callable[[str], Any] = aten_resolve) -> GraphData:
@@ -447,6 +452,8 @@ def _first_run(g: GraphData, device: torch.device, args: list[Any],
     reason = None
     try:
         with waiting(f"compiling a graph of {g.ops} ops with {name} for {device}"):
+            if name == "inductor" and builder is not None:
+                builder(g, args)
             fn = _compile(gm, args, name, g.options)
             got = _tensor_outs(fn(*args))
         bump("graph_compiles")

@@ -58,7 +58,7 @@ import zmq
 from .. import backends, graphs, tape_io
 from ..errors import ExecutionError
 from ..index_check import IndexCheck
-from . import ProtocolError, allowlist, peer
+from . import ProtocolError, allowlist, compiler, peer
 from ..backends import native_replay
 from ..planner import Tape
 from .guard import QuotaError, RunTimeout, run_guarded, vet_tape
@@ -1467,6 +1467,8 @@ def _worker_main(endpoint: str, token: bytes, cfg: Config) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
+    # before the sandbox: the helper writes the files Inductor needs, which this process cannot
+    compiler.start(cfg.device, _graph_op, cfg.quota, lambda: (die_with_parent(), _no_network()))
     got = sandbox(cfg)
     _cuda_limit(cfg)
     logger.debug("genie-server: worker %d sandboxed: %s", os.getpid(), got)

@@ -100,3 +100,128 @@ def test_graph_with_an_op_outside_the_servers_opset_is_refused(remote) -> None:
                                             r"Genie server"):
         out.cpu()
     assert (xd * 2).sum().item() == 12.0  # the session goes on
+
+
+# --- the worker's compile helper (genie/remote/compiler.py) ------------------------------------
+# The helper writes files (Inductor's), the worker cannot: it trusts no request the worker sends
+# (a worker runs kernels and may be compromised), so each field is tried as an attacker would.
+
+def _mul_graph() -> bytes:
+    gm = torch.fx.symbolic_trace(lambda x: torch.ops.aten.mul.Tensor(x, 2.0))
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta["val"] = torch.empty(4, device="meta")
+    return graphs.encode(gm, [torch.empty(4)])[0]
+
+
+@pytest.mark.parametrize("req, match", [
+    ("not a map", "a compile request is"),
+    ({"g": "text, not bytes", "in": []}, "a compile request is"),
+    ({"g": b"", "in": [], "x": 1}, "a compile request is"),  # an unknown field
+    ({"g": b"\x00garbage", "in": [[[4], [1], "float32"]]}, "does not decode|version-1"),
+    ({"in": [[[4], [1], "float32"]]}, "a compile request is"),
+    ("graph", "takes 1 inputs, the request gives 2"),
+    ("in", "expected \\[shape, strides, dtype name\\]"),
+])
+def test_compile_helper_refuses_malformed_requests(req, match) -> None:
+    from genie.remote import compiler, worker
+
+    data = _mul_graph()
+    if req == "graph":
+        req = {"g": data, "in": [[[4], [1], "float32"], 3]}
+    elif req == "in":
+        req = {"g": data, "in": [[[4], [1], "torch.storage"]]}
+    with pytest.raises(Exception, match=match):
+        compiler.build(req, worker._graph_op, torch.device("cpu"), 1 << 20)
+
+
+@pytest.mark.parametrize("entry", [
+    [[-1], [1], "float32"],            # a negative size
+    [[4], [1, 1], "float32"],          # strides that do not match the dims
+    [[4.0], [1], "float32"],           # a float size
+    [[1] * 17, [1] * 17, "float32"],   # too many dims
+    [[1 << 62], [1], "float32"],       # a size past any tensor
+    "float32", 7, None,                # not a [shape, strides, dtype] triple
+])
+def test_compile_helper_refuses_bad_shape_classes(entry) -> None:
+    from genie.remote import compiler, worker
+
+    with pytest.raises(ValueError, match="expected \\[shape, strides, dtype name\\]"):
+        compiler.build({"g": _mul_graph(), "in": [entry]}, worker._graph_op,
+                       torch.device("cpu"), 1 << 20)
+
+
+def test_compile_helper_bounds_the_inputs_by_the_quota() -> None:
+    from genie.remote import compiler, worker
+
+    # 1 GiB of float32 asked of a helper whose session may hold 1 MiB: refused before allocating
+    with pytest.raises(ValueError, match="more than the session's quota"):
+        compiler.build({"g": _mul_graph(), "in": [[[1 << 28], [1], "float32"]]},
+                       worker._graph_op, torch.device("cpu"), 1 << 20)
+    # strides count: 4 elements 2^26 apart span 768 MiB
+    with pytest.raises(ValueError, match="more than the session's quota"):
+        compiler.build({"g": _mul_graph(), "in": [[[4], [1 << 26], "float32"]]},
+                       worker._graph_op, torch.device("cpu"), 1 << 20)
+
+
+def test_compile_helper_refuses_ops_outside_the_opset_and_answers_over_its_socket() -> None:
+    """The helper's loop: an op the server does not admit is answered with the resolver's
+    refusal (nothing compiled, the helper goes on); a message past its limit ends the loop."""
+    import socket
+    import threading
+
+    import msgpack
+
+    from genie.remote import compiler, worker
+
+    d = msgpack.unpackb(_mul_graph())
+    d["nodes"][0][0] = "aten::_reshape_alias.default"
+    bad = msgpack.packb(d)
+    a, b = socket.socketpair()
+    t = threading.Thread(target=compiler.serve, args=(b, worker._graph_op, torch.device("cpu"),
+                                                      1 << 20), daemon=True)
+    t.start()
+    compiler._send(a, {"g": bad, "in": [[[4], [1], "float32"]]})
+    reply = compiler._recv(a, 1 << 20)
+    assert "_reshape_alias" in reply["error"] and "does not run on a Genie server" in \
+        reply["error"], reply
+    compiler._send(a, "garbage")
+    assert "a compile request is" in compiler._recv(a, 1 << 20)["error"]
+    a.sendall(compiler._LEN.pack(compiler.MAX_REQUEST + 1))  # oversized: the helper stops
+    t.join(10)
+    assert not t.is_alive()
+    assert a.recv(1) == b""  # closed
+    a.close()
+    b.close()
+
+
+@pytest.mark.skipif(os.environ.get("GENIE_FULL_TESTS") != "1",
+                    reason="inductor compiles C++ (a minute here); GENIE_FULL_TESTS=1")
+def test_server_compiles_graphs_with_inductor_despite_its_sandbox(tmp_path) -> None:
+    """A worker cannot write files; its helper builds Inductor's, the worker loads them: the
+    graph runs compiled (no 'runs op by op' warning in the server's log) with eager's values."""
+    before = os.environ.get("GENIE_COMPILER")
+    os.environ["GENIE_COMPILER"] = "inductor"
+    try:
+        s = ServerProc(tmp_path, "--quota", "64MiB", drain=False, log_level="INFO")
+    finally:
+        if before is None:
+            os.environ.pop("GENIE_COMPILER")
+        else:
+            os.environ["GENIE_COMPILER"] = before
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+    genie.connect(s.address, key_file=str(s.key_file), timeout=600)
+    try:
+        cm = torch.compile(copy.deepcopy(ref).to(DEV))
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            with torch.no_grad():
+                torch.testing.assert_close(cm(x.to(DEV)).cpu(), ref(x))
+    finally:
+        genie.disconnect()
+        code = s.stop()
+    log = s.proc.stdout.read()
+    assert code == 0
+    assert "runs op by op" not in log and "File too large" not in log, log[-3000:]
