@@ -276,6 +276,8 @@ class GraphData:
     modules: dict[str, torch.fx.GraphModule] = field(default_factory=dict)
     compiled: dict[Any, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)  # Inductor's, from torch.compile
+    # the last call's shape class as a native check and its compiled entry (see _last)
+    last: tuple[int, Any, Any] | None = None
     resolve: Callable[[str], Any] = aten_resolve  # a server's admits only its opset
 
     @property
@@ -407,16 +409,22 @@ def _shape_class(device: torch.device, args: list[Any]) -> tuple[Any, ...]:
 
 def _run(key: str, tensors: list[torch.Tensor], ints: list[int]) -> list[torch.Tensor]:
     g = lookup(key)
-    device = next((t.device for t in tensors if t.device.type != "cpu"), _CPU)
-    args = tensors if g.all_tensors and not ints and len(tensors) == len(g.kinds) else \
-        _inputs(g, tensors, ints)
-    sk = _shape_class(device, args)
+    last = g.last
+    if last is not None and len(tensors) == last[0] and last[1].check(*tensors):
+        entry, args = last[2], tensors  # the shape class of the last call (checked natively)
+    else:
+        device = next((t.device for t in tensors if t.device.type != "cpu"), _CPU)
+        plain = g.all_tensors and not ints and len(tensors) == len(g.kinds)
+        args = tensors if plain else _inputs(g, tensors, ints)
+        sk = _shape_class(device, args)
+        entry = g.compiled.get(sk)
+        if entry is None:
+            with _no_modes(), torch.no_grad():
+                return _unaliased(_first_run(g, device, args, sk), args)
+        g.last = _last(args, entry) if plain else None
+    bump("graph_cache_hits")
     with _no_modes(), torch.no_grad():
-        fn = g.compiled.get(sk)
-        if fn is None:
-            return _unaliased(_first_run(g, device, args, sk), args)
-        bump("graph_cache_hits")
-        fn, restride, clone = fn
+        fn, restride, clone = entry
         outs = _tensor_outs(fn(*args))
         for k, st in restride:
             o = outs[k]
@@ -427,6 +435,20 @@ def _run(key: str, tensors: list[torch.Tensor], ints: list[int]) -> list[torch.T
 
 
 _CPU = torch.device("cpu")
+
+
+def _last(args: list[torch.Tensor], entry: Any) -> tuple[int, Any, Any] | None:
+    """``(count, guard, entry)``: a native check that tensors have ``args``' shape class (device,
+    dtype, sizes, strides; and ``requires_grad``, dispatch keys: a stricter check, a miss only
+    costs the lookup by shape class) for the next call, which then skips building its key."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        guard = TensorGuards(*args, dynamic_dims_sizes=[list(a.shape) for a in args],
+                             dynamic_dims_strides=[list(a.stride()) for a in args])
+    except Exception:  # noqa: BLE001 - torch without it: every call builds its key
+        return None
+    return len(args), guard, entry
 
 
 def _no_modes() -> Any:

@@ -369,3 +369,29 @@ def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler):
             assert a == b
     with torch.no_grad():
         torch.testing.assert_close(cm(x).cpu(), ref(xc))
+
+
+def test_each_shape_class_runs_its_own_compilation(fast_compiler):
+    """The kernel checks a call against the last call's shape class natively before it builds
+    the key: a call of another layout, dtype or device (or sizes) must not reuse the last
+    compilation. Layouts A, A, B (same shape, transposed strides), B, A, then a new dtype:
+    3 compilations, 3 reuses, eager's values every time."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    g.output([y])
+    x.meta["val"], y.meta["val"] = (torch.empty(2, 3, device="meta") for _ in range(2))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    data, kinds = graphs.encode(gm, [torch.empty(2, 3)])
+    graphs.forget(graphs.content_key(data))
+    key = graphs.register(data, kinds).key
+    a = torch.arange(6.0).reshape(2, 3)
+    b = torch.arange(6.0).reshape(3, 2).t()
+    c = a.double()
+    genie.reset_stats()
+    for inp in (a, a, b, b, a, c):
+        out = torch.ops.genie.graph(key, [inp], [])[0]
+        torch.testing.assert_close(out, inp * 2)
+        assert out.stride() == (inp * 2).stride() and out.dtype == inp.dtype
+    s = genie.stats()
+    assert s["graph_compiles"] == 3 and s["graph_cache_hits"] == 3, s
