@@ -265,6 +265,10 @@ def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+#: frames up to this size that :func:`frame_tensor` copies go straight into a fresh tensor
+SMALL_COPY = 1 << 16
+
+
 def frame_tensor(buf: Any, ref: FrameRef, copy: bool) -> torch.Tensor:
     """The tensor a frame holds (checked against ``ref``); ``copy`` gives it its own memory."""
     n = math.prod(ref.shape)
@@ -281,6 +285,11 @@ def frame_tensor(buf: Any, ref: FrameRef, copy: bool) -> torch.Tensor:
                                 f"of {list(ref.shape)}")
     if n == 0:
         return torch.empty(ref.shape, dtype=ref.dtype)
+    if copy and size <= SMALL_COPY:  # (a scalar read: fresh aligned memory, the bytes copied in)
+        flat = torch.empty(n, dtype=ref.dtype)
+        flat.view(torch.uint8).numpy()[:] = memoryview(buf).cast("B")
+        return flat.view(ref.shape) if ref.stride is None else \
+            flat.as_strided(ref.shape, ref.stride)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only buffers: we copy or only read
         raw = torch.frombuffer(buf, dtype=torch.uint8)
