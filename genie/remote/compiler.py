@@ -18,7 +18,8 @@ The helper trusts no request: the worker runs kernels and may be compromised. It
 length-prefixed msgpack (at most :data:`MAX_REQUEST` bytes), admits graphs only through the
 server's resolver, dtypes from :data:`DTYPES`, shapes and strides of non-negative ints, and inputs
 of at most the session's quota in bytes (no real call has more). It has no network (where the
-kernel allows, as the worker) and dumps no core; it never holds a session's tensors.
+kernel allows, as the worker), dumps no core, and its memory (and its compiler's) is bounded by
+the OS as the worker's is (``RLIMIT_DATA``); it never holds a session's tensors.
 
 CPU servers only: on CUDA Inductor would need a CUDA context in the helper (the worker's graphs
 still run op by op there, see docs/compile.md).
@@ -84,7 +85,7 @@ def start(device: str, resolve: Callable[[str], Any], max_bytes: int,
         code = 0
         try:
             parent.close()
-            _confine(confine)
+            _confine(confine, max_bytes)
             serve(child, resolve, torch.device(device), max_bytes)
         except BaseException:  # noqa: BLE001 - never return into the worker's code
             code = 1
@@ -105,12 +106,22 @@ def _same_config() -> None:
     icfg.compile_threads = 1
 
 
-def _confine(confine: Callable[[], Any]) -> None:
+#: bytes the helper (and the compiler it runs, which inherits the limit) may allocate beyond
+#: what it had at fork and twice the session's quota (its inputs are at most the quota)
+COMPILE_SLACK = 2 << 30
+
+
+def _confine(confine: Callable[[], Any], max_bytes: int) -> None:
     confine()  # the worker's: die with it, no network
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    from .worker import vm_data
+
+    limit = vm_data() + 2 * max_bytes + COMPILE_SLACK  # memory bounded as the worker's is
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
 def serve(sock: socket.socket, resolve: Callable[[str], Any], device: torch.device,
