@@ -118,14 +118,9 @@ CLASS_TRIES = 3
 CLASS_MAX_INSTRS = 8192
 #: a shape class build's first estimate of its cost (then measured), seconds per instruction;
 #: ``GENIE_SERVER_CLASS_BUILD_COST`` sets it (0: a class at a structure's second clean vet).
-#: Builds made inline (``GENIE_SERVER_CLASS_BUILD=inline``) stall a request, so they wait until
-#: vetting has cost as much (ski rental); background builds stall none, but take a slot and CPU:
-#: they start once vetting has cost :data:`BACKGROUND_VET_SHARE` of it.
+#: Only builds made inline (``GENIE_SERVER_CLASS_BUILD=inline``) stall a request, so only they
+#: wait until vetting has cost as much (ski rental); background builds start at once.
 BUILD_SECONDS_PER_INSTR = 0.002
-#: a background build starts once its structure's concrete vets have cost this share of what
-#: the build is expected to: a structure vetted on every call (a generate call's prefill, a new
-#: prompt length each time) takes a slot before one whose calls are mostly shapes vetted before
-BACKGROUND_VET_SHARE = 0.1
 #: a background build (a forked child) that runs longer is stopped; its structure keeps the
 #: concrete vet (and may try again, up to :data:`CLASS_TRIES`)
 BUILD_SECONDS_MAX = 120.0
@@ -852,10 +847,8 @@ class Worker:
         # inline, ski rental: build once the concrete vets of this structure have cost what a
         # build is expected to (a structure seen a few times never pays a build it cannot win
         # back; one that keeps moving pays at most about twice what vetting it once per class
-        # costs); in the background, once they cost a share of it (the slots go to the
-        # structures whose vets cost most)
-        share = BACKGROUND_VET_SHARE if background else 1.0
-        if self.vet_seconds.get(ck, 0.0) < len(tape.instrs) * self.build_cost * share:
+        # costs)
+        if not background and self.vet_seconds.get(ck, 0.0) < len(tape.instrs) * self.build_cost:
             return
         pos = moved(prev, ints)
         if pos is None:
