@@ -256,3 +256,18 @@ def test_a_background_build_past_its_time_is_stopped(monkeypatch) -> None:
     assert "ran past" in out
     with pytest.raises(ChildProcessError):  # killed and reaped
         os.waitpid(pid, os.WNOHANG)
+
+
+def test_build_slots_follow_the_cores_and_the_variable(monkeypatch) -> None:
+    """Two background builds at once where cores are spare, one on a small machine (a second
+    build competes with the requests there); ``GENIE_SERVER_CLASS_BUILDS`` sets it, a bad value
+    keeps the default."""
+    from genie.remote import worker
+
+    monkeypatch.delenv("GENIE_SERVER_CLASS_BUILDS", raising=False)
+    for cores, want in ((1, 1), (2, 1), (3, 1), (4, 2), (64, 2)):
+        monkeypatch.setattr(worker.os, "sched_getaffinity", lambda _p, n=cores: set(range(n)))
+        assert worker.build_slots() == want, cores
+    for v, want in (("1", 1), ("3", 3), ("0", 2), ("9", 2), ("two", 2)):
+        monkeypatch.setenv("GENIE_SERVER_CLASS_BUILDS", v)
+        assert worker.build_slots() == want, v
