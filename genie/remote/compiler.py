@@ -85,7 +85,7 @@ def start(device: str, resolve: Callable[[str], Any], max_bytes: int,
         code = 0
         try:
             parent.close()
-            _confine(confine, max_bytes)
+            _confine(confine)
             serve(child, resolve, torch.device(device), max_bytes)
         except BaseException:  # noqa: BLE001 - never return into the worker's code
             code = 1
@@ -111,17 +111,12 @@ def _same_config() -> None:
 COMPILE_SLACK = 2 << 30
 
 
-def _confine(confine: Callable[[], Any], max_bytes: int) -> None:
-    confine()  # the worker's: die with it, no network
+def _confine(confine: Callable[[], Any]) -> None:
+    confine()  # the worker's: die with it, no network, memory bounded as its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    from .worker import vm_data
-
-    limit = vm_data() + 2 * max_bytes + COMPILE_SLACK  # memory bounded as the worker's is
-    with contextlib.suppress(ValueError, OSError):
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
 def serve(sock: socket.socket, resolve: Callable[[str], Any], device: torch.device,

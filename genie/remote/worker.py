@@ -1293,6 +1293,17 @@ def _no_network() -> bool:
     return True
 
 
+def limit_data(extra: int) -> int:
+    """Bound this process's private writable memory (``RLIMIT_DATA``) to what it has now plus
+    ``extra`` bytes; the limit set (0 where the OS refuses)."""
+    limit = vm_data() + extra
+    try:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    except (ValueError, OSError):
+        return 0
+    return limit
+
+
 def vm_data() -> int:
     """This process's private writable memory (``VmData``), bytes: what ``RLIMIT_DATA`` bounds."""
     with open("/proc/self/status") as f:
@@ -1313,9 +1324,8 @@ def sandbox(cfg: Config) -> dict[str, Any]:
         resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
         done["fsize"] = 0
     if torch.device(cfg.device).type == "cpu":
-        limit = vm_data() + 2 * cfg.quota + DATA_SLACK
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        limit = limit_data(2 * cfg.quota + DATA_SLACK)
+        if limit:
             done["data"] = limit
     done["netns"] = _no_network()
     return done
@@ -1489,7 +1499,8 @@ def _worker_main(endpoint: str, token: bytes, cfg: Config) -> None:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     # before the sandbox: the helper writes the files Inductor needs, which this process cannot
-    compiler.start(cfg.device, _graph_op, cfg.quota, lambda: (die_with_parent(), _no_network()))
+    compiler.start(cfg.device, _graph_op, cfg.quota, lambda: (
+        die_with_parent(), _no_network(), limit_data(2 * cfg.quota + compiler.COMPILE_SLACK)))
     got = sandbox(cfg)
     _cuda_limit(cfg)
     logger.debug("genie-server: worker %d sandboxed: %s", os.getpid(), got)
