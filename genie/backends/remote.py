@@ -222,7 +222,10 @@ def _synchronize(index: int) -> bool:
 
 
 device.remote_sync = _synchronize
-device.remote_served = lambda index: index < len(_clients)
+# (a scalar read the host can answer skips the round trip only under fixed placement: a
+# placement policy decides each tape's server from the runs it sees, e.g. where a prefill's
+# inputs live, and a read answered here would change that)
+device.remote_served = lambda index: index < len(_clients) and _router is None
 
 
 def client_for(index: int) -> Any:
