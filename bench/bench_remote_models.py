@@ -60,6 +60,9 @@ CLASS_WAIT = 90.0
 MAX_WARM_STEPS = 600
 NEW_TOKENS = 32
 MLP_STEPS = 4  # training steps per timed call (then a synchronize)
+#: the server's device, and where eager runs beside it (``cuda`` on a GPU machine, see
+#: tools/gpu_check.sh; the MLP row's eager backward cannot run on CUDA in a process with Genie)
+REAL = os.environ.get("GENIE_BENCH_SERVER_DEVICE", "cpu")
 
 
 def _trees() -> dict[str, Path]:
@@ -75,7 +78,7 @@ class _Server:
         env = {**os.environ, "PYTHONPATH": str(tree), "GENIE_LOG_LEVEL": "WARNING"}
         env.pop("GENIE_SERVER", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "genie.remote.server", "--device", "cpu", "--listen",
+            [sys.executable, "-m", "genie.remote.server", "--device", REAL, "--listen",
              "127.0.0.1:0", "--keys", str(keys), "--threads", str(torch.get_num_threads())],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tree)
         line = ""
@@ -194,8 +197,10 @@ def _mlp(dev: str) -> Callable[[], object]:
 
     def steps() -> list[float]:
         losses = [step() for _ in range(MLP_STEPS)]
-        if dev != "cpu":
+        if dev == DEV:
             torch.remote_accelerator.synchronize()
+        elif dev.startswith("cuda"):
+            torch.cuda.synchronize()
         return losses
 
     for _ in range(3):
@@ -242,12 +247,12 @@ def test_remote_model(benchmark, ratios, servers, name: str) -> None:
     benchmark.group = f"remote: {name}"
     row = ratios.row(SUITE, name, unit=unit, scale=1e3)
     later = getattr(make, "remote_first", False)  # eager after as many warm-up steps
-    eager = None if later else make("cpu")
+    eager = None if later else make(REAL)
     for sname, srv in servers.items():
         genie.connect(srv.address, key_file=srv.key_file, timeout=120)
         remote = make(DEV)
         if later:
-            eager = make("cpu", remote.warm)
+            eager = make(REAL, remote.warm)
             row.notes.append(f"{sname}: after {remote.warm} steps")
         before = genie.stats()
         med, ratio = _paired({"eager": eager, sname: remote}, rounds, per)

@@ -5,7 +5,8 @@
 # tells what it reached:
 #   1. builds genie._C against that torch in place (the build on torch 2.11 is exercised nowhere
 #      else), 2. runs the demo (remote_accelerator -> cuda:0), 3. bench_models.py's rows with eager
-#   on CUDA too, 4. the unit suite and the model tests on CUDA, in parallel workers.
+#   on CUDA too, 4. bench_remote_models.py's rows through a loopback CUDA server (eager on CUDA
+#   beside it), 5. the unit suite and the model tests on CUDA, in parallel workers.
 # Python packages the machine lacks travel as wheels in .whl/ (see docs/testing.md).
 # Usage: bash tools/gpu_check.sh [bench -k expression]
 set -uo pipefail
@@ -51,6 +52,12 @@ GENIE_BENCH_ROUNDS=${GENIE_BENCH_ROUNDS:-1} timeout ${BENCH_TIMEOUT:-200} \
   $PY -m pytest bench/bench_models.py --benchmark-only -q -p no:cacheprovider ${1:+-k "$1"} \
   >"$OUT/bench.txt" 2>&1
 echo "bench rc=$?"; grep -E "^\[|: eager|load average" "$OUT/bench.txt" | cut -c1-400
+
+stamp "remote bench"  # a CUDA genie-server on this host; eager on CUDA in the client's process
+GENIE_BENCH_SERVER_DEVICE=cuda timeout ${REMOTE_BENCH_TIMEOUT:-200} \
+  $PY -m pytest bench/bench_remote_models.py --benchmark-only -q -p no:cacheprovider \
+  -k "${REMOTE_K:-decode or generate or round}" >"$OUT/remote_bench.txt" 2>&1
+echo "remote bench rc=$?"; grep -E "^\[|: eager|load average|x eager" "$OUT/remote_bench.txt" | cut -c1-400
 
 stamp "tests"
 workers=$(( $(nproc) > 12 ? 12 : $(nproc) ))
