@@ -292,8 +292,17 @@ class Program {
   // (a server answers with them while the rest runs: genie/remote/worker.py "early replies").
   // The caller picks `split` so that nothing after it writes what it reads; an exception
   // `early` raises propagates as the failure of instruction `split - 1`.
+  //
+  // With `check` (a callable) and `check_at` (instruction indices): before each of those
+  // instructions runs, `check(i, {slot: value})` is called with the values of `check_slots`
+  // defined then (a server's index check: genie/index_check.py, arguments checked on the device
+  // before a kernel that would assert on them); an exception it raises is the failure of
+  // instruction `i` (instructions [0, i) ran).
   py::object run(const py::dict& inputs, const py::list& instrs, const py::list& devices,
-                 int64_t split = -1, const py::object& early = py::none()) {
+                 int64_t split = -1, const py::object& early = py::none(),
+                 const py::object& check = py::none(),
+                 const std::vector<int64_t>& check_at = {},
+                 const std::vector<int64_t>& check_slots = {}) {
     static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
     static PyObject* const rng_name = PyUnicode_InternFromString("rng");
     static PyObject* const meta_name = PyUnicode_InternFromString("meta");
@@ -318,6 +327,17 @@ class Program {
       unsupported("a tape of another length than its program");
     }
 
+    std::vector<char> checked(check.is_none() ? 0 : steps_.size(), 0);
+    for (int64_t i : check_at) {
+      if (i >= 0 && static_cast<size_t>(i) < checked.size()) {
+        checked[i] = 1;
+      }
+    }
+    for (int64_t k : check_slots) {
+      if (!checked.empty() && (k < 0 || static_cast<size_t>(k) >= regs.size())) {
+        unsupported("a checked slot outside the program's registers");
+      }
+    }
     std::vector<c10::IValue> stack, results;  // reused: no allocation per instruction
     // The real values of a tape never carry autograd history (it lives on the LazyTensors, and
     // runs are under no_grad): each op goes straight to its backend kernel, not through the
@@ -328,6 +348,20 @@ class Program {
     for (size_t i = 0; i < steps_.size(); ++i) {
       const Step& s = steps_[i];
       const c10::Device& dev = devs.at(s.device);
+      if (!checked.empty() && checked[i]) {
+        py::dict now;
+        for (int64_t k : check_slots) {
+          if (!regs[k].isNone()) {
+            now[py::int_(k)] = torch::jit::toPyObject(regs[k]);
+          }
+        }
+        try {
+          check(py::int_(i), now);
+        } catch (py::error_already_set& e) {
+          e.restore();
+          return failure(i, regs);
+        }
+      }
       try {
         py::object leaves;  // the step's leaves of this instruction, when it reads any
         if (s.reads_leaves) {
@@ -645,7 +679,9 @@ void add_replay_functions(py::module_& m) {
            py::arg("outs"), py::arg("frees"), py::arg("device"), py::arg("rng"),
            py::arg("source") = py::none())
       .def("run", &Program::run, py::arg("inputs"), py::arg("instrs"), py::arg("devices"),
-           py::arg("split") = -1, py::arg("early") = py::none())
+           py::arg("split") = -1, py::arg("early") = py::none(),
+           py::arg("check") = py::none(), py::arg("check_at") = std::vector<int64_t>{},
+           py::arg("check_slots") = std::vector<int64_t>{})
       .def_property_readonly("freed", &Program::freed)
       .def("__len__", &Program::size);
 }

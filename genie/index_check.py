@@ -682,6 +682,24 @@ class IndexCheck:
             a = _bind(ins.op, args, kwargs)
             self.plan[i] = [(r, a) for r in what]
 
+    def points(self) -> tuple[list[int], list[int]]:
+        """Where a native replay of the tape stops for :meth:`step` (the instructions with
+        checked arguments, those that write an argument, those that define a slot a check
+        reads), and the slots those calls read: :meth:`step` sees there what it sees between
+        the instructions of an interpreted run."""
+        reads: set[int] = set()
+        for what in self.plan.values():
+            if type(what) is not str:
+                for _, a in what:
+                    reads.update(x.id for x in optree.tree_leaves(a, none_is_leaf=True)
+                                 if type(x) is Slot)
+        instrs = self.tape.instrs
+        for i in self._writers:
+            reads.update(x.id for x in instrs[i].leaves if type(x) is Slot)
+        at = set(self.plan) | self._writers
+        at.update(i for i, ins in enumerate(instrs) if not reads.isdisjoint(ins.outs))
+        return sorted(at), sorted(reads)
+
     def step(self, i: int, ins: Any, env: dict[int, Any]) -> None:
         """Before instruction ``i`` (``ins``) runs: check its index arguments (raises
         :class:`IndexOutOfRange`), then forget what it is about to write."""

@@ -86,12 +86,19 @@ class Program:
         return len(self.native)  # instructions
 
     def __call__(self, tape: Tape, dev: torch.device, split: int = -1,
-                 early: Any = None) -> dict[int, Any]:
+                 early: Any = None, check: Any = None) -> dict[int, Any]:
         """Run ``tape``; with ``early``, call it with ``{slot: value}`` of the kept slots
-        defined once instruction ``split - 1`` has run (see :func:`early_split`)."""
+        defined once instruction ``split - 1`` has run (see :func:`early_split`). With
+        ``check``, ``(callable, instruction indices, slot ids)``: the callable is called as
+        ``callable(i, {slot: value})`` before each of those instructions, with the values of
+        those slots defined then; what it raises is instruction ``i``'s failure (a server's
+        index check, :meth:`genie.index_check.IndexCheck.points`)."""
         devices = [dev, *map(real_device, self.others)] if self.others else [dev]
-        r = self.native.run(tape.inputs, tape.instrs, devices, split, early) if early else \
-            self.native.run(tape.inputs, tape.instrs, devices)
+        if early is None and check is None:
+            r = self.native.run(tape.inputs, tape.instrs, devices)
+        else:
+            fn, at, slots = check if check is not None else (None, (), ())
+            r = self.native.run(tape.inputs, tape.instrs, devices, split, early, fn, at, slots)
         if type(r) is tuple:  # (failing instruction, the exception it raised, live values)
             i, e, live = r
             ins = tape.instrs[i]

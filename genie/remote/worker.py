@@ -57,7 +57,7 @@ import zmq
 
 from .. import backends, graphs, tape_io
 from ..errors import ExecutionError
-from ..index_check import IndexCheck
+from ..index_check import IndexCheck, IndexOutOfRange
 from . import ProtocolError, allowlist, compiler, peer
 from ..backends import native_replay
 from ..planner import Tape
@@ -108,6 +108,10 @@ MAX_HANDLES = 1 << 18
 #: bytes a worker may allocate beyond what it had at fork and twice its quota (the interpreter's
 #: own growth: compiled skeletons' Python objects, allocator caches)
 DATA_SLACK = 512 << 20
+#: device bytes a CUDA worker's caching allocator may hold beyond twice its quota: the math
+#: libraries' workspaces, which it allocates through that allocator (cuBLAS and cuBLASLt: 32 MiB
+#: each on Hopper; a 600x600 matmul under a 16 MiB quota failed without it on the H200 run)
+CUDA_SLACK = 96 << 20
 #: vetted (structure, shapes) and native programs a session keeps (cleared when full)
 MAX_VETTED = 4096
 MAX_PROGRAMS = 256
@@ -499,6 +503,8 @@ class Worker:
         self._next_build: tuple | None = None  # a build to start once the reply is out
         self.refills = 0  # tapes patched from the last call's (protocol.refill)
         self.unindexed: set[bytes] = set()  # skeletons without an op the index check covers
+        #: skeleton -> where its replays stop for the index check (IndexCheck.points)
+        self.check_points: dict[bytes, tuple[list[int], list[int]]] = {}
         self.how = "guarded"  # how the last run was vetted: guarded, vetted, class, hit
         # early replies: where each program's outputs are final (native_replay.early_split),
         # the front's sender (set by serve_session), and whether this request was answered
@@ -715,9 +721,8 @@ class Worker:
             try:
                 self._guarded = None
                 self.how = "guarded"
-                kept = self._replay(key, tape, budget, started, c.filled) \
-                    if ix is None or not ix.plan \
-                    else None
+                kept = self._replay(key, tape, budget, started, c.filled,
+                                    ix if ix is not None and ix.plan else None)
                 if kept is None:
                     info: dict[str, Any] = {}
                     t0 = time.monotonic()
@@ -743,7 +748,7 @@ class Worker:
                 ran = [i for i, t in enumerate(c.templates) if t.op != UPLOAD]
                 i = ran[e.index] if e.index is not None and e.index < len(ran) else -1
                 return {"t": "err", "kind": "exec", "etype": type(cause).__name__,
-                        "msg": str(cause), "i": i, **_index_counts(ix)}, []
+                        "msg": str(cause), "i": i, "vt": self.how, **_index_counts(ix)}, []
             sess.refresh(tape.inputs.values())  # resize_ of a resident tensor grows it
             new = iter(new_ids)
             for s in c.keep:
@@ -764,14 +769,16 @@ class Worker:
         return reply, rframes
 
     def _replay(self, key: bytes, tape: Tape, budget: int, started: float,
-                filled: Any = None) -> dict[int, Any] | None:
+                filled: Any = None, ix: IndexCheck | None = None) -> dict[int, Any] | None:
         """Vet once, replay natively: a structure's first call runs through the guard (vetted,
         interpreted, stopped between instructions at the deadline); once one has run whole
         (no op whose output size depends on data) well within the deadline, its later calls run
         as one native program (:mod:`genie.backends.native_replay`, compiled once per structure
         and baked constants, shapes as parameters). A call is vetted on meta only when neither
         its exact shapes were vetted before nor a shape class of its structure admits it
-        (:mod:`genie.remote.shape_class`: built from two calls whose integers moved).
+        (:mod:`genie.remote.shape_class`: built from two calls whose integers moved). With
+        ``ix`` (the index check of a tape with checked arguments) the replay stops where an
+        interpreted run would check (:meth:`IndexCheck.points`, once per structure).
         None: run it through the guard (:attr:`_guarded` says what to learn from that run)."""
         self._guarded = None
         self.how = "guarded"
@@ -818,11 +825,20 @@ class Worker:
             raise e
         self.replays += 1
         split = self.splits.get(pkey, -1) if self.answer is not None else -1
+        check = None
+        if ix is not None:
+            points = self.check_points.get(key)
+            if points is None:
+                if len(self.check_points) >= MAX_PROGRAMS:
+                    self.check_points.clear()
+                points = self.check_points[key] = ix.points()
+            check = (_checker(ix, tape), *points)
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            if split > 0:
-                return prog(tape, self.device, split, lambda now: self._answer_early(tape, now))
+            if split > 0 or check is not None:
+                early = (lambda now: self._answer_early(tape, now)) if split > 0 else None
+                return prog(tape, self.device, split, early, check)
             return prog(tape, self.device)
         finally:
             torch._C._set_grad_enabled(grad)
@@ -1337,7 +1353,23 @@ def _cuda_limit(cfg: Config) -> None:
         if dev.index is None:  # "--device cuda": the current one (the fraction needs an index)
             dev = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (2 * cfg.quota) / total), dev)
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, (2 * cfg.quota + CUDA_SLACK) / total), dev)
+
+
+def _checker(ix: IndexCheck, tape: Tape) -> Any:
+    """The index check as a replay calls it between instructions (see ``Program.__call__``):
+    an out-of-range argument fails the instruction with eager's exception, as in
+    :func:`genie.remote.guard.run_guarded`."""
+    instrs = tape.instrs
+
+    def check(i: int, env: dict[int, Any]) -> None:
+        try:
+            ix.step(i, instrs[i], env)
+        except IndexOutOfRange as e:
+            raise e.args[0] from None
+
+    return check
 
 
 # --- test-only kernels ----------------------------------------------------------------------------
