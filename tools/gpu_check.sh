@@ -9,6 +9,8 @@
 #   beside it), 5. the unit suite and the model tests on CUDA, in parallel workers.
 # Python packages the machine lacks travel as wheels in .whl/ (see docs/testing.md).
 # Usage: bash tools/gpu_check.sh [bench -k expression]
+# A re-check after fixes, in less device time: SKIP="native demo bench remote" (steps to skip) and
+# TEST_FILES="tests/unit/test_x.py ..." (instead of the default test list).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/genie-gpu}
@@ -37,7 +39,10 @@ if ! TORCH_DEVICE_BACKEND_AUTOLOAD=0 MAX_JOBS=$(nproc) $PY setup.py build_ext --
 fi
 $PY -c "import genie, torch; from genie import _C; print('genie on', genie.device.real_device(0), '| native record', _C._record_native)" 2>&1 | tee -a "$OUT/machine.txt"
 
-stamp "native errors"  # a C++ error raised inside genie._C must reach Python as an exception
+skip() { [[ " ${SKIP:-} " == *" $1 "* ]] && echo "(skipped: SKIP has $1)"; }
+
+stamp "native errors"
+skip native ||   # a C++ error raised inside genie._C must reach Python as an exception
 { g++ --version | head -1
   $PY -c "import torch; print('torch built with:', [l.strip() for l in torch.__config__.show().splitlines() if 'GCC' in l or 'CXX_COMPILER' in l or 'CXX11_ABI' in l][:3])"
   $PY -c "import genie; from genie import _C; _C._set_device_count(0)" 2>&1 | tail -3
@@ -45,23 +50,23 @@ stamp "native errors"  # a C++ error raised inside genie._C must reach Python as
 } 2>&1 | tee "$OUT/native_errors.txt"
 
 stamp "demo"
-timeout 120 $PY -m genie.demo >"$OUT/demo.txt" 2>&1; echo "demo rc=$?"; tail -4 "$OUT/demo.txt"
+skip demo || timeout 120 $PY -m genie.demo >"$OUT/demo.txt" 2>&1; echo "demo rc=$?"; tail -4 "$OUT/demo.txt"
 
 stamp "bench"
-GENIE_BENCH_ROUNDS=${GENIE_BENCH_ROUNDS:-1} timeout ${BENCH_TIMEOUT:-200} \
+skip bench || GENIE_BENCH_ROUNDS=${GENIE_BENCH_ROUNDS:-1} timeout ${BENCH_TIMEOUT:-200} \
   $PY -m pytest bench/bench_models.py --benchmark-only -q -p no:cacheprovider ${1:+-k "$1"} \
   >"$OUT/bench.txt" 2>&1
 echo "bench rc=$?"; grep -E "^\[|: eager|load average" "$OUT/bench.txt" | cut -c1-400
 
 stamp "remote bench"  # a CUDA genie-server on this host; eager on CUDA in the client's process
-GENIE_BENCH_SERVER_DEVICE=cuda timeout ${REMOTE_BENCH_TIMEOUT:-200} \
+skip remote || GENIE_BENCH_SERVER_DEVICE=cuda timeout ${REMOTE_BENCH_TIMEOUT:-200} \
   $PY -m pytest bench/bench_remote_models.py --benchmark-only -q -p no:cacheprovider \
   -k "${REMOTE_K:-decode or generate or round}" >"$OUT/remote_bench.txt" 2>&1
 echo "remote bench rc=$?"; grep -E "^\[|: eager|load average|x eager" "$OUT/remote_bench.txt" | cut -c1-400
 
 stamp "tests"
 workers=$(( $(nproc) > 12 ? 12 : $(nproc) ))
-timeout ${TEST_TIMEOUT:-240} $PY -m pytest tests/unit tests/integration/test_models.py tests/integration/test_remote.py tests/integration/test_server_index_check.py ${TESTS:-} -q \
+timeout ${TEST_TIMEOUT:-240} $PY -m pytest ${TEST_FILES:-tests/unit tests/integration/test_models.py tests/integration/test_remote.py tests/integration/test_server_index_check.py} ${TESTS:-} -q \
   -n "$workers" -p no:cacheprovider -o addopts="" >"$OUT/tests.txt" 2>&1
 echo "tests rc=$?"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | cut -c1-300 | head -60
