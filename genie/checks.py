@@ -58,7 +58,10 @@ _SHRINK_PROBED = frozenset(op for packet in (
     aten.sum, aten.nansum, aten.mean, aten.nanmean, aten.std, aten.var, aten.std_mean,
     aten.var_mean, aten.logsumexp, aten.norm, aten.linalg_vector_norm, aten.argmax, aten.argmin,
     aten.amax, aten.amin, aten.aminmax, aten.max, aten.min, aten.all, aten.any, aten.prod,
-    aten.mode, aten.median, aten.nanmedian, aten.searchsorted, aten.bucketize)
+    aten.mode, aten.median, aten.nanmedian, aten.searchsorted, aten.bucketize,
+    # batch matrix products: eager's CPU kernels compare the operands' dtypes only where the
+    # product is not empty, and torch 2.11's meta kernels not at all (bmm(float, double))
+    aten.bmm, aten.baddbmm, aten.addbmm)
     for op in (getattr(packet, name) for name in packet.overloads()))
 #: Of those, the ones that warn where a reduction has no degrees of freedom (std, var): probed
 #: with every dim min(size, 2) instead, where that stays small, and their probe's warning
@@ -518,6 +521,9 @@ def check_known_indices(func: Any, args: tuple, kwargs: dict, host: Any) -> bool
     indices = args[1] if len(args) > 1 else kwargs.get("indices")
     if not isinstance(self, torch.Tensor) or not isinstance(indices, (list, tuple)):
         return False
+    if not any(isinstance(ix, torch.Tensor) and ix.dtype not in (torch.bool, torch.uint8)
+               for ix in indices):
+        return False  # masks alone: their true elements are in range by their shapes
     shape = tuple(self.shape)
     parts: list[tuple[torch.Tensor, int | None]] = []  # (values, size); a mask's: None
     rest, pos, deferred = 1, 0, False
@@ -532,6 +538,9 @@ def check_known_indices(func: Any, args: tuple, kwargs: dict, host: Any) -> bool
         if ix.dtype in (torch.bool, torch.uint8):
             if h is None:  # a mask on the device: its true elements are in range by its shape
                 return deferred
+            if pos + ix.dim() > len(shape) or any(
+                    s != shape[pos + j] for j, s in enumerate(ix.shape)):
+                return deferred  # eager's mask-shape error (its host code's, on every device)
             parts.extend((c, None) for c in h.nonzero().unbind(1))  # in range: not judged
             pos += ix.dim()
             continue

@@ -396,6 +396,11 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         special = _transfer(func, args, kwargs, leaves, index)
         if special is not _NOT_HANDLED:
             return special
+    where = False
+    if func in checks.INDEX or func in checks.INDEX_PUT:
+        # before a data-dependent run too (a mask's index): the kernel must never see a host-known
+        # index out of range (on CUDA a device-side assert, not eager's IndexError)
+        where = _check_indices(func, pol, args, kwargs, leaves, spec, index)
     if pol.dynamic and not static_shape(func, pol, _meta_leaves(leaves), spec, index):
         return _run_now(func, args, kwargs, leaves, spec, index)
     if pol.inplace_view:
@@ -404,9 +409,6 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         checks.check_normal_std(args, kwargs)
     if pol.portable is not None:  # a CUDA-only fused op: record its decomposition (genie.portable)
         return pol.portable(*args, **kwargs)
-    where = False
-    if func in checks.INDEX or func in checks.INDEX_PUT:
-        where = _check_indices(func, pol, args, kwargs, leaves, spec, index)
     try:
         return _record(func, pol, args, kwargs, leaves, spec, index, current_graph(), where=where)
     except checks.MaskNeedsData:  # index_put with a mask: see genie.checks
@@ -436,6 +438,8 @@ def _check_indices(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[
     except IndexError:
         try:  # a metadata error of the call is eager's first: _record raises it
             infer(func, pol, _meta_leaves(leaves), spec, index)
+        except UnsupportedOpError:
+            pass  # no meta kernel for a mask's data-dependent shape (the check saw its shapes)
         except Exception:
             return False
         raise

@@ -5,7 +5,9 @@ an out-of-range one is refused with eager's exception type, and eager on the CPU
 (the oracle agrees that it is out of range). The table's completeness is checked against the
 schemas of the server's allowlist; the batching (one sync for the indices a tape already has),
 the mid-tape check and the invalidation by writes run through real tapes. The check raises before
-the kernel, so these tests are safe on CUDA too (no ``kernel_error`` marker).
+the kernel, so these tests are safe on CUDA too (no ``kernel_error`` marker); an eager oracle
+given an out-of-range index runs on the CPU (``_cpu``), never on the real device: on CUDA its
+kernel's device-side assert would poison the process (every later test in the worker fails).
 """
 
 from __future__ import annotations
@@ -321,10 +323,8 @@ def test_each_rule_refuses_what_eager_refuses(name: str) -> None:
         check_call(op, make(_t(bad)), {})
     assert "out of" in str(ei.value) or "invalid" in str(ei.value), ei.value
     if eager_checks:  # the oracle: eager's CPU kernel refuses the same indices
-        cpu = optree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v,
-                              make(_t(bad)), none_is_leaf=True)
         with pytest.raises((IndexError, RuntimeError)):
-            op(*cpu)
+            op(*_cpu(make(_t(bad))))
 
 
 def test_cpu_checks_says_what_eagers_cpu_kernels_do() -> None:
@@ -342,8 +342,8 @@ def test_messages_say_eagers_words() -> None:
     # advanced indexing: the "dimension" is the index tensor's position among the defined
     # ones, as eager's CPU kernel says it (x[:, i] names dimension 0); eager is asked here
     for indices in ([None, _t([-5])], [_t([0]), _t([9])], [_t([9]), None]):
-        with pytest.raises(IndexError) as want:
-            aten.index.Tensor(x, indices)
+        with pytest.raises(IndexError) as want:  # eager on the CPU (on CUDA: a device assert)
+            aten.index.Tensor(*_cpu((x, indices)))
         with pytest.raises(IndexError, match=f"^{re.escape(str(want.value))}$"):
             check_call(aten.index.Tensor, (x, indices), {})
     with pytest.raises(IndexError, match=r"^Target 4 is out of bounds\.$"):
@@ -356,7 +356,7 @@ def test_masks_floats_and_empty_indices_are_not_indices() -> None:
     check_call(aten.index.Tensor, (x, [_t([1, 0, 1], torch.uint8), _t([3])]), {})
     mask = [_t([True, False, True], torch.bool), _t([4])]
     with pytest.raises(IndexError, match="dimension 1 with size 4"):  # after a 1-D mask
-        aten.index.Tensor(x, mask)  # (eager's words)
+        aten.index.Tensor(*_cpu((x, mask)))  # (eager's words, on the CPU: CUDA's kernel asserts)
     with pytest.raises(IndexError, match="dimension 1 with size 4"):
         check_call(aten.index.Tensor, (x, mask), {})
     check_call(aten.cross_entropy_loss.default, (x, torch.softmax(_f(3, 4), 1)), {})
