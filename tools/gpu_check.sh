@@ -44,6 +44,10 @@ skip() { [[ " ${SKIP:-} " == *" $1 "* ]] && echo "(skipped: SKIP has $1)"; }
 stamp "native errors"
 skip native ||   # a C++ error raised inside genie._C must reach Python as an exception
 { g++ --version | head -1
+  # the compiler the build used (CXX, else c++: on the H200 image the build ran /opt/gcc/bin/g++,
+  # not the g++ above) and the C++ runtime the module resolves at run time
+  echo "CXX=${CXX:-unset}: $(${CXX:-c++} --version | head -1)"
+  ldd genie/_C*.so | grep -E "libstdc|libgcc_s" || true
   $PY -c "import torch; print('torch built with:', [l.strip() for l in torch.__config__.show().splitlines() if 'GCC' in l or 'CXX_COMPILER' in l or 'CXX11_ABI' in l][:3])"
   $PY -c "import genie; from genie import _C; _C._set_device_count(0)" 2>&1 | tail -3
   $PY -c "import torch, genie; torch.Generator(device='remote_accelerator:9')" 2>&1 | tail -3
