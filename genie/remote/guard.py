@@ -65,6 +65,7 @@ from ..errors import ExecutionError
 from ..index_check import IndexCheck, IndexOutOfRange
 from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
+from . import vet_rules
 
 UPLOAD = "genie.upload"
 META = torch.device("meta")
@@ -378,7 +379,7 @@ def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict
             key, eff = None, None
             transient = sum(_meta_arg_nbytes(x.meta) for x in ins.leaves if type(x) is MetaArg)
         if eff is None:
-            eff = _infer(ins, menv, ledger, i)
+            eff = _ruled(op, ins, menv, st) or _infer(ins, menv, ledger, i)
             if key is not None:
                 if len(_effects) >= MAX_EFFECTS:
                     _effects.clear()
@@ -419,6 +420,22 @@ def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict
             if type(v) is TV:
                 ledger.release(v.sid)
     return Vetted(n, peak)
+
+
+def _ruled(op: Any, ins: Any, env: dict[int, Any], st: dict[int, list[int]]
+           ) -> _Effect | None:
+    """The effect :mod:`genie.remote.vet_rules` computes for ``ins`` without meta tensors (None:
+    no rule, or one that declined; a view past its storage is left to meta's refusal)."""
+    try:
+        outs = vet_rules.effect(op, ins, env, st)
+    except Exception:  # a rule's own failure (the fuzzer's to find): meta decides
+        return None
+    if outs is None:
+        return None
+    for meta, _, nbytes in outs:
+        if check_bounds(meta[0], meta[1], meta[2], meta[3].itemsize, nbytes) is not None:
+            return None
+    return _Effect(tuple(_Out(m, src, nb) for m, src, nb in outs), ())
 
 
 def _meta_arg_nbytes(m: Any) -> int:
