@@ -233,7 +233,8 @@ def _probe(op: Any, spec: Any, vals: list[Any]) -> torch.dtype | None:
             t = type(v)
             if t is float or t is complex:  # exact values (0.0 == -0.0, nan != nan: by repr)
                 sig.append((t, repr(v)))
-            elif v is None or t is bool or t is int or t is torch.dtype:
+            elif v is None or t is bool or t is int or t is torch.dtype or \
+                    t is torch.layout or t is torch.memory_format or t is torch.device:
                 sig.append((t, v))
             else:
                 return None
@@ -392,6 +393,67 @@ def _cat(op: Any, spec: Any, vals: list[Any]) -> list[tuple] | None:
     return [(meta, -1, nbytes)]
 
 
+def _slice(op: Any, spec: Any, vals: list[Any]) -> list[tuple] | None:
+    """``slice.Tensor(self, dim=0, start=None, end=None, step=1)`` (ATen's ``slice``)."""
+    import optree
+
+    args, kwargs = optree.tree_unflatten(spec, list(range(len(vals))))
+    if kwargs or not args or len(args) > 5:
+        return None
+    a = [vals[i] for i in args] + [0, None, None, 1][len(args) - 1:]
+    t, dim, start, end, step = a
+    if type(t) is not _Op or not t.shape or type(step) is not int or step <= 0:
+        return None
+    if any(x is not None and type(x) is not int for x in (start, end)):
+        return None
+    d = _wrap(dim, len(t.shape))
+    if d is None:
+        return None
+    n = t.shape[d]
+    start = 0 if start is None else start
+    end = n if end is None else end
+    if start < 0:
+        start += n
+    if end < 0:
+        end += n
+    start = min(max(start, 0), n)
+    end = min(max(end, start), n)
+    shape, stride = list(t.shape), list(t.stride)
+    offset = t.offset + start * stride[d]
+    shape[d] = (end - start + step - 1) // step
+    stride[d] *= step
+    return _view(t, shape, stride, offset)
+
+
+def _softmax(op: Any, spec: Any, vals: list[Any]) -> list[tuple] | None:
+    """``_softmax(x, dim, half_to_float)``: meta's output is ``empty_like(x)`` contiguous."""
+    if len(vals) != 3 or type(vals[0]) is not _Op or type(vals[1]) is not int or \
+            type(vals[2]) is not bool:
+        return None
+    dtype = _probe(op, spec, vals)
+    if dtype is None:
+        return None
+    shape = vals[0].shape
+    meta, nbytes = _fresh(shape, _contiguous(shape), dtype)
+    return [(meta, -1, nbytes)]
+
+
+def _arange(op: Any, spec: Any, vals: list[Any]) -> list[tuple] | None:
+    """``arange(end)`` of a non-negative int with no dtype: ``end`` int64 elements."""
+    import optree
+
+    args, kwargs = optree.tree_unflatten(spec, list(range(len(vals))))
+    if len(args) != 1 or type(vals[args[0]]) is not int or vals[args[0]] < 0:
+        return None
+    want = {"dtype": (None,), "layout": (None, torch.strided), "device": (META,),
+            "pin_memory": (None, False)}
+    for k, i in kwargs.items():
+        if not any(vals[i] is x for x in want.get(k, ())):
+            return None
+    meta, nbytes = _fresh((vals[args[0]],), (1,), torch.int64)
+    return [(meta, -1, nbytes)]
+
+
 def _like_channels_last(shape: Any, stride: Any) -> bool:
     """``are_strides_like_channels_last_or_false`` (``suggest_memory_format``'s test)."""
     nd = len(shape)
@@ -426,7 +488,13 @@ RULES: dict[Any, Callable[[Any, Any, list[Any]], list[tuple] | None]] = {
     aten.transpose.int: _transpose,
     aten.expand.default: _expand_op,
     aten.cat.default: _cat,
+    aten.slice.Tensor: _slice,
+    aten._softmax.default: _softmax,
+    aten.arange.default: _arange,
 }
+
+
+_CONSTANTS = (int, float, bool, complex, torch.dtype, torch.layout, torch.memory_format)
 
 
 def effect(op: Any, ins: Any, env: dict[int, Any], storages: dict[int, list[int]]
@@ -448,9 +516,10 @@ def effect(op: Any, ins: Any, env: dict[int, Any], storages: dict[int, list[int]
             if m[4] or m[5]:  # a conjugate or negative view
                 return None
             vals.append(_Op(m[0], m[1], m[2], m[3], storages[v.sid][0], j))
-        elif isinstance(x, torch.Tensor) or not (x is None or type(x) in (int, float, bool,
-                                                                           complex)):
-            return None  # host tensors, metadata-only arguments, devices, dtypes...
-        else:
+        elif type(x) is torch.device:
+            vals.append(META)  # the vet's device (a factory's)
+        elif x is None or type(x) in _CONSTANTS:
             vals.append(x)
+        else:
+            return None  # host tensors, metadata-only arguments...
     return rule(op, ins.spec, vals)
