@@ -220,9 +220,11 @@ MAX_PROBES = 4096
 
 def _probe(op: Any, spec: Any, vals: list[Any]) -> torch.dtype | None:
     """The output dtype meta gives for these operands' dtypes and ranks and these constants
-    (every refusal that depends on them: bool subtraction, a non-bool ``where`` predicate, an
-    integer ``alpha``...), from running the op once on one-element meta tensors; None when meta
-    refuses them or the op does not return one tensor."""
+    (every refusal that depends on them: bool subtraction, a non-bool ``where`` predicate...),
+    from running the op once on one-element meta tensors; None when meta refuses them or the op
+    does not return one tensor. An int that fits int64 is keyed by its type (a position moves
+    every decode step; type promotion and these ops' checks look at no int64's value; larger
+    ones convert as uint64 or not at all), every other constant by its value."""
     import optree
 
     sig = []
@@ -233,7 +235,9 @@ def _probe(op: Any, spec: Any, vals: list[Any]) -> torch.dtype | None:
             t = type(v)
             if t is float or t is complex:  # exact values (0.0 == -0.0, nan != nan: by repr)
                 sig.append((t, repr(v)))
-            elif v is None or t is bool or t is int or t is torch.dtype or \
+            elif t is int:  # an int64's value decides nothing here; others keyed exactly
+                sig.append((t, True) if -(1 << 63) <= v < (1 << 63) else (t, v))
+            elif v is None or t is bool or t is torch.dtype or \
                     t is torch.layout or t is torch.memory_format or t is torch.device:
                 sig.append((t, v))
             else:

@@ -85,7 +85,8 @@ def _dtype(rng: random.Random) -> torch.dtype:
 
 
 def _scalar(rng: random.Random) -> Any:
-    return rng.choice([2, -3, 0, 0.5, -1.25, float("inf"), True, False, 1 + 2j])
+    return rng.choice([2, -3, 0, 87, 1 << 63, -(1 << 63), (1 << 63) - 1, 1 << 70, 0.5, -1.25,
+                       float("inf"), float("nan"), True, False, 1 + 2j])
 
 
 def _tensor(rng: random.Random, shape: list[int], dtype: torch.dtype | None = None
