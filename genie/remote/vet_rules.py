@@ -458,6 +458,25 @@ def _arange(op: Any, spec: Any, vals: list[Any]) -> list[tuple] | None:
     return [(meta, -1, nbytes)]
 
 
+def _matmul(op: Any, spec: Any, vals: list[Any]) -> list[tuple] | None:
+    """``matmul`` of two batches of matrices (both 3-D or more): ATen's batched path, a fresh
+    contiguous output of the broadcast batch and ``n x p`` (``bmm`` then ``_unsafe_view``)."""
+    if len(vals) != 2 or any(type(v) is not _Op or len(v.shape) < 3 for v in vals):
+        return None
+    a, b = vals
+    if a.shape[-1] != b.shape[-2]:
+        return None
+    batch = _broadcast([a.shape[:-2], b.shape[:-2]])
+    if batch is None:
+        return None
+    dtype = _probe(op, spec, vals)
+    if dtype is None:
+        return None
+    shape = [*batch, a.shape[-2], b.shape[-1]]
+    meta, nbytes = _fresh(shape, _contiguous(shape), dtype)
+    return [(meta, -1, nbytes)]
+
+
 def _like_channels_last(shape: Any, stride: Any) -> bool:
     """``are_strides_like_channels_last_or_false`` (``suggest_memory_format``'s test)."""
     nd = len(shape)
@@ -495,6 +514,7 @@ RULES: dict[Any, Callable[[Any, Any, list[Any]], list[tuple] | None]] = {
     aten.slice.Tensor: _slice,
     aten._softmax.default: _softmax,
     aten.arange.default: _arange,
+    aten.matmul.default: _matmul,
 }
 
 

@@ -166,6 +166,17 @@ def _softmax_args(rng: random.Random) -> list[Any]:
     return [a, rng.randrange(-a.dim() - 1, a.dim() + 1), rng.random() < 0.3]
 
 
+def _matmul_args(rng: random.Random) -> list[Any]:
+    batch = _shape(rng, rng.randrange(1, 4))
+    n, m, p = (rng.choice([0, 1, 2, 3, 5]) for _ in range(3))
+    a = _tensor(rng, [*batch, n, m], rng.choice([torch.float32, torch.float32, _dtype(rng)]))
+    b_batch = _like(rng, batch)
+    b_shape = [*b_batch, m if rng.random() < 0.9 else m + 1, p]
+    if rng.random() < 0.15:
+        b_shape = b_shape[-rng.randrange(1, 3):]  # a matrix or a vector: another path
+    return [a, _tensor(rng, b_shape, a.dtype if rng.random() < 0.8 else None)]
+
+
 GEN = {
     **{op: _binary_args for op in (
         aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.eq.Tensor,
@@ -181,6 +192,7 @@ GEN = {
     aten.slice.Tensor: _slice_args,
     aten._softmax.default: _softmax_args,
     aten.arange.default: None,  # a factory: test_arange below
+    aten.matmul.default: _matmul_args,
 }
 #: overloads that write (in place, out=) with what they take: no rule, always meta
 WRITERS = {
