@@ -140,7 +140,8 @@ class _Effect:
 
 
 _BARRIER = _Effect((), ())  # an op whose output size depends on data
-#: per op: whether its float arguments' values are part of an effect's key
+#: per op that is not an OpOverload (the upload): whether its float arguments' values are part
+#: of an effect's key (an OpOverload keeps it as ``_genie_floats``)
 _floats: dict[Any, bool] = {}
 #: effects by (op, tree, leaf keys): the vet of a repeated op is a dict lookup
 _effects: dict[Any, _Effect] = {}
@@ -209,15 +210,20 @@ def check_bounds(shape: Any, stride: Any, offset: int, itemsize: int, have: int)
     return None
 
 
-def _tv_of(v: torch.Tensor, ledger: _Ledger, base: int) -> TV:
+def _tv_of(v: torch.Tensor, ledger: _Ledger, resident: dict[int, int]) -> TV:
+    """``v`` as the vet sees it, its storage held in ``ledger`` (``resident``: the counted bytes
+    of the storages the session holds, by ``_cdata``)."""
     st = v.untyped_storage()
     sid = st._cdata
-    if sid not in ledger.st:
+    e = ledger.st.get(sid)
+    if e is None:
         n = st.nbytes()
-        ledger.st[sid] = [n, 0, base]
+        base = resident.get(sid, 0)
+        ledger.st[sid] = [n, 1, base]
         ledger.live += max(n - base, 0)
-    ledger.hold(sid)
-    return TV((tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, v.is_conj(),
+    else:
+        e[1] += 1
+    return TV((tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.is_conj(),
                v.is_neg()), sid)
 
 
@@ -335,7 +341,7 @@ def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict
     menv: dict[int, Any] = {}
     for s, v in env.items():
         if isinstance(v, torch.Tensor):
-            menv[s] = _tv_of(v, ledger, resident.get(v.untyped_storage()._cdata, 0))
+            menv[s] = _tv_of(v, ledger, resident)
         else:
             menv[s] = v
     peak = ledger.live + baseline
@@ -349,9 +355,9 @@ def vet(tape: Tape, start: int, env: dict[int, Any], budget: int, resident: dict
             raise RunTimeout(i, n, limit)
         ins = instrs[i]
         op = ins.op
-        floats = _floats.get(op)
+        floats = _floats.get(op) if type(op) is str else getattr(op, "_genie_floats", None)
         if floats is None:
-            floats = _floats[op] = op == UPLOAD or policy(op).float_values_matter
+            floats = _float_values_matter(op)
         transient = 0
         try:
             parts: list[Any] = [op, ins.spec]
@@ -436,6 +442,16 @@ def _ruled(op: Any, ins: Any, env: dict[int, Any], st: dict[int, list[int]]
         if check_bounds(meta[0], meta[1], meta[2], meta[3].itemsize, nbytes) is not None:
             return None
     return _Effect(tuple(_Out(m, src, nb) for m, src, nb in outs), ())
+
+
+def _float_values_matter(op: Any) -> bool:
+    """Whether ``op``'s float arguments' values are part of an effect's key, remembered."""
+    floats = op == UPLOAD or policy(op).float_values_matter
+    try:
+        op._genie_floats = floats
+    except AttributeError:
+        _floats[op] = floats
+    return floats
 
 
 def _meta_arg_nbytes(m: Any) -> int:

@@ -211,7 +211,7 @@ def _instr(op: Any, args: list[Any], kwargs: dict[str, Any] | None = None
     out = []
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
-            env[i] = guard._tv_of(x, ledger, 0)
+            env[i] = guard._tv_of(x, ledger, {})
             out.append(Slot(i))
         else:
             out.append(x)
