@@ -22,7 +22,8 @@ The stride logic follows the references this torch runs (``torch._prims_common``
 ``compute_elementwise_output_logical_to_physical_perm``, ``torch.empty_permuted``; ``cat``'s
 ``suggest_memory_format``) and ATen's view geometry (``inferExpandGeometry``,
 ``inferUnsqueezeGeometry``, ``transpose``, ``slice``); a torch whose references change shows up
-as a fuzzer failure, not as a silent difference.
+as a fuzzer failure, not as a silent difference; the rules are used only on the torch they were
+reviewed for (:data:`REVIEWED`), elsewhere the vet runs every op on meta.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from ..planner import Slot
 
 aten = torch.ops.aten
 META = torch.device("meta")
+#: the torch whose references the rules follow (and the fuzzer proved them against); on another
+#: torch the vet runs every op on meta (its references may compute strides otherwise)
+REVIEWED = "2.13."
+ACTIVE = torch.__version__.startswith(REVIEWED)
 
 
 class _Op:
@@ -538,7 +543,7 @@ def effect(op: Any, ins: Any, env: dict[int, Any], storages: dict[int, list[int]
         >>> effect(ins.op, ins, env, {7: [32, 1, 0], 8: [24, 1, 0]})
         [(((2, 3, 4), (12, 4, 1), 0, torch.float32, False, False), -1, 96)]
     """
-    rule = RULES.get(op)
+    rule = RULES.get(op) if ACTIVE else None
     if rule is None:
         return None
     vals: list[Any] = []

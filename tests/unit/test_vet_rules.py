@@ -11,6 +11,7 @@ caught. In-place and ``out=`` overloads have no rule and must decline.
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -253,6 +254,16 @@ def fuzz(op: Any, n: int = CASES, seed: int = 0) -> tuple[list[str], int]:
     return bad, answered
 
 
+@pytest.fixture(autouse=True)
+def _rules_on(monkeypatch):
+    """The rules as the vet uses them on the torch they were reviewed for; on another torch
+    they are off (the vet runs every op on meta) and the fuzzer says whether they would hold."""
+    if not vet_rules.ACTIVE and not os.environ.get("GENIE_FUZZ_OTHER_TORCH"):
+        pytest.skip(f"the vet's rules are off on torch {torch.__version__} (reviewed for "
+                    f"{vet_rules.REVIEWED}x); GENIE_FUZZ_OTHER_TORCH=1 fuzzes them anyway")
+    monkeypatch.setattr(vet_rules, "ACTIVE", True)
+
+
 def test_every_rule_has_a_fuzzer():
     assert set(vet_rules.RULES) == set(GEN)
 
@@ -356,3 +367,12 @@ def test_vet_with_rules_equals_vet_on_meta(monkeypatch):
     without = guard.vet_tape(tape, 1 << 30)
     assert with_rules == without and effects == guard._effects
     guard._effects.clear()
+
+
+def test_off_on_another_torch(monkeypatch):
+    """On a torch the rules were not reviewed for, every op goes to meta."""
+    monkeypatch.setattr(vet_rules, "ACTIVE", False)
+    a = torch.empty(3, 4, device=META)
+    ins, env, ledger = _instr(aten.add.Tensor, [a, a])
+    assert guard._ruled(aten.add.Tensor, ins, env, ledger.st) is None
+    assert guard._infer(ins, env, ledger, 0).outs[0].meta[0] == (3, 4)
