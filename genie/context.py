@@ -162,6 +162,7 @@ def activate() -> None:
         _orig_call = torch.nn.Module.__call__
         _installed = _native_module_call(_orig_call, _module_call) if _native else _module_call
         torch.nn.Module.__call__ = _installed
+        _follow_fx_patcher()
         _handles[:] = [
             optim.register_optimizer_step_pre_hook(_opt_pre),
             optim.register_optimizer_step_post_hook(_opt_post)]
@@ -178,6 +179,30 @@ def reinstall() -> None:
     if _active and _installed is not None and \
             torch.nn.Module.__dict__.get("__call__") is not _installed:
         torch.nn.Module.__call__ = _installed
+
+
+def _follow_fx_patcher() -> None:
+    """Have torch.fx's patcher put Genie's module call back when it reverts its own. Its tracer
+    (``torch.fx.symbolic_trace``, and what traces with it) replaces ``nn.Module.__call__`` while
+    it traces and then sets back what reading the class gave it: torch's function (see
+    :data:`_installed`), so one trace anywhere in the process silently ended module contexts,
+    phase detection and roles (a KV cache counted as an activation) for the rest of it: found
+    as later tests' failures after a test that traced a lambda. Installed with the module call
+    (a process that never uses the device keeps torch's patcher as it is); torch versions
+    without the class keep :func:`reinstall` at the places Genie gets control."""
+    patched = getattr(getattr(torch.fx, "_symbolic_trace", None), "_PatchedFnSetAttr", None)
+    revert = getattr(patched, "revert", None)
+    if revert is None or getattr(revert, "_genie", False):
+        return
+
+    def revert_then_reinstall(self: Any) -> None:
+        revert(self)
+        if getattr(self, "frame_dict", None) is torch.nn.Module and \
+                getattr(self, "fn_name", None) == "__call__":
+            reinstall()
+
+    revert_then_reinstall._genie = True  # type: ignore[attr-defined]
+    patched.revert = revert_then_reinstall
 
 
 def deactivate() -> None:

@@ -8,10 +8,8 @@ Values are compared with eager on the CPU. The server compiles graphs with ``aot
 from __future__ import annotations
 
 import copy
-import functools
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -108,31 +106,6 @@ def test_graph_with_an_op_outside_the_servers_opset_is_refused(remote) -> None:
 # The helper writes files (Inductor's), the worker cannot: it trusts no request the worker sends
 # (a worker runs kernels and may be compromised), so each field is tried as an attacker would.
 
-def _in_a_child(test):
-    """Run the test in a forked child: the helper's code registers graphs through the server's
-    resolver and compiles in the calling process, which must not change what later tests of
-    this process see (run here, later tests' phase hints and placement changed)."""
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: the test, then exit without returning into pytest
-            code = 0
-            try:
-                os.close(r)
-                test(*args, **kwargs)
-            except BaseException:  # noqa: BLE001 - reported to the parent
-                os.write(w, traceback.format_exc().encode()[-8000:])
-                code = 1
-            finally:
-                os._exit(code)
-        os.close(w)
-        with os.fdopen(r, "rb") as f:
-            out = f.read().decode(errors="replace")
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, out or f"status {status}"
-    return run
-
 
 def _mul_graph() -> bytes:
     gm = torch.fx.symbolic_trace(lambda x: torch.ops.aten.mul.Tensor(x, 2.0))
@@ -151,7 +124,6 @@ def _mul_graph() -> bytes:
     ("graph", "takes 1 inputs, the request gives 2"),
     ("in", "expected \\[shape, strides, dtype name\\]"),
 ])
-@_in_a_child
 def test_compile_helper_refuses_malformed_requests(req, match) -> None:
     from genie.remote import compiler, worker
 
@@ -172,7 +144,6 @@ def test_compile_helper_refuses_malformed_requests(req, match) -> None:
     [[1 << 62], [1], "float32"],       # a size past any tensor
     "float32", 7, None,                # not a [shape, strides, dtype] triple
 ])
-@_in_a_child
 def test_compile_helper_refuses_bad_shape_classes(entry) -> None:
     from genie.remote import compiler, worker
 
@@ -181,7 +152,6 @@ def test_compile_helper_refuses_bad_shape_classes(entry) -> None:
                        torch.device("cpu"), 1 << 20)
 
 
-@_in_a_child
 def test_compile_helper_bounds_the_inputs_by_the_quota() -> None:
     from genie.remote import compiler, worker
 
@@ -195,7 +165,6 @@ def test_compile_helper_bounds_the_inputs_by_the_quota() -> None:
                        worker._graph_op, torch.device("cpu"), 1 << 20)
 
 
-@_in_a_child
 def test_compile_helper_refuses_ops_outside_the_opset_and_answers_over_its_socket() -> None:
     """The helper's loop: an op the server does not admit is answered with the resolver's
     refusal (nothing compiled, the helper goes on); a message past its limit ends the loop."""

@@ -500,3 +500,25 @@ def test_an_eager_module_never_reaches_python_and_attribute_reads_see_torchs_cal
         assert str(inspect.signature(m.__call__)) == str(inspect.signature(
             context._orig_call.__get__(m)))
         assert m.__call__.__name__ == context._orig_call.__name__
+
+
+def test_an_fx_trace_anywhere_in_the_process_leaves_contexts_and_roles_on():
+    """torch.fx's tracer puts back the ``nn.Module.__call__`` it read (torch's function) when
+    it is done: Genie's module call follows it back in. Before, one ``symbolic_trace`` (of a
+    lambda, in another test) ended contexts for the rest of the process: a decode loop's KV
+    cache then counted as an activation."""
+    m = _Attn().to(D)
+    m(torch.randn(1, 3, 8, device=D))  # the device in use: Genie's module call installed
+    installed = nn.Module.__dict__["__call__"]
+    torch.fx.symbolic_trace(lambda x: torch.ops.aten.mul.Tensor(x, 2.0))
+    torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2)))  # one that calls modules too
+    assert nn.Module.__dict__["__call__"] is installed
+    y = m(torch.randn(1, 3, 8, device=D))
+    assert y[0]._node.ctx is not None and y[0]._node.ctx.path == "out"
+    genie.reset_stats()
+    got, past = _decode_loop(m, D)
+    s = genie.stats()
+    assert (s["phase.prefill.calls"], s["phase.decode.calls"]) == (1, 4)
+    with torch.no_grad():
+        m(got[:, -1:], past)
+    assert context.role(past[0]) == "kv_cache"
