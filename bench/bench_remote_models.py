@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,7 +76,9 @@ def _trees() -> dict[str, Path]:
 
 class _Server:
     def __init__(self, tree: Path, keys: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(tree), "GENIE_LOG_LEVEL": "WARNING"}
+        log = os.environ.get("GENIE_BENCH_SERVER_LOG")  # a file for the server's log (DEBUG)
+        env = {**os.environ, "PYTHONPATH": str(tree),
+               "GENIE_LOG_LEVEL": "DEBUG" if log else "WARNING"}
         env.pop("GENIE_SERVER", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "genie.remote.server", "--device", REAL, "--listen",
@@ -87,6 +90,12 @@ class _Server:
             if not line:
                 raise RuntimeError(f"genie-server from {tree} did not start")
         self.address = re.search(r"tcp://[\d.]+:\d+", line).group(0)  # type: ignore[union-attr]
+        if log:  # drained into the file (an unread pipe would block the server at 64 KiB)
+            def drain(out=self.proc.stdout, path=f"{log}.{tree.name}") -> None:
+                with open(path, "a") as f:
+                    for text in out:
+                        f.write(text)
+            threading.Thread(target=drain, daemon=True).start()
         self.key_file = str(keys / "client.json")
 
     def stop(self) -> None:

@@ -63,14 +63,14 @@ skip bench || GENIE_BENCH_ROUNDS=${GENIE_BENCH_ROUNDS:-1} timeout ${BENCH_TIMEOU
 echo "bench rc=$?"; grep -E "^\[|: eager|load average" "$OUT/bench.txt" | cut -c1-400
 
 stamp "remote bench"  # a CUDA genie-server on this host; eager on CUDA in the client's process
-skip remote || GENIE_BENCH_SERVER_DEVICE=cuda timeout ${REMOTE_BENCH_TIMEOUT:-200} \
+skip remote || GENIE_BENCH_SERVER_DEVICE=cuda GENIE_BENCH_SERVER_LOG="$OUT/server.log" timeout ${REMOTE_BENCH_TIMEOUT:-200} \
   $PY -m pytest bench/bench_remote_models.py --benchmark-only -q -p no:cacheprovider \
   -k "${REMOTE_K:-decode or generate or round}" >"$OUT/remote_bench.txt" 2>&1
 echo "remote bench rc=$?"; grep -E "^\[|: eager|load average|x eager" "$OUT/remote_bench.txt" | cut -c1-400
 
 stamp "tests"
 workers=$(( $(nproc) > 12 ? 12 : $(nproc) ))
-timeout ${TEST_TIMEOUT:-240} $PY -m pytest ${TEST_FILES:-tests/unit tests/integration/test_models.py tests/integration/test_remote.py tests/integration/test_server_index_check.py} ${TESTS:-} -q \
+timeout ${TEST_TIMEOUT:-240} $PY -m pytest ${TEST_FILES:-tests/unit tests/integration/test_models.py tests/integration/test_remote.py tests/integration/test_server_index_check.py tests/integration/test_shape_class.py} ${TESTS:-} -q \
   -n "$workers" -p no:cacheprovider -o addopts="" >"$OUT/tests.txt" 2>&1
 echo "tests rc=$?"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | cut -c1-300 | head -60

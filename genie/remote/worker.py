@@ -960,9 +960,12 @@ class Worker:
             self._no_class(ck, cls, tries, out)
 
     def _no_class(self, ck: Any, cls: Any, tries: int, why: Any) -> None:
-        logger.debug("genie-server: no shape class for a structure (%s)", why)
         if tries + 1 >= CLASS_TRIES or cls is None:
             self.classes[ck] = False
+            logger.info("genie-server: no shape class for a structure: each new shape of it is "
+                        "vetted on meta (%s)", why)
+        else:
+            logger.debug("genie-server: no wider shape class for a structure (%s)", why)
 
     def _add_class(self, ck: Any, new: Any) -> None:
         if len(self.classes) >= MAX_PROGRAMS:
