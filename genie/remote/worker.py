@@ -501,6 +501,7 @@ class Worker:
         self.build_mode = build_mode()
         self.builds = [ClassBuilds() for _ in range(build_slots())]
         self._next_build: tuple | None = None  # a build to start once the reply is out
+        self._ix: IndexCheck | None = None  # the index check of the replay running
         self.refills = 0  # tapes patched from the last call's (protocol.refill)
         self.unindexed: set[bytes] = set()  # skeletons without an op the index check covers
         #: skeleton -> where its replays stop for the index check (IndexCheck.points)
@@ -833,6 +834,7 @@ class Worker:
                     self.check_points.clear()
                 points = self.check_points[key] = ix.points()
             check = (_checker(ix, tape), *points)
+        self._ix = ix
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
@@ -857,6 +859,7 @@ class Worker:
         reply, frames = _outputs([v.clone(memory_format=torch.preserve_format) for v in vals])
         reply["vt"] = self.how
         reply["er"] = 1
+        reply.update(_index_counts(self._ix))  # the checks made before the answer
         self.answer(reply, frames)
         self.answered = True
 

@@ -284,6 +284,36 @@ def test_an_index_written_in_place_between_two_uses_is_checked_again_in_a_replay
     assert _replays(s) >= 3 and s["server_index_check_refusals"] == 1, s
 
 
+def _embedding_loop(dev: str, steps: int) -> tuple[list[float], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(30, 8).to(dev), torch.nn.Linear(8, 4).to(dev)
+    ids, y = torch.randint(0, 30, (6,)).to(dev), torch.randn(6, 4).to(dev)
+    opt = torch.optim.AdamW([*emb.parameters(), *head.parameters()], lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(head(emb(ids)), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in (*emb.parameters(), *head.parameters())]
+
+
+def test_a_checked_training_step_is_answered_early_and_equals_eager(remote) -> None:
+    """A training step whose embedding's ids are checked: replayed natively, answered before
+    its backward and update have run (the early reply and the check in one replay), eager's
+    losses and parameters bit for bit."""
+    genie.reset_stats()
+    losses, params = _embedding_loop(DEV, 6)
+    s = genie.stats()
+    want_losses, want_params = _embedding_loop("cpu", 6)
+    assert losses == want_losses
+    for p, q in zip(params, want_params, strict=True):
+        assert torch.equal(p, q)
+    assert _replays(s) >= 3 and s.get("server_early_replies", 0) >= 3, s
+    assert s["server_index_checks"] >= 6, s
+
+
 def test_unchecked_index_ops_are_refused_where_checks_are_on(remote) -> None:
     """``embedding_bag``'s kernels have no index rule: off the server's opset (rule version 2),
     refused by the client by name, before anything is sent."""
