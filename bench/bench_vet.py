@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import interleave
 
 from genie.passes import pipeline
 from genie.remote import guard, vet_rules
-
-from conftest import interleave
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,9 +27,8 @@ STEPS = 24
 
 @pytest.fixture(scope="module")
 def decode_tapes():
-    from transformers import DynamicCache
-
     from bench_remote_models import PROMPT, _gpt2
+    from transformers import DynamicCache
 
     tapes = []
     real = pipeline.run

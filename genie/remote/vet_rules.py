@@ -28,7 +28,8 @@ reviewed for (:data:`REVIEWED`), elsewhere the vet runs every op on meta.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -74,7 +75,7 @@ def _is_contiguous(shape: Any, stride: Any) -> bool:
     if _numel(shape) < 2:
         return True
     want = 1
-    for x, y in zip(reversed(shape), reversed(stride)):
+    for x, y in zip(reversed(shape), reversed(stride), strict=True):
         if x == 1:
             continue
         if y != want:
@@ -104,7 +105,7 @@ def _dense(shape: Any, stride: Any) -> bool:
     if len(shape) == 1:
         return stride[0] == 1
     want = 1
-    for x, y in sorted(((y, x) for x, y in zip(shape, stride) if x != 1)):
+    for x, y in sorted(((y, x) for x, y in zip(shape, stride, strict=True) if x != 1)):
         if x != want:
             return False
         want *= y

@@ -55,7 +55,7 @@ def _layout(rng: random.Random, shape: list[int], dtype: torch.dtype) -> torch.T
     if kind == "odd_size1" and n >= 1:
         t = torch.empty(shape, dtype=dtype, device=META)
         stride = [rng.choice([st, 1, 7, 1000]) if s == 1 else st
-                  for s, st in zip(shape, t.stride())]
+                  for s, st in zip(shape, t.stride(), strict=True)]
         return torch.empty(4096, dtype=dtype, device=META).as_strided(shape, stride)
     if kind == "offset":
         t = torch.empty(shape, dtype=dtype, device=META)
