@@ -32,6 +32,13 @@ client <-> server 500 MB/s and 1 ms per round trip (CURVE on a fast LAN: the cip
 Clients sample a tape on every :data:`~genie.remote.client.FLOP_SAMPLE_EVERY`-th run of a
 skeleton the server already has (a first run pays compiling and vetting, not compute).
 
+**A server not yet measured** (a figure with no sample, not set) uses the mean of what was
+measured on the other servers of its device type, and the prior only when none was: a pool's
+servers of one type are usually one kind of machine, and comparing one server's measurement with
+another's prior would favour whichever was measured faster than the prior (a CPU server measured
+at 16 us per op against an idle peer still at the prior's 20 us looked 25% faster than its
+twin), so placement would keep work off the unmeasured server, which then never gets measured.
+
 A value set with ``pin=True`` (:meth:`CostModel.set_link`, :meth:`CostModel.set_compute`) is not
 moved by measurements: tests and operators force a decision that way.
 
@@ -57,6 +64,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Iterable, Mapping
@@ -106,7 +114,8 @@ class Link:
 
 @dataclass(slots=True)
 class Compute:
-    """What is known of one server's compute: FLOP rate, cost per op, samples taken."""
+    """What is known of one server's compute: FLOP rate, cost per op, samples taken, and
+    which figures were set (:meth:`CostModel.set_compute`) rather than left at the prior."""
 
     flops_per_s: float
     op_s: float
@@ -114,6 +123,8 @@ class Compute:
     flop_samples: int = 0
     op_samples: int = 0
     pinned: bool = False
+    flops_set: bool = False
+    op_set: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,11 +187,27 @@ class CostModel:
         return e
 
     def _server(self, server: str) -> Compute:
+        """``server``'s figures: measured or set, else what was measured on the other servers
+        of its device type (their mean), else the prior (see the module docstring)."""
         c = self._compute.get(server)
         if c is None:
             f, o = DEVICE_PRIORS["cpu"]
             c = Compute(f, o)
-        return c
+        guess_f = not (c.flop_samples or c.flops_set or c.pinned)
+        guess_o = not (c.op_samples or c.op_set or c.pinned)
+        if not (guess_f or guess_o):
+            return c
+        fs, os_ = [], []
+        for s, p in self._compute.items():
+            if s != server and p.device == c.device:
+                if guess_f and p.flop_samples:
+                    fs.append(p.flops_per_s)
+                if guess_o and p.op_samples:
+                    os_.append(p.op_s)
+        if not (fs or os_):
+            return c
+        return dataclasses.replace(c, flops_per_s=sum(fs) / len(fs) if fs else c.flops_per_s,
+                                   op_s=sum(os_) / len(os_) if os_ else c.op_s)
 
     def link_bytes_per_s(self, src: str, dst: str) -> float:
         """Bytes per second from ``src`` to ``dst`` (:data:`CLIENT` or a server address)."""
@@ -281,8 +308,10 @@ class CostModel:
                 c = self._compute[server] = Compute(*DEVICE_PRIORS["cpu"])
             if flops_per_s is not None:
                 c.flops_per_s = float(flops_per_s)
+                c.flops_set = True
             if op_s is not None:
                 c.op_s = float(op_s)
+                c.op_set = True
             c.pinned = pin
 
     def unpin(self) -> None:
@@ -323,8 +352,9 @@ class CostModel:
                 return
             # a sample measures one figure when the other explains under half its time (so a
             # poor estimate of one cannot drag the other to zero)
-            by_ops = ops * c.op_s
-            by_flops = flops / c.flops_per_s
+            known = self._server(server)
+            by_ops = ops * known.op_s
+            by_flops = flops / known.flops_per_s
             if flops >= FLOP_SAMPLE and by_ops < 0.5 * seconds:
                 c.flops_per_s = _ewma(c.flops_per_s, flops / (seconds - by_ops), c.flop_samples)
                 c.flop_samples += 1

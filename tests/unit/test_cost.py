@@ -119,3 +119,30 @@ def test_work_adds() -> None:
 
 def test_shared_model() -> None:
     assert cost.model() is cost.model()
+
+
+def test_an_unmeasured_server_uses_what_its_peers_of_one_device_type_measured() -> None:
+    """A pool of twins, one measured: the other is estimated alike, not at the prior (a
+    measured server faster than the prior looked faster than its unmeasured twin, and placement
+    kept work off it); never across device types, never over a server's own figures."""
+    m = CostModel()
+    a, b, c, g = "tcp://a:1", "tcp://b:1", "tcp://c:1", "tcp://g:1"
+    for s in (a, b, c):
+        m.set_device(s, "cpu")
+    m.set_device(g, "cuda:0")
+    for _ in range(3):
+        m.observe_run(0, 100, 100 * 16e-6, a)  # op-bound: 16 us per op
+    assert m.server_op_s(a) == pytest.approx(16e-6)
+    assert m.server_op_s(b) == m.server_op_s(a)
+    assert m.compute_s(10**6, b, 137) == m.compute_s(10**6, a, 137)
+    assert m.server_flops_per_s(b) == cost.DEVICE_PRIORS["cpu"][0]  # measured nowhere
+    assert m.server_op_s(g) == cost.DEVICE_PRIORS["cuda"][1]  # another device type
+    m.observe_run(0, 100, 100 * 30e-6, c)  # a second measured twin: the mean of both
+    assert m.server_op_s(b) == pytest.approx(23e-6)
+    assert m.server_op_s(c) == pytest.approx(30e-6) and m.server_op_s(a) == pytest.approx(16e-6)
+    m.set_compute(b, op_s=5e-5, pin=False)  # a figure set for a server is its own
+    assert m.server_op_s(b) == 5e-5
+    # the first sample of a server splits its time by the figures it was estimated with (the
+    # twins' 23 us per op)
+    m.observe_run(10**8, 100, 100 * 23e-6 + 10**8 / 1e10, "tcp://d:1")
+    assert m.server_flops_per_s("tcp://d:1") == pytest.approx(1e10, rel=1e-6)
