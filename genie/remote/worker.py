@@ -229,7 +229,7 @@ class ClassBuilds:
         except OSError as e:
             os.close(r)
             os.close(w)
-            logger.debug("genie-server: no background class build (%s)", e)
+            logger.info("genie-server: no background class build (%s)", e)
             return False
         if pid == 0:  # the child: build, write, exit (no handler, no zmq, no atexit)
             code = 0
@@ -242,6 +242,8 @@ class ClassBuilds:
                     out = {"spec": shape_class.build_spec(tape, ints, pos, prev)}
                 except NotAClass as e:
                     out = {"no": str(e)[:500]}
+                except Exception as e:  # noqa: BLE001 - said to the worker, as why not
+                    out = {"no": f"the build failed: {type(e).__name__}: {e}"[:500]}
                 data = json.dumps(out).encode()
                 view = memoryview(data)
                 while view:
@@ -285,9 +287,12 @@ class ClassBuilds:
 
     def _finish(self, why: Any) -> tuple[Any, tuple[int, ...], Any, Any]:
         with contextlib.suppress(OSError):
-            os.kill(self.pid, signal.SIGKILL)
+            os.kill(self.pid, signal.SIGKILL)  # (one that exited is a zombie: no effect)
+        status = "status unknown"
         with contextlib.suppress(OSError):
-            os.waitpid(self.pid, 0)
+            st = os.waitpid(self.pid, 0)[1]
+            status = f"signal {os.WTERMSIG(st)}" if os.WIFSIGNALED(st) else \
+                f"exit status {os.WEXITSTATUS(st)}"
         os.close(self.fd)
         job, data = self.job, bytes(self.buf)
         self.pid, self.fd, self.job, self.buf = 0, -1, None, bytearray()
@@ -298,7 +303,8 @@ class ClassBuilds:
                 got = json.loads(data)
                 out = got["spec"] if "spec" in got else str(got["no"])
             except (ValueError, TypeError, KeyError) as e:
-                out = f"its reply did not parse ({type(e).__name__})"
+                out = (f"its process ended without a reply ({status})" if not data else
+                       f"its reply did not parse ({type(e).__name__})")
         return (*job, out)
 
     def stop(self) -> None:
@@ -923,9 +929,13 @@ class Worker:
             return
         ck, tape, ints, pos, prev, cls, tries = job
         slot = self._free_build()
-        if slot is None or self._building(ck) or self.classes.get(ck) is not cls or \
-                shape_params(ck[0], tape) != (ck, ints) or \
-                not slot.start(ck, tape, ints, pos, prev, cls):
+        why = "no free build slot" if slot is None else \
+            "its structure's build runs" if self._building(ck) else \
+            "its classes changed" if self.classes.get(ck) is not cls else \
+            "its inputs changed while it ran" if shape_params(ck[0], tape) != (ck, ints) else \
+            None if slot.start(ck, tape, ints, pos, prev, cls) else "the fork failed"
+        if why is not None:
+            logger.debug("genie-server: no class build started (%s)", why)
             self.class_tries[ck] = tries  # nothing was tried: a later call tries again
 
     def _free_build(self) -> ClassBuilds | None:

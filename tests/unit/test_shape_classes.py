@@ -229,7 +229,8 @@ def _boom(*_a):
 
 
 @pytest.mark.parametrize("child,why", [
-    (_crash, "did not parse"), (_flood, "more than"), (_refuse, "no"), (_boom, "did not parse"),
+    (_crash, "ended without a reply (signal 11)"), (_flood, "more than"), (_refuse, "no"),
+    (_boom, "the build failed: RuntimeError: a bug"),
 ])
 def test_a_background_build_that_fails_costs_only_its_class(monkeypatch, child, why) -> None:
     from genie.remote import shape_class
