@@ -276,6 +276,25 @@ def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...], order: Any) 
     return True
 
 
+
+def sort_dims(n: int, should_swap: Callable[[int, int], int]) -> list[int]:
+    """The logical-to-physical permutation of ``n`` dimensions that TensorIterator and
+    ``torch._prims_common.compute_elementwise_output_logical_to_physical_perm`` compute: an
+    insertion sort of the dimensions from the last (fastest) by ``should_swap(a, b)`` (> 0: swap,
+    < 0: keep and stop, 0: ambiguous, go on), reversed. Shared by the record-time rules and the
+    server's vet rules (:mod:`genie.remote.vet_rules`), each with its own comparison."""
+    order = list(range(n - 1, -1, -1))
+    for i in range(1, n):
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            c = should_swap(order[d0], order[d1])
+            if c > 0:
+                order[d0], order[d1] = order[d1], order[d0]
+                d1 = d0
+            elif c < 0:
+                break
+    return order[::-1]
+
 def _elementwise_strides(shape: tuple[int, ...], ops: list[TensorMeta]) -> tuple[int, ...] | None:
     """Output strides of an elementwise op over ``ops`` broadcast to ``shape``, as the meta
     kernels PyTorch registers for them compute it (``torch._refs``: operands expanded by
@@ -315,17 +334,7 @@ def _elementwise_strides(shape: tuple[int, ...], ops: list[TensorMeta]) -> tuple
                 return -1 if sb >= sa else 1
             return 0
 
-        order = list(rev)  # sorted back to front (fastest first), reversed at the end
-        for i in range(1, n):
-            d1 = i
-            for d0 in range(i - 1, -1, -1):
-                c = should_swap(order[d0], order[d1])
-                if c > 0:
-                    order[d0], order[d1] = order[d1], order[d0]
-                    d1 = d0
-                elif c < 0:
-                    break
-        perm = order[::-1]  # logical -> physical
+        perm = sort_dims(n, should_swap)
     out = [0] * n
     acc = 1
     for d in reversed(perm):  # physical order, fastest last: contiguous strides (sizes >= 1)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..planner import Slot
+from ..shape_rules import sort_dims
 
 aten = torch.ops.aten
 META = torch.device("meta")
@@ -191,17 +192,7 @@ def _perm(shape: list[int], strides: list[Any]) -> list[int]:
                 return 1
         return 0
 
-    perm = list(reversed(range(nd)))
-    for i in range(1, nd):
-        d1 = i
-        for d0 in reversed(range(i)):
-            c = swap(perm[d0], perm[d1])
-            if c > 0:
-                perm[d0], perm[d1] = perm[d1], perm[d0]
-                d1 = d0
-            elif c < 0:
-                break
-    return list(reversed(perm))
+    return sort_dims(nd, swap)
 
 
 def _permuted_strides(shape: list[int], perm: list[int]) -> tuple[int, ...]:
