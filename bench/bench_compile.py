@@ -312,6 +312,30 @@ def test_compiled_call_host_cost(benchmark, ratios, workloads) -> None:
             row.notes.append(f"genie's share at {name} {share:.0f} µs/call")
 
 
+def _tiny(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+def test_compiled_tiny_call(benchmark, ratios, workloads) -> None:
+    """The fixed cost of one compiled call, without the model: ``torch.compile`` of ``x * 2 + 1``
+    on a resident (4,) tensor, record only (Dynamo's guards and frame, AOTAutograd's wrapper,
+    Genie's record: a LazyTensor back) and with ``.sum().item()`` (plus the materialization: plan
+    lookup, tape, the compiled code), next to the same compiled function on the CPU."""
+    if "host" not in ROWS:
+        pytest.skip("GENIE_BENCH_COMPILE_ROWS leaves out host")
+    benchmark.group = "compile: tiny"
+    row = ratios.row(SUITE, "compiled x * 2 + 1, (4,)", unit="µs/call", scale=1e6,
+                     ratios=[("genie record", "cpu"), ("genie item", "cpu item")])
+    torch._dynamo.reset()
+    xd, xc = torch.randn(4).to(DEV), torch.randn(4)
+    fd, fc = torch.compile(_tiny), torch.compile(_tiny)
+    float(fd(xd).sum()), float(fc(xc).sum())  # compiled (and run once)
+    variants = {"genie record": lambda: fd(xd), "cpu": lambda: fc(xc),
+                "genie item": lambda: fd(xd).sum().item(),
+                "cpu item": lambda: fc(xc).sum().item()}
+    workloads.interleave(benchmark, row, variants, rounds=_rounds(30), inner=100)
+
+
 class _Server:
     def __init__(self, keys: Path) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "GENIE_LOG_LEVEL": "WARNING"}

@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import msgpack
 import torch
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch as _len_pre_dispatch_stack
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .config import logger
 from .progress import waiting
@@ -423,15 +425,24 @@ def _run(key: str, tensors: list[torch.Tensor], ints: list[int]) -> list[torch.T
                 return _unaliased(_first_run(g, device, args, sk), args)
         g.last = _last(args, entry) if plain else None
     bump("graph_cache_hits")
-    with _no_modes(), torch.no_grad():
-        fn, restride, clone = entry
-        outs = _tensor_outs(fn(*args))
-        for k, st in restride:
-            o = outs[k]
-            outs[k] = torch.empty_strided(o.shape, st, dtype=o.dtype, device=o.device).copy_(o)
-        for k in clone:
-            outs[k] = outs[k].clone(memory_format=torch.preserve_format)
-        return outs
+    fn, restride, clone = entry
+    # torch.no_grad() inline (the executor has it off already: then nothing to set)
+    grad = torch.is_grad_enabled()
+    if grad:
+        torch._C._set_grad_enabled(False)
+    try:
+        with _no_modes():
+            outs = _tensor_outs(fn(*args))
+            for k, st in restride:
+                o = outs[k]
+                outs[k] = torch.empty_strided(o.shape, st, dtype=o.dtype,
+                                              device=o.device).copy_(o)
+            for k in clone:
+                outs[k] = outs[k].clone(memory_format=torch.preserve_format)
+            return outs
+    finally:
+        if grad:
+            torch._C._set_grad_enabled(True)
 
 
 _CPU = torch.device("cpu")
@@ -454,12 +465,13 @@ def _last(args: list[torch.Tensor], entry: Any) -> tuple[int, Any, Any] | None:
 def _no_modes() -> Any:
     """``_disable_current_modes()`` where a dispatch mode is on (a kernel run inside a mode's
     handler), else nothing to leave (most runs: entering it costs as much as a small kernel)."""
-    from torch._ops import _len_torch_dispatch_stack_pre_dispatch
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    if torch._C._len_torch_dispatch_stack() or _len_torch_dispatch_stack_pre_dispatch():
+    if _len_dispatch_stack() or _len_pre_dispatch_stack():
         return _disable_current_modes()
-    return contextlib.nullcontext()
+    return _NOTHING
+
+
+_len_dispatch_stack = torch._C._len_torch_dispatch_stack
+_NOTHING = contextlib.nullcontext()  # reentrant, reusable: entering it costs no allocation
 
 
 def _first_run(g: GraphData, device: torch.device, args: list[Any],

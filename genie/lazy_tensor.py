@@ -588,8 +588,8 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
     # One pass over the leaves builds both the cache key and the recorded arguments (entry_for
     # builds the same key; test_native_record's native_cold mode compares the entries found).
     # The global state word (default dtype, deterministic flags: csrc/state.cpp) is in the key.
-    key_parts: list[Any] = [pol.key, spec, _state_word()]
     # record_known: the leaves are the recorded ones already, no key to build
+    key_parts: list[Any] = [pol.key, spec, _state_word()] if known is None else []
     rec: list[Any] = [] if known is None else leaves
     for x in (leaves if known is None else ()):
         t = type(x)
