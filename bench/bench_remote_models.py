@@ -270,7 +270,6 @@ def test_remote_model(benchmark, ratios, servers, name: str) -> None:
         after = genie.stats()
         vetted = ", ".join(f"{k.removeprefix('server_')} {after[k] - before.get(k, 0)}"
                            for k in ("server_vets", "server_shape_class_hits", "server_vet_hits",
-                                     "server_predicted_hits",
                                      "server_early_replies")
                            if after.get(k, 0) > before.get(k, 0))
         row.notes.append(f"{sname}: {ratio:.2f}x eager (median of per-round ratios, its own "

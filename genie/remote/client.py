@@ -99,8 +99,7 @@ MAX_PRESSURE_ROUNDS = 8
 FLOP_SAMPLE_EVERY = 16
 #: run replies' ``vt`` (how the server vetted the tape) -> the counter it bumps
 _VETTED_AS = {"guarded": "server_guarded_runs", "vetted": "server_vets",
-              "class": "server_shape_class_hits", "hit": "server_vet_hits",
-              "predicted": "server_predicted_hits"}
+              "class": "server_shape_class_hits", "hit": "server_vet_hits"}
 #: seconds between the heartbeat's pings while :attr:`Client.watch_load` is on
 LOAD_EVERY = 0.25
 

@@ -228,20 +228,6 @@ def build_spec(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
         FakeTensorMode.cache_clear()  # its entries hold this class's symbols
 
 
-def concrete_bound(tape: Tape, ints: tuple[int, ...]) -> int:
-    """The working-set bound of a call of ``tape``'s structure whose shape parameters are
-    ``ints`` (not this call's: a worker's guess at its next call), checked on meta as a shape
-    class checks the calls it admits (:func:`_run`, the integers plain, no symbols); raises
-    what the check raises (:class:`NotAClass` where it cannot tell)."""
-    try:
-        with _disable_current_modes(), torch.no_grad():
-            return int(_run(tape, iter(ints)))
-    except NotAClass:
-        raise
-    except Exception as e:  # noqa: BLE001 - an op refusing the guessed shapes: no guess
-        raise NotAClass(f"{type(e).__name__}: {e}") from e
-
-
 def _build(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
            prev: tuple[int, ...] | None) -> dict[str, Any]:
     groups: dict[tuple[int, int], list[int]] = {}

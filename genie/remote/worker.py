@@ -508,10 +508,6 @@ class Worker:
         self.builds = [ClassBuilds() for _ in range(build_slots())]
         self._next_build: tuple | None = None  # a build to start once the reply is out
         self._ix: IndexCheck | None = None  # the index check of the replay running
-        #: structure -> how its integers moved between its last two vetted calls
-        self.steps: dict[Any, tuple[int, ...]] = {}
-        self._next_guess: tuple | None = None  # a call to vet once the reply is out
-        self.guessed: set[Any] = set()  # (structure, ints) vetted before any call had them
         self.refills = 0  # tapes patched from the last call's (protocol.refill)
         self.unindexed: set[bytes] = set()  # skeletons without an op the index check covers
         #: skeleton -> where its replays stop for the index check (IndexCheck.points)
@@ -810,13 +806,6 @@ class Worker:
         vkey = (ck, ints)
         peak = self.vetted.get(vkey)
         self.how = "hit"
-        if peak is not None and vkey in self.guessed:
-            self.how = "predicted"
-            if peak > budget:
-                peak = None  # a bound, as a class's: the exact vet may still fit
-            else:  # the steps go on: guess the one after
-                self._guess_next(ck, ints, tape)
-                self.last_ints[ck] = ints
         if peak is None:
             cls = self.classes.get(ck)
             if cls:
@@ -836,7 +825,6 @@ class Worker:
             peak = v.peak
             self._remember(vkey, peak)
             self.vet_seconds[ck] = self.vet_seconds.get(ck, 0.0) + time.monotonic() - t0
-            self._guess_next(ck, ints, tape)
             self._classify(ck, ints, tape)
         elif peak > budget:
             e = QuotaError(0, "the tape", peak, budget)
@@ -880,44 +868,6 @@ class Worker:
         reply.update(_index_counts(self._ix))  # the checks made before the answer
         self.answer(reply, frames)
         self.answered = True
-
-    def _guess_next(self, ck: Any, ints: tuple[int, ...], tape: Tape) -> None:
-        """After a concrete vet: when the structure's integers moved by the same steps twice
-        in a row (a decode step: the KV length one more each call), vet the call that moves
-        them once more after the reply is out (:meth:`after_reply`), while the client records
-        it: that call is then a hit. A guess is checked as a shape class checks a call
-        (:func:`shape_class.concrete_bound`) and admits only a call with exactly its integers;
-        a wrong one costs a vet's time between requests."""
-        prev = self.last_ints.get(ck)
-        if prev is None or len(prev) != len(ints) or self.classes.get(ck) or \
-                len(tape.instrs) > CLASS_MAX_INSTRS:
-            return
-        step = tuple(b - a for a, b in zip(prev, ints))
-        last, self.steps[ck] = self.steps.get(ck), step
-        if len(self.steps) > MAX_PROGRAMS:
-            self.steps.clear()
-        if step == last and any(step):
-            self._next_guess = (ck, tape, ints, tuple(b + d for b, d in zip(ints, step)))
-
-    def _vet_guess(self) -> None:
-        job, self._next_guess = self._next_guess, None
-        if job is None:
-            return
-        ck, tape, now, ints = job
-        vkey = (ck, ints)
-        cls = self.classes.get(ck)
-        if vkey in self.vetted or (cls and cls.admit(ints) is not None) or \
-                shape_params(ck[0], tape) != (ck, now):  # (its inputs changed as it ran)
-            return
-        try:
-            bound = shape_class.concrete_bound(tape, ints)
-        except NotAClass as e:
-            logger.debug("genie-server: no guess of a structure's next call (%s)", e)
-            return
-        self._remember(vkey, bound)
-        if len(self.guessed) >= MAX_VETTED:
-            self.guessed.clear()
-        self.guessed.add(vkey)
 
     def _classify(self, ck: Any, ints: tuple[int, ...], tape: Tape) -> None:
         """After a clean concrete vet: when the structure's integers moved since its last vetted
@@ -973,9 +923,7 @@ class Worker:
         """Start the background build the last request found (:meth:`_classify`), now that its
         reply is out: the fork's cost falls between requests, not in one. The tape ran since
         it was vetted, so it is keyed again first: a build reads the inputs' metadata as they
-        are now, and must build the class of the call that was vetted. The next call's guess
-        (:meth:`_guess_next`) is vetted first: the client is recording that call now."""
-        self._vet_guess()
+        are now, and must build the class of the call that was vetted."""
         job, self._next_build = self._next_build, None
         if job is None:
             return
