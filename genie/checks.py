@@ -39,7 +39,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ._C import _without_warning
 from .errors import UnsupportedOpError
-from .graph import TensorMeta
+from .graph import TensorMeta, meta_tensor
+from .modes import disable_modes
 
 aten = torch.ops.aten
 
@@ -284,8 +285,6 @@ def check_in_place_broadcast(func: Any, leaves: list[Any], spec: Any) -> None:
     small = {n: i + 2 for i, n in enumerate(sorted({n for sh in shapes for n in sh if n > 1}))}
     if math.prod(small.get(n, n) for n in b) > 4096:
         return
-    from .meta import disable_modes
-
     try:
         with disable_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):
             hargs, hkwargs = optree.tree_unflatten(spec, [
@@ -395,8 +394,6 @@ def probe(func: Any, leaves: list[Any], spec: Any, klass: Any) -> None:
         err = got[1]
     else:
         err = None
-        from .meta import disable_modes
-
         try:
             # the probe's own host tensors too are made outside any dispatch mode (a
             # genie.capture() block around the call would record them as the program's)
@@ -450,7 +447,6 @@ def warn_again(func: Any, leaves: list[Any], spec: Any) -> None:
         return
     args, kwargs = optree.tree_unflatten(spec, [_empty(x) for x in leaves])
     args, kwargs = _private_rng(func, list(args), dict(kwargs))
-    from .meta import disable_modes
     try:
         with disable_modes(), torch.no_grad():
             func(*args, **kwargs)
@@ -615,7 +611,6 @@ def check_index_put(func: Any, leaves: list[Any], spec: Any) -> None:
                                  "with shapes " + ", ".join(_shape(t.shape) for t in tensors)
                                  ) from None
             _into_empty_dims(self, indices)
-            from .meta import meta_tensor
             meta = [None if ix is None else (meta_tensor(ix) if type(ix) is TensorMeta
                                              else ix.to("meta")) for ix in indices]
             result = tuple(aten.index.Tensor(meta_tensor(self), meta).shape)

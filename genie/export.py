@@ -27,7 +27,7 @@ import torch
 
 from . import ids as _ids
 from .errors import GenieError
-from .backends.eager import generator_for, seed_from
+from .backends.rng import generator_for, seed_from
 from .executor import run_tape
 from .graph import MetaArg, Node, Ref
 from .lazy_tensor import LazyTensor, materialize

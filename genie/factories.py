@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import _C
+from .checks import refuse_kind
 from .config import config
 from .lazy_tensor import copy_from, item_kernel, record_factory
 
@@ -99,8 +100,6 @@ def _register_refusals(lib: Any) -> None:
     quantized and sparse tensors made for it directly (``_empty_affine_quantized(...,
     device=D)``, ``torch.empty(..., layout=torch.sparse_coo, device=D)``), which torch would
     dispatch to the device's Quantized/Sparse keys, where nothing is registered."""
-    from .checks import refuse_kind
-
     for key, kind, names in (
             ("QuantizedPrivateUse1", "quantized",
              ("_empty_affine_quantized", "_empty_per_channel_affine_quantized",

@@ -76,6 +76,23 @@ class TensorMeta:
                           t.is_conj(), t.is_neg())
 
 
+def meta_tensor(m: TensorMeta) -> torch.Tensor:
+    """A meta tensor with ``m``'s shape, stride, offset, dtype and math bits (no data)."""
+    if m.offset == 0:
+        t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+    else:
+        extent = 1 + sum((s - 1) * st for s, st in zip(m.shape, m.stride) if s > 0)
+        if any(s == 0 for s in m.shape):
+            extent = 0
+        base = torch.empty((m.offset + extent,), dtype=m.dtype, device="meta")
+        t = base.as_strided(m.shape, m.stride, m.offset)
+    if m.conj:
+        torch._C._set_conj(t, True)
+    if m.neg:
+        torch._C._set_neg(t, True)
+    return t
+
+
 @dataclass(frozen=True, slots=True)
 class MetaArg:
     """An argument used only for its metadata (``zeros_like(x)`` never needs ``x``'s values)."""

@@ -19,7 +19,6 @@ comes only from ``op._schema`` alias annotations and ``op.tags``, never from nam
 
 from __future__ import annotations
 
-import contextlib
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -27,32 +26,19 @@ from typing import Any
 
 import optree
 import torch
-from torch._ops import _len_torch_dispatch_stack_pre_dispatch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ._C import _gc_untrack, _record_clear, _state_word, _whole_ops, _whole_ops_enable
 from . import checks
 from .config import config
 from .device import DEVICE_TYPE
 from .errors import UnsupportedOpError
-from .graph import TensorMeta
+from .graph import TensorMeta, meta_tensor
+from .modes import disable_modes
 from .portable import portable_kernel
 from .shape_rules import KW_RULES, RULES
 from .stats import _counts
 
 _DYNAMIC = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
-_NO_MODES = contextlib.nullcontext()
-_len_modes = torch._C._len_torch_dispatch_stack
-
-
-def disable_modes() -> Any:
-    """torch's ``_disable_current_modes()`` (run with no ``TorchDispatchMode`` active), with the
-    common case - no mode on either stack - a shared no-op context: torch's function imports
-    three modules and pops the stacks through a generator on every call (~8 µs), and genie
-    enters it per materialization, per forced run (``.item()``) and per meta kernel call."""
-    if _len_modes() == 0 and _len_torch_dispatch_stack_pre_dispatch() == 0:
-        return _NO_MODES
-    return _disable_current_modes()
 aten = torch.ops.aten
 
 # Ops whose first argument is read only for shape/dtype/layout: recorded with a MetaArg.
@@ -191,23 +177,6 @@ def _float_values_matter(schema: Any) -> bool:
                                   a.alias_info.is_write):
             has_tensor = True
     return not has_tensor
-
-
-def meta_tensor(m: TensorMeta) -> torch.Tensor:
-    """A meta tensor with ``m``'s shape, stride, offset, dtype and math bits (no data)."""
-    if m.offset == 0:
-        t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
-    else:
-        extent = 1 + sum((s - 1) * st for s, st in zip(m.shape, m.stride) if s > 0)
-        if any(s == 0 for s in m.shape):
-            extent = 0
-        base = torch.empty((m.offset + extent,), dtype=m.dtype, device="meta")
-        t = base.as_strided(m.shape, m.stride, m.offset)
-    if m.conj:
-        torch._C._set_conj(t, True)
-    if m.neg:
-        torch._C._set_neg(t, True)
-    return t
 
 
 class MetaCache:

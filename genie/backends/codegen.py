@@ -52,6 +52,7 @@ from ..errors import ExecutionError
 from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
 from ..stats import bump
+from .rng import generator_for, seed_from
 
 UPLOAD = "genie.upload"
 
@@ -282,8 +283,6 @@ def _returns_one_tensor(op: Any, outs: tuple[int | None, ...]) -> bool:
 
 def _rng_call(dev: torch.device, rng: tuple[int, int], fn: Any, /, *args: Any,
               **kwargs: Any) -> Any:
-    from .eager import generator_for, seed_from
-
     gen = generator_for(dev)
     saved = gen.get_state()
     gen.manual_seed(seed_from(*rng))

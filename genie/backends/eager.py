@@ -26,22 +26,9 @@ from ..meta import disable_modes, policy
 from ..planner import MetaArg, Slot, Tape
 from ..stats import bump
 from . import codegen, native_replay, register_backend
+from .rng import generator_for, seed_from
 
 UPLOAD = "genie.upload"
-
-
-def seed_from(seed: int, offset: int) -> int:
-    """splitmix64 of (seed, offset): a well-mixed, deterministic per-op seed."""
-    z = (seed + 0x9E3779B97F4A7C15 * (offset + 1)) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
-
-
-def generator_for(dev: torch.device) -> torch.Generator:
-    if dev.type == "cuda":
-        return torch.cuda.default_generators[dev.index or 0]
-    return torch.default_generator
 
 
 def run_instrs(tape: Tape, dev: torch.device, states: list[int | None] | None = None

@@ -34,6 +34,9 @@ from typing import Any
 
 import torch
 
+from ..backends.compiled import _copy_sharing
+from ..backends.eager import run_instrs
+from ..device import real_device
 from ..planner import Instr, Slot, Tape
 
 Pass = Callable[[Tape], "tuple[Tape, PassReport]"]
@@ -96,10 +99,6 @@ def verify(before: Tape, after: Tape, device: torch.device | None = None,
     and every input value after the run (in-place updates). Both run on ``device``, by default
     the real device of the tape's ``remote_accelerator`` index (where its inputs live).
     """
-    from ..backends.compiled import _copy_sharing
-    from ..backends.eager import run_instrs
-    from ..device import real_device
-
     dev = device or real_device(before.index or 0)
     rename = {s: after.slots.get(k, s) for k, s in before.slots.items()}
     ins = sorted(before.inputs)

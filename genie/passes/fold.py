@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..backends.eager import run_instr
 from ..device import real_device
 from ..meta import policy
 from ..planner import Instr, MetaArg, Slot, Tape
@@ -65,8 +66,6 @@ def fold(tape: Tape) -> tuple[Tape, PassReport]:
         return tape, PassReport("fold", 0)
     dev = real_device(tape.index)
     env: dict[int, Any] = {}
-    from ..backends.eager import run_instr  # backends sit above passes
-
     with _disable_current_modes(), torch.no_grad():
         for i in folded:
             ins = tape.instrs[i]

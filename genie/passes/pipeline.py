@@ -61,7 +61,6 @@ Example:
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -74,13 +73,16 @@ import optree
 import torch
 
 from .. import backends, memory
+from ..backends.compiled import _copy_sharing
+from ..backends.eager import run_instrs
 from ..config import logger
 from ..graph import same_const
 from ..meta import policy
 from ..planner import Instr, MetaArg, PendingSlots, Slot, Tape
 from ..remote import QuotaExceededError
 from ..stats import bump
-from . import PassReport
+from . import PassReport, _close
+from .budget import _budget, memory_budget, parse_bytes
 
 Pass = Callable[[Tape], "tuple[Tape, PassReport]"]
 
@@ -166,37 +168,6 @@ def active_passes() -> tuple[str, ...]:
             names = _parse(env.split(","), "GENIE_PASSES")
         _config["names"] = names
     return names
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-          "tib": 2**40}
-
-
-def parse_bytes(text: str, where: str = "GENIE_MEMORY_BUDGET") -> int:
-    """``"512MiB"``, ``"1.5GB"``, ``"1048576"`` -> bytes.
-
-    Example:
-        >>> parse_bytes("512MiB")
-        536870912
-    """
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"[{where}] cannot read {text!r} as a size: expected a number of bytes "
-                         "with an optional unit, e.g. 536870912, 512MiB, 1.5GB")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-_budget: list[int | None | bool] = [False]  # False: not read yet
-
-
-def memory_budget() -> int | None:
-    """Bytes the ``recompute`` pass keeps a plan's device peak under (None: no budget)."""
-    if _budget[0] is False:
-        env = os.environ.get("GENIE_MEMORY_BUDGET", "").strip()
-        _budget[0] = parse_bytes(env) if env else None
-    return _budget[0]  # type: ignore[return-value]
 
 
 def set_memory_budget(budget: int | str | None) -> None:
@@ -755,10 +726,6 @@ def _diff(base: Tape, opt: Tape, renamed: dict[int, int],
 def _verify_run(st: Script, plan: Any, tape: Tape, opt: Tape, device: torch.device
                 ) -> tuple[dict[int, Any], Tape]:
     """First run: eager's values are the program's; the optimized tape runs on copies."""
-    from ..backends.compiled import _copy_sharing
-    from ..backends.eager import run_instrs
-    from . import _close
-
     order = sorted(opt.inputs)
     copies = dict(zip(order, _copy_sharing([opt.inputs[s] for s in order]), strict=True))
     reason = None

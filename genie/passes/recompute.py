@@ -39,6 +39,7 @@ from .. import memory
 from ..meta import policy
 from ..planner import Instr, Slot, Tape
 from . import PassReport, rebuild
+from .budget import memory_budget
 
 MIN_BYTES = 1 << 10  # values smaller than this are not worth a recomputation
 _aten = torch.ops.aten
@@ -48,8 +49,6 @@ _MATMUL = frozenset({_aten.mm.default, _aten.bmm.default, *_BIAS_FIRST})
 
 def recompute(tape: Tape) -> tuple[Tape, PassReport]:
     """Free and recompute activations so that the tape's peak fits the memory budget."""
-    from .pipeline import memory_budget
-
     budget = memory_budget()
     if budget is None or not tape.instrs:
         return tape, PassReport("recompute", 0)

@@ -39,14 +39,13 @@ from ..device import real_device
 from ..meta import policy
 from ..planner import Instr, Slot, Tape
 from . import PassReport, rebuild
+from .budget import memory_budget
 
 MIN_GAIN = 0.05  # a run is split only to save at least this share of the tape's high-water mark
 
 
 def split_foreach(tape: Tape) -> tuple[Tape, PassReport]:
     """Run the ``_foreach_*`` chains that make temporaries one group of parameters at a time."""
-    from .pipeline import memory_budget
-
     budget = memory_budget()
     if budget is None or not tape.instrs:
         return tape, PassReport("split_foreach", 0)

@@ -60,12 +60,13 @@ import optree
 import torch
 
 from ..backends.eager import arg as eager_arg
-from ..backends.eager import generator_for, seed_from
+from ..backends.rng import generator_for, seed_from
 from ..errors import ExecutionError
 from ..index_check import IndexCheck, IndexOutOfRange
 from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
 from . import vet_rules
+from .protocol import check_bounds
 
 UPLOAD = "genie.upload"
 META = torch.device("meta")
@@ -194,20 +195,6 @@ class _Ledger:
         if e[1] == 0:
             self.live -= max(e[0] - e[2], 0)
             del self.st[sid]
-
-
-def check_bounds(shape: Any, stride: Any, offset: int, itemsize: int, have: int) -> str | None:
-    """Why a tensor of this layout addresses memory outside ``have`` storage bytes (None when
-    it does not)."""
-    if any(s == 0 for s in shape):
-        return None
-    if any(st < 0 for st in stride) or offset < 0:
-        return f"negative strides {list(stride)} or offset {offset}"
-    need = (offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1) * itemsize
-    if need > have:
-        return (f"a view of shape {list(shape)}, strides {list(stride)}, offset {offset} "
-                f"reaches byte {need} of a storage of {have} bytes")
-    return None
 
 
 def _tv_of(v: torch.Tensor, ledger: _Ledger, resident: dict[int, int]) -> TV:

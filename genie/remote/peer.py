@@ -75,6 +75,7 @@ from . import ProtocolError
 from .protocol import (
     ALIGN,
     MAX_DIMS,
+    check_bounds,
     dtype_name,
     dtype_of,
     frame_view,
@@ -244,8 +245,6 @@ def read_values(geo: list[Geometry], frames: list[Any], dev: torch.device
     """The values a ``put`` carries, on ``dev``: every value is checked against the bytes of its
     group before any tensor is made (ProtocolError otherwise); each group becomes one storage,
     the frame's memory itself on a CPU server when it is aligned."""
-    from .guard import check_bounds
-
     sizes = [frame_view(f).nbytes for f in frames]
     for k, m in enumerate(geo):
         isz = m.dtype.itemsize

@@ -269,6 +269,20 @@ def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 SMALL_COPY = 1 << 16
 
 
+def check_bounds(shape: Any, stride: Any, offset: int, itemsize: int, have: int) -> str | None:
+    """Why a tensor of this layout addresses memory outside ``have`` storage bytes (None when
+    it does not)."""
+    if any(s == 0 for s in shape):
+        return None
+    if any(st < 0 for st in stride) or offset < 0:
+        return f"negative strides {list(stride)} or offset {offset}"
+    need = (offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1) * itemsize
+    if need > have:
+        return (f"a view of shape {list(shape)}, strides {list(stride)}, offset {offset} "
+                f"reaches byte {need} of a storage of {have} bytes")
+    return None
+
+
 def frame_tensor(buf: Any, ref: FrameRef, copy: bool) -> torch.Tensor:
     """The tensor a frame holds (checked against ``ref``); ``copy`` gives it its own memory."""
     n = math.prod(ref.shape)

@@ -48,10 +48,11 @@ from ..graph import Ref
 from ..planner import Tape
 from ..stats import bump
 from .cost import CLIENT, Choice, Work, flops_of, model
+from .handle import Handle
 from .protocol import ROLE_CODE
 
 if TYPE_CHECKING:
-    from .client import Client, Handle
+    from .client import Client
 
 
 #: nodes from a tape's end searched for its phase
@@ -161,8 +162,6 @@ class Residency:
     def before_run(self, tape: Tape) -> None:
         """Restore by recompute what ``tape`` reads, and what a write of ``tape`` would make
         impossible to recompute later (values whose recipe read a storage it writes)."""
-        from .client import Handle
-
         c = self.client
         need = [v for v in tape.inputs.values() if type(v) is Handle and v.client is c and
                 v.res is not None and v.res.evicted == "recompute"]
@@ -180,8 +179,6 @@ class Residency:
             uploaded: list[Handle], restored: list[Handle]) -> None:
         """After a run: count its writes, note its new values (to hint next time; with their
         recipe and source once recording), mark what came back."""
-        from .client import Handle
-
         self.pending.clear()
         for h in restored:
             self._back(h, "upload")
@@ -227,8 +224,6 @@ class Residency:
     def _recipe(self, tape: Tape) -> Recipe | None:
         """The recipe of ``tape``'s kept values, or None when re-running it would not give them
         (it writes what it reads, or reads values of another server)."""
-        from .client import Handle
-
         c = self.client
         slots = tape.slots
         in_storage: dict[int, Any] = {}
@@ -316,8 +311,6 @@ class Residency:
     # --- eviction and restore ---------------------------------------------------------------
     def relieve(self, victims: list[int]) -> None:
         """Evict the server's ``victims`` (their frees go with the next request)."""
-        from .client import Handle
-
         c = self.client
         bump("pressure_events")
         self.recording = True
