@@ -404,3 +404,63 @@ def test_preparing_a_plan_leaves_no_cycle_holding_the_first_tape():
     opt.zero_grad()
     assert genie.stats()["passes_applied"] == 1
     assert all(r() is None for r in refs)
+
+
+# --- what a verification copies: only what a tape may write (passes.written_inputs) -------------
+
+def _tape_of(*ts):
+    from genie.planner import build_tape
+    return build_tape([(t._node, t._out) for t in ts])
+
+
+def test_written_inputs_follow_views_and_shared_storages():
+    w = torch.randn(4, 4, device=D)
+    v = w[1]  # a view of w's storage, an input of its own
+    x = torch.randn(4, device=D)
+    genie.materialize(w, v, x)
+    pure = _tape_of((w @ x).relu() + v)
+    assert passes.written_inputs([pure]) == set()
+    y = x * 2
+    w.t()[0].add_(1.0)  # writes w's storage through a view of a view
+    tape = _tape_of(w, y)
+    written = passes.written_inputs([tape])
+    by_value = {id(t): s for s, t in tape.inputs.items()}
+    assert by_value[id(genie.materialize(x))] not in written  # x is only read
+    assert written and all(
+        tape.inputs[s].untyped_storage().data_ptr() ==
+        genie.materialize(v).untyped_storage().data_ptr() for s in written)
+
+
+def test_a_first_run_copies_only_what_the_tapes_write(monkeypatch):
+    # a pure plan's verification shares its inputs (a GPT-2 decode step copied and compared
+    # its weights: 3 s of its first run's 3.4 s); values stay eager's
+    copied = []
+    real = pipeline._copy_sharing
+    monkeypatch.setattr(pipeline, "_copy_sharing", lambda args: copied.append(len(args)) or
+                        real(args))
+    w = torch.randn(64, 64, device=D)
+    x = torch.randn(64, device=D)
+    genie.materialize(w, x)
+    want = ((w.cpu() @ x.cpu()).relu() * 2 + (w.cpu() @ x.cpu()).relu()).sum()
+    got = ((w @ x).relu() * 2 + (w @ x).relu()).sum().cpu()  # cse merges the two matmuls
+    torch.testing.assert_close(got, want)
+    assert genie.stats()["passes_verified"] == 1
+    assert copied == [0]
+
+
+def test_a_pass_that_writes_an_input_is_rolled_back_and_the_input_is_untouched(caplog):
+    aten = torch.ops.aten
+    # deliberately wrong: x * 3 rewritten to x.mul_(3), an in-place write of the program's input
+    _rewrite_pass("mul_in_place_test", aten.mul.Tensor,
+                  lambda ins: (aten.mul_.Tensor, tuple(ins.leaves[:2]), {}))
+    passes.set_passes(["mul_in_place_test"])
+    x = torch.arange(4.0, device=D)
+    genie.materialize(x)
+    with caplog.at_level(logging.WARNING, logger="genie"):
+        vals = [(x * 3).sum().item() for _ in range(3)]
+    assert vals == [18.0] * 3
+    assert x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+    s = genie.stats()
+    assert s["passes_applied"] == 1 and s["passes_rolled_back"] == 1
+    warns = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
+    assert len(warns) == 1 and "'mul_in_place_test'" in warns[0] and "input" in warns[0]
