@@ -17,7 +17,11 @@ depended on:
    is. Every meta kernel's check, every bounds check of a view (:func:`guard.check_bounds`),
    every branch on a size, records a guard on the symbols; the bytes every instruction
    allocates sum to a symbolic **bound** of the working set (host constants and metadata-only
-   arguments included).
+   arguments included). An instruction is run once per (op, argument tree, leaves' symbolic
+   metadata, aliasing, constants): a later one with the same key has its effect (a decode
+   step's 12 identical layers run once); one with no symbol in its leaves runs on plain meta
+   tensors as the concrete vet runs it (``_run``; a GPT-2 12x768 decode step: ~0.15-0.35 s,
+   was ~1.0-1.8 s).
 3. A later call is admitted by :meth:`ShapeClass.admit` when its fixed integers are the class's
    exactly and its symbols satisfy every guard (PyTorch's own guard code,
    ``ShapeEnv.produce_guards_expression``, ranges and 0/1 specialization included); the bound
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import optree
+import sympy
 import torch
 import torch._dynamo.config
 from torch._dynamo.source import LocalSource
@@ -50,8 +55,8 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from ..meta import policy
 from ..planner import Instr, MetaArg, Slot, Tape
-from .guard import META, UPLOAD, _has_device_arg, _meta_arg_nbytes, _short, _with_meta_device, \
-    check_bounds
+from .guard import META, UPLOAD, _const_key, _has_device_arg, _meta_arg_nbytes, _NoKey, _short, \
+    _with_meta_device, check_bounds
 
 #: a class is built from two calls whose moving integers are all at least this (0 and 1 are
 #: specialized by PyTorch's symbolic shapes: a size of 1 broadcasts)
@@ -204,22 +209,22 @@ def moved(a: tuple[int, ...], b: tuple[int, ...]) -> list[int] | None:
 
 
 def build(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
-          prev: tuple[int, ...] | None = None) -> ShapeClass:
+          prev: tuple[int, ...] | None = None, memo: bool = True) -> ShapeClass:
     """Vet ``tape`` symbolically with the integers at ``sym_idx`` as symbols (their values in
     ``ints`` as hints). Positions whose values were equal in ``prev`` and are equal now share a
     symbol (the class then requires them equal). :class:`NotAClass` when it cannot (whatever
     went wrong: a class is an optimization, never a reason for a request to fail); the class
     admits ``ints``."""
-    return from_spec(build_spec(tape, ints, sym_idx, prev), ints)
+    return from_spec(build_spec(tape, ints, sym_idx, prev, memo), ints)
 
 
 def build_spec(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
-               prev: tuple[int, ...] | None = None) -> dict[str, Any]:
+               prev: tuple[int, ...] | None = None, memo: bool = True) -> dict[str, Any]:
     """What :func:`build` vets, as plain data (integers, lists, two expressions as text): what a
     worker's background build (a forked child, :mod:`genie.remote.worker`) sends back to be
     compiled by :func:`from_spec`."""
     try:
-        return _build(tape, ints, sym_idx, prev)
+        return _build(tape, ints, sym_idx, prev, memo)
     except NotAClass:
         raise
     except Exception as e:  # noqa: BLE001 - see build()
@@ -229,7 +234,7 @@ def build_spec(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
 
 
 def _build(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
-           prev: tuple[int, ...] | None) -> dict[str, Any]:
+           prev: tuple[int, ...] | None, memo: bool) -> dict[str, Any]:
     groups: dict[tuple[int, int], list[int]] = {}
     for p in sym_idx:
         groups.setdefault((prev[p] if prev is not None else p, ints[p]), []).append(p)
@@ -260,10 +265,10 @@ def _build(tape: Tape, ints: tuple[int, ...], sym_idx: list[int],
     with _disable_current_modes(), torch.no_grad(), \
             torch._dynamo.config.patch(fake_tensor_cache_enabled=False), \
             FakeTensorMode(shape_env=env):
-        bound = _run(tape, iter(vals))
+        bound = _run(tape, iter(vals), memo)
     code = env.produce_guards_expression(placeholders) or "True"
     symbols = [x.node._expr for x in placeholders]
-    expr = bound.node._expr if isinstance(bound, torch.SymInt) else bound
+    expr = env.replace(bound) if isinstance(bound, sympy.Expr) else bound
     free = getattr(expr, "free_symbols", set())
     if any(f not in symbols for f in free):
         raise NotAClass("the working set depends on a value that is not an argument")
@@ -366,38 +371,175 @@ def check_expr(text: str, names: set[str], guard: bool = False) -> None:
 _SYMBOL = re.compile(r"[a-z]{1,2}[0-9]{1,6}")  # t3 (a guard's source), s3 (its symbol)
 
 
-def _run(tape: Tape, it: Any) -> Any:
-    """The symbolic run (under the fake mode): the working-set bound; raises on any check."""
-    bases: dict[int, torch.Tensor] = {}
+class _SV:
+    """A tensor value of the symbolic run as metadata (its integers may be symbols). ``t`` is its
+    fake tensor once one exists (made by the op that produced it, or built from the metadata
+    when a later instruction runs on it in the fake mode); ``key`` is what an effect's key holds
+    of it (its storage's bytes included); ``static``: no symbol in it."""
+
+    __slots__ = ("meta", "sid", "key", "t", "static")
+
+    def __init__(self, meta: tuple, sid: int, nbytes: Any, t: Any = None,
+                 key: tuple | None = None) -> None:
+        self.meta, self.sid, self.t = meta, sid, t
+        self.key = key if key is not None else _meta_key(meta, nbytes)
+        self.static = _no_symbol(self.key)
+
+
+def _no_symbol(key: tuple) -> bool:
+    shape, stride, offset, _, _, _, nbytes = key
+    return type(offset) is int and type(nbytes) is int and \
+        all(type(x) is int for x in shape) and all(type(x) is int for x in stride)
+
+
+def _meta_key(meta: tuple, nbytes: Any) -> tuple:
+    shape, stride, offset, dtype, conj, neg = meta
+    return (tuple(map(_k, shape)), tuple(map(_k, stride)), _k(offset), dtype, conj, neg,
+            _k(nbytes))
+
+
+def _k(x: Any) -> Any:
+    """An integer of the run as a key: itself, or a symbolic one's expression (two equal
+    expressions are equal for every value of the symbols)."""
+    return x if type(x) is int else x.node._expr
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.is_conj(),
+            t.is_neg())
+
+
+@dataclass(frozen=True, slots=True)
+class _SymEffect:
+    """What an instruction did in the symbolic run (the same for the same op, argument tree and
+    leaves by :func:`_key`): per output ``("leaf", j, meta, key)`` (on leaf ``j``'s storage),
+    ``("new", k, meta, key)`` (on fresh storage ``k`` of ``fresh[k]`` bytes) or
+    ``("value", v)``."""
+
+    outs: tuple
+    fresh: tuple
+
+
+class _Run:
+    """The storages of a symbolic run (by an index of the run) and the fake tensors on them."""
+
+    def __init__(self) -> None:
+        self.nbytes: list[Any] = []  # a storage never resizes in a class (_infer)
+        self.base: list[Any] = []  # a fake tensor on it, or None until one is needed
+        self.dense: dict[int, _SV] = {}  # a dense input's storage: its value
+        self.by_cdata: dict[int, int] = {}
+        self.keep: list[Any] = []  # every fake tensor made lives: no storage address is reused
+
+    def new(self, nbytes: Any, t: Any = None) -> int:
+        self.nbytes.append(nbytes)
+        self.base.append(None)
+        sid = len(self.base) - 1
+        if t is not None:
+            self._base(sid, t)
+        return sid
+
+    def _base(self, sid: int, t: torch.Tensor) -> None:
+        self.base[sid] = t
+        self.by_cdata[t.untyped_storage()._cdata] = sid
+        self.keep.append(t)
+
+    def storage(self, t: torch.Tensor) -> int:
+        """The run's index of a fake tensor's storage (a new one for a storage not seen)."""
+        sid = self.by_cdata.get(t.untyped_storage()._cdata)
+        return self.new(t.untyped_storage().nbytes(), t) if sid is None else sid
+
+    def value(self, t: torch.Tensor) -> _SV:
+        sid = self.storage(t)
+        return _SV(_meta(t), sid, self.nbytes[sid], t)
+
+    def tensor(self, v: _SV) -> torch.Tensor:
+        """``v``'s fake tensor, made on its storage from its metadata when it has none."""
+        if v.t is None:
+            base = self.base[v.sid]
+            if base is None:
+                d = self.dense.get(v.sid)
+                if d is not None:  # a dense input: made as the concrete vet makes it
+                    d.t = torch.empty(d.meta[0], dtype=d.meta[3], device=META)
+                    self._base(v.sid, d.t)
+                    if v is d:
+                        return d.t
+                else:
+                    self._base(v.sid, torch.empty(self.nbytes[v.sid], dtype=torch.uint8,
+                                                  device=META))
+                base = self.base[v.sid]
+            shape, stride, offset, dtype, conj, neg = v.meta
+            m = torch.empty(0, dtype=dtype, device=META)
+            m.set_(base.untyped_storage(), offset, shape, stride)
+            if conj:
+                m = m.conj()
+            if neg:
+                m = torch._neg_view(m)
+            self.keep.append(m)
+            v.t = m
+        return v.t
+
+
+def _run(tape: Tape, it: Any, memo: bool = True) -> Any:
+    """The symbolic run (under the fake mode): the working-set bound; raises on any check.
+
+    With ``memo`` (the default):
+
+    - an instruction whose op, argument tree and leaves (metadata as symbolic expressions,
+      which leaves share a storage, constants) are an earlier instruction's is not run again: it
+      has that one's effect (a decode step's identical transformer layers run once). Run again,
+      its checks would be the same expressions, already guards, and its branches would follow
+      the same hints: nothing would change in the class;
+    - an instruction with no symbol in its leaves runs on plain meta tensors, as the concrete
+      vet runs it (its checks are the same for every call of the class: no guard to record),
+      not through the fake mode (a layer norm: ~0.1 ms, not ~25 ms);
+    - a dense input's fake tensor is made when an instruction runs in the fake mode on it.
+
+    tests/unit/test_shape_classes.py checks that a class built either way admits the same calls.
+    """
+    run = _Run()
     env: dict[int, Any] = {}
-    bound: Any = 0
-    own: set[int] = set()  # storages of inputs and of what the tape made
+    fixed = 0  # the bound: its integer part and its symbolic terms (counted: no arithmetic
+    terms: dict[Any, int] = {}  # on symbols per instruction)
+    dense: dict[int, int] = {}
     for s, v in tape.inputs.items():
         shape = [next(it) for _ in range(v.dim())]
         st = v.untyped_storage()
-        sid = st._cdata
+        cd = st._cdata
+        # (no symbol in it: its fake tensor is made when an instruction runs on it in the fake
+        # mode; that adds no guard)
+        lazy = memo and not v.is_conj() and not v.is_neg() and all(type(x) is int for x in shape)
         if v.storage_offset() == 0 and st.nbytes() == v.numel() * v.element_size() and \
-                v.is_contiguous() and sid not in bases:  # dense: as shape_params keyed it
+                v.is_contiguous() and cd not in dense:  # dense: as shape_params keyed it
+            if lazy:
+                sid = dense[cd] = run.new(st.nbytes())
+                sv = run.dense[sid] = _SV((tuple(shape), _contiguous(shape), 0, v.dtype, False,
+                                           False), sid, st.nbytes())
+                env[s] = sv
+                continue
             m = torch.empty(shape, dtype=v.dtype, device=META)
-            bases[sid] = m
+            dense[cd] = run.storage(m)
         else:
             stride = [next(it) for _ in range(v.dim())]
             off = next(it)
             nb = next(it)
-            base = bases.get(sid)
-            if base is None:
-                base = bases[sid] = torch.empty(nb, dtype=torch.uint8, device=META)
-            if check_bounds(shape, stride, off, v.element_size(),
-                            base.untyped_storage().nbytes()) is not None:
+            sid = dense.get(cd)
+            if sid is None:
+                sid = dense[cd] = run.new(nb) if lazy and type(nb) is int else \
+                    run.new(nb, torch.empty(nb, dtype=torch.uint8, device=META))
+            if check_bounds(shape, stride, off, v.element_size(), run.nbytes[sid]) is not None:
                 raise NotAClass("an input leaves its storage")
-            m = torch.empty(0, dtype=v.dtype, device=META)
-            m.set_(base.untyped_storage(), off, shape, stride)
+            sv = _SV((tuple(shape), tuple(stride), off, v.dtype, False, False), sid,
+                     run.nbytes[sid])
+            if lazy and sv.static:
+                env[s] = sv
+                continue
+            m = run.tensor(sv)
         if v.is_conj():
             m = m.conj()
         if v.is_neg():
             m = torch._neg_view(m)
-        env[s] = m
-        own.add(_sid(m))
+        env[s] = run.value(m)
+    effects: dict[Any, _SymEffect] = {}
     for ins in tape.instrs:
         op = ins.op
         if op == UPLOAD:
@@ -405,52 +547,209 @@ def _run(tape: Tape, it: Any) -> Any:
         pol = policy(op)
         if pol.inplace_view or pol.dynamic:
             raise NotAClass(f"{op} changes metadata in place or depends on data")
-        leaves: list[Any] = []
+        vals: list[Any] = []
         for x in ins.leaves:
             t = type(x)
             if t is Slot:
-                leaves.append(env[x.id])
+                vals.append(env[x.id])
             elif t is int:
-                leaves.append(next(it))
-            elif t is torch.device:
-                leaves.append(META)
-            elif t is MetaArg:
-                bound = bound + _meta_arg_nbytes(x.meta)
-                leaves.append(torch.empty_strided(x.meta.shape, x.meta.stride,
-                                                  dtype=x.meta.dtype, device=META))
-            elif isinstance(x, torch.Tensor):
-                bound = bound + x.untyped_storage().nbytes()
-                leaves.append(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
-                                                  device=META))
+                vals.append(next(it))
             else:
-                leaves.append(x)
-        sizes = {_sid(v): v.untyped_storage().nbytes() for v in leaves
-                 if isinstance(v, torch.Tensor)}
-        args, kwargs = optree.tree_unflatten(ins.spec, leaves)
-        if _has_device_arg(op):
-            args, kwargs = _with_meta_device(op, args, kwargs)
-        out = op(*args, **kwargs)
-        for sid, n in sizes.items():  # resize_, out= growth: not a class (the ledger tracks it)
-            if not _same(n, _storage_bytes(leaves, sid)):
-                raise NotAClass(f"{op} resizes a storage")
-        outs = optree.tree_leaves(out, none_is_leaf=True)
-        if _short(len(outs), ins.outs):
-            raise NotAClass(f"{op} returns {len(outs)} values; the tape names {len(ins.outs)}")
-        for s, o in zip(ins.outs, outs):
-            if isinstance(o, torch.Tensor):
-                st = o.untyped_storage()
-                if check_bounds(o.shape, o.stride(), o.storage_offset(), o.element_size(),
-                                st.nbytes()) is not None:
-                    raise NotAClass(f"{op} makes a view past its storage")
-                sid = st._cdata
-                if sid not in own and sid not in sizes:
-                    own.add(sid)
-                    bound = bound + st.nbytes()
-            elif isinstance(o, (torch.SymFloat, torch.SymBool)):
-                raise NotAClass(f"{op} returns a symbolic scalar")
+                if t is MetaArg:
+                    fixed += _meta_arg_nbytes(x.meta)
+                elif isinstance(x, torch.Tensor):
+                    fixed += x.untyped_storage().nbytes()
+                vals.append(x)
+        key = _key(op, ins.spec, vals) if memo else None
+        eff = effects.get(key) if key is not None else None
+        if eff is None:
+            outs, eff = _infer(run, ins, vals, memo and _static(vals))
+            if key is not None:
+                effects[key] = eff
+        else:
+            outs = _apply(run, eff, vals)
+        for nb in eff.fresh:
+            if type(nb) is int:
+                fixed += nb
+            else:
+                e = nb.node._expr
+                terms[e] = terms.get(e, 0) + 1
+        for s, o in zip(ins.outs, outs, strict=False):  # (outputs the tape does not name)
             if s is not None:
                 env[s] = o
-    return bound
+    if not terms:
+        return fixed
+    return sympy.Add(sympy.Integer(fixed), *(c * e for e, c in terms.items()))
+
+
+def _contiguous(shape: list[int]) -> tuple[int, ...]:
+    out = []
+    n = 1
+    for s in reversed(shape):
+        out.append(n)
+        n *= max(s, 1)
+    return tuple(reversed(out))
+
+
+def _static(vals: list[Any]) -> bool:
+    """No symbol in an instruction's leaves (its values' metadata, its integers)."""
+    for v in vals:
+        t = type(v)
+        if (t is _SV and not v.static) or t is torch.SymInt or t is torch.SymFloat or \
+                t is torch.SymBool:
+            return False
+    return True
+
+
+def _key(op: Any, spec: Any, vals: list[Any]) -> tuple | None:
+    """What decides an instruction's effect in the symbolic run (None: a constant not keyed)."""
+    parts: list[Any] = [op, spec]
+    first: dict[int, int] = {}
+    try:
+        for j, v in enumerate(vals):
+            t = type(v)
+            if t is _SV:
+                parts.append((v.key, first.setdefault(v.sid, j)))
+            elif t is int:
+                parts.append((int, v))
+            elif t is torch.SymInt:
+                parts.append((torch.SymInt, v.node._expr))
+            elif t is MetaArg:
+                parts.append((MetaArg, v.meta.shape, v.meta.stride, v.meta.dtype))
+            elif isinstance(v, torch.Tensor):
+                parts.append((torch.Tensor, tuple(v.shape), v.stride(), v.dtype))
+            elif t is torch.device:
+                parts.append(torch.device)
+            else:
+                parts.append(_const_key(v, True))
+    except _NoKey:
+        return None
+    return tuple(parts)
+
+
+def _leaf(run: _Run | None, v: Any, bases: dict[int, torch.Tensor] | None = None) -> Any:
+    """An instruction's argument in the fake mode (``run``), or as a plain meta tensor with the
+    storages of ``bases`` (:func:`_static`)."""
+    t = type(v)
+    if t is _SV:
+        if run is not None:
+            return run.tensor(v)
+        base = bases.get(v.sid)  # type: ignore[union-attr]
+        if base is None:
+            base = bases[v.sid] = torch.empty(v.key[6], dtype=torch.uint8,  # type: ignore
+                                              device=META)
+        shape, stride, offset, dtype, conj, neg = v.meta
+        m = torch.empty(0, dtype=dtype, device=META)
+        m.set_(base.untyped_storage(), offset, shape, stride)
+        if conj:
+            m = m.conj()
+        if neg:
+            m = torch._neg_view(m)
+        return m
+    if t is torch.device:
+        return META
+    if t is MetaArg:
+        return torch.empty_strided(v.meta.shape, v.meta.stride, dtype=v.meta.dtype, device=META)
+    if isinstance(v, torch.Tensor):  # a host constant
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=META)
+    return v
+
+
+def _infer(run: _Run, ins: Instr, vals: list[Any], static: bool
+           ) -> tuple[list[Any], _SymEffect]:
+    """Run one instruction, in the fake mode or (``static``) on plain meta tensors: its
+    outputs and its effect."""
+    if static:
+        with _disable_current_modes():
+            bases: dict[int, torch.Tensor] = {}
+            leaves = [_leaf(None, v, bases) for v in vals]
+            return _outputs(run, ins, vals, leaves, False)
+    leaves = [_leaf(run, v) for v in vals]
+    return _outputs(run, ins, vals, leaves, True)
+
+
+def _outputs(run: _Run, ins: Instr, vals: list[Any], leaves: list[Any], fake: bool
+             ) -> tuple[list[Any], _SymEffect]:
+    op = ins.op
+    sizes = {_sid(v): v.untyped_storage().nbytes() for v in leaves
+             if isinstance(v, torch.Tensor)}
+    before = [_meta_key(_meta(x), x.untyped_storage().nbytes()) if type(v) is _SV else None
+              for v, x in zip(vals, leaves, strict=True)]
+    args, kwargs = optree.tree_unflatten(ins.spec, leaves)
+    if _has_device_arg(op):
+        args, kwargs = _with_meta_device(op, args, kwargs)
+    out = op(*args, **kwargs)
+    for sid, n in sizes.items():  # resize_, out= growth: not a class (the ledger tracks it)
+        if not _same(n, _storage_bytes(leaves, sid)):
+            raise NotAClass(f"{op} resizes a storage")
+    where: dict[int, int] = {}
+    for j, (b, leaf) in enumerate(zip(before, leaves, strict=True)):
+        if isinstance(leaf, torch.Tensor):
+            where.setdefault(_sid(leaf), j)
+            if b is not None and b != _meta_key(_meta(leaf), leaf.untyped_storage().nbytes()):
+                raise NotAClass(f"{op} changes an argument's metadata")  # (out= reshaped)
+    outs: list[Any] = []
+    specs: list[Any] = []
+    fresh: list[Any] = []
+    new: dict[int, int] = {}
+    for o in optree.tree_leaves(out, none_is_leaf=True):
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            if check_bounds(o.shape, o.stride(), o.storage_offset(), o.element_size(),
+                            st.nbytes()) is not None:
+                raise NotAClass(f"{op} makes a view past its storage")
+            cd = st._cdata
+            j = where.get(cd)
+            if j is None:
+                k = new.get(cd)
+                if k is None:
+                    k = new[cd] = len(fresh)
+                    fresh.append(st.nbytes())
+                spec: tuple = ("new", k)
+                sid = run.storage(o) if fake else -1 - k
+            else:
+                spec = ("leaf", j)
+                v = vals[j]  # (a host constant's or a metadata argument's: its own storage)
+                sid = v.sid if type(v) is _SV else run.new(leaves[j].untyped_storage().nbytes())
+            specs.append((*spec, _meta(o), _meta_key(_meta(o), st.nbytes())))
+            outs.append((sid, o))
+        elif isinstance(o, (torch.SymFloat, torch.SymBool)):
+            raise NotAClass(f"{op} returns a symbolic scalar")
+        else:
+            specs.append(("value", o))
+            outs.append(o)
+    if _short(len(outs), ins.outs):
+        raise NotAClass(f"{op} returns {len(outs)} values; the tape names {len(ins.outs)}")
+    if not fake:  # plain meta: fresh storages are the run's, their fake tensors made when needed
+        sids = [run.new(nb) for nb in fresh]
+    vs: list[Any] = []
+    for spec, o in zip(specs, outs, strict=True):
+        if spec[0] == "value":
+            vs.append(o)
+        else:
+            sid, t = o
+            if sid < 0:
+                sid = sids[-1 - sid]
+            vs.append(_SV(spec[2], sid, None, t if fake else None, spec[3]))
+    return vs, _SymEffect(tuple(specs), tuple(fresh))
+
+
+def _apply(run: _Run, eff: _SymEffect, vals: list[Any]) -> list[Any]:
+    """The outputs of an instruction with a known effect (nothing runs)."""
+    sids = [run.new(nb) for nb in eff.fresh]
+    outs: list[Any] = []
+    for spec in eff.outs:
+        kind = spec[0]
+        if kind == "value":
+            outs.append(spec[1])
+            continue
+        if kind == "new":
+            sid = sids[spec[1]]
+        else:
+            v = vals[spec[1]]
+            sid = v.sid if type(v) is _SV else run.new(spec[3][6])
+        outs.append(_SV(spec[2], sid, None, None, spec[3]))
+    return outs
 
 
 def _sid(t: torch.Tensor) -> int:

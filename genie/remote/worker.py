@@ -117,14 +117,16 @@ MAX_VETTED = 4096
 MAX_PROGRAMS = 256
 #: shape classes one structure may be given (each widens the last by what moved)
 CLASS_TRIES = 3
-#: longer tapes keep the concrete vet (a symbolic vet costs ~2 ms per instruction, inside the
-#: request's deadline)
+#: longer tapes keep the concrete vet (a symbolic vet costs up to ~2 ms per instruction it runs
+#: in the fake mode, inside the request's deadline when inline)
 CLASS_MAX_INSTRS = 8192
 #: a shape class build's first estimate of its cost (then measured), seconds per instruction;
 #: ``GENIE_SERVER_CLASS_BUILD_COST`` sets it (0: a class at a structure's second clean vet).
 #: Only builds made inline (``GENIE_SERVER_CLASS_BUILD=inline``) stall a request, so only they
-#: wait until vetting has cost as much (ski rental); background builds start at once.
-BUILD_SECONDS_PER_INSTR = 0.002
+#: wait until vetting has cost as much (ski rental); background builds start at once. (A GPT-2
+#: 12x768 decode step: 0.24-0.44 ms per instruction, its repeated layers and its instructions
+#: without a symbol not run in the fake mode, see ``shape_class._run``; ~2-3 ms before.)
+BUILD_SECONDS_PER_INSTR = 0.0005
 #: a background build (a forked child) that runs longer is stopped; its structure keeps the
 #: concrete vet (and may try again, up to :data:`CLASS_TRIES`)
 BUILD_SECONDS_MAX = 120.0
@@ -889,7 +891,7 @@ class Worker:
         if background and (self._free_build() is None or self._building(ck)):
             return  # every slot busy, or this structure's build runs: a later call tries again
         if not background and len(tape.instrs) > self.cfg.max_run_seconds * 125:
-            return  # (inline: ~2 ms an instruction, at most a quarter of the run deadline)
+            return  # (inline: up to ~2 ms an instruction, at most a quarter of the deadline)
         # inline, ski rental: build once the concrete vets of this structure have cost what a
         # build is expected to (a structure seen a few times never pays a build it cannot win
         # back; one that keeps moving pays at most about twice what vetting it once per class

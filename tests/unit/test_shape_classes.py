@@ -272,3 +272,128 @@ def test_build_slots_follow_the_cores_and_the_variable(monkeypatch) -> None:
     for v, want in (("1", 1), ("3", 3), ("0", 2), ("9", 2), ("two", 2)):
         monkeypatch.setenv("GENIE_SERVER_CLASS_BUILDS", v)
         assert worker.build_slots() == want, v
+
+
+# --- the fast build (memo: repeated instructions once, static ones on plain meta) ---------------
+
+def _layers(a: int, off: int, n: int = 64) -> Tape:
+    """Three layers over a moving ``a``: ``h = relu((h + kv.as_strided([a, 8], [8, 1], o)) @ w)``
+    and a static ``w * 2`` beside it, then ``h.sum(0)``; ``h`` starts as ``x``, a dense input
+    ``[a, 8]``; ``w`` is a dense ``[8, 8]``. Layer 0 views ``kv`` (``n - 8`` floats at offset 1
+    of a storage of ``n + 1``, not dense) at ``o = off``, layer 1 views ``kv2`` (the same
+    metadata, a storage of ``n - 7`` floats) at ``off``, layer 2 ``kv`` at ``off + 4``. A call
+    with ``off + 8 a > n - 7`` is steered past ``kv2``'s storage (``> n - 3``: ``kv``'s too)."""
+    aten = torch.ops.aten
+    instrs = []
+
+    def ins(op, args, outs):
+        leaves, spec = optree.tree_flatten((args, {}), none_is_leaf=True)
+        instrs.append(Instr(op, leaves, spec, outs, None))
+
+    h, nxt = 0, 4
+    for kv, o in ((1, off), (3, off), (1, off + 4)):
+        ins(aten.as_strided.default, (Slot(kv), [a, 8], [8, 1], o), (nxt,))
+        ins(aten.add.Tensor, (Slot(h), Slot(nxt)), (nxt + 1,))
+        ins(aten.mm.default, (Slot(nxt + 1), Slot(2)), (nxt + 2,))
+        ins(aten.relu.default, (Slot(nxt + 2),), (nxt + 3,))
+        ins(aten.mul.Scalar, (Slot(2), 2.0), (nxt + 4,))
+        h, nxt = nxt + 3, nxt + 5
+    ins(aten.sum.dim_IntList, (Slot(h), [0]), (nxt,))
+    return Tape(instrs, {0: torch.zeros(a, 8), 1: torch.zeros(n + 1)[1:n - 7],
+                         2: torch.zeros(8, 8), 3: torch.zeros(n - 7)[1:]}, [nxt], {nxt}, [], {})
+
+
+def _fast_and_slow(t0: Tape, t1: Tape):
+    (k0, i0), (k1, i1) = shape_params(b"k", t0), shape_params(b"k", t1)
+    assert k0 == k1
+    pos = moved(i0, i1)
+    assert pos is not None
+    specs = [build_spec(t1, i1, pos, i0, memo) for memo in (True, False)]
+    return specs, [from_spec(s, i1) for s in specs]
+
+
+def test_a_class_built_fast_admits_and_refuses_what_the_slow_build_does(monkeypatch) -> None:
+    """The build that runs an instruction seen before once (its effect reused) and static ones on
+    plain meta makes the class the build that runs every instruction in the fake mode makes: the
+    same guards and bound, and over a sweep of calls (moved sizes and offsets, calls steered
+    past the storage of ``kv``, calls whose fixed integers differ) the same answers, each
+    admitted call passing the concrete vet under its bound and each refused one ... refused."""
+    from genie.remote import shape_class
+
+    ran = {True: 0, False: 0}
+    real = shape_class._infer
+
+    def count(run, ins, vals, static):
+        ran[mode] += 1
+        return real(run, ins, vals, static)
+
+    monkeypatch.setattr(shape_class, "_infer", count)
+    t0, t1 = _layers(3, 4), _layers(4, 5)
+    (_, i0), (l1, i1) = shape_params(b"k", t0), shape_params(b"k", t1)
+    pos = moved(i0, i1)
+    specs = {}
+    for mode in (True, False):
+        specs[mode] = build_spec(t1, i1, pos, i0, mode)
+    assert specs[True] == specs[False]
+    assert ran[True] < ran[False] == len(t1.instrs)  # (the layers after the first: not run)
+    fast, slow = (from_spec(specs[m], i1) for m in (True, False))
+    admitted = refused = past = 0
+    for a in range(1, 12):
+        for off in (0, 1, 2, 3, 7, 16, 40, 56, 57, 64, 80):
+            for n in (64, 65):
+                t = _layers(a, off, n)
+                key, ints = shape_params(b"k", t)
+                got = fast.admit(ints) if key == l1 else None
+                assert got == (slow.admit(ints) if key == l1 else None), (a, off, n)
+                try:
+                    peak = vet_tape(t, 1 << 30).peak
+                except Exception:  # noqa: BLE001 - refused by the concrete vet
+                    peak = None
+                    past += off + 8 * a > n - 7
+                if got is None:
+                    refused += 1
+                else:
+                    admitted += 1
+                    assert peak is not None and got >= peak, (a, off, n)
+    assert admitted >= 20 and refused >= 20 and past >= 10  # (the sweep reaches both sides)
+
+
+def test_a_gpt2_decode_steps_class_is_the_same_built_fast() -> None:
+    """The decode step of a GPT-2 (2 layers, KV cache growing), its tapes kept from an embedded
+    run: the fast build's class is the slow build's (guards, bound), and both admit the later
+    steps."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import DynamicCache
+
+    from genie.passes import pipeline
+
+    tapes = []
+    real = pipeline.run
+
+    def keep(tape, device):
+        tapes.append(tape)
+        return real(tape, device)
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100,
+                                  attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval().to("remote_accelerator:0")
+    ids = torch.randint(0, 100, (1, 5)).to("remote_accelerator:0")
+    tok = torch.randint(0, 100, (1, 1)).to("remote_accelerator:0")
+    tok.cpu()
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True).logits.cpu()
+        pipeline.run = keep
+        try:
+            for _ in range(6):
+                model(tok, past_key_values=cache, use_cache=True).logits.cpu()
+        finally:
+            pipeline.run = real
+    steps = [t for t in tapes if len(t.instrs) > 20]
+    assert len(steps) == 6
+    specs, (fast, slow) = _fast_and_slow(steps[1], steps[2])
+    assert specs[0] == specs[1]
+    for t in steps[3:]:
+        key, ints = shape_params(b"k", t)
+        assert fast.admit(ints) is not None and fast.admit(ints) == slow.admit(ints)
