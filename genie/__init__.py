@@ -30,6 +30,7 @@ import atexit  # noqa: E402
 import torch  # noqa: E402,F401  (first import of torch happens after _autoload exists)
 
 from .capture import CaptureError, CaptureGraph, annotate_phase, capture, phase
+from . import device as _device
 from .device import register as _register
 from .errors import DeviceError, ExecutionError, GenieError, UnsupportedOpError
 from .factories import register_factories as _register_factories
@@ -40,6 +41,7 @@ from .dlpack import register as _register_dlpack
 from .dynamo import install as _install_dynamo_skips
 from .distributed import register as _register_distributed
 from .lazy_tensor import LazyTensor, materialize
+from .memory import install as _install_memory_api
 from .planner import format_tape
 from .stats import reset_stats, stats
 from .backends.remote import connect, connect_from_env as _connect_from_env, disconnect
@@ -47,6 +49,7 @@ from .remote import (QuotaExceededError, RemoteError, RunTimeoutError, ServerUna
                      SessionLostError)
 from .shutdown import drain_device_threads as _drain_device_threads
 
+_install_memory_api(_device)  # torch.remote_accelerator.memory_allocated, Stream, ... (genie.memory)
 _register()
 _register_factories()  # the PrivateUse1 factory kernels record through genie.lazy_tensor
 _install_fastpaths()  # nn fast paths that need nested tensors run densely (genie.fastpaths)

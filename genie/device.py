@@ -261,12 +261,3 @@ def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
     return [torch.float16, torch.bfloat16]
-
-
-# --- memory and streams (genie.memory): the torch.cuda names ---------------------------------------
-
-from .memory import (  # noqa: E402
-    Event, Stream, current_stream, default_stream, empty_cache, get_device_name,
-    get_device_properties, max_memory_allocated, max_memory_reserved, mem_get_info,
-    memory_allocated, memory_reserved, reset_max_memory_allocated, reset_peak_memory_stats,
-    set_stream, stream)

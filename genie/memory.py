@@ -22,12 +22,15 @@ path (after a run binds its values), never while recording.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ._C import _mem_allocated, _mem_hold
+from .device import _index, check_index, real_device
 from .errors import DeviceError
+from .meta import policy
 
 _peak: dict[int, int] = {}
 _seen: set[int] = set()  # device indices a run has held values on
@@ -38,10 +41,17 @@ _seen: set[int] = set()  # device indices a run has held values on
 _tracking = [False]  # tape high-water marks are computed once someone asks for a peak
 
 
-def _remote_session(index: int) -> Any:
-    from .backends import remote
+def _no_sessions() -> list[Any]:
+    return []
 
-    cl = remote.clients()
+
+#: the connected server sessions by device index (``genie.backends.remote.clients``, which sits
+#: above this module and installs itself here when it loads)
+sessions: list[Callable[[], list[Any]]] = [_no_sessions]
+
+
+def _remote_session(index: int) -> Any:
+    cl = sessions[0]()
     return cl[index] if index < len(cl) else None
 
 
@@ -53,15 +63,7 @@ def session_quota(index: int) -> int | None:
     return q if type(q) is int and q > 0 else None
 
 
-_real_device: list[Any] = []  # genie.device.real_device, imported at first use (device imports us)
-
-
-def _real(index: int) -> torch.device:
-    if not _real_device:
-        from .device import real_device
-
-        _real_device.append(real_device)
-    return _real_device[0](index)
+_real = real_device
 
 
 def hold(index: int, values: Any) -> None:
@@ -106,8 +108,6 @@ def tape_high_water(tape: Any) -> int:
     Views and in-place results share their input's storage and add nothing; a fresh output is
     alive from its instruction until the instruction that frees its slot (the planner's list).
     """
-    from .meta import policy
-
     live = 0
     peak = 0
     size: dict[int, int] = {}
@@ -139,8 +139,6 @@ def _nbytes(m: Any) -> int:
 # --- the torch.cuda-shaped API (re-exported by genie.device) -------------------------------------
 
 def _idx(device: Any) -> int:
-    from .device import _index, check_index
-
     i = _index(device)
     check_index(i)
     return i
@@ -398,3 +396,20 @@ class stream:  # noqa: N801 (the torch.cuda.stream spelling)
 
 def set_stream(s: Stream) -> None:
     _current[s.index] = s
+
+
+#: what ``torch.remote_accelerator`` (the module :mod:`genie.device`) takes from here: the
+#: torch.cuda names of memory and streams (installed by ``import genie``, :func:`install`; the
+#: device module sits below this one)
+DEVICE_MODULE_NAMES = (
+    "Event", "Stream", "current_stream", "default_stream", "empty_cache", "get_device_name",
+    "get_device_properties", "max_memory_allocated", "max_memory_reserved", "mem_get_info",
+    "memory_allocated", "memory_reserved", "reset_max_memory_allocated", "reset_peak_memory_stats",
+    "set_stream", "stream")
+
+
+def install(module: Any) -> None:
+    """Give the device module (``torch.remote_accelerator``) the names of
+    :data:`DEVICE_MODULE_NAMES`."""
+    for name in DEVICE_MODULE_NAMES:
+        setattr(module, name, globals()[name])

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .. import device, lazy_tensor
+from .. import device, lazy_tensor, memory
 from ..errors import DeviceError, GenieError
 from ..planner import Slot, Tape
 from . import BackendUnsupported, backend_order, register_backend, set_backends
@@ -210,6 +210,9 @@ def placement() -> str:
 def clients() -> list[Any]:
     """The connected :class:`~genie.remote.client.Client` objects, by device index."""
     return list(_clients)
+
+
+memory.sessions[0] = clients  # how genie.memory finds a device's session (it sits below)
 
 
 def _synchronize(index: int) -> bool:
