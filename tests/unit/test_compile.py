@@ -397,3 +397,114 @@ def test_each_shape_class_runs_its_own_compilation(fast_compiler):
         assert out.stride() == (inp * 2).stride() and out.dtype == inp.dtype
     s = genie.stats()
     assert s["graph_compiles"] == 3 and s["graph_cache_hits"] == 3, s
+
+
+def _frames_at_record(f, *args):
+    """The names of the Python frames above the compiled graph's caller when Dynamo calls it."""
+    import sys
+
+    from genie import dynamo
+
+    names: list[str] = []
+    bump = dynamo.bump
+
+    def spy(name):
+        if name == "graph_calls" and not names:
+            fr = sys._getframe(1)
+            while fr is not None:
+                names.append(fr.f_code.co_name)
+                fr = fr.f_back
+        return bump(name)
+
+    dynamo.bump = spy
+    try:
+        out = f(*args)
+    finally:
+        dynamo.bump = bump
+    return names, out
+
+
+def test_inference_graph_is_called_without_aots_runtime_wrapper_where_it_has_nothing_to_do(
+        fast_compiler):
+    """An inference graph that mutates no input and returns no alias: Dynamo calls Genie's
+    caller itself (no AOTAutograd runtime wrapper frames around the record). Graphs that need
+    the wrapper keep it (an input mutated in place, an output that is a view of an input), with
+    eager's values, views and mutations."""
+    def plain(x):
+        return x * 2 + 1
+
+    def mutates(x):
+        x.add_(1)
+        return x * 3
+
+    def views(x):
+        return x.view(-1), x + 1
+
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        names, out = _frames_at_record(torch.compile(plain), x.to(DEV))
+        assert "runtime_wrapper" not in names and names[0] == "call", names
+        torch.testing.assert_close(out.cpu(), plain(x))
+
+        xd, xe = x.to(DEV), x.clone()
+        names, out = _frames_at_record(torch.compile(mutates), xd)
+        assert "runtime_wrapper" in names, names
+        want = mutates(xe)
+        torch.testing.assert_close(out.cpu(), want)
+        torch.testing.assert_close(xd.cpu(), xe)  # the mutation written back
+
+        xd = x.to(DEV)
+        names, (v, y) = _frames_at_record(torch.compile(views), xd)
+        assert "runtime_wrapper" in names, names
+        torch.testing.assert_close(v.cpu(), x.view(-1))
+        torch.testing.assert_close(y.cpu(), x + 1)
+        xd.mul_(0)  # the view sees its base's writes, as eager's
+        torch.testing.assert_close(v.cpu(), torch.zeros(6))
+    # training graphs keep AOTAutograd's autograd wrapper
+    w = torch.randn(3, requires_grad=True)
+    wd = w.detach().to(DEV).requires_grad_()
+    names, out = _frames_at_record(torch.compile(lambda a, b: (a * b).sum()), x.to(DEV), wd)
+    assert "runtime_wrapper" in names, names
+    out.backward()
+    (x * w).sum().backward()
+    torch.testing.assert_close(wd.grad.cpu(), w.grad)
+
+
+@pytest.mark.skipif(os.environ.get("GENIE_FULL_TESTS") != "1",
+                    reason="inductor compiles C++ (a minute here); GENIE_FULL_TESTS=1")
+def test_inductor_code_is_called_directly_only_where_aots_wrapper_does_nothing():
+    """On the device, an Inductor compilation of a plain graph is kept as its generated code called
+    directly (AOTAutograd's runtime wrapper around it would do nothing); a graph returning a
+    view of its input keeps the wrapper (which makes that view). Both with eager's values, fresh
+    output storages, and reused on the next call."""
+    torch._dynamo.reset()
+    compiled_backend.set_compiler("inductor")
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    v = g.call_function(torch.ops.aten.view.default, (x, [6]))
+    y = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    g.output([v, y])
+    for n, shape in ((x, (2, 3)), (v, (6,)), (y, (2, 3))):
+        n.meta["val"] = torch.empty(shape, device="meta")
+    views = torch.fx.GraphModule(torch.nn.Module(), g)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.mul.Tensor, (x, 3.0))
+    g.output([g.call_function(torch.ops.aten.add.Tensor, (y, 1.0))])
+    for n in g.nodes:
+        n.meta["val"] = torch.empty(2, 3, device="meta")
+    plain = torch.fx.GraphModule(torch.nn.Module(), g)
+    for gm, direct, want in ((plain, True, lambda a: [a * 3 + 1]),
+                             (views, False, lambda a: [a.view(6).clone(), a * 2])):
+        data, kinds = graphs.encode(gm, [torch.empty(2, 3)])
+        graphs.forget(graphs.content_key(data))
+        key = graphs.register(data, kinds).key
+        for _ in range(2):
+            a = torch.randn(2, 3)
+            outs = torch.ops.genie.graph(key, [a], [])
+            ptrs = {a.untyped_storage().data_ptr()} | {o.untyped_storage().data_ptr() for o in outs}
+            assert len(ptrs) == 1 + len(outs)
+            for o, w in zip(outs, want(a), strict=True):
+                torch.testing.assert_close(o, w)
+        (fn, _, _), = graphs.lookup(key).compiled.values()
+        assert (getattr(fn, "__name__", "") == "direct") is direct
