@@ -120,19 +120,38 @@ def verify(before: Tape, after: Tape, device: torch.device | None = None,
         _close(in1[s], in0[s], f"input %{s} after the run", rtol, atol)
 
 
-def written_inputs(tapes: Sequence[Tape]) -> set[int] | None:
+UPLOAD = "genie.upload"
+
+
+def written_inputs(tapes: Sequence[Tape], roots: set[int] | None | bool = False
+                   ) -> set[int] | None:
     """Input slots of ``tapes`` whose memory one of their instructions may write, directly or
     through a view (schema alias annotations, :func:`genie.meta.policy`), and every input that
     shares a storage with one of those; None when an instruction's effect is not known (then
     every input counts). What a verification must copy and compare: an input nothing writes is
     the same before and after both runs (a GPT-2 decode step's first run copied and compared its
     340 MB of weights: 3 s of its 3.4 s)."""
+    if roots is False:
+        roots = written_roots(tapes)
+    if roots is None:
+        return None
+    out: set[int] = set()
+    for tape in tapes:
+        keys = {_storage_key(tape.inputs[s]) for s in roots if s in tape.inputs}
+        out |= {s for s, v in tape.inputs.items() if _storage_key(v) in keys}
+    return out
+
+
+def written_roots(tapes: Sequence[Tape]) -> set[int] | None:
+    """The inputs and upload outputs of ``tapes`` (by slot) that one of their instructions may
+    write, directly or through a view; None when an instruction's effect is not known."""
     roots: set[int] = set()
     for tape in tapes:
         root = {s: s for s in tape.inputs}
         for ins in tape.instrs:
             op = ins.op
-            if isinstance(op, str):  # an upload: a fresh copy of host data
+            if op == UPLOAD:  # a fresh copy of host data: a root of its own
+                root.update((o, o) for o in ins.outs if o is not None)
                 continue
             if not isinstance(op, torch._ops.OpOverload):
                 return None
@@ -162,11 +181,28 @@ def written_inputs(tapes: Sequence[Tape]) -> set[int] | None:
                         if len(src) > 1:
                             return None
                         root[o] = next(iter(src))
-    out: set[int] = set()
-    for tape in tapes:
-        keys = {_storage_key(tape.inputs[s]) for s in roots if s in tape.inputs}
-        out |= {s for s, v in tape.inputs.items() if _storage_key(v) in keys}
-    return out | roots
+    return roots
+
+
+def reading_kept_uploads(tape: Tape, kept: dict[int, Any], roots: set[int] | None) -> Tape:
+    """``tape`` with each upload whose value ``kept`` holds (the program's own run of the same
+    plan) and that no instruction writes (``roots``: :func:`written_roots`) read from that value
+    instead of copied from the host again: a model's first run uploads its weights, and its
+    verification ran the uploads twice (340 MB more for a 12x768 GPT-2)."""
+    if roots is None:
+        return tape
+    instrs: list[Instr] = []
+    inputs: dict[int, Any] | None = None
+    for ins in tape.instrs:
+        o = ins.outs[0] if len(ins.outs) == 1 else None
+        if ins.op == UPLOAD and o is not None and not ins.free and o in kept and \
+                o not in roots:
+            if inputs is None:
+                inputs = dict(tape.inputs)
+            inputs[o] = kept[o]
+            continue
+        instrs.append(ins)
+    return tape if inputs is None else replace(tape, instrs=instrs, inputs=inputs)
 
 
 def _storage_key(v: Any) -> Any:
@@ -176,6 +212,8 @@ def _storage_key(v: Any) -> Any:
 
 
 def _close(got: Any, want: Any, what: str, rtol: float, atol: float) -> None:
+    if got is want:
+        return
     if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and \
             got.dtype == want.dtype and got.shape == want.shape and \
             got.stride() == want.stride() and torch.equal(got, want):

@@ -81,7 +81,7 @@ from ..meta import policy
 from ..planner import Instr, MetaArg, PendingSlots, Slot, Tape
 from ..remote import QuotaExceededError
 from ..stats import bump
-from . import PassReport, _close, written_inputs
+from . import PassReport, _close, reading_kept_uploads, written_inputs, written_roots
 from .budget import _budget, memory_budget, parse_bytes
 
 Pass = Callable[[Tape], "tuple[Tape, PassReport]"]
@@ -727,17 +727,19 @@ def _verify_run(st: Script, plan: Any, tape: Tape, opt: Tape, device: torch.devi
                 ) -> tuple[dict[int, Any], Tape]:
     """First run: eager's values are the program's; the optimized tape runs on copies of the
     inputs either tape may write (:func:`genie.passes.written_inputs`; the others are shared:
-    neither run changes them)."""
-    written = written_inputs((tape, opt))
+    neither run changes them), after the program's run, reading the uploads that run kept
+    (:func:`genie.passes.reading_kept_uploads`)."""
+    roots = written_roots((tape, opt))
+    written = written_inputs((tape, opt), roots)
     order = sorted(s for s in opt.inputs if written is None or s in written)
     copies = dict(opt.inputs)
     copies.update(zip(order, _copy_sharing([opt.inputs[s] for s in order]), strict=True))
+    kept = backends.run(tape, device)[0]
     reason = None
     try:
-        got = run_instrs(replace(opt, inputs=copies), device)
+        got = run_instrs(reading_kept_uploads(replace(opt, inputs=copies), kept, roots), device)
     except Exception as e:
         reason = f"the optimized tape raised {type(e).__name__}: {e}"
-    kept = backends.run(tape, device)[0]
     if reason is None:
         try:
             for s in sorted(tape.keep):

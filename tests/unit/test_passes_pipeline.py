@@ -464,3 +464,37 @@ def test_a_pass_that_writes_an_input_is_rolled_back_and_the_input_is_untouched(c
     assert s["passes_applied"] == 1 and s["passes_rolled_back"] == 1
     warns = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
     assert len(warns) == 1 and "'mul_in_place_test'" in warns[0] and "input" in warns[0]
+
+
+def _optimized_runs(monkeypatch):
+    seen = []
+    real = pipeline.run_instrs
+    monkeypatch.setattr(pipeline, "run_instrs", lambda tape, dev: seen.append(tape) or
+                        real(tape, dev))
+    return seen
+
+
+def test_a_first_run_reads_its_uploads_from_the_programs_run(monkeypatch):
+    # a model's first run uploads its weights; the verification's optimized run reads them from
+    # the program's run instead of uploading them again
+    seen = _optimized_runs(monkeypatch)
+    w = torch.randn(32, 32)
+    wd = w.to(D)  # recorded: uploaded by the first run that needs it
+    got = ((wd @ wd).relu() * 2 + (wd @ wd).relu()).sum()
+    torch.testing.assert_close(got.cpu(), ((w @ w).relu() * 3).sum())
+    assert genie.stats()["passes_verified"] == 1
+    assert len(seen) == 1 and not any(ins.op == "genie.upload" for ins in seen[0].instrs)
+    torch.testing.assert_close(wd.cpu(), w)
+
+
+def test_an_upload_the_tape_writes_is_uploaded_again_for_the_optimized_run(monkeypatch):
+    seen = _optimized_runs(monkeypatch)
+    w = torch.randn(32, 32)
+    wd = w.to(D)
+    wd.add_(1.0)  # the upload's value is not what the program's run kept
+    got = ((wd @ wd).relu() * 2 + (wd @ wd).relu()).sum()
+    want = (((w + 1) @ (w + 1)).relu() * 3).sum()
+    torch.testing.assert_close(got.cpu(), want)
+    assert genie.stats()["passes_verified"] == 1
+    assert len(seen) == 1 and any(ins.op == "genie.upload" for ins in seen[0].instrs)
+    torch.testing.assert_close(wd.cpu(), w + 1)
