@@ -205,6 +205,13 @@ def _state_word() -> int:
 def _state_apply(word: int) -> int:
     """Make ``word`` (a :func:`_state_word` value) the global state; returns the word before."""
 
+def _math_bits_on() -> int:
+    """Re-enable the math-bit dispatch keys (Conjugate, Negative, ZeroTensor) this thread
+    excludes; returns a mask of those it re-enabled, for :func:`_math_bits_restore`."""
+
+def _math_bits_restore(mask: int) -> None:
+    """Exclude again the math-bit keys named by ``mask`` (a :func:`_math_bits_on` result)."""
+
 def _state_mask(precision: bool) -> None:
     """Whether the word holds the fp32-precision and cuDNN flags (default: where CUDA is)."""
 

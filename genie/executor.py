@@ -19,7 +19,8 @@ import torch
 from torch.autograd import profiler as _profiler
 
 from . import backends, checks, context, memory, plan_cache
-from ._C import _bind_nodes, _gc_untrack, _state_apply, _state_word, _without_warning
+from ._C import (_bind_nodes, _gc_untrack, _math_bits_on, _math_bits_restore, _state_apply,
+                 _state_word, _without_warning)
 from .config import config
 from .context import _steps
 from .device import real_device
@@ -32,6 +33,7 @@ from .profiling import phase
 from .stats import _counts, bump
 from .backends import eager as eager_backend  # noqa: E402 - the backends package is imported above
 
+#: the keys ``genie._C._math_bits_on`` re-enables (csrc/state.cpp, kMathBits)
 _MATH_BIT_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative,
                   torch._C.DispatchKey.ZeroTensor)
 
@@ -42,32 +44,18 @@ class real_dispatch:  # noqa: N801 - used as a function: ``with real_dispatch():
     A materialization triggered by an op on a LazyTensor (``.cpu()``, ``.item()``, ``nonzero``)
     runs while the dispatcher excludes every key above Python, the math-bit keys included: a real
     kernel would then read a conjugate (or negative) view's raw memory and ignore the bit. Those
-    keys are part of what a real tensor's values mean, so they are re-enabled while real ops run.
-    A plain class rather than a ``contextlib`` generator over an ``ExitStack`` (13 µs per use,
-    twice per ``.item()``): the three guards are entered and left in order here (~3 µs).
+    keys are part of what a real tensor's values mean, so they are re-enabled while real ops run
+    (``genie._C._math_bits_on``: one native call each way; three torch guard objects cost ~6 µs
+    per materialization).
     """
 
-    __slots__ = ("_guards",)
+    __slots__ = ("_mask",)
 
     def __enter__(self) -> None:
-        guards = []
-        try:
-            for key in _MATH_BIT_KEYS:
-                g = _KeyGuard(key, False)
-                g.__enter__()
-                guards.append(g)
-        except BaseException:
-            for g in reversed(guards):
-                g.__exit__(None, None, None)
-            raise
-        self._guards = guards
+        self._mask = _math_bits_on()
 
     def __exit__(self, *exc: Any) -> None:
-        for g in reversed(self._guards):
-            g.__exit__(*exc)
-
-
-_KeyGuard = torch._C._SetExcludeDispatchKeyGuard
+        _math_bits_restore(self._mask)
 
 
 def _device_for(index: int) -> torch.device:
@@ -107,28 +95,30 @@ def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
         elif not pipeline._not_eager():  # a server or compiled backend runs it as one (a gap)
             per_op = [n.entry.state if n.entry is not None else None for n in tape.nodes]
     try:
-        with real_dispatch():
+        bits = _math_bits_on()  # real_dispatch(), inline: once per materialization
+        try:
             # genie.passes: the plan's optimized tape when it has one (issue 13); ``ran`` is the
             # tape that ran, ``kept`` the values of ``tape.keep`` either way
-            try:
-                run: Any = pipeline.run if per_op is None else _run_per_op
-                args = (tape, _device_for(index)) if per_op is None else \
-                    (tape, _device_for(index), per_op)
-                if checks.DOF_PENDING and checks.dof_pending():
-                    # a std/var call warned at its line what its kernel warns again now
-                    kept, ran = _without_warning(checks.DOF_TEXT, lambda: run(*args))
-                else:
-                    kept, ran = run(*args)
-            except ExecutionError as e:
-                partial, e.partial = e.partial, None  # the raised error holds no tensors
-                if partial is not None:
-                    _bind_partial(tape, *partial, index)
-                # the user's traceback ends here, in Genie's materialization, not a dozen frames
-                # below it in a backend; the message says the op, the cause and where it was
-                # recorded
-                if e.__cause__ is not None:
-                    e.__cause__.__traceback__ = None
-                raise e.with_traceback(None) from e.__cause__
+            run: Any = pipeline.run if per_op is None else _run_per_op
+            args = (tape, _device_for(index)) if per_op is None else \
+                (tape, _device_for(index), per_op)
+            if checks.DOF_PENDING and checks.dof_pending():
+                # a std/var call warned at its line what its kernel warns again now
+                kept, ran = _without_warning(checks.DOF_TEXT, lambda: run(*args))
+            else:
+                kept, ran = run(*args)
+        except ExecutionError as e:
+            partial, e.partial = e.partial, None  # the raised error holds no tensors
+            if partial is not None:
+                _bind_partial(tape, *partial, index)
+            # the user's traceback ends here, in Genie's materialization, not a dozen frames
+            # below it in a backend; the message says the op, the cause and where it was
+            # recorded
+            if e.__cause__ is not None:
+                e.__cause__.__traceback__ = None
+            raise e.with_traceback(None) from e.__cause__
+        finally:
+            _math_bits_restore(bits)
     finally:
         if before is not None:
             _state_apply(before)

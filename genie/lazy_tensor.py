@@ -1130,7 +1130,11 @@ def _item_now(x: LazyTensor) -> Any:
             _counts["forced_materializations"] += 1
             bump("host_reads")
             return _item(real)
-    real = materialize(x, trigger="item")
+    # materialize(x, trigger="item"), inline: once per token or step
+    _counts["materializations"] += 1
+    _counts["materializations.item"] += 1
+    node = x._node
+    real = executor.run_targets([(node, x._out)], node.metas[x._out].index)[0]
     if _plain(real):
         out = _item(real)
     else:

@@ -221,7 +221,7 @@ class PlanCache:
         Several plans for the same requested ops (a generate's prefill and its decode steps end
         in the same ops) are tried with the ones last used at this span first: a plan that
         fails costs a walk of the slice before it is rejected."""
-        top = max(n.index for n, _ in targets)
+        top = targets[0][0].index if len(targets) == 1 else max(n.index for n, _ in targets)
         span = top - self._last if self._last >= 0 else -1
         self._last = top
         return span
@@ -509,8 +509,11 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     if shaped:
         _rebuild(instrs, found, tmpl, shaped, True)
     if generic and not differs:
-        differs = any(v.shape != pin[s].shape or v.stride() != pin[s].stride
-                      for s, v in inputs.items())
+        for s, v in inputs.items():  # (a loop, not any() over a generator: once per step)
+            m = pin[s]
+            if v.shape != m.shape or v.stride() != m.stride:
+                differs = True
+                break
     for i in plan.rngs:  # random ops: this step's (seed, offset)
         n, t = found[i], tmpl[i]
         instrs[i] = Instr(n.op, list(instrs[i].leaves), t.spec, t.outs, n.rng, t.free,
@@ -1029,8 +1032,11 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node],
                 if type(x) is float and not _same_const(x, y):
                     plan.floats.add((i, j))
     if generic and not differs:
-        differs = any(v.shape != pin[s].shape or v.stride() != pin[s].stride
-                      for s, v in inputs.items())
+        for s, v in inputs.items():  # (a loop, not any() over a generator: once per step)
+            m = pin[s]
+            if v.shape != m.shape or v.stride() != m.stride:
+                differs = True
+                break
     return Tape(instrs, inputs, outputs, set(keep), nodes, slots, plan.index, plan, differs)
 
 

@@ -133,7 +133,7 @@ def for_tape(tape: Tape) -> Program | None:
             return None
         p = _compile_or_none(tape, tape.generic) or False
         plan.artifacts[name] = p
-    return p or None
+    return p if p is not False else None  # (not ``p or None``: that calls len(p) per run)
 
 
 def _compile_or_none(tape: Tape, generic: bool) -> Program | None:

@@ -354,6 +354,21 @@ def test_real_dispatch_reenables_the_math_bit_keys_and_restores_them() -> None:
             raise ValueError
         assert excluded(torch._C.DispatchKey.Conjugate)
     assert not excluded(torch._C.DispatchKey.Conjugate)
+    # all three excluded (as inside __torch_dispatch__), and nested: each level restores its own
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.Conjugate) | torch._C.DispatchKeySet(
+        torch._C.DispatchKey.Negative) | torch._C.DispatchKeySet(torch._C.DispatchKey.ZeroTensor)
+    with torch._C._ExcludeDispatchKeyGuard(keys):
+        with real_dispatch():
+            assert not any(excluded(k) for k in _MATH_BIT_KEYS)
+            with torch._C._ExcludeDispatchKeyGuard(
+                    torch._C.DispatchKeySet(torch._C.DispatchKey.Negative)):
+                with real_dispatch():
+                    assert not any(excluded(k) for k in _MATH_BIT_KEYS)
+                assert excluded(torch._C.DispatchKey.Negative)
+                assert not excluded(torch._C.DispatchKey.Conjugate)
+            assert not any(excluded(k) for k in _MATH_BIT_KEYS)
+        assert all(excluded(k) for k in _MATH_BIT_KEYS)
+    assert not any(excluded(k) for k in _MATH_BIT_KEYS)
 
 
 def test_disable_modes_pops_active_modes_and_is_free_without_them() -> None:
