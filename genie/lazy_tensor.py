@@ -1136,7 +1136,7 @@ def _item_now(x: LazyTensor) -> Any:
     node = x._node
     real = executor.run_targets([(node, x._out)], node.metas[x._out].index)[0]
     if _plain(real):
-        out = _item(real)
+        out = _item._op(real)  # (the C++ op itself: OpOverload.__call__ is only a frame to it)
     else:
         with disable_modes(), torch.no_grad(), real_dispatch():
             out = _item(real)

@@ -216,3 +216,25 @@ def test_a_trigger_that_runs_nothing_leaves_the_step_for_the_next_one():
     assert w._node.storages[w._out].pending_writes and genie.stats().get("step_tapes", 0) == 0
     assert (ready + 1).sum().item() == 9.0  # the next tape that runs takes the step along
     assert not w._node.storages[w._out].pending_writes and genie.stats()["step_tapes"] == 1
+
+
+def test_requested_tape_keeps_every_field_but_the_step_targets():
+    """executor._requested builds the tape of the values asked for field by field (not with
+    dataclasses.replace, per step): every field of Tape is the step tape's, the outputs are the
+    first ``n``, and the step's extra targets are kept."""
+    import dataclasses
+
+    from genie.executor import _requested
+    from genie.planner import PendingSlots, Tape
+
+    slots = PendingSlots([(1,), (2,), (3,)], {})
+    t = Tape([], {0: torch.ones(1)}, [1, 2, 3], {7}, [], slots, 2, "plan", True)
+    r = _requested(t, 1)
+    names = [f.name for f in dataclasses.fields(Tape)]
+    assert names == ["instrs", "inputs", "outputs", "keep", "nodes", "_slots", "index", "plan",
+                     "generic"], "a new Tape field: executor._requested must pass it on"
+    for name in names:
+        if name not in ("outputs", "keep"):
+            assert getattr(r, name) is getattr(t, name), name
+    assert r.outputs == [1] and r.keep == {2, 3, 7} and t.outputs == [1, 2, 3] and t.keep == {7}
+    assert _requested(t, 3) is t
