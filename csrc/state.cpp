@@ -19,6 +19,7 @@
 #include <ATen/Context.h>
 #include <c10/core/DefaultDtype.h>
 #include <c10/core/ScalarType.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 namespace genie {
@@ -159,6 +160,19 @@ PyObject* py_math_bits_restore(PyObject* /*self*/, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// Set grad mode to `arg` (a bool); returns the mode before. The interpreter turns grad mode off
+// around a run (genie.backends.eager.run_instrs) once per materialization: torch._C's
+// is_grad_enabled + _set_grad_enabled parse their arguments per call (~1.5 µs the pair).
+PyObject* py_grad_swap(PyObject* /*self*/, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) {
+    return nullptr;
+  }
+  const bool before = c10::GradMode::is_enabled();
+  c10::GradMode::set_enabled(on != 0);
+  return PyBool_FromLong(before ? 1 : 0);
+}
+
 PyMethodDef methods[] = {
     {"_state_word", py_state_word, METH_NOARGS,
      "The global state an op's result depends on, as one int (csrc/state.cpp): part of every "
@@ -168,6 +182,8 @@ PyMethodDef methods[] = {
      "excludes; returns a mask of those it re-enabled, for _math_bits_restore."},
     {"_math_bits_restore", py_math_bits_restore, METH_O,
      "Exclude again the math-bit keys named by `mask` (a _math_bits_on result)."},
+    {"_grad_swap", py_grad_swap, METH_O,
+     "Set grad mode to `enabled`; returns the mode before (one call: no argument parsing)."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -212,6 +212,9 @@ def _math_bits_on() -> int:
 def _math_bits_restore(mask: int) -> None:
     """Exclude again the math-bit keys named by ``mask`` (a :func:`_math_bits_on` result)."""
 
+def _grad_swap(enabled: bool) -> bool:
+    """Set grad mode to ``enabled``; returns the mode before."""
+
 def _state_mask(precision: bool) -> None:
     """Whether the word holds the fp32-precision and cuDNN flags (default: where CUDA is)."""
 

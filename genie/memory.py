@@ -79,14 +79,19 @@ def _allocated(index: int) -> int:
     return _mem_allocated(index)
 
 
+_cpu: list[Any] = [None]  # the last local device after_run found to be the CPU
+
+
 def after_run(tape: Any, kept: dict[int, Any], index: int) -> None:
     """Account a finished run on ``remote_accelerator:index`` (called by the executor)."""
     try:
         local = _real(index)
     except DeviceError:  # no local device for this index (one GPU, two servers): a server ran it
         return
-    if local.type != "cpu":
-        return
+    if local is not _cpu[0]:  # (device.type builds a string per read: checked once per device)
+        if local.type != "cpu":
+            return
+        _cpu[0] = local
     if _tracking[0]:
         before = _allocated(index)
         hw = tape_high_water(tape)

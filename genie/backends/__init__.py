@@ -96,7 +96,7 @@ def shape_generic() -> bool:
     (``shape_generic = True`` on the backend: eager, remote), so that the plan cache may serve a
     slice of new shapes from a plan of others (:func:`genie.plan_cache.plan`). A backend that
     bakes shapes in (``compiled``) gets a plan per shape instead."""
-    return getattr(_registry[backend_order()[0]], "shape_generic", False)
+    return getattr(_registry[(_order or backend_order())[0]], "shape_generic", False)
 
 
 def backend_order() -> list[str]:
@@ -131,7 +131,7 @@ def fetch(values: list[Any]) -> list[Any]:
     """Materialized values as the caller gets them: each available backend that keeps values
     elsewhere (one with a ``fetch`` method: ``remote``) turns its own into real tensors; values
     computed in this process pass through unchanged."""
-    for name in backend_order():
+    for name in _order or backend_order():  # (_order itself: no copy, once per materialization)
         b = _registry[name]
         f = getattr(b, "fetch", None)
         if f is not None and b.is_available():

@@ -16,7 +16,7 @@ from typing import Any
 import optree
 import torch
 
-from .._C import _state_apply, _state_word
+from .._C import _grad_swap, _state_apply, _state_word
 from ..device import real_device
 from ..config import config
 from ..errors import ExecutionError
@@ -40,14 +40,13 @@ def run_instrs(tape: Tape, dev: torch.device, states: list[int | None] | None = 
     the state before is restored after.
     """
     ix = IndexCheck(tape) if index_checked(dev) else None
-    grad = torch.is_grad_enabled()  # torch.no_grad(), inline: once per materialization
-    torch._C._set_grad_enabled(False)
+    grad = _grad_swap(False)  # torch.no_grad(), inline: once per materialization
     before = _state_word() if states is not None else None
     try:
         with disable_modes():
             return _run_instrs(tape, dev, ix, states)
     finally:
-        torch._C._set_grad_enabled(grad)
+        _grad_swap(grad)
         if before is not None:
             _state_apply(before)
 

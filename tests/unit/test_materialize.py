@@ -389,3 +389,21 @@ def test_disable_modes_pops_active_modes_and_is_free_without_them() -> None:
             assert torch._C._len_torch_dispatch_stack() == 0
         assert torch._C._len_torch_dispatch_stack() == 1
     assert torch._C._len_torch_dispatch_stack() == 0
+    # a mode on torch's pre-dispatch stack (read through its slots: genie.modes._pre_slots)
+    from torch._ops import (_len_torch_dispatch_stack_pre_dispatch, _pop_mode_from_pre_dispatch,
+                            _set_mode_pre_dispatch)
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+    from torch._subclasses.schema_check_mode import SchemaCheckMode
+
+    from genie import modes
+
+    assert modes._pre_slots is not None  # this torch's slots are found (else the slow count)
+    for mode in (SchemaCheckMode(), FunctionalTensorMode()):
+        _set_mode_pre_dispatch(mode)
+        try:
+            assert _len_torch_dispatch_stack_pre_dispatch() == 1
+            assert disable_modes() is not disable_modes()  # torch's: pops the stack
+        finally:
+            _pop_mode_from_pre_dispatch()
+        assert _len_torch_dispatch_stack_pre_dispatch() == 0
+        assert disable_modes() is disable_modes()
