@@ -42,7 +42,7 @@ import pytest
 import torch
 
 import genie
-from genie import context
+from genie import context, meta, plan_cache
 
 SUITE = "bench_models: host overhead on real models (issue 11)"
 SCALE = float(os.environ.get("GENIE_BENCH_ROUNDS", "1") or 1)
@@ -206,6 +206,59 @@ def test_gpt2_decode(benchmark, ratios, workloads) -> None:
     workloads.interleave(benchmark, row, variants, rounds=_rounds(7), per=DECODE_STEPS,
                          before=_pure(variants))
     _host_us(row, ops)
+
+
+# --- GPT-2 12 x 768 first calls: what a new user waits for --------------------------------------
+
+FIRST_STEPS = 2
+
+
+def _first_calls(name: str, dev: torch.device, sync, pure: Callable[[], object]
+                 ) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(before, run): ``before`` builds a fresh model and, for genie, empties the plan and meta
+    caches (outside the timing); ``run`` is its first call on a 64-token prompt and
+    :data:`FIRST_STEPS` decode steps, logits read each time: planning, the passes' verified first
+    runs and the weights' uploads included, as a program's first ``generate`` meets them."""
+    from transformers import DynamicCache
+
+    state: dict[str, object] = {}
+
+    def before() -> None:
+        pure()
+        state.clear()
+        if name == "genie":
+            plan_cache.clear()
+            meta.meta_cache.clear()
+        state["model"] = _gpt2(12, 768, 12).to(dev)
+        g = torch.Generator().manual_seed(0)
+        state["prompt"] = torch.randint(0, 1000, (1, PROMPT), generator=g).to(dev)
+        state["tokens"] = [torch.randint(0, 1000, (1, 1), generator=g).to(dev)
+                           for _ in range(FIRST_STEPS)]
+
+    def run() -> None:
+        model = state["model"]
+        with torch.no_grad():
+            cache = DynamicCache()
+            sync(model(state["prompt"], cache=cache, use_cache=True).logits)
+            for t in state["tokens"]:  # type: ignore[attr-defined]
+                sync(model(t, cache=cache, use_cache=True).logits)
+
+    return before, run
+
+
+def test_gpt2_first_calls(benchmark, ratios, workloads) -> None:
+    benchmark.group = (f"models: GPT-2 12 x 768 first calls of a fresh model: a {PROMPT}-token "
+                       f"prompt and {FIRST_STEPS} decode steps")
+    row = ratios.row(SUITE, f"GPT-2 12x768 vocab 1000, fresh model and empty caches: first call "
+                     f"on a {PROMPT}-token prompt + {FIRST_STEPS} decode steps, no_grad, logits "
+                     "materialized (what a new user's first generate waits for)", unit="s/call",
+                     scale=1.0, ratios=[("genie", "eager")])
+    devs = {k: v for k, v in _variants(workloads, row, False).items() if k in ("eager", "genie")}
+    pure = _pure(devs)
+    variants, before = {}, {}
+    for name, dev in devs.items():
+        before[name], variants[name] = _first_calls(name, dev, _sync(name, workloads), pure[name])
+    workloads.interleave(benchmark, row, variants, rounds=_rounds(3), before=before)
 
 
 # --- GPT-2 4 x 128 greedy generate, new prompt length every call -------------------------------
