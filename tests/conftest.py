@@ -31,7 +31,10 @@ def fresh_passes():
 
     plan_cache.clear()
     pipeline.clear_reports()
+    wait = pipeline._wait[0]
+    pipeline._wait[0] = False  # a plan's passes prepared at its first run (GENIE_PASSES_WAIT=0)
     yield
+    pipeline._wait[0] = wait
     passes.set_passes(None)
     passes.set_memory_budget(None)
     plan_cache.clear()

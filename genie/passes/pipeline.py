@@ -357,6 +357,31 @@ class _Off:
         self.budget: int | None = None  # remote: the budget it was prepared for
 
 
+class _Waiting(_Off):
+    """A plan whose passes wait for a run that repeats its first run's shapes (:func:`_waits`)."""
+
+    __slots__ = ()
+
+
+def _waits(tape: Tape, st: Any) -> bool:
+    """Whether the passes of ``tape``'s plan wait (it runs unoptimized): until the plan runs
+    again with its first run's shapes (integers, metadata arguments, input shapes: a hit that is
+    not shape-generic). Preparing them and verifying the first optimized run cost ~0.1 ms an
+    instruction and a second run of the tape; a structure whose shapes move every call (a decode
+    step, a ``generate`` with a new prompt length) would pay that for each new plan and then run
+    unoptimized anyway (its script's frozen constants move), as it now does from the start. A
+    memory budget's passes do not wait: a step over the budget must not run unscheduled.
+    ``GENIE_PASSES_WAIT=0`` prepares them at a plan's first run (the earlier behaviour)."""
+    if not _wait[0] or memory_budget() is not None:
+        return False
+    if type(st) is not _Waiting or st.gen != _config["gen"]:
+        return True  # the plan's first run
+    return tape.generic
+
+
+_wait = [os.environ.get("GENIE_PASSES_WAIT", "1").strip() != "0"]
+
+
 def _same_leaves(a: list[Any], b: list[Any]) -> bool:
     if len(a) != len(b):
         return False
@@ -396,7 +421,12 @@ def run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]:
             return backends.run(tape, device)[0], tape
         return _remote_run(tape, device)
     st = plan.artifacts.get("passes")
-    if st is None or st.gen != _config["gen"] or st.where is not None:
+    if st is None or type(st) is _Waiting or st.gen != _config["gen"] or st.where is not None:
+        if _waits(tape, st):
+            if type(st) is not _Waiting or st.gen != _config["gen"]:
+                plan.artifacts["passes"] = _Waiting("waiting")
+            bump("passes_waiting")
+            return backends.run(tape, device)[0], tape
         try:
             st = _prepare(tape)
         except Exception as e:  # a bug here must not cost the program its step

@@ -498,3 +498,48 @@ def test_an_upload_the_tape_writes_is_uploaded_again_for_the_optimized_run(monke
     assert genie.stats()["passes_verified"] == 1
     assert len(seen) == 1 and any(ins.op == "genie.upload" for ins in seen[0].instrs)
     torch.testing.assert_close(wd.cpu(), w + 1)
+
+
+# --- a plan's passes wait for a run that repeats its first run's shapes (pipeline._waits) --------
+
+@pytest.fixture
+def waiting():
+    pipeline._wait[0] = True
+    yield
+    pipeline._wait[0] = False
+
+
+def _cse_work(n):
+    x = torch.arange(float(n), device=D)
+    return ((x * 2).exp() + (x * 2).exp()).sum()  # cse merges the two products and exps
+
+
+def test_a_structure_whose_shapes_move_never_prepares_its_passes(waiting):
+    vals = [_cse_work(n).item() for n in range(4, 10)]
+    want = [((torch.arange(float(n)) * 2).exp() * 2).sum().item() for n in range(4, 10)]
+    assert vals == pytest.approx(want, rel=1e-6)
+    s = genie.stats()
+    assert s.get("passes_applied", 0) == 0 and s.get("passes_verified", 0) == 0
+    assert s["passes_waiting"] == 6
+
+
+def test_a_structure_that_repeats_prepares_its_passes_at_the_repeat(waiting):
+    want = ((torch.arange(6.0) * 2).exp() * 2).sum().item()
+    assert _cse_work(6).item() == pytest.approx(want, rel=1e-6)
+    s = genie.stats()
+    assert s.get("passes_applied", 0) == 0 and s["passes_waiting"] == 1
+    assert _cse_work(6).item() == pytest.approx(want, rel=1e-6)  # the first run's shapes again
+    s = genie.stats()
+    assert s["passes_applied"] == 1 and s["passes_verified"] == 1 and s["passes_waiting"] == 1
+    for _ in range(6):  # the gate's runs, then the optimized plan
+        assert _cse_work(6).item() == pytest.approx(want, rel=1e-6)
+    reports = passes.report()
+    assert reports and all("cse" in r.passes for r in reports)
+
+
+def test_a_memory_budget_prepares_the_passes_at_the_first_run(waiting):
+    passes.set_memory_budget(1 << 40)
+    want = ((torch.arange(5.0) * 2).exp() * 2).sum().item()
+    assert _cse_work(5).item() == pytest.approx(want, rel=1e-6)
+    s = genie.stats()
+    assert s["passes_applied"] == 1 and s.get("passes_waiting", 0) == 0
