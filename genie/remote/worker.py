@@ -171,6 +171,25 @@ def build_slots() -> int:
     return BUILD_SLOTS if cores >= BUILD_SLOTS_CORES else 1
 
 
+#: a background build's niceness above the worker's (``GENIE_SERVER_CLASS_BUILD_NICE``, 0 to
+#: 19). 0: a build (~0.1-0.3 s of CPU for a GPT-2 step since ``shape_class._run`` reuses effects)
+#: shares the CPU with its session's requests; at 19 (before), other niced work on a loaded
+#: 2-core machine starved it: a 12x768 decode step's class took 5-60 s to arrive instead of
+#: ~1-2 s, its steps vetted concretely meanwhile (docs/deployment.md, "Shape classes sooner")
+BUILD_NICE = 0
+
+
+def build_nice() -> int:
+    """The niceness of a background build's child (see :data:`BUILD_NICE`)."""
+    v = os.environ.get("GENIE_SERVER_CLASS_BUILD_NICE", "")
+    if v:
+        if v.isdigit() and int(v) <= 19:
+            return int(v)
+        logger.warning("genie-server: GENIE_SERVER_CLASS_BUILD_NICE=%r is not a number from 0 "
+                       "to 19; using %d", v, BUILD_NICE)
+    return BUILD_NICE
+
+
 def build_mode() -> str:
     """How a worker builds shape classes (``GENIE_SERVER_CLASS_BUILD``): ``background`` (a
     forked child per build, the request path never waits; the default), ``inline`` (in the
@@ -203,8 +222,8 @@ def early_replies() -> bool:
 class ClassBuilds:
     """One of a worker's shape-class build slots (:data:`BUILD_SLOTS`): a build in a forked
     child of the worker (:func:`shape_class.build_spec`): the session's requests go on,
-    concretely vetted, while the
-    symbolic vet (seconds for a GPT-2 step) runs beside them at a lower priority. The child
+    concretely vetted, while the symbolic vet (~0.1-0.3 s of CPU for a GPT-2 step) runs beside
+    them (at :data:`BUILD_NICE` above the worker). The child
     shares nothing it can change with the worker (a copy-on-write fork, killed with it) and
     sends back the class as data, which :func:`shape_class.from_spec` checks before compiling
     it; a child that fails, crashes, sends too much or runs past :data:`BUILD_SECONDS_MAX`
@@ -239,7 +258,7 @@ class ClassBuilds:
                 os.close(r)
                 die_with_parent()
                 with contextlib.suppress(OSError):
-                    os.nice(19)  # requests first: the build takes what they leave
+                    os.nice(build_nice())
                 try:
                     out = {"spec": shape_class.build_spec(tape, ints, pos, prev)}
                 except NotAClass as e:

@@ -274,6 +274,30 @@ def test_build_slots_follow_the_cores_and_the_variable(monkeypatch) -> None:
         assert worker.build_slots() == want, v
 
 
+
+def _niceness(*_a):
+    return {"nice": os.nice(0)}
+
+
+@pytest.mark.parametrize("value,want", [(None, 0), ("7", 7), ("19", 19), ("20", 0), ("x", 0)])
+def test_a_background_build_runs_at_its_niceness(monkeypatch, value, want) -> None:
+    """A build's child runs ``GENIE_SERVER_CLASS_BUILD_NICE`` above the worker's niceness (0 by
+    default: a build now costs ~0.1-0.3 s of CPU, and at 19 a loaded machine's niced work
+    starved it for 5-60 s; a bad value keeps the default)."""
+    from genie.remote import shape_class
+    from genie.remote.worker import ClassBuilds
+
+    if value is None:
+        monkeypatch.delenv("GENIE_SERVER_CLASS_BUILD_NICE", raising=False)
+    else:
+        monkeypatch.setenv("GENIE_SERVER_CLASS_BUILD_NICE", value)
+    monkeypatch.setattr(shape_class, "build_spec", _niceness)
+    _, ints, tape = _spec()
+    b = ClassBuilds()
+    assert b.start("ck", tape, ints, [0], ints, None)
+    *_, out = _finish(b)
+    assert out == {"nice": min(os.nice(0) + want, 19)}, out
+
 # --- the fast build (memo: repeated instructions once, static ones on plain meta) ---------------
 
 def _layers(a: int, off: int, n: int = 64) -> Tape:
