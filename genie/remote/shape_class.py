@@ -191,6 +191,20 @@ class ShapeClass:
         self.hits += 1
         return bound
 
+    def why_not(self, ints: tuple[int, ...]) -> str:
+        """Why :meth:`admit` refuses ``ints`` (for the log)."""
+        if len(ints) != self.n:
+            return f"{len(ints)} integers, the class has {self.n}"
+        fixed = self.fixed(ints)
+        if fixed != self.fixed_vals:
+            pos = [i for i in range(self.n) if i not in set(self.sym_idx)]
+            return "fixed integers moved: " + ", ".join(
+                f"#{p} {a} -> {b}" for p, a, b in zip(pos, self.fixed_vals, fixed, strict=True)
+                if a != b)[:300]
+        if self.same_a(ints) != self.same_b(ints):
+            return "integers that moved together no longer equal"
+        return "its guards or its bound"
+
 
 class NotAClass(Exception):
     """The structure cannot be vetted symbolically (the concrete vet stays its only check)."""

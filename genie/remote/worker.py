@@ -921,6 +921,8 @@ class Worker:
         if pos is None:
             return
         if cls:  # a class that did not admit this call: widen it by what moved now
+            logger.debug("genie-server: a call its structure's shape class does not admit (%s): "
+                         "widening it", cls.why_not(ints))
             pos = sorted(set(pos) | set(cls.sym_idx))
         self.class_tries[ck] = tries + 1
         if background:  # forked once the reply is out (a fork of a large worker: ~30-90 ms)

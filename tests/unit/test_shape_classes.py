@@ -421,3 +421,13 @@ def test_a_gpt2_decode_steps_class_is_the_same_built_fast() -> None:
     for t in steps[3:]:
         key, ints = shape_params(b"k", t)
         assert fast.admit(ints) is not None and fast.admit(ints) == slow.admit(ints)
+
+
+def test_why_a_class_does_not_admit_a_call_is_said() -> None:
+    """What the worker logs when it widens a class: which fixed integers moved, or the guards."""
+    cls = _class(3, 4)
+    _, fixed_moved = shape_params(b"k", _tape(torch.zeros(8), 4, 2))
+    _, outside = shape_params(b"k", _tape(torch.zeros(2), 2, 1))
+    assert cls.admit(fixed_moved) is None and "fixed integers moved: #" in cls.why_not(
+        fixed_moved)
+    assert cls.admit(outside) is None and cls.why_not(outside) == "its guards or its bound"
