@@ -49,7 +49,8 @@ import torch
 import torch._dynamo.config
 from torch._dynamo.source import LocalSource
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, DimDynamic, ShapeEnv
+from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, DimDynamic, ShapeEnv, \
+    free_unbacked_symbols
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._sympy.printers import PythonPrinter
 
@@ -706,7 +707,11 @@ def _outputs(run: _Run, ins: Instr, vals: list[Any], leaves: list[Any], fake: bo
     specs: list[Any] = []
     fresh: list[Any] = []
     new: dict[int, int] = {}
-    for o in optree.tree_leaves(out, none_is_leaf=True):
+    flat = optree.tree_leaves(out, none_is_leaf=True)
+    if fake and free_unbacked_symbols([o for o in flat
+                                       if isinstance(o, (torch.Tensor, torch.SymInt))]):
+        raise NotAClass(f"{op} makes a size that depends on data")  # (not one to reuse)
+    for o in flat:
         if isinstance(o, torch.Tensor):
             st = o.untyped_storage()
             if check_bounds(o.shape, o.stride(), o.storage_offset(), o.element_size(),

@@ -431,3 +431,26 @@ def test_why_a_class_does_not_admit_a_call_is_said() -> None:
     assert cls.admit(fixed_moved) is None and "fixed integers moved: #" in cls.why_not(
         fixed_moved)
     assert cls.admit(outside) is None and cls.why_not(outside) == "its guards or its bound"
+
+
+def test_a_size_that_depends_on_data_is_not_a_class_even_if_untagged(monkeypatch) -> None:
+    """An op that makes a data-dependent (unbacked) size is not a class: its effect could not be
+    reused (two such sizes are not equal). Tagged ops are refused before they run; here
+    ``nonzero``'s tag is hidden from the build."""
+    import dataclasses
+
+    from genie.meta import policy
+    from genie.remote import shape_class
+
+    monkeypatch.setattr(shape_class, "policy", lambda op: dataclasses.replace(policy(op),
+                                                                             dynamic=False))
+    aten = torch.ops.aten
+
+    def tape(n: int) -> Tape:
+        leaves, spec = optree.tree_flatten(((Slot(0),), {}), none_is_leaf=True)
+        return Tape([Instr(aten.nonzero.default, leaves, spec, (1,), None)],
+                    {0: torch.ones(n)}, [1], {1}, [], {})
+
+    (_, i0), (_, i1) = shape_params(b"k", tape(3)), shape_params(b"k", tape(4))
+    with pytest.raises(NotAClass, match="depends on data"):
+        build(tape(4), i1, moved(i0, i1), i0)
