@@ -202,7 +202,9 @@ def reading_kept_uploads(tape: Tape, kept: dict[int, Any], roots: set[int] | Non
             inputs[o] = kept[o]
             continue
         instrs.append(ins)
-    return tape if inputs is None else replace(tape, instrs=instrs, inputs=inputs)
+    # no plan: a backend must not keep what it builds for this shorter tape as the plan's (the
+    # native replay's program of a plan has the plan's length)
+    return tape if inputs is None else replace(tape, instrs=instrs, inputs=inputs, plan=None)
 
 
 def _storage_key(v: Any) -> Any:
