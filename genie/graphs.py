@@ -494,7 +494,7 @@ def _first_run(g: GraphData, device: torch.device, args: list[Any],
             # first call (torch.compile) fails here
             for i, fn in enumerate(fns):
                 try:
-                    reason, got = _disagreement(fn, args, want)
+                    reason, got = _disagreement(fn, args, want, cb._agrees)
                 except Exception:
                     if i == len(fns) - 1:
                         raise
@@ -526,17 +526,16 @@ def _first_run(g: GraphData, device: torch.device, args: list[Any],
     return want
 
 
-def _disagreement(fn: Callable[..., Any], args: list[Any], want: list[torch.Tensor]
+def _disagreement(fn: Callable[..., Any], args: list[Any], want: list[torch.Tensor],
+                  agrees: Callable[[torch.Tensor, torch.Tensor], bool]
                   ) -> tuple[str | None, list[torch.Tensor]]:
-    """``fn``'s outputs on ``args``, and why they are not the oracle's ``want`` (None when
-    they are). What ``fn`` raises propagates (a compiler failure)."""
-    from .backends import compiled as cb
-
+    """``fn``'s outputs on ``args``, and why they are not the oracle's ``want`` by ``agrees``
+    (None when they are). What ``fn`` raises propagates (a compiler failure)."""
     got = _tensor_outs(fn(*args))
     if len(got) != len(want):
         return f"it returned {len(got)} tensors, the graph {len(want)}", got
     for k, (a, b) in enumerate(zip(got, want)):
-        if not cb._agrees(a, b):
+        if not agrees(a, b):
             return f"output {k} differs from the op-by-op run", got
     return None, got
 

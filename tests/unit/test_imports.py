@@ -164,7 +164,6 @@ ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str, str], str] = {
     ("genie.dynamo", "_caller", "genie.graphs"): _MOVABLE,
     ("genie.dynamo", "_caller", "genie.lazy_tensor"): _MOVABLE,
     ("genie.graphs", "_first_run", "genie.backends.compiled"): _MOVABLE,
-    ("genie.graphs", "_disagreement", "genie.backends.compiled"): _MOVABLE,
     ("genie.passes", "optimize", "genie.passes.cse"): _PLUGINS,
     ("genie.passes", "optimize", "genie.passes.dce"): _PLUGINS,
     ("genie.passes.pipeline", "_load_builtin", "genie.passes.cse"): _PLUGINS,
