@@ -197,6 +197,19 @@ class _Ledger:
             del self.st[sid]
 
 
+def meta_view(base: torch.Tensor, meta: tuple) -> torch.Tensor:
+    """A meta tensor viewing ``base``'s storage with ``meta`` = (shape, stride, offset, dtype,
+    conj, neg): a vetted value as the meta kernels see it (its storage's extent, its aliasing)."""
+    shape, stride, offset, dtype, conj, neg = meta
+    m = torch.empty(0, dtype=dtype, device=META)
+    m.set_(base.untyped_storage(), offset, shape, stride)
+    if conj:
+        m = m.conj()
+    if neg:
+        m = torch._neg_view(m)
+    return m
+
+
 def _tv_of(v: torch.Tensor, ledger: _Ledger, resident: dict[int, int]) -> TV:
     """``v`` as the vet sees it, its storage held in ``ledger`` (``resident``: the counted bytes
     of the storages the session holds, by ``_cdata``)."""
@@ -253,14 +266,7 @@ def _infer(ins: Any, env: dict[int, Any], ledger: _Ledger, i: int) -> _Effect:
                 if base is None:
                     base = bases[sid] = torch.empty(ledger.st[sid][0], dtype=torch.uint8,
                                                     device=META)
-                shape, stride, offset, dtype, conj, neg = v.meta
-                m = torch.empty(0, dtype=dtype, device=META)
-                m.set_(base.untyped_storage(), offset, shape, stride)
-                if conj:
-                    m = m.conj()
-                if neg:
-                    m = torch._neg_view(m)
-                v = m
+                v = meta_view(base, v.meta)
         elif t is torch.device:
             v = META
         elif t is MetaArg:

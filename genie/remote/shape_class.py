@@ -57,7 +57,7 @@ from torch.utils._sympy.printers import PythonPrinter
 from ..meta import policy
 from ..planner import Instr, MetaArg, Slot, Tape
 from .guard import META, UPLOAD, _const_key, _has_device_arg, _meta_arg_nbytes, _NoKey, _short, \
-    _with_meta_device, check_bounds
+    _with_meta_device, check_bounds, meta_view
 
 #: a class is built from two calls whose moving integers are all at least this (0 and 1 are
 #: specialized by PyTorch's symbolic shapes: a size of 1 broadcasts)
@@ -482,13 +482,7 @@ class _Run:
                     self._base(v.sid, torch.empty(self.nbytes[v.sid], dtype=torch.uint8,
                                                   device=META))
                 base = self.base[v.sid]
-            shape, stride, offset, dtype, conj, neg = v.meta
-            m = torch.empty(0, dtype=dtype, device=META)
-            m.set_(base.untyped_storage(), offset, shape, stride)
-            if conj:
-                m = m.conj()
-            if neg:
-                m = torch._neg_view(m)
+            m = meta_view(base, v.meta)
             self.keep.append(m)
             v.t = m
         return v.t
@@ -653,14 +647,7 @@ def _leaf(run: _Run | None, v: Any, bases: dict[int, torch.Tensor] | None = None
         if base is None:
             base = bases[v.sid] = torch.empty(v.key[6], dtype=torch.uint8,  # type: ignore
                                               device=META)
-        shape, stride, offset, dtype, conj, neg = v.meta
-        m = torch.empty(0, dtype=dtype, device=META)
-        m.set_(base.untyped_storage(), offset, shape, stride)
-        if conj:
-            m = m.conj()
-        if neg:
-            m = torch._neg_view(m)
-        return m
+        return meta_view(base, v.meta)
     if t is torch.device:
         return META
     if t is MetaArg:
