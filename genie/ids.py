@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .graph import MetaArg, Node, Ref, TensorMeta
+from .shape_rules import contiguous_strides
 
 if TYPE_CHECKING:
     from .graph import Graph
@@ -208,7 +209,7 @@ def meta_text(m: TensorMeta) -> str:
     if t is None:
         shape = ", ".join(map(str, m.shape))
         t = f"{dtype_text(m.dtype)}[{shape}]"
-        if m.stride != _contiguous(m.shape):
+        if m.stride != contiguous_strides(m.shape):
             t += f"s({', '.join(map(str, m.stride))})"
         if m.offset:
             t += f"+{m.offset}"
@@ -218,14 +219,6 @@ def meta_text(m: TensorMeta) -> str:
             _meta_texts[m] = t
     return t
 
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out = []
-    acc = 1
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(out))
 
 
 _SIMPLE = (bool, int, float, str, type(None))

@@ -56,6 +56,7 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from ..meta import policy
 from ..planner import Instr, MetaArg, Slot, Tape
+from ..shape_rules import contiguous_strides
 from .guard import META, UPLOAD, _const_key, _has_device_arg, _meta_arg_nbytes, _NoKey, _short, \
     _with_meta_device, check_bounds, meta_view
 
@@ -521,8 +522,8 @@ def _run(tape: Tape, it: Any, memo: bool = True) -> Any:
                 v.is_contiguous() and cd not in dense:  # dense: as shape_params keyed it
             if lazy:
                 sid = dense[cd] = run.new(st.nbytes())
-                sv = run.dense[sid] = _SV((tuple(shape), _contiguous(shape), 0, v.dtype, False,
-                                           False), sid, st.nbytes())
+                sv = run.dense[sid] = _SV((tuple(shape), contiguous_strides(shape), 0, v.dtype,
+                                           False, False), sid, st.nbytes())
                 env[s] = sv
                 continue
             m = torch.empty(shape, dtype=v.dtype, device=META)
@@ -590,14 +591,6 @@ def _run(tape: Tape, it: Any, memo: bool = True) -> Any:
         return fixed
     return sympy.Add(sympy.Integer(fixed), *(c * e for e, c in terms.items()))
 
-
-def _contiguous(shape: list[int]) -> tuple[int, ...]:
-    out = []
-    n = 1
-    for s in reversed(shape):
-        out.append(n)
-        n *= max(s, 1)
-    return tuple(reversed(out))
 
 
 def _static(vals: list[Any]) -> bool:
