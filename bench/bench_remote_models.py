@@ -20,7 +20,12 @@ security; client and server one intra-op thread each, ``GENIE_BENCH_THREADS``):
 - a 128 MiB upload (``t.to(dev)`` then ``.sum().item()``), MB/s.
 
 Each row's note says how the timed runs were vetted by the server (``genie.stats()``'s
-``server_*`` counters: concrete vets, shape-class hits, shapes vetted before).
+``server_*`` counters: concrete vets, shape-class hits, shapes vetted before), and where the
+CPU went (Linux): per unit, the client's main thread (recording, planning, encoding; eager's
+for the same unit beside it), the client's other threads (ZeroMQ's I/O: CURVE, the socket), the
+front process and the session's worker (its kernels, its Python, its ZeroMQ thread) and the
+worker's class builds (forked children). On a machine with cores to spare the client and the
+worker overlap only where a reply comes early; on a loaded one a step costs about their sum.
 
 With ``GENIE_BENCH_BASE=PATH`` (a checkout of an earlier tree with its native module built, e.g.
 a ``git worktree`` of the commit before the session-worker server), every row is measured again
@@ -30,6 +35,7 @@ the redesign is read as the ratio of the two rows' ratios (each against eager in
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -117,6 +123,60 @@ def servers():
         genie.disconnect()
         for s in out.values():
             s.stop()
+
+
+def _task_ns(pid: int) -> int:
+    """CPU nanoseconds of a live process's threads (``/proc/PID/task/*/schedstat``), 0 if gone."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError, IndexError), \
+                    open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+    return total
+
+
+def _children_ns(pid: int) -> int:
+    """CPU nanoseconds of a process's reaped children (``cutime + cstime``, clock ticks)."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[13]) + int(fields[14])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    return 0
+
+
+def _descendants(pid: int) -> dict[int, int]:
+    """Each live descendant of ``pid`` and its depth (1: a child)."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{d}/stat") as f:
+                parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    depth = {pid: 0}
+    changed = True
+    while changed:
+        changed = False
+        for c, p in parent.items():
+            if p in depth and c not in depth:
+                depth[c] = depth[p] + 1
+                changed = True
+    del depth[pid]
+    return depth
+
+
+def _server_cpu(srv: _Server) -> dict[str, int] | None:
+    """CPU nanoseconds so far of a server's front, its session workers (the zygote's children,
+    ZeroMQ threads included) and their class builds (the workers' children, live or reaped);
+    None where ``/proc`` does not tell."""
+    if not os.path.exists(f"/proc/{srv.proc.pid}/task"):
+        return None
+    out = {"front": _task_ns(srv.proc.pid), "worker": 0, "builds": 0}
+    for pid, depth in _descendants(srv.proc.pid).items():
+        if depth == 2:  # front -> zygote -> worker
+            out["worker"] += _task_ns(pid)
+            out["builds"] += _children_ns(pid)
+        elif depth > 2:
+            out["builds"] += _task_ns(pid)
+    return out
 
 
 def _gpt2(layers: int, width: int, heads: int):
@@ -235,19 +295,63 @@ WORKLOADS: dict[str, tuple[Callable[[str], Callable[[], object]], float, str, in
 }
 
 
-def _paired(variants: dict[str, Callable[[], object]], rounds: int, per: float
-            ) -> tuple[dict[str, float], float]:
+def _paired(variants: dict[str, Callable[[], object]], rounds: int, per: float,
+            probe: Callable[[], dict[str, float]] | None = None
+            ) -> tuple[dict[str, float], float, dict[str, float]]:
     """Each round times every variant once, back to back, in alternating order: per-variant
-    median seconds per unit, and the median of the per-round ratios (second / first)."""
+    median seconds per unit, the median of the per-round ratios (second / first), and with
+    ``probe`` (CPU seconds so far, by part) the median per unit of each part's CPU over the
+    second variant's calls (``main``: this thread's; ``eager``: this thread's over the first
+    variant's calls)."""
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {}
     for r in range(rounds):
         for n in (names if r % 2 == 0 else names[::-1]):
+            before = probe() if probe is not None else None
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             variants[n]()
             times[n].append((time.perf_counter() - t0) / per)
+            c1 = time.thread_time()
+            if before is not None:
+                after = probe()  # type: ignore[misc]
+                got = {k: (after[k] - before[k]) / per for k in after}
+                got["main"] = (c1 - c0) / per
+                if n == names[0]:
+                    got = {"eager": got["main"]}
+                for k, v in got.items():
+                    cpu.setdefault(k, []).append(v)
     ratio = statistics.median(b / a for a, b in zip(times[names[0]], times[names[1]]))
-    return {n: statistics.median(v) for n, v in times.items()}, ratio
+    return ({n: statistics.median(v) for n, v in times.items()}, ratio,
+            {k: statistics.median(v) for k, v in cpu.items()})
+
+
+def _cpu_probe(srv: _Server) -> Callable[[], dict[str, float]] | None:
+    """CPU seconds so far of the client's threads other than this one (``io``: ZeroMQ's; eager
+    uses none) and of the server's parts (:func:`_server_cpu`); None where ``/proc`` does not
+    tell. (This thread's own CPU is read around each call by :func:`_paired`.)"""
+    if _server_cpu(srv) is None:
+        return None
+
+    def probe() -> dict[str, float]:
+        out = {"io": (_task_ns(os.getpid()) - time.thread_time_ns()) / 1e9}
+        out.update({k: v / 1e9 for k, v in (_server_cpu(srv) or {}).items()})
+        return out
+
+    return probe
+
+
+def _cpu_note(cpu: dict[str, float], unit: str) -> str:
+    """Where a row's CPU went, in ms per ``unit`` (see the module's docstring)."""
+    ms = lambda k: f"{cpu[k] * 1e3:.2f}"  # noqa: E731
+    parts = [f"client {ms('main')} (eager {ms('eager')})", f"client I/O {ms('io')}"]
+    # a server without session workers (a tree before them) runs every session in its process
+    parts += [f"front {ms('front')}", f"worker {ms('worker')}"] if cpu.get("worker") else \
+        [f"server {ms('front')}"]
+    if cpu.get("builds"):
+        parts.append(f"builds {ms('builds')}")
+    return f"CPU ms {unit} (medians): " + ", ".join(parts)
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
@@ -264,7 +368,7 @@ def test_remote_model(benchmark, ratios, servers, name: str) -> None:
             eager = make(REAL, remote.warm)
             row.notes.append(f"{sname}: after {remote.warm} steps")
         before = genie.stats()
-        med, ratio = _paired({"eager": eager, sname: remote}, rounds, per)
+        med, ratio, cpu = _paired({"eager": eager, sname: remote}, rounds, per, _cpu_probe(srv))
         row.values[sname] = med[sname]
         row.values.setdefault("eager", med["eager"])
         after = genie.stats()
@@ -274,6 +378,8 @@ def test_remote_model(benchmark, ratios, servers, name: str) -> None:
                            if after.get(k, 0) > before.get(k, 0))
         row.notes.append(f"{sname}: {ratio:.2f}x eager (median of per-round ratios, its own "
                          f"run){'; runs: ' + vetted if vetted else ''}")
+        if cpu:
+            row.notes.append(f"{sname}: " + _cpu_note(cpu, "per " + unit.split("/")[-1]))
         if sname == "server":
             benchmark.extra_info["ratio_vs_eager"] = ratio
             benchmark.pedantic(remote, rounds=1, iterations=1)
