@@ -63,6 +63,7 @@ _compiling = torch.compiler.is_compiling
 _active = False
 _lock = threading.Lock()
 _handles: list[Any] = []
+_hook_keys: list[int] = []  # the optimizer hooks' keys in torch's global hook dicts (see _hook)
 _orig_call: Any = torch.nn.Module.__call__
 _installed: Any = None  # what activate() put in nn.Module.__dict__["__call__"]
 
@@ -163,11 +164,27 @@ def activate() -> None:
         _installed = _native_module_call(_orig_call, _module_call) if _native else _module_call
         torch.nn.Module.__call__ = _installed
         _follow_fx_patcher()
-        _handles[:] = [
-            optim.register_optimizer_step_pre_hook(_opt_pre),
-            optim.register_optimizer_step_post_hook(_opt_post)]
+        _handles[:] = [_hook(optim.register_optimizer_step_pre_hook(_opt_pre), 0,
+                             optim._global_optimizer_pre_hooks),
+                       _hook(optim.register_optimizer_step_post_hook(_opt_post), 1,
+                             optim._global_optimizer_post_hooks)]
         type(current).backward = BACKWARD
         _active = True
+
+
+def _hook(handle: Any, k: int, hooks: dict[int, Any]) -> Any:
+    """``handle`` (a global optimizer hook just registered in ``hooks``) under the key its first
+    registration had: TorchDynamo guards on the keys of torch's global optimizer hook dicts, so a
+    compiled optimizer step would recompile after every :func:`deactivate` and :func:`activate`
+    (a new key each time; each compiled step that traced ``Optimizer.step``, until its
+    recompile limit, then its step ran uncompiled: found in ``bench_compile``'s training row,
+    whose CPU variants run deactivated)."""
+    if len(_hook_keys) <= k:
+        _hook_keys.append(handle.id)
+    elif handle.id != _hook_keys[k]:
+        hooks[_hook_keys[k]] = hooks.pop(handle.id)
+        handle.id = _hook_keys[k]
+    return handle
 
 
 def reinstall() -> None:

@@ -508,3 +508,31 @@ def test_inductor_code_is_called_directly_only_where_aots_wrapper_does_nothing()
                 torch.testing.assert_close(o, w)
         (fn, _, _), = graphs.lookup(key).compiled.values()
         assert (getattr(fn, "__name__", "") == "direct") is direct
+
+
+def test_a_compiled_optimizer_step_survives_the_context_turned_off_and_on(fast_compiler):
+    """Genie's global optimizer hooks come back under the keys they had: TorchDynamo guards on
+    the keys of torch's global optimizer hook dicts, so a compiled step recompiled (and, past
+    its recompile limit, ran uncompiled) after every ``context.deactivate()``/``activate()``
+    (bench_compile's training row, whose CPU variants run with the context off)."""
+    from genie import context
+
+    m = torch.nn.Linear(4, 2).to(DEV)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    @torch.compile
+    def step(x):
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    x = torch.randn(3, 4).to(DEV)
+    step(x)
+    frames = torch._dynamo.utils.counters["frames"]
+    before = frames["total"]
+    for _ in range(3):
+        context.deactivate()
+        context.activate()
+        step(x)
+    assert frames["total"] == before, "frames of the step compiled again"
+    m.weight.sum().item()
