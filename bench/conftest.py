@@ -138,7 +138,7 @@ def ratios() -> Ratios:
 
 def interleave(benchmark: Any, row: Row, variants: dict[str, Callable[[], object]], rounds: int,
                inner: int = 1, per: float | dict[str, float] = 1.0,
-               before: dict[str, Callable[[], object]] | None = None) -> None:
+               before: dict[str, Callable[[], object]] | None = None, warm: int = 1) -> None:
     """Time every variant once per round, back to back in rotating order, and fill ``row``.
 
     On a shared machine the load drifts over seconds: timing the variants in separate tests lets
@@ -148,7 +148,9 @@ def interleave(benchmark: Any, row: Row, variants: dict[str, Callable[[], object
     JSON of ``--benchmark-json``). ``inner`` calls make one sample; ``per`` divides it (ops per
     call; one number, or one per variant). ``before[name]``, where given, runs before each of
     that variant's samples, outside the timing (process state a variant needs, such as genie's
-    module wrapper removed for eager: bench_models.py).
+    module wrapper removed for eager: bench_models.py). ``warm`` untimed calls of each variant
+    come first (caches, compilation; more where a workload's first calls differ from its steady
+    ones, such as a training loop's first pass over its batches).
     """
     names = list(variants)
     divisor = per if isinstance(per, dict) else dict.fromkeys(names, per)
@@ -156,7 +158,8 @@ def interleave(benchmark: Any, row: Row, variants: dict[str, Callable[[], object
     for k, fn in variants.items():  # warm: caches, allocator, torch._lazy's compiled graph
         if k in setups:
             setups[k]()
-        fn()
+        for _ in range(warm):
+            fn()
     samples: dict[str, list[float]] = {k: [] for k in names}
     counter = itertools.count()
 
