@@ -367,19 +367,20 @@ def _no_dropout(n: torch.fx.Node) -> bool:
 
 def _caller(gm: torch.fx.GraphModule, g: Any) -> Any:
     """``args -> outputs`` recording one ``genie::graph`` node; outputs that are inputs are
-    passed through, tensor outputs come from the node."""
+    passed through, host values and views of inputs computed here (views recorded on the inputs:
+    :func:`genie.graphs.caller_nodes`), the other tensor outputs come from the node."""
     from . import graphs
     from .lazy_tensor import LazyTensor, record_known
 
     ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
     pos = {n: i for i, n in enumerate(ph)}
     node_outs = graphs.node_outputs(gm)
-    host = graphs.host_nodes(gm)
+    host = graphs.caller_nodes(gm)
     host_outs = [o for o in graphs.graph_outputs(gm) if isinstance(o, torch.fx.Node)
                  and o.op != "placeholder" and o in host]
     host_fn = graphs.host_module(gm, host_outs) if host_outs else None
     # per output: ("in", i) the i-th input, ("out", k) the node's k-th tensor, ("host", k) the
-    # k-th host value, ("const", v)
+    # k-th value computed here (a host value or a view of an input), ("const", v)
     plan: list[tuple[str, Any]] = []
     k = h = 0
     for o in graphs.graph_outputs(gm):

@@ -104,6 +104,38 @@ def host_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return host
 
 
+def input_views(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes that are views of a device tensor input: view ops (by schema: an output aliasing
+    an argument, not written) applied to an input or to such a view (and items of such a view's
+    list, ``split``). The caller records them on its input (a lazy view, nothing copied), so a
+    graph does not return them: a compiled graph's output that aliases an input is copied on
+    every call (the node's outputs are fresh tensors), and a training graph's forward returns
+    views of its weights (``permute(weight)`` saved for the backward: every weight copied every
+    step)."""
+    views: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not n.args or not isinstance(n.args[0], torch.fx.Node):
+            continue
+        base, t = n.args[0], n.target
+        if t is operator.getitem:
+            ok = base in views
+        else:
+            ok = isinstance(t, torch._ops.OpOverload) and t.is_view and \
+                (base in views or (base.op == "placeholder"
+                                   and isinstance(base.meta.get("val"), torch.Tensor)
+                                   and base.meta["val"].device.type == _DEVICE_TYPE))
+        if ok and all(a is base or a.op == "placeholder" and not isinstance(
+                a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes):
+            views.add(n)
+    return views
+
+
+def caller_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes whose values the caller of a ``genie::graph`` node computes itself: host values
+    (:func:`host_nodes`) and views of its device inputs (:func:`input_views`)."""
+    return host_nodes(gm) | input_views(gm)
+
+
 def graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
     return list(out) if isinstance(out, (list, tuple)) else [out]
@@ -112,15 +144,16 @@ def graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
 def node_outputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The graph outputs a ``genie::graph`` node returns, in order: the device tensors computed
     in the graph (the caller passes through outputs that are graph inputs and constants, and
-    computes host values itself, see :func:`host_nodes`)."""
-    host = host_nodes(gm)
+    computes host values and views of its inputs itself, see :func:`caller_nodes`)."""
+    own = caller_nodes(gm)
     return [o for o in graph_outputs(gm)
-            if isinstance(o, torch.fx.Node) and o.op != "placeholder" and o not in host]
+            if isinstance(o, torch.fx.Node) and o.op != "placeholder" and o not in own]
 
 
 def host_module(gm: torch.fx.GraphModule, outs: list[torch.fx.Node]) -> torch.fx.GraphModule:
-    """A module computing the host values ``outs`` of ``gm`` (sizes read with ``Tensor.size``,
-    which a LazyTensor answers without running anything)."""
+    """A module computing the caller's values ``outs`` of ``gm`` (:func:`caller_nodes`; sizes
+    read with ``Tensor.size``, which a LazyTensor answers without running anything; views
+    recorded on the inputs)."""
     g = torch.fx.Graph()
     env: dict[torch.fx.Node, Any] = {}
     for n in gm.graph.nodes:

@@ -536,3 +536,29 @@ def test_a_compiled_optimizer_step_survives_the_context_turned_off_and_on(fast_c
         step(x)
     assert frames["total"] == before, "frames of the step compiled again"
     m.weight.sum().item()
+
+
+def test_views_of_inputs_a_graph_returns_are_recorded_by_its_caller(fast_compiler):
+    """A training graph's forward returns views of its weights (``permute(weight)``, saved for
+    the backward): the caller records them on the weights (lazy views), so the node does not
+    return them (a compiled graph's output that aliases an input is copied on every call: every
+    weight copied every step). Values and gradients equal eager's."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.GELU(), torch.nn.Linear(5, 3))
+    lazy = copy.deepcopy(ref).to(DEV)
+    x = torch.randn(2, 4, 6)  # saved for the backward: x.view(8, 6), permute(weight of (3, 5))
+
+    def f(m, x):
+        return m(x).square().mean()
+
+    loss = torch.compile(f)(lazy, x.to(DEV))
+    node = loss._node
+    assert node.op is graphs.GRAPH_OP
+    shapes = [tuple(m.shape) for m in node.metas if m is not None]
+    assert (8, 6) not in shapes and (5, 3) not in shapes, shapes  # not outputs of the node
+    loss.backward()
+    want = f(ref, x)
+    want.backward()
+    torch.testing.assert_close(loss.cpu(), want.detach())
+    for a, b in zip(ref.parameters(), lazy.parameters(), strict=True):
+        torch.testing.assert_close(b.grad.cpu(), a.grad)
