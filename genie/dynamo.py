@@ -216,8 +216,14 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     decomps = core_aten_decompositions()
     if _flash_attention_for_cpu(gm, example_inputs):
         decomps.pop(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, None)
+    # embedded, an inference graph writes the inputs it mutates in place (genie::graph_mut: an
+    # optimizer's step, a static KV cache): else AOTAutograd's graph returns each one's new
+    # value (a copy: an index_copy_ into a KV cache copies the whole cache) and its runtime
+    # wrapper copies it back (one recorded copy_ each). A server admits genie::graph only
+    keep = not _remote()
     fn = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, inference_compiler=inference,
-                      decompositions=decomps)(gm, example_inputs)
+                      decompositions=decomps, keep_inference_input_mutations=keep)(
+                          gm, example_inputs)
     if found and len(found[0][1]) == len(example_inputs) and \
             all(isinstance(x, (torch.Tensor, int, torch.SymInt)) for x in example_inputs):
         return found[0][0]
@@ -246,6 +252,13 @@ def _no_runtime_wrapper(n_inputs: int) -> bool:
                 for s in (*m.subclass_inp_meta, *m.subclass_fw_graph_out_meta))
 
 
+def _remote() -> bool:
+    """Whether graphs go to a Genie server (connected, or ``GENIE_SERVER`` set)."""
+    from .backends.remote import clients
+
+    return bool(clients() or os.environ.get("GENIE_SERVER"))
+
+
 def _flash_attention_for_cpu(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> bool:
     """Where the graph runs on the embedded CPU: ``F.scaled_dot_product_attention`` calls become
     the CPU's flash-attention op (and its backward), as eager's CPU kernel chooses and as
@@ -253,13 +266,11 @@ def _flash_attention_for_cpu(gm: torch.fx.GraphModule, example_inputs: list[Any]
     ``remote_accelerator`` device would trace (the T x T attention matrix, forward and
     backward). Only calls flash takes on the CPU: 4-D float inputs of one dtype, no dropout, no
     grouped-query expansion, no mask (flash on the CPU wants it in the query's dtype). Returns whether a call was rewritten."""
-    from .backends.remote import clients
     from .device import real_device
 
     devs = {x.device.index or 0 for x in example_inputs if isinstance(x, torch.Tensor)
             and x.device.type == "remote_accelerator"}
-    if clients() or os.environ.get("GENIE_SERVER") or len(devs) != 1 or \
-            real_device(devs.pop()).type != "cpu":
+    if _remote() or len(devs) != 1 or real_device(devs.pop()).type != "cpu":
         return False
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -307,7 +318,8 @@ def _graph_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any],
     reason = _refusal(gm, example_inputs)
     if reason is None:
         try:
-            data, kinds = graphs.encode(gm, example_inputs)
+            writes = graphs.host_writes(gm)
+            data, kinds = graphs.encode(gm, example_inputs, {n for _, n in writes})
         except graphs.GraphError as e:
             reason = str(e)
     if reason is not None:
@@ -319,7 +331,7 @@ def _graph_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any],
         return make_boxed_func(gm.forward)
     g = graphs.register(data, kinds)
     g.options = options
-    call = _caller(gm, g)
+    call = _caller(gm, g, writes)
     if direct is not None and _no_runtime_wrapper(len(example_inputs)):
         direct.append((call, example_inputs))
     return make_boxed_func(call)
@@ -365,10 +377,12 @@ def _no_dropout(n: torch.fx.Node) -> bool:
     return p == 0.0
 
 
-def _caller(gm: torch.fx.GraphModule, g: Any) -> Any:
+def _caller(gm: torch.fx.GraphModule, g: Any, writes: list[tuple[int, torch.fx.Node]]) -> Any:
     """``args -> outputs`` recording one ``genie::graph`` node; outputs that are inputs are
     passed through, host values and views of inputs computed here (views recorded on the inputs:
-    :func:`genie.graphs.caller_nodes`), the other tensor outputs come from the node."""
+    :func:`genie.graphs.caller_nodes`), the other tensor outputs come from the node. ``writes``:
+    the host inputs the graph writes (:func:`genie.graphs.host_writes`), written here after the
+    node is recorded (which snapshots them as it reads them)."""
     from . import graphs
     from .lazy_tensor import LazyTensor, record_known
 
@@ -378,7 +392,10 @@ def _caller(gm: torch.fx.GraphModule, g: Any) -> Any:
     host = graphs.caller_nodes(gm)
     host_outs = [o for o in graphs.graph_outputs(gm) if isinstance(o, torch.fx.Node)
                  and o.op != "placeholder" and o in host]
-    host_fn = graphs.host_module(gm, host_outs) if host_outs else None
+    # the values of the host writes after the host outputs
+    host_w = [(i, len(host_outs) + j) for j, (i, _) in enumerate(writes)]
+    host_fn = graphs.host_module(gm, host_outs + [n.args[1] for _, n in writes]) \
+        if host_outs or writes else None
     # per output: ("in", i) the i-th input, ("out", k) the node's k-th tensor, ("host", k) the
     # k-th value computed here (a host value or a view of an input), ("const", v)
     plan: list[tuple[str, Any]] = []
@@ -396,10 +413,11 @@ def _caller(gm: torch.fx.GraphModule, g: Any) -> Any:
             plan.append(("const", o))
     assert k == len(node_outs)
     key = g.key
-    op = graphs.GRAPH_OP
     t_idx = [i for i, kd in enumerate(g.kinds) if kd == "t"]
     i_idx = [i for i, kd in enumerate(g.kinds) if kd == "i"]
-    all_tensors = not i_idx
+    w_idx = [i for i, kd in enumerate(g.kinds) if kd == "m"]  # inputs the graph writes
+    op = graphs.GRAPH_MUT_OP if w_idx else graphs.GRAPH_OP
+    all_tensors = not i_idx and not w_idx
     # per ints (sizes of a dynamic graph): the node's meta-cache entry. Dynamo's guards fix the
     # inputs' metadata given the sizes, so later calls record without the key over all inputs
     entries: dict[tuple[int, ...], Any] = {}
@@ -410,21 +428,29 @@ def _caller(gm: torch.fx.GraphModule, g: Any) -> Any:
     def call(*args: Any) -> list[Any]:
         tensors = args if all_tensors else [args[i] for i in t_idx]
         ints = [args[i] for i in i_idx] if i_idx else []
-        if not k:
+        written = [args[i] for i in w_idx]
+        if not k and not written:
             res: Any = []
         else:
             sizes = tuple(ints)
             entry = entries.get(sizes)
-            plain = set(map(type, tensors)) == only_lt and not dispatch_modes()
+            plain = set(map(type, tensors)) == only_lt and not dispatch_modes() and \
+                all(type(t) is LT for t in written)
             if entry is not None and plain:
-                # the recorded leaves of (key, tensors, ints), as record would flatten them
-                rec = [key, *[Ref(t._node, t._out) for t in tensors], *ints]
-                res = record_known(op, (key, tensors, ints), rec, entry)
+                # the recorded leaves of (key, [written,] tensors, ints), as record would
+                # flatten them
+                rec = [key, *[Ref(t._node, t._out) for t in written],
+                       *[Ref(t._node, t._out) for t in tensors], *ints]
+                res = record_known(op, (key, written, tensors, ints) if w_idx
+                                   else (key, tensors, ints), rec, entry)
             else:
-                res = op(key, list(tensors), ints)
-                if plain and type(res[0]) is LT:
+                res = op(key, written, list(tensors), ints) if w_idx \
+                    else op(key, list(tensors), ints)
+                if plain and res and type(res[0]) is LT:
                     entries[sizes] = res[0]._node.entry
         hv = host_fn(*args) if host_fn is not None else []
+        for i, j in host_w:
+            args[i].copy_(hv[j])
         bump("graph_calls")
         return [args[v] if w == "in" else res[v] if w == "out" else hv[v] if w == "host" else v
                 for w, v in plan]

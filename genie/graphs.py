@@ -182,14 +182,60 @@ def host_module(gm: torch.fx.GraphModule, outs: list[torch.fx.Node]) -> torch.fx
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
-def encode(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> tuple[bytes, list[str]]:
+def _input_writes(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """``(node, input)`` for each input a node writes in place (an argument its op's schema
+    writes: AOTAutograd's ``copy_`` into an input whose mutation it kept in the graph)."""
+    out = []
+    for n in gm.graph.nodes:
+        t = n.target
+        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or \
+                not t._schema.is_mutable:
+            continue
+        for i, a in enumerate(t._schema.arguments):
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            if a.alias_info is not None and a.alias_info.is_write and \
+                    isinstance(v, torch.fx.Node) and v.op == "placeholder":
+                out.append((n, v))
+    return out
+
+
+def host_writes(gm: torch.fx.GraphModule) -> list[tuple[int, torch.fx.Node]]:
+    """The writes of host inputs (0-dim CPU tensors: an optimizer's step counts) that the graph
+    keeps: ``(input position, its copy_ node)``. The caller makes them on the host (the value
+    written is a host value, :func:`host_nodes`) and the graph's data leaves them out
+    (:func:`encode`'s ``skip``): the node would write a snapshot of the host tensor. Raises
+    :class:`GraphError` for another write of a host input."""
+    host = host_nodes(gm)
+    pos = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    out = []
+    for n, v in _input_writes(gm):
+        if v not in host:
+            continue
+        if n.target is not torch.ops.aten.copy_.default or n.users or \
+                not isinstance(n.args[1], torch.fx.Node) or n.args[1] not in host:
+            raise GraphError(f"it writes a host input ({v.name}) with {n.target} of a value the "
+                             "host does not compute")
+        out.append((pos[v], n))
+    return out
+
+
+def encode(gm: torch.fx.GraphModule, example_inputs: list[Any],
+           skip: set[torch.fx.Node] = frozenset()) -> tuple[bytes, list[str]]:  # type: ignore
     """``gm`` (an ATen graph) as canonical bytes, and its placeholders' kinds (``"t"``: tensor,
-    ``"i"``: int) from ``example_inputs``."""
+    ``"m"``: a tensor the graph writes in place, ``"i"``: int) from ``example_inputs``; without
+    the nodes ``skip`` (unused: :func:`host_writes`)."""
     refs: dict[Any, int] = {}
     kinds = ["t" if isinstance(x, torch.Tensor) else "i" for x in example_inputs]
+    written = {v for n, v in _input_writes(gm) if n not in skip}
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, n in enumerate(ph[:len(kinds)]):
+        if n in written and kinds[i] == "t":
+            kinds[i] = "m"
     nodes: list[Any] = []
     out: Any = None
     for n in gm.graph.nodes:
+        if n in skip:
+            continue
         if n.op == "placeholder":
             refs[n] = len(refs)
         elif n.op == "call_function":
@@ -281,7 +327,7 @@ def decode(data: bytes, device: torch.device,
     g = torch.fx.Graph()
     vals: list[Any] = []
     for i, k in enumerate(d["in"]):
-        if k not in ("t", "i"):
+        if k not in ("t", "m", "i"):
             raise GraphError(f"bad input kind {k!r}")
         vals.append(g.placeholder(f"in{i}"))
     for entry in d["nodes"]:
@@ -317,8 +363,15 @@ class GraphData:
 
     @property
     def all_tensors(self) -> bool:
-        """Whether every input is a tensor (then the op's tensor list is the inputs, in order)."""
-        return "i" not in self.kinds
+        """Whether every input is a tensor read only (then the op's tensor list is the inputs, in
+        order)."""
+        return "i" not in self.kinds and "m" not in self.kinds
+
+    @property
+    def written(self) -> tuple[int, ...]:
+        """The positions of the inputs the graph writes in place (``genie::graph_mut``'s first
+        list)."""
+        return tuple(i for i, k in enumerate(self.kinds) if k == "m")
 
     def module(self, device: torch.device) -> torch.fx.GraphModule:
         k = str(device)
@@ -386,17 +439,19 @@ def lookup(key: str) -> GraphData:
     return g
 
 
-def _inputs(g: GraphData, tensors: list[Any], ints: list[Any]) -> list[Any]:
-    """The placeholders' values in order, from the op's tensor and int lists."""
-    ti, ii = iter(tensors), iter(ints)
+def _inputs(g: GraphData, tensors: list[Any], ints: list[Any],
+            written: list[Any] = ()) -> list[Any]:  # type: ignore[assignment]
+    """The placeholders' values in order, from the op's lists: the tensors it writes
+    (``genie::graph_mut``), the tensors it reads, the ints."""
+    ti, ii, wi = iter(tensors), iter(ints), iter(written)
     try:
-        out = [next(ti) if k == "t" else next(ii) for k in g.kinds]
+        out = [next(ti) if k == "t" else next(wi) if k == "m" else next(ii) for k in g.kinds]
     except StopIteration:
-        raise GraphError(f"graph {g.key[:16]} takes {g.kinds.count('t')} tensors and "
-                         f"{g.kinds.count('i')} ints, got {len(tensors)} and {len(ints)}") from None
-    if len(out) != len(tensors) + len(ints):
-        raise GraphError(f"graph {g.key[:16]} takes {g.kinds.count('t')} tensors and "
-                         f"{g.kinds.count('i')} ints, got {len(tensors)} and {len(ints)}")
+        out = []
+    if len(out) != len(g.kinds) or len(out) != len(tensors) + len(ints) + len(written):
+        raise GraphError(f"graph {g.key[:16]} takes {g.kinds.count('m')} tensors it writes, "
+                         f"{g.kinds.count('t')} tensors and {g.kinds.count('i')} ints, got "
+                         f"{len(written)}, {len(tensors)} and {len(ints)}")
     return out
 
 
@@ -413,6 +468,12 @@ def interpret(gm: torch.fx.GraphModule, args: list[Any]) -> list[torch.Tensor]:
 def _meta(key: str, tensors: list[torch.Tensor], ints: list[int]) -> list[torch.Tensor]:
     g = lookup(key)
     return interpret(g.module(torch.device("meta")), _inputs(g, tensors, ints))
+
+
+def _meta_mut(key: str, written: list[torch.Tensor], tensors: list[torch.Tensor],
+              ints: list[int]) -> list[torch.Tensor]:
+    g = lookup(key)
+    return interpret(g.module(torch.device("meta")), _inputs(g, tensors, ints, written))
 
 
 def _unaliased(outs: list[torch.Tensor], inputs: list[Any]) -> list[torch.Tensor]:
@@ -442,21 +503,34 @@ def _shape_class(device: torch.device, args: list[Any]) -> tuple[Any, ...]:
         (a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def _run(key: str, tensors: list[torch.Tensor], ints: list[int]) -> list[torch.Tensor]:
+def _run_mut(key: str, written: list[torch.Tensor], tensors: list[torch.Tensor],
+             ints: list[int]) -> list[torch.Tensor]:
+    """``genie::graph_mut``: the graph's run, writing ``written`` in place."""
     g = lookup(key)
+    return _run(key, _inputs(g, tensors, ints, written), [], g)
+
+
+def _run(key: str, tensors: list[torch.Tensor], ints: list[int],
+         g: GraphData | None = None) -> list[torch.Tensor]:
+    """``genie::graph`` (and ``genie::graph_mut`` with ``g``, its inputs in order in
+    ``tensors``)."""
+    mut = g is not None
+    if g is None:
+        g = lookup(key)
     last = g.last
     if last is not None and len(tensors) == last[0] and last[1].check(*tensors):
         entry, args = last[2], tensors  # the shape class of the last call (checked natively)
     else:
-        device = next((t.device for t in tensors if t.device.type != "cpu"), _CPU)
-        plain = g.all_tensors and not ints and len(tensors) == len(g.kinds)
+        device = next((t.device for t in tensors if isinstance(t, torch.Tensor)
+                       and t.device.type != "cpu"), _CPU)
+        plain = mut or g.all_tensors and not ints and len(tensors) == len(g.kinds)
         args = tensors if plain else _inputs(g, tensors, ints)
         sk = _shape_class(device, args)
         entry = g.compiled.get(sk)
         if entry is None:
             with _no_modes(), torch.no_grad():
                 return _unaliased(_first_run(g, device, args, sk), args)
-        g.last = _last(args, entry) if plain else None
+        g.last = _last(args, entry) if plain and "i" not in g.kinds else None
     bump("graph_cache_hits")
     fn, restride, clone = entry
     # torch.no_grad() inline (the executor has it off already: then nothing to set)
@@ -514,7 +588,12 @@ def _first_run(g: GraphData, device: torch.device, args: list[Any],
     from .backends import compiled as cb
 
     gm = g.module(device)
-    want = interpret(gm, args)
+    written = g.written
+    # each run writes copies of the inputs the graph writes (the oracle's, each candidate's),
+    # compared as outputs after the graph's own; the chosen run's are copied into the inputs
+    seen: dict[str, Any] = {}
+    want = _probe(lambda *a: interpret(gm, list(a)), args, written, seen)
+    n = len(want) - len(written)
     name = cb.compiler()
     reason = None
     try:
@@ -527,7 +606,8 @@ def _first_run(g: GraphData, device: torch.device, args: list[Any],
             # first call (torch.compile) fails here
             for i, fn in enumerate(fns):
                 try:
-                    reason, got = _disagreement(fn, args, want, cb._agrees)
+                    reason, got = _disagreement(
+                        lambda *a, fn=fn: _probe(fn, a, written, seen), args, want, cb._agrees)
                 except Exception:
                     if i == len(fns) - 1:
                         raise
@@ -540,23 +620,38 @@ def _first_run(g: GraphData, device: torch.device, args: list[Any],
     if reason is None:
         # outputs the compiler laid out otherwise than the graph's op-by-op run (whose strides
         # the recorded node carries) are copied into that layout on every call
-        restride = tuple((k, b.stride()) for k, (a, b) in enumerate(zip(got, want))
+        restride = tuple((k, b.stride()) for k, (a, b) in enumerate(zip(got[:n], want[:n]))
                          if a.stride() != b.stride() and b.numel() > 1)
         # outputs the compiled code returns as views of its inputs or of another output (where
         # a buffer lives is fixed by the code, not by the values) are cloned on every call;
         # restrided ones are copies already
         copied = {k for k, _ in restride}
-        clone = tuple(k for k in _aliased(got, args) if k not in copied)
+        clone = tuple(k for k in seen["aliased"] if k not in copied)
     if reason is None:
         g.compiled[sk] = (fn, restride, clone)
         bump("graph_verified")
     else:
         # op by op: the graph module's own code (the graph's ops called in order, as the oracle
         # ran them, without the interpreter's per-node bookkeeping); its aliasing is the oracle's
-        g.compiled[sk] = (gm, (), _aliased(want, args))
+        g.compiled[sk] = (gm, (), _aliased(want[:n], args))
         logger.warning("genie: compiled graph %s... runs op by op on %s (%s)", g.key[:12],
                        device, reason)
-    return want
+    for i, v in zip(written, want[n:]):
+        args[i].copy_(v)
+    return want[:n]
+
+
+def _probe(fn: Callable[..., Any], args: Any, written: tuple[int, ...],
+           seen: dict[str, Any]) -> list[torch.Tensor]:
+    """``fn``'s tensor outputs on ``args`` with the inputs at ``written`` replaced by copies
+    (``args`` stay as they are), then those copies as ``fn`` left them. ``seen["aliased"]``:
+    the outputs that are views of an input (or of an earlier output), see :func:`_aliased`."""
+    a = list(args)
+    for i in written:
+        a[i] = a[i].clone(memory_format=torch.preserve_format)
+    outs = _tensor_outs(fn(*a))
+    seen["aliased"] = _aliased(outs, a)
+    return outs + [a[i] for i in written]
 
 
 def _disagreement(fn: Callable[..., Any], args: list[Any], want: list[torch.Tensor],
@@ -651,5 +746,13 @@ _lib = torch.library.Library("genie", "DEF")
 _lib.define("graph(str key, Tensor[] tensors, SymInt[] ints) -> Tensor[]")
 _lib.impl("graph", _meta, "Meta")
 _lib.impl("graph", _run, "CompositeExplicitAutograd")
+# a graph that writes some of its inputs in place (the first list): an optimizer's step, a static
+# KV cache's update, kept in the graph (AOTAutograd's keep_inference_input_mutations) instead of
+# returned and copied back, one recorded copy_ each (genie.dynamo)
+_lib.define("graph_mut(str key, Tensor(a!)[] written, Tensor[] tensors, SymInt[] ints) "
+            "-> Tensor[]")
+_lib.impl("graph_mut", _meta_mut, "Meta")
+_lib.impl("graph_mut", _run_mut, "CompositeExplicitAutograd")
 
 GRAPH_OP = torch.ops.genie.graph.default
+GRAPH_MUT_OP = torch.ops.genie.graph_mut.default

@@ -576,8 +576,9 @@ def record_known(func: Any, args: tuple, rec: list[Any], entry: MetaEntry) -> An
 
     ``rec`` is what :func:`_record` would record for ``args``: the leaves of ``_flatten(args,
     {})`` with each LazyTensor as its :class:`Ref`. ``entry`` must be one this op's calls with the
-    same input metadata got from :func:`record`. Only for ops that neither write nor draw random
-    numbers (``genie::graph``).
+    same input metadata got from :func:`record`. Only for ops that draw no random numbers and
+    whose writes are their schema's alone (``genie::graph``, ``genie::graph_mut``): no resize
+    of an ``out=`` argument, no in-place view.
     """
     return _record(func, policy(func), args, {}, rec, entry.spec, -1, current_graph(), entry)
 

@@ -426,10 +426,10 @@ def _frames_at_record(f, *args):
 
 def test_inference_graph_is_called_without_aots_runtime_wrapper_where_it_has_nothing_to_do(
         fast_compiler):
-    """An inference graph that mutates no input and returns no alias: Dynamo calls Genie's
-    caller itself (no AOTAutograd runtime wrapper frames around the record). Graphs that need
-    the wrapper keep it (an input mutated in place, an output that is a view of an input), with
-    eager's values, views and mutations."""
+    """An inference graph that returns no alias: Dynamo calls Genie's caller itself (no
+    AOTAutograd runtime wrapper frames around the record); one that mutates an input too (the
+    node writes it: genie::graph_mut). Graphs that need the wrapper keep it (an output that is a
+    view of an input, a training graph), with eager's values, views and mutations."""
     def plain(x):
         return x * 2 + 1
 
@@ -448,10 +448,11 @@ def test_inference_graph_is_called_without_aots_runtime_wrapper_where_it_has_not
 
         xd, xe = x.to(DEV), x.clone()
         names, out = _frames_at_record(torch.compile(mutates), xd)
-        assert "runtime_wrapper" in names, names
+        assert "runtime_wrapper" not in names and names[0] == "call", names
+        assert out._node.op is graphs.GRAPH_MUT_OP
         want = mutates(xe)
         torch.testing.assert_close(out.cpu(), want)
-        torch.testing.assert_close(xd.cpu(), xe)  # the mutation written back
+        torch.testing.assert_close(xd.cpu(), xe)  # the mutation, by the node
 
         xd = x.to(DEV)
         names, (v, y) = _frames_at_record(torch.compile(views), xd)
@@ -562,3 +563,37 @@ def test_views_of_inputs_a_graph_returns_are_recorded_by_its_caller(fast_compile
     torch.testing.assert_close(loss.cpu(), want.detach())
     for a, b in zip(ref.parameters(), lazy.parameters(), strict=True):
         torch.testing.assert_close(b.grad.cpu(), a.grad)
+
+
+@pytest.mark.parametrize("compiles", [True, False], ids=["compiled", "compiler fails"])
+def test_a_graph_writes_the_inputs_it_mutates_in_place(fast_compiler, compiles):
+    """An inference graph that mutates inputs (a static KV cache's ``index_copy_``, an
+    optimizer's ``add_``) writes them in place (genie::graph_mut), not through a new value and a
+    recorded ``copy_`` each: one recorded op per call. Each input is written once per call (the
+    first run's oracle and its compiled candidate write copies), with eager's values, compiled or
+    op by op."""
+    if not compiles:
+        def broken(gm, example_inputs):
+            raise RuntimeError("no kernels today")
+
+        compiled_backend.set_compiler(broken)
+
+    def f(x, y, cache, i):
+        cache.index_copy_(0, i, y * 2)
+        x.add_(y)
+        return (x * cache[:2]).sum(0)
+
+    cf = torch.compile(f)
+    x, cache = torch.randn(2, 3), torch.randn(5, 3)
+    xd, cached = x.to(DEV), cache.to(DEV)
+    for call in range(4):
+        y, i = torch.randn(2, 3), torch.tensor([call % 4, 4])
+        with torch.no_grad():
+            want = f(x, y, cache, i)
+            genie.reset_stats()
+            got = cf(xd, y.to(DEV), cached, i.to(DEV))
+            assert got._node.op is graphs.GRAPH_MUT_OP
+            assert genie.stats()["ops_recorded"] == 3, genie.stats()  # 2 uploads, the graph
+        torch.testing.assert_close(got.cpu(), want)
+        torch.testing.assert_close(xd.cpu(), x)
+        torch.testing.assert_close(cached.cpu(), cache)
