@@ -81,6 +81,73 @@ def _allocated(index: int) -> int:
 
 _cpu: list[Any] = [None]  # the last local device after_run found to be the CPU
 
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_MAX = 32 << 20  # glibc's ceiling for the mmap threshold on 64-bit (HEAP_MAX_SIZE / 2)
+
+
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None)
+
+
+def malloc_trim() -> bool:
+    """glibc's ``malloc_trim(0)``: free pages of every arena back to the OS; False where there is
+    no glibc."""
+    try:
+        _libc().malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def retain_host_memory(limit: int) -> bool:
+    """Keep up to ``limit`` bytes of freed host memory for reuse instead of handing it back to the
+    OS after every run (what CUDA's caching allocator does for device memory; ``empty_cache()``
+    hands it back). Called once, at the first run on the CPU: a program that never touches the
+    device keeps glibc's defaults.
+
+    Why: a replay frees its intermediate values together at the end of the run, so the top of the
+    heap is one large free region that glibc trims (its dynamic trim threshold is twice the
+    largest chunk it once mapped); the next run faults every page in again and zero-fills it.
+    Eager frees as it goes and reuses. Measured on a GPT-2 12x768 AdamW step (1 thread): 57,568
+    minor page faults per step, ~100 ms of system time on a ~400 ms step (1.34x eager); 0 with the
+    thresholds fixed. Fixing them also stops glibc's dynamic mmap threshold, so allocations below
+    32 MiB come from the heap from the start (eager reaches that after its first steps).
+    ``limit`` 0 leaves glibc's defaults. Returns whether glibc took the settings."""
+    if limit <= 0:
+        return False
+    try:
+        libc = _libc()
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_MAX) and
+                    libc.mallopt(_M_TRIM_THRESHOLD, min(limit, (1 << 31) - 1)))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
+def _retain_limit() -> int:
+    """``GENIE_CPU_RETAIN`` (MiB; 0 turns retention off), by default 1 GiB or an eighth of the
+    host's memory, whichever is less."""
+    import os
+
+    v = os.environ.get("GENIE_CPU_RETAIN", "").strip()
+    if v:
+        try:
+            return max(0, int(v)) << 20
+        except ValueError:
+            raise ValueError(f"GENIE_CPU_RETAIN={v!r}: expected the MiB of freed host memory "
+                             "to keep for reuse, an integer (0 turns it off)") from None
+    try:
+        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        phys = 8 << 30
+    return min(1 << 30, phys // 8)
+
+
+_retaining: list[bool | None] = [None]  # None: no run on the CPU yet; then whether glibc retains
+
 
 def after_run(tape: Any, kept: dict[int, Any], index: int) -> None:
     """Account a finished run on ``remote_accelerator:index`` (called by the executor)."""
@@ -92,6 +159,8 @@ def after_run(tape: Any, kept: dict[int, Any], index: int) -> None:
         if local.type != "cpu":
             return
         _cpu[0] = local
+        if _retaining[0] is None:
+            _retaining[0] = retain_host_memory(_retain_limit())
     if _tracking[0]:
         before = _allocated(index)
         hw = tape_high_water(tape)
@@ -211,9 +280,12 @@ def max_memory_reserved(device: Any = None) -> int:
 
 
 def empty_cache() -> None:
-    """Release cached, unused blocks of the real device's allocator (CUDA); else nothing cached."""
+    """Release cached, unused blocks of the real device's allocator: CUDA's, or on the CPU the
+    freed host memory kept for reuse (:func:`retain_host_memory`)."""
     if torch.cuda.is_available() and any(_real(i).type == "cuda" for i in sorted(_seen) or [0]):
         torch.cuda.empty_cache()
+    if _retaining[0]:
+        malloc_trim()
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:

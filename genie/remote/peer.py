@@ -51,7 +51,6 @@ is dropped at once), and a session that ends cancels its transfers. Peer connect
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -71,6 +70,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ..memory import malloc_trim
 from . import ProtocolError
 from .protocol import (
     ALIGN,
@@ -441,15 +441,6 @@ class Peers:
 TRIM_AFTER = (0.3, 1.0, 3.0, 8.0)
 
 
-def _malloc_trim() -> None:
-    """glibc's ``malloc_trim(0)``: free pages of every arena back to the OS (a transfer's 1 MiB
-    frames are heap chunks glibc keeps after they are freed); nothing where there is no glibc."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 UNDELIVERED = ("the peer server {dest} did not take the values: it is down or unreachable, it "
                "is not the server registered for that address, or it did not answer within "
                "{timeout:g} s (this server's log has the cause)")
@@ -629,7 +620,7 @@ class PeerLinks:
                         drop(key, "idle")
                 if trim and now >= trim[0]:
                     del trim[0]
-                    _malloc_trim()
+                    malloc_trim()  # a transfer's 1 MiB frames are heap chunks glibc keeps
         finally:
             for key in list(links):
                 drop(key, "the server is stopping")
