@@ -127,7 +127,7 @@ def retain_host_memory(limit: int) -> bool:
         return False
 
 
-def _retain_limit() -> int:
+def retain_limit() -> int:
     """``GENIE_CPU_RETAIN`` (MiB; 0 turns retention off), by default 1 GiB or an eighth of the
     host's memory, whichever is less."""
     import os
@@ -160,7 +160,7 @@ def after_run(tape: Any, kept: dict[int, Any], index: int) -> None:
             return
         _cpu[0] = local
         if _retaining[0] is None:
-            _retaining[0] = retain_host_memory(_retain_limit())
+            _retaining[0] = retain_host_memory(retain_limit())
     if _tracking[0]:
         before = _allocated(index)
         hw = tape_high_water(tape)

@@ -58,6 +58,7 @@ import zmq
 from .. import backends, graphs, tape_io
 from ..errors import ExecutionError
 from ..index_check import IndexCheck, IndexOutOfRange
+from ..memory import retain_host_memory, retain_limit
 from . import ProtocolError, allowlist, compiler, peer
 from ..backends import native_replay
 from ..planner import Tape
@@ -1382,6 +1383,9 @@ def sandbox(cfg: Config) -> dict[str, Any]:
         limit = limit_data(2 * cfg.quota + DATA_SLACK)
         if limit:
             done["data"] = limit
+        # freed host memory kept for reuse, within the quota (a GPT-2 12x768 AdamW step faulted
+        # ~106k pages in per request without it; see genie.memory.retain_host_memory)
+        done["retain"] = retain_host_memory(min(retain_limit(), cfg.quota))
     done["netns"] = _no_network()
     return done
 

@@ -73,9 +73,9 @@ def test_bad_setting_says_what_is_expected(monkeypatch) -> None:
 
     monkeypatch.setenv("GENIE_CPU_RETAIN", "lots")
     with pytest.raises(ValueError, match="GENIE_CPU_RETAIN='lots'.*MiB"):
-        memory._retain_limit()
+        memory.retain_limit()
     monkeypatch.setenv("GENIE_CPU_RETAIN", "0")
-    assert memory._retain_limit() == 0
+    assert memory.retain_limit() == 0
     assert not memory.retain_host_memory(0)
 
 
