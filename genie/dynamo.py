@@ -377,7 +377,8 @@ def _no_dropout(n: torch.fx.Node) -> bool:
     return p == 0.0
 
 
-def _caller(gm: torch.fx.GraphModule, g: Any, writes: list[tuple[int, torch.fx.Node]]) -> Any:
+def _caller(gm: torch.fx.GraphModule, g: Any,
+            writes: list[tuple[int, torch.fx.Node]]) -> Any:
     """``args -> outputs`` recording one ``genie::graph`` node; outputs that are inputs are
     passed through, host values and views of inputs computed here (views recorded on the inputs:
     :func:`genie.graphs.caller_nodes`), the other tensor outputs come from the node. ``writes``:

@@ -360,6 +360,7 @@ class GraphData:
     # the last call's shape class as a native check and its compiled entry (see _last)
     last: tuple[int, Any, Any] | None = None
     resolve: Callable[[str], Any] = aten_resolve  # a server's admits only its opset
+    writes: bool = False  # whether it writes inputs ("m" kinds: genie::graph_mut only)
 
     @property
     def all_tensors(self) -> bool:
@@ -406,7 +407,15 @@ def register(data: bytes, kinds: list[str] | None = None,
                 kinds = list(d["in"])
             if len(kinds) != len(ph):
                 raise GraphError(f"{len(kinds)} input kinds for a graph of {len(ph)} inputs")
-            g = _graphs[key] = GraphData(key, data, kinds, len(d["nodes"]), resolve=resolve)
+            # the inputs it writes are the ones it declares ("m"), and no other: genie::graph
+            # (all a server admits) runs only graphs that write no input
+            writes = {ph.index(v) for _, v in _input_writes(meta)}
+            declared = {i for i, k in enumerate(kinds) if k == "m"}
+            if writes != declared:
+                raise GraphError(f"graph {key[:16]} writes its inputs {sorted(writes)} but "
+                                 f"declares {sorted(declared)} as written")
+            g = _graphs[key] = GraphData(key, data, kinds, len(d["nodes"]), resolve=resolve,
+                                         writes=bool(declared))
             g.modules["meta"] = meta
             bump("graphs")
     return g
@@ -466,8 +475,18 @@ def interpret(gm: torch.fx.GraphModule, args: list[Any]) -> list[torch.Tensor]:
 
 
 def _meta(key: str, tensors: list[torch.Tensor], ints: list[int]) -> list[torch.Tensor]:
-    g = lookup(key)
+    g = _reading(key)
     return interpret(g.module(torch.device("meta")), _inputs(g, tensors, ints))
+
+
+def _reading(key: str) -> GraphData:
+    """The graph ``key`` for ``genie::graph``, whose schema writes nothing: one that writes an
+    input runs as ``genie::graph_mut`` only."""
+    g = lookup(key)
+    if g.writes:
+        raise GraphError(f"graph {key[:16]} writes its inputs {list(g.written)}: "
+                         "genie::graph runs only graphs that write no input")
+    return g
 
 
 def _meta_mut(key: str, written: list[torch.Tensor], tensors: list[torch.Tensor],
@@ -516,7 +535,7 @@ def _run(key: str, tensors: list[torch.Tensor], ints: list[int],
     ``tensors``)."""
     mut = g is not None
     if g is None:
-        g = lookup(key)
+        g = _reading(key)
     last = g.last
     if last is not None and len(tensors) == last[0] and last[1].check(*tensors):
         entry, args = last[2], tensors  # the shape class of the last call (checked natively)

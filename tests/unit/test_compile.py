@@ -597,3 +597,32 @@ def test_a_graph_writes_the_inputs_it_mutates_in_place(fast_compiler, compiles):
         torch.testing.assert_close(got.cpu(), want)
         torch.testing.assert_close(xd.cpu(), x)
         torch.testing.assert_close(cached.cpu(), cache)
+
+
+def test_a_graph_that_writes_an_input_must_say_so_and_runs_only_as_graph_mut():
+    """Graph data that writes an input (``copy_`` into it) registers only if it declares that
+    input written (kind ``"m"``), and ``genie::graph`` (all a server admits) refuses to run it:
+    a client cannot have a server's kernel write a tensor its tape says it only reads."""
+    import msgpack
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    g.call_function(torch.ops.aten.copy_.default, (x, y))
+    g.output([y])
+    x.meta["val"] = torch.empty(3, device="meta")
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    data, kinds = graphs.encode(gm, [torch.empty(3)])
+    assert kinds == ["m"]
+    d = msgpack.unpackb(data)
+    d["in"] = ["t"]  # the write left undeclared
+    with pytest.raises(graphs.GraphError, match="writes its inputs"):
+        graphs.register(msgpack.packb(d))
+    key = graphs.register(data, kinds).key
+    t = torch.ones(3)
+    with pytest.raises(graphs.GraphError, match="graphs that write no input"):
+        torch.ops.genie.graph(key, [t], [])
+    torch.testing.assert_close(t, torch.ones(3))
+    out = torch.ops.genie.graph_mut(key, [t], [], [])
+    torch.testing.assert_close(out[0], torch.full((3,), 2.0))
+    torch.testing.assert_close(t, torch.full((3,), 2.0))
