@@ -28,14 +28,15 @@ m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
 opt = torch.optim.AdamW(m.parameters())
 x = torch.randn(64, 1024).to(dev)
 faults = []
-for i in range(8):
+for i in range(10):
     a = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     opt.zero_grad()
     m(x).square().mean().backward()
     opt.step()
     m[0].bias.sum().item()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - a)
-print(sum(faults[3:]), genie.memory._retaining[0] is True)
+print(sum(faults[6:]),  # the first steps grow the heap (plan, passes' verification)
+      genie.memory._retaining[0] is True)
 """
 
 
@@ -51,7 +52,7 @@ def _run(dev: str, retain: str | None) -> tuple[int, bool]:
 
 
 def test_steady_training_steps_reuse_freed_host_memory() -> None:
-    """Steps 4-8 of an AdamW loop on the device fault (almost) no pages in; with retention off
+    """Steps 7-10 of an AdamW loop on the device fault (almost) no pages in; with retention off
     (glibc's defaults, what the device did before) the same steps fault in tens of MB each."""
     if genie_real_device() != "cpu":
         pytest.skip("the embedded real device is not the CPU")
@@ -60,7 +61,7 @@ def test_steady_training_steps_reuse_freed_host_memory() -> None:
     off, off_retaining = _run("remote_accelerator:0", "0")
     assert not off_retaining
     assert off > 10_000, f"glibc's defaults no longer trim between steps ({off} faults)"
-    assert faults < 1_000, f"{faults} minor page faults in 5 steady steps (without retention {off})"
+    assert faults < 1_000, f"{faults} minor page faults in 4 steady steps (without retention {off})"
 
 
 def test_a_program_that_never_touches_the_device_keeps_glibc_defaults() -> None:
