@@ -93,6 +93,37 @@ def _libc() -> Any:
     return ctypes.CDLL(None)
 
 
+_MADV_HUGEPAGE = 14  # madvise advice (linux/mman.h)
+_HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
+_madvise: list[Any] = []  # libc's madvise with its argument types, once; None where absent
+
+
+def fresh_bytes(n: int) -> torch.Tensor:
+    """``n`` uninitialized bytes (a uint8 tensor, aligned as torch aligns) for a buffer about to
+    be written whole, with the 2 MiB-aligned span inside it marked for transparent huge pages
+    (Linux ``madvise(MADV_HUGEPAGE)``, which systems in THP ``madvise`` mode honour): first
+    writes then fault one page per 2 MiB instead of one per 4 KiB, and filling a fresh 128 MiB
+    buffer takes about a quarter of the time (docs/benchmarks.md). Where the advice is not
+    available or refused, plain memory."""
+    t = torch.empty(n, dtype=torch.uint8)
+    if n >= 2 * _HUGE_PAGE:
+        if not _madvise:
+            import ctypes
+
+            try:
+                f = ctypes.CDLL(None).madvise
+                f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                _madvise.append(f)
+            except (OSError, AttributeError):
+                _madvise.append(None)
+        if _madvise[0] is not None:
+            a = t.data_ptr()
+            lo = -(-a // _HUGE_PAGE) * _HUGE_PAGE
+            hi = (a + n) // _HUGE_PAGE * _HUGE_PAGE
+            _madvise[0](lo, hi - lo, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+    return t
+
+
 def malloc_trim() -> bool:
     """glibc's ``malloc_trim(0)``: free pages of every arena back to the OS; False where there is
     no glibc."""

@@ -48,6 +48,7 @@ import torch
 
 from .. import graphs
 from ..graph import TensorMeta, same_const
+from ..memory import fresh_bytes
 from ..planner import Instr, MetaArg, Slot, Tape
 from ..tape_io import (  # one table of names, shared
     _DTYPE_NAME,
@@ -378,7 +379,7 @@ def join_frames(frames: list[Any], counts: Any) -> list[Any]:
             out.append(frames[k])
         else:
             parts = [frame_view(f) for f in frames[k:k + c]]
-            joined = torch.empty(sum(p.nbytes for p in parts), dtype=torch.uint8)
+            joined = fresh_bytes(sum(p.nbytes for p in parts))  # written whole, at once
             o = 0
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # read-only chunks: only read

@@ -5,6 +5,8 @@ copy). One ``--insecure`` server on 127.0.0.1, killed in ``finally``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -171,13 +173,40 @@ def test_frames_split_into_chunks_and_join_aligned() -> None:
             join_frames(list(wire), bad)
 
 
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``addr`` (/proc/self/smaps)."""
+    hit = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            hit = lo <= addr < hi
+        elif hit and head == "VmFlags:":
+            return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+                    reason="Linux transparent huge pages only")
+def test_joined_frames_ask_for_huge_pages() -> None:
+    """A joined frame is fresh memory written whole: its buffer asks for huge pages (a 128 MiB
+    upload's page faults were most of the worker's time on it), and holds the chunks' bytes."""
+    from genie.remote.protocol import CHUNK, join_frames, split_frames
+
+    big = (torch.arange(5 * CHUNK + 7) % 251).to(torch.uint8).numpy()
+    wire, counts = split_frames([big])
+    (b,) = join_frames([bytes(w) for w in wire], counts)
+    assert bytes(b) == big.tobytes()
+    addr = torch.from_numpy(b).data_ptr()
+    assert "hg" in _vm_flags(addr + 2 * CHUNK)  # inside the 2 MiB-aligned span
+
+
 # --- server-to-server transfers: where to, and what a failed one holds (issue 27, finding 5) ----
 
 import json  # noqa: E402
 import socket  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import zmq  # noqa: E402
 
