@@ -103,8 +103,8 @@ def fresh_bytes(n: int) -> torch.Tensor:
     be written whole, with the 2 MiB-aligned span inside it marked for transparent huge pages
     (Linux ``madvise(MADV_HUGEPAGE)``, which systems in THP ``madvise`` mode honour): first
     writes then fault one page per 2 MiB instead of one per 4 KiB, and filling a fresh 128 MiB
-    buffer takes about a quarter of the time (docs/benchmarks.md). Where the advice is not
-    available or refused, plain memory."""
+    buffer takes about a quarter of the time (docs/benchmarks.md, the upload row). Where the
+    advice is not available or refused, plain memory."""
     t = torch.empty(n, dtype=torch.uint8)
     if n >= 2 * _HUGE_PAGE:
         if not _madvise:
