@@ -739,10 +739,11 @@ class Worker:
             # uploads inside the tape are inputs now, not yet counted in the session
             uploaded = sum(t.untyped_storage().nbytes() for sl, t in tape.inputs.items()
                            if sl not in inputs_before)
-            # which ops the index check covers is the skeleton's: one that has none skips it
+            # which ops the index check covers is the skeleton's (its key hashes its ops): one
+            # that has none skips it (a check without a plan never learns what writes forget)
             ix = IndexCheck(tape, self.index_check) if self.index_check and \
                 key not in self.unindexed else None
-            if ix is not None and not ix.plan and not ix._writers:
+            if ix is not None and not ix.plan:
                 if len(self.unindexed) >= MAX_PROGRAMS:
                     self.unindexed.clear()
                 self.unindexed.add(key)
@@ -791,6 +792,8 @@ class Worker:
                 sess.drop(a)
             raise
         _apply_hints(sess, hints)  # the values this request made too, now that they exist
+        if self.answered:  # the client has its values: serve_session sends the front only
+            return {"t": "ok"}, []  # that the run is done
         reply, rframes = _outputs([kept[s] for s in c.outputs])
         reply["res"] = sess.residency()
         reply["vt"] = self.how
