@@ -375,7 +375,8 @@ def _leave(module: Any) -> None:
         # keep their contexts (and through them the call) alive as long as they need them.
         # A shared decode Call keeps them for the next step, until its module goes
         # (_decode_call).
-        if _tls.decode.get(module) is not call:
+        # (only a decode call can be the shared one: no weak-dict lookup for the others)
+        if call.phase != "decode" or _tls.decode.get(module) is not call:
             call.contexts.clear()
         if call.phase is not None:
             bump(f"phase.{call.phase}.nodes", call.nodes)
@@ -384,11 +385,20 @@ def _leave(module: Any) -> None:
 def _begin(module: Any, args: tuple, kwargs: dict) -> Call:
     """A call of an outermost module: a decode if it receives state an earlier call of the same
     module produced (that call, if it was not a decode, was the prefill)."""
-    producers: dict[int, Call] = {}
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # model(x): no walk
-        found = [a for a in args if getattr(a, "_node", None) is not None]
-    else:
+    found: list[Any] | None = None
+    if not kwargs:  # model(x): no walk (a loop, not all() over a generator: every call)
+        found = []
+        for a in args:
+            if not isinstance(a, torch.Tensor):
+                found = None
+                break
+            if getattr(a, "_node", None) is not None:
+                found.append(a)
+    if found is None:
         found = _lazy_tensors((args, kwargs))
+    if not found:
+        return Call(module)
+    producers: dict[int, Call] = {}
     for t in found:
         c = t._node.ctx
         p = c.call if c is not None else None
