@@ -2593,6 +2593,56 @@ bool context_init(const py::dict& objs) {
   return S.ready;
 }
 
+// _graph_refs(rec, *seqs): append to list `rec` a Ref(t._node, t._out) for each item t of each
+// sequence, in order: what genie.dynamo's caller of a compiled graph records for its inputs, one
+// Ref per graph input every call (parameters are inputs), without a Python __init__ per Ref.
+// False, with nothing appended, where this path is off (the caller builds them in Python).
+PyObject* graph_refs(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 1 || !PyList_CheckExact(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "_graph_refs(rec: list, *sequences)");
+    return nullptr;
+  }
+  if (!S.ready) {
+    Py_RETURN_FALSE;
+  }
+  return guarded([&]() -> PyObject* {
+    PyObject* rec = args[0];
+    for (Py_ssize_t a = 1; a < nargs; ++a) {
+      py::object seq = py::reinterpret_steal<py::object>(
+          checked(PySequence_Fast(args[a], "_graph_refs: a list or tuple of LazyTensors")));
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+      PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* t = items[i];
+        // the instance dict, as generic attribute lookup finds them; else that lookup itself
+        PyObject* node = lazy_attr(t, names->node);
+        if (node == nullptr) {
+          node = checked(PyObject_GetAttr(t, names->node));
+        }
+        PyObject* out = lazy_attr(t, names->out);
+        if (out == nullptr && (out = PyObject_GetAttr(t, names->out)) == nullptr) {
+          Py_DECREF(node);
+          throw py::error_already_set();
+        }
+        PyObject* r = S.ref->tp_alloc(S.ref, 0);
+        if (r == nullptr) {
+          Py_DECREF(node);
+          Py_DECREF(out);
+          throw py::error_already_set();
+        }
+        init_slot(r, S.ref_node, node);
+        init_slot(r, S.ref_out, out);
+        const int rc = PyList_Append(rec, r);
+        Py_DECREF(r);
+        if (rc < 0) {
+          throw py::error_already_set();
+        }
+      }
+    }
+    Py_RETURN_TRUE;
+  });
+}
+
 PyMethodDef methods[] = {
     {"_record_dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_dispatch)),
      METH_FASTCALL | METH_KEYWORDS,
@@ -2615,6 +2665,11 @@ PyMethodDef methods[] = {
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_factory)), METH_FASTCALL,
      "_record_factory(func, args, kwargs): a factory call recorded natively where the common case "
      "allows, else by genie.lazy_tensor.record_factory (the PrivateUse1 factory kernels' body)."},
+    {"_graph_refs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(graph_refs)),
+     METH_FASTCALL,
+     "_graph_refs(rec, *sequences): append Ref(t._node, t._out) for each t, in order, to list "
+     "rec (a compiled graph call's recorded inputs); False, nothing appended, where the native "
+     "record path is off."},
     {"_set_dispatch_rule_data", set_rule_data, METH_O,
      "The dict of torch._library.simple_registry.singleton that _find_torch_dispatch_rule reads."},
     {nullptr, nullptr, 0, nullptr}};

@@ -385,6 +385,7 @@ def _caller(gm: torch.fx.GraphModule, g: Any,
     the host inputs the graph writes (:func:`genie.graphs.host_writes`), written here after the
     node is recorded (which snapshots them as it reads them)."""
     from . import graphs
+    from ._C import _graph_refs as graph_refs
     from .lazy_tensor import LazyTensor, record_known
 
     ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -439,9 +440,12 @@ def _caller(gm: torch.fx.GraphModule, g: Any,
                 all(type(t) is LT for t in written)
             if entry is not None and plain:
                 # the recorded leaves of (key, [written,] tensors, ints), as record would
-                # flatten them
-                rec = [key, *[Ref(t._node, t._out) for t in written],
-                       *[Ref(t._node, t._out) for t in tensors], *ints]
+                # flatten them; the Refs made natively (one per input every call: 97 inputs
+                # 8.7 -> 3.7 µs, no Ref.__init__ each)
+                rec = [key]
+                if not graph_refs(rec, written, tensors):
+                    rec += [Ref(t._node, t._out) for t in (*written, *tensors)]
+                rec += ints
                 res = record_known(op, (key, written, tensors, ints) if w_idx
                                    else (key, tensors, ints), rec, entry)
             else:

@@ -373,6 +373,25 @@ def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler):
         torch.testing.assert_close(cm(x).cpu(), ref(xc))
 
 
+def test_graph_refs_are_the_refs_python_would_make():
+    """A graph call's Refs are made natively (genie._C._graph_refs): one Ref(t._node, t._out)
+    per item, in order over the sequences, appended after what the list holds; an item
+    without a recorded value raises as ``t._node`` would."""
+    from genie._C import _graph_refs
+    from genie.graph import Ref
+
+    a = torch.randn(3).to(DEV)
+    b, c = torch.randn(2, 2).to(DEV).unbind(0)  # outputs 0 and 1 of one node
+    rec: list = ["key"]
+    assert _graph_refs(rec, [a], (c, b, a)) is True
+    want = [(t._node, t._out) for t in (a, c, b, a)]
+    assert rec[0] == "key" and all(type(r) is Ref for r in rec[1:])
+    assert [(r.node, r.out) for r in rec[1:]] == want
+    assert (rec[2].out, rec[3].out) == (1, 0)
+    with pytest.raises(AttributeError):
+        _graph_refs([], [a, torch.zeros(1)])
+
+
 def test_each_shape_class_runs_its_own_compilation(fast_compiler):
     """The kernel checks a call against the last call's shape class natively before it builds
     the key: a call of another layout, dtype or device (or sizes) must not reuse the last
