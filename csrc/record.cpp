@@ -2643,6 +2643,56 @@ PyObject* graph_refs(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
   });
 }
 
+// _note_reads(rec, wref): lazy_tensor._record's note of each Ref in list `rec` for record_known
+// (a compiled graph call: one Ref per graph input), natively: `wref` (the reading node's weak
+// reference) among the input node's consumers while that node has not run, and among its
+// storage's readers (Storage.add_reader, pruned as it prunes). False, nothing noted, where this
+// path is off (the caller notes them in Python).
+PyObject* note_reads(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_CheckExact(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "_note_reads(rec: list, wref)");
+    return nullptr;
+  }
+  if (!S.ready) {
+    Py_RETURN_FALSE;
+  }
+  return guarded([&]() -> PyObject* {
+    PyObject* rec = args[0];
+    PyObject* wref = args[1];
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rec); ++i) {
+      PyObject* x = PyList_GET_ITEM(rec, i);
+      if (Py_TYPE(x) != S.ref) {
+        continue;
+      }
+      PyObject* xn = slot(x, S.ref_node);
+      if (Py_TYPE(xn) != S.node) {
+        throw std::logic_error("a Ref's node is not a genie.graph.Node");
+      }
+      const int done = PyObject_IsTrue(slot(xn, S.n.executed));
+      if (done < 0) {
+        throw py::error_already_set();
+      }
+      if (done == 0 && PyList_Append(slot(xn, S.n.consumers), wref) < 0) {
+        throw py::error_already_set();
+      }
+      PyObject* sts = slot(xn, S.n.storages);
+      const Py_ssize_t out = PyLong_AsSsize_t(slot(x, S.ref_out));
+      if (out == -1 && PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      if (!PyList_CheckExact(sts) || out < 0 || out >= PyList_GET_SIZE(sts)) {
+        throw std::logic_error("a Ref's output is not one of its node's storages");
+      }
+      PyObject* st = PyList_GET_ITEM(sts, out);
+      if (Py_TYPE(st) != S.storage) {
+        throw std::logic_error("an input's storage is not a genie.graph.Storage");
+      }
+      add_reader(st, wref);
+    }
+    Py_RETURN_TRUE;
+  });
+}
+
 PyMethodDef methods[] = {
     {"_record_dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_dispatch)),
      METH_FASTCALL | METH_KEYWORDS,
@@ -2670,6 +2720,10 @@ PyMethodDef methods[] = {
      "_graph_refs(rec, *sequences): append Ref(t._node, t._out) for each t, in order, to list "
      "rec (a compiled graph call's recorded inputs); False, nothing appended, where the native "
      "record path is off."},
+    {"_note_reads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(note_reads)),
+     METH_FASTCALL,
+     "_note_reads(rec, wref): record_known's note of each Ref in rec as a read by wref's node "
+     "(consumers, storage readers); False, nothing noted, where the native record path is off."},
     {"_set_dispatch_rule_data", set_rule_data, METH_O,
      "The dict of torch._library.simple_registry.singleton that _find_torch_dispatch_rule reads."},
     {nullptr, nullptr, 0, nullptr}};

@@ -45,6 +45,7 @@ from .shape_rules import RULES
 from .stats import _counts, _syncs, bump
 
 _state_word = _C._state_word
+_note_reads = _C._note_reads
 
 aten = torch.ops.aten
 
@@ -680,7 +681,8 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
     if where or config.record_source or graph.keep_nodes:
         node.where = _where()
     wref = node._wref
-    for x in rec:
+    # record_known (a compiled graph call: one Ref per graph input) notes its reads natively
+    for x in (rec if known is None or not _note_reads(rec, wref) else ()):
         if type(x) is Ref:
             xn = x.node
             if not xn.executed:  # consumers only decide what a run of xn keeps

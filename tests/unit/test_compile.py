@@ -349,8 +349,8 @@ def test_graph_outputs_never_alias_its_inputs_or_each_other(fast_compiler, compi
 def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler):
     """Later calls record from the cached meta-cache entry, with the leaves built by the caller:
     the node must be the one the op's own record made on the first call (same leaves in the same
-    order, same argument tree, same entry), so planning and the plan cache cannot tell them
-    apart."""
+    order, same argument tree, same entry, its reads noted), so planning, liveness and the plan
+    cache cannot tell them apart."""
     from genie.graph import Ref
 
     ref = _mlp(8, 2)
@@ -367,6 +367,9 @@ def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler):
         assert type(a) is type(b)
         if type(a) is Ref:
             assert (a.node, a.out) == (b.node, b.out)
+            # its reads noted as any record notes them (natively: genie._C._note_reads)
+            assert any(w is later._wref for w in b.node.storages[b.out].readers)
+            assert b.node.executed or any(w is later._wref for w in b.node.consumers)
         else:
             assert a == b
     with torch.no_grad():
