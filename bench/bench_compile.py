@@ -382,8 +382,18 @@ def test_compile_row_server(benchmark, ratios, workloads, name: str) -> None:
         try:
             genie.connect(srv.address, key_file=srv.key_file, timeout=3600)
             values: dict[str, list[object]] = {}
+            remote = make(DEV, True)
+
+            def synced(f: Callable[[], object] = remote) -> object:
+                # a step's loss comes back before its backward and update have run on the
+                # server (early replies): wait for them, or the interleaved CPU variants would
+                # run beside the server's unfinished work and the row would time only the loss
+                out = f()
+                torch.remote_accelerator.synchronize()
+                return out
+
             variants = _kept({"eager": make("cpu", False), "compile": make("cpu", True),
-                              "genie+compile@server": make(DEV, True)}, values)
+                              "genie+compile@server": synced}, values)
             workloads.interleave(benchmark, row, variants, rounds=_rounds(rounds),
                                  before=_before(variants), warm=warm)
             row.notes.append(_agreement(values))
