@@ -4,7 +4,7 @@
 ``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD``, ``GENIE_NATIVE_RECORD_MISS``, ``GENIE_GENERIC_META``, ``GENIE_NATIVE_BIND``,
 ``GENIE_NATIVE_MATCH``, ``GENIE_NATIVE_SLICE``, ``GENIE_NATIVE_REPLAY``, ``GENIE_FOREACH``,
 ``GENIE_NATIVE_DISPATCH_RULE``, ``GENIE_PYTHON_KEY``, ``GENIE_WHOLE_OPS``, ``GENIE_INDEX_CHECK``,
-``GENIE_CALLER_BACKWARD`` and ``GENIE_DEBUG`` live here; the engine and
+``GENIE_CALLER_BACKWARD``, ``GENIE_CPU_RETAIN`` and ``GENIE_DEBUG`` live here; the engine and
 remote modules read their own (``GENIE_BACKENDS``, ``GENIE_PLAN_CACHE``, ``GENIE_COMPILER``,
 ``GENIE_SERVER``, ...). docs/env.md is the one table of all of them, with meanings and defaults.
 """
@@ -19,6 +19,22 @@ from dataclasses import dataclass
 
 def _flag(name: str, default: str) -> str:
     return os.environ.get(name, default).strip()
+
+
+def _mib(name: str) -> int | None:
+    """``name``'s value, a whole number of MiB (None: unset), checked at import so that a bad
+    setting fails at ``import genie`` (or a server's start), not at a first run."""
+    v = _flag(name, "")
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{name}={v!r}: expected the MiB of freed host memory to keep for "
+                         "reuse, a whole number >= 0 (0 turns it off)")
+    return n
 
 
 @dataclass
@@ -82,6 +98,9 @@ class Config:
     # LazyTensor.backward runs the autograd engine on the calling thread, as for CPU tensors
     # (0: on the engine's worker thread for the device, PyTorch's default for non-CPU devices).
     caller_backward: bool = _flag("GENIE_CALLER_BACKWARD", "1") != "0"
+    # MiB of freed host memory kept for reuse once the device has run on the CPU (None: 1 GiB
+    # or an eighth of RAM; 0: glibc's defaults): genie.memory.retain_host_memory
+    cpu_retain: int | None = _mib("GENIE_CPU_RETAIN")
 
     def on_change(self, listener: Callable[[Config], None]) -> None:
         """Call ``listener(self)`` now and after every change of a setting (native code that

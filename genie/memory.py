@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ._C import _mem_allocated, _mem_hold
+from .config import config
 from .device import _index, check_index, real_device
 from .errors import DeviceError
 from .meta import policy
@@ -159,17 +160,12 @@ def retain_host_memory(limit: int) -> bool:
 
 
 def retain_limit() -> int:
-    """``GENIE_CPU_RETAIN`` (MiB; 0 turns retention off), by default 1 GiB or an eighth of the
-    host's memory, whichever is less."""
+    """Bytes of freed host memory to keep: ``GENIE_CPU_RETAIN`` (``config.cpu_retain``, MiB; 0
+    turns retention off), by default 1 GiB or an eighth of the host's memory, whichever is less."""
+    if config.cpu_retain is not None:
+        return config.cpu_retain << 20
     import os
 
-    v = os.environ.get("GENIE_CPU_RETAIN", "").strip()
-    if v:
-        try:
-            return max(0, int(v)) << 20
-        except ValueError:
-            raise ValueError(f"GENIE_CPU_RETAIN={v!r}: expected the MiB of freed host memory "
-                             "to keep for reuse, an integer (0 turns it off)") from None
     try:
         phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):

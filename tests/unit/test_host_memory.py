@@ -70,13 +70,23 @@ def test_a_program_that_never_touches_the_device_keeps_glibc_defaults() -> None:
 
 
 def test_bad_setting_says_what_is_expected(monkeypatch) -> None:
+    """A bad ``GENIE_CPU_RETAIN`` fails at import (genie.config), not at a first run."""
+    from genie import config as cfg
     from genie import memory
 
     monkeypatch.setenv("GENIE_CPU_RETAIN", "lots")
     with pytest.raises(ValueError, match="GENIE_CPU_RETAIN='lots'.*MiB"):
-        memory.retain_limit()
-    monkeypatch.setenv("GENIE_CPU_RETAIN", "0")
+        cfg._mib("GENIE_CPU_RETAIN")
+    monkeypatch.setenv("GENIE_CPU_RETAIN", "-5")
+    with pytest.raises(ValueError, match="GENIE_CPU_RETAIN='-5'"):
+        cfg._mib("GENIE_CPU_RETAIN")
+    out = subprocess.run([sys.executable, "-c", "import genie"], capture_output=True, text=True,
+                         env={**os.environ, "GENIE_CPU_RETAIN": "lots"}, timeout=120)
+    assert out.returncode != 0 and "GENIE_CPU_RETAIN='lots'" in out.stderr
+    monkeypatch.setattr(cfg.config, "cpu_retain", 0)
     assert memory.retain_limit() == 0
+    monkeypatch.setattr(cfg.config, "cpu_retain", 3)
+    assert memory.retain_limit() == 3 << 20
     assert not memory.retain_host_memory(0)
 
 
