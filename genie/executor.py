@@ -11,6 +11,7 @@ op; others compile it or send it to a server.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -282,14 +283,33 @@ def host_value(node: Node, out: int) -> torch.Tensor | None:
     the device is unchanged. Used by advanced indexing's bounds check at the call
     (:func:`genie.checks.check_known_indices`)."""
     index = node.metas[out].index
-    nodes = value_slice(node, out, lambda n: _host_known(n, index), HOST_NODES)
-    return None if nodes is None else _run_on_host(node, out, nodes)
+    return _on_host(node, out, lambda n: _host_known(n, index), False)
 
 
-def _run_on_host(node: Node, out: int, nodes: list[Node]) -> torch.Tensor | None:
-    tape = build_tape([(node, out)], nodes)
+def _on_host(node: Node, out: int, accept: Any, keep: bool) -> torch.Tensor | None:
+    """The value of ``out`` of ``node`` evaluated on the host from a lineage of nodes that pass
+    ``accept``, starting from values :func:`host_read` evaluated before (:data:`_host_values`),
+    or None. ``keep``: keep the lineage's values there (host_read's, of exactly specified ops).
+    """
+    value = _host_value_of(node, out)
+    if value is not None:
+        return value
+    known: dict[tuple[int, int], torch.Tensor] = {}
+
+    def have(n: Node, k: int) -> bool:
+        v = _host_value_of(n, k)
+        if v is None:
+            return False
+        known[(n.index, k)] = v
+        return True
+
+    nodes = value_slice(node, out, accept, HOST_NODES, have)
+    if nodes is None:
+        return None
+    tape = build_tape([(node, out)], nodes, known)
     for ins in tape.instrs:
         ins.free = ()  # a short run: nothing to free early
+    tape.keep = {s for ins in tape.instrs for s in ins.outs if s is not None}
     try:
         with real_dispatch():
             kept = eager_backend.run_instrs(
@@ -297,7 +317,33 @@ def _run_on_host(node: Node, out: int, nodes: list[Node]) -> torch.Tensor | None
     except Exception:
         return None  # the device's run raises it, where eager's would (a deferred error)
     bump("host_evaluations")
+    for n, ins in zip(tape.nodes, tape.instrs) if keep else ():
+        vals = {k: kept[s] for k, s in enumerate(ins.outs)
+                if s is not None and not n.storages[k].pending_writes}
+        if vals:
+            _host_values[n] = vals
     return kept[tape.outputs[0]]
+
+
+#: Values of pending nodes' outputs that :func:`host_read` evaluated, by
+#: node (weakly: gone with the node), so that the next read's lineage starts from them: a
+#: generate loop's stopping check, ``unfinished = unfinished & ~done`` then ``unfinished.max() ==
+#: 0`` once per token, grows its lineage by ~7 nodes a token and went to the device once it
+#: passed HOST_NODES (27 round trips of a 32-token generate). Only outputs whose storage has no
+#: pending write, used while it has none (a write would change the value, and the host tape would
+#: write the value kept here): the value is the output's as recorded, exact (integer or bool ops,
+#: uploads' own snapshots), the device's own when the node runs there.
+_host_values: weakref.WeakKeyDictionary[Node, dict[int, torch.Tensor]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _host_value_of(node: Node, out: int) -> torch.Tensor | None:
+    if node.executed:
+        return None
+    vals = _host_values.get(node)
+    if vals is None or node.storages[out].pending_writes:
+        return None
+    return vals.get(out)
 
 
 def host_read(node: Node, out: int) -> torch.Tensor | None:
@@ -311,9 +357,8 @@ def host_read(node: Node, out: int) -> torch.Tensor | None:
     if _steps.pending:
         return None
     index = node.metas[out].index
-    nodes = value_slice(node, out, lambda n: (n.op == _UPLOAD or n.op in _READ_OPS) and
-                        _host_known(n, index), HOST_NODES)
-    return None if nodes is None else _run_on_host(node, out, nodes)
+    return _on_host(node, out, lambda n: (n.op == _UPLOAD or n.op in _READ_OPS) and
+                    _host_known(n, index), True)
 
 
 def _host_known(n: Node, index: int) -> bool:

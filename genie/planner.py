@@ -147,12 +147,15 @@ def slice_nodes(targets: list[tuple[Node, int]]) -> list[Node]:
     return [needed[i] for i in sorted(needed)]
 
 
-def value_slice(node: Node, out: int, accept: Any, limit: int) -> list[Node] | None:
+def value_slice(node: Node, out: int, accept: Any, limit: int,
+                known: Any = None) -> list[Node] | None:
     """The pending nodes that the value ``out`` of ``node`` depends on, in record order: the
     data and write-before-read dependencies of :func:`slice_nodes`, without its write-after-read
     readers (a run needs them, the value does not). None where a node is executed (its value
     would be the device's), fails ``accept(node)``, or there are more than ``limit``: the walk
-    stops there, so a value computed by a large graph costs a few steps."""
+    stops there, so a value computed by a large graph costs a few steps. ``known(node, out)``:
+    whether the caller already has that input value (the walk does not go past it; the caller
+    passes it to :func:`build_tape`)."""
     needed: dict[int, Node] = {}
     bound: dict[Storage, int] = {}
     stack: list[Node] = []
@@ -182,6 +185,8 @@ def value_slice(node: Node, out: int, accept: Any, limit: int) -> list[Node] | N
     while stack:
         n = stack.pop()
         for ref in n.inputs():
+            if known is not None and known(ref.node, ref.out):
+                continue
             if not (need(ref.node) and need_storage(ref.node.storages[ref.out], n.index)):
                 return None
         for s in n.writes:
@@ -191,10 +196,13 @@ def value_slice(node: Node, out: int, accept: Any, limit: int) -> list[Node] | N
 
 
 @gc_paused
-def build_tape(targets: list[tuple[Node, int]], nodes: list[Node] | None = None) -> Tape:
+def build_tape(targets: list[tuple[Node, int]], nodes: list[Node] | None = None,
+               known: dict[tuple[int, int], torch.Tensor] | None = None) -> Tape:
     """Slice, order and lower the requested values to a :class:`Tape`.
 
     ``nodes`` is ``slice_nodes(targets)`` when the caller has it already (the plan cache does).
+    ``known``: values of outputs outside ``nodes`` by (node index, output), taken as inputs
+    where the node holds none (:func:`value_slice`'s ``known``).
     """
     if nodes is None:
         nodes = slice_nodes(targets)
@@ -211,6 +219,8 @@ def build_tape(targets: list[tuple[Node, int]], nodes: list[Node] | None = None)
             if node.index in in_run:
                 raise AssertionError(f"{node} used before it runs")  # record order is topological
             value = node.values[out] if node.values is not None else None
+            if value is None and known is not None:
+                value = known.get(key)
             if value is None:
                 raise AssertionError(f"value {node.uid}[{out}] was freed but is still needed")
             s = slots[key] = len(slots)
