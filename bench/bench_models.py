@@ -8,7 +8,9 @@ module call of a process that uses the device pays), and ``eager, no genie`` wit
 before each sample (``_pure``): eager as a process without genie runs it. ``eager/eager, no
 genie`` is what genie costs a model that never touches the device. Each row also prints genie's
 host cost per recorded op, ``(genie - eager) / ops``, where ``ops`` is what genie records for one
-call (ATen ops and factory calls, from ``genie.stats()``).
+call (ATen ops and factory calls, from ``genie.stats()``), and where genie's time goes (``genie
+split``, :func:`_split`: the record side and its module contexts, plan lookup, bind, replay with
+its kernels, teardown; CPU time of a few calls after the rounds, µs per op).
 
 | row | workload | one call |
 |---|---|---|
@@ -25,7 +27,8 @@ call (ATen ops and factory calls, from ``genie.stats()``).
 ``GENIE_BENCH_LAZY_GPT2=1`` (off by default: it recompiles for every new shape, minutes per row on
 two cores; with torch 2.13 and transformers' KV cache its lazy core asserts, ``GetTensorList only
 supports lists of valid tensors``, and the row says so instead of failing). Settings: ``GENIE_BENCH_ROUNDS`` scales every row's rounds (default 1.0), plus the
-suite-wide ones of conftest.py (one intra-op thread by default). Eager runs on genie's real device
+suite-wide ones of conftest.py (one intra-op thread by default); ``GENIE_BENCH_SPLIT`` sets the
+split's calls per row (7; 0: no split). Eager runs on genie's real device
 (CUDA where present, else the CPU), and on CUDA every timed call ends with
 ``torch.cuda.synchronize()`` on both sides; ``torch._lazy`` runs only where that device is the CPU.
 Run:
@@ -36,18 +39,25 @@ from __future__ import annotations
 
 import itertools
 import os
+import statistics
+import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 import genie
-from genie import context, meta, plan_cache
+from genie import context, executor, memory, meta, plan_cache
+from genie.passes import pipeline
 
 SUITE = "bench_models: host overhead on real models (issue 11)"
 SCALE = float(os.environ.get("GENIE_BENCH_ROUNDS", "1") or 1)
 DECODE_STEPS = int(os.environ.get("GENIE_BENCH_DECODE", "4"))
 LAZY_GPT2 = os.environ.get("GENIE_BENCH_LAZY_GPT2", "0") == "1"
+#: calls of each row's genie variant timed part by part after its rounds (_split; 0: none): CPU
+#: time of the calling thread, which runs the kernels too (one intra-op thread by default)
+SPLIT_CALLS = int(os.environ.get("GENIE_BENCH_SPLIT", "7"))
 PROMPT = 64
 NEW_TOKENS = 32
 N_CHAIN = 2000
@@ -141,11 +151,99 @@ def _ops_of(fn: Callable[[], object]) -> int:
     return sum(after.get(k, 0) - before.get(k, 0) for k in ("ops_recorded", "factories_recorded"))
 
 
-def _host_us(row, ops: float) -> None:
-    """Append genie's host µs per recorded op, ``(genie - eager) / ops``, to the row."""
+def _host_us(row, ops: float, genie_fn: Callable[[], object] | None = None,
+             per: float = 1.0) -> None:
+    """Append genie's host µs per recorded op, ``(genie - eager) / ops``, to the row, and where
+    ``genie_fn`` (one call: ``per`` units of ``ops`` ops) is given, where it goes (:func:`_split`).
+    """
     if "genie" in row.values and "eager" in row.values and ops:
-        per = (row.values["genie"] - row.values["eager"]) * 1e6 / ops
-        row.notes.append(f"genie host {per:.1f} µs/op over eager ({ops:.0f} ops)")
+        host = (row.values["genie"] - row.values["eager"]) * 1e6 / ops
+        row.notes.append(f"genie host {host:.1f} µs/op over eager ({ops:.0f} ops)")
+        if genie_fn is not None and SPLIT_CALLS:
+            row.notes.append(_split(genie_fn, ops * per))
+
+
+#: The parts of a materialization the split times: (name, module, function). Wrapped by module
+#: attribute for the split's calls only (never during the timed rounds); a part that is not
+#: called (another backend, a native path) shows 0 calls.
+_PARTS = (("lookup", plan_cache, "plan"), ("bind", executor, "_bind"),
+          ("replay", pipeline, "run"), ("teardown", memory, "after_run"))
+
+
+def _split(fn: Callable[[], object], ops: float) -> str:
+    """Where genie's time per recorded op goes, from ``SPLIT_CALLS`` calls after the timed rounds
+    (µs of the thread's CPU time per op, medians over calls: less moved by other processes than
+    the rounds' wall time): the record side (everything outside ``run_targets``: the
+    program's own Python, as eager's, and Genie's record of each op), of it the module contexts
+    (genie.context's module call against nn.Module's own, each call paired with one without: the
+    meaning of each node; the optimizer hooks stay, so a training step runs the same work),
+    and the materializations: plan lookup, bind, replay (the kernels included: eager's compute),
+    teardown and the rest of ``run_targets``."""
+    acc: dict[str, int] = {}
+    saved = []
+
+    def wrap(key: str, mod: Any, name: str) -> None:
+        f = getattr(mod, name)
+        saved.append((mod, name, f))
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.thread_time_ns()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[key] = acc.get(key, 0) + time.thread_time_ns() - t0
+                acc["#" + key] = acc.get("#" + key, 0) + 1
+        setattr(mod, name, timed)
+
+    parts: dict[str, list[float]] = {}
+    context_us: list[float] = []
+    misses = 0
+    installed = torch.nn.Module.__dict__.get("__call__")
+
+    def without_contexts() -> int:
+        """One call with nn.Module's own __call__ (no module contexts; the optimizer hooks
+        stay, so a training step runs the same work): its ns."""
+        torch.nn.Module.__call__ = context._orig_call
+        try:
+            t0 = time.thread_time_ns()
+            fn()
+            return time.thread_time_ns() - t0
+        finally:
+            torch.nn.Module.__call__ = installed
+
+    try:
+        for key, mod, name in (("materialize", executor, "run_targets"),) + _PARTS:
+            wrap(key, mod, name)
+        if installed is not None:
+            without_contexts()  # its plans: nodes without contexts are other structures
+        for _ in range(SPLIT_CALLS):
+            acc.clear()
+            t0 = time.thread_time_ns()
+            fn()
+            total = time.thread_time_ns() - t0
+            got = dict(acc)
+            mat = got.get("materialize", 0)
+            inner = sum(got.get(k, 0) for k, _, _ in _PARTS)
+            for k, v in (("record", total - mat), ("rest of run_targets", mat - inner),
+                         *((k, got.get(k, 0)) for k, _, _ in _PARTS)):
+                parts.setdefault(k, []).append(v / 1e3 / ops)
+            if installed is not None:
+                before = genie.stats().get("plan_cache_misses", 0)
+                context_us.append((total - without_contexts()) / 1e3 / ops)
+                misses += genie.stats().get("plan_cache_misses", 0) - before
+    finally:
+        for mod, name, f in reversed(saved):
+            setattr(mod, name, f)
+    med = {k: statistics.median(v) for k, v in parts.items()}
+    calls = {k: got.get("#" + k, 0) for k, _, _ in _PARTS}
+    ctx = (f"module contexts {statistics.median(context_us):.2f} of it"
+           + (f", {misses} plan misses without them" if misses else "")
+           if context_us else "no module contexts")
+    return (f"genie split, µs/op (median of {SPLIT_CALLS} calls): record {med['record']:.2f} "
+            f"({ctx}), "
+            + ", ".join(f"{k} {med[k]:.2f}" + ("" if calls[k] else " (not called)")
+                        for k, _, _ in _PARTS)
+            + f", rest of run_targets {med['rest of run_targets']:.2f}")
 
 
 def _gpt2(layers: int, width: int, heads: int, seed: int = 0):
@@ -205,7 +303,7 @@ def test_gpt2_decode(benchmark, ratios, workloads) -> None:
     ops = _ops_of(variants["genie"]) / DECODE_STEPS
     workloads.interleave(benchmark, row, variants, rounds=_rounds(7), per=DECODE_STEPS,
                          before=_pure(variants))
-    _host_us(row, ops)
+    _host_us(row, ops, variants["genie"], DECODE_STEPS)
 
 
 # --- GPT-2 12 x 768 first calls: what a new user waits for --------------------------------------
@@ -307,7 +405,7 @@ def test_gpt2_generate(benchmark, ratios, workloads, mask: bool) -> None:
     ops = _ops_of(_generate_run(_generate_model(workloads.dev, mask), workloads.dev, 400, mask))
     workloads.interleave(benchmark, row, variants, rounds=_rounds(7), per=NEW_TOKENS,
                          before=_pure(variants))
-    _host_us(row, ops / NEW_TOKENS)
+    _host_us(row, ops / NEW_TOKENS, variants["genie"], NEW_TOKENS)
 
 
 # --- GPT-2 12 x 768 training step ----------------------------------------------------------------
@@ -350,7 +448,7 @@ def test_gpt2_train_step(benchmark, ratios, workloads) -> None:
             fn()
     ops = _ops_of(variants["genie"])
     workloads.interleave(benchmark, row, variants, rounds=_rounds(5), before=_pure(variants))
-    _host_us(row, ops)
+    _host_us(row, ops, variants["genie"])
 
 
 # --- MLP training step ---------------------------------------------------------------------------
@@ -400,7 +498,7 @@ def test_mlp_train_step(benchmark, ratios, workloads, width: int, batch: int) ->
     big = width >= 2048
     workloads.interleave(benchmark, row, variants, rounds=_rounds(7 if big else 15),
                          inner=1 if big else 5, before=_pure(variants))
-    _host_us(row, ops)
+    _host_us(row, ops, variants["genie"])
 
 
 # --- the elementwise chain: record only, and record + materialize warm ---------------------------
