@@ -2693,6 +2693,103 @@ PyObject* note_reads(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
   });
 }
 
+// --- a compiled graph call, recorded with its entry known ----------------------------------
+//
+// genie.dynamo's caller of a compiled graph records genie::graph (or genie::graph_mut) with the
+// meta-cache entry its first call got: Dynamo's guards fix the inputs' metadata, so no key is
+// built over its inputs (parameters are inputs: ~100 at nanoGPT's depth). _graph_entry makes the
+// native Entry of that MetaEntry once; _record_graph then records each call as try_record records
+// a hit (record_hit: the Refs, the Node, its reads noted, the outputs), the node's fields those
+// of lazy_tensor.record_known's (tests/unit/test_compile.py compares the two).
+
+struct GraphEntry {
+  std::shared_ptr<Entry> e;
+  size_t n_leaves = 0;
+  size_t n_lazies = 0;
+};
+
+const char* const kGraphEntry = "genie.graph_entry";
+
+void graph_entry_free(PyObject* capsule) {
+  delete static_cast<GraphEntry*>(PyCapsule_GetPointer(capsule, kGraphEntry));
+}
+
+// Whether a call may take the native record at all (try_record's conditions, but the op's).
+bool record_on() {
+  return S.ready && flags.native_record && flags.meta_cache && !flags.record_source &&
+         dict_get(S.profiler, names->profiler_enabled) == Py_False &&
+         PyList_GET_SIZE(this_thread().graphs) == 0;
+}
+
+// _graph_entry(func, args, entry): a capsule of the native Entry of MetaEntry `entry`, which a
+// call func(*args) got (args: (key, [written,] tensors, ints), every tensor a LazyTensor), or
+// None where this path cannot record such calls (the caller records them in Python).
+PyObject* graph_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_CheckExact(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "_graph_entry(func, args: tuple, entry)");
+    return nullptr;
+  }
+  return guarded([&]() -> PyObject* {
+    PyObject* func = args[0];
+    PyObject* a = args[1];
+    PyObject* entry = args[2];
+    if (!record_on() || Py_TYPE(entry) != S.meta_entry) {
+      Py_RETURN_NONE;
+    }
+    const OpInfo* info = op_info(func);
+    Call call;
+    if (info == nullptr || !info->ok || !flatten(a, nullptr, *info, func, call)) {
+      PyErr_Clear();
+      Py_RETURN_NONE;
+    }
+    auto g = std::make_unique<GraphEntry>();
+    g->e = make_entry(*info, a, nullptr, call, entry);
+    if (g->e->python_only) {
+      Py_RETURN_NONE;
+    }
+    g->n_leaves = call.leaves.size();
+    g->n_lazies = call.lazies.size();
+    PyObject* cap = checked(PyCapsule_New(g.get(), kGraphEntry, graph_entry_free));
+    g.release();
+    return cap;
+  });
+}
+
+// _record_graph(capsule, func, args): func(*args) recorded natively with the entry of
+// _graph_entry; NotImplemented, nothing recorded, where this path does not take the call (off,
+// a capture block, the profiler, an argument not of the kinds and count the entry was made for):
+// the caller records it in Python. The caller vouches that args' metadata is the entry's.
+PyObject* record_graph(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_CheckExact(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "_record_graph(entry, func, args: tuple)");
+    return nullptr;
+  }
+  auto* g = static_cast<GraphEntry*>(PyCapsule_GetPointer(args[0], kGraphEntry));
+  if (g == nullptr) {
+    return nullptr;
+  }
+  return guarded([&]() -> PyObject* {
+    PyObject* func = args[1];
+    PyObject* a = args[2];
+    if (!record_on()) {
+      Py_RETURN_NOTIMPLEMENTED;
+    }
+    const OpInfo* info = op_info(func);
+    Call call;
+    if (info == nullptr || !info->ok || !flatten(a, nullptr, *info, func, call) ||
+        call.leaves.size() != g->n_leaves || call.lazies.size() != g->n_lazies) {
+      PyErr_Clear();
+      Py_RETURN_NOTIMPLEMENTED;
+    }
+    PyObject* r = record_hit(func, *info, a, nullptr, call, *g->e, S.default_graph,
+                             flags.gc_untrack, false);
+    if (r == nullptr && !PyErr_Occurred()) {
+      Py_RETURN_NOTIMPLEMENTED;
+    }
+    return r;
+  });
+}
+
 PyMethodDef methods[] = {
     {"_record_dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_dispatch)),
      METH_FASTCALL | METH_KEYWORDS,
@@ -2724,6 +2821,14 @@ PyMethodDef methods[] = {
      METH_FASTCALL,
      "_note_reads(rec, wref): record_known's note of each Ref in rec as a read by wref's node "
      "(consumers, storage readers); False, nothing noted, where the native record path is off."},
+    {"_graph_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(graph_entry)),
+     METH_FASTCALL,
+     "_graph_entry(func, args, entry): the native entry (a capsule) of a compiled graph call's "
+     "MetaEntry, for _record_graph; None where the native record path cannot take such calls."},
+    {"_record_graph", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_graph)),
+     METH_FASTCALL,
+     "_record_graph(entry, func, args): a compiled graph call recorded natively with its known "
+     "entry (as lazy_tensor.record_known); NotImplemented, nothing recorded, where it declines."},
     {"_set_dispatch_rule_data", set_rule_data, METH_O,
      "The dict of torch._library.simple_registry.singleton that _find_torch_dispatch_rule reads."},
     {nullptr, nullptr, 0, nullptr}};

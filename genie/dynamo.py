@@ -385,7 +385,9 @@ def _caller(gm: torch.fx.GraphModule, g: Any,
     the host inputs the graph writes (:func:`genie.graphs.host_writes`), written here after the
     node is recorded (which snapshots them as it reads them)."""
     from . import graphs
+    from ._C import _graph_entry as graph_entry
     from ._C import _graph_refs as graph_refs
+    from ._C import _record_graph as record_graph
     from .lazy_tensor import LazyTensor, record_known
 
     ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -422,7 +424,9 @@ def _caller(gm: torch.fx.GraphModule, g: Any,
     all_tensors = not i_idx and not w_idx
     # per ints (sizes of a dynamic graph): the node's meta-cache entry. Dynamo's guards fix the
     # inputs' metadata given the sizes, so later calls record without the key over all inputs
-    entries: dict[tuple[int, ...], Any] = {}
+    # and its native form for _C._record_graph (None where that path cannot take it)
+    entries: dict[tuple[int, ...], tuple[Any, Any]] = {}
+    no_entry = (None, None)
     LT = LazyTensor
     only_lt = {LT}
     dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -435,10 +439,17 @@ def _caller(gm: torch.fx.GraphModule, g: Any,
             res: Any = []
         else:
             sizes = tuple(ints)
-            entry = entries.get(sizes)
-            plain = set(map(type, tensors)) == only_lt and not dispatch_modes() and \
-                all(type(t) is LT for t in written)
-            if entry is not None and plain:
+            entry, native = entries.get(sizes, no_entry)
+            res = NotImplemented
+            if native is not None and not dispatch_modes():
+                # the node recorded natively with its entry (each input checked a LazyTensor)
+                res = record_graph(native, op, (key, written, tensors, ints) if w_idx
+                                   else (key, tensors, ints))
+            plain = res is NotImplemented and set(map(type, tensors)) == only_lt and \
+                not dispatch_modes() and all(type(t) is LT for t in written)
+            if res is not NotImplemented:
+                pass
+            elif entry is not None and plain:
                 # the recorded leaves of (key, [written,] tensors, ints), as record would
                 # flatten them; the Refs made natively (one per input every call: 97 inputs
                 # 8.7 -> 3.7 µs, no Ref.__init__ each)
@@ -449,10 +460,11 @@ def _caller(gm: torch.fx.GraphModule, g: Any,
                 res = record_known(op, (key, written, tensors, ints) if w_idx
                                    else (key, tensors, ints), rec, entry)
             else:
-                res = op(key, written, list(tensors), ints) if w_idx \
-                    else op(key, list(tensors), ints)
+                a = (key, written, list(tensors), ints) if w_idx else (key, list(tensors), ints)
+                res = op(*a)
                 if plain and res and type(res[0]) is LT:
-                    entries[sizes] = res[0]._node.entry
+                    e = res[0]._node.entry
+                    entries[sizes] = (e, graph_entry(op, a, e))
         hv = host_fn(*args) if host_fn is not None else []
         for i, j in host_w:
             args[i].copy_(hv[j])

@@ -346,13 +346,27 @@ def test_graph_outputs_never_alias_its_inputs_or_each_other(fast_compiler, compi
     assert genie.stats().get("graph_cache_hits", 0) >= 2
 
 
-def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler):
-    """Later calls record from the cached meta-cache entry, with the leaves built by the caller:
-    the node must be the one the op's own record made on the first call (same leaves in the same
-    order, same argument tree, same entry, its reads noted), so planning, liveness and the plan
-    cache cannot tell them apart."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler, monkeypatch,
+                                                                native):
+    """Later calls record from the cached meta-cache entry, with the leaves built by the caller
+    (natively: genie._C._record_graph; with the native record path off: record_known): the node
+    must be the one the op's own record made on the first call (same leaves in the same order,
+    same argument tree, same entry, its reads noted, its context, graph and writes), so
+    planning, liveness and the plan cache cannot tell them apart."""
+    from genie import lazy_tensor
+    from genie.config import config
     from genie.graph import Ref
 
+    python_records: list[int] = []
+    known = lazy_tensor.record_known
+
+    def counted(*a):
+        python_records.append(1)
+        return known(*a)
+
+    monkeypatch.setattr(lazy_tensor, "record_known", counted)  # read when the graph compiles
+    monkeypatch.setattr(config, "native_record", native)
     ref = _mlp(8, 2)
     cm = torch.compile(copy.deepcopy(ref).to(DEV))
     xc = torch.randn(4, 8)
@@ -360,20 +374,51 @@ def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler):
     with torch.no_grad():
         first = cm(x)._node  # recorded by genie::graph's dispatch (the entry is then cached)
         later = cm(x)._node  # recorded from the cached entry
+    assert len(python_records) == (0 if native else 1)
     assert first.op is later.op is graphs.GRAPH_OP
     assert later.entry is first.entry and later.spec is first.spec
+    assert later.metas is first.metas and later.out_spec is first.out_spec
+    assert later.graph is first.graph and later.writes == first.writes == ()
+    assert later.ctx is not None and first.ctx is not None  # the compiled module's context
+    assert (later.ctx.path, later.ctx.region) == (first.ctx.path, first.ctx.region)
+    assert later.index > first.index and later.uid != first.uid
+    assert not later.executed and later.rng is None and later.consumers == []
+    assert [type(s) for s in later.storages] == [type(s) for s in first.storages]
     assert len(later.leaves) == len(first.leaves)
     for a, b in zip(first.leaves, later.leaves, strict=True):
         assert type(a) is type(b)
         if type(a) is Ref:
             assert (a.node, a.out) == (b.node, b.out)
-            # its reads noted as any record notes them (natively: genie._C._note_reads)
+            # its reads noted as any record notes them
             assert any(w is later._wref for w in b.node.storages[b.out].readers)
             assert b.node.executed or any(w is later._wref for w in b.node.consumers)
         else:
             assert a == b
     with torch.no_grad():
         torch.testing.assert_close(cm(x).cpu(), ref(xc))
+
+
+def test_a_cached_graph_call_with_another_input_kind_is_recorded_by_python(fast_compiler):
+    """genie._C._record_graph declines (NotImplemented, nothing recorded) a call whose
+    arguments are not the kinds and count its entry was made for, and the capsule it takes
+    must be _graph_entry's."""
+    from genie._C import _graph_entry, _record_graph
+
+    a, b = torch.randn(3).to(DEV), torch.randn(3).to(DEV)
+    op = graphs.GRAPH_OP
+    before = genie.stats().get("ops_recorded", 0)
+    entry = (a + b)._node.entry  # some MetaEntry: only its form is read here
+    native = _graph_entry(op, ("k", [a, b], []), entry)
+    if native is None:
+        pytest.skip("the native record path is off in this build")
+    genie.stats()
+    recorded = genie.stats().get("ops_recorded", 0)
+    assert recorded == before + 1
+    for args in (("k", [a], []), ("k", [a, torch.zeros(3)], []), ("k", [a, 1.5], [])):
+        assert _record_graph(native, op, args) is NotImplemented
+    assert genie.stats().get("ops_recorded", 0) == recorded
+    with pytest.raises(ValueError):
+        _record_graph(object(), op, ("k", [a, b], []))
 
 
 def test_graph_refs_are_the_refs_python_would_make():
