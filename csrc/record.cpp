@@ -2263,9 +2263,33 @@ struct CtxState {
   PyObject* genie_phase = nullptr;   // "_genie_phase"
   PyObject* thread_key = nullptr;    // the thread state dict key holding this thread's lists
   PyObject* name = nullptr;          // "__name__"
+  // an outermost module call begun natively (ctx_begin)
+  Py_ssize_t call_root = 0, call_phase = 0, call_start = 0, call_nodes = 0;
+  PyObject* names = nullptr;         // genie.context._names.data: {weakref(module): its names}
+  PyObject* ended = nullptr;         // genie.context._ended(module, call)
+  PyObject* empty = nullptr;         // ""
+  PyObject* forward = nullptr;       // "forward"
 };
 
 CtxState CX;
+
+// genie.context._recorded(): the nodes recorded so far (genie.stats' ops_recorded and
+// factories_recorded, with the counts kept here added first).
+int64_t recorded_count() {
+  record_sync_counts();
+  int64_t n = 0;
+  for (PyObject* name : {names->ops_recorded, names->factories_recorded}) {
+    PyObject* v = dict_get(S.counts, name);  // borrowed
+    if (v != nullptr) {
+      const long long k = PyLong_AsLongLong(v);
+      if (k == -1 && PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      n += k;
+    }
+  }
+  return n;
+}
 
 PyTypeObject* type_of(const py::dict& objs, const char* name);
 PyObject* object_of(const py::dict& objs, const char* name);
@@ -2383,6 +2407,104 @@ PyObject* ctx_push_impl(PyObject* module) {
   return entry.release().ptr();
 }
 
+// genie.context._enter for an outermost module call (no module call running on this thread) in
+// the common case: positional arguments only, every one a LazyTensor none of whose nodes an
+// earlier call of this module recorded (not a decode: _begin's producer check), no phase block
+// or phase annotation, no context set outside any module, the module's names known (its first
+// call makes them). Its Call and root Context are made as _begin and _context make them, pushed
+// as _enter pushes; ctx_pop ends the call as _leave does. None wherever the Python code decides.
+PyObject* ctx_begin(PyObject* module, PyObject* const* args, Py_ssize_t n, PyObject* kwnames,
+                    const ThreadObjects& t) {
+  if (CX.names == nullptr || n < 1 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) > 0) ||
+      PyList_GET_SIZE(t.ctx_phases) != 0) {
+    Py_RETURN_NONE;
+  }
+  PyObject** dp = _PyObject_GetDictPtr(module);
+  if (dp != nullptr && *dp != nullptr) {
+    PyObject* p = PyDict_GetItemWithError(*dp, CX.genie_phase);  // borrowed
+    if (p == nullptr && PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    if (p != nullptr && p != Py_None) {
+      Py_RETURN_NONE;
+    }
+  }
+  py::object outer = py::reinterpret_steal<py::object>(current_attr(t.current, names->ctx));
+  if (outer.ptr() != Py_None) {
+    Py_RETURN_NONE;
+  }
+  PyObject* ref = PyWeakref_NewRef(module, nullptr);  // the module's basic weak reference
+  if (ref == nullptr) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  PyObject* names_ = PyDict_GetItemWithError(CX.names, ref);  // borrowed
+  if (names_ == nullptr || !PyDict_CheckExact(names_)) {
+    Py_DECREF(ref);
+    if (PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    Py_RETURN_NONE;
+  }
+  py::object root = py::reinterpret_steal<py::object>(ref);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (Py_TYPE(args[i]) != S.lazy) {
+      Py_RETURN_NONE;
+    }
+    py::object node = py::reinterpret_steal<py::object>(lazy_attr(args[i], names->node));
+    if (!node || Py_TYPE(node.ptr()) != S.node) {
+      Py_RETURN_NONE;
+    }
+    PyObject* ctx = slot(node.ptr(), S.n.ctx);
+    if (ctx == nullptr || ctx == Py_None) {
+      continue;
+    }
+    if (Py_TYPE(ctx) != CX.context) {
+      Py_RETURN_NONE;
+    }
+    PyObject* producer = slot(ctx, CX.ctx_call);
+    if (producer == nullptr || producer == Py_None) {
+      continue;
+    }
+    if (Py_TYPE(producer) != CX.call) {
+      Py_RETURN_NONE;
+    }
+    PyObject* r = slot(producer, CX.call_root);
+    if (r == nullptr || !PyWeakref_CheckRef(r) || PyWeakref_GET_OBJECT(r) == module) {
+      Py_RETURN_NONE;  // an earlier call of this module produced it: a decode (Python decides)
+    }
+  }
+  // Call(module)
+  py::object call = py::reinterpret_steal<py::object>(new_object(CX.call, true));
+  init_slot(call.ptr(), CX.call_root, new_ref(root.ptr()));
+  init_slot(call.ptr(), CX.call_phase, new_ref(Py_None));
+  init_slot(call.ptr(), CX.call_start, checked(PyLong_FromLongLong(recorded_count())));
+  init_slot(call.ptr(), CX.call_nodes, new_ref(Py_None));
+  PyObject* contexts = checked(PyDict_New());
+  init_slot(call.ptr(), CX.contexts, contexts);
+  // _context(call, "", cls, "forward", None), interned on the call
+  py::object cls = py::reinterpret_steal<py::object>(
+      checked(PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(module)), CX.name)));
+  py::object c = py::reinterpret_steal<py::object>(new_object(CX.context, true));
+  init_slot(c.ptr(), CX.path, new_ref(CX.empty));
+  init_slot(c.ptr(), CX.cls, new_ref(cls.ptr()));
+  init_slot(c.ptr(), CX.region, new_ref(CX.forward));
+  init_slot(c.ptr(), CX.explicit_, new_ref(Py_None));
+  init_slot(c.ptr(), CX.ctx_call, new_ref(call.ptr()));
+  py::object key =
+      py::reinterpret_steal<py::object>(checked(PyTuple_Pack(3, CX.empty, CX.forward, Py_None)));
+  if (PyDict_SetItem(contexts, key.ptr(), c.ptr()) < 0) {
+    throw py::error_already_set();
+  }
+  py::object entry = py::reinterpret_steal<py::object>(
+      checked(PyTuple_Pack(3, module, Py_None, names_)));
+  if (PyList_Append(t.ctx_modules, entry.ptr()) < 0 ||
+      PyDict_SetItem(t.current, names->ctx, c.ptr()) < 0) {
+    throw py::error_already_set();
+  }
+  return entry.release().ptr();
+}
+
 PyObject* ctx_push(PyObject* /*self*/, PyObject* module) {
   return guarded([&] { return ctx_push_impl(module); });
 }
@@ -2398,12 +2520,38 @@ PyObject* ctx_pop(PyObject* /*self*/, PyObject* entry) {
     // as genie.context._leave: popped only if still on top
     if (depth > 0 && PyList_GET_ITEM(st, depth - 1) == entry && PyTuple_CheckExact(entry) &&
         PyTuple_GET_SIZE(entry) == 3) {
+      py::object ctx = py::reinterpret_steal<py::object>(current_attr(t.current, names->ctx));
       PyObject* outer = new_ref(PyTuple_GET_ITEM(entry, 1));
       const int bad = PyList_SetSlice(st, depth - 1, depth, nullptr) < 0 ||
                       PyDict_SetItem(t.current, names->ctx, outer) < 0;
       Py_DECREF(outer);
       if (bad) {
         return nullptr;
+      }
+      // the outermost call ended (_leave): its size, its contexts released unless a shared
+      // decode call keeps them (genie.context._ended decides where its phase is known)
+      PyObject* call = depth == 1 && Py_TYPE(ctx.ptr()) == CX.context
+                           ? slot(ctx.ptr(), CX.ctx_call) : nullptr;
+      if (call != nullptr && Py_TYPE(call) == CX.call) {
+        PyObject* start = slot(call, CX.call_start);
+        const long long s0 = start != nullptr ? PyLong_AsLongLong(start) : -1;
+        if (s0 == -1 && PyErr_Occurred()) {
+          throw py::error_already_set();
+        }
+        PyObject*& nodes = slot(call, CX.call_nodes);
+        PyObject* old = nodes;
+        nodes = checked(PyLong_FromLongLong(recorded_count() - s0));
+        Py_XDECREF(old);
+        PyObject* phase = slot(call, CX.call_phase);
+        if (phase == nullptr || phase == Py_None) {
+          PyObject* contexts = slot(call, CX.contexts);
+          if (contexts != nullptr && PyDict_CheckExact(contexts)) {
+            PyDict_Clear(contexts);
+          }
+        } else if (CX.ended != nullptr) {
+          py::object r = py::reinterpret_steal<py::object>(checked(
+              PyObject_CallFunctionObjArgs(CX.ended, PyTuple_GET_ITEM(entry, 0), call, nullptr)));
+        }
       }
     }
     Py_RETURN_NONE;
@@ -2470,7 +2618,7 @@ PyObject* module_call_vectorcall(PyObject* callable, PyObject* const* args, size
       if (host_only(args + 1, n - 1, kwnames)) {
         return new_ref(Py_True);  // torch's call, nothing else
       }
-      Py_RETURN_NONE;
+      return ctx_begin(args[0], args + 1, n - 1, kwnames, t);
     }
     return ctx_push_impl(args[0]);
   });
@@ -2588,6 +2736,16 @@ bool context_init(const py::dict& objs) {
   c.genie_phase = intern("_genie_phase");
   c.thread_key = intern("genie.context.thread");
   c.name = intern("__name__");
+  c.call_root = slot_offset(c.call, "root");
+  c.call_phase = slot_offset(c.call, "phase");
+  c.call_start = slot_offset(c.call, "start");
+  c.call_nodes = slot_offset(c.call, "nodes");
+  if (objs.contains("names") && objs.contains("ended")) {  // the outermost call natively
+    c.names = object_of(objs, "names");
+    c.ended = object_of(objs, "ended");
+  }
+  c.empty = intern("");
+  c.forward = intern("forward");
   c.ready = true;
   CX = c;
   return S.ready;

@@ -138,7 +138,6 @@ class _Stack(threading.local):
 
 
 _tls = _Stack()
-_context_init({"tls": _tls, "Context": Context, "Call": Call})
 # outermost module -> {weakref.ref(submodule): its path}
 _names: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyDictionary()
 
@@ -376,10 +375,18 @@ def _leave(module: Any) -> None:
         # A shared decode Call keeps them for the next step, until its module goes
         # (_decode_call).
         # (only a decode call can be the shared one: no weak-dict lookup for the others)
-        if call.phase != "decode" or _tls.decode.get(module) is not call:
+        if call.phase is None:
             call.contexts.clear()
-        if call.phase is not None:
-            bump(f"phase.{call.phase}.nodes", call.nodes)
+        else:
+            _ended(module, call)
+
+
+def _ended(module: Any, call: Call) -> None:
+    """The end of outermost ``module``'s ``call`` whose phase is known (the native module call
+    ends the others itself, as :func:`_leave`)."""
+    if call.phase != "decode" or _tls.decode.get(module) is not call:
+        call.contexts.clear()
+    bump(f"phase.{call.phase}.nodes", call.nodes)
 
 
 def _begin(module: Any, args: tuple, kwargs: dict) -> Call:
@@ -441,6 +448,11 @@ def _decode_call(module: Any) -> Call:
 
 #: Whether the decode calls of an outermost module share one :class:`Call` (the default).
 share_decode_calls = True
+
+# the native module call (csrc/record.cpp): submodule contexts, and an outermost call's in the
+# common case (_enter, _begin and _leave's work, with their objects)
+_context_init({"tls": _tls, "Context": Context, "Call": Call, "names": _names.data,
+               "ended": _ended})
 
 
 def caller_kwargs() -> dict:

@@ -84,6 +84,54 @@ def test_native_and_python_pushes_give_the_same_contexts(monkeypatch):
     assert any(c[1] is not None and c[1][4] == "act" for c in got[True][0])
 
 
+def test_an_outermost_call_begun_natively_gives_pythons_contexts_and_phases(monkeypatch):
+    """With no module call running, an outermost call whose arguments are LazyTensors (positional)
+    that no earlier call of the module produced is begun natively (its Call and root Context,
+    ended at its return as _leave ends it): the contexts, the calls' sizes and the phase found
+    later (a prefill, once a decode uses its output) equal the Python wrapper's. Python's _enter
+    runs only for the module's first call (its names) and for the decode."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, past=None):
+            h = self.lin(x).relu()
+            return h, (h if past is None else torch.cat([past, h], 1))
+
+    torch.manual_seed(0)
+    m = M().to(D)
+    got = {}
+    for native in (True, False):
+        _use(native, monkeypatch)
+        enters = []
+        enter = context._enter
+        monkeypatch.setattr(context, "_enter", lambda *a: (enters.append(a[0]), enter(*a))[1])
+        genie.reset_stats()
+        xs = [torch.full((1, 1, 8), float(i)).to(D) for i in range(3)]
+        with torch.no_grad():
+            h1, _ = m(xs[0])  # the first call: names made in Python
+            h2, past = m(xs[1])  # fresh arguments: begun natively
+            h3, past = m(h2[:, -1:], past)  # a decode of the second call (a prefill, then)
+            h4, _ = m(xs[2])
+        calls = [h._node.ctx.call for h in (h1, h2, h3, h4)]
+        got[native] = ([_contexts(h) for h in (h1, h2, h3, h4)],
+                       [(c.phase, c.nodes, len(c.contexts)) for c in calls],
+                       {k: v for k, v in genie.stats().items() if k.startswith("phase.")})
+        assert len(enters) == (2 if native else 4)
+        assert current_ctx() is None and not context._tls.modules
+        monkeypatch.setattr(context, "_enter", enter)
+    assert got[True] == got[False]
+    assert [p for p, _, _ in got[True][1]] == [None, "prefill", "decode", None]
+    assert got[True][2]["phase.prefill.calls"] == 1
+
+
+def current_ctx():
+    from genie.graph import current
+
+    return current.ctx
+
+
 def test_nodes_carry_module_path_and_region():
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 2)))
