@@ -8,6 +8,12 @@
 //
 // Semantics are those of the Python loop in genie/executor.py (kept as the reference, and used
 // when a tape's slots are already built): node i takes `outs[i]`'s slots, in output order.
+//
+// `release`: the caller is done with the `nodes` list (genie.executor.run_tape drops the tape
+// right after): the nodes are bound from the last to the first and each one's entry in the list
+// becomes None once it is bound (see the end of the loop). The effects on each node are the same
+// in either order (a node's own slots, its own entries in pending-write lists, its own output
+// storages' reader lists).
 #include <Python.h>
 
 #include <algorithm>
@@ -213,7 +219,7 @@ namespace genie {
 // Returns how many pending-write entries were removed (the caller lowers
 // genie.graph.pending_total by it).
 int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& kept,
-                   int64_t prune_at, bool untrack) {
+                   int64_t prune_at, bool untrack, bool release) {
   static PyObject* const values_name = PyUnicode_InternFromString("values");
   static PyObject* const executed_name = PyUnicode_InternFromString("executed");
   static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
@@ -233,15 +239,19 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
   std::array<py::object, 8> nones;  // (None,) * k, made once per call for each length k used
   int64_t removed = 0;
   // Prefetch distances: node i + 16 is fetched, i + 12's containers, i + 8's items, i + 4's
-  // storages' reader lists (each stage reads what the one before fetched).
+  // storages' reader lists (each stage reads what the one before fetched); with `release`, the
+  // nodes are bound last first, so "ahead" is i - 16 and so on.
   constexpr Py_ssize_t kAhead[] = {16, 12, 8, 4};
-  for (Py_ssize_t i = 0; i < n && i < kAhead[0]; ++i) {
-    prefetch_node(PyList_GET_ITEM(nodes.ptr(), i), 0, ns);
+  const Py_ssize_t step = release ? -1 : 1;
+  const auto at = [&](Py_ssize_t q) { return release ? n - 1 - q : q; };  // q-th node bound
+  for (Py_ssize_t q = 0; q < n && q < kAhead[0]; ++q) {
+    prefetch_node(PyList_GET_ITEM(nodes.ptr(), at(q)), 0, ns);
   }
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  for (Py_ssize_t q = 0; q < n; ++q) {
+    const Py_ssize_t i = at(q);
     for (int stage = 0; stage < 4; ++stage) {
-      if (i + kAhead[stage] < n) {
-        prefetch_node(PyList_GET_ITEM(nodes.ptr(), i + kAhead[stage]), stage, ns);
+      if (q + kAhead[stage] < n) {
+        prefetch_node(PyList_GET_ITEM(nodes.ptr(), i + step * kAhead[stage]), stage, ns);
       }
     }
     PyObject* node = PyList_GET_ITEM(nodes.ptr(), i);
@@ -350,6 +360,16 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
           }
         }
       }
+    }
+    if (release) {
+      // The list's reference goes now, while the node and what it holds are in the cache: the
+      // consumers in the slice (bound before it, in reverse order) dropped their Refs to it, so
+      // a node nothing else holds (an intermediate) is freed here rather than when the tape is
+      // dropped, by then out of the cache on a long tape.
+      storages = py::object();
+      writes = py::object();
+      PyList_SET_ITEM(nodes.ptr(), i, Py_NewRef(Py_None));
+      Py_DECREF(node);
     }
   }
   return removed;

@@ -8,6 +8,6 @@
 namespace genie {
 
 int64_t bind_nodes(const pybind11::list& nodes, const pybind11::list& outs,
-                   const pybind11::dict& kept, int64_t prune_at, bool untrack);
+                   const pybind11::dict& kept, int64_t prune_at, bool untrack, bool release = false);
 
 }  // namespace genie

@@ -306,9 +306,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_gc_track", &track_objects,
         "Track the given objects again in the cyclic GC (no-op for tracked or non-GC objects).");
   m.def("_bind_nodes", &genie::bind_nodes, py::arg("nodes"), py::arg("outs"), py::arg("kept"),
-        py::arg("prune_at"), py::arg("untrack"),
+        py::arg("prune_at"), py::arg("untrack"), py::arg("release") = false,
         "Bind a run's kept values to its nodes (genie.executor._bind); returns the number of "
-        "pending-write entries removed.");
+        "pending-write entries removed. `release`: bind from the last node to the first and "
+        "replace each node in `nodes` by None once bound (the caller is done with the list).");
   m.def("_mem_hold", &genie::mem_hold, py::arg("index"), py::arg("values"),
         "Note the real CPU storages of `values` as held on device `index` while they live "
         "(genie.memory.hold); returns the bytes held there now.");

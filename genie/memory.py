@@ -203,6 +203,11 @@ def note_run(index: int, high_water: int) -> None:
         _peak[index] = p
 
 
+def tracking() -> bool:
+    """Whether runs compute their tapes' high-water marks (someone asked for a peak)."""
+    return _tracking[0]
+
+
 def tape_high_water(tape: Any) -> int:
     """Bytes of fresh outputs alive at once while the eager interpreter runs ``tape`` (a bound).
 
