@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from ._C import _instantiate as _native_instantiate
-from ._C import _match_core, _match_init, _rebuild_instrs, _slice_init
+from ._C import _inputs_differ, _match_core, _match_init, _rebuild_instrs, _slice_init
 from .config import config
 from .graph import Alive, MetaArg, Node, Ref, Storage, TensorMeta, gc_paused, pending_total
 from .graph import same_const as _same_const
@@ -509,11 +509,9 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     if shaped:
         _rebuild(instrs, found, tmpl, shaped, True)
     if generic and not differs:
-        for s, v in inputs.items():  # (a loop, not any() over a generator: once per step)
-            m = pin[s]
-            if v.shape != m.shape or v.stride() != m.stride:
-                differs = True
-                break
+        differs = _inputs_differ(inputs, pin) if config.native_slice else NotImplemented
+        if differs is NotImplemented:
+            differs = any_input_differs(inputs, pin)
     for i in plan.rngs:  # random ops: this step's (seed, offset)
         n, t = found[i], tmpl[i]
         instrs[i] = Instr(n.op, list(instrs[i].leaves), t.spec, t.outs, n.rng, t.free,
@@ -1032,12 +1030,18 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node],
                 if type(x) is float and not _same_const(x, y):
                     plan.floats.add((i, j))
     if generic and not differs:
-        for s, v in inputs.items():  # (a loop, not any() over a generator: once per step)
-            m = pin[s]
-            if v.shape != m.shape or v.stride() != m.stride:
-                differs = True
-                break
+        differs = any_input_differs(inputs, pin)
     return Tape(instrs, inputs, outputs, set(keep), nodes, slots, plan.index, plan, differs)
+
+
+def any_input_differs(inputs: dict[int, Any], pin: dict[int, TensorMeta]) -> bool:
+    """Whether a value of ``inputs`` (slot -> value) differs in shape or strides from the plan's
+    input metadata for its slot (natively: ``genie._C._inputs_differ``, csrc/slice.cpp)."""
+    for s, v in inputs.items():  # (a loop, not any() over a generator: once per step)
+        m = pin[s]
+        if v.shape != m.shape or v.stride() != m.stride:
+            return True
+    return False
 
 
 # --- deterministic key --------------------------------------------------------------------------

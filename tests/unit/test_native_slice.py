@@ -309,3 +309,25 @@ def test_the_native_path_declines_what_it_does_not_know() -> None:
     with _native(False):
         assert planner.slice_nodes([(n, 0)]) == got
     assert got[-1] is n and len(got) == 2  # the upload, then the add
+
+
+def test_inputs_differ_equals_the_python_check() -> None:
+    """genie._C._inputs_differ (a shape-generic hit's inputs against the plan's metadata) gives
+    plan_cache.any_input_differs's answer: same shapes and strides, another shape, the same shape
+    with other strides (a transposed copy), a view with an offset; NotImplemented where the
+    metadata is not a TensorMeta; values that are not plain tensors read as in Python."""
+    from genie.graph import TensorMeta
+
+    base = torch.randn(4, 6)
+    cases = {"same": torch.randn(4, 6), "shape": torch.randn(4, 7),
+             "strides": torch.randn(6, 4).t(), "offset view": torch.randn(5, 6)[1:]}
+    pin = {0: TensorMeta.of(torch.randn(3), 0), 1: TensorMeta.of(base, 0)}
+    for name, v in cases.items():
+        inputs = {0: torch.randn(3), 1: v}
+        want = plan_cache.any_input_differs(inputs, pin)
+        assert want == (name in ("shape", "strides")), name
+        assert _C._inputs_differ(inputs, pin) is want, name
+        sub = {0: torch.randn(3), 1: torch.nn.Parameter(v)}  # (not a plain Tensor: by attribute)
+        assert _C._inputs_differ(sub, pin) is plan_cache.any_input_differs(sub, pin), name
+    assert _C._inputs_differ({0: base}, {0: (4, 6)}) is NotImplemented
+    assert _C._inputs_differ({}, pin) is False
