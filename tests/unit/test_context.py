@@ -570,3 +570,37 @@ def test_an_fx_trace_anywhere_in_the_process_leaves_contexts_and_roles_on():
     with torch.no_grad():
         m(got[:, -1:], past)
     assert context.role(past[0]) == "kv_cache"
+
+
+def test_lazy_tensors_walks_containers_objects_and_reported_classes_the_same_every_time():
+    """What an outermost call's arguments hold (context._lazy_tensors, which finds a decode's KV
+    cache): through list, tuple and dict subclasses and plain objects' attributes; not into
+    modules or host tensors; an object that reports another __class__ walked as that class
+    says, each time (the walk remembers what to do with each type)."""
+    class Seq(list):
+        pass
+
+    class Map(dict):
+        pass
+
+    class Holder:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    class LooksLikeADict:  # isinstance(x, dict) holds through __class__, as for a proxy
+        __slots__ = ("v",)  # no __dict__: only its values() reach the tensor
+        __class__ = property(lambda self: dict)  # type: ignore[assignment]
+
+        def __init__(self, v):
+            self.v = v
+
+        def values(self):
+            return [self.v]
+
+    a, b, c, d, e = (torch.ones(2, device=D) * k for k in range(5))
+    mod = nn.Linear(2, 2).to(D)
+    args = (Seq([a, 1, "s"]), {"m": Map(x=b), "h": Holder(t=c, inner=Holder(t=d)), "mod": mod,
+                               "cpu": torch.ones(2)}, LooksLikeADict(e))
+    for _ in range(2):  # the second walk answers from the types it remembered
+        got = context._lazy_tensors(args)
+        assert sorted(id(t) for t in got) == sorted(id(t) for t in (a, b, c, d, e))
