@@ -772,11 +772,60 @@ def _storage_bytes(leaves: list[Any], sid: int) -> Any:
 
 
 def warm() -> None:
-    """Build a class of a one-instruction tape: what a worker's first class would import and
-    initialize (sympy's caches, the guard printer) happens here, once, in the zygote."""
-    aten = torch.ops.aten
-    leaves, spec = optree.tree_flatten(((Slot(0), 2.0), {}), none_is_leaf=True)
-    tapes = [Tape([Instr(aten.mul.Scalar, leaves, spec, (1,), None)],
-                  {0: torch.empty(n, device=META)}, [1], {1}, [], {}) for n in (3, 4)]
+    """Build the class of a small attention block's tape (:func:`_warm_tape`): what a worker's
+    class builds would otherwise each do first happens here, once, in the zygote, and every
+    build's child inherits it (imports, sympy's caches, the guard printer, the symbolic paths of
+    the common meta kernels). In a build's child, after a one-instruction warm-up and after this
+    one (CPU, 2 runs each, load ~4): a GPT-2 4x128 generate's decode step 0.14-0.22 -> 0.11-0.13
+    s, its prefill 0.27-0.38 -> 0.22-0.24 s; a 12x768 decode step 0.09-0.12 -> 0.09-0.10 s. The
+    zygote pays ~0.3 s once."""
+    tapes = [_warm_tape(t) for t in (5, 6)]
     (_, a), (_, b) = (shape_params(b"", t) for t in tapes)  # type: ignore[misc]
     build(tapes[1], b, moved(a, b) or [], a)
+
+
+def _warm_tape(t: int) -> Tape:
+    """An attention block of ``t`` tokens on meta tensors, as a transformer's tapes record it:
+    embedding, layer norm, projections, heads, a KV cache, softmax, positions."""
+    aten = torch.ops.aten
+    c, h, d = 8, 2, 4
+    instrs: list[Instr] = []
+
+    def add(op: Any, args: tuple, outs: tuple[int, ...], **kwargs: Any) -> None:
+        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        instrs.append(Instr(op, leaves, spec, outs, None))
+
+    S = Slot
+    add(aten.embedding.default, (S(1), S(0)), (10,))
+    add(aten.native_layer_norm.default, (S(10), [c], S(4), S(5), 1e-5), (11, 12, 13))
+    add(aten.view.default, (S(11), [t, c]), (14,))
+    add(aten.addmm.default, (S(3), S(14), S(2)), (15,))
+    add(aten.view.default, (S(15), [1, t, 3 * c]), (16,))
+    add(aten.split.Tensor, (S(16), c, 2), (17, 18, 19))
+    for x, y in ((17, 20), (18, 22)):
+        add(aten.view.default, (S(x), [1, t, h, d]), (y,))
+        add(aten.transpose.int, (S(y), 1, 2), (y + 1,))
+    add(aten.cat.default, ([S(6), S(23)], 2), (24,))
+    add(aten.transpose.int, (S(24), -1, -2), (25,))
+    add(aten.matmul.default, (S(21), S(25)), (26,))
+    add(aten.pow.Tensor_Scalar, (S(26), 2.0), (27,))
+    add(aten._softmax.default, (S(27), -1, False), (28,))
+    add(aten.matmul.default, (S(28), S(24)), (29,))
+    add(aten.transpose.int, (S(29), 1, 2), (30,))
+    add(aten.clone.default, (S(30),), (31,), memory_format=torch.contiguous_format)
+    add(aten.view.default, (S(31), [1, t, c]), (32,))
+    add(aten.add.Tensor, (S(32), S(10)), (33,))
+    add(aten.tanh.default, (S(33),), (34,))
+    add(aten.mul.Tensor, (S(34), S(33)), (35,))
+    add(aten.slice.Tensor, (S(35), 1, -1, 2 ** 63 - 1), (36,))
+    add(aten.cumsum.default, (S(0), 1), (37,))
+    add(aten.arange.default, (t,), (38,), dtype=torch.int64, device=torch.device("cpu"),
+        pin_memory=False)
+    add(aten.unsqueeze.default, (S(38), 0), (39,))
+    add(aten.eq.Tensor, (S(37), S(39)), (40,))
+    add(aten.where.self, (S(40), S(37), S(39)), (41,))
+    inputs = {0: torch.empty(1, t, dtype=torch.int64, device=META),
+              1: torch.empty(16, c, device=META), 2: torch.empty(c, 3 * c, device=META),
+              3: torch.empty(3 * c, device=META), 4: torch.empty(c, device=META),
+              5: torch.empty(c, device=META), 6: torch.empty(1, h, t, d, device=META)}
+    return Tape(instrs, inputs, [36, 41], {36, 41}, [], {})

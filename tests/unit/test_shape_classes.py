@@ -454,3 +454,18 @@ def test_a_size_that_depends_on_data_is_not_a_class_even_if_untagged(monkeypatch
     (_, i0), (_, i1) = shape_params(b"k", tape(3)), shape_params(b"k", tape(4))
     with pytest.raises(NotAClass, match="depends on data"):
         build(tape(4), i1, moved(i0, i1), i0)
+
+
+def test_the_zygotes_warm_up_builds_a_class_of_an_attention_block() -> None:
+    """The zygote's warm-up (``shape_class.warm``) runs the symbolic paths a transformer's
+    builds take: its tape makes a class with its token count as a symbol, which admits another
+    token count and refuses a width it was not built for."""
+    from genie.remote.shape_class import _warm_tape
+
+    (k5, i5), (k6, i6), (k9, i9) = (shape_params(b"", _warm_tape(t)) for t in (5, 6, 9))
+    assert k5 == k6 == k9
+    cls = build(_warm_tape(6), i6, moved(i5, i6), i5)
+    assert cls.sym_idx and cls.admit(i9) is not None
+    bad = list(i9)
+    bad[cls.sym_idx[0] - 1] += 1  # a fixed integer next to the token count moved
+    assert cls.admit(tuple(bad)) is None
