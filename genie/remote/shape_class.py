@@ -81,14 +81,16 @@ def shape_params(key: bytes, tape: Tape, filled: Any = None
     static: list[Any] = []
     ints: list[int] = []
     storages: dict[int, int] = {}
-    for s, v in tape.inputs.items():
+    for s, v in tape.inputs.items():  # (every request: few calls per input)
         st = v.untyped_storage()
+        sid = st._cdata
         nb = st.nbytes()
-        dense = v.storage_offset() == 0 and nb == v.numel() * v.element_size() and \
-            v.is_contiguous() and st._cdata not in storages
-        static.append((s, v.dim(), v.dtype, v.is_conj(), v.is_neg(), dense,
-                       storages.setdefault(st._cdata, len(storages))))
-        ints.extend(v.shape)
+        shape = v.shape
+        dense = nb == v.nbytes and v.storage_offset() == 0 and v.is_contiguous() and \
+            sid not in storages
+        static.append((s, len(shape), v.dtype, v.is_conj(), v.is_neg(), dense,
+                       storages.setdefault(sid, len(storages))))
+        ints.extend(shape)
         if not dense:  # a dense input's layout follows from its shape
             ints.extend(v.stride())
             ints.append(v.storage_offset())
