@@ -9,6 +9,7 @@
 // the figure is summed over the storages that are still alive, pruning the dead.
 #include <cstdint>
 #include <unordered_map>
+#include <vector>
 
 #include <c10/core/Storage.h>
 #include <pybind11/pybind11.h>
@@ -21,23 +22,42 @@ namespace py = pybind11;
 namespace {
 
 struct Held {
+  const c10::StorageImpl* impl;
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   int64_t bytes;
 };
 
-using Storages = std::unordered_map<const c10::StorageImpl*, Held>;
+// One device's held storages: an array, summed in order, and each one's position in it. (A
+// node-based map, walked after every run, cost one cache miss after another per storage once a
+// replay had streamed a model's weights through the caches: ~18 us of a GPT-2 12 x 768 decode
+// step for its ~200 storages, against ~1 us warm.)
+struct Storages {
+  std::vector<Held> held;
+  std::unordered_map<const c10::StorageImpl*, size_t> at;
+};
+
 std::unordered_map<int64_t, Storages> held;  // device index -> its held storages
 
 int64_t sum_alive(Storages& m) {
-  int64_t total = 0;
-  for (auto it = m.begin(); it != m.end();) {
-    if (it->second.storage.expired()) {
-      it = m.erase(it);
-    } else {
-      total += it->second.bytes;
-      ++it;
-    }
+  std::vector<Held>& h = m.held;
+  for (const Held& e : h) {  // the reference counts expired() reads, asked for together
+    __builtin_prefetch(e.impl, 0, 3);
   }
+  int64_t total = 0;
+  size_t j = 0;
+  for (size_t i = 0; i < h.size(); ++i) {
+    if (h[i].storage.expired()) {
+      m.at.erase(h[i].impl);
+      continue;
+    }
+    total += h[i].bytes;
+    if (j != i) {
+      h[j] = std::move(h[i]);
+      m.at[h[j].impl] = j;
+    }
+    ++j;
+  }
+  h.erase(h.begin() + static_cast<std::ptrdiff_t>(j), h.end());
   return total;
 }
 
@@ -58,13 +78,17 @@ int64_t mem_hold(int64_t index, const py::iterable& values) {
     const c10::Storage& st = t.storage();
     const c10::StorageImpl* impl = st.unsafeGetStorageImpl();
     const auto bytes = static_cast<int64_t>(st.nbytes());
-    auto it = m.find(impl);
-    if (it != m.end() && !it->second.storage.expired()) {
-      it->second.bytes = bytes;  // a resize_ in place changes what the storage holds
+    auto it = m.at.find(impl);
+    if (it == m.at.end()) {  // new
+      m.at.emplace(impl, m.held.size());
+      m.held.push_back(Held{impl, st.getWeakStorageImpl(), bytes});
       continue;
     }
-    // new, or a dead storage's address reused by a new one
-    m.insert_or_assign(impl, Held{st.getWeakStorageImpl(), bytes});
+    Held& e = m.held[it->second];
+    if (e.storage.expired()) {  // a dead storage's address reused by a new one
+      e.storage = st.getWeakStorageImpl();
+    }
+    e.bytes = bytes;  // (a resize_ in place changes what the storage holds)
   }
   return sum_alive(m);
 }

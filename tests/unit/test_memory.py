@@ -111,3 +111,25 @@ def test_native_accounting_counts_live_storages_once_and_follows_resizes() -> No
     assert _C._mem_allocated(idx) - base == 24
     del b
     assert _C._mem_allocated(idx) == base
+
+
+def test_native_accounting_keeps_its_index_when_storages_die_in_between() -> None:
+    """The held storages are an array pruned in place (csrc/memory.cpp): after storages die
+    before, between and after live ones, the survivors are found again (a resize counts once, at
+    the new size) and a new storage is added once, whatever moved."""
+    from genie import _C
+
+    idx = 62
+    base = _C._mem_allocated(idx)
+    ts = [torch.zeros(k + 1) for k in range(8)]  # 4, 8, ..., 32 bytes
+    assert _C._mem_hold(idx, ts) - base == 4 * sum(range(1, 9))
+    for k in (0, 3, 4, 7):  # dead: the first, two in the middle, the last
+        ts[k] = None
+    live = [t for t in ts if t is not None]
+    assert _C._mem_allocated(idx) - base == sum(t.nbytes for t in live)
+    live[-1].resize_(50)  # a survivor that moved: found again, counted at its new size
+    new = torch.zeros(5)
+    assert _C._mem_hold(idx, [live[-1], new, new[1:], live[0]]) - base == \
+        sum(t.untyped_storage().nbytes() for t in live) + 20
+    del ts, live, new
+    assert _C._mem_allocated(idx) == base
