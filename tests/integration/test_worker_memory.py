@@ -25,7 +25,10 @@ DEV = "remote_accelerator:0"
 
 
 def _workers(pid: int) -> list[int]:
-    """The worker processes below server ``pid`` (sessions' workers are forked from a zygote)."""
+    """The session worker processes below server ``pid``: the zygote's children (the zygote is
+    the server's child running genie.remote.worker), not their own children: a shape-class build
+    runs in a child forked from the worker (the same command line), and its copy-on-write faults
+    (thousands a build) are not the worker's heap."""
     kids: dict[int, list[int]] = {}
     cmds: dict[int, bytes] = {}
     for p in os.listdir("/proc"):
@@ -40,9 +43,10 @@ def _workers(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
         for k in kids.get(todo.pop(), []):
-            todo.append(k)
             if b"genie.remote.worker" in cmds.get(k, b""):
-                out.append(k)
+                out += kids.get(k, [])  # k: the zygote; its children: the sessions' workers
+            else:
+                todo.append(k)
     return out
 
 
