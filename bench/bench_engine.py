@@ -82,7 +82,7 @@ def test_plan_cache(benchmark, ratios, workloads) -> None:
     pc.enable(True)
     try:
         variants = {"build_tape": lambda: build_tape(targets), "miss": miss,
-                    "hit": lambda: pc.plan(targets)}  # the rotation runs hit after miss or warm
+                    "hit": lambda: pc.plan(targets)}  # hit: the plan of the last miss or the warm-up
         before = genie.stats().get("plan_cache_hits", 0)
         pc.plan(targets)
         pc.plan(targets)

@@ -21,8 +21,8 @@ variants run under the same setting, so the ratios stay like for like.
 
 from __future__ import annotations
 
-import itertools
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -139,7 +139,8 @@ def ratios() -> Ratios:
 def interleave(benchmark: Any, row: Row, variants: dict[str, Callable[[], object]], rounds: int,
                inner: int = 1, per: float | dict[str, float] = 1.0,
                before: dict[str, Callable[[], object]] | None = None, warm: int = 1) -> None:
-    """Time every variant once per round, back to back in rotating order, and fill ``row``.
+    """Time every variant once per round, back to back in an order drawn for each round (seeded:
+    every run draws the same orders), and fill ``row``.
 
     On a shared machine the load drifts over seconds: timing the variants in separate tests lets
     the drift into every ratio. Here each round runs all of them under the same load, and a ratio
@@ -161,11 +162,14 @@ def interleave(benchmark: Any, row: Row, variants: dict[str, Callable[[], object
         for _ in range(warm):
             fn()
     samples: dict[str, list[float]] = {k: [] for k in names}
-    counter = itertools.count()
+    # Not a rotation: with one, each variant ran after the same other one in most rounds, and
+    # what a variant leaves in the caches moved its successor's time (bench_models' MLP 4x256
+    # row: its eager ran after torch._lazy's 12 ms step and read 1.08-1.12x of "eager, no
+    # genie", which ran after eager; 1.01x with the orders drawn, same run otherwise)
+    draw = random.Random(len(names))
 
     def one_round() -> None:
-        r = next(counter) % len(names)
-        for k in names[r:] + names[:r]:
+        for k in draw.sample(names, len(names)):
             fn = variants[k]
             if k in setups:
                 setups[k]()
