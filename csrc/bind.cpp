@@ -36,7 +36,7 @@ struct NodeSlots {
   PyTypeObject* storage = nullptr;
   Py_ssize_t values = 0, executed = 0, leaves = 0, consumers = 0, writes = 0, storages = 0;
   Py_ssize_t readers = 0;
-  Py_ssize_t outputs = 0, wref = 0, uid = 0, index = 0;
+  Py_ssize_t outputs = 0, wref = 0, seq = 0, index = 0;
 };
 
 const NodeSlots& node_slots() {
@@ -54,7 +54,7 @@ const NodeSlots& node_slots() {
     r.readers = genie::slot_offset(r.storage, "readers");
     r.outputs = genie::slot_offset(r.node, "outputs");
     r.wref = genie::slot_offset(r.node, "_wref");
-    r.uid = genie::slot_offset(r.node, "uid");
+    r.seq = genie::slot_offset(r.node, "seq");
     r.index = genie::slot_offset(r.node, "index");
     return r;
   }();
@@ -143,7 +143,7 @@ void prefetch_node(PyObject* node, int stage, const NodeSlots& ns) {
       prefetch_items(c, false);
     }
     static constexpr Py_ssize_t NodeSlots::*kOthers[] = {&NodeSlots::consumers, &NodeSlots::wref,
-                                                         &NodeSlots::uid, &NodeSlots::index};
+                                                         &NodeSlots::seq, &NodeSlots::index};
     for (Py_ssize_t NodeSlots::*f : kOthers) {
       prefetch_object(genie::slot_value(node, ns.*f));
     }

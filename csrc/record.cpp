@@ -175,7 +175,7 @@ inline PyObject* new_ref(PyObject* o) {
 
 struct NodeSlots {
   Py_ssize_t op, leaves, spec, metas, out_spec, storages, writes, outputs, values, executed, index,
-      rng, graph, uid, where, consumers, tags, entry, ctx, wref;
+      rng, graph, seq, where, consumers, tags, entry, ctx, wref;
 };
 
 struct State {
@@ -1645,34 +1645,23 @@ void record_sync_counts() {
   }
 }
 
-// Graph.next_uid of the default graph: "op*N", N its record position (the graph's _total).
-PyObject* next_uid() {
+// Graph.next_seq of the default graph: N of a node's uid "op*N", its record position (the
+// graph's _total, then incremented). The int object that was _total becomes the node's seq, so
+// a node costs one int here and no string (Node.uid formats it when asked).
+PyObject* next_seq() {
   PyObject* total = dict_get(S.graph_dict, names->total);  // borrowed
   const long long n = total != nullptr && PyLong_CheckExact(total) ? PyLong_AsLongLong(total) : -1;
   if (n < 0) {
     PyErr_Clear();
     throw std::logic_error("the default graph's _total is not a count");
   }
+  PyObject* seq = new_ref(total);  // the dict's reference goes with the item replaced below
   py::object next = py::reinterpret_steal<py::object>(checked(PyLong_FromLongLong(n + 1)));
   if (PyDict_SetItem(S.graph_dict, names->total, next.ptr()) < 0) {
+    Py_DECREF(seq);
     throw py::error_already_set();
   }
-  char digits[24];
-  int k = 0;
-  unsigned long long v = static_cast<unsigned long long>(n);
-  do {
-    digits[k++] = static_cast<char>('0' + v % 10);
-    v /= 10;
-  } while (v != 0);
-  PyObject* uid = checked(PyUnicode_New(3 + k, 127));
-  Py_UCS1* out = PyUnicode_1BYTE_DATA(uid);
-  out[0] = 'o';
-  out[1] = 'p';
-  out[2] = '*';
-  for (int i = 0; i < k; ++i) {
-    out[3 + i] = static_cast<Py_UCS1>(digits[k - 1 - i]);
-  }
-  return uid;
+  return seq;
 }
 
 // lazy_tensor._record for a learned entry: one Node, its Refs and outputs; nullptr without an
@@ -1779,7 +1768,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   init_slot(n, S.n.index, checked(PyIter_Next(S.counter)));
   init_slot(n, S.n.rng, new_ref(Py_None));
   init_slot(n, S.n.graph, new_ref(graph));
-  init_slot(n, S.n.uid, next_uid());
+  init_slot(n, S.n.seq, next_seq());
   init_slot(n, S.n.where, new_ref(Py_None));
   init_slot(n, S.n.consumers, fresh(PyList_New(0), tracked));
   init_slot(n, S.n.tags, new_ref(Py_None));
@@ -3050,7 +3039,7 @@ bool record_init(const py::dict& objs) {
     throw std::runtime_error("counts and profiler must be dicts");
   }
   check_slots(s.node, {"op", "leaves", "spec", "metas", "out_spec", "storages", "writes",
-                       "outputs", "values", "executed", "index", "rng", "graph", "uid", "where",
+                       "outputs", "values", "executed", "index", "rng", "graph", "seq", "where",
                        "consumers", "tags", "entry", "ctx", "_wref"});
   check_slots(s.ref, {"node", "out"});
   check_slots(s.storage, {"pending_writes", "readers", "_prune_at", "role"});
@@ -3073,7 +3062,7 @@ bool record_init(const py::dict& objs) {
   n.index = slot_offset(t, "index");
   n.rng = slot_offset(t, "rng");
   n.graph = slot_offset(t, "graph");
-  n.uid = slot_offset(t, "uid");
+  n.seq = slot_offset(t, "seq");
   n.where = slot_offset(t, "where");
   n.consumers = slot_offset(t, "consumers");
   n.tags = slot_offset(t, "tags");

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -168,7 +169,7 @@ struct State {
   PyObject* pending_slots = nullptr;
   // Node
   Py_ssize_t n_op = 0, n_leaves = 0, n_spec = 0, n_metas = 0, n_storages = 0, n_writes = 0,
-             n_outputs = 0, n_values = 0, n_executed = 0, n_index = 0, n_rng = 0, n_uid = 0,
+             n_outputs = 0, n_values = 0, n_executed = 0, n_index = 0, n_rng = 0, n_seq = 0,
              n_where = 0, n_consumers = 0;
   Py_ssize_t r_node = 0, r_out = 0;            // Ref
   Py_ssize_t st_pending = 0, st_readers = 0;   // Storage
@@ -216,7 +217,7 @@ void slice_init(const py::dict& objs) {
     S.n_executed = slot_offset(t, "executed");
     S.n_index = slot_offset(t, "index");
     S.n_rng = slot_offset(t, "rng");
-    S.n_uid = slot_offset(t, "uid");
+    S.n_seq = slot_offset(t, "seq");
     S.n_where = slot_offset(t, "where");
     S.n_consumers = slot_offset(t, "consumers");
     S.r_node = slot_offset(S.ref, "node");
@@ -716,14 +717,35 @@ PyObject* leaves_of(PyObject* leaves, PyObject* tl, bool shaped) {
   return out;
 }
 
+// genie.graph.Node.uid, "op*N", from the node's seq N: one string, no intermediate str(N).
+PyObject* node_uid(PyObject* seq) {
+  const long long v = PyLong_Check(seq) ? PyLong_AsLongLong(seq) : -1;
+  if (v < 0) {
+    PyErr_Clear();
+    PyObject* uid = PyUnicode_FromFormat("op*%S", seq);  // not a count: as the property formats it
+    if (uid == nullptr) {
+      raise();
+    }
+    return uid;
+  }
+  char text[32];
+  const int k = std::snprintf(text, sizeof text, "op*%lld", v);
+  PyObject* uid = PyUnicode_FromStringAndSize(text, k);
+  if (uid == nullptr) {
+    raise();
+  }
+  return uid;
+}
+
 // Instr(op, leaves, spec, outs, rng, free, uid, where, device), made as object.__new__ would
 // (every slot written; the dataclass __init__ only assigns them). Steals `leaves`.
 PyObject* new_instr(PyObject* n, PyObject* t, PyObject* leaves) {
   py::object owned = py::reinterpret_steal<py::object>(leaves);
+  py::object uid = py::reinterpret_steal<py::object>(node_uid(get(n, S.n_seq)));
   const std::pair<Py_ssize_t, PyObject*> fields[] = {
       {S.i_op, get(n, S.n_op)},     {S.i_leaves, leaves},         {S.i_spec, get(t, S.i_spec)},
       {S.i_outs, get(t, S.i_outs)}, {S.i_rng, get(n, S.n_rng)},   {S.i_free, get(t, S.i_free)},
-      {S.i_uid, get(n, S.n_uid)},   {S.i_where, get(n, S.n_where)},
+      {S.i_uid, uid.ptr()},             {S.i_where, get(n, S.n_where)},
       {S.i_device, get(t, S.i_device)}};
   PyObject* ins = S.instr->tp_alloc(S.instr, 0);
   if (ins == nullptr) {

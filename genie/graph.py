@@ -248,7 +248,9 @@ class Node:
         values: real tensors after execution (only those still needed are kept; a tuple of
             Nones when none is, as for most intermediates of a run).
         rng: ``(seed, offset)`` for random ops, fixed at record time.
-        graph / uid: the owning :class:`Graph` and the node's deterministic unique id.
+        graph / uid: the owning :class:`Graph` and the node's deterministic unique id, ``op*N``
+            (a property: ``seq`` holds N, the node's record position in its graph, so recording
+            makes no string per node).
         where: the user's source line (only with ``GENIE_RECORD_SOURCE=1`` or in capture).
         entry: the meta-cache entry the op was recorded with (None for uploads and pseudo-ops).
             Entries are interned per meta-cache key (op, argument tree, input metadata,
@@ -258,7 +260,7 @@ class Node:
 
     __slots__ = (
         "op", "leaves", "spec", "metas", "out_spec", "storages", "writes", "outputs",
-        "values", "executed", "index", "rng", "graph", "uid", "where", "consumers",
+        "values", "executed", "index", "rng", "graph", "seq", "where", "consumers",
         "tags", "entry", "ctx", "_wref", "__weakref__",
     )
 
@@ -278,7 +280,7 @@ class Node:
         self.index = next(_record_counter)
         self.rng = rng
         self.graph = graph
-        self.uid = graph.next_uid(op)
+        self.seq = graph.next_seq()
         self.where: str | None = None
         self.consumers: list[weakref.ref[Node]] = []
         self.tags: dict[str, Any] | None = None
@@ -295,6 +297,10 @@ class Node:
     @property
     def name(self) -> str:
         return op_name(self.op)
+
+    @property
+    def uid(self) -> str:
+        return f"op*{self.seq}"
 
     def inputs(self) -> list[Ref]:
         """Lazy inputs of this node (empty once it has run and released them)."""
@@ -477,12 +483,12 @@ class Graph:
         self.nodes: list[Node] = []
         self._total = 0
 
-    def next_uid(self, op: Any) -> str:  # noqa: ARG002
-        # Seed 000's unique id: ``op*N``, N = record position in this graph (the op's name and
-        # inputs live in the complex id, genie.ids).
+    def next_seq(self) -> int:
+        # N of seed 000's unique id ``op*N`` (Node.uid): the record position in this graph (the
+        # op's name and inputs live in the complex id, genie.ids).
         n = self._total
         self._total = n + 1
-        return f"op*{n}"
+        return n
 
     def on_node(self, node: Node) -> None:
         if self.keep_nodes:

@@ -154,8 +154,8 @@ class IdState:
 
 
 def position(node: Node) -> int:
-    """Record position of ``node`` in its graph (parsed from its unique id ``op*N``)."""
-    return int(node.uid[3:])
+    """Record position of ``node`` in its graph (N of its unique id ``op*N``)."""
+    return node.seq
 
 
 def position_of_uid(uid: str) -> int:
