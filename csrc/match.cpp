@@ -8,8 +8,11 @@
 // plan's does, record order, source lines, no pending write on a storage the slice reads, which
 // outputs are held by a live tensor or a pending consumer, float arguments that changed, and the
 // input values bound to the plan's input slots. The Python version does this with ~15 `map`
-// passes over columns (~2.4 µs per node on a GPT-2 decode step); here it is one pass per
-// condition in C++ (~0.1 µs per node).
+// passes over columns (~2.4 µs per node on a GPT-2 decode step); here it is one pass over the
+// instructions that checks each node while its memory is at hand, then one over the inputs. The
+// cost is the nodes' memory: a slice that does not fit the caches (a 32-token generate's 6,480
+// nodes) paid a cache miss per condition per node with one pass per condition (0.75 µs per node;
+// one pass: see bench/bench_models.py's lookup split).
 //
 // Contract: the same answer as the Python function (genie.plan_cache._match_core_py, kept as the
 // reference; GENIE_NATIVE_MATCH=0 uses it): None (not this plan), False (decide with
@@ -21,7 +24,9 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <algorithm>
 #include <memory>
+#include <stdexcept>
 #include <vector>
 
 #include <pybind11/pybind11.h>
@@ -47,6 +52,8 @@ struct State {
   PyObject* held_after = nullptr;
   PyObject* same_kind = nullptr;
   PyObject* klass = nullptr;  // interned "klass"
+  PyTypeObject* klass_type = nullptr;  // the entry class whose "klass" slot is at klass_off
+  Py_ssize_t klass_off = 0;
 };
 
 State S;
@@ -95,7 +102,8 @@ std::vector<Py_ssize_t> ints(PyObject* seq) {
 // holds its plan's columns while Python callbacks (which may match another plan) run.
 struct Columns {
   PyObject* flat = nullptr;  // held
-  std::vector<Py_ssize_t> ei, ep, ej, ek, fi, fp, hi, hk, hn, roots;
+  std::vector<Py_ssize_t> ei, ep, ej, ek, fi, fp, hi, hk, hn, roots, oi, ok;
+  bool grouped = false;  // ei, fi, hi and oi grouped by instruction, from the last one back
   Columns() = default;
   Columns(const Columns&) = delete;
   Columns& operator=(const Columns&) = delete;
@@ -129,6 +137,22 @@ std::shared_ptr<const Columns> columns_of(PyObject* flat) {
   c->hk = ints(col[10]);
   c->hn = ints(col[11]);
   c->roots = ints(col[13]);
+  PyObject* other = col[12];
+  if (!PyList_CheckExact(other)) {
+    throw py::type_error("genie._C._match_core: plan columns must be lists");
+  }
+  for (Py_ssize_t m = 0; m < PyList_GET_SIZE(other); ++m) {
+    PyObject* ik = PyList_GET_ITEM(other, m);
+    if (!PyTuple_Check(ik) || PyTuple_GET_SIZE(ik) != 2) {
+      throw py::type_error("genie._C._match_core: Plan.flat's kept outputs must be (i, k) pairs");
+    }
+    c->oi.push_back(as_index(PyTuple_GET_ITEM(ik, 0)));
+    c->ok.push_back(as_index(PyTuple_GET_ITEM(ik, 1)));
+  }
+  auto descending = [](const std::vector<Py_ssize_t>& v) {
+    return std::is_sorted(v.rbegin(), v.rend());
+  };
+  c->grouped = descending(c->ei) && descending(c->fi) && descending(c->hi) && descending(c->oi);
   Py_INCREF(flat);
   c->flat = flat;
   std::shared_ptr<const Columns> old;  // released after the cache is consistent again
@@ -138,6 +162,43 @@ std::shared_ptr<const Columns> columns_of(PyObject* flat) {
   }
   recent.push_back(c);
   return c;
+}
+
+// What weak reference `r` refers to (Py_None once it died): borrowed; for anything but a plain
+// weakref.ref, the result of calling it, held by `keep`.
+PyObject* held_by(PyObject* r, py::object& keep) {
+  if (PyWeakref_CheckRefExact(r)) {
+    return PyWeakref_GET_OBJECT(r);
+  }
+  keep = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(r));
+  if (!keep) {
+    throw py::error_already_set();
+  }
+  return keep.ptr();
+}
+
+// A meta-cache entry's shape class (genie.meta.MetaEntry.klass): a new reference, nullptr when it
+// has none. Read by offset from MetaEntry's slot (an attribute lookup walks the class's MRO).
+PyObject* klass_of(PyObject* e) {
+  PyTypeObject* t = Py_TYPE(e);
+  if (S.klass_type == nullptr) {
+    try {
+      S.klass_off = genie::slot_offset(t, "klass");
+      Py_INCREF(t);  // kept for the process
+      S.klass_type = t;
+    } catch (const std::runtime_error&) {  // a subclass (inherited slot): looked up below
+    }
+  }
+  if (t == S.klass_type) {
+    PyObject* k = slot(e, S.klass_off);
+    Py_XINCREF(k);
+    return k;
+  }
+  PyObject* k = PyObject_GetAttr(e, S.klass);
+  if (k == nullptr) {
+    PyErr_Clear();
+  }
+  return k;
 }
 
 bool truthy(PyObject* o) {
@@ -217,8 +278,6 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   const std::vector<Py_ssize_t>&fi = cols.fi, &fp = cols.fp;
   PyObject* fv = col[7];
   const std::vector<Py_ssize_t>&hi = cols.hi, &hk = cols.hk, &hn = cols.hn;
-  PyObject* other = col[12];
-  const std::vector<Py_ssize_t>& roots = cols.roots;
 
   const Py_ssize_t nn = PyList_GET_SIZE(entries.ptr());
   // Borrowed: every found node is reachable from the targets through argument references the
@@ -253,115 +312,159 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
     tg[t] = {node, out};
     tpos[t] = i;
   }
-  // The walk: each in-plan reference names the node of its producing instruction.
-  std::vector<PyObject*> xs(ei.size());
-  for (size_t m = 0; m < ei.size(); ++m) {
-    PyObject* n = found[ei[m]];
-    if (!is_node(n)) {
-      return slow;
-    }
-    PyObject* x = item(slot(n, S.n_leaves), ep[m]);
-    if (x == nullptr || Py_TYPE(x) != S.ref) {
-      return slow;
-    }
-    xs[m] = x;
-    if (ej[m] < 0 || ej[m] >= nn) {
-      return slow;
-    }
-    found[ej[m]] = slot(x, S.r_node);
+  // One pass over the instructions from the last back, each node checked while its memory is
+  // at hand (a generate's 6,480-node slice does not fit the caches: one pass per condition read
+  // every node's lines again): the walk sets the node of each instruction's producers from its
+  // argument references, so an instruction's node is known when the pass reaches it (plan order
+  // is record order: producers come first). The outcome is the column passes': a walk that breaks
+  // is decided node by node at once; an instruction no reference reaches means not this plan,
+  // unless the walk breaks later; every other failed condition means node by node.
+  if (!cols.grouped) {
+    return slow;
   }
-  for (Py_ssize_t r : roots) {
-    if (found[r] == nullptr) {
-      return py::none();  // an instruction no reference reaches: not this plan's slice
+  const size_t ne = ei.size(), nf = fi.size(), nh = hi.size(), no = cols.oi.size();
+  const std::vector<Py_ssize_t>&oi = cols.oi, &ok = cols.ok;
+  bool none = false;    // an instruction no reference reaches
+  bool later = false;   // a condition failed: node by node decides (unless `none`)
+  std::vector<Py_ssize_t> shaped_at;  // from the last instruction back
+  std::vector<Py_ssize_t> changed_at;
+  std::vector<std::pair<PyObject*, Py_ssize_t>> must_free, must_keep;  // held_after decides
+  const bool no_where = wheres.is_none();
+  if (!no_where && PyList_GET_SIZE(wheres.ptr()) != nn) {
+    return slow;
+  }
+  size_t m = 0, f = 0, h = 0, o = 0;
+  Py_ssize_t next = PY_SSIZE_T_MAX;  // the index of the node after this one: record order
+  for (Py_ssize_t i = nn - 1; i >= 0; --i) {
+    PyObject* n = found[i];
+    const bool consumer = m < ne && ei[m] == i;
+    if (consumer && !is_node(n)) {
+      return slow;
     }
+    if (n == nullptr) {
+      none = true;  // not a consumer: one of the plan's roots
+    } else if (!is_node(n)) {
+      later = true;
+    }
+    for (; m < ne && ei[m] == i; ++m) {  // the walk
+      PyObject* x = item(slot(n, S.n_leaves), ep[m]);
+      if (x == nullptr || Py_TYPE(x) != S.ref || ej[m] < 0 || ej[m] >= i) {
+        return slow;
+      }
+      PyObject* xn = slot(x, S.r_node);
+      PyObject*& at = found[ej[m]];
+      if (at != nullptr && at != xn) {
+        later = true;  // every reference (and a requested value) must name the same node
+      }
+      at = xn;
+      if (!later) {
+        const Py_ssize_t xo = as_index(slot(x, S.r_out));
+        bool fine = true;
+        if (xo != ek[m] || (pending && (pending_on(xn, xo, fine) || !fine))) {
+          later = true;  // a write recorded before a read of the slice: _match_slow decides
+        }
+      }
+    }
+    if (!later && n != nullptr) {
+      // Meta-cache entries by identity (op, argument tree, input metadata, non-float constants).
+      PyObject* e = slot(n, S.n_entry);
+      if (e != PyList_GET_ITEM(entries.ptr(), i)) {
+        PyObject* k = generic && e != nullptr && e != Py_None ? klass_of(e) : nullptr;
+        if (k != nullptr && k == PyList_GET_ITEM(klasses.ptr(), i) && k != Py_None) {
+          shaped_at.push_back(i);
+        } else {
+          py::object r = entryless(py::int_(i), py::handle(n));
+          const Py_ssize_t v = as_index(r.ptr());
+          if (v == 0) {
+            later = true;
+          } else if (v == 2) {
+            shaped_at.push_back(i);
+          }
+        }
+        Py_XDECREF(k);
+      }
+      if (slot(n, S.n_executed) != Py_False) {
+        later = true;
+      }
+      const Py_ssize_t idx = as_index(slot(n, S.n_index));
+      if (idx >= next) {
+        later = true;
+      }
+      next = idx;
+      PyObject* w = slot(n, S.n_where);
+      if (no_where) {
+        if (w != nullptr && truthy(w)) {
+          later = true;
+        }
+      } else {
+        PyObject* pw = PyList_GET_ITEM(wheres.ptr(), i);
+        if (w != pw) {
+          const int eq = PyObject_RichCompareBool(w, pw, Py_EQ);
+          if (eq < 0) {
+            throw py::error_already_set();
+          }
+          later = later || eq == 0;
+        }
+      }
+    }
+    for (; f < nf && fi[f] == i; ++f) {  // float arguments with another value: parameters
+      if (later || n == nullptr) {
+        continue;
+      }
+      PyObject* x = item(slot(n, S.n_leaves), fp[f]);
+      if (x == nullptr) {
+        later = true;
+      } else if (!genie::constants_same(x, PyList_GET_ITEM(fv, f))) {
+        changed_at.push_back(static_cast<Py_ssize_t>(f));
+      }
+    }
+    // Outputs the plan frees: no live tensor, and consumers outside the slice must be dead.
+    for (; h < nh && hi[h] == i; ++h) {
+      if (later || n == nullptr) {
+        continue;
+      }
+      PyObject* cons = slot(n, S.n_consumers);
+      PyObject* r = item(slot(n, S.n_outputs), hk[h]);
+      py::object keep;
+      if (cons == nullptr || !(PyList_CheckExact(cons) || PyTuple_CheckExact(cons)) ||
+          r == nullptr || (r != Py_None && held_by(r, keep) != Py_None)) {
+        later = true;
+      } else if (Py_SIZE(cons) != hn[h]) {
+        must_free.emplace_back(n, hk[h]);
+      }
+    }
+    // Outputs the plan keeps: held by a live tensor, or read by a pending node outside the slice.
+    for (; o < no && oi[o] == i; ++o) {
+      if (later || n == nullptr) {
+        continue;
+      }
+      PyObject* r = item(slot(n, S.n_outputs), ok[o]);
+      py::object keep;
+      if (r == nullptr) {
+        later = true;
+      } else if (r == Py_None || Py_TYPE(held_by(r, keep)) != S.alive) {
+        must_keep.emplace_back(n, ok[o]);
+      }
+    }
+  }
+  if (m != ne || f != nf || h != nh || o != no) {
+    return slow;  // columns out of order: not a Plan.flat
+  }
+  if (none) {
+    return py::none();  // an instruction no reference reaches: not this plan's slice
   }
   for (Py_ssize_t t = 0; t < nt; ++t) {
     if (found[tpos[t]] != tg[t].first) {  // the walk rebinds: every reference must agree
       return slow;
     }
   }
-  for (Py_ssize_t i = 0; i < nn; ++i) {
-    if (!is_node(found[i])) {
-      return slow;
-    }
-  }
-  // Meta-cache entries by identity (op, argument tree, input metadata, non-float constants).
-  py::list shaped;
-  for (Py_ssize_t i = 0; i < nn; ++i) {
-    PyObject* e = slot(found[i], S.n_entry);
-    PyObject* want = PyList_GET_ITEM(entries.ptr(), i);
-    if (e == want) {
-      continue;
-    }
-    if (generic && e != nullptr && e != Py_None) {
-      PyObject* k = PyObject_GetAttr(e, S.klass);
-      if (k == nullptr) {
-        PyErr_Clear();
-      } else {
-        const bool same = k == PyList_GET_ITEM(klasses.ptr(), i) && k != Py_None;
-        Py_DECREF(k);
-        if (same) {
-          shaped.append(py::int_(i));
-          continue;
-        }
-      }
-    }
-    py::object r = entryless(py::int_(i), py::handle(found[i]));
-    const Py_ssize_t v = as_index(r.ptr());
-    if (v == 0) {
-      return slow;
-    }
-    if (v == 2) {
-      shaped.append(py::int_(i));
-    }
-  }
-  Py_ssize_t last = -1;
-  const bool no_where = wheres.is_none();
-  if (!no_where && PyList_GET_SIZE(wheres.ptr()) != nn) {
+  if (later) {
     return slow;
   }
-  for (Py_ssize_t i = 0; i < nn; ++i) {
-    PyObject* n = found[i];
-    if (slot(n, S.n_executed) != Py_False) {
-      return slow;
-    }
-    const Py_ssize_t idx = as_index(slot(n, S.n_index));
-    if (idx <= last) {
-      return slow;  // record order
-    }
-    last = idx;
-    PyObject* w = slot(n, S.n_where);
-    if (no_where) {
-      if (w != nullptr && truthy(w)) {
-        return slow;
-      }
-    } else {
-      PyObject* pw = PyList_GET_ITEM(wheres.ptr(), i);
-      if (w != pw) {
-        const int eq = PyObject_RichCompareBool(w, pw, Py_EQ);
-        if (eq < 0) {
-          throw py::error_already_set();
-        }
-        if (eq == 0) {
-          return slow;
-        }
-      }
-    }
-  }
-  for (size_t m = 0; m < xs.size(); ++m) {
-    if (slot(xs[m], S.r_node) != found[ej[m]] || as_index(slot(xs[m], S.r_out)) != ek[m]) {
-      return slow;
-    }
-  }
-  if (pending) {  // a write recorded before a read of the slice: _match_slow decides
-    bool ok = true;
-    for (PyObject* x : xs) {
-      if (pending_on(slot(x, S.r_node), as_index(slot(x, S.r_out)), ok) || !ok) {
-        return slow;
-      }
-    }
+  if (pending) {  // a write recorded before a read of a requested value: _match_slow decides
+    bool fine = true;
     for (const auto& [node, out] : tg) {
-      if (!is_node(node) || pending_on(node, out, ok) || !ok) {
+      if (pending_on(node, out, fine) || !fine) {
         return slow;
       }
     }
@@ -387,67 +490,23 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
     }
     return truthy(r.ptr());
   };
-  // Outputs the plan frees: consumers outside the slice must be dead, and no live tensor.
-  for (size_t m = 0; m < hi.size(); ++m) {
-    PyObject* n = found[hi[m]];
-    PyObject* cons = slot(n, S.n_consumers);
-    if (cons == nullptr || !(PyList_CheckExact(cons) || PyTuple_CheckExact(cons))) {
-      return slow;
-    }
-    if (Py_SIZE(cons) != hn[m] && held_after(n, hk[m])) {
+  for (const auto& [n, k] : must_free) {
+    if (held_after(n, k)) {
       return slow;
     }
   }
-  py::list changed;  // float columns whose value differs from the plan's: parameters
-  for (size_t m = 0; m < fi.size(); ++m) {
-    PyObject* x = item(slot(found[fi[m]], S.n_leaves), fp[m]);
-    if (x == nullptr) {
-      return slow;
-    }
-    if (!genie::constants_same(x, PyList_GET_ITEM(fv, m))) {
-      changed.append(py::int_(static_cast<Py_ssize_t>(m)));
-    }
-  }
-  for (size_t m = 0; m < hi.size(); ++m) {
-    PyObject* r = item(slot(found[hi[m]], S.n_outputs), hk[m]);
-    if (r == nullptr) {
-      return slow;
-    }
-    if (r == Py_None) {
-      continue;
-    }
-    PyObject* v = PyObject_CallNoArgs(r);
-    if (v == nullptr) {
-      throw py::error_already_set();
-    }
-    const bool alive = v != Py_None;
-    Py_DECREF(v);
-    if (alive) {
+  for (const auto& [n, k] : must_keep) {
+    if (!held_after(n, k)) {
       return slow;
     }
   }
-  // Outputs the plan keeps: held by a live tensor, or read by a pending node outside the slice.
-  const Py_ssize_t no = PyList_GET_SIZE(other);
-  for (Py_ssize_t m = 0; m < no; ++m) {
-    PyObject* ik = PyList_GET_ITEM(other, m);
-    PyObject* n = found[as_index(PyTuple_GET_ITEM(ik, 0))];
-    const Py_ssize_t k = as_index(PyTuple_GET_ITEM(ik, 1));
-    PyObject* r = item(slot(n, S.n_outputs), k);
-    if (r == nullptr) {
-      return slow;
-    }
-    bool alive = false;
-    if (r != Py_None) {
-      PyObject* v = PyObject_CallNoArgs(r);
-      if (v == nullptr) {
-        throw py::error_already_set();
-      }
-      alive = Py_TYPE(v) == S.alive;
-      Py_DECREF(v);
-    }
-    if (!alive && !held_after(n, k)) {
-      return slow;
-    }
+  py::list shaped;
+  for (auto it = shaped_at.rbegin(); it != shaped_at.rend(); ++it) {
+    shaped.append(py::int_(*it));
+  }
+  py::list changed;
+  for (Py_ssize_t c : changed_at) {
+    changed.append(py::int_(c));
   }
   // Input references, grouped by plan slot: one value each, bound as build_tape would.
   py::dict islots;
