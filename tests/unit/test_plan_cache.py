@@ -310,6 +310,38 @@ def test_same_op_sequence_other_wiring_or_constant_is_a_miss(other, generic):
     assert first != got
 
 
+def _shared(a, b, step: str):
+    """Same ops and metadata, other sharing: "one" reads one exp twice, "two" reads two exps
+    (of other inputs), "dead" records both exps and reads the first twice."""
+    u = a.exp()
+    if step == "one":
+        return u * u
+    w = b.exp()
+    return u * (w if step == "two" else u)
+
+
+@pytest.mark.parametrize("generic", [False, True])
+@pytest.mark.parametrize("first,then", [("one", "two"), ("two", "one"), ("two", "dead")])
+def test_a_plan_never_reads_one_node_where_it_read_two_or_two_where_it_read_one(first, then,
+                                                                                 generic):
+    """The match finds each instruction's node through the argument references of later ones:
+    a node two references name must be one node in the slice too (two nodes there: not this
+    plan), and two instructions must be two nodes (one node reached twice: not this plan). A
+    wrong hit would multiply exp(a) by itself instead of by exp(b), or the reverse."""
+    a = torch.randn(4, device=D)
+    b = torch.randn(4, device=D)
+    genie.materialize(a, b)
+    ra, rb = a.cpu(), b.cpu()
+    with _shape_generic(generic):
+        for _ in range(2):  # a plan, and a hit on it
+            genie.materialize(_shared(a, b, first))
+        genie.reset_stats()
+        got = _shared(a, b, then).cpu()
+    st = genie.stats()
+    assert st.get("plan_cache_misses", 0) == 1 and st.get("plan_cache_hits", 0) == 0, st
+    torch.testing.assert_close(got, _shared(ra, rb, then), rtol=0, atol=0)
+
+
 def _assert_same_tape(a, b) -> None:
     """Two tapes for the same slice: same instructions, wiring, nodes, inputs and kept slots."""
     assert a is not None and b is not None
