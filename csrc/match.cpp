@@ -201,6 +201,23 @@ PyObject* klass_of(PyObject* e) {
   return k;
 }
 
+// Ask for the first `lines` cache lines of `o` ahead of their use: the nodes of a slice and the
+// values it reads are cold when a step is matched (recording and the previous replay ran since),
+// and a load that waits for one stalls the pass, while prefetches of independent objects overlap.
+inline void prefetch(const void* o, int lines = 1) {
+  const char* p = static_cast<const char*>(o);
+  for (int l = 0; l < lines; ++l) {
+    __builtin_prefetch(p + 64 * l);
+  }
+}
+
+// The items of list `l` from `k` on, when it is a list that long (a no-op otherwise).
+inline void prefetch_item(PyObject* l, Py_ssize_t k) {
+  if (l != nullptr && PyList_CheckExact(l) && k >= 0 && k < PyList_GET_SIZE(l)) {
+    prefetch(&PyList_GET_ITEM(l, k));
+  }
+}
+
 bool truthy(PyObject* o) {
   const int r = PyObject_IsTrue(o);
   if (r < 0) {
@@ -352,6 +369,9 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
         return slow;
       }
       PyObject* xn = slot(x, S.r_node);
+      if (found[ej[m]] == nullptr) {
+        prefetch(xn, 3);  // the pass reaches it soon: the producer comes before its consumer
+      }
       PyObject*& at = found[ej[m]];
       if (at != nullptr && at != xn) {
         later = true;  // every reference (and a requested value) must name the same node
@@ -512,6 +532,60 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   py::dict islots;
   py::dict inputs;
   const Py_ssize_t ng = PyList_GET_SIZE(ingroups);
+  {  // the inputs' nodes (a weight's upload, the previous step's KV cache) are cold: ask for
+     // them all, then their value and metadata lists, then the items, before the checks below
+    std::vector<std::pair<PyObject*, Py_ssize_t>> at;
+    at.reserve(ng);
+    for (Py_ssize_t g = 0; g < ng; ++g) {
+      PyObject* grp = PyList_GET_ITEM(ingroups, g);
+      PyObject* gi = PyTuple_GET_ITEM(grp, 1);
+      PyObject* gp = PyTuple_GET_ITEM(grp, 2);
+      if (!PyList_CheckExact(gi) || !PyList_CheckExact(gp) || PyList_GET_SIZE(gi) == 0 ||
+          PyList_GET_SIZE(gp) == 0) {
+        continue;
+      }
+      const Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(gi, 0));
+      const Py_ssize_t p = PyLong_AsSsize_t(PyList_GET_ITEM(gp, 0));
+      if (PyErr_Occurred()) {
+        PyErr_Clear();  // the loop below says so
+        continue;
+      }
+      if (i < 0 || i >= nn) {
+        continue;
+      }
+      PyObject* x = item(slot(found[i], S.n_leaves), p);
+      if (x == nullptr || Py_TYPE(x) != S.ref) {
+        continue;
+      }
+      PyObject* xn = slot(x, S.r_node);
+      PyObject* xo = slot(x, S.r_out);
+      if (!is_node(xn) || xo == nullptr || !PyLong_CheckExact(xo)) {
+        continue;
+      }
+      prefetch(xn, 3);
+      at.emplace_back(xn, PyLong_AsSsize_t(xo));
+    }
+    for (const auto& [xn, out] : at) {
+      PyObject* values = slot(xn, S.n_values);
+      PyObject* metas = slot(xn, S.n_metas);
+      PyObject* index = slot(xn, S.n_index);
+      for (PyObject* o : {values, metas, index}) {
+        if (o != nullptr) {
+          prefetch(o);
+        }
+      }
+    }
+    for (const auto& [xn, out] : at) {
+      prefetch_item(slot(xn, S.n_values), out);
+      prefetch_item(slot(xn, S.n_metas), out);
+    }
+    for (const auto& [xn, out] : at) {
+      PyObject* v = item(slot(xn, S.n_values), out);
+      if (v != nullptr) {
+        prefetch(v);  // its reference count: the inputs dict holds it
+      }
+    }
+  }
   for (Py_ssize_t g = 0; g < ng; ++g) {
     PyObject* grp = PyList_GET_ITEM(ingroups, g);
     PyObject* y = PyTuple_GET_ITEM(grp, 0);

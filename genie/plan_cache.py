@@ -175,6 +175,11 @@ class Plan:
                     j = pos.get(x.node.index, -1)
                     if j >= 0:
                         nref[j] += 1
+                    elif (m := x.node.metas[x.out]) is not None and self.inputs.get(y.id) == m:
+                        # the input's own metadata object: the match compares identity first,
+                        # and a weight is the same node at every step (no field compare of a
+                        # cold TensorMeta per input and step)
+                        self.inputs[y.id] = m
                     refs.append((p, j, x.out, y.id))
                 elif type(x) is float:
                     floats.append(p)
