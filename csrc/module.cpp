@@ -22,6 +22,7 @@
 #include "slice.h"
 #include "storage.h"
 #include "replay.h"
+#include "session.h"
 #include "state.h"
 #include "warnings.h"
 #include "whole.h"
@@ -328,4 +329,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   genie::add_state_functions(m);
   genie::add_warning_functions(m);
   genie::add_storage_functions(m);
+  genie::add_session_functions(m);
 }

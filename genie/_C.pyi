@@ -220,3 +220,20 @@ def _state_mask(precision: bool) -> None:
 
 def _state_describe(word: int) -> dict[str, object]:
     """A state word's fields by name (for messages and tests)."""
+
+def _input_key(inputs: dict[int, torch.Tensor]) -> tuple[bytes, tuple[int, ...]]:
+    """A tape's inputs keyed for its shape class in one pass (csrc/session.cpp,
+    ``genie.remote.shape_class.shape_params``): per input its slot, rank, dtype, conj/neg bits,
+    density and aliasing as fixed-width bytes, and its sizes (plus strides, offset and storage
+    bytes unless dense) as integers. TypeError for a value that is not a strided tensor."""
+
+def _storages_grown(values: object, storages: dict[int, list[int]]) -> int:
+    """Recount the storages of the tensors among ``values`` that have an entry
+    ``[count, bytes]`` in ``storages`` (keyed by ``UntypedStorage._cdata``) to the bytes they
+    hold now; returns the change (``genie.remote.worker.Session.refresh``)."""
+
+def _storages_held(values: object, storages: dict[int, list[int]], sign: int) -> int | None:
+    """Count the storages of the tensors ``values`` once more (``sign`` 1: new entries
+    ``[1, bytes]``) or once less (-1: entries dropped at 0); returns the change of the bytes
+    counted, or None, with nothing counted, when a value is not a tensor with a storage
+    (``genie.remote.worker.Session.put_many`` / ``drop_many``)."""

@@ -54,6 +54,7 @@ from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, DimDynamic, Shap
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._sympy.printers import PythonPrinter
 
+from .. import _C
 from ..meta import policy
 from ..planner import Instr, MetaArg, Slot, Tape
 from ..shape_rules import contiguous_strides
@@ -69,37 +70,53 @@ MAX_SYMBOLS = 1024
 _BAKED = (bool, str, complex, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
+class ClassKey:
+    """The static part of a call (:func:`shape_params`) with its hash computed once: a request
+    looks its structure up 2-3 times (vetted shapes, shape classes), and a GPT-2 decode step's
+    key holds ~1,400 items (~9 µs a hash). Equal when the parts are equal (always compared
+    whole on a hit: a hash never stands for the key); ``key[i]`` is part ``i``."""
+
+    __slots__ = ("parts", "_hash")
+
+    def __init__(self, parts: tuple) -> None:
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (type(other) is ClassKey and self._hash == other._hash and
+                                 self.parts == other.parts)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.parts[i]
+
+    def __repr__(self) -> str:
+        return f"ClassKey({self.parts!r:.200})"
+
+
 def shape_params(key: bytes, tape: Tape, filled: Any = None
-                 ) -> tuple[tuple, tuple[int, ...]] | None:
+                 ) -> tuple[ClassKey, tuple[int, ...]] | None:
     """``(class key, integers)`` of one call of a skeleton (None when a constant cannot be
     keyed). The class key holds everything but the integers: the skeleton's key, the constants
     a native program bakes (see ``native_replay.compile_tape``), the inputs' ranks, dtypes,
     conj/neg bits, density and aliasing, host tensors' and metadata arguments' layouts, and the
     floats of ops whose float values decide sizes. Random seeds are not constants
     (``Instr.rng``). With ``filled`` (a :class:`genie.remote.protocol.Filled` whose tape this
-    is), the instructions' part is kept there and patched when only numbers changed."""
-    static: list[Any] = []
-    ints: list[int] = []
-    storages: dict[int, int] = {}
-    for s, v in tape.inputs.items():  # (every request: few calls per input)
-        st = v.untyped_storage()
-        sid = st._cdata
-        nb = st.nbytes()
-        shape = v.shape
-        dense = nb == v.nbytes and v.storage_offset() == 0 and v.is_contiguous() and \
-            sid not in storages
-        static.append((s, len(shape), v.dtype, v.is_conj(), v.is_neg(), dense,
-                       storages.setdefault(sid, len(storages))))
-        ints.extend(shape)
-        if not dense:  # a dense input's layout follows from its shape
-            ints.extend(v.stride())
-            ints.append(v.storage_offset())
-            ints.append(nb)
+    is), the instructions' part is kept there and patched when only numbers changed.
+
+    The inputs are keyed natively in one pass (``genie._C._input_key``, csrc/session.cpp: every
+    request of a replayed structure keys all of them): per input its slot, rank, dtype, conj and
+    neg bits, whether it is dense (its storage holds exactly its elements from offset 0,
+    contiguous, first of its storage) and which earlier input's storage it shares; its sizes are
+    integers, and unless dense its strides, offset and storage bytes too."""
+    static, ints = _C._input_key(tape.inputs)
     got = _instr_params(tape, filled)
     if got is None:
         return None
     baked, istatic, iints = got
-    return (key, baked, tuple(static), istatic), tuple(ints) + iints
+    return ClassKey((key, baked, static, istatic)), ints + iints
 
 
 def _instr_params(tape: Tape, filled: Any) -> tuple[tuple, tuple, tuple[int, ...]] | None:

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import zmq
 
-from .. import backends, graphs, tape_io
+from .. import _C, backends, graphs, tape_io
 from ..errors import ExecutionError
 from ..index_check import IndexCheck, IndexOutOfRange
 from ..memory import retain_host_memory, retain_limit
@@ -413,15 +413,50 @@ class Session:
             del self.storages[key]
             self.nbytes -= e[1]
 
+    def put_many(self, hids: list[int], ts: list[Any]) -> None:
+        """:meth:`put` of a run's kept values, all or none: their storages counted in one
+        native pass (``genie._C._storages_held``); anything :meth:`put` refuses is refused by
+        it, naming the first value, with nothing put."""
+        delta = None
+        if self.store.keys().isdisjoint(hids) and len(set(hids)) == len(hids) and \
+                len(self.store) + len(hids) <= MAX_HANDLES:
+            delta = _C._storages_held(ts, self.storages, 1)
+        if delta is None:  # one by one: :meth:`put` refuses what it refuses, naming it
+            done: list[int] = []
+            try:
+                for hid, t in zip(hids, ts, strict=True):
+                    self.put(hid, t)
+                    done.append(hid)
+            except BaseException:
+                self.drop_many(done)
+                raise
+            return
+        self.nbytes += delta
+        self.store.update(zip(hids, ts, strict=True))
+        self.used_at.update(dict.fromkeys(hids, self.tick))
+
+    def drop_many(self, hids: list[int]) -> None:
+        """:meth:`drop` of several ids (those not held are skipped), the storages uncounted in
+        one native pass."""
+        held = self.store.keys() & hids
+        if not held:
+            return
+        delta = _C._storages_held([self.store[h] for h in held], self.storages, -1)
+        if delta is None:  # never: every stored value is a tensor
+            for hid in held:
+                self.drop(hid)
+            return
+        self.nbytes += delta
+        for hid in held:
+            del self.store[hid]
+            self.roles.pop(hid, None)
+            self.used_at.pop(hid, None)
+
     def refresh(self, tensors: Any) -> None:
-        """Recount the storages of ``tensors`` (a tape may have resized them in place)."""
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                e = self.storages.get(st._cdata)
-                if e is not None and e[1] != st.nbytes():
-                    self.nbytes += st.nbytes() - e[1]
-                    e[1] = st.nbytes()
+        """Recount the storages of ``tensors`` (a tape may have resized them in place): natively,
+        one pass (``genie._C._storages_grown``, csrc/session.cpp; a decode step's 173 inputs
+        every request)."""
+        self.nbytes += _C._storages_grown(tensors, self.storages)
 
     def used(self) -> int:
         """Bytes counted against the quota: resident storages, handles, cached skeletons."""
@@ -553,11 +588,9 @@ class Worker:
         """``(reply, reply frames, send)``: ``send`` is a peer transfer for the front to make."""
         kind = h.get("t")
         sess = self.sess
-        for hid in _id_list(h.get("free")):
-            sess.drop(hid)
+        sess.drop_many(_id_list(h.get("free")))
         if kind == "free":
-            for hid in _id_list(h.get("ids")):
-                sess.drop(hid)
+            sess.drop_many(_id_list(h.get("ids")))
             room = h.get("room")
             if room is not None:  # which hinted values would make room for a message
                 if type(room) is not int or not 0 < room <= sess.quota:
@@ -691,25 +724,28 @@ class Worker:
         added: list[int] = []
         ix = None
         try:
-            inputs: dict[int, Any] = {}
-            for s, v in zip(c.inputs, consts, strict=False):  # inputs come first
-                if type(v) is int:
-                    t = sess.store.get(v)
-                    if t is None:
-                        raise Refused("protocol", f"no tensor with handle id {v} in this session"
-                                                  " (freed, or never created)")
-                    protect.add(v)
-                    sess.used_at[v] = sess.tick
-                elif type(v) is InputUpload:
-                    if v.ref.index >= len(frames):
-                        raise ProtocolError(f"tensor frame {v.ref.index} is missing")
-                    t = _device_value(frame_tensor(frames[v.ref.index], v.ref, copy=False), dev)
-                    sess.put(v.hid, t)
-                    added.append(v.hid)
-                    protect.add(v.hid)
-                else:
-                    raise ProtocolError(f"bad input {v!r:.60}")
-                inputs[s] = t
+            inputs = self._held_inputs(c, consts, protect)
+            if inputs is None:  # input uploads among them (or a bad input): one by one
+                inputs = {}
+                for s, v in zip(c.inputs, consts, strict=False):  # inputs come first
+                    if type(v) is int:
+                        t = sess.store.get(v)
+                        if t is None:
+                            raise Refused("protocol", f"no tensor with handle id {v} in this "
+                                                      "session (freed, or never created)")
+                        protect.add(v)
+                        sess.used_at[v] = sess.tick
+                    elif type(v) is InputUpload:
+                        if v.ref.index >= len(frames):
+                            raise ProtocolError(f"tensor frame {v.ref.index} is missing")
+                        t = _device_value(frame_tensor(frames[v.ref.index], v.ref, copy=False),
+                                          dev)
+                        sess.put(v.hid, t)
+                        added.append(v.hid)
+                        protect.add(v.hid)
+                    else:
+                        raise ProtocolError(f"bad input {v!r:.60}")
+                    inputs[s] = t
             if hints:  # every hinted id must be the session's: held, made or freed by this
                 made = set(new_ids) | set(added)  # request (a hint races its value's free)
                 freed = set(_id_list(h.get("free")))
@@ -742,8 +778,8 @@ class Worker:
             for k in gkeys:
                 sess.graphs.move_to_end(k)
             # uploads inside the tape are inputs now, not yet counted in the session
-            uploaded = sum(t.untyped_storage().nbytes() for sl, t in tape.inputs.items()
-                           if sl not in inputs_before)
+            uploaded = sum(tape.inputs[sl].untyped_storage().nbytes()
+                           for sl in tape.inputs.keys() - inputs_before)
             # which ops the index check covers is the skeleton's (its key hashes its ops): one
             # that has none skips it (a check without a plan never learns what writes forget)
             ix = IndexCheck(tape, self.index_check) if self.index_check and \
@@ -785,17 +821,14 @@ class Worker:
                 return {"t": "err", "kind": "exec", "etype": type(cause).__name__,
                         "msg": str(cause), "i": i, "vt": self.how, **_index_counts(ix)}, []
             sess.refresh(tape.inputs.values())  # resize_ of a resident tensor grows it
-            new = iter(new_ids)
-            for s in c.keep:
-                if s not in in_slots:
-                    hid = next(new)
-                    sess.put(hid, kept[s])
-                    added.append(hid)
+            sess.put_many(new_ids, [kept[s] for s in c.keep if s not in in_slots])
+            added.extend(new_ids)
             self._check_quota()
         except BaseException:
             for a in added:
                 sess.drop(a)
-            raise
+            c.filled = None  # the constants kept (c.consts) may not be the last tape's: refill
+            raise  # would patch a delta onto instructions without this request's changes
         _apply_hints(sess, hints)  # the values this request made too, now that they exist
         if self.answered:  # the client has its values: serve_session sends the front only
             return {"t": "ok"}, []  # that the run is done
@@ -804,6 +837,26 @@ class Worker:
         reply["vt"] = self.how
         reply.update(_index_counts(ix))
         return reply, rframes
+
+    def _held_inputs(self, c: Compiled, consts: list[Any], protect: set[int]
+                     ) -> dict[int, Any] | None:
+        """The input slots' values when every input is a value the session holds (a replayed
+        structure's request: no uploads), resolved in bulk, with no Python per input: each id
+        must be held (Refused, as one by one, naming the first that is not); they join
+        ``protect`` and are marked used by this request. None when an input is not a handle id
+        (an upload, or a bad input: resolved one by one)."""
+        sess = self.sess
+        ids = consts[:len(c.inputs)]
+        if not set(map(type, ids)) <= _INT_ONLY:
+            return None
+        missing = set(ids).difference(sess.store)
+        if missing:
+            hid = next(i for i in ids if i in missing)
+            raise Refused("protocol", f"no tensor with handle id {hid} in this session (freed, "
+                                      "or never created)")
+        protect.update(ids)
+        sess.used_at.update(dict.fromkeys(ids, sess.tick))
+        return dict(zip(c.inputs, map(sess.store.__getitem__, ids), strict=True))
 
     def _replay(self, key: bytes, tape: Tape, budget: int, started: float,
                 filled: Any = None, ix: IndexCheck | None = None) -> dict[int, Any] | None:
@@ -1206,6 +1259,9 @@ def _hints(ev: Any) -> list[tuple[int, int]]:
                                 f"({', '.join(ROLES)})")
         out.append((hid, code))
     return out
+
+
+_INT_ONLY = frozenset((int,))
 
 
 def _id_list(x: Any) -> list[int]:

@@ -20,7 +20,7 @@ msgpack = pytest.importorskip("msgpack")
 
 from genie.remote import protocol  # noqa: E402
 from test_remote import ServerProc  # noqa: E402
-from test_security import A1, Session, host, keys, server, sess  # noqa: E402,F401
+from test_security import A1, A2, Session, err, host, keys, server, sess  # noqa: E402,F401
 
 DEV = "remote_accelerator:0"
 
@@ -164,6 +164,93 @@ def test_hostile_deltas_get_the_full_fill_checks(sess: Session) -> None:
     r = sess.ask({"t": "run", "k": key, "id0": sess.hid, "d": [1, 3, 2, 2]})  # honest again
     assert r and r["t"] == "ok", r
     assert torch.equal(_reply_tensor(sess, r), torch.arange(6.0).view(3, 2) * 2.0)
+
+
+def test_a_delta_after_a_refused_one_applies_to_the_constants_sent(sess: Session) -> None:
+    """A client's deltas are relative to the constants it sent last, refused or not: a request
+    refused before its tape was patched (a handle not held) leaves the next delta's tape with
+    every constant sent since, not the last run's (eager's values)."""
+    import hashlib
+
+    names = ["aten::view.default", "aten::mul.Scalar"]
+    rows = [[0, 0, [0, -1, -1], [1], [], False], [1, 1, [1, -1], [2], [1], False]]
+    sk = protocol.pack([protocol.PROTOCOL_VERSION, names, [VIEW, MUL], rows, [0], [2], []])
+    key = hashlib.blake2b(sk, digest_size=16).digest()
+    hid = _resident(sess, torch.arange(6.0))
+    for head in ({"sk": sk, "c": [hid, 2, 3, 2.0]}, {"d": [3, 3.0]}):
+        r = sess.ask({"t": "run", "k": key, "id0": sess.hid, **head})
+        sess.hid += 100
+        assert r and r["t"] == "ok", r
+    r = sess.ask({"t": "run", "k": key, "id0": sess.hid, "d": [0, 10 ** 9, 3, 5.0]})
+    sess.hid += 100
+    err(r, "protocol", "no tensor with handle id")
+    r = sess.ask({"t": "run", "k": key, "id0": sess.hid, "d": [0, hid]})
+    sess.hid += 100
+    assert r and r["t"] == "ok", r
+    assert torch.equal(_reply_tensor(sess, r), torch.arange(6.0).view(2, 3) * 5.0)
+
+
+def test_a_replayed_structures_inputs_are_each_checked(sess: Session) -> None:
+    """An attacker with a valid key replays a structure the worker already vetted (it runs
+    natively now, its inputs resolved in bulk: ``Worker._held_inputs``, keyed in one native pass:
+    ``genie._C._input_key``) with mismatched inputs: handles freed, never made, of the wrong
+    type; values of another shape, dtype or aliasing than the vetted calls'; too few or too many
+    constants, as full constants and as deltas. Each is refused before a kernel runs, or vetted
+    anew and answered as eager answers it; honest calls go on with eager's values."""
+    import hashlib
+
+    names = ["aten::add.Tensor"]
+    rows = [[0, 0, [0, 1], [2], [], False]]
+    sk = protocol.pack([protocol.PROTOCOL_VERSION, names, [A2], rows, [0, 1], [2], []])
+    key = hashlib.blake2b(sk, digest_size=16).digest()
+    x, y = torch.arange(4.0), torch.arange(4.0) * 10
+    a, b = _resident(sess, x), _resident(sess, y)
+
+    def add(head: dict) -> dict | None:
+        sess.hid += 100
+        return sess.ask({"t": "run", "k": key, "id0": sess.hid, **head})
+
+    seen = []
+    for _ in range(4):  # guarded, then replayed natively: vetted, then hits
+        r = add({"sk": sk, "c": [a, b]})
+        assert r and r["t"] == "ok", r
+        assert torch.equal(_reply_tensor(sess, r), x + y)
+        seen.append(r["vt"])
+    assert seen[-1] == "hit", seen
+    gone = _resident(sess, torch.ones(4))
+    assert sess.ask({"t": "free", "ids": [gone]})["t"] == "ok"
+    for bad in ([a, gone], [gone, b], [a, 10 ** 9], [a, -3], [a, (1 << 64) - 1]):
+        err(add({"c": bad}), "protocol", "no tensor with handle id")
+        err(add({"d": [0, bad[0], 1, bad[1]]}), "protocol", "no tensor with handle id")
+    for bad in ([a, True], [a, 1.5], [a, None], [a, "b"], [a, [b]]):
+        r = add({"c": bad})
+        assert r and r["t"] == "err" and r["kind"] == "protocol", (bad, r)
+        r = add({"d": [1, bad[1]]})
+        assert r and r["t"] == "err" and r["kind"] == "protocol", (bad, r)
+    err(add({"d": [2, b]}), "protocol", "constant position")
+    for bad in ([a], [a, b, b], []):
+        err(add({"c": bad}), "protocol", "constants")
+        r = add({"d": [0, a]})  # the constants it kept are gone: a delta must come whole
+        assert r and r["t"] == "miss", r
+    # held values of another shape: vetted anew and refused as eager refuses them
+    c = _resident(sess, torch.arange(5.0))
+    r = add({"c": [a, c]})
+    assert r and r["t"] == "err" and r["kind"] == "exec", r
+    assert "broadcast" in r["msg"] or "must match the size" in r["msg"], r["msg"]
+    with pytest.raises(RuntimeError, match="must match the size"):
+        torch.arange(4.0) + torch.arange(5.0)  # eager refuses it too
+    # another dtype, a broadcast, the same value twice (aliasing): eager's answers
+    i = _resident(sess, torch.arange(4))
+    row = _resident(sess, torch.arange(8.0).view(2, 4))
+    for ids, want in (([a, i], x + torch.arange(4)), ([a, a], x + x), ([row, a], torch.arange(
+            8.0).view(2, 4) + x), ([i, i], torch.arange(4) * 2)):
+        r = add({"c": ids})
+        assert r and r["t"] == "ok", (ids, r)
+        got = _reply_tensor(sess, r)
+        assert got.dtype == want.dtype and torch.equal(got, want), (ids, got, want)
+    r = add({"c": [a, b]})  # honest again: the vetted shapes, eager's values
+    assert r and r["t"] == "ok" and r["vt"] == "hit", r
+    assert torch.equal(_reply_tensor(sess, r), x + y)
 
 
 # --- background builds (the default) -------------------------------------------------------------

@@ -17,6 +17,7 @@ import optree
 import pytest
 import torch
 
+from genie import _C
 from genie.planner import Instr, Slot, Tape
 from genie.remote.guard import vet_tape
 from genie.remote.shape_class import NotAClass, build, build_spec, from_spec, moved, shape_params
@@ -79,6 +80,68 @@ def test_a_class_keys_what_is_not_an_integer() -> None:
     assert shape_params(b"k", _tape(torch.zeros(8, dtype=torch.float64), 2, 4))[0] != base
     assert shape_params(b"k", _tape(torch.zeros(16)[::2], 2, 4))[0] != base  # not dense
     assert shape_params(b"k2", _tape(torch.zeros(8), 2, 4))[0] != base
+
+
+def _input_key_reference(inputs: dict) -> tuple[tuple, tuple[int, ...]]:
+    """shape_params' input part as Python computed it before the native pass (the reference)."""
+    static, ints, storages = [], [], {}
+    for s, v in inputs.items():
+        st = v.untyped_storage()
+        sid, nb = st._cdata, st.nbytes()
+        dense = nb == v.nbytes and v.storage_offset() == 0 and v.is_contiguous() and \
+            sid not in storages
+        static.append((s, v.dim(), v.dtype, v.is_conj(), v.is_neg(), dense,
+                       storages.setdefault(sid, len(storages))))
+        ints.extend(v.shape)
+        if not dense:
+            ints.extend(v.stride())
+            ints += [v.storage_offset(), nb]
+    return tuple(static), tuple(ints)
+
+
+def test_inputs_are_keyed_natively_as_the_python_reference_keys_them() -> None:
+    """genie._C._input_key: the same integers as the reference, and two calls' static parts
+    equal exactly when the reference's are (dtype, rank, conj/neg, density, aliasing, slots)."""
+    base = torch.arange(24.0).view(4, 6)
+    z = torch.zeros(3, 2, dtype=torch.complex64)
+    values = [base, base[1:], base.t(), base[:, ::2], torch.zeros(4, 6), base.view(24),
+              torch.zeros(4, 6, dtype=torch.float64), torch.zeros(4, 6, dtype=torch.int64),
+              torch.zeros(0, 6), torch.zeros(()), z, z.conj(), torch._neg_view(base),
+              torch.zeros(4, 6, 1).squeeze(-1), torch.empty_strided((2, 3), (1, 2)),
+              torch.zeros(5).expand(3, 5),
+              torch.zeros(3, 2, 1, 1).to(memory_format=torch.channels_last)]
+    grown = torch.zeros(4)
+    grown.untyped_storage().resize_(64)  # its storage holds more than its elements
+    values.append(grown)
+    calls = [{0: a, 1: b} for a in values for b in values[:6]] + \
+        [{0: v} for v in values] + [{3: values[0]}, {1: values[0], 0: values[1]}]
+    keys = []
+    for inputs in calls:
+        static, ints = _C._input_key(inputs)
+        ref = _input_key_reference(inputs)
+        assert ints == ref[1], inputs
+        keys.append((static, ints, ref))
+    for a in keys:
+        for b in keys:
+            assert (a[0] == b[0] and a[1] == b[1]) == (a[2] == b[2])
+    with pytest.raises(TypeError, match="not a tensor"):
+        _C._input_key({0: 3})
+    with pytest.raises(TypeError, match="strided"):
+        _C._input_key({0: torch.zeros(3).to_sparse()})
+
+
+def test_storages_grown_recounts_as_the_python_reference() -> None:
+    """genie._C._storages_grown: entries keyed by UntypedStorage._cdata take the bytes their
+    storage holds now; the change is returned; storages without an entry are skipped."""
+    a, b, c = torch.zeros(4), torch.zeros(8), torch.zeros(2)
+    counted = {t.untyped_storage()._cdata: [1, t.untyped_storage().nbytes()] for t in (a, b)}
+    assert _C._storages_grown([a, b, c, 7, None], counted) == 0
+    a.resize_(100)
+    b.untyped_storage().resize_(0)
+    assert _C._storages_grown({0: a, 1: b, 2: c, 3: a[2:]}.values(), counted) == 400 - 16 - 32
+    assert counted[a.untyped_storage()._cdata] == [1, 400]
+    assert counted[b.untyped_storage()._cdata] == [1, 0]
+    assert c.untyped_storage()._cdata not in counted
 
 
 def test_a_structure_that_resizes_is_not_a_class() -> None:
