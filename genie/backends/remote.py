@@ -305,7 +305,7 @@ class RemoteBackend:
         if _env_error is not None and not _clients:
             raise GenieError(_env_error)
         try:
-            devs = {getattr(ins, "device", 0) for ins in tape.instrs}
+            devs = _devices(tape)
             if len(devs) > 1:
                 return _run_split(tape)
             index = devs.pop() if devs else _index(tape)
@@ -316,6 +316,23 @@ class RemoteBackend:
                 raise GenieError(f"[genie] {e}; the tape's other values live on the server, so "
                                  "it cannot run locally either") from None
             raise BackendUnsupported(str(e)) from None
+
+
+def _devices(tape: Tape) -> set[int]:
+    """The devices ``tape``'s ops run on; a plan's tapes run where its instructions do (a
+    plan-cache hit keeps each instruction's device), so a plan's set is kept on it."""
+    plan = tape.plan
+    tmpl = getattr(plan, "instrs", None)
+    if tmpl is None:
+        return {getattr(ins, "device", 0) for ins in tape.instrs}
+    devs = plan.artifacts.get(_DEVICES)
+    if devs is None:
+        devs = plan.artifacts[_DEVICES] = frozenset(getattr(ins, "device", 0) for ins in tmpl)
+    return set(devs)
+
+
+#: where a plan keeps the devices of its instructions (:func:`_devices`)
+_DEVICES = "remote.devices"
 
 
 def _run_split(tape: Tape) -> dict[int, Any]:

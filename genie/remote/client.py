@@ -483,8 +483,15 @@ class Client:
                 res.before_run(tape)
             uploads: dict[int, tuple[torch.Tensor, int]] = {}
             restored: list[Handle] = []
-            enc = encode_tape(tape, lambda s, v, frames: self._input_const(s, v, frames, uploads,
-                                                                           restored))
+
+            def input_const(s: int, v: Any, frames: list[Any]) -> Any:
+                if type(v) is Handle and v.client is self:  # resident here (as most are)
+                    r = v.res
+                    if r is None or r.evicted is None:
+                        return v.id
+                return self._input_const(s, v, frames, uploads, restored)
+
+            enc = encode_tape(tape, input_const)
             inputs = tape.inputs
             n_new = sum(1 for s in tape.keep if s not in inputs)
             id0 = next(self._ids)
@@ -572,18 +579,13 @@ class Client:
             metas: dict[int, TensorMeta] = {}
             owners: dict[int, tuple[Any, int]] = {}
             keep = tape.keep
-            pending = tape._slots
-            # the kept values' metadata and nodes: by each node's slots in order when the tape
-            # has not built its slot map (a plan-cache hit), else through it
-            outs_of = pending.outs if type(pending) is PendingSlots else \
-                [[tape.slots.get((n.index, k)) for k in range(len(n.metas))] for n in tape.nodes]
-            for n, outs in zip(tape.nodes, outs_of, strict=True):
-                for k, s in enumerate(outs):
-                    if s is not None and s in keep:
-                        m = n.metas[k]
-                        if m is not None:
-                            metas[s] = m
-                            owners[s] = (n, k)
+            nodes = tape.nodes
+            for i, k, s in _kept_at(tape):
+                n = nodes[i]
+                m = n.metas[k]
+                if m is not None:
+                    metas[s] = m
+                    owners[s] = (n, k)
             kept: dict[int, Any] = {}
             j = id0
             for s in sorted(keep):
@@ -637,7 +639,7 @@ class Client:
             out = Handle(hid, self, meta)
             if hint:
                 out.res = Resident(role, t.numel() * t.element_size())
-                self.res.live[hid] = out
+                self.res.note(out)
             return out
 
     def get(self, handles: list[Handle]) -> list[torch.Tensor]:
@@ -1104,6 +1106,35 @@ class Client:
             ld = h.get("ld")
             if type(ld) in (int, float) and ld >= 0:
                 self.load = (float(ld), time.monotonic())
+
+
+#: where a plan keeps the positions of its tapes' kept values (:func:`_kept_at`)
+_KEPT = "remote.kept"
+
+
+def _kept_at(tape: Tape) -> list[tuple[int, int, int]]:
+    """``(node index, output index, slot)`` of each value of ``tape.keep`` its nodes make, in
+    node order: by each node's slots when the tape has not built its slot map (a plan-cache
+    hit: the same for every tape of the plan that keeps the same slots, so kept on the plan),
+    else through the map."""
+    keep = tape.keep
+    pending = tape._slots
+    if type(pending) is not PendingSlots:
+        slots = tape.slots
+        return [(i, k, s) for i, n in enumerate(tape.nodes) for k in range(len(n.metas))
+                if (s := slots.get((n.index, k))) is not None and s in keep]
+    outs = pending.outs
+    art = getattr(tape.plan, "artifacts", None)
+    hit = art.get(_KEPT) if art is not None else None
+    if hit is not None and hit[0] is outs and hit[1] == keep:
+        return hit[2]
+    if len(outs) != len(tape.nodes):
+        raise ValueError(f"a tape of {len(tape.nodes)} nodes with the slots of {len(outs)}")
+    at = [(i, k, s) for i, o in enumerate(outs) for k, s in enumerate(o)
+          if s is not None and s in keep]
+    if art is not None:
+        art[_KEPT] = (outs, set(keep), at)
+    return at
 
 
 def _retire(ctx: zmq.Context) -> None:

@@ -473,29 +473,41 @@ def encode_tape(tape: Tape, input_const: Any) -> Encoded:
     tmpl = getattr(plan, "instrs", None)
     if tmpl is None:
         plan = None
-    memo: _Wire | None = plan.artifacts.get(_WIRE) if plan is not None else None
-    if memo is None:
-        shape = _structure(tape, inputs)
-        with _encoded_lock:  # clients of several servers may encode at once (threads)
-            memo = _encoded.get(shape)
-            if memo is not None:
-                _encoded.move_to_end(shape)
-        if memo is not None and plan is not None:
-            plan.artifacts[_WIRE] = memo
+    pw: _PlanWire | None = plan.artifacts.get(_WIRE) if plan is not None else None
+    if pw is not None:  # the plan's own instructions: their constants as the plan sent them
+        where = pw.wire.where
+        part = pw.consts.copy()
+        starts = pw.starts
+        for w in itertools.compress(range(len(where)),
+                                    map(operator.is_not, map(instrs.__getitem__, pw.at), pw.own)):
+            i, js = where[w]
+            ins = instrs[i]
+            part[starts[w]:starts[w] + len(js)] = [
+                const_data(ins.leaves[j], frames) if j >= 0 else int(ins.rng[-1 - j])
+                for j in js]
+        consts += part
+        wire = pw.wire
+        return Encoded(wire.key, wire.skeleton, consts, frames)
+    shape = _structure(tape, inputs)
+    with _encoded_lock:  # clients of several servers may encode at once (threads)
+        memo: _Wire | None = _encoded.get(shape)
+        if memo is not None:
+            _encoded.move_to_end(shape)
     if memo is not None:  # a structure encoded before: only its constants are new
-        cached = memo.cached
+        own: list[Any] = []
+        starts = []
         for i, js in memo.where:
             ins = instrs[i]
-            c = cached.get(i)
-            if c is not None and c[0] is ins:  # the plan's own instruction: its constants
-                consts.extend(c[1])
-                continue
             nf = len(frames)
-            vals = [const_data(ins.leaves[j], frames) if j >= 0 else int(ins.rng[-1 - j])
-                    for j in js]
-            consts.extend(vals)
-            if tmpl is not None and ins is tmpl[i] and ins.rng is None and len(frames) == nf:
-                cached[i] = (ins, vals)  # (no host tensor: nothing of it is per call)
+            starts.append(len(consts) - n_consts)
+            consts += [const_data(ins.leaves[j], frames) if j >= 0 else int(ins.rng[-1 - j])
+                       for j in js]
+            # constants every call of the plan shares: no random seed, no host tensor
+            own.append(ins if tmpl is not None and ins is tmpl[i] and ins.rng is None and
+                       len(frames) == nf else None)
+        if plan is not None:
+            plan.artifacts[_WIRE] = _PlanWire(memo, [i for i, _ in memo.where], own,
+                                              consts[n_consts:], starts)
         return Encoded(memo.key, memo.skeleton, consts, frames)
     where = []
     while True:
@@ -546,28 +558,38 @@ def encode_tape(tape: Tape, input_const: Any) -> Encoded:
         grouped: dict[int, list[int]] = {}
         for i, j in where:
             grouped.setdefault(i, []).append(j)
-        wire = _Wire(key, skel, list(grouped.items()), {})
+        wire = _Wire(key, skel, list(grouped.items()))
         with _encoded_lock:
             if len(_encoded) >= ENCODED_MEMORY:
                 _encoded.popitem(last=False)
             _encoded[shape] = wire
-        if plan is not None:
-            plan.artifacts[_WIRE] = wire
     return Encoded(key, skel, consts, frames)
 
 
 @dataclass(slots=True)
 class _Wire:
-    """A structure's encoding: skeleton, key, where its constants are (instruction index, leaf
-    indices; a negative leaf is a random seed or offset), and the constants of plan
-    instructions that every call shares (by instruction index: the instruction object itself,
-    since a plan-cache hit reuses the plan's object for an instruction whose constants are the
-    plan's, and the constants as sent)."""
+    """A structure's encoding: skeleton, key and where its constants are (instruction index,
+    leaf indices; a negative leaf is a random seed or offset)."""
 
     key: bytes
     skeleton: bytes
     where: list[tuple[int, list[int]]]
-    cached: dict[int, tuple[Any, list[Any]]]
+
+
+@dataclass(slots=True)
+class _PlanWire:
+    """A structure's encoding as one plan fills it: per entry of ``wire.where``, its instruction
+    index (``at``), the plan's instruction object when its constants are the same every call
+    (``own``; None: rebuilt every call, a random op or one with a host tensor) and where its
+    constants start in ``consts`` (``starts``), the constants of those entries as first sent.
+    A plan-cache hit reuses the plan's object for an instruction whose constants are the
+    plan's, so a call re-encodes only the entries whose instruction is not that object."""
+
+    wire: _Wire
+    at: list[int]
+    own: list[Any]
+    consts: list[Any]
+    starts: list[int]
 
 
 #: where a plan keeps its encoding (:attr:`genie.plan_cache.Plan.artifacts`)

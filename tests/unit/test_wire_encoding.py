@@ -1,0 +1,65 @@
+"""A steady step's wire encoding (issue 27): a tape a plan-cache hit instantiated re-encodes only
+the instructions the hit rebuilt (``genie.remote.protocol._PlanWire``), and the client finds its
+kept values' nodes from the plan (``genie.remote.client._kept_at``). Both must give exactly what
+encoding and searching the tape from scratch gives, every step: floats that move (parameters),
+host tensors (frames), random ops (their seed and offset), several plans of one structure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import genie
+from genie import plan_cache
+from genie.planner import PendingSlots, Tape
+
+protocol = pytest.importorskip("genie.remote.protocol")
+client = pytest.importorskip("genie.remote.client")
+
+DEV = "remote_accelerator:0"
+
+
+def _bare(tape: Tape) -> Tape:
+    """``tape`` without its plan: encoded from its instructions alone."""
+    return Tape(tape.instrs, tape.inputs, tape.outputs, tape.keep, tape.nodes, tape._slots,
+                tape.index, None, tape.generic)
+
+
+def _encode(tape: Tape) -> tuple[bytes, list, list[bytes]]:
+    enc = protocol.encode_tape(tape, lambda s, v, frames: ("input", s))
+    return enc.key, enc.consts, [bytes(memoryview(f).cast("B")) for f in enc.frames]
+
+
+def _kept_from_slots(tape: Tape) -> list[tuple[int, int, int]]:
+    slots = PendingSlots(tape._slots.outs, tape._slots.inputs).build(tape.nodes)
+    return [(i, k, s) for i, n in enumerate(tape.nodes) for k in range(len(n.metas))
+            if (s := slots.get((n.index, k))) is not None and s in tape.keep]
+
+
+def _step(w: torch.Tensor, step: int, scale: float) -> torch.Tensor:
+    x = torch.full((4,), float(step) + 0.25).to(DEV)  # a new host tensor: a frame
+    r = torch.rand(4, device=DEV)  # a random op: its seed and offset move
+    return ((w @ x) * scale + r * (step + 0.5)).sum(), x
+
+
+def test_steady_steps_encode_as_from_scratch():
+    plan_cache.clear()
+    torch.manual_seed(0)
+    w = torch.randn(4, 4).to(DEV)
+    genie.materialize(w)
+    seen_plan_wire = 0
+    for step in range(6):
+        # two call sites of one structure: two plans whose tapes share one skeleton
+        for scale in (1.5 + step, -2.0 * step):
+            y, x = _step(w, step, scale)
+            tape = plan_cache.plan([(y._node, 0)], True)
+            got, want = _encode(tape), _encode(_bare(tape))
+            assert got[0] == want[0]
+            assert got[1] == want[1], step
+            assert got[2] == want[2], step
+            if tape.plan is not None and type(tape._slots) is PendingSlots:
+                assert client._kept_at(tape) == _kept_from_slots(tape)
+            pw = tape.plan.artifacts.get(protocol._WIRE) if tape.plan is not None else None
+            seen_plan_wire += isinstance(pw, protocol._PlanWire)
+            y.item()  # runs it (the plan matches again), so the next step starts clean
+    assert seen_plan_wire >= 6  # the steady path ran (not only encodings from scratch)
