@@ -57,6 +57,7 @@ from ..graph import TensorMeta
 from ..planner import PendingSlots, Tape
 from ..progress import transfer_done, transfer_started
 from ..stats import _counts, bump
+from ..tape_io import UPLOAD
 from . import (
     PeerTransferError,
     ProtocolError,
@@ -491,9 +492,11 @@ class Client:
                         return v.id
                 return self._input_const(s, v, frames, uploads, restored)
 
-            enc = encode_tape(tape, input_const)
+            # kept uploads go as input uploads: a first call that uploads a model's weights
+            # has the skeleton of the calls after it (genie.remote.protocol.encode_tape)
+            enc = encode_tape(tape, input_const, hoist=True)
             inputs = tape.inputs
-            n_new = sum(1 for s in tape.keep if s not in inputs)
+            n_new = len(enc.order)
             id0 = next(self._ids)
             for _ in range(n_new - 1):
                 next(self._ids)
@@ -541,7 +544,7 @@ class Client:
                         bump("graphs_sent", len(gkeys))
                     h, frames = self._call_run(header, enc.frames, what + " (resent)", reads)
             except _ExecFailure as f:
-                err = f.error(tape, self.address)
+                err = f.error(tape, self.address, enc.hoisted)
                 raise err from err.__cause__  # the server's exception, rebuilt (None: none)
             self._runs += 1
             self._graphs_sent.update(gkeys)
@@ -587,15 +590,16 @@ class Client:
                     metas[s] = m
                     owners[s] = (n, k)
             kept: dict[int, Any] = {}
-            j = id0
+            made = dict(zip(enc.order, range(id0, id0 + n_new)))  # as the server numbers them
             for s in sorted(keep):
                 if s in inputs:
                     kept[s] = remote_inputs[s]
-                else:
-                    kept[s] = Handle(j, self, metas.get(s))
-                    j += 1
+                else:  # made by the tape, or an upload sent as an input upload (its own id)
+                    j = made.get(s)
+                    kept[s] = Handle(uploads[s][1] if j is None else j, self, metas.get(s))
             self._read_outputs(h, frames, [kept[s] for s in tape.outputs])
-            res.ran(tape, kept, owners, [remote_inputs[s] for s in uploads], restored)
+            res.ran(tape, kept, owners, [remote_inputs[s] for s in uploads if s in inputs],
+                    restored)
             return kept
 
     def put(self, t: torch.Tensor, meta: TensorMeta, role: str = "input") -> Handle:
@@ -1161,7 +1165,10 @@ class _ExecFailure(Exception):
         super().__init__(h.get("msg"))
         self.h = h
 
-    def error(self, tape: Tape, address: str) -> Exception:
+    def error(self, tape: Tape, address: str, hoisted: frozenset[int] = frozenset()
+              ) -> Exception:
+        """The error of ``tape``'s instruction the server names (by its index on the wire:
+        ops outside the opset decomposed, ``hoisted`` uploads sent as input uploads)."""
         i, msg = self.h.get("i"), str(self.h.get("msg"))
         etype = getattr(builtins, str(self.h.get("etype")), None)
         if not (isinstance(etype, type) and issubclass(etype, Exception)):
@@ -1173,6 +1180,10 @@ class _ExecFailure(Exception):
         origin: list[int] = []  # the wire's instructions: ops outside the opset decomposed
         with contextlib.suppress(Exception):
             for_server(tape, origin)
+        if hoisted:
+            instrs = tape.instrs
+            origin = [o for o in origin if not (instrs[o].op == UPLOAD and
+                                                instrs[o].outs[0] in hoisted)]
         if type(i) is int and 0 <= i < len(origin):
             ins = tape.instrs[origin[i]]
             return ExecutionError(ins.op, ins.where, cause, origin[i])

@@ -444,6 +444,11 @@ class Encoded:
     skeleton: bytes
     consts: list[Any]
     frames: list[Any]
+    #: the kept slots the server makes (not inputs), in the order it numbers their handles
+    #: (``id0``, ``id0 + 1``, ...)
+    order: list[int] = field(default_factory=list)
+    #: slots of upload instructions sent as input uploads (``hoist``)
+    hoisted: frozenset[int] = frozenset()
 
 
 def _spec_data(spec: Any) -> Any:
@@ -453,17 +458,20 @@ def _spec_data(spec: Any) -> Any:
         raise Unsendable(str(e)) from None
 
 
-def encode_tape(tape: Tape, input_const: Any) -> Encoded:
+def encode_tape(tape: Tape, input_const: Any, hoist: bool = False) -> Encoded:
     """Split ``tape`` into skeleton and constants; ``input_const(slot, value, frames)`` gives the
     constant that names each tape input (a handle id or an :class:`InputUpload` extension).
 
     An op the server does not run is sent as its decomposition (:mod:`.decompose`): checked once
     per distinct op of the tape, so a tape of served ops pays nothing more.
+
+    ``hoist``: the uploads the tape keeps go as input uploads (``input_const`` of their slot
+    and host tensor), and slots are numbered in order of first use, so that a tape whose values
+    are uploaded with it (a model's first call) has the skeleton of the same tape once they
+    are resident (its second call): :attr:`Encoded.hoisted`, :attr:`Encoded.order`.
     """
     frames: list[Any] = []
     inputs = sorted(tape.inputs)
-    consts: list[Any] = [input_const(s, tape.inputs[s], frames) for s in inputs]
-    n_consts, n_frames = len(consts), len(frames)
     instrs = tape.instrs
     plan = tape.plan
     # a tape instantiated from a plan (genie.plan_cache) has the plan's structure: its encoding
@@ -474,48 +482,59 @@ def encode_tape(tape: Tape, input_const: Any) -> Encoded:
     if tmpl is None:
         plan = None
     pw: _PlanWire | None = plan.artifacts.get(_WIRE) if plan is not None else None
-    if pw is not None:  # the plan's own instructions: their constants as the plan sent them
-        where = pw.wire.where
+    if pw is not None and pw.wire.hoist == hoist:
+        # the plan's own instructions: their constants as the plan sent them
+        wire = pw.wire
+        consts = _input_consts(tape, wire, input_const, frames)
+        where = wire.where
         part = pw.consts.copy()
         starts = pw.starts
         for w in itertools.compress(range(len(where)),
                                     map(operator.is_not, map(instrs.__getitem__, pw.at), pw.own)):
             i, js = where[w]
-            ins = instrs[i]
-            part[starts[w]:starts[w] + len(js)] = [
-                const_data(ins.leaves[j], frames) if j >= 0 else int(ins.rng[-1 - j])
-                for j in js]
+            part[starts[w]:starts[w] + len(js)] = _leaf_consts(instrs[i], js, frames)
         consts += part
-        wire = pw.wire
-        return Encoded(wire.key, wire.skeleton, consts, frames)
-    shape = _structure(tape, inputs)
+        return Encoded(wire.key, wire.skeleton, consts, frames, wire.order, wire.hoisted)
+    shape = (hoist, _structure(tape, inputs))
     with _encoded_lock:  # clients of several servers may encode at once (threads)
         memo: _Wire | None = _encoded.get(shape)
         if memo is not None:
             _encoded.move_to_end(shape)
     if memo is not None:  # a structure encoded before: only its constants are new
+        consts = _input_consts(tape, memo, input_const, frames)
+        n_consts = len(consts)
         own: list[Any] = []
         starts = []
         for i, js in memo.where:
             ins = instrs[i]
             nf = len(frames)
             starts.append(len(consts) - n_consts)
-            consts += [const_data(ins.leaves[j], frames) if j >= 0 else int(ins.rng[-1 - j])
-                       for j in js]
+            consts += _leaf_consts(ins, js, frames)
             # constants every call of the plan shares: no random seed, no host tensor
             own.append(ins if tmpl is not None and ins is tmpl[i] and ins.rng is None and
                        len(frames) == nf else None)
         if plan is not None:
             plan.artifacts[_WIRE] = _PlanWire(memo, [i for i, _ in memo.where], own,
                                               consts[n_consts:], starts)
-        return Encoded(memo.key, memo.skeleton, consts, frames)
-    where = []
+        return Encoded(memo.key, memo.skeleton, consts, frames, memo.order, memo.hoisted)
+    keep = tape.keep
+    # uploads of kept values: sent as input uploads (their instruction index by slot)
+    up = {ins.outs[0]: i for i, ins in enumerate(instrs)
+          if ins.op == UPLOAD and len(ins.outs) == 1 and ins.outs[0] in keep and
+          len(ins.leaves) == 1 and isinstance(ins.leaves[0], torch.Tensor) and
+          ins.rng is None and not ins.free} if hoist else {}
     while True:
+        skip = set(up.values())
+        where: list[tuple[int, int]] = []
         ops: dict[str, int] = {}
         specs: dict[Any, int] = {}
         spec_list: list[Any] = []
         rows: list[Any] = []
-        for ins in instrs:
+        # wire slot numbers: the tape's, or (hoist) in order of first use
+        num: dict[int, int] | None = {} if hoist else None
+        for i, ins in enumerate(instrs):
+            if i in skip:
+                continue  # an input upload
             try:
                 name = op_to_name(ins.op)
             except TypeError as e:
@@ -533,37 +552,64 @@ def encode_tape(tape: Tape, input_const: Any) -> Encoded:
                     si = specs[ins.spec] = len(spec_list)
                     spec_list.append(_spec_data(ins.spec))
             code = []
-            i = len(rows)
             for j, x in enumerate(ins.leaves):
                 if type(x) is Slot:
-                    code.append(x.id)
+                    code.append(x.id if num is None else num.setdefault(x.id, len(num)))
                 else:
                     code.append(-1)
-                    consts.append(const_data(x, frames))
                     where.append((i, j))
             if ins.rng is not None:
-                consts.append(int(ins.rng[0]))
-                consts.append(int(ins.rng[1]))
                 where += ((i, -1), (i, -2))
-            rows.append([oi, si, code, list(ins.outs), list(ins.free), ins.rng is not None])
+            outs = list(ins.outs) if num is None else \
+                [None if s is None else num.setdefault(s, len(num)) for s in ins.outs]
+            free = list(ins.free) if num is None else \
+                [num.setdefault(s, len(num)) for s in ins.free]
+            rows.append([oi, si, code, outs, free, ins.rng is not None])
         else:
             break
         instrs = for_server(tape)
-        del consts[n_consts:], frames[n_frames:]
-        where = []
-    skel = pack([PROTOCOL_VERSION, list(ops), spec_list, rows, inputs, list(tape.outputs),
-                 sorted(tape.keep)])
+        up = {}
+    ins_of = {s: -1 for s in inputs}
+    ins_of.update(up)
+    if num is None:
+        num = {s: s for s in {*ins_of, *tape.outputs, *keep}}
+    for s in sorted({*ins_of, *tape.outputs, *keep}):  # values no instruction reads
+        num.setdefault(s, len(num))
+    wire_in = sorted(ins_of, key=num.__getitem__)
+    # the server keeps an input upload under its own id: not a kept slot of the skeleton
+    wire_keep = sorted((s for s in keep if s not in up), key=num.__getitem__)
+    order = [s for s in wire_keep if s not in ins_of]
+    skel = pack([PROTOCOL_VERSION, list(ops), spec_list, rows, [num[s] for s in wire_in],
+                 [num[s] for s in tape.outputs], [num[s] for s in wire_keep]])
     key = hashlib.blake2b(skel, digest_size=16).digest()
+    grouped: dict[int, list[int]] = {}
+    for i, j in where:
+        grouped.setdefault(i, []).append(j)
+    wire = _Wire(key, skel, list(grouped.items()), [(s, ins_of[s]) for s in wire_in], order,
+                 frozenset(up), hoist)
+    consts = _input_consts(tape, wire, input_const, frames)
+    for i, js in wire.where:
+        consts += _leaf_consts(instrs[i], js, frames)
     if instrs is tape.instrs:  # a decomposition may depend on the constants: not memoized
-        grouped: dict[int, list[int]] = {}
-        for i, j in where:
-            grouped.setdefault(i, []).append(j)
-        wire = _Wire(key, skel, list(grouped.items()))
         with _encoded_lock:
             if len(_encoded) >= ENCODED_MEMORY:
                 _encoded.popitem(last=False)
             _encoded[shape] = wire
-    return Encoded(key, skel, consts, frames)
+    return Encoded(key, skel, consts, frames, order, wire.hoisted)
+
+
+def _leaf_consts(ins: Instr, js: list[int], frames: list[Any]) -> list[Any]:
+    """The constants of ``ins`` at leaves ``js`` (negative: its random seed, offset)."""
+    return [const_data(ins.leaves[j], frames) if j >= 0 else int(ins.rng[-1 - j]) for j in js]
+
+
+def _input_consts(tape: Tape, wire: _Wire, input_const: Any, frames: list[Any]) -> list[Any]:
+    """The constants naming ``tape``'s inputs in the wire's order (input uploads: the host
+    tensor of their upload instruction)."""
+    given = tape.inputs
+    instrs = tape.instrs
+    return [input_const(s, given[s] if i < 0 else instrs[i].leaves[0], frames)
+            for s, i in wire.inputs]
 
 
 @dataclass(slots=True)
@@ -574,6 +620,12 @@ class _Wire:
     key: bytes
     skeleton: bytes
     where: list[tuple[int, list[int]]]
+    #: the inputs in wire order: (slot, -1) for a tape input, (slot, instruction index) for an
+    #: upload sent as an input upload
+    inputs: list[tuple[int, int]]
+    order: list[int]
+    hoisted: frozenset[int]
+    hoist: bool
 
 
 @dataclass(slots=True)

@@ -336,6 +336,30 @@ def test_weights_sent_once(remote) -> None:
         assert b < 4 * 256 * 4 + 1024, sent
 
 
+def test_a_models_second_call_has_its_first_calls_skeleton(remote) -> None:
+    # the first call's tape uploads the weights: they go as input uploads, and slots are
+    # numbered by first use, so the second call (weights resident) names a skeleton the
+    # server already holds, and the server vets nothing new for it
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    md = copy.deepcopy(m).to(DEV)
+    sent = []
+    for _ in range(3):
+        x = torch.randn(3, 16)
+        before = genie.stats().get("skeletons_sent", 0)
+        v = md(x.to(DEV)).sum().item()
+        sent.append(genie.stats()["skeletons_sent"] - before)
+        assert v == pytest.approx(m(x).sum().item(), rel=1e-5, abs=1e-5)
+    assert sent == [1, 0, 0]
+    for p, q in zip(m.parameters(), md.parameters(), strict=True):  # resident under their ids
+        assert torch.equal(q.cpu(), p)
+    with torch.no_grad():
+        md[0].weight.mul_(2)  # a write to a weight uploaded as an input upload
+        m[0].weight.mul_(2)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(md(x.to(DEV)).cpu(), m(x).detach())
+
+
 def test_gpt2_greedy_generate_matches_eager(remote) -> None:
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
