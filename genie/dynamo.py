@@ -216,13 +216,12 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     decomps = core_aten_decompositions()
     if _flash_attention_for_cpu(gm, example_inputs):
         decomps.pop(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, None)
-    # embedded, an inference graph writes the inputs it mutates in place (genie::graph_mut: an
-    # optimizer's step, a static KV cache): else AOTAutograd's graph returns each one's new
-    # value (a copy: an index_copy_ into a KV cache copies the whole cache) and its runtime
-    # wrapper copies it back (one recorded copy_ each). A server admits genie::graph only
-    keep = not _remote()
+    # an inference graph writes the inputs it mutates in place (genie::graph_mut: an
+    # optimizer's step, a static KV cache), embedded or through a server: else AOTAutograd's
+    # graph returns each one's new value (a copy: an index_copy_ into a KV cache copies the
+    # whole cache) and its runtime wrapper copies it back (one recorded copy_ each)
     fn = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, inference_compiler=inference,
-                      decompositions=decomps, keep_inference_input_mutations=keep)(
+                      decompositions=decomps, keep_inference_input_mutations=True)(
                           gm, example_inputs)
     if found and len(found[0][1]) == len(example_inputs) and \
             all(isinstance(x, (torch.Tensor, int, torch.SymInt)) for x in example_inputs):
@@ -320,6 +319,7 @@ def _graph_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any],
         try:
             writes = graphs.host_writes(gm)
             data, kinds = graphs.encode(gm, example_inputs, {n for _, n in writes})
+            g = graphs.register(data, kinds)
         except graphs.GraphError as e:
             reason = str(e)
     if reason is not None:
@@ -329,7 +329,6 @@ def _graph_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any],
                            reason)
         bump("graphs_op_by_op")
         return make_boxed_func(gm.forward)
-    g = graphs.register(data, kinds)
     g.options = options
     call = _caller(gm, g, writes)
     if direct is not None and _no_runtime_wrapper(len(example_inputs)):
@@ -469,6 +468,8 @@ def _caller(gm: torch.fx.GraphModule, g: Any,
         for i, j in host_w:
             args[i].copy_(hv[j])
         bump("graph_calls")
+        if w_idx:
+            bump("graph_mut_calls")
         return [args[v] if w == "in" else res[v] if w == "out" else hv[v] if w == "host" else v
                 for w, v in plan]
 

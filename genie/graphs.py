@@ -23,6 +23,7 @@ short table of Python operators on sizes (:data:`PY_OPS`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import operator
 import threading
@@ -199,6 +200,27 @@ def _input_writes(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, torch.f
     return out
 
 
+def _only_input_copies(gm: torch.fx.GraphModule) -> None:
+    """Raise :class:`GraphError` unless the graph's only writes are ``copy_`` into its inputs
+    (AOTAutograd's epilogue for the input mutations it keeps; the rest of a graph it makes is
+    functional). Then what a graph writes is what its data says (:func:`_input_writes`): an op
+    that writes anything else could reach an input through a view, even one whose schema does
+    not say it aliases (``_unsafe_view``), and write what the graph does not declare."""
+    for n in gm.graph.nodes:
+        t = n.target
+        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or \
+                not t._schema.is_mutable:
+            continue
+        if t is not _COPY_ or not n.args or not isinstance(n.args[0], torch.fx.Node) or \
+                n.args[0].op != "placeholder":
+            raise GraphError(f"it writes with {op_name(t)} ({n.name}): a graph writes only its "
+                             "inputs, each with aten::copy_.default into the input itself (as "
+                             "AOTAutograd keeps an input mutation)")
+
+
+_COPY_ = torch.ops.aten.copy_.default
+
+
 def host_writes(gm: torch.fx.GraphModule) -> list[tuple[int, torch.fx.Node]]:
     """The writes of host inputs (0-dim CPU tensors: an optimizer's step counts) that the graph
     keeps: ``(input position, its copy_ node)``. The caller makes them on the host (the value
@@ -368,7 +390,7 @@ class GraphData:
         order)."""
         return "i" not in self.kinds and "m" not in self.kinds
 
-    @property
+    @functools.cached_property
     def written(self) -> tuple[int, ...]:
         """The positions of the inputs the graph writes in place (``genie::graph_mut``'s first
         list)."""
@@ -408,7 +430,8 @@ def register(data: bytes, kinds: list[str] | None = None,
             if len(kinds) != len(ph):
                 raise GraphError(f"{len(kinds)} input kinds for a graph of {len(ph)} inputs")
             # the inputs it writes are the ones it declares ("m"), and no other: genie::graph
-            # (all a server admits) runs only graphs that write no input
+            # runs only graphs that write no input, genie::graph_mut writes the declared ones
+            _only_input_copies(meta)
             writes = {ph.index(v) for _, v in _input_writes(meta)}
             declared = {i for i, k in enumerate(kinds) if k == "m"}
             if writes != declared:
@@ -433,10 +456,11 @@ def is_key(v: Any) -> bool:
 
 
 def keys_of(instrs: Any) -> list[str]:
-    """The graph keys the ``genie::graph`` instructions of a tape call, in order, once each."""
+    """The graph keys the ``genie::graph`` (and ``genie::graph_mut``) instructions of a tape
+    call, in order, once each."""
     out: dict[str, None] = {}
     for ins in instrs:
-        if ins.op is GRAPH_OP:
+        if ins.op is GRAPH_OP or ins.op is GRAPH_MUT_OP:
             out[ins.leaves[0]] = None
     return list(out)
 
@@ -469,9 +493,30 @@ def _tensor_outs(out: Any) -> list[torch.Tensor]:
     return [o for o in outs if isinstance(o, torch.Tensor)]
 
 
-def interpret(gm: torch.fx.GraphModule, args: list[Any]) -> list[torch.Tensor]:
-    """The graph run op by op (the oracle); its tensor outputs."""
-    return _tensor_outs(torch.fx.Interpreter(gm).run(*args))
+def interpret(gm: torch.fx.GraphModule, args: list[Any],
+              writes: bool = False) -> list[torch.Tensor]:
+    """The graph run op by op (the oracle); its tensor outputs. With ``writes``, each write of
+    an input is checked first (:class:`_Writes`)."""
+    return _tensor_outs((_Writes if writes else torch.fx.Interpreter)(gm).run(*args))
+
+
+class _Writes(torch.fx.Interpreter):
+    """The graph run op by op, each write of an input checked as an in-place op's first: the
+    value written has the input's shape and dtype (an input mutation AOTAutograd keeps writes
+    the input's new value; a broadcast into a larger tensor, or a cast, is not one)."""
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is _COPY_:
+            dst, src = args[0], args[1]
+            if not isinstance(src, torch.Tensor) or src.shape != dst.shape or \
+                    src.dtype != dst.dtype:
+                what = f"{tuple(src.shape)} {src.dtype}" if isinstance(src, torch.Tensor) \
+                    else type(src).__name__
+                raise GraphError(
+                    f"genie::graph_mut writes an input of {tuple(dst.shape)} {dst.dtype} with a "
+                    f"value of {what}: a graph writes each input with a value of its shape and "
+                    "dtype (the inputs given do not have the shapes the graph was made for)")
+        return super().call_function(target, args, kwargs)
 
 
 def _meta(key: str, tensors: list[torch.Tensor], ints: list[int]) -> list[torch.Tensor]:
@@ -492,7 +537,64 @@ def _reading(key: str) -> GraphData:
 def _meta_mut(key: str, written: list[torch.Tensor], tensors: list[torch.Tensor],
               ints: list[int]) -> list[torch.Tensor]:
     g = lookup(key)
-    return interpret(g.module(torch.device("meta")), _inputs(g, tensors, ints, written))
+    args = _inputs(g, tensors, ints, written)
+    check_written(g, args)
+    return interpret(g.module(torch.device("meta")), args, writes=True)
+
+
+def check_written(g: GraphData, args: list[Any]) -> None:
+    """Raise :class:`GraphError` unless the inputs ``genie::graph_mut`` writes (``args``: the
+    graph's inputs in order) are distinct memory, as an in-place op's output must be: none
+    overlaps itself (an expanded view: eager's in-place ops refuse it), another input it writes
+    (a tensor named twice) or an input it reads. ``torch.compile`` never passes such inputs
+    (AOTAutograd merges aliased inputs it mutates into one); a compiled graph's code would write
+    them in an order of its own. Works on real and on meta tensors (their storages alias as the
+    real ones do). A server runs this on every call: aliasing is not part of a shape class."""
+    written = g.written
+    if not written:
+        return
+    spans: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (first byte, end, input)
+    for i, t in enumerate(args):
+        if isinstance(t, torch.Tensor) and t.numel():
+            lo = t.storage_offset() * t.element_size()
+            hi = lo + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * \
+                t.element_size()
+            spans.setdefault(t.untyped_storage()._cdata, []).append((lo, hi, i))
+    for i in written:
+        t = args[i]
+        if t.numel() > 1 and not _apart(t):
+            raise GraphError(
+                f"genie::graph_mut: graph {g.key[:16]} writes input {i}, a tensor whose "
+                f"elements share memory (shape {tuple(t.shape)}, strides {t.stride()}): a "
+                "graph writes only tensors whose elements are distinct (clone() it first)")
+    for group in spans.values():
+        if len(group) < 2:
+            continue
+        for lo, hi, i in group:
+            if i not in written:
+                continue
+            for lo2, hi2, j in group:
+                if j != i and lo < hi2 and lo2 < hi:
+                    raise GraphError(
+                        f"genie::graph_mut: graph {g.key[:16]} writes input {i}, whose memory "
+                        f"overlaps input {j} (which it {'writes' if j in written else 'reads'})"
+                        ": a graph's written inputs must be distinct tensors that share no "
+                        "memory with its other inputs, as torch.compile passes them")
+
+
+def _apart(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory: eager's internal-overlap test, and where
+    that cannot tell (a non-dense view), each dimension's stride past the reach of the ones
+    below it (sufficient; a tensor it cannot prove apart counts as overlapping)."""
+    o = torch._debug_has_internal_overlap(t)
+    if o != 2:
+        return o == 0
+    reach = 0
+    for s, n in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if s <= reach:
+            return False
+        reach += (n - 1) * s
+    return True
 
 
 def _unaliased(outs: list[torch.Tensor], inputs: list[Any]) -> list[torch.Tensor]:
@@ -526,7 +628,9 @@ def _run_mut(key: str, written: list[torch.Tensor], tensors: list[torch.Tensor],
              ints: list[int]) -> list[torch.Tensor]:
     """``genie::graph_mut``: the graph's run, writing ``written`` in place."""
     g = lookup(key)
-    return _run(key, _inputs(g, tensors, ints, written), [], g)
+    args = _inputs(g, tensors, ints, written)
+    check_written(g, args)
+    return _run(key, args, [], g)
 
 
 def _run(key: str, tensors: list[torch.Tensor], ints: list[int],
@@ -611,7 +715,8 @@ def _first_run(g: GraphData, device: torch.device, args: list[Any],
     # each run writes copies of the inputs the graph writes (the oracle's, each candidate's),
     # compared as outputs after the graph's own; the chosen run's are copied into the inputs
     seen: dict[str, Any] = {}
-    want = _probe(lambda *a: interpret(gm, list(a)), args, written, seen)
+    # (a graph that writes inputs checks each write's shape first: once per shape class)
+    want = _probe(lambda *a: interpret(gm, list(a), bool(written)), args, written, seen)
     n = len(want) - len(written)
     name = cb.compiler()
     reason = None

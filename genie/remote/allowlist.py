@@ -363,8 +363,11 @@ TEST_OPS: set[str] = set()
 
 #: Genie's own ops a server runs: ``genie::graph``, a compiled graph the client sends as data
 #: (each op of the graph must itself be admitted here: checked when the graph arrives,
-#: :meth:`genie.remote.worker.Worker._add_graphs`)
-GENIE_OPS = frozenset({"genie::graph.default"})
+#: :meth:`genie.remote.worker.Worker._add_graphs`), and ``genie::graph_mut``, one that writes
+#: some of its inputs in place (which ones its data says; each call's written inputs checked as
+#: an in-place op's: :func:`genie.graphs.check_written`, :func:`genie.remote.protocol
+#: .compile_skeleton`)
+GENIE_OPS = frozenset({"genie::graph.default", "genie::graph_mut.default"})
 
 
 def admitted(name: str) -> bool:

@@ -754,7 +754,7 @@ def check_args(op: Any, checks: tuple[ArgCheck, ...], args: Any, kwargs: Any, i:
               (k == "layout" and v is torch.strided) or
               (k == "memfmt" and type(v) is torch.memory_format) or
               (k == "str" and type(v) is str and v in allowlist.STR_ENUMS.get(c.name, ())) or
-              (k == "str" and op is graphs.GRAPH_OP and c.name == "key" and graphs.is_key(v)))
+              (k == "str" and op in _GRAPH_OPS and c.name == "key" and graphs.is_key(v)))
         if not ok:
             want = {"device": "a device constant (cpu or remote_accelerator)",
                     "dtype": "a dense dtype", "layout": "torch.strided",
@@ -762,6 +762,21 @@ def check_args(op: Any, checks: tuple[ArgCheck, ...], args: Any, kwargs: Any, i:
                     "str": f"one of {sorted(allowlist.STR_ENUMS.get(c.name, ()))}"}[k]
             raise ProtocolError(f"instruction {i}: argument {c.name!r} of {op} must be "
                                 f"{want}; got {v!r:.40}")
+
+
+_GRAPH_OPS = (graphs.GRAPH_OP, graphs.GRAPH_MUT_OP)
+
+
+def _written_slots(spec: Any, leaves: list[Any], i: int) -> None:
+    """A ``genie::graph_mut`` instruction writes the tensors of its ``written`` list: each must
+    be a value of the session (a slot: a handle, an upload, a value the tape computed), never a
+    constant of the request (a host tensor, a metadata-only argument), as a list of its own."""
+    args, kwargs = optree.tree_unflatten(spec, list(range(spec.num_leaves)))
+    names = [a.name for a in graphs.GRAPH_MUT_OP._schema.arguments]
+    w = {**dict(zip(names, args)), **kwargs}.get("written")
+    if not isinstance(w, list) or not all(type(j) is int and leaves[j] is not None for j in w):
+        raise ProtocolError(f"instruction {i}: the tensors genie::graph_mut writes must be a "
+                            "list of the session's values (slots), not constants of the request")
 
 
 def _spec(d: Any) -> Any:
@@ -896,6 +911,8 @@ def compile_skeleton(data: bytes, max_instrs: int = MAX_INSTRS) -> Compiled:
             raise ProtocolError(f"instruction {i} frees a slot that is not live")
         live.difference_update(free)
         n_consts += 2 if rng else 0
+        if op is graphs.GRAPH_MUT_OP:
+            _written_slots(spec, leaves, i)
         checks = arg_checks(op) if op != UPLOAD else ()
         templates.append(Template(op, spec, leaves, tuple(outs), tuple(free), rng, checks))
     if not live.issuperset(outputs) or not live.issuperset(keep):

@@ -226,3 +226,257 @@ def test_server_compiles_graphs_with_inductor_despite_its_sandbox(tmp_path) -> N
     log = s.proc.stdout.read()
     assert code == 0
     assert "runs op by op" not in log and "File too large" not in log, log[-3000:]
+
+
+# --- genie::graph_mut through a server: a graph that writes its inputs in place -----------------
+
+
+def test_compiled_optimizer_step_writes_in_place_through_the_server(remote) -> None:
+    """Connected, AdamW's compiled step is one genie::graph_mut node the server runs (the
+    parameters and moments written in place), not a graph returning their new values and one
+    recorded write-back ``copy_`` per mutated input: the losses of 6 steps and the parameters
+    equal eager's, and a step records its three graph nodes and no write-back."""
+    torch.manual_seed(1)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    lazy = copy.deepcopy(ref).to(DEV)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt_l = torch.optim.AdamW(lazy.parameters(), lr=1e-2)
+
+    def step(m, opt, x, y):
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    cstep = torch.compile(step)
+    losses_r, losses_l, recorded = [], [], []
+    for _ in range(6):
+        x, y = torch.randn(4, 8), torch.randn(4, 1)
+        losses_r.append(step(ref, opt_r, x, y).item())
+        genie.reset_stats()
+        losses_l.append(cstep(lazy, opt_l, x.to(DEV), y.to(DEV)))
+        s = genie.stats()
+        recorded.append((s["graph_calls"], s.get("graph_mut_calls", 0), s["ops_recorded"]))
+    torch.testing.assert_close(torch.stack([v.cpu() for v in losses_l]), torch.tensor(losses_r))
+    for a, b in zip(ref.parameters(), lazy.parameters(), strict=True):
+        torch.testing.assert_close(b.cpu(), a.detach())
+    # forward, backward, the step (graph_mut); the uploads of x and y; the views of the two
+    # weights the forward saves (recorded by its caller): no copy_ of the 12 parameters and
+    # moments the step writes (19 ops a step before). The first step makes the moments, eagerly
+    assert recorded[1:] == [(3, 1, 7)] * 5, recorded
+    assert genie.stats().get("graphs_op_by_op", 0) == 0
+
+
+def test_compiled_kv_cache_update_writes_in_place_through_the_server(remote) -> None:
+    """A static KV cache's ``index_copy_`` and an accumulator's ``add_`` in a compiled function:
+    one genie::graph_mut node a call, run by the server in place (no copy of the whole cache and
+    its write-back), with eager's values, outputs and inputs alike."""
+    def f(x, y, cache, i):
+        cache.index_copy_(0, i, y * 2)
+        x.add_(y)
+        return (x * cache[:2]).sum(0)
+
+    cf = torch.compile(f)
+    x, cache = torch.randn(2, 3), torch.randn(5, 3)
+    xd, cached = x.to(DEV), cache.to(DEV)
+    for call in range(4):
+        y, i = torch.randn(2, 3), torch.tensor([call % 4, 4])
+        with torch.no_grad():
+            want = f(x, y, cache, i)
+            genie.reset_stats()
+            got = cf(xd, y.to(DEV), cached, i.to(DEV))
+            assert got._node.op is graphs.GRAPH_MUT_OP
+            assert genie.stats()["ops_recorded"] == 3, genie.stats()  # 2 uploads, the graph
+        torch.testing.assert_close(got.cpu(), want)
+        torch.testing.assert_close(xd.cpu(), x)
+        torch.testing.assert_close(cached.cpu(), cache)
+
+
+# An attacker with a valid key sends genie::graph_mut calls a client would not make: the server
+# checks what each call writes as any in-place op's, and the session goes on.
+
+def _mut_key(shapes=((3,), (3,), (3,))) -> str:
+    """``x0.copy_(x2 * 2); x1.copy_(x2 + 1); return x2 * 3``: writes x0 and x1, reads x2."""
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    a, b, c = ph = [g.placeholder(f"x{i}") for i in range(3)]
+    for p, s in zip(ph, shapes, strict=True):
+        p.meta["val"] = torch.empty(s, device="meta")
+    g.call_function(aten.copy_.default, (a, g.call_function(aten.mul.Tensor, (c, 2.0))))
+    g.call_function(aten.copy_.default, (b, g.call_function(aten.add.Tensor, (c, 1.0))))
+    g.output([g.call_function(aten.mul.Tensor, (c, 3.0))])
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    data, kinds = graphs.encode(gm, [torch.empty(s) for s in shapes])
+    assert kinds == ["m", "m", "t"]
+    return graphs.register(data, kinds).key
+
+
+def _goes_on() -> None:
+    assert (torch.arange(4.0).to(DEV) * 2).sum().item() == 12.0
+
+
+def _no_local_checks(monkeypatch) -> None:
+    """The client's own checks off (its meta kernel would refuse what follows at record): only
+    the server's stand between the call and the session's tensors."""
+    monkeypatch.setattr(graphs, "check_written", lambda g, args: None)
+    monkeypatch.setattr(graphs, "_Writes", torch.fx.Interpreter)
+
+
+@pytest.mark.parametrize("case", ["one tensor twice", "overlapping views",
+                                  "a written input read too", "a read input overlapping",
+                                  "a handle twice after clean calls"])
+def test_server_refuses_graph_mut_writing_aliased_inputs(remote, monkeypatch, case) -> None:
+    """Written inputs that share memory (a tensor named twice, overlapping views of one
+    resident tensor, a written input also read) are refused by the
+    server's vet of the call (its meta tensors alias as the session's do) and by the kernel on
+    every call: the last case's call has the metadata of clean calls before it (the vet's
+    cached effect, the replayed program), only its aliasing differs."""
+    _no_local_checks(monkeypatch)
+    key = _mut_key()
+    base = torch.arange(8.0).to(DEV)
+    p, q, c = (torch.full((3,), float(v)).to(DEV) for v in range(3))
+    for t in (base, p, q, c):
+        t.cpu()  # resident: the call's inputs are handles
+    if case == "a handle twice after clean calls":
+        for _ in range(3):
+            torch.testing.assert_close(torch.ops.genie.graph_mut(key, [p, q], [c], [])[0].cpu(),
+                                       torch.full((3,), 6.0))
+    w, r = {"one tensor twice": ([base[:3], base[:3]], [c]),
+            "overlapping views": ([base[:3], base[2:5]], [c]),
+            "a written input read too": ([base[:3], base[3:6]], [base[:3]]),
+            "a read input overlapping": ([base[:3], base[3:6]], [base[1:4]]),
+            "a handle twice after clean calls": ([p, p], [c])}[case]
+    out = torch.ops.genie.graph_mut(key, w, r, [])
+    with pytest.raises(Exception, match="must be distinct tensors|elements share memory"):
+        out[0].cpu()
+    _goes_on()
+
+
+def test_server_refuses_graph_mut_writing_inputs_of_other_shapes(remote, monkeypatch) -> None:
+    """A written input of another shape than the value the graph writes into it (a broadcast
+    into a larger tensor) or of another dtype is refused, as an in-place op's would be."""
+    _no_local_checks(monkeypatch)
+    key = _mut_key()
+    for w0 in (torch.zeros(2, 3), torch.zeros(3, dtype=torch.float64)):
+        out = torch.ops.genie.graph_mut(key, [w0.to(DEV), torch.zeros(3).to(DEV)],
+                                        [torch.ones(3).to(DEV)], [])
+        with pytest.raises(Exception, match="writes each input with a value of its shape"):
+            out[0].cpu()
+        _goes_on()
+
+
+def _tampered_run(outs, edit) -> None:
+    """Run the tape of ``outs`` in the session with its genie::graph_mut instruction changed by
+    ``edit(tape, instruction)`` (what a client of its own may send)."""
+    from genie.backends.remote import clients
+    from genie.planner import build_tape
+
+    tape = build_tape([(o._node, o._out) for o in outs])
+    edit(tape, next(ins for ins in tape.instrs if ins.op is graphs.GRAPH_MUT_OP))
+    tape.plan = None
+    clients()[0].run(tape)
+
+
+def test_server_refuses_graph_mut_with_more_written_inputs_than_its_graph(remote) -> None:
+    """The written list has the graph's count of written inputs: one more (the read input also
+    named written) is refused."""
+    import optree
+
+    key = _mut_key()
+    out = torch.ops.genie.graph_mut(key, [torch.zeros(3).to(DEV), torch.zeros(3).to(DEV)],
+                                    [torch.ones(3).to(DEV)], [])
+
+    def edit(tape, ins):
+        k, a, b, c = ins.leaves
+        ins.leaves[:] = [k, a, b, c, c]
+        ins.spec = optree.tree_structure(((k, [a, b, c], [c], []), {}), none_is_leaf=True)
+
+    with pytest.raises(Exception, match="takes 2 tensors it writes, 1 tensors and 0 ints, got 3"):
+        _tampered_run([out[0]], edit)
+    _goes_on()
+
+
+def test_server_refuses_graph_mut_writing_an_expanded_input(remote) -> None:
+    """A written input whose elements share memory (an expanded view; eager's in-place ops
+    refuse it, and so does the client's meta kernel at record) is refused by the server."""
+    from genie.planner import Slot
+
+    key = _mut_key()
+    base = torch.arange(8.0).to(DEV)
+    e = base[:1].expand(3)
+    out = torch.ops.genie.graph_mut(key, [base[:3], base[3:6]], [torch.ones(3).to(DEV)], [])
+
+    def edit(tape, ins):
+        ins.leaves[1] = Slot(tape.slots[(e._node.index, e._out)])
+
+    with pytest.raises(Exception, match="elements share memory"):
+        _tampered_run([out[0], e], edit)
+    _goes_on()
+
+
+def test_server_refuses_graph_mut_writing_a_constant_of_the_request(remote) -> None:
+    """A written tensor must be a value of the session (a slot), not a host tensor sent as a
+    constant of the request: refused when the skeleton is checked."""
+    key = _mut_key()
+    out = torch.ops.genie.graph_mut(key, [torch.zeros(3).to(DEV), torch.zeros(3).to(DEV)],
+                                    [torch.ones(3).to(DEV)], [])
+
+    def edit(tape, ins):
+        ins.leaves[1] = torch.zeros(3)
+
+    with pytest.raises(ProtocolError, match="genie::graph_mut writes must be a list of the "
+                                            "session's values"):
+        _tampered_run([out[0]], edit)
+    _goes_on()
+
+
+def _smuggled(data: bytes) -> str:
+    """Graph data in this process's registry without its checks (a client of its own)."""
+    import msgpack
+
+    key = graphs.content_key(data)
+    d = msgpack.unpackb(data)
+    graphs._graphs[key] = graphs.GraphData(key, data, list(d["in"]), len(d["nodes"]),
+                                           writes="m" in d["in"])
+    return key
+
+
+@pytest.mark.parametrize("case", ["declares an input it does not write",
+                                  "writes through _unsafe_view", "writes with add_"])
+def test_server_refuses_graphs_whose_writes_are_not_their_declared_ones(remote, case) -> None:
+    """The inputs a graph writes, found from its data, are the ones it declares written: a
+    graph declaring a write it does not make, or writing otherwise than with ``copy_`` into the
+    input (through a view whose schema does not say it aliases, or ``add_``), is refused when it
+    arrives, as genie::graph_mut or genie::graph alike; before, genie::graph ran the last two and
+    wrote a tensor its tape only reads."""
+    import msgpack
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    v = g.call_function(aten.mul.Tensor, (y, 2.0))
+    if case == "writes through _unsafe_view":
+        g.call_function(aten.copy_.default, (g.call_function(aten._unsafe_view.default,
+                                                             (x, [3])), v))
+    elif case == "writes with add_":
+        g.call_function(aten.add_.Tensor, (x, v))
+    g.output([v])
+    for p in (x, y):
+        p.meta["val"] = torch.empty(3, device="meta")
+    data, _ = graphs.encode(torch.fx.GraphModule(torch.nn.Module(), g),
+                            [torch.empty(3), torch.empty(3)])
+    d = msgpack.unpackb(data)
+    for kinds in (["m", "t"], ["t", "t"]):
+        if case == "declares an input it does not write" and kinds == ["t", "t"]:
+            continue
+        d["in"] = kinds
+        key = _smuggled(msgpack.packb(d))
+        xd, yd = torch.zeros(3).to(DEV), torch.ones(3).to(DEV)
+        out = torch.ops.genie.graph_mut(key, [xd], [yd], []) if kinds[0] == "m" else \
+            torch.ops.genie.graph(key, [xd, yd], [])
+        with pytest.raises(ProtocolError, match="refused: .*(writes its inputs|a graph writes "
+                                                "only its inputs, each with aten::copy_)"):
+            out[0].cpu()
+        graphs.forget(key)
+    _goes_on()

@@ -693,3 +693,173 @@ def test_a_graph_that_writes_an_input_must_say_so_and_runs_only_as_graph_mut():
     out = torch.ops.genie.graph_mut(key, [t], [], [])
     torch.testing.assert_close(out[0], torch.full((3,), 2.0))
     torch.testing.assert_close(t, torch.full((3,), 2.0))
+
+
+# --- genie::graph_mut's writes, checked as an in-place op's (what a server relies on) ---------
+
+def _graph_data(build, n_inputs: int, shapes=None) -> bytes:
+    """Graph data of ``build(graph, placeholders) -> outputs`` (ops called by hand: what an
+    attacker may send), its placeholders device tensors of ``shapes`` (default (3,))."""
+    g = torch.fx.Graph()
+    ph = [g.placeholder(f"x{i}") for i in range(n_inputs)]
+    for p, s in zip(ph, shapes or [(3,)] * n_inputs, strict=True):
+        p.meta["val"] = torch.empty(s, device="meta")
+    g.output(build(g, ph))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    return graphs.encode(gm, [torch.empty(s) for s in shapes or [(3,)] * n_inputs])[0]
+
+
+_aten = torch.ops.aten
+
+
+def _mut_key() -> str:
+    """``x0.copy_(x2 * 2); x1.copy_(x2 + 1); return x2 * 3``: writes x0 and x1, reads x2."""
+    def build(g, ph):
+        a, b, c = ph
+        g.call_function(_aten.copy_.default, (a, g.call_function(_aten.mul.Tensor, (c, 2.0))))
+        g.call_function(_aten.copy_.default, (b, g.call_function(_aten.add.Tensor, (c, 1.0))))
+        return [g.call_function(_aten.mul.Tensor, (c, 3.0))]
+
+    data = _graph_data(build, 3)
+    assert msgpack_in(data) == ["m", "m", "t"]
+    return graphs.register(data).key
+
+
+def msgpack_in(data: bytes) -> list[str]:
+    import msgpack
+
+    return msgpack.unpackb(data)["in"]
+
+
+@pytest.mark.parametrize("how", ["add_ into the input", "copy_ into a view of it",
+                                 "copy_ into _unsafe_view of it", "copy_ into an intermediate",
+                                 "out= into the input"])
+def test_a_graph_writes_only_its_inputs_with_copy_(how):
+    """The inputs a graph writes are those its data declares, found from the data alone: only
+    ``copy_`` into an input itself may write (AOTAutograd's epilogue). Any other write could
+    reach an input through a view (``_unsafe_view``'s schema does not say it aliases) and write
+    what the graph does not declare: refused, declared written or not."""
+    import msgpack
+
+    def build(g, ph):
+        x, y = ph
+        v = g.call_function(_aten.mul.Tensor, (y, 2.0))
+        if how == "add_ into the input":
+            g.call_function(_aten.add_.Tensor, (x, v))
+        elif how == "copy_ into a view of it":
+            g.call_function(_aten.copy_.default,
+                            (g.call_function(_aten.view.default, (x, [3])), v))
+        elif how == "copy_ into _unsafe_view of it":
+            g.call_function(_aten.copy_.default,
+                            (g.call_function(_aten._unsafe_view.default, (x, [3])), v))
+        elif how == "copy_ into an intermediate":
+            g.call_function(_aten.copy_.default, (g.call_function(_aten.alias.default, (x,)), v))
+        else:
+            g.call_function(_aten.mul.out, (y, 2.0), {"out": x})
+        return [v]
+
+    g = torch.fx.Graph()
+    ph = [g.placeholder("x"), g.placeholder("y")]
+    for p in ph:
+        p.meta["val"] = torch.empty(3, device="meta")
+    g.output(build(g, ph))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    try:
+        data = graphs.encode(gm, [torch.empty(3), torch.empty(3)])[0]
+    except graphs.GraphError:
+        pytest.fail("encode refused it: the check is register's")
+    for kinds in (["t", "t"], ["m", "t"]):
+        d = msgpack.unpackb(data)
+        d["in"] = kinds
+        with pytest.raises(graphs.GraphError, match="a graph writes only its inputs, each with "
+                                                    "aten::copy_"):
+            graphs.register(msgpack.packb(d))
+
+
+def _written_inputs(case: str) -> tuple[list, list]:
+    """``(written, read)`` for graph ``_mut_key`` (two written, one read) as an attacker may
+    pass them."""
+    base = torch.zeros(8)
+    if case == "one tensor twice":
+        return [base[:3], base[:3]], [torch.ones(3)]
+    if case == "overlapping views":
+        return [base[:3], base[2:5]], [torch.ones(3)]
+    if case == "a written input read too":
+        return [base[:3], torch.zeros(3)], [base[:3]]
+    if case == "a read input overlapping a written one":
+        return [base[:3], torch.zeros(3)], [base[1:4]]
+    if case == "an expanded input":
+        return [torch.zeros(1).expand(3), torch.zeros(3)], [torch.ones(3)]
+    if case == "an interleaved view of itself":  # elements 0, 1, 1, 2: not dense, no 0 stride
+        return [base.as_strided((2, 2), (1, 1)), torch.zeros(3)], [torch.ones(3)]
+    raise AssertionError(case)
+
+
+_ALIASED = ["one tensor twice", "overlapping views", "a written input read too",
+            "a read input overlapping a written one", "an expanded input",
+            "an interleaved view of itself"]
+
+
+@pytest.mark.parametrize("case", _ALIASED)
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_graph_mut_refuses_written_inputs_that_share_memory(fast_compiler, case, device):
+    """The inputs genie::graph_mut writes are distinct memory, as an in-place op's output: not
+    a tensor named twice, not overlapping another input it writes or reads, not overlapping
+    itself. Checked by the kernel (every call: aliasing is no part of a shape class) and by the
+    meta kernel (a server's vet, on meta tensors that alias as the session's tensors do);
+    nothing is written."""
+    key = _mut_key()
+    written, read = _written_inputs(case)
+    if device == "meta":  # the same aliasing on meta storages
+        st = {}
+
+        def meta(t):
+            base = st.setdefault(t.untyped_storage()._cdata, torch.empty(
+                t.untyped_storage().nbytes(), dtype=torch.uint8, device="meta"))
+            m = torch.empty(0, dtype=t.dtype, device="meta")
+            return m.set_(base.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+        written, read = [meta(t) for t in written], [meta(t) for t in read]
+    before = [t.clone() for t in written] if device == "cpu" else None
+    with pytest.raises(graphs.GraphError, match="must be distinct tensors|elements share memory"):
+        torch.ops.genie.graph_mut(key, written, read, [])
+    if before is not None:
+        for t, b in zip(written, before, strict=True):
+            torch.testing.assert_close(t, b)
+
+
+def test_graph_mut_runs_with_disjoint_views_of_one_storage(fast_compiler):
+    """What the check must not refuse: written inputs that are disjoint views of one buffer
+    (halves of a flat parameter buffer), a read input in the same storage apart from them, and
+    a strided view whose elements are apart (a column of a matrix)."""
+    key = _mut_key()
+    buf, m = torch.zeros(12), torch.zeros(3, 4)
+    buf[6:9] = torch.arange(3.0)
+    out = torch.ops.genie.graph_mut(key, [buf[:3], m[:, 1]], [buf[6:9]], [])
+    torch.testing.assert_close(out[0], torch.arange(3.0) * 3)
+    torch.testing.assert_close(buf[:3], torch.arange(3.0) * 2)
+    torch.testing.assert_close(m[:, 1], torch.arange(3.0) + 1)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_graph_mut_refuses_written_inputs_of_other_shapes_or_dtypes(fast_compiler, device):
+    """Each write of an input is checked as an in-place op's: the value the graph writes has the
+    written input's shape and dtype. A (2, 3) input where the graph writes a (3,) value (a
+    broadcast into a larger tensor), or a float64 one where it writes float32, is refused
+    before anything is written; and the count of written inputs is the graph's."""
+    key = _mut_key()
+    for written, read in [([torch.zeros(2, 3, device=device), torch.zeros(3, device=device)],
+                           [torch.ones(3, device=device)]),
+                          ([torch.zeros(3, dtype=torch.float64, device=device),
+                            torch.zeros(3, device=device)], [torch.ones(3, device=device)])]:
+        keep = [t.clone() for t in written]
+        with pytest.raises(graphs.GraphError, match="writes each input with a value of its "
+                                                    "shape and dtype"):
+            torch.ops.genie.graph_mut(key, written, read, [])
+        if device == "cpu":
+            for t, b in zip(written, keep, strict=True):
+                torch.testing.assert_close(t, b)
+    with pytest.raises(graphs.GraphError, match="takes 2 tensors it writes"):
+        torch.ops.genie.graph_mut(key, [torch.zeros(3, device=device)],
+                                  [torch.ones(3, device=device), torch.ones(3, device=device)],
+                                  [])
