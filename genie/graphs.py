@@ -396,6 +396,15 @@ class GraphData:
         list)."""
         return tuple(i for i, k in enumerate(self.kinds) if k == "m")
 
+    @functools.cached_property
+    def written_set(self) -> frozenset[int]:
+        return frozenset(self.written)
+
+    @functools.cached_property
+    def tensor_inputs(self) -> tuple[int, ...]:
+        """The positions of the tensor inputs (read or written)."""
+        return tuple(i for i, k in enumerate(self.kinds) if k != "i")
+
     def module(self, device: torch.device) -> torch.fx.GraphModule:
         k = str(device)
         gm = self.modules.get(k)
@@ -411,6 +420,14 @@ _lock = threading.Lock()
 #: them built for a graph and its arguments' shape class before the compile here loads them
 #: (:mod:`genie.remote.compiler`)
 builder: Callable[[GraphData, list[Any]], None] | None = None
+
+
+#: whether genie::graph_mut's kernel checks the written inputs of every call
+#: (:func:`check_written`, ~1 µs an input): a server's worker sets it, since aliasing is no part
+#: of a shape class (its vet's cached effects and replayed programs do not see it); a process's
+#: own calls come from torch.compile, whose AOTAutograd never passes written inputs that share
+#: memory (the meta kernel checks each new input metadata all the same)
+check_calls = False
 
 
 def register(data: bytes, kinds: list[str] | None = None,
@@ -549,37 +566,52 @@ def check_written(g: GraphData, args: list[Any]) -> None:
     (a tensor named twice) or an input it reads. ``torch.compile`` never passes such inputs
     (AOTAutograd merges aliased inputs it mutates into one); a compiled graph's code would write
     them in an order of its own. Works on real and on meta tensors (their storages alias as the
-    real ones do). A server runs this on every call: aliasing is not part of a shape class."""
+    real ones do). A server runs this on every call (:data:`check_calls`)."""
     written = g.written
     if not written:
         return
-    spans: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (first byte, end, input)
-    for i, t in enumerate(args):
-        if isinstance(t, torch.Tensor) and t.numel():
-            lo = t.storage_offset() * t.element_size()
-            hi = lo + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * \
-                t.element_size()
-            spans.setdefault(t.untyped_storage()._cdata, []).append((lo, hi, i))
     for i in written:
         t = args[i]
-        if t.numel() > 1 and not _apart(t):
+        if not t.is_contiguous() and t.numel() > 1 and not _apart(t):
             raise GraphError(
                 f"genie::graph_mut: graph {g.key[:16]} writes input {i}, a tensor whose "
                 f"elements share memory (shape {tuple(t.shape)}, strides {t.stride()}): a "
                 "graph writes only tensors whose elements are distinct (clone() it first)")
-    for group in spans.values():
-        if len(group) < 2:
-            continue
-        for lo, hi, i in group:
-            if i not in written:
-                continue
-            for lo2, hi2, j in group:
-                if j != i and lo < hi2 and lo2 < hi:
-                    raise GraphError(
-                        f"genie::graph_mut: graph {g.key[:16]} writes input {i}, whose memory "
-                        f"overlaps input {j} (which it {'writes' if j in written else 'reads'})"
-                        ": a graph's written inputs must be distinct tensors that share no "
-                        "memory with its other inputs, as torch.compile passes them")
+    # the bytes each tensor spans: by address on a real device (distinct storages never share
+    # one), by storage and offset on meta (no addresses); then one sweep in address order
+    meta = args[written[0]].is_meta
+    spans = []
+    for i in g.tensor_inputs:
+        t = args[i]
+        if t.is_contiguous():
+            size = t.nbytes
+        else:
+            size = t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))\
+                if t.numel() else 0
+        if size:
+            if meta:
+                st, lo = t.untyped_storage()._cdata, t.storage_offset() * t.element_size()
+            else:
+                st, lo = 0, t.data_ptr()
+            spans.append((st, lo, lo + size, i))
+    spans.sort()
+    w = g.written_set
+    at = None
+    for st, lo, hi, i in spans:
+        if st != at:  # a new storage: nothing before it overlaps
+            at, top, top_w = st, (lo, -1), (lo, -1)  # the highest end so far (all, written)
+        j = top[1] if i in w and top[0] > lo else top_w[1] if top_w[0] > lo else -1
+        if j >= 0:
+            a, b = (i, j) if i in w else (j, i)
+            raise GraphError(
+                f"genie::graph_mut: graph {g.key[:16]} writes input {a}, whose memory overlaps "
+                f"input {b} (which it {'writes' if b in w else 'reads'}): a graph's written "
+                "inputs must be distinct tensors that share no memory with its other inputs, "
+                "as torch.compile passes them")
+        if hi > top[0]:
+            top = (hi, i)
+        if i in w and hi > top_w[0]:
+            top_w = (hi, i)
 
 
 def _apart(t: torch.Tensor) -> bool:
@@ -629,7 +661,8 @@ def _run_mut(key: str, written: list[torch.Tensor], tensors: list[torch.Tensor],
     """``genie::graph_mut``: the graph's run, writing ``written`` in place."""
     g = lookup(key)
     args = _inputs(g, tensors, ints, written)
-    check_written(g, args)
+    if check_calls:
+        check_written(g, args)
     return _run(key, args, [], g)
 
 

@@ -549,6 +549,7 @@ class Worker:
     def __init__(self, token: bytes, cfg: Config) -> None:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        graphs.check_calls = True  # a client's genie::graph_mut calls: each one's writes checked
         self.index_check = cfg.index_check
         self.sess = Session(token, cfg.quota)
         # vet once, replay natively (:meth:`_replay`): vetted peaks by structure and shapes,

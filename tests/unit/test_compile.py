@@ -802,12 +802,14 @@ _ALIASED = ["one tensor twice", "overlapping views", "a written input read too",
 
 @pytest.mark.parametrize("case", _ALIASED)
 @pytest.mark.parametrize("device", ["cpu", "meta"])
-def test_graph_mut_refuses_written_inputs_that_share_memory(fast_compiler, case, device):
+def test_graph_mut_refuses_written_inputs_that_share_memory(fast_compiler, monkeypatch, case,
+                                                            device):
     """The inputs genie::graph_mut writes are distinct memory, as an in-place op's output: not
     a tensor named twice, not overlapping another input it writes or reads, not overlapping
-    itself. Checked by the kernel (every call: aliasing is no part of a shape class) and by the
-    meta kernel (a server's vet, on meta tensors that alias as the session's tensors do);
-    nothing is written."""
+    itself. Checked by the kernel where calls come from clients (a server's: every call, since
+    aliasing is no part of a shape class) and by the meta kernel (a server's vet, on meta
+    tensors that alias as the session's tensors do); nothing is written."""
+    monkeypatch.setattr(graphs, "check_calls", True)
     key = _mut_key()
     written, read = _written_inputs(case)
     if device == "meta":  # the same aliasing on meta storages
@@ -828,10 +830,11 @@ def test_graph_mut_refuses_written_inputs_that_share_memory(fast_compiler, case,
             torch.testing.assert_close(t, b)
 
 
-def test_graph_mut_runs_with_disjoint_views_of_one_storage(fast_compiler):
+def test_graph_mut_runs_with_disjoint_views_of_one_storage(fast_compiler, monkeypatch):
     """What the check must not refuse: written inputs that are disjoint views of one buffer
     (halves of a flat parameter buffer), a read input in the same storage apart from them, and
     a strided view whose elements are apart (a column of a matrix)."""
+    monkeypatch.setattr(graphs, "check_calls", True)
     key = _mut_key()
     buf, m = torch.zeros(12), torch.zeros(3, 4)
     buf[6:9] = torch.arange(3.0)
