@@ -54,6 +54,9 @@ def remote(server: ServerProc):
 
 
 def test_compiled_training_sends_each_graph_once(remote) -> None:
+    """A compiled AdamW training step through the server: eager's losses and parameters; each
+    graph sent once; the optimizer's step one genie::graph_mut node the server runs (parameters
+    and moments written in place), not one recorded write-back ``copy_`` per mutated input."""
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
                               torch.nn.Linear(16, 1))
@@ -69,12 +72,16 @@ def test_compiled_training_sends_each_graph_once(remote) -> None:
         return loss
 
     cstep = torch.compile(step)
-    sent = []
+    sent, recorded = [], []
+    counted = ("graph_calls", "graph_mut_calls", "ops_recorded")
     for _ in range(6):
         x, y = torch.randn(4, 8), torch.randn(4, 1)
         want = step(ref, opt_r, x, y).item()
-        got = cstep(lazy, opt_l, x.to(DEV), y.to(DEV)).item()
-        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        before = genie.stats()
+        loss = cstep(lazy, opt_l, x.to(DEV), y.to(DEV))
+        s = genie.stats()
+        recorded.append(tuple(s.get(k, 0) - before.get(k, 0) for k in counted))
+        assert loss.item() == pytest.approx(want, rel=1e-5, abs=1e-6)
         sent.append(genie.stats().get("graphs_sent", 0))
     for a, b in zip(ref.parameters(), lazy.parameters(), strict=True):
         torch.testing.assert_close(b.cpu(), a.detach())
@@ -82,6 +89,10 @@ def test_compiled_training_sends_each_graph_once(remote) -> None:
     assert s["graph_calls"] == 18 and s["round_trips"] > 0
     # forward, backward, step: each sent once (the loss of step 1 needs only the forward)
     assert sent == [1, 3, 3, 3, 3, 3], sent
+    # a step records the three graph nodes (the step's a graph_mut), the uploads of x and y and
+    # the views of the two Linear weights the forward saves (recorded by its caller): no copy_
+    # of the 18 parameters and moments the step writes. The first step makes the moments, eagerly
+    assert recorded[1:] == [(3, 1, 7)] * 5, recorded
 
 
 def test_graph_with_an_op_outside_the_servers_opset_is_refused(remote) -> None:
@@ -231,66 +242,32 @@ def test_server_compiles_graphs_with_inductor_despite_its_sandbox(tmp_path) -> N
 # --- genie::graph_mut through a server: a graph that writes its inputs in place -----------------
 
 
-def test_compiled_optimizer_step_writes_in_place_through_the_server(remote) -> None:
-    """Connected, AdamW's compiled step is one genie::graph_mut node the server runs (the
-    parameters and moments written in place), not a graph returning their new values and one
-    recorded write-back ``copy_`` per mutated input: the losses of 6 steps and the parameters
-    equal eager's, and a step records its three graph nodes and no write-back."""
-    torch.manual_seed(1)
-    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
-    lazy = copy.deepcopy(ref).to(DEV)
-    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt_l = torch.optim.AdamW(lazy.parameters(), lr=1e-2)
-
-    def step(m, opt, x, y):
-        loss = torch.nn.functional.mse_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    cstep = torch.compile(step)
-    losses_r, losses_l, recorded = [], [], []
-    for _ in range(6):
-        x, y = torch.randn(4, 8), torch.randn(4, 1)
-        losses_r.append(step(ref, opt_r, x, y).item())
-        genie.reset_stats()
-        losses_l.append(cstep(lazy, opt_l, x.to(DEV), y.to(DEV)))
-        s = genie.stats()
-        recorded.append((s["graph_calls"], s.get("graph_mut_calls", 0), s["ops_recorded"]))
-    torch.testing.assert_close(torch.stack([v.cpu() for v in losses_l]), torch.tensor(losses_r))
-    for a, b in zip(ref.parameters(), lazy.parameters(), strict=True):
-        torch.testing.assert_close(b.cpu(), a.detach())
-    # forward, backward, the step (graph_mut); the uploads of x and y; the views of the two
-    # weights the forward saves (recorded by its caller): no copy_ of the 12 parameters and
-    # moments the step writes (19 ops a step before). The first step makes the moments, eagerly
-    assert recorded[1:] == [(3, 1, 7)] * 5, recorded
-    assert genie.stats().get("graphs_op_by_op", 0) == 0
-
-
 def test_compiled_kv_cache_update_writes_in_place_through_the_server(remote) -> None:
-    """A static KV cache's ``index_copy_`` and an accumulator's ``add_`` in a compiled function:
-    one genie::graph_mut node a call, run by the server in place (no copy of the whole cache and
-    its write-back), with eager's values, outputs and inputs alike."""
-    def f(x, y, cache, i):
-        cache.index_copy_(0, i, y * 2)
-        x.add_(y)
-        return (x * cache[:2]).sum(0)
+    """A static KV cache's decode step (each token's key and value ``index_copy_``'d into the
+    caches at its position, attention over the cache): one genie::graph_mut node a token, run
+    by the server in place (no copy of the whole caches and their write-back), with eager's
+    outputs and caches."""
+    def decode(q, k, v, k_cache, v_cache, pos):
+        k_cache.index_copy_(1, pos, k)
+        v_cache.index_copy_(1, pos, v)
+        w = (q @ k_cache.transpose(1, 2)).softmax(-1)
+        return w @ v_cache
 
-    cf = torch.compile(f)
-    x, cache = torch.randn(2, 3), torch.randn(5, 3)
-    xd, cached = x.to(DEV), cache.to(DEV)
-    for call in range(4):
-        y, i = torch.randn(2, 3), torch.tensor([call % 4, 4])
+    cdecode = torch.compile(decode)
+    caches = [torch.zeros(2, 6, 4), torch.zeros(2, 6, 4)]
+    remote_caches = [c.to(DEV) for c in caches]
+    for t in range(6):
+        q, k, v = (torch.randn(2, 1, 4) for _ in range(3))
+        pos = torch.tensor([t])
         with torch.no_grad():
-            want = f(x, y, cache, i)
-            genie.reset_stats()
-            got = cf(xd, y.to(DEV), cached, i.to(DEV))
+            want = decode(q, k, v, *caches, pos)
+            before = genie.stats()["ops_recorded"]
+            got = cdecode(q.to(DEV), k.to(DEV), v.to(DEV), *remote_caches, pos.to(DEV))
             assert got._node.op is graphs.GRAPH_MUT_OP
-            assert genie.stats()["ops_recorded"] == 3, genie.stats()  # 2 uploads, the graph
+            assert genie.stats()["ops_recorded"] - before == 5  # 4 uploads, the graph
         torch.testing.assert_close(got.cpu(), want)
-        torch.testing.assert_close(xd.cpu(), x)
-        torch.testing.assert_close(cached.cpu(), cache)
+        for c, rc in zip(caches, remote_caches, strict=True):
+            torch.testing.assert_close(rc.cpu(), c)
 
 
 # An attacker with a valid key sends genie::graph_mut calls a client would not make: the server
