@@ -471,15 +471,18 @@ struct WordTable {
   std::unordered_map<uint64_t, std::shared_ptr<T>> map;
   size_t n = 0;
 
+  // The chain is walked through references: a copy of each shared_ptr (two atomic operations)
+  // only for the one returned.
   std::shared_ptr<T> find(uint64_t h, const Words& w) const {
     auto it = map.find(h);
     if (it == map.end()) {
       return nullptr;
     }
-    for (auto e = it->second; e; e = e->next) {
-      if (e->words.size() == w.size() &&
-          std::memcmp(e->words.data(), w.data(), w.size() * sizeof(uint64_t)) == 0) {
-        return e;
+    for (const std::shared_ptr<T>* e = &it->second; *e; e = &(*e)->next) {
+      const T& x = **e;
+      if (x.words.size() == w.size() &&
+          std::memcmp(x.words.data(), w.data(), w.size() * sizeof(uint64_t)) == 0) {
+        return *e;
       }
     }
     return nullptr;
@@ -1448,16 +1451,33 @@ inline PyObject* fresh(PyObject* o, bool tracked) {
 PyObject* new_storage(bool tracked) {
   PyObject* s = new_object(S.storage, tracked);
   init_slot(s, S.st_pending, checked(PyTuple_New(0)));  // the empty tuple until a first write
-  init_slot(s, S.st_readers, fresh(PyList_New(0), tracked));
+  init_slot(s, S.st_readers, checked(PyTuple_New(0)));  // and until a first reader
   init_slot(s, S.st_prune, checked(PyLong_FromLong(64)));
   Py_INCREF(Py_None);
   init_slot(s, S.st_role, Py_None);  // a role known for the storage's life (uploads only)
   return s;
 }
 
+// The list in `owner`'s slot at `off`, made from the shared empty tuple a Storage's readers and
+// a Node's consumers start as (most lists are never made: genie.graph.Storage), under the
+// collector as its owner is (it holds weak references only).
+PyObject* list_slot(PyObject* owner, Py_ssize_t off) {
+  PyObject* v = slot(owner, off);
+  if (PyList_CheckExact(v)) {
+    return v;
+  }
+  PyObject* list = checked(PySequence_List(v));
+  if (!PyObject_GC_IsTracked(owner)) {
+    untrack(list);
+  }
+  slot(owner, off) = list;
+  Py_DECREF(v);
+  return list;
+}
+
 // genie.graph.Storage.add_reader.
 void add_reader(PyObject* storage, PyObject* wref) {
-  PyObject* readers = slot(storage, S.st_readers);
+  PyObject* readers = list_slot(storage, S.st_readers);
   if (PyList_Append(readers, wref) < 0) {
     throw py::error_already_set();
   }
@@ -1466,6 +1486,9 @@ void add_reader(PyObject* storage, PyObject* wref) {
     return;
   }
   PyObject* kept = checked(PyList_New(0));
+  if (!PyObject_GC_IsTracked(storage)) {
+    untrack(kept);
+  }
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(readers); ++i) {
     PyObject* w = PyList_GET_ITEM(readers, i);
     PyObject* n = PyWeakref_GetObject(w);  // borrowed
@@ -1770,7 +1793,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   init_slot(n, S.n.graph, new_ref(graph));
   init_slot(n, S.n.seq, next_seq());
   init_slot(n, S.n.where, new_ref(Py_None));
-  init_slot(n, S.n.consumers, fresh(PyList_New(0), tracked));
+  init_slot(n, S.n.consumers, checked(PyTuple_New(0)));  // a list from its first consumer
   init_slot(n, S.n.tags, new_ref(Py_None));
   init_slot(n, S.n.entry, new_ref(e.entry));
   init_slot(n, S.n.ctx, current_ctx(this_thread().current));
@@ -1785,7 +1808,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
     }
     PyObject* xn = l.node;
     if (slot(xn, S.n.executed) == Py_False) {
-      if (PyList_Append(slot(xn, S.n.consumers), wref) < 0) {
+      if (PyList_Append(list_slot(xn, S.n.consumers), wref) < 0) {
         throw py::error_already_set();
       }
     }
@@ -2819,7 +2842,7 @@ PyObject* note_reads(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
       if (done < 0) {
         throw py::error_already_set();
       }
-      if (done == 0 && PyList_Append(slot(xn, S.n.consumers), wref) < 0) {
+      if (done == 0 && PyList_Append(list_slot(xn, S.n.consumers), wref) < 0) {
         throw py::error_already_set();
       }
       PyObject* sts = slot(xn, S.n.storages);

@@ -498,7 +498,11 @@ py::object slice_nodes(const py::list& targets) {
         return;
       }
       b->second = last;
-      PyObject* readers = as_list(get(s, S.st_readers));
+      PyObject* readers = get(s, S.st_readers);
+      if (PyTuple_CheckExact(readers) && PyTuple_GET_SIZE(readers) == 0) {
+        return;  // no reader yet (genie.graph.Storage: the shared empty tuple until the first)
+      }
+      as_list(readers);
       for (Py_ssize_t i = 0; i < PyList_GET_SIZE(readers); ++i) {
         PyObject* rn = deref(PyList_GET_ITEM(readers, i));
         if (rn != Py_None && !executed(as_node(rn)) && index_of(rn) < last) {

@@ -185,7 +185,9 @@ class Storage:
     ``pending_writes`` are recorded, not yet executed nodes that mutate this storage, in record
     order: the shared empty tuple until the first write (most storages are never written, and a
     list per recorded output cost an allocation at record and a free at teardown), then a list.
-    ``readers`` are weak references to pending nodes that read it (for write-after-read).
+    ``readers`` are weak references to pending nodes that read it (for write-after-read): the
+    shared empty tuple until the first reader, then a list (an output read by no pending node,
+    as a step's last values, never makes one).
     ``role`` is set where a storage's meaning is known for its whole life (the upload of a
     parameter: ``weight``), so in-place updates and views keep it (:func:`genie.context.node_role`).
     """
@@ -194,7 +196,7 @@ class Storage:
 
     def __init__(self) -> None:
         self.pending_writes: list[Node] | tuple[()] = ()
-        self.readers: list[weakref.ref[Node]] = []
+        self.readers: list[weakref.ref[Node]] | tuple[()] = ()
         self._prune_at = 64
         self.role: str | None = None
 
@@ -223,6 +225,8 @@ class Storage:
         otherwise grow its list forever.
         """
         readers = self.readers
+        if type(readers) is tuple:
+            readers = self.readers = list(readers)
         readers.append(r)
         if len(readers) >= self._prune_at:
             self.prune_grown()
@@ -282,7 +286,8 @@ class Node:
         self.graph = graph
         self.seq = graph.next_seq()
         self.where: str | None = None
-        self.consumers: list[weakref.ref[Node]] = []
+        # pending nodes reading an output: the shared empty tuple until the first one
+        self.consumers: list[weakref.ref[Node]] | tuple[()] = ()
         self.tags: dict[str, Any] | None = None
         self.entry: Any = None
         # what the program was doing (genie.context.Context: module path, region, phase); on

@@ -19,6 +19,7 @@ What forces a value to exist (the "triggers", see docs/semantics.md): copying to
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 import threading
 import weakref
@@ -686,9 +687,18 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
         if type(x) is Ref:
             xn = x.node
             if not xn.executed:  # consumers only decide what a run of xn keeps
-                xn.consumers.append(wref)
+                cons = xn.consumers
+                if type(cons) is tuple:  # the shared empty tuple until a first consumer
+                    cons = xn.consumers = list(cons)
+                    if not gc.is_tracked(xn):
+                        _C._gc_untrack(cons)
+                cons.append(wref)
             s = xn.storages[x.out]  # Storage.add_reader, inlined (once per lazy input)
             readers = s.readers
+            if type(readers) is tuple:  # as for consumers
+                readers = s.readers = list(readers)
+                if not gc.is_tracked(s):
+                    _C._gc_untrack(readers)
             readers.append(wref)
             if len(readers) >= s._prune_at:
                 s.prune_grown()

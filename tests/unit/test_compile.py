@@ -382,7 +382,7 @@ def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler, m
     assert later.ctx is not None and first.ctx is not None  # the compiled module's context
     assert (later.ctx.path, later.ctx.region) == (first.ctx.path, first.ctx.region)
     assert later.index > first.index and later.uid != first.uid
-    assert not later.executed and later.rng is None and later.consumers == []
+    assert not later.executed and later.rng is None and later.consumers == ()
     assert [type(s) for s in later.storages] == [type(s) for s in first.storages]
     assert len(later.leaves) == len(first.leaves)
     for a, b in zip(first.leaves, later.leaves, strict=True):

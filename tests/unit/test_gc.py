@@ -157,6 +157,32 @@ def test_live_nodes_counts_untracked_nodes() -> None:
     assert live_nodes() == base
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_consumer_and_reader_lists_made_at_the_first_read(native: bool) -> None:
+    """A node's ``consumers`` and a storage's ``readers`` are the shared empty tuple until a
+    pending node reads them (a value nothing reads makes neither list); the first read makes
+    each a list holding the reader's weak reference, off the collector as its owner is."""
+    saved = config.native_record
+    config.native_record = native
+    try:
+        a = torch.ones(4, device=DEV)
+        for _ in range(3):  # the first time through the Python path, then the chosen one
+            x = a * 2
+            n, s = x._node, x._node.storages[x._out]
+            assert n.consumers == () and type(n.consumers) is tuple
+            assert s.readers == () and type(s.readers) is tuple
+            y = x * 0.5
+            z = x + 1.0
+        assert type(n.consumers) is list and type(s.readers) is list
+        assert [w() for w in n.consumers] == [y._node, z._node]
+        assert [w() for w in s.readers] == [y._node, z._node]
+        assert not gc.is_tracked(n.consumers) and not gc.is_tracked(s.readers)
+        assert y._node.consumers == () and y._node.storages[0].readers == ()
+        torch.testing.assert_close(z.cpu(), torch.full((4,), 3.0))
+    finally:
+        config.native_record = saved
+
+
 def test_a_recorded_value_leaves_one_tracked_object() -> None:
     """Per recorded op, only the LazyTensor itself stays under the collector: its node (with
     lists, Refs, weak references), its output storage (with its two lists), its liveness token
