@@ -2039,14 +2039,64 @@ PyObject* guarded(F&& f) {
   }
 }
 
+// --- sending ahead (genie.backends.remote.send_ahead) ----------------------------------------
+//
+// While a server is connected, every `ahead_every`-th call recorded through native_or_fallback
+// hands its result to `ahead_cb`, which sends what that value depends on to the server without
+// waiting for the answer, so the server computes it while the program records on (the client's
+// recording and the server's kernels overlap instead of taking turns). A count of calls, not
+// of time: the same program cuts its steps at the same ops every time, so the requests repeat
+// and hit the server's vetted plans. 0 (no server, GENIE_REMOTE_AHEAD=0): one compare per call.
+// Not re-entered: what the callback records (nothing, normally) is not counted.
+int64_t ahead_every = 0;
+int64_t ahead_count = 0;
+PyObject* ahead_cb = nullptr;  // strong reference while ahead_every > 0
+bool in_ahead = false;
+
+// `r` (a new reference, or nullptr), after the callback's turn came; nullptr when it raised
+// (the error surfaces at the op that triggered it: the failure of a run sent earlier).
+PyObject* after_record(PyObject* r) {
+  if (ahead_every <= 0 || r == nullptr || in_ahead || ++ahead_count < ahead_every) {
+    return r;
+  }
+  ahead_count = 0;
+  in_ahead = true;
+  PyObject* ok = PyObject_CallOneArg(ahead_cb, r);
+  in_ahead = false;
+  if (ok == nullptr) {
+    Py_DECREF(r);
+    return nullptr;
+  }
+  Py_DECREF(ok);
+  return r;
+}
+
+void record_ahead(int64_t every, py::object cb) {
+  if (every > 0 && !PyCallable_Check(cb.ptr())) {
+    throw py::type_error("_record_ahead needs a callable when every > 0");
+  }
+  Py_CLEAR(ahead_cb);
+  ahead_every = every > 0 ? every : 0;
+  ahead_count = 0;
+  if (ahead_every > 0) {
+    ahead_cb = cb.release().ptr();
+  }
+}
+
+// Every value the program reads starts the count again (executor.run_targets, host reads): a
+// step's pieces are cut at the same ops each step whatever the step's length.
+void record_ahead_reset() {
+  ahead_count = 0;
+}
+
 PyObject* native_or_fallback(PyObject* (*native)(PyObject*, PyObject*, PyObject*),
                              PyObject* fallback, PyObject* func, PyObject* args, PyObject* kwargs) {
   PyObject* r = guarded([&] { return native(func, args, kwargs); });
   if (r != kNotHandled) {
-    return r;
+    return after_record(r);
   }
-  return PyObject_CallFunctionObjArgs(fallback, func, args, kwargs != nullptr ? kwargs : Py_None,
-                                      nullptr);
+  return after_record(PyObject_CallFunctionObjArgs(
+      fallback, func, args, kwargs != nullptr ? kwargs : Py_None, nullptr));
 }
 
 // LazyTensor.__torch_dispatch__(func, types, args=(), kwargs=None), as a staticmethod: torch
@@ -3222,6 +3272,11 @@ void add_record_functions(py::module_& m) {
         "Calls by outcome: handled natively, learned, and each reason for taking the Python "
         "path; and the number of learned entries.");
   m.def("_record_reset_stats", &record_reset_stats, "Zero the counts of _record_stats.");
+  m.def("_record_ahead", &record_ahead, py::arg("every"), py::arg("callback"),
+        "Call `callback(result)` with every `every`-th result recorded (0: never): "
+        "genie.backends.remote sends what it depends on to the server ahead.");
+  m.def("_record_ahead_reset", &record_ahead_reset,
+        "Start _record_ahead's count again (the program read a value).");
   m.attr("_record_native") = true;
   m.attr("_record_wrap") = GENIE_WRAP_NATIVE ? "native" : "python";
 }

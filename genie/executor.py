@@ -12,14 +12,15 @@ op; others compile it or send it to a server.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.autograd import profiler as _profiler
 
 from . import backends, checks, context, memory, plan_cache
-from ._C import (_bind_nodes, _gc_untrack, _math_bits_on, _math_bits_restore, _state_apply,
-                 _state_word, _without_warning)
+from ._C import (_bind_nodes, _gc_untrack, _math_bits_on, _math_bits_restore,
+                 _record_ahead_reset, _state_apply, _state_word, _without_warning)
 from .config import config
 from .context import _steps
 from .device import real_device
@@ -77,13 +78,16 @@ def states_of(tape: Tape) -> frozenset[int]:
     return frozenset(n.entry.state for n in tape.nodes if n.entry is not None)
 
 
-def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
+def run_tape(tape: Tape, index: int,
+             defer: Callable[[Callable[[], None]], bool] | None = None) -> list[torch.Tensor]:
     """Run ``tape`` for ``remote_accelerator:index`` on the first backend that takes it.
 
     Under the global state its ops were recorded under (default dtype, deterministic flags, on
     CUDA the precision flags: csrc/state.cpp), as eager ran them then: a tape recorded under one
     state that is not the current one runs with that state set (and the current one restored
     after); a tape of several states runs op by op in the eager interpreter, each under its own.
+    ``defer``: given the binding of the run's nodes, true when it takes it for later (a tape
+    sent ahead: bound once the server answered, :func:`run_kept`).
     """
     states = states_of(tape)
     before = None
@@ -123,10 +127,16 @@ def run_tape(tape: Tape, index: int) -> list[torch.Tensor]:
             _state_apply(before)
     _counts["nodes_executed"] += len(ran.instrs)
     outputs = [kept[s] for s in tape.outputs]
+    if defer is not None and defer(lambda: _bind_ran(tape, kept, ran, index)):
+        return outputs
+    _bind_ran(tape, kept, ran, index)
+    return outputs
+
+
+def _bind_ran(tape: Tape, kept: dict[int, Any], ran: Tape, index: int) -> None:
     # the tape is dropped after this; its node list only read again to account a peak
     _bind(tape, kept, release=ran.nodes is not tape.nodes or not memory.tracking())
     memory.after_run(ran, kept, index)
-    return outputs
 
 
 def _run_per_op(tape: Tape, dev: torch.device, states: list[int | None]
@@ -397,6 +407,9 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
     Only the nodes the values depend on run; each runs at most once; values that live tensors
     hold stay on the device for later use. Public entry point: :func:`genie.materialize`.
     """
+    _record_ahead_reset()  # a read: a piece sent ahead (backends.remote) counts from here
+    if backends.before_plan is not None:  # and what was sent ahead is bound first
+        backends.before_plan()
     outs = None
     for node, out in targets:  # values already on the device (_ready's test, in a loop)
         if not node.executed or node.values is None or node.storages[out].pending_writes:
@@ -420,6 +433,17 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
         return backends.fetch(outs)  # handles of values resident on a server -> real tensors
     with phase("transfer"):
         return backends.fetch(outs)
+
+
+def run_kept(targets: list[tuple[Node, int]], index: int,
+             defer: Callable[[Callable[[], None]], bool] | None = None) -> None:
+    """Run what ``targets`` depend on and keep their values where they live (on a server:
+    resident handles), returning nothing: :func:`genie.backends.remote.send_ahead`, whose
+    ``defer`` (see :func:`run_tape`) binds the nodes when the server has answered. Until then
+    they stay pending: a failure leaves them as a failed materialization does."""
+    if backends.before_plan is not None:
+        backends.before_plan()
+    run_tape(_requested(plan_cache.plan(targets, backends.shape_generic()), 0), index, defer)
 
 
 def _requested(tape: Tape, n: int) -> Tape:

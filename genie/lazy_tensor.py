@@ -1138,6 +1138,7 @@ def _item_now(x: LazyTensor) -> Any:
     without a round trip (:func:`genie.executor.host_read`; its nodes stay pending)."""
     served = device.remote_served
     if served is not None and not x._node.executed and served(x._node.metas[x._out].index):
+        _C._record_ahead_reset()  # a read: the next piece sent ahead counts from here
         real = executor.host_read(x._node, x._out)
         if real is not None:
             _counts["forced_materializations"] += 1

@@ -47,6 +47,10 @@ class BackendUnsupported(GenieError):
     """Raised by a backend's ``run`` when it finds late that it cannot take the tape."""
 
 
+#: called before a materialization plans (genie.executor): a backend that sent work ahead
+#: without waiting reads its answer and binds what it made (genie.backends.remote.settle)
+before_plan: Callable[[], None] | None = None
+
 _registry: dict[str, Backend] = {}
 _order: list[str] = []
 _warned: set[tuple[str, str]] = set()

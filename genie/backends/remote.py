@@ -28,10 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import profiler as _profiler
 
-from .. import device, lazy_tensor, memory
+from .. import _C, context, device, executor, lazy_tensor, memory
 from ..errors import DeviceError, GenieError
+from ..graph import DEFAULT_GRAPH
 from ..planner import Slot, Tape
+from .. import backends
 from . import BackendUnsupported, backend_order, register_backend, set_backends
 
 _clients: list[Any] = []
@@ -44,6 +47,31 @@ _atexit = False
 #: host tensors at least this large are sent when ``.to()`` records their upload (one round
 #: trip each, their own memory as the frame) instead of being snapshotted for the next request
 UPLOAD_NOW_MIN = 4 << 20
+
+
+def ahead_ops() -> int:
+    """``GENIE_REMOTE_AHEAD``, read at each :func:`connect` (never at import: ``import torch``
+    loads Genie, and a bad setting must fail only the program that connects)."""
+    v = os.environ.get("GENIE_REMOTE_AHEAD", "").strip()
+    if not v:
+        return AHEAD_OPS
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise GenieError(f"GENIE_REMOTE_AHEAD={v!r}: expected a whole number of recorded ops "
+                         "after which what the last one computes is sent to the server ahead "
+                         "(0: never; default 256)")
+    return n
+
+
+#: every this many recorded ops, the value the last one made is sent to the server without
+#: waiting (:func:`send_ahead`); GENIE_REMOTE_AHEAD overrides it, 0 turns it off
+AHEAD_OPS = 256
+_graph_task_id = torch._C._current_graph_task_id
+_ahead = False  # RemoteBackend.run: the tape running now is sent ahead (do not wait)
+_sent: Any = None  # the client RemoteBackend.run just sent a tape ahead on (send_ahead takes it)
 
 
 def connect(address: str | Sequence[str] | None = None, *, key_file: str | None = None,
@@ -129,6 +157,7 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
         check_policy(policy, len(addrs))
     except ValueError as e:
         raise GenieError(f"[genie.connect] {e}") from None
+    ahead = ahead_ops()
     disconnect()
     cpub, csec = client_keys if client_keys else (None, None)
     if replay is None:
@@ -153,6 +182,9 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
         _router = Router(policy, new)
     set_backends(["remote", *[n for n in backend_order() if n != "remote"]])
     lazy_tensor.upload_now = _upload_now
+    if ahead > 0 and _router is None:
+        _C._record_ahead(ahead, send_ahead)
+        backends.before_plan = settle
     if device.device_count() < len(new):
         device._native()._set_device_count(len(new))
     global _atexit
@@ -170,6 +202,8 @@ def disconnect() -> None:
     global _router, _env_error
     _env_error = None
     lazy_tensor.upload_now = None
+    _C._record_ahead(0, None)
+    backends.before_plan = None
     if _router is not None:
         _router.close()
         _router = None
@@ -271,6 +305,64 @@ def fetch_values(values: list[Any]) -> list[Any]:
     return out
 
 
+def send_ahead(result: Any) -> None:
+    """Send what ``result`` (an op's return value, every :data:`AHEAD_OPS`-th recorded op: the
+    native record path calls this) depends on to its server now, keeping the values there and
+    not waiting for the answer: the server computes while the program records on, and the
+    request that finally needs a value finds most of its work done. The answer is read before
+    the session's next request; a failure is raised there (the op then recorded, or the value
+    then read), not at the op that failed.
+
+    Only the slice of this one value is sent: what it does not depend on goes with a later
+    request, as without sending ahead. Not in a training step, which stays one tape
+    (docs/semantics.md: the passes plan its memory across forward, backward and update; a
+    forward that records for autograd, the backward, an optimizer step or its pending effects
+    are not sent ahead), nor under a placement policy (it picks servers per tape), in a
+    capture or under the profiler: inference (``no_grad``, ``inference_mode``) is what goes."""
+    global _ahead
+    t = result
+    if type(t) is not lazy_tensor.LazyTensor:
+        if type(t) is not tuple and type(t) is not list:
+            return
+        t = next((x for x in t if type(x) is lazy_tensor.LazyTensor), None)
+        if t is None:
+            return
+    node = t._node
+    if node is None or node.executed or _ahead or _router is not None or not _clients or \
+            node.graph is not DEFAULT_GRAPH:  # a capture's nodes are for the user to read
+        return
+    if _profiler._is_profiler_enabled or torch.is_grad_enabled() or \
+            _graph_task_id() != -1 or context._steps.pending:
+        return
+    ctx = node.ctx
+    if ctx is not None and ctx.region == "optimizer":
+        return
+    index = node.metas[t._out].index
+    if index >= len(_clients):
+        return
+    _ahead = True
+    try:
+        executor.run_kept([(node, t._out)], index, _bind_later)
+    finally:
+        _ahead = False
+
+
+def _bind_later(bind: Any) -> bool:
+    """``run_kept``'s ``defer``: the nodes of a tape sent ahead are bound when its answer is
+    read (false: it ran without being sent ahead, bind now)."""
+    global _sent
+    c, _sent = _sent, None
+    return c is not None and c.after_answer(bind)
+
+
+def settle() -> None:
+    """Read the answers of the tapes sent ahead and bind what they made (before a
+    materialization plans: ``genie.backends.before_plan``)."""
+    for c in _clients:
+        if c._inflight is not None:
+            c.settle()
+
+
 def _index(tape: Tape) -> int:
     if hasattr(tape, "index"):
         return tape.index
@@ -310,7 +402,14 @@ class RemoteBackend:
                 return _run_split(tape)
             index = devs.pop() if devs else _index(tape)
             c = client_for(index)
-            return c.run(tape) if _router is None else _router.run(tape, index)
+            if _router is not None:
+                return _router.run(tape, index)
+            if not _ahead:
+                return c.run(tape)
+            global _sent
+            kept = c.run(tape, wait=False)
+            _sent = c if c._inflight is not None else None
+            return kept
         except Unsendable as e:
             if any(type(v) is Handle for v in tape.inputs.values()):
                 raise GenieError(f"[genie] {e}; the tape's other values live on the server, so "

@@ -203,6 +203,9 @@ class Client:
         self._runs = 0
         self._work: dict[bytes, Any] = {}  # estimated work by skeleton key (cost model samples)
         self._decoding = False  # the last tape was a decode step (sticky for puts, restores)
+        #: a run sent ahead whose answer is not read yet (:meth:`run` with ``wait=False``); read
+        #: before anything else is sent (:meth:`_settle`)
+        self._inflight: _Ahead | None = None
 
     # --- lifecycle --------------------------------------------------------------------------
     def open(self) -> Client:
@@ -264,12 +267,17 @@ class Client:
         """End the session (the server frees its tensors at once) and close the connection."""
         with self._lock:
             if self.session is not None and self.alive:
+                saved, self.timeout = self.timeout, min(self.timeout, 2.0)
                 try:
-                    saved, self.timeout = self.timeout, min(self.timeout, 2.0)
+                    self._settle()
+                except Exception:  # noqa: BLE001 - closing: what failed ahead is not asked for
+                    pass
+                try:
                     self._call_locked({"t": "bye"}, (), "closing the session")
                 except RemoteError:
                     pass
                 self.timeout = saved
+            self._inflight = None
             self._shutdown("the client disconnected (genie.disconnect())")
 
     def _shutdown(self, why: str, final: bool = True) -> None:
@@ -316,6 +324,12 @@ class Client:
 
     def _call_locked(self, header: dict[str, Any], frames: Any, what: str
                      ) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        if self._inflight is not None:
+            self._settle()
+        return self._receive(self._send(header, frames, what))
+
+    def _send(self, header: dict[str, Any], frames: Any, what: str) -> _Sent:
+        """Send one request (under the lock); :meth:`_receive` reads its answer."""
         self._check_alive()
         assert self._sock is not None and self._poller is not None
         rid = next(self._rids)
@@ -341,6 +355,12 @@ class Client:
         bump("round_trips")
         bump("bytes_sent", len(data) + size)
         self._last_activity = time.monotonic()
+        return _Sent(rid, what, len(data), size, up, sent_at)
+
+    def _receive(self, sent: _Sent) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        """The answer to the request ``sent`` (raised as an error when it is one)."""
+        rid, what, head, size = sent.rid, sent.what, sent.head, sent.size
+        up, sent_at = sent.up, sent.sent_at
         deadline = time.monotonic() + self.timeout
         while True:
             left = deadline - time.monotonic()
@@ -374,7 +394,7 @@ class Client:
             transfer_done("download", got, self.address, sent_at, "request to reply")
             st = h.get("st")
             if type(st) is float or type(st) is int:
-                model().observe_transfer(len(data) + size + got,
+                model().observe_transfer(head + size + got,
                                          time.perf_counter() - sent_at - st, CLIENT, self.address)
             ix = h.get("ix")  # index arguments the server checked (genie.index_check)
             if isinstance(ix, list) and len(ix) == 3 and all(type(v) is int for v in ix):
@@ -467,10 +487,17 @@ class Client:
         return out
 
     # --- the requests ----------------------------------------------------------------------------
-    def run(self, tape: Tape) -> dict[int, Any]:
+    def run(self, tape: Tape, wait: bool = True) -> dict[int, Any]:
         """Run ``tape`` in the session; returns a handle for every kept slot (outputs downloaded
-        into ``handle.host``)."""
+        into ``handle.host``).
+
+        ``wait=False`` (a tape with no outputs to download: :func:`genie.backends.remote.
+        send_ahead`) sends the request and returns its handles at once; the answer is read
+        before the session's next request (:meth:`_settle`); a failure there leaves the
+        tape's nodes pending."""
         with self._lock:
+            if self._inflight is not None:
+                self._settle()
             self.open()
             lin = self._lineage
             if lin is not None and lin.stale():
@@ -482,26 +509,25 @@ class Client:
             res = self.res
             if res.evicted:
                 res.before_run(tape)
-            uploads: dict[int, tuple[torch.Tensor, int]] = {}
-            restored: list[Handle] = []
+            r = _Run(tape)
+            uploads, restored = r.uploads, r.restored
 
             def input_const(s: int, v: Any, frames: list[Any]) -> Any:
                 if type(v) is Handle and v.client is self:  # resident here (as most are)
-                    r = v.res
-                    if r is None or r.evicted is None:
+                    x = v.res
+                    if x is None or x.evicted is None:
                         return v.id
                 return self._input_const(s, v, frames, uploads, restored)
 
             # kept uploads go as input uploads: a first call that uploads a model's weights
             # has the skeleton of the calls after it (genie.remote.protocol.encode_tape)
-            enc = encode_tape(tape, input_const, hoist=True)
-            inputs = tape.inputs
-            n_new = len(enc.order)
-            id0 = next(self._ids)
+            r.enc = enc = encode_tape(tape, input_const, hoist=True)
+            r.n_new = n_new = len(enc.order)
+            r.id0 = id0 = next(self._ids)
             for _ in range(n_new - 1):
                 next(self._ids)
             header: dict[str, Any] = {"t": "run", "k": enc.key, "id0": id0}
-            base = self._skeletons.get(enc.key)
+            r.base = base = self._skeletons.get(enc.key)
             delta = const_delta(base, enc.consts) if base is not None else None
             if base is None:
                 header["sk"] = enc.skeleton
@@ -511,96 +537,193 @@ class Client:
                 header["c"] = enc.consts
             else:
                 header["d"] = delta
-            extra: dict[str, Any] = {}
-            gkeys = graphs.keys_of(tape.instrs)
+            r.gkeys = gkeys = graphs.keys_of(tape.instrs)
             new_graphs = [k for k in gkeys if k not in self._graphs_sent]
             if new_graphs:
                 header["g"] = [[k, graphs.lookup(k).data] for k in new_graphs]
                 bump("graphs_sent", len(new_graphs))
             ev = res.hints(restored)
             if ev:
-                extra["ev"] = ev
+                r.extra["ev"] = ev
             self._decoding = res.decoding(tape)
             if self._decoding:
-                extra["ph"] = 1
-            header.update(extra)
+                r.extra["ph"] = 1
+            header.update(r.extra)
             self._skeletons.pop(enc.key, None)
-            what = f"a tape of {len(tape.instrs)} ops"
-            reads = [v.id for v in inputs.values() if type(v) is Handle and v.client is self]
+            r.header = header
+            r.what = f"a tape of {len(tape.instrs)} ops"
+            r.reads = [v.id for v in tape.inputs.values()
+                       if type(v) is Handle and v.client is self]
+            if not wait and not tape.outputs:
+                # sent ahead: the handles now, the answer before the next request; what reads
+                # the tape's nodes is booked now (the caller binds them once it is answered)
+                sent = self._send(header, enc.frames, r.what)
+                r.kept = kept = self._kept(r, fresh=True)
+                if base is not None and (self._runs + 1) % FLOP_SAMPLE_EVERY == 0:
+                    r.work = self._work_of(r)
+                res.ran(tape, kept, r.owners,
+                        [r.remote_inputs[s] for s in uploads if s in tape.inputs], restored)
+                self._inflight = _Ahead(r, sent)
+                bump("runs_sent_ahead")
+                return kept
+            h, frames = self._exchange(r)
+            return self._ran(r, h, frames)
+
+    def _exchange(self, r: _Run, sent: _Sent | None = None
+                  ) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        """The answer to run ``r`` (``sent``: its request, already sent): sent again whole
+        after a lost session or a forgotten skeleton; an op's failure raised as eager's."""
+        tape, enc = r.tape, r.enc
+        try:
             try:
-                try:
-                    h, frames = self._call_run(header, enc.frames, what, reads)
-                except (ServerUnavailableError, SessionLostError):
-                    if self._lineage is None:
-                        raise
-                    self._recover()  # a new session: the interrupted tape goes whole
-                    h = {"t": "miss"}
-                if h.get("t") == "miss":  # the server forgot the skeleton: send it whole
-                    header = {"t": "run", "k": enc.key, "id0": id0, "sk": enc.skeleton,
-                              "c": enc.consts, **extra}
-                    bump("skeletons_sent")
-                    if gkeys:  # and the graphs it calls (evicted, or a new session)
-                        header["g"] = [[k, graphs.lookup(k).data] for k in gkeys]
-                        bump("graphs_sent", len(gkeys))
-                    h, frames = self._call_run(header, enc.frames, what + " (resent)", reads)
-            except _ExecFailure as f:
-                err = f.error(tape, self.address, enc.hoisted)
-                raise err from err.__cause__  # the server's exception, rebuilt (None: none)
-            self._runs += 1
-            self._graphs_sent.update(gkeys)
-            st = h.get("st")
-            if base is not None and self._runs % FLOP_SAMPLE_EVERY == 0 and \
-                    (type(st) is float or type(st) is int):
-                # the work of a structure is estimated once (its shapes may move since: an
-                # estimate for the cost model; flops_of costs ~20 ms on a GPT-2 step)
-                w = self._work.get(enc.key)
-                if w is None:
-                    w = self._work[enc.key] = flops_of(tape)
-                    if len(self._work) > SKELETON_MEMORY:
-                        self._work.pop(next(iter(self._work)))
-                model().observe_run(w.flops, w.ops, st, self.address)
-            self._skeletons[enc.key] = enc.consts
-            lin = self._lineage
-            if lin is not None:
-                srcs = host_sources(x for ins in tape.instrs for x in ins.leaves)
-                srcs += [(t, t._version) for t, _ in uploads.values()]
-                lin.record_run(RunEntry(enc.key, enc.skeleton, enc.consts, enc.frames, id0,
-                                        len(tape.instrs), srcs),
-                               [hid for _, hid in uploads.values()] +
-                               [r.id for r in restored] + list(range(id0, id0 + n_new)))
-            if len(self._skeletons) > SKELETON_MEMORY:
-                self._skeletons.popitem(last=False)
-            remote_inputs: dict[int, Handle] = {}
-            for s, v in inputs.items():
-                if type(v) is Handle and v.client is self:
-                    remote_inputs[s] = v
-                elif s in uploads:
-                    t, hid = uploads[s]
-                    remote_inputs[s] = self._remember_upload(t, hid, tape.index)
-                elif isinstance(v, torch.Tensor):
-                    remote_inputs[s] = self._uploads[id(v)][1]
-            metas: dict[int, TensorMeta] = {}
-            owners: dict[int, tuple[Any, int]] = {}
-            keep = tape.keep
-            nodes = tape.nodes
-            for i, k, s in _kept_at(tape):
-                n = nodes[i]
-                m = n.metas[k]
-                if m is not None:
-                    metas[s] = m
-                    owners[s] = (n, k)
-            kept: dict[int, Any] = {}
-            made = dict(zip(enc.order, range(id0, id0 + n_new)))  # as the server numbers them
-            for s in sorted(keep):
+                h, frames = self._call_run(r.header, enc.frames, r.what, r.reads, sent)
+            except (ServerUnavailableError, SessionLostError):
+                if self._lineage is None:
+                    raise
+                self._recover()  # a new session: the interrupted tape goes whole
+                h = {"t": "miss"}
+            if h.get("t") == "miss":  # the server forgot the skeleton: send it whole
+                header = {"t": "run", "k": enc.key, "id0": r.id0, "sk": enc.skeleton,
+                          "c": enc.consts, **r.extra}
+                bump("skeletons_sent")
+                if r.gkeys:  # and the graphs it calls (evicted, or a new session)
+                    header["g"] = [[k, graphs.lookup(k).data] for k in r.gkeys]
+                    bump("graphs_sent", len(r.gkeys))
+                h, frames = self._call_run(header, enc.frames, r.what + " (resent)", r.reads)
+        except _ExecFailure as f:
+            err = f.error(tape, self.address, enc.hoisted)
+            raise err from err.__cause__  # the server's exception, rebuilt (None: none)
+        return h, frames
+
+    def _kept(self, r: _Run, fresh: bool = False) -> dict[int, Any]:
+        """A handle for every kept slot of run ``r``: its inputs' own, the server's numbering
+        of what it makes. ``fresh``: the run's input uploads get handles not yet known to later
+        runs (their answer is not read: :meth:`_ran` makes them known)."""
+        tape, uploads = r.tape, r.uploads
+        inputs = tape.inputs
+        remote_inputs: dict[int, Handle] = {}
+        for s, v in inputs.items():
+            if type(v) is Handle and v.client is self:
+                remote_inputs[s] = v
+            elif s in uploads:
+                t, hid = uploads[s]
+                remote_inputs[s] = Handle(hid, self, TensorMeta.of(t, tape.index)) if fresh \
+                    else self._remember_upload(t, hid, tape.index)
+            elif isinstance(v, torch.Tensor):
+                remote_inputs[s] = self._uploads[id(v)][1]
+        r.remote_inputs = remote_inputs
+        metas: dict[int, TensorMeta] = {}
+        owners: dict[int, tuple[Any, int]] = {}
+        nodes = tape.nodes
+        for i, k, s in _kept_at(tape):
+            n = nodes[i]
+            m = n.metas[k]
+            if m is not None:
+                metas[s] = m
+                owners[s] = (n, k)
+        r.owners = owners
+        kept: dict[int, Any] = {}
+        id0 = r.id0
+        made = dict(zip(r.enc.order, range(id0, id0 + r.n_new)))  # as the server numbers them
+        for s in sorted(tape.keep):
+            if s in inputs:
+                kept[s] = remote_inputs[s]
+            else:  # made by the tape, or an upload sent as an input upload (its own id)
+                j = made.get(s)
+                kept[s] = Handle(uploads[s][1] if j is None else j, self, metas.get(s))
+        return kept
+
+    def _ran(self, r: _Run, h: dict[str, Any], frames: list[zmq.Frame]) -> dict[int, Any]:
+        """Book run ``r`` after its answer ``h``: skeleton and graphs known, lineage, uploads
+        and residency; its outputs read into their handles."""
+        tape, enc = r.tape, r.enc
+        self._runs += 1
+        self._graphs_sent.update(r.gkeys)
+        st = h.get("st")
+        if r.base is not None and self._runs % FLOP_SAMPLE_EVERY == 0 and \
+                (type(st) is float or type(st) is int):
+            w = r.work if r.work is not None else self._work_of(r)
+            model().observe_run(w.flops, w.ops, st, self.address)
+        self._skeletons[enc.key] = enc.consts
+        uploads = r.uploads
+        lin = self._lineage
+        if lin is not None:
+            srcs = host_sources(x for ins in tape.instrs for x in ins.leaves)
+            srcs += [(t, t._version) for t, _ in uploads.values()]
+            lin.record_run(RunEntry(enc.key, enc.skeleton, enc.consts, enc.frames, r.id0,
+                                    len(tape.instrs), srcs),
+                           [hid for _, hid in uploads.values()] +
+                           [x.id for x in r.restored] + list(range(r.id0, r.id0 + r.n_new)))
+        if len(self._skeletons) > SKELETON_MEMORY:
+            self._skeletons.popitem(last=False)
+        kept = r.kept
+        inputs = tape.inputs
+        if kept is not None:  # sent ahead (booked with residency then): its uploads are there
+            for s, (t, _) in uploads.items():
                 if s in inputs:
-                    kept[s] = remote_inputs[s]
-                else:  # made by the tape, or an upload sent as an input upload (its own id)
-                    j = made.get(s)
-                    kept[s] = Handle(uploads[s][1] if j is None else j, self, metas.get(s))
-            self._read_outputs(h, frames, [kept[s] for s in tape.outputs])
-            res.ran(tape, kept, owners, [remote_inputs[s] for s in uploads if s in inputs],
-                    restored)
+                    self._register_upload(t, r.remote_inputs[s])
             return kept
+        kept = self._kept(r)
+        self._read_outputs(h, frames, [kept[s] for s in tape.outputs])
+        self.res.ran(tape, kept, r.owners,
+                     [r.remote_inputs[s] for s in uploads if s in inputs], r.restored)
+        return kept
+
+    def _work_of(self, r: _Run) -> Any:
+        """The estimated work of run ``r``'s structure, for the cost model: estimated once per
+        structure (its shapes may move since; flops_of costs ~20 ms on a GPT-2 step)."""
+        w = self._work.get(r.enc.key)
+        if w is None:
+            w = self._work[r.enc.key] = flops_of(r.tape)
+            if len(self._work) > SKELETON_MEMORY:
+                self._work.pop(next(iter(self._work)))
+        return w
+
+    def settle(self) -> None:
+        """Read the answer of the run sent ahead, if one is on its way (:meth:`_settle`)."""
+        with self._lock:
+            if self._inflight is not None:
+                self._settle()
+
+    def after_answer(self, f: Callable[[], None]) -> bool:
+        """Call ``f`` once the answer of the run just sent ahead is read and booked (never when
+        it failed); false when no run is on its way."""
+        a = self._inflight
+        if a is None:
+            return False
+        a.done = f
+        return True
+
+    def _settle(self) -> None:
+        """Read the answer of the run sent ahead (:meth:`run`, ``wait=False``), book it and call
+        its :meth:`after_answer` (which binds its nodes). A run sent ahead is work done early,
+        not a request of the program's: when it fails (an op's error, the quota, a timeout) its
+        nodes stay pending and nothing is raised here; the read that needs them runs them as
+        any read would, with the recovery a read has (eviction, recomputation, a smaller plan),
+        and raises what eager would there. A failure that ends the session (the server lost,
+        a message refused) is the session's: raised here, as by any request."""
+        a, self._inflight = self._inflight, None
+        if a is None:
+            return
+        try:
+            h, frames = self._exchange(a.run, a.sent)
+        except Exception as e:  # noqa: BLE001 - see above: the read that needs it raises it
+            r = a.run
+            res = self.res
+            res.pending.clear()  # no hints about values that were never made
+            for s, v in r.kept.items():
+                if s not in r.tape.inputs:
+                    res.live.pop(v.id, None)
+                    v.res = None
+            bump("runs_ahead_failed")
+            if not self.alive:
+                raise
+            logger.debug("genie: a run sent ahead to %s failed (%s: %s); its ops stay pending",
+                         self.address, type(e).__name__, e)
+            return
+        self._ran(a.run, h, frames)
+        if a.done is not None:
+            a.done()
 
     def put(self, t: torch.Tensor, meta: TensorMeta, role: str = "input") -> Handle:
         """Upload the host tensor ``t`` now (one round trip) and keep it as a resident value.
@@ -650,6 +773,8 @@ class Client:
         """Download the values of ``handles`` (one round trip); an evicted value comes from its
         host copy, or is recomputed first."""
         with self._lock:
+            if self._inflight is not None:
+                self._settle()
             self._check_alive()
             if self.res.evicted and any(h.res is not None and h.res.evicted for h in handles):
                 host = self.res.download_evicted(handles)
@@ -977,11 +1102,16 @@ class Client:
         return msgpack.ExtType(EXT_INPUT, pack([host_ref(v, frames), hid]))
 
     def _call_run(self, header: dict[str, Any], frames: Any, what: str,
-                  reads: Sequence[int] = ()) -> tuple[dict[str, Any], list[zmq.Frame]]:
+                  reads: Sequence[int] = (), sent: _Sent | None = None
+                  ) -> tuple[dict[str, Any], list[zmq.Frame]]:
         """A run request, sent again after evicting what the server names under pressure
-        (``reads``: the handle ids it reads, which must stay)."""
+        (``reads``: the handle ids it reads, which must stay; ``sent``: the request is on its
+        way, only its answer is read)."""
         for _ in range(MAX_PRESSURE_ROUNDS):
             try:
+                if sent is not None:
+                    s, sent = sent, None
+                    return self._receive(s)
                 return self._call_locked(header, frames, what)
             except _Pressure as p:
                 victims = p.h.get("victims")
@@ -1045,10 +1175,13 @@ class Client:
     def _remember_upload(self, t: torch.Tensor, hid: int, index: int) -> Handle:
         """A client-side value now also lives on the server: later uses send its handle."""
         h = Handle(hid, self, TensorMeta.of(t, index))
+        self._register_upload(t, h)
+        return h
+
+    def _register_upload(self, t: torch.Tensor, h: Handle) -> None:
         key = id(t)
         uploads = self._uploads
-        self._uploads[key] = (weakref.ref(t, lambda _r: uploads.pop(key, None)), h)
-        return h
+        uploads[key] = (weakref.ref(t, lambda _r: uploads.pop(key, None)), h)
 
     def uploaded(self, t: torch.Tensor) -> Handle | None:
         """The handle of a client-side tensor that was uploaded as a tape input, if any."""
@@ -1076,7 +1209,8 @@ class Client:
                 # free that overtook it would make it ask for a freed value
                 locked = self._lock.acquire(blocking=False)
                 try:
-                    frees = self._drain_frees() if locked else []
+                    # (nor while a run sent ahead is on its way: it may read them)
+                    frees = self._drain_frees() if locked and self._inflight is None else []
                     rid = -next(rids)
                     sock.send_multipart([pack({"t": "free" if frees else "ping", "rid": rid,
                                                "s": self.session, "ids": frees})])
@@ -1148,6 +1282,43 @@ def _retire(ctx: zmq.Context) -> None:
     dropped to the garbage collector ran ``term()`` inside the next request and hung a test run
     for good (found by a clean-clone CI run). The sockets are closed with linger 0 before this."""
     threading.Thread(target=ctx.term, name="genie-zmq-term", daemon=True).start()
+
+
+class _Sent:
+    """A request on its way (:meth:`Client._send`): what :meth:`Client._receive` needs."""
+
+    __slots__ = ("rid", "what", "head", "size", "up", "sent_at")
+
+    def __init__(self, rid: int, what: str, head: int, size: int, up: Any, sent_at: float
+                 ) -> None:
+        self.rid, self.what, self.head, self.size = rid, what, head, size
+        self.up, self.sent_at = up, sent_at
+
+
+class _Run:
+    """One run request of :meth:`Client.run`, from encoding to booking."""
+
+    __slots__ = ("tape", "enc", "header", "extra", "what", "reads", "uploads", "restored",
+                 "id0", "n_new", "base", "gkeys", "kept", "remote_inputs", "owners", "work")
+
+    def __init__(self, tape: Tape) -> None:
+        self.tape = tape
+        self.extra: dict[str, Any] = {}
+        self.uploads: dict[int, tuple[torch.Tensor, int]] = {}
+        self.restored: list[Handle] = []
+        self.kept: dict[int, Any] | None = None  # sent ahead: its handles, made at the send
+        self.work: Any = None  # sent ahead: its estimated work, when the cost model samples it
+
+
+class _Ahead:
+    """A run sent without waiting (:meth:`Client.run`, ``wait=False``); it holds the run's tape,
+    so the handles it reads stay alive (no free of them overtakes it)."""
+
+    __slots__ = ("run", "sent", "done")
+
+    def __init__(self, run: _Run, sent: _Sent) -> None:
+        self.run, self.sent = run, sent
+        self.done: Callable[[], None] | None = None  # after_answer's
 
 
 class _Pressure(Exception):

@@ -481,7 +481,10 @@ def encode_tape(tape: Tape, input_const: Any, hoist: bool = False) -> Encoded:
     tmpl = getattr(plan, "instrs", None)
     if tmpl is None:
         plan = None
-    pw: _PlanWire | None = plan.artifacts.get(_WIRE) if plan is not None else None
+    # (one encoding per plan and number of outputs: a plan's tape sent ahead downloads none,
+    # genie.backends.remote.send_ahead, and its skeleton says so)
+    wkey = _WIRE if tape.outputs else _WIRE_KEPT
+    pw: _PlanWire | None = plan.artifacts.get(wkey) if plan is not None else None
     if pw is not None and pw.wire.hoist == hoist:
         # the plan's own instructions: their constants as the plan sent them
         wire = pw.wire
@@ -514,8 +517,8 @@ def encode_tape(tape: Tape, input_const: Any, hoist: bool = False) -> Encoded:
             own.append(ins if tmpl is not None and ins is tmpl[i] and ins.rng is None and
                        len(frames) == nf else None)
         if plan is not None:
-            plan.artifacts[_WIRE] = _PlanWire(memo, [i for i, _ in memo.where], own,
-                                              consts[n_consts:], starts)
+            plan.artifacts[wkey] = _PlanWire(memo, [i for i, _ in memo.where], own,
+                                             consts[n_consts:], starts)
         return Encoded(memo.key, memo.skeleton, consts, frames, memo.order, memo.hoisted)
     keep = tape.keep
     # uploads of kept values: sent as input uploads (their instruction index by slot)
@@ -646,6 +649,7 @@ class _PlanWire:
 
 #: where a plan keeps its encoding (:attr:`genie.plan_cache.Plan.artifacts`)
 _WIRE = "wire"
+_WIRE_KEPT = "wire.kept"  # the same plan's tape with every output kept, none downloaded
 #: skeletons encoded by :func:`encode_tape`, by tape structure (least recently used dropped)
 _encoded: collections.OrderedDict[Any, _Wire] = collections.OrderedDict()
 ENCODED_MEMORY = 512

@@ -206,11 +206,107 @@ def test_stopping_check_of_every_token_costs_no_round_trip(remote) -> None:
     got, got_u = loop(DEV, 40)
     st = genie.stats()
     assert got == want
-    assert st["host_reads"] == 80 and st.get("round_trips", 0) == 0, st
+    # no round trip the program waits for (the chain may be sent ahead: GENIE_REMOTE_AHEAD)
+    assert st["host_reads"] == 80, st
+    assert st.get("round_trips", 0) - st.get("runs_sent_ahead", 0) == 0, st
     assert torch.equal(got_u.cpu(), want_u)
     want, want_u = loop("cpu", 12, write_at=5)
     got, got_u = loop(DEV, 12, write_at=5)
     assert got == want and torch.equal(got_u.cpu(), want_u)
+
+
+# --- sending ahead ---------------------------------------------------------------------------
+
+@pytest.fixture
+def ahead(remote):
+    """Every 64th recorded op's value sent ahead (GENIE_REMOTE_AHEAD=64)."""
+    from genie import _C
+    from genie.backends import remote as rb
+
+    _C._record_ahead(64, rb.send_ahead)
+    yield remote
+    _C._record_ahead(rb.AHEAD_OPS, rb.send_ahead)
+
+
+def _chain(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    with torch.no_grad():  # inference: what is sent ahead
+        for i in range(n):
+            x = torch.tanh(x @ w + i * 0.01)
+    return x
+
+
+def test_sending_ahead_gives_eager_values_and_one_wait(ahead) -> None:
+    """A 600-op program is sent in pieces while it records; the one read waits once, and values,
+    shapes and strides are eager's. Without the piece sent ahead the program would make one
+    request at the read (round_trips 1)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 16), torch.randn(16, 16) / 4
+    want = _chain(x, w, 200)
+    genie.reset_stats()
+    got = _chain(x.to(DEV), w.to(DEV), 200)
+    st = genie.stats()
+    assert st.get("runs_sent_ahead", 0) >= 8, st
+    assert st.get("round_trips", 0) == st["runs_sent_ahead"], st  # none waited for yet
+    out = got.cpu()
+    assert torch.equal(out, want) and out.stride() == want.stride()
+    st = genie.stats()
+    assert st["round_trips"] == st["runs_sent_ahead"] + 1, st
+    # the values the pieces kept stay usable, in place too
+    h = _chain(x.to(DEV), w.to(DEV), 100)
+    h.mul_(2)
+    assert torch.equal(h.cpu(), _chain(x, w, 100) * 2)
+
+
+def test_gpt2_decode_sent_ahead_matches_eager(ahead) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=200,
+                                  n_positions=128, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 200, (1, 9))
+    want = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    genie.reset_stats()
+    got = copy.deepcopy(model).to(DEV).generate(ids.to(DEV), max_new_tokens=12,
+                                                do_sample=False, pad_token_id=0)
+    assert torch.equal(got.cpu(), want)
+    assert genie.stats().get("runs_sent_ahead", 0) > 0
+
+
+def test_a_training_step_is_not_sent_ahead(ahead) -> None:
+    """A training step stays one tape (the passes plan its memory across forward, backward and
+    update): its forward records for autograd, its backward and update are not inference."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(12) for m in (torch.nn.Linear(8, 8),
+                                                                  torch.nn.Tanh())])
+    data = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(2)]
+    want = _train(copy.deepcopy(model), "cpu", 2, data)
+    dev_model = copy.deepcopy(model).to(DEV)  # (its uploads, under no_grad, may go ahead)
+    genie.reset_stats()
+    got = _train(dev_model, DEV, 2, data)
+    assert got == want
+    assert genie.stats().get("runs_sent_ahead", 0) == 0
+
+
+def test_a_failure_sent_ahead_is_raised_by_the_read_that_needs_it(ahead) -> None:
+    """An op that fails on the server inside a piece sent ahead: nothing is raised until a read
+    needs that op (other reads work, the session goes on); that read runs it as any read would
+    and raises eager's error, naming the op."""
+    x = torch.ones(3, device=DEV)
+    idx = torch.tensor([7]).to(DEV)
+    bad = x.gather(0, idx)  # fails on the server (index 7 of 3)
+    ys = [bad]
+    with torch.no_grad():
+        for _ in range(70):  # the 64th op sends `bad`'s chain ahead
+            ys.append(ys[-1] + 1)
+    st = genie.stats()
+    assert st.get("runs_sent_ahead", 0) >= 1
+    assert (x * 3).sum().item() == 9.0  # reads what the failed piece did not make
+    assert genie.stats().get("runs_ahead_failed", 0) == 1
+    with pytest.raises(genie.ExecutionError, match="index") as e:
+        ys[40].cpu()
+    assert "gather" in str(e.value)
+    assert (x * 2).sum().item() == 6.0
+    assert torch.equal((torch.arange(5.0).to(DEV) * 2).cpu(), torch.arange(5.0) * 2)
 
 
 def test_random_ops_match_in_process(server: ServerProc) -> None:
