@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ def ahead_ops() -> int:
 #: waiting (:func:`send_ahead`); GENIE_REMOTE_AHEAD overrides it, 0 turns it off
 AHEAD_OPS = 256
 _graph_task_id = torch._C._current_graph_task_id
-_ahead = False  # RemoteBackend.run: the tape running now is sent ahead (do not wait)
+_ahead = 0  # RemoteBackend.run: the thread whose tape running now is sent ahead (0: none)
 _sent: Any = None  # the client RemoteBackend.run just sent a tape ahead on (send_ahead takes it)
 
 
@@ -340,11 +341,11 @@ def send_ahead(result: Any) -> None:
     index = node.metas[t._out].index
     if index >= len(_clients):
         return
-    _ahead = True
+    _ahead = threading.get_ident()
     try:
         executor.run_kept([(node, t._out)], index, _bind_later)
     finally:
-        _ahead = False
+        _ahead = 0
 
 
 def _bind_later(bind: Any) -> bool:
@@ -404,7 +405,7 @@ class RemoteBackend:
             c = client_for(index)
             if _router is not None:
                 return _router.run(tape, index)
-            if not _ahead:
+            if _ahead != threading.get_ident():
                 return c.run(tape)
             global _sent
             kept = c.run(tape, wait=False)
