@@ -63,13 +63,14 @@ def ahead_ops() -> int:
     if n < 0:
         raise GenieError(f"GENIE_REMOTE_AHEAD={v!r}: expected a whole number of recorded ops "
                          "after which what the last one computes is sent to the server ahead "
-                         "(0: never; default 256)")
+                         "(0: never, the default)")
     return n
 
 
 #: every this many recorded ops, the value the last one made is sent to the server without
-#: waiting (:func:`send_ahead`); GENIE_REMOTE_AHEAD overrides it, 0 turns it off
-AHEAD_OPS = 256
+#: waiting (:func:`send_ahead`); GENIE_REMOTE_AHEAD overrides it. Off (0) by default: on a
+#: loopback server it did not pay (docs/deployment.md, "Sending ahead")
+AHEAD_OPS = 0
 _graph_task_id = torch._C._current_graph_task_id
 _ahead = 0  # RemoteBackend.run: the thread whose tape running now is sent ahead (0: none)
 _sent: Any = None  # the client RemoteBackend.run just sent a tape ahead on (send_ahead takes it)
