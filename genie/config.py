@@ -21,9 +21,9 @@ def _flag(name: str, default: str) -> str:
     return os.environ.get(name, default).strip()
 
 
-def _mib(name: str) -> int | None:
-    """``name``'s value, a whole number of MiB (None: unset), checked at import so that a bad
-    setting fails at ``import genie`` (or a server's start), not at a first run."""
+def whole(name: str, what: str) -> int | None:
+    """``name``'s value, a whole number >= 0 (None: unset); a ValueError saying ``what`` it
+    counts otherwise."""
     v = _flag(name, "")
     if not v:
         return None
@@ -32,9 +32,15 @@ def _mib(name: str) -> int | None:
     except ValueError:
         n = -1
     if n < 0:
-        raise ValueError(f"{name}={v!r}: expected the MiB of freed host memory to keep for "
-                         "reuse, a whole number >= 0 (0 turns it off)")
+        raise ValueError(f"{name}={v!r}: expected {what}")
     return n
+
+
+def _mib(name: str) -> int | None:
+    """``name``'s value, a whole number of MiB (None: unset), checked at import so that a bad
+    setting fails at ``import genie`` (or a server's start), not at a first run."""
+    return whole(name, "the MiB of freed host memory to keep for reuse, a whole number >= 0 "
+                       "(0 turns it off)")
 
 
 @dataclass

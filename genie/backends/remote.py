@@ -32,6 +32,7 @@ import torch
 from torch.autograd import profiler as _profiler
 
 from .. import _C, context, device, executor, lazy_tensor, memory
+from ..config import whole
 from ..errors import DeviceError, GenieError
 from ..graph import DEFAULT_GRAPH
 from ..planner import Slot, Tape
@@ -53,18 +54,12 @@ UPLOAD_NOW_MIN = 4 << 20
 def ahead_ops() -> int:
     """``GENIE_REMOTE_AHEAD``, read at each :func:`connect` (never at import: ``import torch``
     loads Genie, and a bad setting must fail only the program that connects)."""
-    v = os.environ.get("GENIE_REMOTE_AHEAD", "").strip()
-    if not v:
-        return AHEAD_OPS
     try:
-        n = int(v)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise GenieError(f"GENIE_REMOTE_AHEAD={v!r}: expected a whole number of recorded ops "
-                         "after which what the last one computes is sent to the server ahead "
-                         "(0: never, the default)")
-    return n
+        n = whole("GENIE_REMOTE_AHEAD", "a whole number of recorded ops after which what the "
+                  "last one computes is sent to the server ahead (0: never, the default)")
+    except ValueError as e:
+        raise GenieError(str(e)) from None
+    return AHEAD_OPS if n is None else n
 
 
 #: every this many recorded ops, the value the last one made is sent to the server without

@@ -272,6 +272,12 @@ def test_gpt2_decode_sent_ahead_matches_eager(ahead) -> None:
     assert genie.stats().get("runs_sent_ahead", 0) > 0
 
 
+def test_a_bad_remote_ahead_setting_fails_the_connect_not_the_import(server, monkeypatch) -> None:
+    monkeypatch.setenv("GENIE_REMOTE_AHEAD", "-3")
+    with pytest.raises(genie.GenieError, match="GENIE_REMOTE_AHEAD='-3': expected a whole number"):
+        genie.connect(server.address, key_file=str(server.key_file))
+
+
 def test_a_training_step_is_not_sent_ahead(ahead) -> None:
     """A training step stays one tape (the passes plan its memory across forward, backward and
     update): its forward records for autograd, its backward and update are not inference."""
