@@ -54,8 +54,8 @@ def _minflt(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
 
 
-def _steady_faults(keys: Path) -> int:
-    """Minor page faults of the session's worker over 5 steady AdamW steps."""
+def _steady_faults(keys: Path) -> list[int]:
+    """Minor page faults of the session's worker in each of 7 steady AdamW steps."""
     s = ServerProc(keys, "--threads", "1")
     try:
         genie.connect(s.address, key_file=str(s.key_file), timeout=60)
@@ -74,23 +74,34 @@ def _steady_faults(keys: Path) -> int:
         for _ in range(4):  # the first requests grow the heap to its working size
             step()
         workers = _workers(s.proc.pid)
-        before = sum(_minflt(w) for w in workers)
-        for _ in range(5):
+        per_step = []
+        for _ in range(7):
+            before = sum(_minflt(w) for w in workers)
             step()
-        return sum(_minflt(w) for w in workers) - before
+            per_step.append(sum(_minflt(w) for w in workers) - before)
+        return per_step
     finally:
         genie.disconnect()
         s.stop()
 
 
+def _median(xs: list[int]) -> int:
+    return sorted(xs)[len(xs) // 2]
+
+
 def test_a_worker_reuses_freed_host_memory_across_requests(tmp_path: Path,
                                                            monkeypatch) -> None:
     # no shape-class builds: a build forks the worker, and the worker's own writes after a fork
-    # fault its copy-on-write pages in (~4,000 when a build lands in the measured steps, as it
-    # did under load in 1 run of 3): that is not the heap this test measures
+    # fault its copy-on-write pages in (~4,000 when a build lands in the measured steps): that is
+    # not the heap this test measures
     monkeypatch.setenv("GENIE_SERVER_CLASS_BUILD", "off")
     faults = _steady_faults(tmp_path / "on")
     monkeypatch.setenv("GENIE_CPU_RETAIN", "0")  # glibc's defaults: what the worker did before
     off = _steady_faults(tmp_path / "off")
-    assert off > 10_000, f"glibc's defaults no longer trim between requests ({off} faults)"
-    assert faults < 1_000, f"{faults} minor page faults in 5 steady steps (without retention {off})"
+    # the median step: the heap may still grow once in the measured steps (4,096 faults, one 16 MiB
+    # weight's worth, in ~1 run of 3 under load: a value the client freed reached the worker a
+    # request later, so two of it were alive at once), and retained that stays; without
+    # retention every step faults its ~15k pages in again
+    assert _median(off) > 5_000, f"glibc's defaults no longer trim between requests ({off})"
+    assert _median(faults) < 300, (f"minor page faults per steady step {faults} "
+                                   f"(without retention {off})")
