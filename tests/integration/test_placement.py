@@ -36,6 +36,7 @@ from genie.remote import peer  # noqa: E402
 from genie.remote.client import Client  # noqa: E402
 from genie.remote.cost import model as cost_model  # noqa: E402
 from genie.remote.protocol import EXT_COMPLEX, PROTOCOL_VERSION, pack, unpack  # noqa: E402
+from test_remote import ends_with_this_process  # noqa: E402
 
 DEV = "remote_accelerator:0"
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +68,8 @@ class Srv:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "genie.remote.server", "--device", "cpu", "--listen",
              "127.0.0.1:0", "--threads", "1", *sec, *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            preexec_fn=ends_with_this_process)
         line = ""
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -42,6 +42,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVER_DEVICE = os.environ.get("GENIE_TEST_SERVER_DEVICE") or real_device(0).type
 
 
+def ends_with_this_process() -> None:
+    """``preexec_fn`` of a test's server: SIGTERM it when the test process dies (a pytest killed
+    by a timeout left its servers running, orphaned, before)."""
+    from genie.remote.worker import _PR_SET_PDEATHSIG, _libc
+
+    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 class ServerProc:
     """A CURVE genie-server subprocess; the servers of one key directory are each other's peers
     (``KEYS/peers.json``, as genie-pool registers its members) unless ``--peers`` is given."""
@@ -56,7 +64,8 @@ class ServerProc:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "genie.remote.server", "--device", SERVER_DEVICE, "--listen",
              "127.0.0.1:0", "--keys", str(keys), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            preexec_fn=ends_with_this_process)
         deadline = time.monotonic() + 60
         line = ""
         while time.monotonic() < deadline:
