@@ -8,7 +8,8 @@ vets the structure once with the moving integers as *symbols* and keeps what the
 depended on:
 
 1. :func:`shape_params` splits one call of a structure into its **static** part (dtypes,
-   ranks, aliasing, host constants, baked constants: equal or a different class) and its flat
+   ranks, aliasing, host constants, baked constants: equal or a different class; a bool an op
+   only writes into its output, by its type: :func:`_value_leaves`) and its flat
    list of **integers** (the inputs' sizes, strides, offsets and storage bytes; every ``int``
    argument of every instruction).
 2. When a second call of the same static part vets clean with different integers,
@@ -76,11 +77,14 @@ class ClassKey:
     key holds ~1,400 items (~9 µs a hash). Equal when the parts are equal (always compared
     whole on a hit: a hash never stands for the key); ``key[i]`` is part ``i``."""
 
-    __slots__ = ("parts", "_hash")
+    __slots__ = ("parts", "_hash", "baked")
 
-    def __init__(self, parts: tuple) -> None:
+    def __init__(self, parts: tuple, baked: tuple | None = None) -> None:
         self.parts = parts
         self._hash = hash(parts)
+        #: the constants a native program of the call bakes, with the values the class key
+        #: holds by type only (:func:`_value_leaves`): part of a program's key, not the class's
+        self.baked = parts[1] if baked is None else baked
 
     def __hash__(self) -> int:
         return self._hash
@@ -115,13 +119,15 @@ def shape_params(key: bytes, tape: Tape, filled: Any = None
     got = _instr_params(tape, filled)
     if got is None:
         return None
-    baked, istatic, iints = got
-    return ClassKey((key, baked, static, istatic)), ints + iints
+    baked, cbaked, istatic, iints = got
+    return ClassKey((key, cbaked, static, istatic), baked), ints + iints
 
 
-def _instr_params(tape: Tape, filled: Any) -> tuple[tuple, tuple, tuple[int, ...]] | None:
+def _instr_params(tape: Tape, filled: Any
+                  ) -> tuple[tuple, tuple, tuple, tuple[int, ...]] | None:
+    """``(baked, baked as the class keys them, static, integers)`` of a tape's instructions."""
     if filled is not None and filled.params is not None:
-        baked, istatic, iints, pos = filled.params
+        baked, cbaked, istatic, iints, pos = filled.params
         fresh = list(iints)
         for i, j in filled.patched:
             x = tape.instrs[i].leaves[j]
@@ -132,15 +138,17 @@ def _instr_params(tape: Tape, filled: Any) -> tuple[tuple, tuple, tuple[int, ...
                 break  # a baked constant or a float that decides sizes: key it anew
         else:
             out = tuple(fresh)
-            filled.params = (baked, istatic, out, pos)
+            filled.params = (baked, cbaked, istatic, out, pos)
             filled.patched.clear()
-            return baked, istatic, out
+            return baked, cbaked, istatic, out
     baked_l: list[Any] = []
+    cbaked_l: list[Any] = []
     static: list[Any] = []
     ints: list[int] = []
     where: dict[tuple[int, int], int] = {}
     for i, ins in enumerate(tape.instrs):
         floats = policy(ins.op).float_values_matter if ins.op != UPLOAD else True
+        values = _value_leaves(ins) if ins.op != UPLOAD else _NONE
         for j, x in enumerate(ins.leaves):
             t = type(x)
             if t is Slot:
@@ -158,14 +166,51 @@ def _instr_params(tape: Tape, filled: Any) -> tuple[tuple, tuple, tuple[int, ...
                 static.append((tuple(x.shape), x.stride(), x.dtype))
             elif x is None or t in _BAKED:
                 baked_l.append((t, x))
+                cbaked_l.append((t, t if t is bool and j in values else x))
             else:
                 return None
         static.append(len(ins.leaves))
-    out = (tuple(baked_l), tuple(static), tuple(ints))
+    baked = tuple(baked_l)
+    cbaked = tuple(cbaked_l)
+    out = (baked, baked if cbaked == baked else cbaked, tuple(static), tuple(ints))
     if filled is not None:
         filled.params = (*out, where)
         filled.patched.clear()
     return out
+
+
+#: ``Scalar`` arguments whose value is only written into an output (``full``'s ``fill_value``,
+#: ``masked_fill``'s ``value``): their type can decide an output's dtype, their value never
+#: decides metadata nor what a meta kernel checks
+_VALUE_ARGS = frozenset({"fill_value", "value"})
+_NONE: frozenset[int] = frozenset()
+_value_leaves_of: dict[tuple[Any, Any], frozenset[int]] = {}
+
+
+def _value_leaves(ins: Instr) -> frozenset[int]:
+    """The leaves of ``ins`` that are a :data:`_VALUE_ARGS` argument whole: a bool there is
+    keyed by its type in a class key, so that a call differing only in it (HF's stopping
+    criteria fill ``full((batch,), is_done)``, ``True`` at a generate's last step) is of the
+    class of its other steps; a native program still bakes its value (``ClassKey.baked``)."""
+    k = (ins.op, ins.spec)
+    got = _value_leaves_of.get(k)
+    if got is None:
+        got = _NONE
+        schema = getattr(ins.op, "_schema", None)
+        if schema is not None and any(a.name in _VALUE_ARGS for a in schema.arguments):
+            tree = optree.tree_unflatten(ins.spec, list(range(ins.spec.num_leaves)))
+            args, kwargs = tree if type(tree) is tuple and len(tree) == 2 else ((), {})
+            found = set()
+            for p, a in enumerate(schema.arguments):
+                if a.name in _VALUE_ARGS and isinstance(a.type, torch._C.NumberType):
+                    x = args[p] if p < len(args) else kwargs.get(a.name)
+                    if type(x) is int:  # (the leaf's index: the argument is one leaf)
+                        found.add(x)
+            got = frozenset(found)
+        if len(_value_leaves_of) >= 4096:
+            _value_leaves_of.clear()
+        _value_leaves_of[k] = got
+    return got
 
 
 def _getter(idx: tuple[int, ...]) -> Callable[[tuple], tuple]:

@@ -880,7 +880,7 @@ class Worker:
         if got is None:
             return None
         ck, ints = got
-        pkey = (key, ck[1])
+        pkey = (key, ck.baked)  # (the constants its native program bakes)
         prog = self.programs.get(pkey)
         if prog is None:
             self._guarded = (pkey, ck, ints)

@@ -106,6 +106,37 @@ def test_a_view_past_its_storage_is_refused_even_with_a_class(sess: Session) -> 
     assert "storage" in r["msg"] or "bounds" in r["msg"], r["msg"]
 
 
+
+#: full([a, b], flag): leaves a, b, flag
+FULL = [1, [1, [2, 0, 0], 0], [3, [], []]]
+
+
+def test_a_call_that_differs_in_a_written_bool_is_of_the_class_with_its_own_values(
+        sess: Session) -> None:
+    """``x.view(2, k) * full((2, k), flag)``: a call whose ``flag`` differs (a generate's last
+    step fills ``full((batch,), is_done)`` with ``True``) is admitted by the class its other
+    calls made once its own program ran (guarded: the program bakes the value), with its own
+    values; and a call of the class's key that its guards refuse meets the view's refusal,
+    either flag."""
+    def view_fill(hid: int, a: int, b: int, flag: bool) -> dict | None:
+        return sess.run(["aten::view.default", "aten::full.default", "aten::mul.Tensor"],
+                        [[0, 0, [0, -1, -1], [1], [], False], [1, 1, [-1, -1, -1], [2], [], False],
+                         [2, 2, [1, 2], [3], [1, 2], False]],
+                        [hid, a, b, a, b, flag], inputs=(0,), outputs=(3,), specs=[VIEW, FULL, A2])
+
+    seen = []
+    for k, flag in ((3, False), (4, False), (5, True), (6, True), (7, False), (8, True)):
+        x = torch.arange(1.0, 2.0 * k + 1)
+        r = view_fill(_resident(sess, x), 2, k, flag)
+        assert r and r["t"] == "ok", r
+        seen.append(r["vt"])
+        assert torch.equal(_reply_tensor(sess, r), x.view(2, k) * flag), (k, flag)
+    assert seen == ["guarded", "vetted", "guarded", "class", "class", "class"], seen
+    for flag in (False, True):  # 2 x 7 = 14 elements of a 12-element value
+        r = view_fill(_resident(sess, torch.arange(12.0)), 2, 7, flag)
+        err(r, "exec", "invalid for input of size 12")
+
+
 def _reply_tensor(sess: Session, r: dict) -> torch.Tensor:
     dtype, shape, stride = r["o"][0]
     ref = protocol.FrameRef(0, protocol.dtype_of(dtype), tuple(shape),

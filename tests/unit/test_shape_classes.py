@@ -82,6 +82,48 @@ def test_a_class_keys_what_is_not_an_integer() -> None:
     assert shape_params(b"k2", _tape(torch.zeros(8), 2, 4))[0] != base
 
 
+
+def _fill_tape(x: torch.Tensor, a: int, b: int, flag: bool, keepdim: bool = False) -> Tape:
+    """``(x.view(a, b) * full((a, b), flag)).sum(0, keepdim)``: a generate's last step fills
+    ``full((batch,), is_done)`` with ``True`` where its other steps fill ``False``."""
+    def ins(op, args, outs, kwargs=None):
+        leaves, spec = optree.tree_flatten((args, kwargs or {}), none_is_leaf=True)
+        return Instr(op, leaves, spec, outs, None, ())
+
+    aten = torch.ops.aten
+    return Tape([ins(aten.view.default, (Slot(0), [a, b]), (1,)),
+                 ins(aten.full.default, ([a, b], flag), (2,), {"dtype": torch.bool}),
+                 ins(aten.mul.Tensor, (Slot(1), Slot(2)), (3,)),
+                 ins(aten.sum.dim_IntList, (Slot(3), [0], keepdim), (4,))],
+                {0: x}, [4], {4}, [], {})
+
+
+def test_a_value_written_into_an_output_is_keyed_by_type_in_a_class_not_in_a_program() -> None:
+    """A bool that ``full`` (``fill_value``) writes decides no metadata: a call differing only
+    in it is of the same class (a generate's last step is its decode step's class), while its
+    native program, which bakes the value, is another (``ClassKey.baked``). A bool that decides
+    metadata (``keepdim``) stays in the class key; the class of one fill admits the other's
+    calls with the concrete vet's own peak bound, and refuses what the view refuses."""
+    (k0, i0), (k1, i1) = (shape_params(b"k", _fill_tape(torch.zeros(6), 2, 3, f))
+                          for f in (False, True))
+    assert k0 == k1 and i0 == i1 and k0.baked != k1.baked
+    keep = shape_params(b"k", _fill_tape(torch.zeros(6), 2, 3, False, keepdim=True))[0]
+    assert keep != k0 and keep.baked != k0.baked
+    _, i2 = shape_params(b"k", _fill_tape(torch.zeros(8), 2, 4, False))
+    cls = build(_fill_tape(torch.zeros(8), 2, 4, False), i2, moved(i0, i2), i0)
+    for n in range(2, 12):
+        tape = _fill_tape(torch.zeros(2 * n), 2, n, True)
+        key, ints = shape_params(b"k", tape)
+        assert key == k0
+        bound = cls.admit(ints)
+        assert bound is not None and bound >= vet_tape(tape, 1 << 30).peak, n
+    bad = _fill_tape(torch.zeros(12), 2, 7, True)  # a view of 14 elements of 12: the key's
+    key, ints = shape_params(b"k", bad)
+    assert key == k0 and cls.admit(ints) is None
+    with pytest.raises(Exception, match="invalid"):
+        vet_tape(bad, 1 << 30)
+
+
 def _input_key_reference(inputs: dict) -> tuple[tuple, tuple[int, ...]]:
     """shape_params' input part as Python computed it before the native pass (the reference)."""
     static, ints, storages = [], [], {}
