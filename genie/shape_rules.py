@@ -367,6 +367,19 @@ def _scalar_dtype(x: TensorMeta, y: Any) -> torch.dtype | None:
     return None
 
 
+def _category(dtype: torch.dtype) -> int:
+    return 0 if dtype == torch.bool else 2 if dtype.is_floating_point else \
+        3 if dtype.is_complex else 1
+
+
+def _lower_zero_dim(x: TensorMeta, y: TensorMeta) -> bool:
+    """Whether ``x op y`` keeps x's dtype though y's differs: y a 0-dim tensor of x's category
+    or a lower one, x with dims (a 0-dim tensor promotes only across categories:
+    ``input_ids * (~isin(...)).any()``, an int64 mask times a 0-dim bool)."""
+    return len(y.shape) == 0 and len(x.shape) > 0 and _plain(y) and \
+        _category(y.dtype) <= _category(x.dtype)
+
+
 def _binary_iter(args: tuple, index: int, compare: bool) -> TensorMeta | None:
     """Two operands of one dtype (or a tensor and a Python scalar of its category), any
     layout. Mixed dtypes (promotion) are left to the meta kernel."""
@@ -374,7 +387,7 @@ def _binary_iter(args: tuple, index: int, compare: bool) -> TensorMeta | None:
         return None
     x, y = args
     if type(y) is TensorMeta:
-        if y.dtype != x.dtype:
+        if y.dtype != x.dtype and not _lower_zero_dim(x, y):
             return None
         m = _pointwise([x, y], torch.bool if compare else x.dtype, index)
     else:
@@ -435,6 +448,38 @@ def _softmax(args: tuple, index: int) -> TensorMeta | None:
         return None
     x = args[0]
     if x.dtype not in _FLOATS or not _dense(x) or _dim(args[1], max(len(x.shape), 1)) is None:
+        return None
+    return TensorMeta(x.shape, x.stride, 0, x.dtype, index)
+
+
+@rule(aten.mul.Scalar)
+def _mul_scalar(args: tuple, index: int) -> TensorMeta | None:
+    """``x * number`` spelled with the Scalar overload (SDPA's math path scales q and k with it):
+    x's layout as TensorIterator lays it out, no promotion (a number of x's category or
+    below)."""
+    if len(args) != 2 or not _plain(args[0]) or type(args[1]) is TensorMeta:
+        return None
+    return _binary_iter(args, index, compare=False)
+
+
+@rule(aten._safe_softmax.default)
+def _safe_softmax(args: tuple, index: int) -> TensorMeta | None:
+    """``_safe_softmax(x, dim)`` (SDPA's math path): as ``_softmax`` without ``half_to_float``;
+    a ``dtype`` goes to the meta kernel."""
+    if not 2 <= len(args) <= 3 or (len(args) == 3 and args[2] is not None):
+        return None
+    return _softmax((args[0], args[1], False), index)
+
+
+@rule(aten.tril.default, aten.triu.default)
+def _tril(args: tuple, index: int) -> TensorMeta | None:
+    """``tril(x, diagonal)``, ``triu`` of a dense row-major x of at least 2 dims (SDPA's causal
+    mask): x's shape, strides and dtype. Other layouts go to the meta kernel."""
+    if not 1 <= len(args) <= 2 or not _plain(args[0]) or \
+            (len(args) == 2 and type(args[1]) is not int):
+        return None
+    x = args[0]
+    if len(x.shape) < 2 or not _dense(x):
         return None
     return TensorMeta(x.shape, x.stride, 0, x.dtype, index)
 
@@ -795,3 +840,43 @@ def _isin(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
 
 
 KW_RULES[aten.isin.Tensor_Tensor] = _isin
+
+
+_FACTORY_KWARGS = frozenset({"dtype", "layout", "device", "pin_memory"})
+
+
+def _filled(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
+    """``ones(size)``, ``zeros(size)``: row-major, the ``dtype=`` or the default dtype (the
+    causal mask SDPA's math path builds for every new prompt length)."""
+    if len(args) != 1 or set(kwargs) - _FACTORY_KWARGS:
+        return None
+    size = _ints(args[0])
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    out = _factory_index(kwargs, index)
+    if size is None or out is None or any(v < 0 for v in size) or \
+            not isinstance(dtype, torch.dtype):
+        return None
+    return TensorMeta(size, contiguous_strides(size), 0, dtype, out)
+
+
+KW_RULES[aten.ones.default] = KW_RULES[aten.zeros.default] = _filled
+
+
+def _to_copy(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
+    """``_to_copy(x, dtype=...)`` on x's own device (``.long()``, ``.float()``) of a dense
+    row-major x: its shape and strides in the new dtype. Another device, layout or memory
+    format goes to the meta kernel."""
+    if len(args) != 1 or not _plain(args[0]) or \
+            set(kwargs) - {"dtype", "layout", "device", "pin_memory", "non_blocking",
+                           "memory_format"} or kwargs.get("non_blocking") not in (None, False) or \
+            kwargs.get("memory_format") not in (None, torch.preserve_format):
+        return None
+    x = args[0]
+    dtype = kwargs.get("dtype") or x.dtype
+    out = _factory_index(kwargs, x.index)
+    if out is None or out != x.index or not _dense(x) or not isinstance(dtype, torch.dtype):
+        return None
+    return TensorMeta(x.shape, x.stride, 0, dtype, out)
+
+
+KW_RULES[aten._to_copy.default] = _to_copy

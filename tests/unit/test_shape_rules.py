@@ -27,7 +27,7 @@ OPINFOS = ["add", "sub", "mul", "eq", "ne", "le", "lt", "ge", "gt", "view", "res
            "nn.functional.relu", "pow", "softmax", "log_softmax", "mm", "addmm", "narrow",
            "split", "chunk", "__getitem__", "tensor_split", "slice", "cumsum",
            "nn.functional.layer_norm", "masked_fill", "all", "any", "nn.functional.embedding",
-           "clone", "contiguous", "isin", "nn.functional.linear"]
+           "clone", "contiguous", "isin", "nn.functional.linear", "tril", "triu", "long", "float", "bool", "nn.functional.scaled_dot_product_attention"]
 # Composites recorded whole (csrc/whole.cpp): their samples run a second time under
 # inference_mode, where the autograd keys that decompose them are skipped and the dispatch mode
 # sees the whole op, as genie's record does.
@@ -117,7 +117,8 @@ def test_rules_equal_meta_kernels_over_opinfo() -> None:
                aten.cumsum.default, aten.native_layer_norm.default, aten.masked_fill.Scalar,
                aten.all.default, aten.any.default, aten.embedding.default, aten.split.Tensor,
                aten.clone.default, aten.isin.Tensor_Tensor, aten.matmul.default,
-               aten.linear.default):
+               aten.linear.default, aten.tril.default, aten.triu.default, aten._to_copy.default, aten.mul.Scalar,
+               aten._safe_softmax.default):
         assert check.checked[str(op)] >= 2, f"{op}: rule answered only {check.checked[str(op)]}x"
 
 
@@ -284,13 +285,22 @@ def test_pointwise_layouts_equal_meta_kernels() -> None:
             x.contiguous()
             x.split(2, -1)
             torch.all(c), torch.any(x)
+            aten.mul.Scalar(x, 0.5)  # SDPA's math path: q, k scaled; its causal mask, softmax
+            aten._safe_softmax(x, -1)
+            if len(a) >= 2:
+                torch.tril(x), torch.triu(x.bool(), 1)
+            x.long(), c.float()
+            for z in (torch.empty((), dtype=dt, device="meta") for dt in (
+                    torch.bool, torch.int32, torch.int64, torch.float64, torch.float32)):
+                torch.mul(x, z), torch.add(x.long(), z), torch.le(z, x)  # a 0-dim operand
     assert not check.failures, "\n".join(check.failures[:20])
     for op in (aten.add.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.where.self,
                aten.tanh.default, aten.pow.Tensor_Scalar, aten.addmm.default, aten.mm.default,
                aten.le.Tensor, aten.eq.Scalar, aten.cat.default, aten.clone.default, aten.split.Tensor,
-               aten.all.default, aten.any.default):
+               aten.all.default, aten.any.default, aten.mul.Scalar, aten._to_copy.default):
         assert check.checked[str(op)] >= 200, (op, check.checked[str(op)])
-    for op in (aten.masked_fill.Scalar, aten.native_layer_norm.default):  # dense inputs only
+    for op in (aten.masked_fill.Scalar, aten.native_layer_norm.default, aten.tril.default,
+               aten.triu.default, aten._safe_softmax.default):  # (some: dense inputs only)
         assert check.checked[str(op)] >= 50, (op, check.checked[str(op)])
 
 
@@ -402,3 +412,25 @@ def test_isin_rule_equals_meta_kernel_or_declines() -> None:
     assert pred == TensorMeta.of(torch.isin(x, test), 0)
     assert rule((TensorMeta.of(x.float(), 0), TensorMeta.of(test, 0)), {"bad": 1}, 0) is None
     assert answered >= 20, answered
+
+
+@pytest.mark.parametrize("op", [aten.ones.default, aten.zeros.default])
+def test_filled_factory_rules_equal_meta_kernels_or_decline(op) -> None:  # noqa: ANN001
+    """``ones(size)``, ``zeros(size)`` (SDPA's causal mask for each new prompt length): over
+    sizes and dtypes against the meta kernel, or declined (a negative size: eager's error)."""
+    dev = torch.device("remote_accelerator", 0)
+    checked = 0
+    for size in ([], [3], [11, 11], [2, 0, 4], [1, 3, 1], [-1, 2]):
+        for dtype in (None, torch.bool, torch.int64, torch.float64):
+            kw = {"dtype": dtype, "device": dev, "pin_memory": False}
+            pred = KW_RULES[op]((size,), kw, 0)
+            try:
+                out = op(size, dtype=dtype, device="meta")
+            except RuntimeError:
+                assert pred is None, (size, pred)
+                continue
+            assert pred == TensorMeta.of(out, 0), (size, dtype, pred)
+            checked += 1
+    assert checked == 20, checked
+    assert KW_RULES[op](([2],), {"device": torch.device("cpu")}, 0) is None
+    assert KW_RULES[op](([2],), {"layout": torch.sparse_coo}, 0) is None
