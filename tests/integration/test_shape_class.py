@@ -284,6 +284,52 @@ def test_a_replayed_structures_inputs_are_each_checked(sess: Session) -> None:
     assert torch.equal(_reply_tensor(sess, r), x + y)
 
 
+
+def test_generate_with_a_new_prompt_length_each_call_is_vetted_in_its_first_calls_only(
+        server) -> None:
+    """GPT-2 greedy ``generate`` through the server, a prompt length never seen every call
+    (the bench's row): the first call vets its structures (its prefill, its decode step, its
+    last step), the second only its prefill (a new length: that structure's second clean vet,
+    which builds its class); its decode steps at new KV lengths and its last step (HF's
+    stopping criteria fill ``full((1,), True)`` there) are the decode step's class. From the
+    third call on nothing is vetted concretely. Every call returns eager's tokens."""
+    import copy
+
+    import genie
+
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128,
+                                  n_positions=128, bos_token_id=0, eos_token_id=0,
+                                  attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model.generation_config.pad_token_id = 0
+    genie.connect(server.address, key_file=str(server.key_file), timeout=60)
+    counters = ("server_guarded_runs", "server_vets", "server_shape_class_hits",
+                "server_vet_hits")
+    try:
+        remote = copy.deepcopy(model).to(DEV)
+        calls = []
+        for n in (5, 6, 7, 9, 12):
+            ids = torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(n))
+            with torch.no_grad():
+                want = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+                before = genie.stats()
+                got = remote.generate(ids.to(DEV), max_new_tokens=8, min_new_tokens=8,
+                                      do_sample=False).cpu()
+            after = genie.stats()
+            assert torch.equal(got, want), n
+            calls.append({k.removeprefix("server_"): after.get(k, 0) - before.get(k, 0)
+                          for k in counters})
+    finally:
+        genie.disconnect()
+    assert calls[1]["guarded_runs"] == 0 and calls[1]["vets"] == 1, calls
+    assert calls[1]["shape_class_hits"] >= 2, calls  # a new KV length, and the last step
+    for c in calls[2:]:
+        assert c["guarded_runs"] == 0 and c["vets"] == 0, calls
+
+
 # --- background builds (the default) -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
