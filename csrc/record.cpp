@@ -323,6 +323,14 @@ struct OpInfo {
 
 std::unordered_map<PyObject*, OpInfo> ops;  // keys hold a reference to the op
 
+// In front of `ops`, direct-mapped by the op's address: one read for the op of a recorded call.
+// Never cleared: `ops` keeps its elements in place and forever (and the ops alive).
+struct OpSlot {
+  PyObject* op = nullptr;
+  const OpInfo* info = nullptr;
+};
+std::array<OpSlot, 256> op_slots;
+
 bool truthy_attr(PyObject* o, const char* name) {
   PyObject* v = PyObject_GetAttrString(o, name);
   if (v == nullptr) {
@@ -339,8 +347,13 @@ bool truthy_attr(PyObject* o, const char* name) {
 // The op's facts, or nullptr while its policy is not cached yet (genie.meta.policy stores it on
 // the op as _genie_policy the first time the fallback records it).
 const OpInfo* op_info(PyObject* func) {
+  OpSlot& c = op_slots[(reinterpret_cast<uintptr_t>(func) >> 4) & (op_slots.size() - 1)];
+  if (c.op == func) {
+    return c.info;
+  }
   auto it = ops.find(func);
   if (it != ops.end()) {
+    c = {func, &it->second};
     return &it->second;
   }
   // The generic lookup: an OpOverload's own __getattr__ (Python) must not run here.
@@ -396,7 +409,9 @@ const OpInfo* op_info(PyObject* func) {
   }
   Py_DECREF(pol);
   Py_INCREF(func);
-  return &ops.emplace(func, info).first->second;
+  const OpInfo* r = &ops.emplace(func, info).first->second;
+  c = {func, r};
+  return r;
 }
 
 // --- the identity key ------------------------------------------------------------------------
@@ -415,6 +430,9 @@ enum Tag : uint64_t {
 };
 
 using Words = c10::SmallVector<uint64_t, 32>;
+// A learned key's words: inline for up to 16 (a call of up to six leaves), read by a lookup
+// right after the table's slot.
+using KeyWords = c10::SmallVector<uint64_t, 16>;
 
 template <class W>
 uint64_t hash_words(const W& w) {
@@ -422,6 +440,9 @@ uint64_t hash_words(const W& w) {
   for (uint64_t x : w) {
     h ^= x + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
   }
+  h ^= h >> 33;  // a finalizer (MurmurHash3's): WordTable's slot is the hash's low bits
+  h *= 0xFF51AFD7ED558CCDull;
+  h ^= h >> 33;
   return h;
 }
 
@@ -440,7 +461,7 @@ struct Out {
 };
 
 struct Entry {
-  std::vector<uint64_t> words;
+  KeyWords words;
   std::vector<PyObject*> held;  // the TensorMetas and dtypes whose addresses are in `words`
   PyObject* entry = nullptr;    // the genie.meta.MetaEntry
   PyObject* metas = nullptr;
@@ -464,44 +485,83 @@ struct Entry {
   }
 };
 
-// Objects keyed by a call's words (Entry, Generic): chains of equal hashes, bounded like
-// genie.meta.MetaCache (cleared when full).
+// Objects keyed by a call's words (Entry, Generic), bounded like genie.meta.MetaCache (cleared
+// when full). Open addressing (linear probing, at most half full, a power of two of slots): a
+// lookup reads one slot, then the object's words (inline in it for most calls). A recorded
+// op pays one lookup; in a decode step, where the objects are out of cache (the step's kernels
+// ran in between), the chained std::unordered_map it replaces cost two more dependent reads
+// (bucket, node) and a division per lookup.
 template <class T>
 struct WordTable {
-  std::unordered_map<uint64_t, std::shared_ptr<T>> map;
+  struct Slot {
+    uint64_t h = 0;
+    std::shared_ptr<T> e;  // empty: a free slot
+  };
+  std::vector<Slot> slots;
   size_t n = 0;
 
-  // The chain is walked through references: a copy of each shared_ptr (two atomic operations)
-  // only for the one returned.
-  std::shared_ptr<T> find(uint64_t h, const Words& w) const {
-    auto it = map.find(h);
-    if (it == map.end()) {
-      return nullptr;
-    }
-    for (const std::shared_ptr<T>* e = &it->second; *e; e = &(*e)->next) {
-      const T& x = **e;
-      if (x.words.size() == w.size() &&
-          std::memcmp(x.words.data(), w.data(), w.size() * sizeof(uint64_t)) == 0) {
-        return *e;
-      }
-    }
-    return nullptr;
+  template <class W>
+  static bool same(const T& x, const W& w) {
+    return x.words.size() == w.size() &&
+        std::memcmp(x.words.data(), w.data(), w.size() * sizeof(uint64_t)) == 0;
   }
 
+  // The slot of `w` (hash `h`), or the free slot where it would go. Needs a slot free.
+  template <class W>
+  size_t probe(uint64_t h, const W& w) const {
+    const size_t mask = slots.size() - 1;
+    size_t i = static_cast<size_t>(h) & mask;
+    while (slots[i].e && !(slots[i].h == h && same(*slots[i].e, w))) {
+      i = (i + 1) & mask;
+    }
+    return i;
+  }
+
+  // A copy of the shared_ptr (two atomic operations) only for the one returned.
+  std::shared_ptr<T> find(uint64_t h, const Words& w) const {
+    if (n == 0) {
+      return nullptr;
+    }
+    return slots[probe(h, w)].e;
+  }
+
+  // Remember `e` (its words `e->words`, hash `h`): in place of an object with equal words, as
+  // the newest of a chain was found first before.
   void store(uint64_t h, std::shared_ptr<T> e, size_t limit) {
     if (n >= limit) {
       clear();
     }
-    auto& head = map[h];
-    e->next = head;
-    head = std::move(e);
-    n++;
+    if ((n + 1) * 2 > slots.size()) {
+      grow();
+    }
+    Slot& s = slots[probe(h, e->words)];
+    if (!s.e) {
+      n++;
+    }
+    std::shared_ptr<T> old = std::move(s.e);  // released last: its destructor may run Python
+    s.h = h;
+    s.e = std::move(e);
+  }
+
+  void grow() {
+    std::vector<Slot> old(std::max<size_t>(64, slots.size() * 2));
+    old.swap(slots);
+    const size_t mask = slots.size() - 1;
+    for (Slot& s : old) {
+      if (s.e) {
+        size_t i = static_cast<size_t>(s.h) & mask;
+        while (slots[i].e) {
+          i = (i + 1) & mask;
+        }
+        slots[i] = std::move(s);
+      }
+    }
   }
 
   void clear() {
     // Move out first: destructors release Python objects, which may run code that reaches here.
-    decltype(map) old;
-    old.swap(map);
+    std::vector<Slot> old;
+    old.swap(slots);
     n = 0;
     old.clear();
   }
@@ -533,7 +593,7 @@ struct OutKind {
 };
 
 struct Generic {
-  std::vector<uint64_t> words;  // the class words (flatten's words, payloads by class)
+  KeyWords words;  // the class words (flatten's words, payloads by class)
   std::vector<py::object> held;  // interned strs whose addresses are in `words`
   py::object rule, spec, out_spec, plan, klass;
   PyTypeObject* seq = nullptr;  // tuple or list for several outputs; nullptr for one tensor
@@ -1466,7 +1526,9 @@ PyObject* list_slot(PyObject* owner, Py_ssize_t off) {
   if (PyList_CheckExact(v)) {
     return v;
   }
-  PyObject* list = checked(PySequence_List(v));
+  // the shared empty tuple (the common case): an empty list, without PySequence_List's copy
+  PyObject* list = checked(PyTuple_CheckExact(v) && PyTuple_GET_SIZE(v) == 0 ? PyList_New(0)
+                                                                              : PySequence_List(v));
   if (!PyObject_GC_IsTracked(owner)) {
     untrack(list);
   }
