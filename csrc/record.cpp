@@ -1279,6 +1279,26 @@ PyObject* rule_arg(PyObject* x, const Call& call, size_t& li) {
   return new_ref(x);
 }
 
+// A dict's item (borrowed; nullptr, with or without an error) and its store, for a key whose
+// hash is known (CPython's private calls up to 3.12; hashed again from 3.13 on).
+inline PyObject* dict_get_known(PyObject* d, PyObject* key, Py_hash_t h) {
+#if PY_VERSION_HEX < 0x030D0000
+  return _PyDict_GetItem_KnownHash(d, key, h);
+#else
+  (void)h;
+  return PyDict_GetItemWithError(d, key);
+#endif
+}
+
+inline int dict_set_known(PyObject* d, PyObject* key, PyObject* v, Py_hash_t h) {
+#if PY_VERSION_HEX < 0x030D0000
+  return _PyDict_SetItem_KnownHash(d, key, v, h);
+#else
+  (void)h;
+  return PyDict_SetItem(d, key, v);
+#endif
+}
+
 // Python's meta-cache key of the call, as lazy_tensor.entry_for builds it (a new tuple).
 PyObject* python_key(const OpInfo& info, const Call& call, PyObject* spec) {
   py::list parts;
@@ -1309,7 +1329,10 @@ std::shared_ptr<Entry> generic_entry(const OpInfo& info, PyObject* args, PyObjec
                                      const Call& call, const Generic& g) {
   py::object key = py::reinterpret_steal<py::object>(python_key(info, call, g.spec.ptr()));
   PyObject* d = S.meta_cache_dict;
-  PyObject* found = PyDict_GetItemWithError(d, key.ptr());  // borrowed
+  // The key is hashed once for the lookup and the store (a tuple does not keep its hash, and
+  // hashing its TensorMetas and tree spec is most of a dict operation on it).
+  const Py_hash_t kh = PyObject_Hash(key.ptr());
+  PyObject* found = kh == -1 ? nullptr : dict_get_known(d, key.ptr(), kh);  // borrowed
   if (found == nullptr && PyErr_Occurred()) {
     PyErr_Clear();  // an unhashable constant: entry_for's path (no caching)
     return nullptr;
@@ -1388,7 +1411,7 @@ std::shared_ptr<Entry> generic_entry(const OpInfo& info, PyObject* args, PyObjec
   init_slot(en, S.me_spec, new_ref(g.spec.ptr()));
   init_slot(en, S.me_klass, new_ref(g.klass.ptr()));
   init_slot(en, S.me_state, checked(PyLong_FromUnsignedLongLong(call.words[2])));
-  if (PyDict_SetItem(d, key.ptr(), en) < 0) {
+  if (dict_set_known(d, key.ptr(), en, kh) < 0) {
     throw py::error_already_set();
   }
   if (flags.gc_untrack) {  // as genie.meta._untrack_entry
