@@ -27,7 +27,8 @@ OPINFOS = ["add", "sub", "mul", "eq", "ne", "le", "lt", "ge", "gt", "view", "res
            "nn.functional.relu", "pow", "softmax", "log_softmax", "mm", "addmm", "narrow",
            "split", "chunk", "__getitem__", "tensor_split", "slice", "cumsum",
            "nn.functional.layer_norm", "masked_fill", "all", "any", "nn.functional.embedding",
-           "clone", "contiguous", "isin", "nn.functional.linear", "tril", "triu", "long", "float", "bool", "nn.functional.scaled_dot_product_attention"]
+           "clone", "contiguous", "isin", "nn.functional.linear", "tril", "triu", "long",
+           "float", "bool", "nn.functional.scaled_dot_product_attention"]
 # Composites recorded whole (csrc/whole.cpp): their samples run a second time under
 # inference_mode, where the autograd keys that decompose them are skipped and the dispatch mode
 # sees the whole op, as genie's record does.
@@ -117,8 +118,8 @@ def test_rules_equal_meta_kernels_over_opinfo() -> None:
                aten.cumsum.default, aten.native_layer_norm.default, aten.masked_fill.Scalar,
                aten.all.default, aten.any.default, aten.embedding.default, aten.split.Tensor,
                aten.clone.default, aten.isin.Tensor_Tensor, aten.matmul.default,
-               aten.linear.default, aten.tril.default, aten.triu.default, aten._to_copy.default, aten.mul.Scalar,
-               aten._safe_softmax.default):
+               aten.linear.default, aten.tril.default, aten.triu.default,
+               aten._to_copy.default, aten.mul.Scalar, aten._safe_softmax.default):
         assert check.checked[str(op)] >= 2, f"{op}: rule answered only {check.checked[str(op)]}x"
 
 
