@@ -111,6 +111,7 @@ def install_hooks() -> None:
 
     for trace_numpy in (False, True):  # the table is cached per value of config.trace_numpy
         VariableBuilder._type_dispatch_impl(trace_numpy)[LazyTensor] = VariableBuilder.wrap_tensor
+    _module_calls_as_torch()
     register_interface_for_device(DEVICE_TYPE, _device_interface())
     if "genie" not in _BACKENDS:
         register_backend(_then_reinstall(backend), "genie")
@@ -126,6 +127,42 @@ def install_hooks() -> None:
             context.reinstall()  # fx tracing put torch's Module.__call__ back
 
     wrapper.__call__ = __call__
+
+
+def _module_calls_as_torch() -> None:
+    """Dynamo traces a submodule call under Genie's module wrapper as it does under torch's own
+    ``nn.Module.__call__``: straight to ``forward`` where the module has no hooks.
+
+    Dynamo takes that short cut only where ``mod.__call__.__func__`` is the ``nn.Module.__call__``
+    it saw at import; with ``genie.context`` active it is Genie's wrapper
+    (:data:`genie.context._installed`), so Dynamo inlined torch's ``_wrapped_call_impl`` and
+    ``_call_impl`` for every submodule instead (the wrapper's class attribute reads as torch's
+    function, so the graph is the same), and guarded every call on each module's and class's
+    dict not holding ``__call__``, ``_call_impl``, ``_compiled_call_impl`` and on
+    ``torch._C._get_tracing_state`` and the global hook dicts: GPT-2's compiled forward had 174
+    more guards than on the CPU, the 6-layer MLP 57 more, and traced slower. Here the name
+    Dynamo compares with is, while it traces a module call, Genie's wrapper where that is what
+    ``nn.Module`` holds (torch's function otherwise: any other patch of ``nn.Module.__call__``
+    is traced through, as without Genie)."""
+    try:
+        from torch._dynamo.variables import nn_module
+        cls = nn_module.UnspecializedNNModuleVariable
+        torch_call = nn_module.unpatched_nn_module_call
+    except (ImportError, AttributeError):  # another torch: Dynamo's own path
+        return
+    call_function = cls.call_function
+    if getattr(call_function, "_genie_module_call", False):
+        return
+
+    @functools.wraps(call_function)
+    def traced_call(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+        cur = torch.nn.Module.__dict__.get("__call__")
+        nn_module.unpatched_nn_module_call = \
+            cur if cur is not None and cur is context._installed else torch_call
+        return call_function(self, tx, args, kwargs)
+
+    traced_call._genie_module_call = True  # type: ignore[attr-defined]
+    cls.call_function = traced_call
 
 
 def _then_reinstall(fn: Any) -> Any:

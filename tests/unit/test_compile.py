@@ -312,6 +312,43 @@ def test_compiling_keeps_genies_module_call(fast_compiler):
         assert torch.nn.Module.__dict__["__call__"] is context._installed, backend
 
 
+def test_submodule_calls_are_guarded_as_without_genie():
+    """Dynamo traces a submodule call under Genie's module wrapper as under torch's own
+    ``nn.Module.__call__`` (straight to ``forward``): a CPU model compiled with the wrapper
+    installed gets exactly the guards it gets without it, and on the device no more than the
+    tensors' type. Before, Dynamo inlined ``_call_impl`` for every submodule and guarded each
+    call on the modules' dicts and ``torch._C._get_tracing_state`` (GPT-2's forward: 174
+    guards more than on the CPU)."""
+    import re
+
+    from genie import context, dynamo
+
+    dynamo.install_hooks()
+
+    def guards(dev, active):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(),
+                                torch.nn.Sequential(torch.nn.LayerNorm(4))).to(dev)
+        x = torch.randn(2, 4).to(dev)
+        (context.activate if active else context.deactivate)()
+        try:
+            e = torch._dynamo.explain(m)(x)
+        finally:
+            (context.activate if was else context.deactivate)()
+        assert e.graph_count == 1 and e.graph_break_count == 0, (dev, active)
+        # the first line names the guarded source; builtins dicts are numbered per compile
+        return sorted(re.sub(r"__builtins_dict___\d+", "B", str(g).split("\n")[0])
+                      for g in e.out_guards)
+
+    was = context._active  # (the first device tensor turns it on)
+    plain = guards("cpu", False)
+    assert guards("cpu", True) == plain
+    lazy = guards(DEV, True)
+    assert not [g for g in lazy if "_call_impl" in g or "_get_tracing_state" in g], lazy
+    assert set(lazy) == set(plain)  # (a LazyTensor input's source: its type guarded too)
+
+
 @pytest.mark.parametrize("compiles", [True, False], ids=["compiled", "compiler fails"])
 def test_graph_outputs_never_alias_its_inputs_or_each_other(fast_compiler, compiles):
     """A compiled graph that returns a view of its input and one tensor twice: each call's outputs
