@@ -79,6 +79,7 @@ from . import ProtocolError, peer
 from . import keys as keyring
 from .protocol import PROTOCOL_VERSION, REQUESTS, pack, unpack
 from .sched import LoadMeter
+from .wire import SRCFD, readable, recv_parts, send_parts
 from .worker import TEST_KERNELS_ENV, Config
 
 logger = logging.getLogger("genie.server")
@@ -337,24 +338,24 @@ class Server:
                 if self._replies in events:
                     for _ in range(256):
                         try:
-                            parts = _recv_parts(self._replies)
+                            parts = recv_parts(self._replies)
                         except zmq.Again:
                             break
                         self._inflight.pop(parts[0].bytes, None)
-                        _send_parts(self._sock, parts)
-                        if not _readable(self._replies):
+                        send_parts(self._sock, parts)
+                        if not readable(self._replies):
                             break
                 if self._sock in events:
                     for _ in range(256):
                         try:
-                            parts = _recv_parts(self._sock)
+                            parts = recv_parts(self._sock)
                         except zmq.Again:
                             break
                         try:
                             self._incoming(parts)
                         except Exception as e:  # never let one message stop the server
                             logger.exception("genie-server: dropped a message: %s", e)
-                        if not _readable(self._sock):
+                        if not readable(self._sock):
                             break
                     parts = None  # the last message is not held (uncounted) until the next
                 if self._ctl.fileno() in events:
@@ -436,7 +437,7 @@ class Server:
             return self._send_err(ident, rid, "quota", msg)
         fwd = list(parts[1:])
         self._inflight[ident] = (rid, link.token)
-        fd = parts[1].get(_SRCFD)
+        fd = parts[1].get(SRCFD)
         if fd >= 0:
             self._fd_ident[fd] = ident
         self._enqueue(link, ident, fwd, rid, nbytes, kind)
@@ -468,7 +469,7 @@ class Server:
         link.cur = (ident, rid, nbytes, kind, time.monotonic())
         self._meter.begin(link.token, slot=link.token)
         self._running += 1
-        _send_parts(link.sock, fwd)
+        send_parts(link.sock, fwd)
 
     def _pump_all(self) -> None:
         if self.workers:  # a slot freed: the sessions that wait take turns (oldest request first)
@@ -570,9 +571,9 @@ class Server:
     # --- workers -> front -----------------------------------------------------------------------
     def _from_worker(self, link: Link) -> None:
         for _ in range(64):
-            if link.token not in self.links or not _readable(link.sock):
+            if link.token not in self.links or not readable(link.sock):
                 return
-            parts = _recv_parts(link.sock)
+            parts = recv_parts(link.sock)
             try:
                 internal = unpack(parts[0].buffer)
             except ProtocolError:
@@ -605,7 +606,7 @@ class Server:
                 ident = link.cur[0]
                 if ident is not None:
                     self._inflight.pop(ident, None)
-                    _send_parts(self._sock, [ident, *parts[1:]])
+                    send_parts(self._sock, [ident, *parts[1:]])
                 continue
             cur, link.cur = link.cur, None
             if cur is None:
@@ -644,7 +645,7 @@ class Server:
                     with self._qlock:
                         h["pb"] = list(link.pb)
                     parts = [parts[0], pack(h), *parts[2:]]
-                _send_parts(self._sock, [ident, *parts[1:]])
+                send_parts(self._sock, [ident, *parts[1:]])
             self._answering = None
             if kind == "bye":
                 self._end(link, "closed by its client")
@@ -841,7 +842,7 @@ class Server:
                 self._end(link, f"expired after {self.lease:g} s without a message")
 
     def _send(self, ident: bytes, h: dict[str, Any], frames: Any = ()) -> None:
-        _send_parts(self._sock, [ident, pack(h), *frames])
+        send_parts(self._sock, [ident, pack(h), *frames])
 
     def _send_err(self, ident: bytes, rid: int, kind: str, msg: str) -> None:
         logger.info("genie-server: refused a request (%s): %s", kind, msg)
@@ -877,37 +878,6 @@ class _Refused(Exception):
     def __init__(self, kind: str, msg: str) -> None:
         super().__init__(msg)
         self.kind = kind
-
-
-#: pyzmq's flags as plain ints: its enum members cost an enum object per operation (~11 a
-#: request on the front's path, ~1-2 us each)
-_EVENTS, _POLLIN, _NOBLOCK, _SNDMORE, _SRCFD = int(zmq.EVENTS), int(zmq.POLLIN), \
-    int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.SRCFD)
-
-
-def _readable(sock: zmq.Socket) -> bool:
-    """Whether ``sock`` holds a message now: a drained socket is left on this (~4 us), not on
-    a receive that raises ``zmq.Again`` (~10 us: the exception and its message). The poller
-    reports anything that arrives after (level-triggered), so nothing waits on it."""
-    return bool(sock.get(_EVENTS) & _POLLIN)
-
-
-def _recv_parts(sock: zmq.Socket) -> list[zmq.Frame]:
-    """``sock.recv_multipart(NOBLOCK, copy=False)`` without pyzmq's per-frame option read and
-    flag enums (~2x cheaper for a request's few frames): each frame says if more follow."""
-    f = sock.recv(_NOBLOCK, copy=False)
-    parts = [f]
-    while f.more:
-        f = sock.recv(_NOBLOCK, copy=False)
-        parts.append(f)
-    return parts
-
-
-def _send_parts(sock: zmq.Socket, parts: list[Any]) -> None:
-    """``sock.send_multipart(parts, copy=False)`` without pyzmq's flag enums (see :func:`_recv`)."""
-    for p in parts[:-1]:
-        sock.send(p, _SNDMORE, copy=False)
-    sock.send(parts[-1], 0, copy=False)
 
 
 def _two_ints(x: Any) -> bool:

@@ -66,6 +66,7 @@ from ..planner import Tape
 from .guard import QuotaError, RunTimeout, run_guarded, vet_tape
 from . import shape_class
 from .shape_class import NotAClass, build, moved, shape_params
+from .wire import recv_parts, send_parts
 from .protocol import (
     ALIGN,
     DECODE_PINNED,
@@ -1314,14 +1315,14 @@ def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
         rframes, counts = split_frames(rframes)
         if counts is not None:
             reply["fc"] = counts
-        sock.send_multipart([pack({"early": 1, "u": sess.used(), "res": sess.residency(),
-                                   "pb": sess.peer_bytes}), pack(reply), *rframes], copy=False)
+        send_parts(sock, [pack({"early": 1, "u": sess.used(), "res": sess.residency(),
+                                "pb": sess.peer_bytes}), pack(reply), *rframes])
 
     if w.early:
         w.answer = answer
     try:
         while True:
-            parts = sock.recv_multipart(copy=False)
+            parts = recv_parts(sock, 0)
             if not parts or not parts[0].bytes:
                 return  # the front's goodbye
             t0 = time.monotonic()
@@ -1354,19 +1355,19 @@ def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
                     internal["fatal"] = (
                         f"the work that ran after its reply failed ({reply.get('etype', '')}: "
                         f"{reply.get('msg')}), so what it was to write is unknown")
-                sock.send_multipart([pack(internal)], copy=False)
+                send_parts(sock, [pack(internal)])
                 w.after_reply()
                 continue
             if send is not None:
                 internal["send"] = send
-                sock.send_multipart([pack(internal), pack(reply), *rframes], copy=False)
+                send_parts(sock, [pack(internal), pack(reply), *rframes])
                 continue
             reply["rid"] = h.get("rid", -1) if isinstance(h, dict) else -1
             reply["st"] = round(time.monotonic() - t0, 6)  # the server's own time
             rframes, counts = split_frames(rframes)
             if counts is not None:
                 reply["fc"] = counts
-            sock.send_multipart([pack(internal), pack(reply), *rframes], copy=False)
+            send_parts(sock, [pack(internal), pack(reply), *rframes])
             w.after_reply()
     except zmq.ContextTerminated:
         return
