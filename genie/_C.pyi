@@ -237,3 +237,15 @@ def _storages_held(values: object, storages: dict[int, list[int]], sign: int) ->
     ``[1, bytes]``) or once less (-1: entries dropped at 0); returns the change of the bytes
     counted, or None, with nothing counted, when a value is not a tensor with a storage
     (``genie.remote.worker.Session.put_many`` / ``drop_many``)."""
+
+class _TensorBytes:
+    """A tensor's elements as a read-only byte buffer (buffer protocol) that holds the tensor."""
+
+    def __len__(self) -> int: ...
+
+def _frames_of(values: object, names: dict[torch.dtype, str]
+               ) -> tuple[list[list[object]], list[_TensorBytes]] | None:
+    """A reply's tensors as wire frames in one pass (``genie.remote.worker._outputs``): per
+    value ``[names[dtype], shape, None]`` and a buffer of its elements; None when a value is
+    not a contiguous CPU tensor with elements, without conj/neg bits, of a dtype in ``names``
+    (framed one by one by ``genie.remote.protocol.tensor_frame``)."""

@@ -46,7 +46,7 @@ import msgpack
 import optree
 import torch
 
-from .. import graphs
+from .. import _C, graphs
 from ..graph import TensorMeta, same_const
 from ..memory import fresh_bytes
 from ..planner import Instr, MetaArg, Slot, Tape
@@ -260,6 +260,22 @@ def tensor_frame(t: torch.Tensor) -> tuple[Any, list[Any]]:
     # element), so flatten by its layout, not by reshape (which keeps that stride)
     buf = t.as_strided((n,), (1,), t.storage_offset()).view(torch.uint8).numpy() if n else b""
     return buf, [dtype_name(t.dtype), shape, stride]
+
+
+def tensor_frames(vals: list[torch.Tensor]) -> tuple[list[list[Any]], list[Any]]:
+    """(metas, buffers) of :func:`tensor_frame` for each of ``vals``: in one native pass when
+    every value is a contiguous CPU tensor (``genie._C._frames_of``: a worker's reply after a
+    replay runs with cold caches, where tensor_frame's tensor calls cost ~100 µs a value), else
+    one by one."""
+    got = _C._frames_of(vals, _DTYPE_NAME)
+    if got is not None:
+        return got
+    metas, bufs = [], []
+    for v in vals:
+        buf, meta = tensor_frame(v)
+        metas.append(meta)
+        bufs.append(buf)
+    return metas, bufs
 
 
 def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:

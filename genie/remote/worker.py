@@ -84,7 +84,7 @@ from .protocol import (
     pack,
     resolve_op,
     split_frames,
-    tensor_frame,
+    tensor_frames,
     unpack,
 )
 
@@ -1283,13 +1283,10 @@ def _device_value(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
 
 
 def _outputs(vals: list[torch.Tensor]) -> tuple[dict[str, Any], list[Any]]:
-    metas, frames = [], []
     for v in vals:
         if not isinstance(v, torch.Tensor):
             raise Refused("internal", f"an output is a {type(v).__name__}, not a tensor")
-        buf, meta = tensor_frame(v)
-        metas.append(meta)
-        frames.append(buf)
+    metas, frames = tensor_frames(vals)
     return {"t": "ok", "o": metas}, frames
 
 
