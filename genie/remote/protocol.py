@@ -49,6 +49,7 @@ import torch
 from .. import _C, graphs
 from ..graph import TensorMeta, same_const
 from ..memory import fresh_bytes
+from ..meta import policy
 from ..planner import Instr, MetaArg, Slot, Tape
 from ..tape_io import (  # one table of names, shared
     _DTYPE_NAME,
@@ -829,6 +830,9 @@ class Compiled:
     consts: list[Any] | None = None  # the last call's constants (base of the next delta)
     #: the last :func:`fill`'s instructions and where each constant went (see :func:`refill`)
     filled: Filled | None = None
+    #: whether an instruction's op writes an argument (its schema says ``Tensor(a!)``): only
+    #: those can resize a tensor the tape reads (``resize_``, ``out=``, ``set_``)
+    writes: bool = True
 
 
 @dataclass(slots=True)
@@ -937,7 +941,10 @@ def compile_skeleton(data: bytes, max_instrs: int = MAX_INSTRS) -> Compiled:
         templates.append(Template(op, spec, leaves, tuple(outs), tuple(free), rng, checks))
     if not live.issuperset(outputs) or not live.issuperset(keep):
         raise ProtocolError("outputs or kept slots are not live at the end of the tape")
-    return Compiled(templates, inputs, outputs, keep, n_consts)
+    # (a compiled graph's call counts as writing: what its nodes do is not in its schema)
+    writes = any(t.op != UPLOAD and (t.op is graphs.GRAPH_OP or bool(policy(t.op).writes))
+                 for t in templates)
+    return Compiled(templates, inputs, outputs, keep, n_consts, writes=writes)
 
 
 def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, Any],

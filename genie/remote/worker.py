@@ -822,7 +822,8 @@ class Worker:
                 i = ran[e.index] if e.index is not None and e.index < len(ran) else -1
                 return {"t": "err", "kind": "exec", "etype": type(cause).__name__,
                         "msg": str(cause), "i": i, "vt": self.how, **_index_counts(ix)}, []
-            sess.refresh(tape.inputs.values())  # resize_ of a resident tensor grows it
+            if c.writes:  # resize_ (out=, set_) of a resident tensor grows it; a tape of
+                sess.refresh(tape.inputs.values())  # ops that write nothing resizes nothing
             sess.put_many(new_ids, [kept[s] for s in c.keep if s not in in_slots])
             added.extend(new_ids)
             self._check_quota()

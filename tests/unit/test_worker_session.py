@@ -4,15 +4,20 @@ A run's kept values are put, and a request's frees dropped, in bulk (``put_many`
 ``drop_many``: their storages counted in one native pass, ``genie._C._storages_held``); the
 counts must be the ones :meth:`Session.put` and :meth:`Session.drop` reach one value at a time
 (views of one storage counted once, a storage uncounted with its last value), and a bulk put
-that :meth:`Session.put` would refuse puts nothing.
+that :meth:`Session.put` would refuse puts nothing. A run recounts what it read only when its
+skeleton has an op that writes.
 """
 
 from __future__ import annotations
 
+import hashlib
+
+import msgpack
 import pytest
 import torch
 
-from genie.remote.worker import HANDLE_COST, Refused, Session
+from genie.remote import protocol
+from genie.remote.worker import HANDLE_COST, Config, Refused, Session, Worker
 
 
 def _state(s: Session) -> tuple:
@@ -51,3 +56,38 @@ def test_a_bulk_put_that_put_refuses_puts_nothing(case: str) -> None:
     with pytest.raises(Refused):
         s.put_many(ids, values) if case != "twice" else s.put_many([2, 2], values)
     assert _state(s) == before
+
+
+def _run(w: Worker, sk: bytes, consts: list, frames: list, id0: int) -> dict:
+    h = {"t": "run", "k": hashlib.blake2b(sk, digest_size=16).digest(), "sk": sk, "c": consts,
+         "id0": id0}
+    reply, _, _ = w.handle(protocol.unpack(protocol.pack(h)), frames)  # as it arrives
+    assert reply["t"] == "ok", reply
+    return reply
+
+
+def _host(t: torch.Tensor, index: int) -> msgpack.ExtType:
+    return msgpack.ExtType(protocol.EXT_HOST, protocol.pack(
+        [index, protocol.dtype_name(t.dtype), list(t.shape), None]))
+
+
+def test_only_a_tape_that_writes_recounts_what_it_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run recounts the storages of its inputs (a ``resize_``, ``out=`` or ``set_`` of a
+    resident value grows it: test_security's test_6_resize...) when an op of its skeleton writes
+    an argument; a skeleton of ops that write nothing (a decode step's 519) cannot resize one."""
+    recounts = []
+    monkeypatch.setattr(Session, "refresh", lambda self, ts: recounts.append(len(list(ts))))
+    w = Worker(b"tok", Config("cpu", 1 << 30, 60.0, None, 1))
+    x, y = torch.ones(4), torch.full((4,), 2.0)
+    neg = protocol.pack([1, ["aten::neg.default"], [[1, [1, 0], [3, [], []]]],
+                         [[0, 0, [-1], [0], [], False]], [], [0], [0]])
+    _run(w, neg, [_host(x, 0)], [protocol.tensor_frame(x)[0]], 100)  # keeps -x as handle 100
+    assert recounts == [] and protocol.compile_skeleton(neg).writes is False
+    add_ = protocol.pack([1, ["aten::add_.Tensor"], [[1, [1, 0, 0], [3, [], []]]],
+                          [[0, 0, [5, -1], [6], [], False]], [5], [6], []])
+    assert protocol.compile_skeleton(add_).writes is True
+    _run(w, add_, [100, _host(y, 0)], [protocol.tensor_frame(y)[0]], 200)
+    assert recounts == [1]
+    torch.testing.assert_close(w.sess.store[100], -x + y)
+    _run(w, neg, [_host(y, 0)], [protocol.tensor_frame(y)[0]], 300)
+    assert recounts == [1]
