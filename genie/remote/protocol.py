@@ -827,12 +827,17 @@ class Compiled:
     outputs: list[int]
     keep: list[int]
     n_consts: int
+    made: list[int]  # the kept slots that are not inputs (the values a run adds, in order)
+    uploads: bool  # whether an instruction uploads (its value becomes an input of the tape)
     consts: list[Any] | None = None  # the last call's constants (base of the next delta)
     #: the last :func:`fill`'s instructions and where each constant went (see :func:`refill`)
     filled: Filled | None = None
     #: whether an instruction's op writes an argument (its schema says ``Tensor(a!)``): only
     #: those can resize a tensor the tape reads (``resize_``, ``out=``, ``set_``)
     writes: bool = True
+    #: whether an instruction calls a compiled graph (``genie::graph``, ``genie::graph_mut``):
+    #: only then does a run look for the graph keys its tape calls
+    graph_calls: bool = True
 
 
 @dataclass(slots=True)
@@ -944,7 +949,11 @@ def compile_skeleton(data: bytes, max_instrs: int = MAX_INSTRS) -> Compiled:
     # (a compiled graph's call counts as writing: what its nodes do is not in its schema)
     writes = any(t.op != UPLOAD and (t.op is graphs.GRAPH_OP or bool(policy(t.op).writes))
                  for t in templates)
-    return Compiled(templates, inputs, outputs, keep, n_consts, writes=writes)
+    graph_calls = any(t.op is graphs.GRAPH_OP or t.op is graphs.GRAPH_MUT_OP for t in templates)
+    read = set(inputs)
+    made = [s for s in keep if s not in read]
+    return Compiled(templates, inputs, outputs, keep, n_consts, made,
+                    any(t.op == UPLOAD for t in templates), writes=writes, graph_calls=graph_calls)
 
 
 def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, Any],

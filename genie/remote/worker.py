@@ -714,8 +714,7 @@ class Worker:
             raise ProtocolError(f"the skeleton takes {c.n_consts} constants")
         c.consts = consts
         dev = self.device
-        in_slots = set(c.inputs)
-        new_ids = _new_ids(h.get("ids"), id0, sum(1 for s in c.keep if s not in in_slots))
+        new_ids = _new_ids(h.get("ids"), id0, len(c.made))
         hints = _hints(h.get("ev"))
         ph = h.get("ph", 0)
         if ph not in (0, 1):
@@ -759,7 +758,7 @@ class Worker:
                                         "request; a hint may only name the session's own values")
                 _apply_hints(sess, [(i, c) for i, c in hints if i not in made])  # held now
             self._check_quota(protect)
-            inputs_before = set(inputs)
+            inputs_before = set(inputs) if c.uploads else None
             tape = None
             if changed is not None and old is not None:
                 try:
@@ -772,7 +771,7 @@ class Worker:
             if tape is None:
                 c.filled = None  # a fill that fails half way leaves nothing to patch
                 tape = fill(c, consts, frames, inputs, upload=lambda t: _device_value(t, dev))
-            gkeys = graphs.keys_of(tape.instrs)
+            gkeys = graphs.keys_of(tape.instrs) if c.graph_calls else []
             if any(k not in sess.graphs for k in gkeys):  # evicted, or never sent: resend
                 for a in added:
                     sess.drop(a)
@@ -780,8 +779,9 @@ class Worker:
             for k in gkeys:
                 sess.graphs.move_to_end(k)
             # uploads inside the tape are inputs now, not yet counted in the session
-            uploaded = sum(tape.inputs[sl].untyped_storage().nbytes()
-                           for sl in tape.inputs.keys() - inputs_before)
+            uploaded = 0 if inputs_before is None else \
+                sum(tape.inputs[sl].untyped_storage().nbytes()
+                    for sl in tape.inputs.keys() - inputs_before)
             # which ops the index check covers is the skeleton's (its key hashes its ops): one
             # that has none skips it (a check without a plan never learns what writes forget)
             ix = IndexCheck(tape, self.index_check) if self.index_check and \
@@ -824,7 +824,7 @@ class Worker:
                         "msg": str(cause), "i": i, "vt": self.how, **_index_counts(ix)}, []
             if c.writes:  # resize_ (out=, set_) of a resident tensor grows it; a tape of
                 sess.refresh(tape.inputs.values())  # ops that write nothing resizes nothing
-            sess.put_many(new_ids, [kept[s] for s in c.keep if s not in in_slots])
+            sess.put_many(new_ids, [kept[s] for s in c.made])
             added.extend(new_ids)
             self._check_quota()
         except BaseException:

@@ -83,6 +83,7 @@ def test_only_a_tape_that_writes_recounts_what_it_read(monkeypatch: pytest.Monke
                          [[0, 0, [-1], [0], [], False]], [], [0], [0]])
     _run(w, neg, [_host(x, 0)], [protocol.tensor_frame(x)[0]], 100)  # keeps -x as handle 100
     assert recounts == [] and protocol.compile_skeleton(neg).writes is False
+    assert protocol.compile_skeleton(neg).graph_calls is False  # (nor looks for graphs)
     add_ = protocol.pack([1, ["aten::add_.Tensor"], [[1, [1, 0, 0], [3, [], []]]],
                           [[0, 0, [5, -1], [6], [], False]], [5], [6], []])
     assert protocol.compile_skeleton(add_).writes is True
