@@ -207,6 +207,7 @@ struct State {
   PyObject* factory_fallback = nullptr;  // lazy_tensor.record_factory(func, args, kwargs)
   PyObject* context_dict = nullptr;      // genie.context.__dict__ (_active)
   PyObject* rules = nullptr;             // genie.shape_rules.RULES, or nullptr
+  PyObject* kw_rules = nullptr;          // genie.shape_rules.KW_RULES, or nullptr
   PyObject* meta_cache_dict = nullptr;   // genie.meta.meta_cache._d, or nullptr
   size_t limit = 1 << 16;       // entries, as genie.meta.MetaCache.limit
   NodeSlots n{};
@@ -319,6 +320,7 @@ struct OpInfo {
   PyObject* names = nullptr;       // argument names by schema position (a tuple, held)
   PyObject* pol_key = nullptr;     // OpPolicy.key (held): the op in Python's meta-cache keys
   PyObject* rule = nullptr;        // its positional shape rule (genie.shape_rules.RULES), held
+  PyObject* kw_rule = nullptr;     // else its keyword rule (shape_rules.KW_RULES: factories), held
 };
 
 std::unordered_map<PyObject*, OpInfo> ops;  // keys hold a reference to the op
@@ -397,6 +399,13 @@ const OpInfo* op_info(PyObject* func) {
         throw py::error_already_set();
       }
       info.rule = rule != nullptr ? new_ref(rule) : nullptr;
+    }
+    if (S.kw_rules != nullptr && info.rule == nullptr) {  // as meta._infer: a rule comes first
+      PyObject* rule = PyDict_GetItemWithError(S.kw_rules, func);  // borrowed
+      if (rule == nullptr && PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      info.kw_rule = rule != nullptr ? new_ref(rule) : nullptr;
     }
     info.names = checked(PyObject_GetAttrString(pol, "names"));
     if (!PyTuple_CheckExact(info.names)) {
@@ -596,6 +605,7 @@ struct Generic {
   KeyWords words;  // the class words (flatten's words, payloads by class)
   std::vector<py::object> held;  // interned strs whose addresses are in `words`
   py::object rule, spec, out_spec, plan, klass;
+  bool kw = false;  // rule(args, kwargs, index) (a keyword rule), not rule(args, index)
   PyTypeObject* seq = nullptr;  // tuple or list for several outputs; nullptr for one tensor
   std::vector<OutKind> outs;
   std::shared_ptr<Generic> next;  // same hash
@@ -1247,7 +1257,8 @@ void learn_generic(const OpInfo& info, const Call& call, Words&& cw, uint64_t ch
   for (PyObject* x : call.interned) {
     g->held.push_back(py::reinterpret_borrow<py::object>(x));
   }
-  g->rule = py::reinterpret_borrow<py::object>(info.rule);
+  g->kw = info.rule == nullptr;
+  g->rule = py::reinterpret_borrow<py::object>(g->kw ? info.kw_rule : info.rule);
   g->spec = py::reinterpret_borrow<py::object>(e.spec);
   g->out_spec = py::reinterpret_borrow<py::object>(e.out_spec);
   g->plan = py::reinterpret_borrow<py::object>(slot(entry, S.me_plan));
@@ -1323,6 +1334,24 @@ PyObject* python_key(const OpInfo& info, const Call& call, PyObject* spec) {
   return checked(PyList_AsTuple(parts.ptr()));
 }
 
+// Whether every LazyTensor of the call is among its positional arguments (flatten takes them
+// first, then the keyword arguments): the LazyTensors rule_arg counts there are all of them.
+bool positional_lazies(const Call& call, PyObject* args) {
+  size_t n = 0;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i) {
+    PyObject* x = PyTuple_GET_ITEM(args, i);
+    if (Py_TYPE(x) == S.lazy) {
+      n++;
+    } else if (PyList_CheckExact(x) || PyTuple_CheckExact(x)) {
+      PyObject* fast = x;  // a list or tuple: PySequence_Fast_* read both
+      for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(fast); ++j) {
+        n += Py_TYPE(PySequence_Fast_GET_ITEM(fast, j)) == S.lazy ? 1 : 0;
+      }
+    }
+  }
+  return n == call.lazies.size();
+}
+
 // A miss of a known class: its entry made here (see "shape-generic entries"), or nullptr (no
 // error) for entry_for's path.
 std::shared_ptr<Entry> generic_entry(const OpInfo& info, PyObject* args, PyObject* kwargs,
@@ -1355,9 +1384,29 @@ std::shared_ptr<Entry> generic_entry(const OpInfo& info, PyObject* args, PyObjec
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyTuple_SET_ITEM(margs.ptr(), i, rule_arg(PyTuple_GET_ITEM(args, i), call, li));
   }
-  PyObject* index = slot(call.lazies[0].meta, S.tm_index);
-  py::object r = py::reinterpret_steal<py::object>(
-      PyObject_CallFunctionObjArgs(g.rule.ptr(), margs.ptr(), index, nullptr));
+  // the output's device index as entry_for passes it: the first LazyTensor's, else (a factory)
+  // that of its device= (always given with its index here: try_record_factory)
+  py::object index;
+  if (!call.lazies.empty()) {
+    index = py::reinterpret_borrow<py::object>(slot(call.lazies[0].meta, S.tm_index));
+  } else {
+    PyObject* dev = kwargs != nullptr ? dict_get(kwargs, names->device) : nullptr;
+    if (dev == nullptr || !THPDevice_Check(dev) ||
+        reinterpret_cast<THPDevice*>(dev)->device.index() < 0) {
+      return nullptr;
+    }
+    index = py::int_(reinterpret_cast<THPDevice*>(dev)->device.index());
+  }
+  py::object r;
+  if (g.kw) {  // its own dict, as meta._infer gives it one (unflattened)
+    py::object kw = py::reinterpret_steal<py::object>(
+        checked(kwargs != nullptr ? PyDict_Copy(kwargs) : PyDict_New()));
+    r = py::reinterpret_steal<py::object>(PyObject_CallFunctionObjArgs(
+        g.rule.ptr(), margs.ptr(), kw.ptr(), index.ptr(), nullptr));
+  } else {
+    r = py::reinterpret_steal<py::object>(
+        PyObject_CallFunctionObjArgs(g.rule.ptr(), margs.ptr(), index.ptr(), nullptr));
+  }
   if (!r) {
     if (!PyErr_ExceptionMatches(PyExc_Exception)) {
       throw py::error_already_set();
@@ -1443,9 +1492,14 @@ std::shared_ptr<Entry> entry_of(PyObject* func, const OpInfo& info, PyObject* ar
   if (hit || !flags.native_record_miss) {
     return e;
   }
-  const bool generic = flags.generic_meta && flags.meta_cache && info.rule != nullptr &&
-                       S.meta_cache_dict != nullptr && !info.metadata_only && !call.nan &&
-                       (kwargs == nullptr || PyDict_GET_SIZE(kwargs) == 0) && !call.lazies.empty();
+  // A positional rule takes calls without keyword arguments (meta._infer's condition) and with
+  // a LazyTensor (a TensorMeta for the rule); a keyword rule (factories, clone, *_like) calls
+  // whose LazyTensors are all positional (rule_arg replaces those).
+  const bool no_kwargs = kwargs == nullptr || PyDict_GET_SIZE(kwargs) == 0;
+  const bool generic = flags.generic_meta && flags.meta_cache && S.meta_cache_dict != nullptr &&
+                       !info.metadata_only && !call.nan &&
+                       (info.rule != nullptr ? no_kwargs && !call.lazies.empty()
+                                             : info.kw_rule != nullptr && positional_lazies(call, args));
   Words cw;
   uint64_t ch = 0;
   if (generic && class_words(call, cw)) {
@@ -3253,6 +3307,12 @@ bool record_init(const py::dict& objs) {
     s.meta_cache_dict = object_of(objs, "meta_cache_dict");
     if (!PyDict_CheckExact(s.rules) || !PyDict_CheckExact(s.meta_cache_dict)) {
       throw std::runtime_error("rules and meta_cache_dict must be dicts");
+    }
+    if (objs.contains("kw_rules")) {
+      s.kw_rules = object_of(objs, "kw_rules");
+      if (!PyDict_CheckExact(s.kw_rules)) {
+        throw std::runtime_error("kw_rules must be a dict");
+      }
     }
   }
   s.ready = true;

@@ -42,7 +42,7 @@ from .graph import current as graph_current
 from .meta import (MetaEntry, WarnedEntry, disable_modes, eager_error, infer, meta_cache,
                    meta_tensor, policy, static_shape)
 from .profiling import phase
-from .shape_rules import RULES
+from .shape_rules import KW_RULES, RULES
 from .stats import _counts, _syncs, bump
 
 _state_word = _C._state_word
@@ -1190,7 +1190,7 @@ def _install_native_record() -> bool:
         copy_ops=(_copy, *checks.INDEX_PUT),
         device_ops=(_to_copy,), detach=_detach, pending_total=pending_total,
         retrack_below=_C._gc_retrack_below, defer_writer=defer_writer, limit=meta_cache.limit,
-        factory_fallback=record_factory, context=context, rules=RULES,
+        factory_fallback=record_factory, context=context, rules=RULES, kw_rules=KW_RULES,
         meta_cache_dict=meta_cache._d)
     if not _C._record_init(objects):
         return False

@@ -891,6 +891,41 @@ def test_generic_entries_record_the_same_graph_as_entry_for() -> None:
     _generic_both_ways(lambda: _prefill(D, 9) + _prefill(D, 11) + _prefill(D, 12))
 
 
+def _keyword_rules(dev: str | torch.device) -> list[Any]:
+    """Calls of ops whose shape rule takes keyword arguments (shape_rules.KW_RULES), at new
+    constants or shapes each time: a decode step's position ids (arange from the KV length),
+    ones/zeros of new sizes, clone and full_like of new shapes."""
+    torch.manual_seed(4)
+    out: list[Any] = []
+    for n in (5, 6, 7, 9):
+        out.append(torch.arange(n, n + 1, device=dev) + 1)
+        out.append(torch.arange(n, device=dev, dtype=torch.int64) * 2)
+        out.append(torch.ones(n, 2, device=dev) + 1)
+        out.append(torch.zeros(2, n, device=dev) - 1)
+        x = torch.randn(n, 3).to(dev)
+        out.append(torch.full_like(x, 2.5) + x)
+        out.append(x.clone() * 3)
+    return out
+
+
+def test_keyword_rule_classes_make_their_entries_natively() -> None:
+    """A factory (or clone, *_like) call at a new constant or shape is a miss of its class: its
+    entry comes from the class's keyword rule natively (no entry_for), the same graph, entries
+    and counts as entry_for makes, eager's values."""
+    _generic_both_ways(lambda: _keyword_rules(D))
+    _keyword_rules(D)  # the classes learned
+    before = _C._record_stats()["generic_made"]
+    got = [torch.arange(n, n + 1, device=D) for n in (40, 41, 42)]
+    assert _C._record_stats()["generic_made"] == before + 3
+    assert [g.cpu().tolist() for g in got] == [[40], [41], [42]]
+    want = _keyword_rules("cpu")
+    got = _keyword_rules(D)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
+        torch.testing.assert_close(g.cpu(), w)
+
+
 def _squeeze_split(dev: str | torch.device) -> list[Any]:
     """Calls of one class whose outputs change class with the shapes: squeeze of a dim that is
     1 then 3 (rank 1 -> 2), split into 2 then 3 pieces, a cat whose sizes stop matching."""
