@@ -23,7 +23,8 @@ triggers) are marked for Dynamo's frame evaluator as "skip, recursively": when a
 an op runs eagerly, Dynamo runs them as plain Python instead of compiling Genie's internals.
 
 Invariant: ``import genie`` does not import ``torch._dynamo`` (seconds). The hooks are installed
-when ``torch._dynamo`` is already loaded, else by the first ``torch.compile`` call; they act only on
+when ``torch._dynamo`` is already loaded, else as it is imported (:class:`_OnDynamoImport`) or by
+the first ``torch.compile`` call; they act only on
 LazyTensors and graphs whose inputs are on the device, so a program that never touches the device
 compiles exactly as without Genie.
 """
@@ -31,6 +32,8 @@ compiles exactly as without Genie.
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import operator
 import os
 import sys
@@ -75,6 +78,7 @@ def install() -> None:
         install_hooks()
     else:
         _hook_torch_compile()
+        _hook_dynamo_import()
 
 
 def _hook_torch_compile() -> None:
@@ -94,6 +98,44 @@ def _hook_torch_compile() -> None:
     torch.compile = compile
 
 
+class _OnDynamoImport(importlib.abc.MetaPathFinder):
+    """An import hook, once: the Dynamo hooks installed as ``torch._dynamo`` is imported by
+    anything other than ``torch.compile`` (``torch._dynamo.explain``, ``torch.export``,
+    ``torch.compiler``'s functions). Before, ``torch._dynamo.explain(model)(x)`` on the device
+    without a ``torch.compile`` call first reported no graph (``Graph Count: 0, Graph Break
+    Count: -1``): Dynamo took a LazyTensor for an opaque object."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch._dynamo":
+            return None
+        _unhook_dynamo_import()
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec  # (torch.compile's hook still installs them)
+        exec_module = loader.exec_module
+
+        def exec_then_hook(module: Any) -> None:
+            exec_module(module)
+            try:
+                install_hooks()
+            except Exception as e:  # noqa: BLE001 - the import itself succeeded
+                logger.warning("genie: torch.compile on the device is not set up (%s: %s); "
+                               "device tensors trace as opaque objects", type(e).__name__, e)
+
+        loader.exec_module = exec_then_hook
+        return spec
+
+
+def _hook_dynamo_import() -> None:
+    if not any(type(f) is _OnDynamoImport for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnDynamoImport())
+
+
+def _unhook_dynamo_import() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if type(f) is not _OnDynamoImport]
+
+
 def install_hooks() -> None:
     """Dynamo treats LazyTensors as tensors; backend ``genie``; Inductor hands graphs on the
     device to it; the device interface. Idempotent."""
@@ -101,6 +143,7 @@ def install_hooks() -> None:
     if _hooked:
         return
     _hooked = True
+    _unhook_dynamo_import()
     import torch._dynamo
     from torch._dynamo.backends.registry import _BACKENDS, register_backend
     from torch._dynamo.device_interface import register_interface_for_device

@@ -312,6 +312,28 @@ def test_compiling_keeps_genies_module_call(fast_compiler):
         assert torch.nn.Module.__dict__["__call__"] is context._installed, backend
 
 
+def test_dynamo_traces_device_tensors_without_a_torch_compile_call_first():
+    """``torch._dynamo.explain`` on the device in a fresh process, no ``torch.compile`` before
+    it: one graph, no break, as on the CPU (the hooks come with ``torch._dynamo``'s import;
+    before, ``Graph Count: 0, Graph Break Count: -1``). ``import genie`` itself still does not
+    import ``torch._dynamo``."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch, genie
+assert "torch._dynamo" not in sys.modules
+m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()).to("remote_accelerator")
+x = torch.randn(2, 4).to("remote_accelerator")
+import torch._dynamo
+e = torch._dynamo.explain(m)(x)
+assert (e.graph_count, e.graph_break_count) == (1, 0), str(e)[:300]
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
 def test_submodule_calls_are_guarded_as_without_genie():
     """Dynamo traces a submodule call under Genie's module wrapper as under torch's own
     ``nn.Module.__call__`` (straight to ``forward``): a CPU model compiled with the wrapper
