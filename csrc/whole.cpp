@@ -21,6 +21,17 @@
 // GENIE_WHOLE_OPS=0 (config.whole_ops) makes the kernel run the composite always (the reference).
 // Under torch.inference_mode() the autograd keys are skipped and the ops reach the record whole
 // in every configuration. tests/unit/test_whole_ops.py.
+//
+// scaled_dot_product_attention is a composite of another kind: it asks the device's
+// _fused_sdp_choice_stub which fused kernel to call, and a device without one (PrivateUse1 had
+// none) gets the math path: a GPT-2 attention recorded as 6 nodes (two mul.Scalar, a transpose,
+// two matmuls, _safe_softmax), eager CPU's one flash kernel's values only to ~1e-6, and a
+// contiguous output where eager's follows the query's layout (HF's transposed heads: (B, L, H, D)
+// strides). The stub registered here answers as the real device would: where the node replays
+// on a CPU (genie.device.sdp_runs_on_cpu: the embedded CPU, no server), it asks the CPU's own
+// choice (the same metadata checks, sdpa_kernel and enable_*_sdp flags, dropout, masks, dtypes)
+// and the composite then records _scaled_dot_product_flash_attention_for_cpu, one node with its
+// own derivative; elsewhere it says math, as before. tests/unit/test_whole_ops.py.
 #include <atomic>
 #include <optional>
 #include <string>
@@ -33,6 +44,10 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/linear_native.h>
 #include <ATen/ops/matmul_native.h>
+#include <ATen/native/DispatchStub.h>
+#include <ATen/native/transformers/attention.h>
+#include <ATen/native/transformers/sdp_utils_cpp.h>
+#include <ATen/ops/_fused_sdp_choice_native.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
@@ -79,7 +94,37 @@ TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
   m.impl("linear", TORCH_FN(linear_kernel));
 }
 
+// genie.device.sdp_runs_on_cpu(index) -> bool, set at import; unset: the math path.
+PyObject* sdp_runs_on_cpu = nullptr;
+
+int64_t sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                   const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                   std::optional<double> scale, bool enable_gqa) {
+  bool cpu = false;
+  {
+    py::gil_scoped_acquire gil;
+    if (sdp_runs_on_cpu != nullptr) {
+      py::object r = py::reinterpret_steal<py::object>(
+          PyObject_CallFunction(sdp_runs_on_cpu, "i", static_cast<int>(query.device().index())));
+      if (!r) {
+        throw py::error_already_set();
+      }
+      cpu = PyObject_IsTrue(r.ptr()) == 1;
+    }
+  }
+  if (!cpu) {
+    return static_cast<int64_t>(sdp::SDPBackend::math);
+  }
+  // the CPU's choice itself (the stub's CPU kernel; the stub's own call is not exported)
+  return at::native::_fused_sdp_choice_cpp(query, key, value, attn_mask, dropout_p, is_causal,
+                                           scale, enable_gqa);
+}
+
 }  // namespace
+
+namespace at::native {
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &sdp_choice)
+}  // namespace at::native
 
 namespace genie {
 
@@ -95,6 +140,12 @@ void add_whole_functions(py::module_& m) {
   m.def("_whole_ops_enable", [](bool on) { enabled.store(on, std::memory_order_relaxed); },
         py::arg("on"),
         "Record the whole ops as one node (True) or always as their decomposition (False).");
+  m.def("_set_sdp_runs_on_cpu", [](py::object fn) {
+        Py_XDECREF(sdp_runs_on_cpu);
+        sdp_runs_on_cpu = fn.is_none() ? nullptr : fn.release().ptr();
+      }, py::arg("fn"),
+        "fn(index) -> whether remote_accelerator:index's ops run on a CPU: "
+        "scaled_dot_product_attention then takes the CPU's fused kernel choice (None: math).");
 }
 
 }  // namespace genie

@@ -4,6 +4,8 @@ Importing the module installs the device guard, PrivateUse1 hooks, generators an
 storage-refusing allocator. The functions are private: use ``torch.remote_accelerator``.
 """
 
+from collections.abc import Callable
+
 import torch
 
 _max_devices: int
@@ -149,6 +151,8 @@ def _whole_ops() -> list[str]:
     when autograd does not need their decomposition (csrc/whole.cpp)."""
 def _whole_ops_enable(on: bool) -> None:
     """Record the whole ops as one node (True) or always as their decomposition (False)."""
+def _set_sdp_runs_on_cpu(fn: Callable[[int], bool] | None) -> None:
+    """fn(index): whether remote_accelerator:index's ops run on a CPU (SDPA's fused choice)."""
 def _set_storage(t: torch.Tensor, base: torch.Tensor | None = None) -> None:
     """Give the wrapper ``t`` the storage of ``base`` (an alias of its value), or a fresh storage
     of its own size at a fake address (csrc/storage.cpp)."""

@@ -54,10 +54,27 @@ def register() -> None:
     if getattr(torch, "remote_accelerator", None) is not me:
         torch._register_device_module("remote_accelerator", me)
     _native()._set_device_count(_initial_device_count())
+    _native()._set_sdp_runs_on_cpu(sdp_runs_on_cpu)
     if not hasattr(torch.Tensor, "is_remote_accelerator"):
         torch.utils.generate_methods_for_privateuse1_backend(
             for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
     _registered = True
+
+
+def runs_remotely() -> bool:
+    """Whether recorded work goes to a Genie server (one connected, or ``GENIE_SERVER`` set)."""
+    import os
+
+    from .backends.remote import clients
+
+    return bool(clients() or os.environ.get("GENIE_SERVER"))
+
+
+def sdp_runs_on_cpu(index: int) -> bool:
+    """Whether ``scaled_dot_product_attention`` on ``remote_accelerator:index`` replays on a CPU
+    (the embedded default on the CPU, no server): it then takes the fused kernel eager's CPU
+    would (csrc/whole.cpp), not the math path. Asked by the native stub at each call."""
+    return not runs_remotely() and real_device(max(index, 0)).type == "cpu"
 
 
 def _initial_device_count() -> int:

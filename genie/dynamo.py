@@ -35,7 +35,6 @@ import functools
 import importlib.abc
 import importlib.machinery
 import operator
-import os
 import sys
 from typing import Any
 
@@ -331,13 +330,6 @@ def _no_runtime_wrapper(n_inputs: int) -> bool:
                 for s in (*m.subclass_inp_meta, *m.subclass_fw_graph_out_meta))
 
 
-def _remote() -> bool:
-    """Whether graphs go to a Genie server (connected, or ``GENIE_SERVER`` set)."""
-    from .backends.remote import clients
-
-    return bool(clients() or os.environ.get("GENIE_SERVER"))
-
-
 def _flash_attention_for_cpu(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> bool:
     """Where the graph runs on the embedded CPU: ``F.scaled_dot_product_attention`` calls become
     the CPU's flash-attention op (and its backward), as eager's CPU kernel chooses and as
@@ -345,11 +337,11 @@ def _flash_attention_for_cpu(gm: torch.fx.GraphModule, example_inputs: list[Any]
     ``remote_accelerator`` device would trace (the T x T attention matrix, forward and
     backward). Only calls flash takes on the CPU: 4-D float inputs of one dtype, no dropout, no
     grouped-query expansion, no mask (flash on the CPU wants it in the query's dtype). Returns whether a call was rewritten."""
-    from .device import real_device
+    from .device import real_device, runs_remotely
 
     devs = {x.device.index or 0 for x in example_inputs if isinstance(x, torch.Tensor)
             and x.device.type == "remote_accelerator"}
-    if _remote() or len(devs) != 1 or real_device(devs.pop()).type != "cpu":
+    if runs_remotely() or len(devs) != 1 or real_device(devs.pop()).type != "cpu":
         return False
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",

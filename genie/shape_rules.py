@@ -806,6 +806,34 @@ KW_RULES[aten.full_like.default] = lambda args, kwargs, index: None if len(args)
     type(args[1]) not in (int, float, bool) else _like(args, kwargs, index)
 
 
+_LIKE_LAYOUT: dict[tuple, tuple[int, ...]] = {}  # (shape, stride) -> empty_like's strides
+
+
+def _flash_attention_for_cpu(args: tuple, kwargs: dict, index: int
+                             ) -> tuple[TensorMeta, TensorMeta] | None:
+    """``_scaled_dot_product_flash_attention_for_cpu(q, k, v, ...)`` (SDPA on the CPU,
+    csrc/whole.cpp): its meta kernel reads only the query: the output is ``empty_like(q)`` (HF's
+    transposed heads keep their layout) and the logsumexp a float (B, Lq, H) transposed to
+    (B, H, Lq). The query's layout is asked of ``empty_like`` on meta once per (shape, stride),
+    so a decode step's new KV length costs no meta kernel."""
+    if not 3 <= len(args) <= 5 or set(kwargs) - {"attn_mask", "scale"} or             not all(_plain(a) for a in args[:3]):
+        return None
+    q = args[0]
+    if len(q.shape) != 4 or q.offset:
+        return None
+    key = (q.shape, q.stride)
+    stride = _LIKE_LAYOUT.get(key)
+    if stride is None:
+        t = torch.empty_strided(q.shape, q.stride, dtype=torch.float32, device="meta")
+        stride = _LIKE_LAYOUT[key] = tuple(torch.empty_like(t).stride())
+    b, h, lq, _ = q.shape
+    return (TensorMeta(q.shape, stride, 0, q.dtype, index),
+            TensorMeta((b, h, lq), (lq * h, 1, h), 0, torch.float32, index))
+
+
+KW_RULES[aten._scaled_dot_product_flash_attention_for_cpu.default] = _flash_attention_for_cpu
+
+
 def _empty_strided(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
     """``empty_strided(size, stride)``: exactly those (non-negative, one per dim), offset 0,
     the ``dtype=`` or the default dtype."""

@@ -435,3 +435,33 @@ def test_filled_factory_rules_equal_meta_kernels_or_decline(op) -> None:  # noqa
     assert checked == 20, checked
     assert KW_RULES[op](([2],), {"device": torch.device("cpu")}, 0) is None
     assert KW_RULES[op](([2],), {"layout": torch.sparse_coo}, 0) is None
+
+
+def test_flash_attention_for_cpu_rule_equals_meta_kernel() -> None:
+    """``_scaled_dot_product_flash_attention_for_cpu`` (SDPA on the CPU): output and logsumexp
+    as its meta kernel gives them, over query layouts (HF's transposed heads, a q of a fused qkv
+    projection's split, decode's one-token query, random layouts) and key lengths; a query with
+    a storage offset or of another rank is declined."""
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    rule = KW_RULES[op]
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.empty(2, 5, 3 * 4 * 8, device="meta")
+    queries = [torch.empty(2, 4, 5, 8, device="meta"),
+               torch.empty(2, 5, 4, 8, device="meta").transpose(1, 2),
+               qkv[..., :32].view(2, 5, 4, 8).transpose(1, 2),
+               torch.empty(1, 1, 4, 8, device="meta").transpose(1, 2),
+               torch.empty(1, 4, 1, 8, device="meta")]
+    queries += [_layouts(s, gen) for s in [(2, 4, 5, 8), (1, 4, 1, 8), (3, 1, 6, 8)] * 4]
+    for q in queries:
+        for lk in (1, 5, 9):
+            k = torch.empty(q.shape[0], q.shape[1], lk, 8, device="meta")
+            for kw in ({}, {"scale": 0.5}, {"attn_mask": torch.empty(q.shape[2], lk,
+                                                                       device="meta")}):
+                want = op(q, k, k, 0.0, True, **kw)
+                got = rule((TensorMeta.of(q, 0), TensorMeta.of(k, 0), TensorMeta.of(k, 0), 0.0,
+                            True), {n: TensorMeta.of(v, 0) if isinstance(v, torch.Tensor) else v
+                                    for n, v in kw.items()}, 0)
+                assert got == tuple(TensorMeta.of(w, 0) for w in want), (q.shape, q.stride())
+    sliced = torch.empty(2, 4, 6, 8, device="meta")[:, :, 1:]
+    assert rule((TensorMeta.of(sliced, 0),) * 3, {}, 0) is None
+    assert rule((TensorMeta.of(torch.empty(4, 5, 8, device="meta"), 0),) * 3, {}, 0) is None

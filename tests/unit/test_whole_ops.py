@@ -197,3 +197,115 @@ def test_a_host_operand_behaves_as_in_the_decomposition() -> None:
     for got, ref in zip(*outs):
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
         torch.testing.assert_close(got, a @ b, rtol=0, atol=0)
+
+
+# --- scaled_dot_product_attention: the device answers the fused-kernel choice as its real device --
+
+def _heads(b: int, h: int, seq: int, d: int, layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """(b, h, seq, d); ``hf``: a view of (b, seq, h, d) as HF's attention makes its heads."""
+    if layout == "hf":
+        return torch.randn(b, seq, h, d, dtype=dtype).transpose(1, 2)
+    return torch.randn(b, h, seq, d, dtype=dtype)
+
+
+SDPA = [  # (kwargs, whether eager's CPU kernel choice is flash)
+    ({"is_causal": True}, True),
+    ({}, True),
+    ({"scale": 0.3}, True),
+    ({"mask": "float"}, True),
+    ({"mask": "bool"}, True),
+    ({"enable_gqa": True}, True),
+]
+
+
+def _sdpa_args(kw: dict, layout: str, dtype: torch.dtype, lq: int = 7
+               ) -> tuple[list[torch.Tensor], dict]:
+    kw = dict(kw)
+    hk = 2 if kw.get("enable_gqa") else 4
+    q = _heads(2, 4, lq, 16, layout, dtype)
+    k, v = _heads(2, hk, 9, 16, layout, dtype), _heads(2, hk, 9, 16, layout, dtype)
+    mask = kw.pop("mask", None)
+    if mask == "float":
+        kw["attn_mask"] = torch.randn(lq, 9, dtype=dtype)
+    elif mask == "bool":
+        kw["attn_mask"] = torch.rand(lq, 9) > 0.3
+    return [q, k, v], kw
+
+
+def _on(xs: list[torch.Tensor], kw: dict, to: Callable[[torch.Tensor], torch.Tensor]
+        ) -> tuple[list[torch.Tensor], dict]:
+    return [to(x) for x in xs], {k: to(v) if isinstance(v, torch.Tensor) else v
+                                 for k, v in kw.items()}
+
+
+@pytest.mark.skipif(real_device(0).type != "cpu", reason="the CPU's fused kernel choice")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["contiguous", "hf"])
+@pytest.mark.parametrize("kw,flash", SDPA, ids=["causal", "plain", "scale", "float-mask",
+                                                 "bool-mask", "gqa"])
+def test_sdpa_takes_the_cpus_fused_kernel_as_eager_does(kw, flash, layout, dtype) -> None:  # noqa: ANN001
+    """Values bit-equal to eager's, its strides (HF's transposed heads: the query's layout), the
+    same kernel choice (one recorded node for flash), and eager's gradients."""
+    torch.manual_seed(0)
+    xs, kw = _sdpa_args(kw, layout, dtype)
+    assert (torch._fused_sdp_choice(*xs, **kw) == 1) == flash
+    want = F.scaled_dot_product_attention(*xs, **kw)
+    lx, lkw = _on(xs, kw, lambda t: t.to(D))
+    with torch.no_grad():
+        got, n = _ops(lambda: F.scaled_dot_product_attention(*lx, **lkw))
+    _same(got, want, want)
+    if flash:  # (a bool mask is made a float one first, as in eager: 3 ops more)
+        bool_mask = kw.get("attn_mask") is not None and kw["attn_mask"].dtype == torch.bool
+        assert n == 1 + 3 * bool_mask, f"SDPA recorded as {n} ops (eager's CPU: one kernel)"
+    # gradients: flash's own backward, as eager's
+    cx = [x.clone().requires_grad_() for x in xs]
+    gx = [x.clone().to(D).requires_grad_() for x in xs]
+    want = F.scaled_dot_product_attention(*cx, **kw)
+    got = F.scaled_dot_product_attention(*gx, **lkw)
+    assert type(got.grad_fn).__name__ == type(want.grad_fn).__name__
+    g = torch.randn(want.shape, dtype=dtype)
+    want.backward(g)
+    got.backward(g.to(D))
+    for a, b in zip(gx, cx):
+        assert a.grad.stride() == b.grad.stride()
+        torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(real_device(0).type != "cpu", reason="the CPU's fused kernel choice")
+def test_sdpa_follows_sdpa_kernel_and_dropout_to_the_math_path() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    xs, kw = _sdpa_args({"is_causal": True}, "hf", torch.float32)
+    lx = [x.to(D) for x in xs]
+    with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        want = F.scaled_dot_product_attention(*xs, **kw)
+        got, n = _ops(lambda: F.scaled_dot_product_attention(*lx, **kw))
+        assert n > 1
+        _same(got, want, want)
+    with torch.no_grad():  # dropout: the math path on eager's CPU too (values: random)
+        got, n = _ops(lambda: F.scaled_dot_product_attention(*lx, dropout_p=0.5))
+        assert n > 1 and got.stride() == F.scaled_dot_product_attention(*xs, dropout_p=0.5).stride()
+
+
+def test_sdpa_through_a_server_keeps_the_math_path(monkeypatch) -> None:  # noqa: ANN001
+    """Where the work goes to a server the client cannot know the server's kernels: math, as
+    before (values checked against eager to tolerance: a different summation order)."""
+    from genie import device
+
+    monkeypatch.setattr(device, "runs_remotely", lambda: True)
+    torch.manual_seed(0)
+    xs, kw = _sdpa_args({"is_causal": True}, "hf", torch.float32)
+    with torch.no_grad():
+        got, n = _ops(lambda: F.scaled_dot_product_attention(*[x.to(D) for x in xs], **kw))
+    assert n > 1
+    torch.testing.assert_close(got.cpu(), F.scaled_dot_product_attention(*xs, **kw))
+
+
+def test_sdpa_errors_are_eagers_at_the_call() -> None:
+    q, k = torch.randn(2, 4, 7, 16), torch.randn(2, 4, 9, 8)
+    with pytest.raises(Exception) as want:
+        F.scaled_dot_product_attention(q, k, k)
+    with torch.no_grad(), pytest.raises(type(want.value)) as got:
+        F.scaled_dot_product_attention(q.to(D), k.to(D), k.to(D))
+    assert str(got.value) == str(want.value)
