@@ -244,6 +244,7 @@ def clients() -> list[Any]:
 
 
 memory.sessions[0] = clients  # how genie.memory finds a device's session (it sits below)
+device.sessions[0] = clients  # and genie.device whether work goes to a server
 
 
 def _synchronize(index: int) -> bool:

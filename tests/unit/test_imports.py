@@ -154,7 +154,6 @@ ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str, str], str] = {
     ("genie.dynamo", "install_hooks", "genie.device"): _MOVABLE,
     ("genie.dynamo", "install_hooks", "genie.lazy_tensor"): _MOVABLE,
     ("genie.dynamo", "on_device", "genie.device"): _MOVABLE,
-    ("genie.dynamo", "_remote", "genie.backends.remote"): _MOVABLE,
     ("genie.dynamo", "_flash_attention_for_cpu", "genie.device"): _MOVABLE,
     ("genie.dynamo", "_device_interface", "genie.device"): _MOVABLE,
     ("genie.dynamo", "_graph_compiler", "genie.graphs"): _MOVABLE,
