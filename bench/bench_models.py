@@ -246,11 +246,11 @@ def _split(fn: Callable[[], object], ops: float) -> str:
             + f", rest of run_targets {med['rest of run_targets']:.2f}")
 
 
-def _gpt2(layers: int, width: int, heads: int, seed: int = 0):
+def _gpt2(layers: int, width: int, heads: int, seed: int = 0, attn: str = "eager"):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=1000,
                                   n_positions=1024, bos_token_id=0, eos_token_id=0,
-                                  attn_implementation="eager")
+                                  attn_implementation=attn)
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     model.generation_config.pad_token_id = 0
@@ -381,17 +381,22 @@ def _generate_run(model, dev: torch.device, start: int, mask: bool) -> Callable[
     return run
 
 
-def _generate_model(dev: torch.device, mask: bool) -> torch.nn.Module:
-    model = _gpt2(4, 128, 4).to(dev)
+def _generate_model(dev: torch.device, mask: bool, attn: str = "eager") -> torch.nn.Module:
+    model = _gpt2(4, 128, 4, attn=attn).to(dev)
     if not mask:  # no end-of-text token: every call makes NEW_TOKENS tokens without being told
         model.generation_config.eos_token_id = None
     return model
 
 
-@pytest.mark.parametrize("mask", [False, True], ids=["no-mask", "mask"])
-def test_gpt2_generate(benchmark, ratios, workloads, mask: bool) -> None:
+@pytest.mark.parametrize("mask,attn", [(False, "eager"), (True, "eager"), (False, "sdpa")],
+                         ids=["no-mask", "mask", "no-mask-sdpa"])
+def test_gpt2_generate(benchmark, ratios, workloads, mask: bool, attn: str) -> None:
+    # attn: the issue's rows use transformers' "eager" attention; "sdpa" is transformers' default
+    # (F.scaled_dot_product_attention: one fused kernel on the CPU, eager's and Genie's alike)
     how = ("with attention_mask and min_new_tokens" if mask else
            "generate(ids, max_new_tokens) without attention_mask")
+    if attn != "eager":
+        how += f", attn_implementation={attn!r} (transformers' default)"
     benchmark.group = (f"models: GPT-2 4 x 128 greedy generate of {NEW_TOKENS} tokens, new "
                        f"shapes, {how}")
     row = ratios.row(SUITE, f"GPT-2 4x128: greedy generate {NEW_TOKENS} tokens, prompt length new "
@@ -400,9 +405,10 @@ def test_gpt2_generate(benchmark, ratios, workloads, mask: bool) -> None:
     variants = {}
     for name, dev in _variants(workloads, row, LAZY_GPT2).items():
         # Every variant walks the same lengths (8, 9, ...): round k uses one length in all.
-        variants[name] = _generate_run(_generate_model(dev, mask), dev, 8, mask)
+        variants[name] = _generate_run(_generate_model(dev, mask, attn), dev, 8, mask)
     _drop_peer_failures(row, variants)
-    ops = _ops_of(_generate_run(_generate_model(workloads.dev, mask), workloads.dev, 400, mask))
+    ops = _ops_of(_generate_run(_generate_model(workloads.dev, mask, attn), workloads.dev, 400,
+                                mask))
     workloads.interleave(benchmark, row, variants, rounds=_rounds(7), per=NEW_TOKENS,
                          before=_pure(variants))
     _host_us(row, ops / NEW_TOKENS, variants["genie"], NEW_TOKENS)
