@@ -98,7 +98,7 @@ def _hook_torch_compile() -> None:
 
 
 class _OnDynamoImport(importlib.abc.MetaPathFinder):
-    """An import hook, once: the Dynamo hooks installed as ``torch._dynamo`` is imported by
+    """An import hook until the Dynamo hooks are installed, as ``torch._dynamo`` is imported by
     anything other than ``torch.compile`` (``torch._dynamo.explain``, ``torch.export``,
     ``torch.compiler``'s functions). Before, ``torch._dynamo.explain(model)(x)`` on the device
     without a ``torch.compile`` call first reported no graph (``Graph Count: 0, Graph Break
@@ -107,7 +107,8 @@ class _OnDynamoImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != "torch._dynamo":
             return None
-        _unhook_dynamo_import()
+        # (it stays until the hooks are installed: importlib.util.find_spec("torch._dynamo")
+        # finds without importing)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):

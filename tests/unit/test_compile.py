@@ -321,8 +321,9 @@ def test_dynamo_traces_device_tensors_without_a_torch_compile_call_first():
     import sys
 
     code = """
-import sys, torch, genie
+import importlib.util, sys, torch, genie
 assert "torch._dynamo" not in sys.modules
+assert importlib.util.find_spec("torch._dynamo") is not None  # found, not imported
 m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()).to("remote_accelerator")
 x = torch.randn(2, 4).to("remote_accelerator")
 import torch._dynamo
