@@ -552,8 +552,6 @@ class Client:
             self._skeletons.pop(enc.key, None)
             r.header = header
             r.what = f"a tape of {len(tape.instrs)} ops"
-            r.reads = [v.id for v in tape.inputs.values()
-                       if type(v) is Handle and v.client is self]
             if not wait and not tape.outputs:
                 # sent ahead: the handles now, the answer before the next request; what reads
                 # the tape's nodes is booked now (the caller binds them once it is answered)
@@ -576,7 +574,7 @@ class Client:
         tape, enc = r.tape, r.enc
         try:
             try:
-                h, frames = self._call_run(r.header, enc.frames, r.what, r.reads, sent)
+                h, frames = self._call_run(r.header, enc.frames, r.what, tape, sent)
             except (ServerUnavailableError, SessionLostError):
                 if self._lineage is None:
                     raise
@@ -589,7 +587,7 @@ class Client:
                 if r.gkeys:  # and the graphs it calls (evicted, or a new session)
                     header["g"] = [[k, graphs.lookup(k).data] for k in r.gkeys]
                     bump("graphs_sent", len(r.gkeys))
-                h, frames = self._call_run(header, enc.frames, r.what + " (resent)", r.reads)
+                h, frames = self._call_run(header, enc.frames, r.what + " (resent)", tape)
         except _ExecFailure as f:
             err = f.error(tape, self.address, enc.hoisted)
             raise err from err.__cause__  # the server's exception, rebuilt (None: none)
@@ -601,8 +599,14 @@ class Client:
         runs (their answer is not read: :meth:`_ran` makes them known)."""
         tape, uploads = r.tape, r.uploads
         inputs = tape.inputs
+        keep = tape.keep
         remote_inputs: dict[int, Handle] = {}
-        for s, v in inputs.items():
+        # the inputs that need one: kept, or uploaded with this run (not every input a step
+        # reads: a GPT-2 token reads 65, keeps 18)
+        for s in (*keep, *uploads) if uploads else keep:
+            if s not in inputs or s in remote_inputs:
+                continue
+            v = inputs[s]
             if type(v) is Handle and v.client is self:
                 remote_inputs[s] = v
             elif s in uploads:
@@ -625,7 +629,7 @@ class Client:
         kept: dict[int, Any] = {}
         id0 = r.id0
         made = dict(zip(r.enc.order, range(id0, id0 + r.n_new)))  # as the server numbers them
-        for s in sorted(tape.keep):
+        for s in sorted(keep):
             if s in inputs:
                 kept[s] = remote_inputs[s]
             else:  # made by the tape, or an upload sent as an input upload (its own id)
@@ -1102,11 +1106,11 @@ class Client:
         return msgpack.ExtType(EXT_INPUT, pack([host_ref(v, frames), hid]))
 
     def _call_run(self, header: dict[str, Any], frames: Any, what: str,
-                  reads: Sequence[int] = (), sent: _Sent | None = None
+                  tape: Tape | None = None, sent: _Sent | None = None
                   ) -> tuple[dict[str, Any], list[zmq.Frame]]:
-        """A run request, sent again after evicting what the server names under pressure
-        (``reads``: the handle ids it reads, which must stay; ``sent``: the request is on its
-        way, only its answer is read)."""
+        """A run request of ``tape``, sent again after evicting what the server names under
+        pressure (the handles it reads must stay; ``sent``: the request is on its way, only its
+        answer is read)."""
         for _ in range(MAX_PRESSURE_ROUNDS):
             try:
                 if sent is not None:
@@ -1117,7 +1121,8 @@ class Client:
                 victims = p.h.get("victims")
                 if "room" in p.h:  # the message itself does not fit: which values make room?
                     got, _ = self._call_locked({"t": "free", "ids": [], "room": p.h["room"],
-                                                "keep": list(reads)}, (), "a request for room")
+                                                "keep": self._reads(tape)}, (),
+                                               "a request for room")
                     victims = got.get("victims")
                     if not victims:
                         raise QuotaExceededError(self.address, str(p.h.get("msg"))) from None
@@ -1128,6 +1133,13 @@ class Client:
         raise QuotaExceededError(self.address, f"{what} still passes the session's quota after "
                                  f"{MAX_PRESSURE_ROUNDS} rounds of eviction; free tensors (del) "
                                  "or ask for a larger --quota")
+
+    def _reads(self, tape: Tape | None) -> list[int]:
+        """The ids of this session's handles ``tape`` reads (a request for room keeps them;
+        listed only then, not for every request)."""
+        if tape is None:
+            return []
+        return [v.id for v in tape.inputs.values() if type(v) is Handle and v.client is self]
 
     def _restore_run(self, tape: Tape, handles: list[Handle]) -> None:
         """Recompute evicted ``handles`` with ``tape`` (their recipe, keeping only them), put
@@ -1150,12 +1162,11 @@ class Client:
         if enc.key not in self._skeletons:
             header["sk"] = enc.skeleton
         what = f"a restore of {len(ids)} evicted value(s) ({len(tape.instrs)} ops)"
-        reads = [v.id for v in tape.inputs.values() if type(v) is Handle]
         try:
-            h, _ = self._call_run(header, enc.frames, what, reads)
+            h, _ = self._call_run(header, enc.frames, what, tape)
             if h.get("t") == "miss":
                 header["sk"] = enc.skeleton
-                self._call_run(header, enc.frames, what + " (resent)", reads)
+                self._call_run(header, enc.frames, what + " (resent)", tape)
         except _ExecFailure as f:
             err = f.error(tape, self.address)
             raise err from err.__cause__  # the server's exception, rebuilt (None: none)
@@ -1298,7 +1309,7 @@ class _Sent:
 class _Run:
     """One run request of :meth:`Client.run`, from encoding to booking."""
 
-    __slots__ = ("tape", "enc", "header", "extra", "what", "reads", "uploads", "restored",
+    __slots__ = ("tape", "enc", "header", "extra", "what", "uploads", "restored",
                  "id0", "n_new", "base", "gkeys", "kept", "remote_inputs", "owners", "work")
 
     def __init__(self, tape: Tape) -> None:

@@ -103,6 +103,14 @@ def dense(meta: Any) -> bool:
     if meta is None or meta.offset != 0 or getattr(meta, "conj", False) or \
             getattr(meta, "neg", False):
         return False
+    expect = 1
+    for sz, st in zip(reversed(meta.shape), reversed(meta.stride)):  # contiguous: most are
+        if sz != 1:
+            if st != expect or sz == 0:
+                break
+            expect *= sz
+    else:
+        return True
     dims = sorted((st, sz) for sz, st in zip(meta.shape, meta.stride) if sz != 1)
     expect = 1
     for st, sz in dims:
