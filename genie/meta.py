@@ -102,6 +102,13 @@ WHOLE = frozenset(_whole_ops())
 config.on_change(lambda cfg: _whole_ops_enable(cfg.whole_ops))
 
 
+#: Ops tagged ``nondeterministic_seeded`` only for a dropout their CPU kernel refuses: they draw
+#: nothing, so they take no (seed, offset) and stay on the native record path and in compiled
+#: plans. ``_scaled_dot_product_flash_attention_for_cpu`` (SDPA's fused CPU kernel, chosen by
+#: csrc/whole.cpp's stub only without dropout): its kernel raises for ``dropout_p > 0``.
+SEEDED_FOR_NOTHING = frozenset({torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default})
+
+
 def policy(op: Any) -> OpPolicy:
     """The (cached) :class:`OpPolicy` of an ``OpOverload``.
 
@@ -151,7 +158,7 @@ def _analyze(op: Any) -> OpPolicy:
     return OpPolicy(
         writes=tuple(writes),
         returns=tuple(returns),
-        random=torch.Tag.nondeterministic_seeded in tags,
+        random=torch.Tag.nondeterministic_seeded in tags and op not in SEEDED_FOR_NOTHING,
         dynamic=bool(tags & _DYNAMIC),
         inplace_view=torch.Tag.inplace_view in tags,
         names=tuple(a.name for a in schema.arguments),
