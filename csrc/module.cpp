@@ -23,6 +23,7 @@
 #include "storage.h"
 #include "replay.h"
 #include "session.h"
+#include "shape_rules.h"
 #include "state.h"
 #include "warnings.h"
 #include "whole.h"
@@ -326,6 +327,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   genie::add_slice_functions(m);
   genie::add_replay_functions(m);
   genie::add_whole_functions(m);
+  genie::add_shape_rule_functions(m);
   genie::add_state_functions(m);
   genie::add_warning_functions(m);
   genie::add_storage_functions(m);

@@ -12,6 +12,11 @@ contiguous inputs where strides matter, one dtype, no math bits) and decline eve
 Rules take the op's positional arguments with lazy inputs as :class:`~genie.graph.TensorMeta`
 and return one TensorMeta, or for an op with several tensor outputs a tuple (``native_layer_norm``)
 or list (``split``) of them, as the op returns them.
+
+The rules of the ops a decode step misses on every step (views, pointwise arithmetic and
+compares, ``where``, softmax, ``cat``, the matmul family, ``arange``) are native
+(``csrc/shape_rules.cpp``, registered here like the others; one implementation per op): a decode
+step's 17 misses paid ~5-16 µs each for the Python rules, well under 1 µs each natively.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 import torch
 
+from . import _C
 from .device import DEVICE_TYPE
 from .graph import TensorMeta
 
@@ -69,13 +75,6 @@ def _dense(m: TensorMeta) -> bool:
     return True
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _ints(size: Any) -> tuple[int, ...] | None:
     if type(size) not in (list, tuple) or any(type(s) is not int for s in size):
         return None
@@ -88,181 +87,38 @@ def _dim(d: Any, ndim: int) -> int | None:
     return d + ndim if d < 0 else d
 
 
-# --- views ------------------------------------------------------------------------------------
+# --- native rules (csrc/shape_rules.cpp) -------------------------------------------------------
 
-def _view_strides(shape: tuple[int, ...], stride: tuple[int, ...],
-                  size: tuple[int, ...]) -> tuple[int, ...] | None:
-    """ATen's ``computeStride``: strides of a view of (shape, stride) as ``size`` (same numel,
-    no zero-size dim, at least one dim), or None where no view exists (``view`` raises there,
-    the meta kernel says how)."""
-    new = [0] * len(size)
-    view_d = len(size) - 1
-    chunk_base = stride[-1]
-    tensor_numel = view_numel = 1
-    for d in range(len(shape) - 1, -1, -1):
-        tensor_numel *= shape[d]
-        if d == 0 or (shape[d - 1] != 1 and stride[d - 1] != tensor_numel * chunk_base):
-            while view_d >= 0 and (view_numel < tensor_numel or size[view_d] == 1):
-                new[view_d] = view_numel * chunk_base
-                view_numel *= size[view_d]
-                view_d -= 1
-            if view_numel != tensor_numel:
-                return None
-            if d > 0:
-                chunk_base = stride[d - 1]
-                tensor_numel = view_numel = 1
-    return tuple(new) if view_d == -1 else None
-
-
-@rule(aten.view.default, aten._unsafe_view.default)
-def _view(args: tuple, index: int) -> TensorMeta | None:
-    if len(args) != 2 or not _plain(args[0]):
-        return None
-    x, size = args[0], _ints(args[1])
-    if size is None or 0 in x.shape:
-        return None
-    if size.count(-1) == 1:
-        known = _numel(tuple(s for s in size if s != -1))
-        if known <= 0 or _numel(x.shape) % known:
-            return None
-        size = tuple(_numel(x.shape) // known if s == -1 else s for s in size)
-    if any(s <= 0 for s in size) or _numel(size) != _numel(x.shape):
-        return None
-    if _dense(x):
-        return TensorMeta(size, contiguous_strides(size), 0, x.dtype, index)
-    if not size or not x.shape:
-        return None
-    stride = _view_strides(x.shape, x.stride, size)
-    if stride is None:
-        return None
-    return TensorMeta(size, stride, x.offset, x.dtype, index)
+_C._shape_rules_init(TensorMeta)
+rule(aten.view.default, aten._unsafe_view.default)(_C._rule_view)
+rule(aten.expand.default)(_C._rule_expand)
+rule(aten.unsqueeze.default)(_C._rule_unsqueeze)
+rule(aten.transpose.int)(_C._rule_transpose)
+rule(aten.slice.Tensor)(_C._rule_slice)
+rule(aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)(_C._rule_arith)
+rule(aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor, aten.eq.Tensor,
+     aten.ne.Tensor, aten.eq.Scalar, aten.ne.Scalar, aten.le.Scalar, aten.lt.Scalar)(
+    _C._rule_compare)
+rule(aten.div.Tensor)(_C._rule_true_divide)
+rule(aten.mul.Scalar)(_C._rule_mul_scalar)
+rule(aten.where.self)(_C._rule_where)
+rule(aten.tanh.default, aten.exp.default, aten.neg.default, aten.sqrt.default,
+     aten.rsqrt.default, aten.sigmoid.default, aten.relu.default)(_C._rule_unary)
+rule(aten.pow.Tensor_Scalar)(_C._rule_pow_scalar)
+rule(aten._softmax.default, aten._log_softmax.default)(_C._rule_softmax)
+rule(aten._safe_softmax.default)(_C._rule_safe_softmax)
+rule(aten.cat.default)(_C._rule_cat)
+rule(aten.mm.default)(_C._rule_mm)
+rule(aten.addmm.default)(_C._rule_addmm)
+rule(aten.bmm.default)(_C._rule_bmm)
+rule(aten.matmul.default)(_C._rule_matmul)
+rule(aten.linear.default)(_C._rule_linear)
 
 
-@rule(aten.expand.default)
-def _expand(args: tuple, index: int) -> TensorMeta | None:
-    """ATen's ``inferExpandGeometry``, declining where it would raise."""
-    if len(args) != 2 or not _plain(args[0]):
-        return None
-    x, size = args[0], _ints(args[1])
-    n = len(size) if size is not None else 0
-    if size is None or n < len(x.shape):
-        return None
-    shape, stride = [0] * n, [0] * n
-    for i in range(n - 1, -1, -1):
-        d = len(x.shape) - n + i
-        if d >= 0:
-            sz, st = x.shape[d], x.stride[d]
-        else:
-            sz, st = 1, (shape[i + 1] * stride[i + 1] if i + 1 < n else 1)
-        target = size[i]
-        if target == -1:
-            if d < 0:
-                return None
-            target = sz
-        if target < 0 or (sz != target and sz != 1):
-            return None
-        if sz != target:
-            sz, st = target, 0
-        shape[i], stride[i] = sz, st
-    return TensorMeta(tuple(shape), tuple(stride), x.offset, x.dtype, index)
-
-
-@rule(aten.unsqueeze.default)
-def _unsqueeze(args: tuple, index: int) -> TensorMeta | None:
-    if len(args) != 2 or not _plain(args[0]):
-        return None
-    x = args[0]
-    n = len(x.shape)
-    d = _dim(args[1], n + 1)
-    if d is None:
-        return None
-    st = 1 if d >= n else x.shape[d] * x.stride[d]
-    return TensorMeta(x.shape[:d] + (1,) + x.shape[d:], x.stride[:d] + (st,) + x.stride[d:],
-                      x.offset, x.dtype, index)
-
-
-@rule(aten.transpose.int)
-def _transpose(args: tuple, index: int) -> TensorMeta | None:
-    if len(args) != 3 or not _plain(args[0]):
-        return None
-    x = args[0]
-    n = len(x.shape)
-    if n == 0:
-        return None
-    a, b = _dim(args[1], n), _dim(args[2], n)
-    if a is None or b is None:
-        return None
-    shape, stride = list(x.shape), list(x.stride)
-    shape[a], shape[b] = shape[b], shape[a]
-    stride[a], stride[b] = stride[b], stride[a]
-    return TensorMeta(tuple(shape), tuple(stride), x.offset, x.dtype, index)
-
-
-@rule(aten.slice.Tensor)
-def _slice(args: tuple, index: int) -> TensorMeta | None:
-    """``x[..., start:end:step]`` (ATen's ``slice``: bounds wrapped once, then clamped); any
-    layout. Declines where ATen raises (a 0-dim tensor, a dim out of range, a step below 1)."""
-    if not 1 <= len(args) <= 5 or not _plain(args[0]):
-        return None
-    x = args[0]
-    dim, start, end, step = (*args[1:], *(0, None, None, 1)[len(args) - 1:])
-    n = len(x.shape)
-    d = _dim(dim, n) if n else None
-    if d is None or type(step) is not int or step < 1 or \
-            any(v is not None and type(v) is not int for v in (start, end)):
-        return None
-    size = x.shape[d]
-    lo = 0 if start is None else start + size if start < 0 else start
-    hi = size if end is None else end + size if end < 0 else end
-    lo = min(max(lo, 0), size)
-    hi = min(max(hi, lo), size)
-    shape, stride = list(x.shape), list(x.stride)
-    shape[d] = (hi - lo + step - 1) // step
-    stride[d] = x.stride[d] * step
-    return TensorMeta(tuple(shape), tuple(stride), x.offset + lo * x.stride[d], x.dtype, index)
-
-
-# --- pointwise (one dtype, dense or broadcast-dense inputs) -----------------------------------
+# --- Python rules ------------------------------------------------------------------------------
 
 _FLOATS = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 _ARITH = frozenset(_FLOATS | {torch.int64, torch.int32})
-
-
-def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
-    n = max(len(a), len(b))
-    a = (1,) * (n - len(a)) + a
-    b = (1,) * (n - len(b)) + b
-    out = []
-    for x, y in zip(a, b):
-        if x == y or y == 1:
-            out.append(x)
-        elif x == 1:
-            out.append(y)
-        else:
-            return None
-    return tuple(out)
-
-
-def _binary(args: tuple, index: int, compare: bool) -> TensorMeta | None:
-    if len(args) != 2 or not _plain(args[0]):
-        return None
-    x, y = args
-    if x.dtype not in _ARITH or not _dense(x) or len(x.shape) == 0:
-        return None
-    if type(y) is TensorMeta:
-        # same dtype, both dense with at least one dim: no promotion, no 0-dim special case;
-        # TensorIterator then lays the output out row-major over the broadcast shape
-        if not _plain(y) or y.dtype != x.dtype or not _dense(y) or len(y.shape) == 0:
-            return None
-        shape = _broadcast(x.shape, y.shape)
-    elif type(y) is int or (type(y) is float and x.dtype in _FLOATS):
-        shape = x.shape  # a Python scalar of the tensor's category keeps its dtype
-    else:
-        return None
-    if shape is None:
-        return None
-    dtype = torch.bool if compare else x.dtype
-    return TensorMeta(shape, contiguous_strides(shape), 0, dtype, index)
 
 
 def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...], order: Any) -> bool:
@@ -276,13 +132,13 @@ def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...], order: Any) 
     return True
 
 
-
 def sort_dims(n: int, should_swap: Callable[[int, int], int]) -> list[int]:
     """The logical-to-physical permutation of ``n`` dimensions that TensorIterator and
     ``torch._prims_common.compute_elementwise_output_logical_to_physical_perm`` compute: an
     insertion sort of the dimensions from the last (fastest) by ``should_swap(a, b)`` (> 0: swap,
-    < 0: keep and stop, 0: ambiguous, go on), reversed. Shared by the record-time rules and the
-    server's vet rules (:mod:`genie.remote.vet_rules`), each with its own comparison."""
+    < 0: keep and stop, 0: ambiguous, go on), reversed: the server's vet rules
+    (:mod:`genie.remote.vet_rules`); the record-time rules' copy is csrc/shape_rules.cpp's
+    ``elementwise_strides``."""
     order = list(range(n - 1, -1, -1))
     for i in range(1, n):
         d1 = i
@@ -294,181 +150,6 @@ def sort_dims(n: int, should_swap: Callable[[int, int], int]) -> list[int]:
             elif c < 0:
                 break
     return order[::-1]
-
-def _elementwise_strides(shape: tuple[int, ...], ops: list[TensorMeta]) -> tuple[int, ...] | None:
-    """Output strides of an elementwise op over ``ops`` broadcast to ``shape``, as the meta
-    kernels PyTorch registers for them compute it (``torch._refs``: operands expanded by
-    ``_maybe_broadcast``, then ``torch._prims._prim_elementwise_meta``'s
-    ``compute_elementwise_output_logical_to_physical_perm``: contiguous or channels-last
-    shortcuts, else an insertion sort of the dimensions by the operands' strides), or None.
-    ``shape`` has no zero-size dimension; every operand broadcasts to it (the caller checked)."""
-    n = len(shape)
-    if n == 0:
-        return ()
-    if n == 1:
-        return (1,)
-    ts = []
-    for m in ops:
-        if m.shape != shape:
-            m = _expand((m, list(shape)), m.index)
-            if m is None:
-                return None
-        ts.append(m)
-    rev = range(n - 1, -1, -1)
-    contiguous = all(_is_contiguous(shape, t.stride, rev) for t in ts)
-    channels_last = n == 4 and all(_is_contiguous(shape, t.stride, (1, 3, 2, 0)) for t in ts)
-    if contiguous and not channels_last:
-        return contiguous_strides(shape)
-    if channels_last and not contiguous:
-        perm = [0, *range(2, n), 1]
-    else:
-        def should_swap(a: int, b: int) -> int:
-            for t in ts:
-                sa, sb = t.stride[a], t.stride[b]
-                if sa == 0 or sb == 0:
-                    continue
-                if sa == sb:
-                    if shape[b] >= shape[a]:
-                        continue
-                    return 1
-                return -1 if sb >= sa else 1
-            return 0
-
-        perm = sort_dims(n, should_swap)
-    out = [0] * n
-    acc = 1
-    for d in reversed(perm):  # physical order, fastest last: contiguous strides (sizes >= 1)
-        out[d] = acc
-        acc *= shape[d]
-    return tuple(out)
-
-
-def _pointwise(tensors: list[Any], dtype: torch.dtype, index: int) -> TensorMeta | None:
-    """A fresh elementwise output over ``tensors`` (broadcast) of ``dtype``."""
-    shape: tuple[int, ...] | None = ()
-    for t in tensors:
-        if not _plain(t) or t.offset < 0:
-            return None
-        shape = _broadcast(shape, t.shape)
-        if shape is None:
-            return None
-    if 0 in shape:
-        return None
-    stride = _elementwise_strides(shape, tensors)
-    return None if stride is None else TensorMeta(shape, stride, 0, dtype, index)
-
-
-def _scalar_dtype(x: TensorMeta, y: Any) -> torch.dtype | None:
-    """Result dtype of ``tensor op python scalar`` where no promotion happens, else None."""
-    if type(y) is int or type(y) is bool:
-        return x.dtype if x.dtype in _ARITH else None
-    if type(y) is float:
-        return x.dtype if x.dtype in _FLOATS else None
-    return None
-
-
-def _category(dtype: torch.dtype) -> int:
-    return 0 if dtype == torch.bool else 2 if dtype.is_floating_point else \
-        3 if dtype.is_complex else 1
-
-
-def _lower_zero_dim(x: TensorMeta, y: TensorMeta) -> bool:
-    """Whether ``x op y`` keeps x's dtype though y's differs: y a 0-dim tensor of x's category
-    or a lower one, x with dims (a 0-dim tensor promotes only across categories:
-    ``input_ids * (~isin(...)).any()``, an int64 mask times a 0-dim bool)."""
-    return len(y.shape) == 0 and len(x.shape) > 0 and _plain(y) and \
-        _category(y.dtype) <= _category(x.dtype)
-
-
-def _binary_iter(args: tuple, index: int, compare: bool) -> TensorMeta | None:
-    """Two operands of one dtype (or a tensor and a Python scalar of its category), any
-    layout. Mixed dtypes (promotion) are left to the meta kernel."""
-    if len(args) != 2 or not _plain(args[0]) or args[0].dtype not in _ARITH:
-        return None
-    x, y = args
-    if type(y) is TensorMeta:
-        if y.dtype != x.dtype and not _lower_zero_dim(x, y):
-            return None
-        m = _pointwise([x, y], torch.bool if compare else x.dtype, index)
-    else:
-        dt = _scalar_dtype(x, y)
-        if dt is None:
-            return None
-        m = _pointwise([x], torch.bool if compare else dt, index)
-    return m
-
-
-@rule(aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)
-def _arith(args: tuple, index: int) -> TensorMeta | None:
-    return _binary(args, index, compare=False) or _binary_iter(args, index, compare=False)
-
-
-@rule(aten.div.Tensor)
-def _div(args: tuple, index: int) -> TensorMeta | None:
-    """True division: floating operands of one dtype only (integers promote to float)."""
-    if len(args) != 2 or not _plain(args[0]) or args[0].dtype not in _FLOATS:
-        return None
-    return _binary_iter(args, index, compare=False)
-
-
-@rule(aten.where.self)
-def _where(args: tuple, index: int) -> TensorMeta | None:
-    """``where(cond, a, b)``: a bool condition, ``a`` and ``b`` of one dtype."""
-    if len(args) != 3 or not all(type(a) is TensorMeta for a in args):
-        return None
-    c, a, b = args
-    if c.dtype != torch.bool or a.dtype != b.dtype or a.dtype not in _ARITH:
-        return None
-    return _pointwise([c, a, b], a.dtype, index)
-
-
-_UNARY_FLOAT = (aten.tanh.default, aten.exp.default, aten.neg.default, aten.sqrt.default,
-                aten.rsqrt.default, aten.sigmoid.default, aten.relu.default)
-
-
-@rule(*_UNARY_FLOAT)
-def _unary(args: tuple, index: int) -> TensorMeta | None:
-    if len(args) != 1 or not _plain(args[0]) or args[0].dtype not in _FLOATS:
-        return None
-    return _pointwise([args[0]], args[0].dtype, index)
-
-
-@rule(aten.pow.Tensor_Scalar)
-def _pow(args: tuple, index: int) -> TensorMeta | None:
-    if len(args) != 2 or not _plain(args[0]) or args[0].dtype not in _FLOATS or \
-            type(args[1]) not in (int, float):
-        return None
-    return _pointwise([args[0]], args[0].dtype, index)
-
-
-@rule(aten._softmax.default, aten._log_softmax.default)
-def _softmax(args: tuple, index: int) -> TensorMeta | None:
-    """Same shape and dtype, contiguous (dense inputs only; ``half_to_float`` declines)."""
-    if len(args) != 3 or not _plain(args[0]) or args[1].__class__ is not int or args[2]:
-        return None
-    x = args[0]
-    if x.dtype not in _FLOATS or not _dense(x) or _dim(args[1], max(len(x.shape), 1)) is None:
-        return None
-    return TensorMeta(x.shape, x.stride, 0, x.dtype, index)
-
-
-@rule(aten.mul.Scalar)
-def _mul_scalar(args: tuple, index: int) -> TensorMeta | None:
-    """``x * number`` spelled with the Scalar overload (SDPA's math path scales q and k with it):
-    x's layout as TensorIterator lays it out, no promotion (a number of x's category or
-    below)."""
-    if len(args) != 2 or not _plain(args[0]) or type(args[1]) is TensorMeta:
-        return None
-    return _binary_iter(args, index, compare=False)
-
-
-@rule(aten._safe_softmax.default)
-def _safe_softmax(args: tuple, index: int) -> TensorMeta | None:
-    """``_safe_softmax(x, dim)`` (SDPA's math path): as ``_softmax`` without ``half_to_float``;
-    a ``dtype`` goes to the meta kernel."""
-    if not 2 <= len(args) <= 3 or (len(args) == 3 and args[2] is not None):
-        return None
-    return _softmax((args[0], args[1], False), index)
 
 
 @rule(aten.tril.default, aten.triu.default)
@@ -482,140 +163,6 @@ def _tril(args: tuple, index: int) -> TensorMeta | None:
     if len(x.shape) < 2 or not _dense(x):
         return None
     return TensorMeta(x.shape, x.stride, 0, x.dtype, index)
-
-
-@rule(aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor, aten.eq.Tensor,
-      aten.ne.Tensor, aten.eq.Scalar, aten.ne.Scalar, aten.le.Scalar, aten.lt.Scalar)
-def _compare(args: tuple, index: int) -> TensorMeta | None:
-    return _binary(args, index, compare=True) or _binary_iter(args, index, compare=True)
-
-
-# --- cat and the matmul family -----------------------------------------------------------------
-
-def _channels_last_like(m: TensorMeta) -> bool:
-    """``suggest_memory_format(m)`` is channels-last (2d or 3d): the strides follow NHWC/NDHWC
-    (``torch._prims_common.are_strides_like_channels_last_or_false``)."""
-    n = len(m.shape)
-    if n not in (4, 5) or m.stride[1] == 0:
-        return False
-    lo = 0
-    for d in ((1, 3, 2, 0) if n == 4 else (1, 4, 3, 2, 0)):
-        if m.shape[d] == 0 or m.stride[d] < lo or (d == 0 and lo == m.stride[1]):
-            return False
-        lo = m.stride[d] * m.shape[d]
-    return True
-
-
-@rule(aten.cat.default)
-def _cat(args: tuple, index: int) -> TensorMeta | None:
-    """``cat(tensors, dim)`` of one dtype, any layouts, as ``torch._refs.cat`` computes it:
-    1-d empty tensors are skipped (the legacy rule: a KV cache's first step), and the output is
-    contiguous unless every input is channels-last-like (declined)."""
-    if not 1 <= len(args) <= 2 or type(args[0]) not in (list, tuple) or not args[0]:
-        return None
-    ts = args[0]
-    dtype = ts[0].dtype if _plain(ts[0]) else None
-    if not all(_plain(t) and t.dtype == dtype for t in ts) or \
-            all(_channels_last_like(t) for t in ts):
-        return None
-    kept = [t for t in ts if t.shape != (0,)]
-    if not kept:
-        return None
-    first = kept[0]
-    n = len(first.shape)
-    if n == 0:
-        return None
-    d = _dim(args[1] if len(args) == 2 else 0, n)
-    if d is None:
-        return None
-    total = 0
-    for t in kept:
-        if len(t.shape) != n or 0 in t.shape or t.shape[:d] != first.shape[:d] or \
-                t.shape[d + 1:] != first.shape[d + 1:]:
-            return None
-        total += t.shape[d]
-    shape = first.shape[:d] + (total,) + first.shape[d + 1:]
-    return TensorMeta(shape, contiguous_strides(shape), 0, dtype, index)
-
-
-@rule(aten.mm.default)
-def _mm(args: tuple, index: int) -> TensorMeta | None:
-    if len(args) != 2 or not (_plain(args[0]) and _plain(args[1])):
-        return None
-    a, b = args
-    if a.dtype != b.dtype or a.dtype not in _FLOATS or len(a.shape) != 2 or len(b.shape) != 2:
-        return None
-    if a.shape[1] != b.shape[0] or 0 in a.shape or 0 in b.shape:
-        return None
-    shape = (a.shape[0], b.shape[1])
-    return TensorMeta(shape, contiguous_strides(shape), 0, a.dtype, index)
-
-
-@rule(aten.addmm.default)
-def _addmm(args: tuple, index: int) -> TensorMeta | None:
-    """``addmm(bias, m1, m2)`` with a bias that broadcasts to the product (no beta/alpha)."""
-    if len(args) != 3 or not _plain(args[0]):
-        return None
-    m = _mm(args[1:], index)
-    if m is None or args[0].dtype != m.dtype or len(args[0].shape) > 2 or \
-            _broadcast(args[0].shape, m.shape) != m.shape:
-        return None
-    return m
-
-
-@rule(aten.bmm.default)
-def _bmm(args: tuple, index: int) -> TensorMeta | None:
-    if len(args) != 2 or not (_plain(args[0]) and _plain(args[1])):
-        return None
-    a, b = args
-    if a.dtype != b.dtype or a.dtype not in _FLOATS or len(a.shape) != 3 or len(b.shape) != 3:
-        return None
-    if a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1] or 0 in a.shape or 0 in b.shape:
-        return None
-    shape = (a.shape[0], a.shape[1], b.shape[2])
-    return TensorMeta(shape, contiguous_strides(shape), 0, a.dtype, index)
-
-
-@rule(aten.matmul.default)
-def _matmul(args: tuple, index: int) -> TensorMeta | None:
-    """``matmul(a, b)`` of one float dtype, any strides (recorded whole: csrc/whole.cpp): the
-    shape ``torch.matmul`` documents (1-d operands promoted and their dim removed, batch dims
-    broadcast), contiguous, as every branch of its decomposition leaves it (dot, mv, mm, and
-    ``_unsafe_view`` of an mm or bmm). Empty operands and mismatched sizes go to the meta
-    kernel, which raises eager's error."""
-    if len(args) != 2 or not (_plain(args[0]) and _plain(args[1])):
-        return None
-    a, b = args
-    if a.dtype != b.dtype or a.dtype not in _FLOATS or not a.shape or not b.shape or \
-            0 in a.shape or 0 in b.shape:
-        return None
-    sa, sb = a.shape, b.shape
-    if sa[-1] != (sb[0] if len(sb) == 1 else sb[-2]):
-        return None
-    batch = _broadcast(sa[:-2], sb[:-2])
-    if batch is None:
-        return None
-    shape = batch + sa[-2:-1] + sb[-1:] if len(sb) > 1 else batch + sa[-2:-1]
-    return TensorMeta(shape, contiguous_strides(shape), 0, a.dtype, index)
-
-
-@rule(aten.linear.default)
-def _linear(args: tuple, index: int) -> TensorMeta | None:
-    """``linear(x, w[, b])`` of one float dtype with a 2-d weight and a 1-d bias or none
-    (recorded whole: csrc/whole.cpp): ``x``'s leading dims and the weight's output features,
-    contiguous (addmm, its flattened 3-d form, or matmul then ``add_``)."""
-    if not 2 <= len(args) <= 3 or not (_plain(args[0]) and _plain(args[1])):
-        return None
-    x, w = args[0], args[1]
-    bias = args[2] if len(args) == 3 else None
-    if x.dtype != w.dtype or x.dtype not in _FLOATS or not x.shape or len(w.shape) != 2 or \
-            0 in x.shape or 0 in w.shape or x.shape[-1] != w.shape[1]:
-        return None
-    if bias is not None and not (_plain(bias) and bias.dtype == x.dtype and
-                                 bias.shape == (w.shape[0],)):
-        return None
-    shape = x.shape[:-1] + (w.shape[0],)
-    return TensorMeta(shape, contiguous_strides(shape), 0, x.dtype, index)
 
 
 # --- reductions, normalization, indexing (the ops a new prompt length misses on) ---------------
@@ -717,9 +264,8 @@ def _split(args: tuple, index: int) -> list[TensorMeta] | None:
 
 KwRule = Callable[[tuple, dict, int], TensorMeta | None]
 KW_RULES: dict[Any, KwRule] = {}
-
-_ARANGE_DTYPES = (None, torch.int64, torch.int32, torch.float32, torch.float64)
-
+for _op in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+    KW_RULES[_op] = _C._rule_arange  # int bounds (a decode step's position ids), natively
 
 def _factory_index(kwargs: dict, index: int) -> int | None:
     """The output's device index from a factory's keyword arguments (None: decline the call)."""
@@ -732,38 +278,6 @@ def _factory_index(kwargs: dict, index: int) -> int | None:
     if not isinstance(dev, torch.device) or dev.type != DEVICE_TYPE:
         return None
     return dev.index if dev.index is not None else index
-
-
-def _arange(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
-    """``arange`` with int bounds (position ids of a decode step: a new ``start`` every step).
-    The length is exact integer arithmetic; float bounds, a zero step or bounds inconsistent
-    with the step's sign go to the meta kernel (which rounds, or raises eager's error)."""
-    if len(args) == 1:
-        start, end, step = 0, args[0], 1
-    elif len(args) == 2:
-        (start, end), step = args, 1
-    elif len(args) == 3:
-        start, end, step = args
-    else:
-        return None
-    if any(type(v) is not int for v in (start, end, step)) or step == 0 or \
-            set(kwargs) - {"dtype", "layout", "device", "pin_memory"}:
-        return None
-    dtype = kwargs.get("dtype")
-    if dtype not in _ARANGE_DTYPES:
-        return None
-    span = end - start
-    if span != 0 and (span > 0) != (step > 0):
-        return None
-    out = _factory_index(kwargs, index)
-    if out is None:
-        return None
-    n = -(-span // step)  # ceil(span / step): exact for ints
-    return TensorMeta((n,), (1,), 0, dtype or torch.int64, out)
-
-
-for _op in (aten.arange.default, aten.arange.start, aten.arange.start_step):
-    KW_RULES[_op] = _arange
 
 
 def _clone(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:

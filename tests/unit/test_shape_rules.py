@@ -165,20 +165,20 @@ def test_view_rule_on_strided_inputs(make, shape, size) -> None:  # noqa: ANN001
 def test_view_rule_answers_attention_shapes() -> None:
     """The attention pattern whose views the rule used to leave to the meta kernel: heads split
     out of a fused q/k/v projection (a non-contiguous slice), transposed, merged back."""
-    from genie import shape_rules
     from genie.graph import TensorMeta
 
+    view = RULES[aten.view.default]
     qkv = torch.empty(1, 11, 3 * 128, device="meta")
     q = qkv[..., :128]
     heads = q.view(1, 11, 4, 32)
     for x, size in ((q, (1, 11, 4, 32)), (heads.transpose(1, 2).transpose(1, 2), (1, 11, 128))):
-        got = shape_rules._view((TensorMeta.of(x, 0), list(size)), 0)
+        got = view((TensorMeta.of(x, 0), list(size)), 0)
         want = TensorMeta.of(x.view(size), 0)
         assert got == want
     # a 0-dim tensor viewed as one element: the dense rule answers it too
     s = torch.empty((), device="meta")
     for size in ((1,), (1, 1), (-1,)):
-        assert shape_rules._view((TensorMeta.of(s, 0), list(size)), 0) == \
+        assert view((TensorMeta.of(s, 0), list(size)), 0) == \
             TensorMeta.of(s.view(size), 0)
 
 
@@ -242,8 +242,8 @@ def _layouts(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
 
 
 def test_pointwise_layouts_equal_meta_kernels() -> None:
-    """TensorIterator's output layout (``shape_rules._iter_strides``) against the meta kernels
-    over random operand layouts and broadcasting, for the pointwise rules."""
+    """TensorIterator's output layout (csrc/shape_rules.cpp's ``elementwise_strides``) against
+    the meta kernels over random operand layouts and broadcasting, for the pointwise rules."""
     gen = torch.Generator().manual_seed(0)
     check = _Check()
     shapes = [(3,), (2, 3), (1, 3), (2, 1, 4), (2, 3, 4), (1, 3, 1, 5), (2, 3, 4, 5), (4, 1, 1, 1)]
@@ -465,3 +465,99 @@ def test_flash_attention_for_cpu_rule_equals_meta_kernel() -> None:
     sliced = torch.empty(2, 4, 6, 8, device="meta")[:, :, 1:]
     assert rule((TensorMeta.of(sliced, 0),) * 3, {}, 0) is None
     assert rule((TensorMeta.of(torch.empty(4, 5, 8, device="meta"), 0),) * 3, {}, 0) is None
+
+
+def _offset_layouts(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """``_layouts``' tensor, half of the time placed at a random storage offset of a larger
+    storage (a view into a KV cache or a fused projection)."""
+    t = _layouts(shape, gen)
+    if torch.rand(1, generator=gen) < 0.5:
+        return t
+    off = int(torch.randint(1, 50, (1,), generator=gen))
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
+    base = torch.empty(off + extent, device="meta")
+    return base.as_strided(t.shape, t.stride(), off)
+
+
+def test_native_rules_over_random_layouts_and_offsets() -> None:
+    """The native rules (csrc/shape_rules.cpp) against the meta kernels over random values of
+    shape, stride, storage offset and dtype: the views and slices a decode step takes of its KV
+    cache, its matmuls, cat, where, compares and softmax."""
+    gen = torch.Generator().manual_seed(4)
+    check = _Check()
+    shapes = [(3,), (2, 3), (1, 3), (2, 1, 4), (2, 3, 4), (1, 3, 1, 5), (2, 3, 4, 5)]
+    dtypes = [torch.float32, torch.float64, torch.int64, torch.float16]
+
+    def pick(seq):  # noqa: ANN001, ANN202
+        return seq[int(torch.randint(0, len(seq), (1,), generator=gen))]
+
+    with check:
+        for _ in range(300):
+            shape = pick(shapes)
+            dt = pick(dtypes)
+            x = _offset_layouts(shape, gen).to(dt)
+            y = _offset_layouts(shape[int(torch.randint(0, len(shape), (1,), generator=gen)):],
+                                gen).to(pick(dtypes))
+            n = len(shape)
+            d = int(torch.randint(-n, n, (1,), generator=gen))
+            for f in (lambda: x.view(-1), lambda: x.view(*shape[:-1], 1, shape[-1]),
+                      lambda: x.unsqueeze(d), lambda: x.unsqueeze(-1).expand(*shape, 3),
+                      lambda: x.transpose(0, d), lambda: x[..., 1:], lambda: x[..., ::2],
+                      lambda: x.narrow(d, 0, 1), lambda: x + y, lambda: x * 2, lambda: x - y,
+                      lambda: x / y, lambda: x <= y, lambda: x == 1,
+                      lambda: torch.where(y > 0, x, x), lambda: torch.cat([x, x], d),
+                      lambda: torch.softmax(x, d), lambda: torch.exp(x),
+                      lambda: torch.matmul(x, x.transpose(-1, -2)),
+                      lambda: torch.matmul(x, _offset_layouts(shape[-1:], gen).to(dt))):
+                try:
+                    f()
+                except (RuntimeError, IndexError):
+                    pass
+            if dt.is_floating_point:
+                a = _offset_layouts((shape[0], 4), gen).to(dt)
+                b = _offset_layouts((4, 3), gen).to(dt)
+                for f in (lambda: torch.mm(a, b), lambda: torch.addmm(
+                        _offset_layouts((3,), gen).to(dt), a, b),
+                        lambda: torch.bmm(a.unsqueeze(0), b.unsqueeze(0)),
+                        lambda: torch.nn.functional.linear(a, b.t(), None)):
+                    try:
+                        f()
+                    except RuntimeError:
+                        pass
+    assert not check.failures, "\n".join(check.failures[:20])
+    for op in (aten.view.default, aten.expand.default, aten.unsqueeze.default,
+               aten.transpose.int, aten.slice.Tensor, aten.add.Tensor, aten.sub.Tensor,
+               aten.mul.Tensor, aten.div.Tensor, aten.le.Tensor, aten.eq.Scalar,
+               aten.where.self, aten.cat.default,
+               aten._softmax.default, aten.exp.default, aten.mm.default, aten.addmm.default,
+               aten.bmm.default):
+        assert check.checked[str(op)] >= 20, (op, check.checked[str(op)])
+
+
+def test_native_rules_decline_what_they_do_not_take() -> None:
+    """A native rule answers None (the meta kernel decides) for arguments outside its plain
+    cases, never raises for them: bools where ints go, ints past 64 bits, math bits, other
+    types, wrong argument counts; a call of the rule itself with a wrong signature is a
+    TypeError."""
+    x = TensorMeta((2, 3), (3, 1), 0, torch.float32, 0)
+    conj = TensorMeta((2, 3), (3, 1), 0, torch.float32, 0, conj=True)
+    big = 1 << 70
+    junk = [None, True, big, -big, 1.5, "a", [2, 3], (x,), conj, object()]
+    for op, rule in [*RULES.items(), *KW_RULES.items()]:
+        if not type(rule).__name__ == "builtin_function_or_method":
+            continue
+        kw = op in KW_RULES
+        call = (lambda a: rule(a, {}, 0)) if kw else (lambda a: rule(a, 0))
+        for n in range(5):
+            for j in junk:
+                for args in ((j,) * n, (x, *(j,) * (n - 1)) if n else (),
+                             (x, x, *(j,) * max(n - 2, 0))):
+                    call(tuple(args))  # None or an answer: never an error
+        with pytest.raises(TypeError):
+            rule((x,)) if not kw else rule((x,), 0)
+    view, arange = RULES[aten.view.default], KW_RULES[aten.arange.default]
+    assert view((x, [True, 6]), 0) is None and view((x, [big, 6]), 0) is None
+    assert view((conj, [6]), 0) is None and view((x, [6]), 0) == TensorMeta(
+        (6,), (1,), 0, torch.float32, 0)
+    assert arange((big,), {}, 0) is None and arange((True,), {}, 0) is None
+    assert arange((3,), {"bad": 1}, 0) is None and arange((-(1 << 63), 0, -1), {}, 0) is None
