@@ -56,7 +56,7 @@ from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
 from ..progress import waiting
 from ..stats import bump
-from . import BackendUnsupported, register_backend
+from . import BackendUnsupported, _warned, register_backend
 from .eager import run_instr, run_instrs
 
 UPLOAD = "genie.upload"
@@ -583,8 +583,6 @@ def _trial(tape: Tape, device: torch.device, art: Compiled) -> dict[int, Any]:
     A compilation that fails or disagrees is remembered as the plan's refusal reason (one warning)
     and never touches a real value; the step's values are eager's either way.
     """
-    from . import _warned
-
     args = _args(tape, device, art)
     copies = _copy_sharing(args)
     kept = run_instrs(tape, device)  # the reference; errors here are real, and propagate

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from .. import backends
 from ..errors import GenieError
 
 logger = logging.getLogger("genie.pool")
@@ -216,7 +217,6 @@ class _ServerActor:
 
     def __init__(self, device: str, host: str, key_files: dict[str, str],
                  server_args: list[str]) -> None:
-        from .. import backends
         from .server import build_parser, server_from_args
 
         os.environ.pop("GENIE_SERVER", None)  # the server runs tapes itself

@@ -126,12 +126,11 @@ def test_graph_has_the_core_edges() -> None:
 #
 # A function-level import of one of Genie's own modules is allowed only where it defers a heavy
 # or optional dependency. Every one left is listed here, (module, function, imported module):
-# reason. "cycle" entries dodge an import cycle (a type or function on the wrong layer): known
-# layering debt, to be removed as the core is layered (issue 28), never added to.
+# reason. None dodges an import cycle (the core is layered: issue 28); one that would is a type or
+# function on the wrong layer, to be moved down, never listed here.
 _DEFERS_ZMQ = "defers the remote client (pyzmq, msgpack: the optional 'remote' extra)"
 _DEFERS_RAY = "defers the pool's server side and ray (the optional 'pool' extra)"
 _PLUGINS = "registers the built-in passes/backends on first use (their modules import the registry)"
-_CYCLE = "cycle (layering debt)"
 # No cycle: these can move to module level; left to the torch.compile work in flight there.
 _MOVABLE = "no cycle; to move to module level (torch.compile work in flight in this file)"
 ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str, str], str] = {
@@ -139,7 +138,6 @@ ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str, str], str] = {
         "torch's backend autoload entry point: runs while genie/__init__ has not imported torch",
     ("genie.backends", "_load_builtin", "genie.backends.compiled"): _PLUGINS,
     ("genie.backends", "_load_builtin", "genie.backends.eager"): _PLUGINS,
-    ("genie.backends.compiled", "_trial", "genie.backends"): _CYCLE,
     ("genie.backends.remote", "connect", "genie.remote.client"): _DEFERS_ZMQ,
     ("genie.backends.remote", "connect", "genie.remote.pool"): _DEFERS_RAY,
     ("genie.backends.remote", "connect", "genie.remote.placement"): _DEFERS_ZMQ,
@@ -172,7 +170,6 @@ ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str, str], str] = {
     ("genie.passes.pipeline", "_load_builtin", "genie.passes.split_foreach"): _PLUGINS,
     ("genie.remote.pool", "server_flags", "genie.remote.server"): _DEFERS_RAY,
     ("genie.remote.pool", "main", "genie.remote.server"): _DEFERS_RAY,
-    ("genie.remote.pool", "__init__", "genie.backends"): _CYCLE,
     ("genie.remote.pool", "__init__", "genie.remote.server"): _DEFERS_RAY,
 }
 
