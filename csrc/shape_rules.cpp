@@ -16,16 +16,22 @@
 #include <cstdint>
 #include <cstddef>
 #include <initializer_list>
+#include <map>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include <pybind11/pybind11.h>
 
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Layout.h>
+#include <torch/csrc/MemoryFormat.h>
 
 #include "shape_rules.h"
 #include "slots.h"
@@ -198,7 +204,7 @@ Dims slice_of(const Dims& d, size_t lo, size_t hi) {
 // shape_rules._broadcast
 bool broadcast(const Dims& a, const Dims& b, Dims& out) {
   const size_t n = std::max(a.size(), b.size());
-  Dims r(n);
+  std::vector<int64_t> r(n);  // (not a SmallVector: GCC's -Wmaybe-uninitialized on its growth)
   for (size_t i = 0; i < n; ++i) {
     const int64_t x = i + a.size() >= n ? a[i + a.size() - n] : 1;
     const int64_t y = i + b.size() >= n ? b[i + b.size() - n] : 1;
@@ -210,7 +216,7 @@ bool broadcast(const Dims& a, const Dims& b, Dims& out) {
       return false;
     }
   }
-  out = std::move(r);
+  out.assign(r.begin(), r.end());
   return true;
 }
 
@@ -881,6 +887,26 @@ PyObject* linear(PyObject* const* a, Py_ssize_t n, PyObject* index) {
 
 // --- factories (keyword rules) ---------------------------------------------------------------
 
+// Whether `kwargs` (a dict) has only keys among `names`.
+bool only_keys(PyObject* kwargs, std::initializer_list<const char*> names) {
+  Py_ssize_t pos = 0, known = 0;
+  PyObject *k, *v;
+  while (PyDict_Next(kwargs, &pos, &k, &v)) {
+    if (!PyUnicode_Check(k)) {
+      return false;
+    }
+    for (const char* name : names) {
+      known += PyUnicode_CompareWithASCIIString(k, name) == 0 ? 1 : 0;
+    }
+  }
+  return known == PyDict_GET_SIZE(kwargs);
+}
+
+bool is_format(PyObject* o, c10::MemoryFormat f) {
+  return o != nullptr && THPMemoryFormat_Check(o) &&
+         reinterpret_cast<THPMemoryFormat*>(o)->memory_format == f;
+}
+
 // `v` == one of `options` (Python's `in`).
 bool one_of(PyObject* v, std::initializer_list<PyObject*> options) {
   for (PyObject* o : options) {
@@ -933,17 +959,7 @@ PyObject* arange(PyObject* const* a, Py_ssize_t n, PyObject* kwargs, PyObject* i
       (n == 3 && !as_int(a[2], step)) || step == 0) {
     return nullptr;
   }
-  Py_ssize_t pos = 0, known = 0;
-  PyObject *k, *v;
-  while (PyDict_Next(kwargs, &pos, &k, &v)) {
-    if (!PyUnicode_Check(k)) {
-      return nullptr;
-    }
-    for (const char* name : {"dtype", "layout", "device", "pin_memory"}) {
-      known += PyUnicode_CompareWithASCIIString(k, name) == 0 ? 1 : 0;
-    }
-  }
-  if (known != PyDict_GET_SIZE(kwargs)) {
+  if (!only_keys(kwargs, {"dtype", "layout", "device", "pin_memory"})) {
     return nullptr;
   }
   PyObject* dtype = PyDict_GetItemString(kwargs, "dtype");
@@ -970,6 +986,91 @@ PyObject* arange(PyObject* const* a, Py_ssize_t n, PyObject* kwargs, PyObject* i
   const int64_t len = span / step + (span % step != 0 ? 1 : 0);
   PyObject* r = make({len}, {1}, 0, dtype, out);
   Py_DECREF(out);
+  return r;
+}
+
+// clone(x, memory_format=...): contiguous for contiguous_format; for the default
+// (preserve_format), x's own layout where it is dense row-major. Others: the meta kernel.
+PyObject* clone(PyObject* const* a, Py_ssize_t n, PyObject* kwargs, PyObject* index) {
+  Meta x;
+  if (n != 1 || !plain(a[0], x) || !only_keys(kwargs, {"memory_format"})) {
+    return nullptr;
+  }
+  PyObject* fmt = PyDict_GetItemString(kwargs, "memory_format");  // borrowed
+  const bool preserve = fmt == nullptr || fmt == Py_None ||
+                        is_format(fmt, c10::MemoryFormat::Preserve);
+  if (!is_format(fmt, c10::MemoryFormat::Contiguous) && !(preserve && dense(x))) {
+    return nullptr;
+  }
+  return make_contiguous(x.shape, x.dtype, index);
+}
+
+// isin(elements, test_elements): a bool tensor of the elements' shape, row-major where the
+// elements are contiguous (size-1 dims free: generate's input_ids[:, -1:]); other layouts go to
+// the meta kernel (empty_like of the elements).
+PyObject* isin(PyObject* const* a, Py_ssize_t n, PyObject* kwargs, PyObject* index) {
+  Meta x, t;
+  if (n != 2 || !only_keys(kwargs, {"assume_unique", "invert"}) || !plain(a[0], x) ||
+      !plain(a[1], t) || !is_arith(x.st) || !is_arith(t.st) || x.ndim() == 0 ||
+      has_zero(x.shape)) {
+    return nullptr;
+  }
+  Dims rev(x.ndim());
+  for (size_t i = 0; i < x.ndim(); ++i) {
+    rev[i] = static_cast<int64_t>(x.ndim() - 1 - i);
+  }
+  if (!is_contiguous(x.shape, x.stride, rev)) {
+    return nullptr;
+  }
+  return make_contiguous(x.shape, dtype_object(at::kBool), index);
+}
+
+// empty_like's strides for a float tensor of (shape, stride), asked of the meta kernel once per
+// layout (HF's transposed attention heads keep theirs).
+bool like_strides(const Meta& q, Dims& out) {
+  static std::map<std::pair<Dims, Dims>, Dims> layouts;  // bounded by the layouts a model has
+  auto key = std::make_pair(q.shape, q.stride);
+  auto it = layouts.find(key);
+  if (it == layouts.end()) {
+    if (layouts.size() >= 4096) {
+      layouts.clear();
+    }
+    try {
+      const at::Tensor t = at::empty_strided(q.shape, q.stride,
+                                             at::TensorOptions().dtype(at::kFloat).device(at::kMeta));
+      const auto st = at::empty_like(t).strides();
+      it = layouts.emplace(std::move(key), Dims(st.begin(), st.end())).first;
+    } catch (const std::exception&) {
+      return false;  // the meta kernel decides
+    }
+  }
+  out = it->second;
+  return true;
+}
+
+// _scaled_dot_product_flash_attention_for_cpu(q, k, v, ...) (SDPA on the CPU): its meta kernel
+// reads only the query: the output is empty_like(q), the logsumexp a float (B, Lq, H) transposed
+// to (B, H, Lq). A query with a storage offset or of another rank goes to the meta kernel.
+PyObject* flash_attention_for_cpu(PyObject* const* a, Py_ssize_t n, PyObject* kwargs,
+                                  PyObject* index) {
+  Meta q, k, v;
+  Dims stride;
+  if (n < 3 || n > 5 || !only_keys(kwargs, {"attn_mask", "scale"}) || !plain(a[0], q) ||
+      !plain(a[1], k) || !plain(a[2], v) || q.ndim() != 4 || q.offset != 0 ||
+      !like_strides(q, stride)) {
+    return nullptr;
+  }
+  const int64_t b = q.shape[0], h = q.shape[1], lq = q.shape[2];
+  int64_t lqh = 0;
+  if (!mul_ok(lq, h, lqh)) {
+    return nullptr;
+  }
+  PyObject* out = make(q.shape, stride, 0, q.dtype, index);
+  PyObject* lse = out != nullptr ? make({b, h, lq}, {lqh, 1, h}, 0, dtype_object(at::kFloat), index)
+                                 : nullptr;
+  PyObject* r = lse != nullptr ? PyTuple_Pack(2, out, lse) : nullptr;
+  Py_XDECREF(out);
+  Py_XDECREF(lse);
   return r;
 }
 
@@ -1046,11 +1147,18 @@ PyMethodDef rule_defs[] = {
     GENIE_RULE(bmm, "bmm: 3-d floats of one dtype."),
     GENIE_RULE(matmul, "matmul: torch.matmul's documented shape, contiguous."),
     GENIE_RULE(linear, "linear: a 2-d weight, a 1-d bias or none."),
-    {"_rule_arange", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&keyword<arange>)),
-     METH_FASTCALL, "arange (keyword rule): int bounds, exact length."},
+#define GENIE_KW_RULE(name, doc) \
+  {"_rule_" #name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&keyword<name>)), \
+   METH_FASTCALL, doc}
+    GENIE_KW_RULE(arange, "arange (keyword rule): int bounds, exact length."),
+    GENIE_KW_RULE(clone, "clone (keyword rule): contiguous, or a dense input's own layout."),
+    GENIE_KW_RULE(isin, "isin.Tensor_Tensor (keyword rule): contiguous elements, a bool output."),
+    GENIE_KW_RULE(flash_attention_for_cpu, "_scaled_dot_product_flash_attention_for_cpu "
+                  "(keyword rule): empty_like(q) and the float logsumexp."),
     {nullptr, nullptr, 0, nullptr}};
 
 #undef GENIE_RULE
+#undef GENIE_KW_RULE
 
 void shape_rules_init(py::object tensor_meta) {
   PyObject* t = tensor_meta.ptr();

@@ -14,7 +14,8 @@ and return one TensorMeta, or for an op with several tensor outputs a tuple (``n
 or list (``split``) of them, as the op returns them.
 
 The rules of the ops a decode step misses on every step (views, pointwise arithmetic and
-compares, ``where``, softmax, ``cat``, the matmul family, ``arange``) are native
+compares, ``where``, softmax, ``cat``, the matmul family, ``arange``) and a generate's per-token
+misses (``clone``, ``isin``, SDPA's CPU flash kernel) are native
 (``csrc/shape_rules.cpp``, registered here like the others; one implementation per op): a decode
 step's 17 misses paid ~5-16 µs each for the Python rules, well under 1 µs each natively.
 """
@@ -119,17 +120,6 @@ rule(aten.linear.default)(_C._rule_linear)
 
 _FLOATS = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 _ARITH = frozenset(_FLOATS | {torch.int64, torch.int32})
-
-
-def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...], order: Any) -> bool:
-    """``Tensor.is_contiguous`` for the dimension ``order`` (fastest first); size-1 dims free."""
-    expected = 1
-    for d in order:
-        if shape[d] != 1:
-            if stride[d] != expected:
-                return False
-            expected *= shape[d]
-    return True
 
 
 def sort_dims(n: int, should_swap: Callable[[int, int], int]) -> list[int]:
@@ -266,6 +256,11 @@ KwRule = Callable[[tuple, dict, int], TensorMeta | None]
 KW_RULES: dict[Any, KwRule] = {}
 for _op in (aten.arange.default, aten.arange.start, aten.arange.start_step):
     KW_RULES[_op] = _C._rule_arange  # int bounds (a decode step's position ids), natively
+KW_RULES[aten.clone.default] = _C._rule_clone
+KW_RULES[aten.isin.Tensor_Tensor] = _C._rule_isin
+KW_RULES[aten._scaled_dot_product_flash_attention_for_cpu.default] = \
+    _C._rule_flash_attention_for_cpu
+
 
 def _factory_index(kwargs: dict, index: int) -> int | None:
     """The output's device index from a factory's keyword arguments (None: decline the call)."""
@@ -278,20 +273,6 @@ def _factory_index(kwargs: dict, index: int) -> int | None:
     if not isinstance(dev, torch.device) or dev.type != DEVICE_TYPE:
         return None
     return dev.index if dev.index is not None else index
-
-
-def _clone(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
-    """``clone(x, memory_format=...)``: contiguous for ``contiguous_format``; for the default
-    (``preserve_format``), x's own layout where it is dense row-major. Others: the meta kernel."""
-    if len(args) != 1 or not _plain(args[0]) or set(kwargs) - {"memory_format"}:
-        return None
-    x, fmt = args[0], kwargs.get("memory_format")
-    if fmt is torch.contiguous_format or (fmt in (None, torch.preserve_format) and _dense(x)):
-        return TensorMeta(x.shape, contiguous_strides(x.shape), 0, x.dtype, index)
-    return None
-
-
-KW_RULES[aten.clone.default] = _clone
 
 
 _LIKE_KWARGS = frozenset({"dtype", "layout", "device", "pin_memory", "memory_format"})
@@ -320,34 +301,6 @@ KW_RULES[aten.full_like.default] = lambda args, kwargs, index: None if len(args)
     type(args[1]) not in (int, float, bool) else _like(args, kwargs, index)
 
 
-_LIKE_LAYOUT: dict[tuple, tuple[int, ...]] = {}  # (shape, stride) -> empty_like's strides
-
-
-def _flash_attention_for_cpu(args: tuple, kwargs: dict, index: int
-                             ) -> tuple[TensorMeta, TensorMeta] | None:
-    """``_scaled_dot_product_flash_attention_for_cpu(q, k, v, ...)`` (SDPA on the CPU,
-    csrc/whole.cpp): its meta kernel reads only the query: the output is ``empty_like(q)`` (HF's
-    transposed heads keep their layout) and the logsumexp a float (B, Lq, H) transposed to
-    (B, H, Lq). The query's layout is asked of ``empty_like`` on meta once per (shape, stride),
-    so a decode step's new KV length costs no meta kernel."""
-    if not 3 <= len(args) <= 5 or set(kwargs) - {"attn_mask", "scale"} or             not all(_plain(a) for a in args[:3]):
-        return None
-    q = args[0]
-    if len(q.shape) != 4 or q.offset:
-        return None
-    key = (q.shape, q.stride)
-    stride = _LIKE_LAYOUT.get(key)
-    if stride is None:
-        t = torch.empty_strided(q.shape, q.stride, dtype=torch.float32, device="meta")
-        stride = _LIKE_LAYOUT[key] = tuple(torch.empty_like(t).stride())
-    b, h, lq, _ = q.shape
-    return (TensorMeta(q.shape, stride, 0, q.dtype, index),
-            TensorMeta((b, h, lq), (lq * h, 1, h), 0, torch.float32, index))
-
-
-KW_RULES[aten._scaled_dot_product_flash_attention_for_cpu.default] = _flash_attention_for_cpu
-
-
 def _empty_strided(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
     """``empty_strided(size, stride)``: exactly those (non-negative, one per dim), offset 0,
     the ``dtype=`` or the default dtype."""
@@ -363,25 +316,6 @@ def _empty_strided(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
 
 
 KW_RULES[aten.empty_strided.default] = _empty_strided
-
-
-def _isin(args: tuple, kwargs: dict, index: int) -> TensorMeta | None:
-    """``isin(elements, test_elements)``: a bool tensor of ``elements``' shape. The meta kernel
-    lays it out as ``empty_like(elements)``; for ``elements`` contiguous (size-1 dimensions
-    free, as ``input_ids[:, -1:]``) that is row-major, as eager's kernel does. Other layouts go
-    to the kernel."""
-    if len(args) != 2 or set(kwargs) - {"assume_unique", "invert"} or \
-            not all(_plain(a) for a in args):
-        return None
-    x, t = args
-    n = len(x.shape)
-    if x.dtype not in _ARITH or t.dtype not in _ARITH or not n or 0 in x.shape or \
-            not _is_contiguous(x.shape, x.stride, range(n - 1, -1, -1)):
-        return None
-    return TensorMeta(x.shape, contiguous_strides(x.shape), 0, torch.bool, index)
-
-
-KW_RULES[aten.isin.Tensor_Tensor] = _isin
 
 
 _FACTORY_KWARGS = frozenset({"dtype", "layout", "device", "pin_memory"})
