@@ -62,3 +62,17 @@ def test_views_whose_size_one_dims_have_any_stride(view: str) -> None:
                                                          tuple(stride) if stride else None),
                        copy=True)
     assert torch.equal(got, v) and got.shape == v.shape
+
+
+@pytest.mark.parametrize("n", [1, 3, 4096], ids=["scalar", "three", "4096"])
+def test_a_copy_is_a_tensor_of_its_own_as_eagers(n: int) -> None:
+    """A copied frame (a downloaded value a program reads) owns fresh, writable, resizable
+    memory of torch's allocator, as a tensor eager made: the frame's memory may be reused."""
+    x = _values(torch.float64, n)
+    buf = bytearray(bytes(tensor_frame(x)[0]))
+    t = frame_tensor(memoryview(buf), FrameRef(0, torch.float64, (n,), None), copy=True)
+    buf[:] = bytes(len(buf))
+    assert torch.equal(t, x) and t.data_ptr() % ALIGN == 0
+    t.add_(1)
+    t.resize_(2 * n)  # eager's tensors may grow (a bytearray's storage may not)
+    assert t.untyped_storage().nbytes() == 2 * n * 8
