@@ -692,16 +692,17 @@ PyObject* pow_scalar(PyObject* const* a, Py_ssize_t n, PyObject* index) {
   return pointwise(ops, ops[0].dtype, index);
 }
 
-// _softmax(x, dim, half_to_float=False), _log_softmax: x's shape, contiguous (dense x only).
+// _softmax(x, dim, half_to_float=False), _log_softmax: x's shape, contiguous whatever x's layout
+// (the structured kernels' meta function; an empty x goes to the meta kernel).
 PyObject* softmax(PyObject* const* a, Py_ssize_t n, PyObject* index) {
   Meta x;
   int64_t d = 0;
   if (n != 3 || !plain(a[0], x) || !PyLong_CheckExact(a[1]) || !falsy(a[2]) ||
-      !is_float(x.st) || !dense(x) ||
+      !is_float(x.st) || has_zero(x.shape) ||
       !dim(a[1], std::max<int64_t>(static_cast<int64_t>(x.ndim()), 1), d)) {
     return nullptr;
   }
-  return make(x.shape, x.stride, 0, x.dtype, index);
+  return make_contiguous(x.shape, x.dtype, index);
 }
 
 // _safe_softmax(x, dim[, dtype=None]) (SDPA's math path): as _softmax.
@@ -1139,8 +1140,8 @@ PyMethodDef rule_defs[] = {
     GENIE_RULE(where, "where.self: a bool condition, two operands of one dtype."),
     GENIE_RULE(unary, "tanh, exp, neg, sqrt, rsqrt, sigmoid, relu of a float tensor."),
     GENIE_RULE(pow_scalar, "pow.Tensor_Scalar of a float tensor."),
-    GENIE_RULE(softmax, "_softmax, _log_softmax of a dense float tensor."),
-    GENIE_RULE(safe_softmax, "_safe_softmax of a dense float tensor, no dtype."),
+    GENIE_RULE(softmax, "_softmax, _log_softmax of a float tensor: contiguous."),
+    GENIE_RULE(safe_softmax, "_safe_softmax of a float tensor, no dtype: contiguous."),
     GENIE_RULE(cat, "cat: one dtype, contiguous (1-d empty inputs skipped)."),
     GENIE_RULE(mm, "mm: 2-d floats of one dtype."),
     GENIE_RULE(addmm, "addmm: a bias broadcasting to the product, no beta/alpha."),
