@@ -42,6 +42,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
@@ -78,6 +79,52 @@ struct Patch {
   at::ScalarType dtype = at::kFloat;   // Meta
 };
 
+// A compiled graph's placeholder as a direct call learned it: an int's value, or a tensor's
+// device, dtype, dispatch keys (math bits), sizes and strides (genie.graphs' shape class).
+struct Placeholder {
+  bool tensor = false;
+  int64_t value = 0;
+  c10::Device device = c10::Device(c10::kCPU);
+  at::ScalarType dtype = at::kFloat;
+  c10::DispatchKeySet keys;
+  std::vector<int64_t> sizes, strides;
+
+  static std::optional<Placeholder> of(const c10::IValue& v) {
+    Placeholder p;
+    if (v.isInt()) {
+      p.value = v.toInt();
+      return p;
+    }
+    if (!v.isTensor() || !v.toTensor().defined() ||
+        v.toTensor().layout() != c10::kStrided) {
+      return std::nullopt;
+    }
+    const at::Tensor& t = v.toTensor();
+    p.tensor = true;
+    p.device = t.device();
+    p.dtype = t.scalar_type();
+    p.keys = t.key_set();
+    p.sizes = t.sizes().vec();
+    p.strides = t.strides().vec();
+    return p;
+  }
+
+  bool matches(const c10::IValue& v) const {
+    if (!tensor) {
+      return v.isInt() && v.toInt() == value;
+    }
+    if (!v.isTensor()) {
+      return false;
+    }
+    const at::Tensor& t = v.toTensor();
+    return t.defined() && t.key_set() == keys && t.scalar_type() == dtype &&
+           t.device() == device && t.sizes().equals(sizes) && t.strides().equals(strides);
+  }
+};
+
+// genie::graph calls run directly (Program::call_direct), for genie.stats() (graph_cache_hits).
+int64_t direct_graph_calls = 0;
+
 struct Step {
   bool upload = false;
   std::optional<c10::OperatorHandle> op;
@@ -97,6 +144,13 @@ struct Step {
   int64_t device = 0;  // index into run's devices: 0 the run's device
   std::vector<int64_t> outs;  // -1: an output not kept in a slot
   std::vector<int64_t> frees;
+  // genie::graph / genie::graph_mut: the compiled callable of the shape class its inputs had
+  // (see Program::call_direct), learned from `learn` after a dispatched call.
+  py::object learn;           // learn(*args) -> None or (callable, ((arg, elem), ...)); or null
+  mutable py::object direct;  // the callable, called with the graph's placeholders; or null
+  mutable std::vector<std::pair<int32_t, int32_t>> order;  // each placeholder's (arg, elem)
+  mutable std::vector<Placeholder> shape_class;            // what `direct` was learned for
+  mutable int learns = 0;
 };
 
 // opAllowsNumbersAsTensors of torch/csrc/jit/python/init.cpp: what OpOverload.__call__ sets
@@ -387,8 +441,15 @@ class Program {
             py::object rng = py::reinterpret_steal<py::object>(
                 get_attr(PyList_GET_ITEM(instrs.ptr(), i), rng_name));
             call_seeded(s, stack, dev, rng);
-          } else {
+          } else if (!s.learn || !call_direct(s, stack, results)) {
+            std::vector<c10::IValue> args;
+            if (s.learn && s.learns < kLearns) {
+              args = stack;  // (the kernel consumes its arguments)
+            }
             s.op->callBoxed(stack);
+            if (!args.empty()) {
+              learn_direct(s, args);
+            }
           }
           for (auto& r : stack) {
             flatten(std::move(r), results);
@@ -430,6 +491,19 @@ class Program {
       out[py::int_(k)] = torch::jit::toPyObject(std::move(regs[k]));
     }
     return out;
+  }
+
+  // Makes the last instruction added (a genie::graph or genie::graph_mut call) call its graph's
+  // compiled code directly: `learn`, given the instruction's arguments after a dispatched call,
+  // returns None or the callable its kernel called for them (genie.graphs.direct) and where each
+  // of the graph's placeholders is among the arguments.
+  void direct_last(py::object learn) {
+    if (steps_.empty() || steps_.back().upload || steps_.back().rng) {
+      unsupported("a direct graph call on an instruction that is not an op");
+    }
+    if (!learn.is_none()) {
+      steps_.back().learn = std::move(learn);
+    }
   }
 
   int64_t freed() const { return freed_; }
@@ -603,6 +677,85 @@ class Program {
     }
   }
 
+  static constexpr int kLearns = 8;  // learned shape classes per instruction, at most
+
+  // A graph call whose arguments have the shape class `direct` was learned for (see
+  // Step::shape_class): the compiled code called as the op's kernel would call it
+  // (genie.graphs._run, after its lookup by shape class), without the dispatcher's entry into
+  // that Python kernel, the lookup and its checks (~10 µs a call). The results replace the
+  // stack. False when there is none or the arguments differ (then the op is dispatched).
+  static bool call_direct(const Step& s, std::vector<c10::IValue>& stack,
+                          std::vector<c10::IValue>& results) {
+    if (!s.direct || c10::impl::TorchDispatchModeTLS::any_modes_set()) {
+      return false;
+    }
+    const size_t n = s.order.size();
+    py::tuple args(n);
+    for (size_t k = 0; k < n; ++k) {
+      const auto [a, e] = s.order[k];
+      const c10::IValue& v = stack[a].toListRef()[e];
+      if (!s.shape_class[k].matches(v)) {
+        return false;
+      }
+      PyTuple_SET_ITEM(args.ptr(), k,
+                       v.isTensor() ? THPVariable_Wrap(v.toTensor())
+                                    : PyLong_FromLongLong(v.toInt()));
+      if (PyTuple_GET_ITEM(args.ptr(), k) == nullptr) {
+        throw py::error_already_set();
+      }
+    }
+    py::object out;
+    {
+      c10::AutoGradMode no_grad(false);  // as genie.graphs._run
+      out = s.direct(*args);
+    }
+    // genie.graphs._tensor_outs
+    if (!py::isinstance<py::list>(out) && !py::isinstance<py::tuple>(out)) {
+      out = py::make_tuple(out);
+    }
+    for (const auto& o : out) {
+      if (THPVariable_Check(o.ptr())) {
+        results.emplace_back(THPVariable_Unpack(o.ptr()));
+      }
+    }
+    stack.clear();
+    ++direct_graph_calls;
+    return true;
+  }
+
+  // After a dispatched graph call: the callable and shape class of its arguments, if any.
+  static void learn_direct(const Step& s, const std::vector<c10::IValue>& args) {
+    ++s.learns;
+    py::tuple py_args(args.size());
+    for (size_t k = 0; k < args.size(); ++k) {
+      py_args[k] = torch::jit::toPyObject(args[k]);
+    }
+    py::object r = s.learn(*py_args);
+    s.direct = py::object();
+    if (r.is_none()) {
+      return;
+    }
+    const py::tuple t = py::reinterpret_borrow<py::tuple>(r);
+    std::vector<std::pair<int32_t, int32_t>> order;
+    std::vector<Placeholder> shape_class;
+    for (const auto& ae : py::reinterpret_borrow<py::tuple>(t[1])) {
+      const auto [a, e] = py::cast<std::pair<int32_t, int32_t>>(ae);
+      if (a < 0 || static_cast<size_t>(a) >= args.size() || !args[a].isList() || e < 0 ||
+          static_cast<size_t>(e) >= args[a].toListRef().size()) {
+        unsupported("a graph placeholder outside the call's argument lists");
+      }
+      auto p = Placeholder::of(args[a].toListRef()[e]);
+      if (!p) {
+        return;  // (a symbolic int, an undefined or non-strided tensor: dispatched)
+      }
+      order.emplace_back(a, e);
+      shape_class.push_back(std::move(*p));
+    }
+    s.order = std::move(order);
+    s.shape_class = std::move(shape_class);
+    s.direct = t[0];
+  }
+
   // eager.run_instr's random ops: the device's generator seeded from the step's (seed, offset)
   // for this call, then restored (also when the op raises).
   static void call_seeded(const Step& s, std::vector<c10::IValue>& stack, const c10::Device& dev,
@@ -682,8 +835,14 @@ void add_replay_functions(py::module_& m) {
            py::arg("split") = -1, py::arg("early") = py::none(),
            py::arg("check") = py::none(), py::arg("check_at") = std::vector<int64_t>{},
            py::arg("check_slots") = std::vector<int64_t>{})
+      .def("direct_last", &Program::direct_last, py::arg("learn"))
       .def_property_readonly("freed", &Program::freed)
       .def("__len__", &Program::size);
+  m.def("_replay_graph_calls", [] {
+    const int64_t n = direct_graph_calls;
+    direct_graph_calls = 0;
+    return n;
+  }, "genie::graph calls native replay made directly since the last call (and resets it).");
 }
 
 } // namespace genie

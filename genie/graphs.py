@@ -711,6 +711,40 @@ def _run(key: str, tensors: list[torch.Tensor], ints: list[int],
 _CPU = torch.device("cpu")
 
 
+def direct(key: str, *lists: list[Any]
+           ) -> tuple[Callable[..., Any], tuple[tuple[int, int], ...]] | None:
+    """For a native replay (csrc/replay.cpp, ``Program.direct_last``), after a ``genie::graph``
+    (``lists``: its tensors and ints) or ``genie::graph_mut`` call (its written inputs, tensors,
+    ints) ran through the dispatcher: the callable :func:`_run` called for this shape class, and
+    where each of the graph's placeholders is among the op's arguments (``(argument, element)``,
+    the key being argument 0). The replay calls it directly for later calls whose arguments have
+    the same shape class (it checks each one natively). None where :func:`_run` does more than
+    call it: outputs it restrides or clones, a server checking every call's written inputs
+    (:data:`check_calls`), a graph not compiled for this shape class."""
+    g = _graphs.get(key)
+    mut = len(lists) == 3
+    if g is None or g.writes != mut or (mut and check_calls):
+        return None
+    written, tensors, ints = lists if mut else ([], *lists)
+    try:
+        args = _inputs(g, tensors, ints, written)
+    except GraphError:
+        return None
+    device = next((t.device for t in args if isinstance(t, torch.Tensor)
+                   and t.device.type != "cpu"), _CPU)
+    entry = g.compiled.get(_shape_class(device, args))
+    if entry is None or entry[1] or entry[2]:
+        return None
+    first = 1 + mut  # the op's argument holding the tensors it reads
+    at = {"m": [1, 0], "t": [first, 0], "i": [first + 1, 0]}
+    order = []
+    for k in g.kinds:
+        a = at[k]
+        order.append((a[0], a[1]))
+        a[1] += 1
+    return entry[0], tuple(order)
+
+
 def _last(args: list[torch.Tensor], entry: Any) -> tuple[int, Any, Any] | None:
     """``(count, guard, entry)``: a native check that tensors have ``args``' shape class (device,
     dtype, sizes, strides; and ``requires_grad``, dispatch keys: a stricter check, a miss only

@@ -52,13 +52,13 @@ from typing import Any
 import optree
 import torch
 
-from .. import _C
+from .. import _C, graphs
 from ..config import config, logger
 from ..device import real_device
 from ..errors import ExecutionError
 from ..meta import policy
 from ..planner import MetaArg, Slot, Tape
-from ..stats import _counts, bump
+from ..stats import _counts, _syncs, bump
 
 UPLOAD = "genie.upload"
 MODES = ("1", "always", "0")
@@ -109,6 +109,16 @@ class Program:
             _counts["values_freed"] += self.freed
         _counts["native_replays"] += 1
         return r
+
+
+def _sync() -> None:
+    n = _C._replay_graph_calls()  # genie::graph calls a program made directly (graphs.direct)
+    if n:
+        _counts["graph_cache_hits"] += n
+        _counts["graph_direct_calls"] += n
+
+
+_syncs.append(_sync)
 
 
 def mode() -> str:
@@ -204,6 +214,8 @@ def compile_tape(tape: Tape, generic: bool = False) -> Program:
         native.add_op(s.name, s.overload_name, tuple(args), dict(kwargs), tuple(margs),
                       dict(mkwargs), patches, [-1 if o is None else o for o in ins.outs], frees,
                       k, ins.rng is not None, ins)
+        if (op is graphs.GRAPH_OP or op is graphs.GRAPH_MUT_OP) and ins.rng is None:
+            native.direct_last(graphs.direct)  # the compiled code called without the dispatcher
     return Program(native, others)
 
 

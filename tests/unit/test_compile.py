@@ -731,6 +731,44 @@ def test_a_graph_writes_the_inputs_it_mutates_in_place(fast_compiler, compiles):
         torch.testing.assert_close(cached.cpu(), cache)
 
 
+def test_a_replayed_graph_call_runs_the_compiled_code_directly(fast_compiler):
+    """A repeated plan's native program (csrc/replay.cpp) calls a graph's compiled code itself
+    once it has seen a dispatched call of that shape class (genie.graphs.direct), with eager's
+    values: reads only (genie::graph), and a new shape class (Dynamo's dynamic size: an int
+    placeholder) dispatched again, then direct; a graph that writes inputs (genie::graph_mut)
+    over steps."""
+    torch.manual_seed(0)
+    ref = _mlp(10)
+    cm = torch.compile(copy.deepcopy(ref).to(DEV))
+    genie.reset_stats()
+    with torch.no_grad():
+        for batch in (4, 4, 4, 4, 4, 7, 7, 7, 7, 3, 3, 3, 3, 7):
+            x = torch.randn(batch, 10)
+            torch.testing.assert_close(cm(x.to(DEV)).cpu(), ref(x))
+    s = genie.stats()
+    assert s["graph_direct_calls"] >= 5, s
+    assert s["graph_cache_hits"] == s["graph_calls"] - s["graph_compiles"], s
+
+    def f(x, y, cache, i):
+        cache.index_copy_(0, i, y * 2)
+        x.add_(y)
+        return (x * cache[:2]).sum()
+
+    cf = torch.compile(f)
+    x, cache = torch.randn(2, 3), torch.randn(5, 3)
+    xd, cached = x.to(DEV), cache.to(DEV)
+    genie.reset_stats()
+    for call in range(6):
+        y, i = torch.randn(2, 3), torch.tensor([call % 4, 4])
+        with torch.no_grad():
+            want = f(x, y, cache, i)
+            torch.testing.assert_close(cf(xd, y.to(DEV), cached, i.to(DEV)).cpu(), want)
+    torch.testing.assert_close(xd.cpu(), x)
+    torch.testing.assert_close(cached.cpu(), cache)
+    s = genie.stats()
+    assert s["graph_mut_calls"] == 6 and s["graph_direct_calls"] >= 2, s
+
+
 def test_a_graph_that_writes_an_input_must_say_so_and_runs_only_as_graph_mut():
     """Graph data that writes an input (``copy_`` into it) registers only if it declares that
     input written (kind ``"m"``), and ``genie::graph`` (all a server admits) refuses to run it:
