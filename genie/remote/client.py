@@ -90,6 +90,7 @@ from .protocol import (
 )
 from .handle import Handle
 from .residency import Residency, Resident, dense
+from .wire import recv_parts, send_parts
 
 logger = logging.getLogger("genie.remote")
 
@@ -348,7 +349,7 @@ class Client:
         up = transfer_started("upload", size, self.address)
         sent_at = time.perf_counter()
         try:
-            self._sock.send_multipart([data, *frames], copy=False)
+            send_parts(self._sock, [data, *frames])
         except zmq.ZMQError as e:
             raise self._fail(ServerUnavailableError(self.address, f"cannot send {what}: {e}")
                              ) from None
@@ -374,7 +375,7 @@ class Client:
                 self._read_monitor(what)
             if self._sock not in events:
                 continue
-            parts = self._sock.recv_multipart(copy=False)
+            parts = recv_parts(self._sock, 0)
             got = sum(len(p.buffer) for p in parts)
             bump("bytes_received", got)
             try:
