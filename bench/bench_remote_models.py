@@ -10,7 +10,9 @@ security; client and server one intra-op thread each, ``GENIE_BENCH_THREADS``):
   (built in the background, see docs/deployment.md "Shape classes") serves the step; eager after
   as many steps;
 - GPT-2 4x128 greedy ``generate`` of 32 tokens, a prompt length never seen before every call,
-  called as most scripts call it (no ``attention_mask``);
+  called as most scripts call it (no ``attention_mask``); the GPT-2 rows use transformers'
+  ``eager`` attention (the host-cost issue's rows), and the generate row again with its default,
+  ``sdpa`` (a CPU server replays eager CPU's fused kernel, one node an attention);
 - MLP 4 x Linear(256) + ReLU, batch 32, MSE, AdamW, ``loss.item()`` every step; a call is
   four steps and then ``torch.remote_accelerator.synchronize()`` (timed): the server answers a
   step's loss before the step's backward and update have run (an early reply, see
@@ -180,10 +182,10 @@ def _server_cpu(srv: _Server) -> dict[str, int] | None:
     return out
 
 
-def _gpt2(layers: int, width: int, heads: int):
+def _gpt2(layers: int, width: int, heads: int, attn: str = "eager"):
     cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=1000,
                                   n_positions=1024, bos_token_id=0, eos_token_id=0,
-                                  attn_implementation="eager")
+                                  attn_implementation=attn)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     model.generation_config.pad_token_id = 0
@@ -235,8 +237,8 @@ def _decode_long(dev: str, warm: int | None = None) -> Callable[[], object]:
 _decode_long.remote_first = True  # type: ignore[attr-defined]
 
 
-def _generate(dev: str) -> Callable[[], object]:
-    model = _gpt2(4, 128, 4).to(dev)
+def _generate(dev: str, attn: str = "eager") -> Callable[[], object]:
+    model = _gpt2(4, 128, 4, attn).to(dev)
     lengths = itertools.count(8)
 
     def run() -> object:
@@ -291,6 +293,8 @@ WORKLOADS: dict[str, tuple[Callable[[str], Callable[[], object]], float, str, in
         (_decode_long, DECODE_STEPS, "ms/step", 5),
     "GPT-2 4x128 generate 32 tokens, new prompt lengths, no attention_mask":
         (_generate, NEW_TOKENS, "ms/token", 5),
+    "GPT-2 4x128 generate 32 tokens, new prompt lengths, no attention_mask, sdpa":
+        (lambda dev: _generate(dev, "sdpa"), NEW_TOKENS, "ms/token", 5),
     "MLP 4x256 AdamW step, loss.item()": (_mlp, MLP_STEPS, "ms/step", 15),
     "1-op tape round trip": (_one_op, 1, "ms/request", 30),
 }
