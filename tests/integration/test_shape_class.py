@@ -19,6 +19,7 @@ zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 
 from genie.remote import protocol  # noqa: E402
+from genie.remote.protocol import EXT_DTYPE  # noqa: E402
 from test_remote import ServerProc  # noqa: E402
 from test_security import A1, A2, Session, err, host, keys, server, sess  # noqa: E402,F401
 
@@ -195,6 +196,36 @@ def test_hostile_deltas_get_the_full_fill_checks(sess: Session) -> None:
     r = sess.ask({"t": "run", "k": key, "id0": sess.hid, "d": [1, 3, 2, 2]})  # honest again
     assert r and r["t"] == "ok", r
     assert torch.equal(_reply_tensor(sess, r), torch.arange(6.0).view(3, 2) * 2.0)
+
+
+def test_a_delta_into_a_checked_argument_is_filled_and_checked(sess: Session) -> None:
+    """A patched tape (``protocol.refill``) skips the schema's argument checks: a patch keeps
+    each constant's type, and no plain number passes as a dtype, device, layout or string. An
+    attacker's delta that puts an int (which the binding would turn into a quantized dtype) or
+    None where the dtype was is a change of type: filled and checked as a fresh call is."""
+    import hashlib
+
+    spec = [1, [1, [2, 0]], [3, ["dtype"], [0]]]  # empty([n], dtype=...)
+    sk = protocol.pack([protocol.PROTOCOL_VERSION, ["aten::empty.memory_format"], [spec],
+                        [[0, 0, [-1, -1], [0], [], False]], [], [0], []])
+    key = hashlib.blake2b(sk, digest_size=16).digest()
+    f32 = msgpack.ExtType(EXT_DTYPE, b"float32")
+
+    def run(head: dict) -> dict | None:
+        sess.hid += 100
+        return sess.ask({"t": "run", "k": key, "id0": sess.hid, **head})
+
+    r = run({"sk": sk, "c": [4, f32]})
+    assert r and r["t"] == "ok" and r["o"][0][:2] == ["float32", [4]], r
+    for n in (5, 6):  # patched: the size only
+        r = run({"d": [0, n]})
+        assert r and r["t"] == "ok" and r["o"][0][:2] == ["float32", [n]], r
+    for d in ([1, 13], [0, 7, 1, 13], [1, 1.5], [1, True]):
+        err(run({"d": d}), "protocol", "dtype")
+    r = run({"d": [0, 8, 1, None]})  # None is the default dtype: as eager
+    assert r and r["t"] == "ok" and r["o"][0][:2] == ["float32", [8]], r
+    r = run({"d": [0, 9, 1, f32]})
+    assert r and r["t"] == "ok" and r["o"][0][:2] == ["float32", [9]], r
 
 
 def test_a_delta_after_a_refused_one_applies_to_the_constants_sent(sess: Session) -> None:
