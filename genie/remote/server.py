@@ -570,10 +570,13 @@ class Server:
 
     # --- workers -> front -----------------------------------------------------------------------
     def _from_worker(self, link: Link) -> None:
-        for _ in range(64):
-            if link.token not in self.links or not readable(link.sock):
+        for k in range(64):  # the poller saw a message: the first is taken without asking
+            if link.token not in self.links or k and not readable(link.sock):
                 return
-            parts = recv_parts(link.sock)
+            try:
+                parts = recv_parts(link.sock)
+            except zmq.Again:  # (never: the poller's POLLIN is the socket's own)
+                return
             try:
                 internal = unpack(parts[0].buffer)
             except ProtocolError:
