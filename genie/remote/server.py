@@ -79,7 +79,7 @@ from . import ProtocolError, peer
 from . import keys as keyring
 from .protocol import PROTOCOL_VERSION, REQUESTS, pack, unpack
 from .sched import LoadMeter
-from .wire import SRCFD, readable, recv_parts, send_parts
+from .wire import SRCFD, read_status, readable, recv_parts, send_parts
 from .worker import TEST_KERNELS_ENV, Config
 
 logger = logging.getLogger("genie.server")
@@ -577,12 +577,14 @@ class Server:
                 parts = recv_parts(link.sock)
             except zmq.Again:  # (never: the poller's POLLIN is the socket's own)
                 return
-            try:
-                internal = unpack(parts[0].buffer)
-            except ProtocolError:
-                internal = {}
-            if not isinstance(internal, dict):
-                internal = {}
+            internal = read_status(parts[0])  # (ProtocolError: the worker is killed)
+            if internal is None:  # its rarer messages: a msgpack map
+                try:
+                    internal = unpack(parts[0].buffer)
+                except ProtocolError:
+                    internal = {}
+                if not isinstance(internal, dict):
+                    internal = {}
             if "ready" in internal:
                 link.ready = True
                 if link.hello is not None:

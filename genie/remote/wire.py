@@ -10,9 +10,12 @@ as plain ints and each frame's ``more`` bit.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import zmq
+
+from . import ProtocolError
 
 #: pyzmq's flags as plain ints: its enum members cost an enum object per operation (~11 a
 #: request on the front's path, ~1-2 us each)
@@ -45,3 +48,40 @@ def send_parts(sock: zmq.Socket, parts: list[Any]) -> None:
     for p in parts[:-1]:
         sock.send(p, SNDMORE, copy=False)
     sock.send(parts[-1], 0, copy=False)
+
+
+#: a session worker's status, the first frame of its replies to the front (``[status, header,
+#: *frames]``; an answered run's end is the status alone): tag 0 (a msgpack map, the format of
+#: the worker's rarer messages, never starts with it), what the message is (:data:`REPLY`,
+#: :data:`EARLY`, :data:`DONE`), bytes counted against the quota, residency (values, bytes),
+#: peer bytes (sent, taken). Fixed width: read without a decoder, packed without an encoder
+#: (warm: 0.55 against a map's 1.0 us to read, 0.10 against 0.75 to pack; the front's decode
+#: of a map measured ~9 us a call after a replay's cold caches; two a step with an early reply)
+STATUS = struct.Struct("<BBqqqqq")
+#: a request's reply; the early reply of a run whose rest still runs; the end of that run
+REPLY, EARLY, DONE = 0, 1, 2
+_WHAT = {REPLY: None, EARLY: "early", DONE: "done"}
+
+
+def status(what: int, used: int, res: list[int], pb: list[int]) -> bytes:
+    """The status frame a worker sends (see :data:`STATUS`)."""
+    return STATUS.pack(0, what, used, res[0], res[1], pb[0], pb[1])
+
+
+def read_status(frame: zmq.Frame) -> dict[str, Any] | None:
+    """A worker's status frame as the map the front reads (``u``, ``res``, ``pb``, and
+    ``early`` or ``done`` set to 1); None when the frame is not one (a msgpack map).
+    ProtocolError when it is one but malformed: its size, what it is, a negative count (a worker
+    is no more trusted than a client: its numbers decide what the front admits)."""
+    b = frame.bytes
+    if b[:1] != b"\x00":
+        return None
+    if len(b) != STATUS.size:
+        raise ProtocolError(f"a worker status of {len(b)} bytes (it has {STATUS.size})")
+    _, what, used, n, nb, sent, took = STATUS.unpack(b)
+    if what not in _WHAT or min(used, n, nb, sent, took) < 0:
+        raise ProtocolError(f"a worker status that says {what} with negative or unknown counts")
+    out: dict[str, Any] = {"u": used, "res": [n, nb], "pb": [sent, took]}
+    if _WHAT[what] is not None:
+        out[_WHAT[what]] = 1
+    return out

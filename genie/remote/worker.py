@@ -22,10 +22,13 @@ Protocol with the front (all messages multipart):
 
 - front -> worker: ``[header, *frames]``, the client's header bytes and tensor frames as they
   came (a peer's ``put`` too, its ticket checked by the front).
-- worker -> front: ``[internal, header, *frames]``: ``internal`` is a msgpack map the front reads
-  (``u``: bytes counted against the quota, ``res``: residency, ``pb``: peer bytes), ``header`` and
-  ``frames`` go to the requester unchanged. For a ``send`` the worker answers
-  ``[internal with "send": {...}, b"", *value frames]``: the front pushes them to the peer.
+- worker -> front: ``[status, header, *frames]``: ``status`` is a fixed-width frame the front
+  reads (:data:`genie.remote.wire.STATUS`: a reply, an early reply or the end of an answered run;
+  bytes counted against the quota, residency, peer bytes), ``header`` and ``frames`` go to the
+  requester unchanged. The rarer messages start with a msgpack map of the same fields instead
+  (``u``, ``res``, ``pb``): for a ``send`` the worker answers ``[{..., "send": {...}}, b"",
+  *value frames]`` (the front pushes them to the peer); a run whose rest failed after its early
+  reply ends with ``[{..., "done": 1, "fatal": why}]``.
 - On start the worker sends ``[{"ready": pid}]``.
 
 Requests of one session run in order, one at a time (the front forwards the next when the last
@@ -60,13 +63,13 @@ from .. import _C, backends, graphs, tape_io
 from ..errors import ExecutionError
 from ..index_check import IndexCheck, IndexOutOfRange
 from ..memory import retain_host_memory, retain_limit
-from . import ProtocolError, allowlist, compiler, peer
+from . import ProtocolError, allowlist, compiler, peer, wire
 from ..backends import native_replay
 from ..planner import Tape
 from .guard import QuotaError, RunTimeout, run_guarded, vet_tape
 from . import shape_class
 from .shape_class import NotAClass, build, moved, shape_params
-from .wire import recv_parts, send_parts
+from .wire import DONE, EARLY, REPLY, recv_parts, send_parts, status
 from .protocol import (
     ALIGN,
     DECODE_PINNED,
@@ -1313,8 +1316,8 @@ def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
         rframes, counts = split_frames(rframes)
         if counts is not None:
             reply["fc"] = counts
-        send_parts(sock, [pack({"early": 1, "u": sess.used(), "res": sess.residency(),
-                                "pb": sess.peer_bytes}), pack(reply), *rframes])
+        send_parts(sock, [status(EARLY, sess.used(), sess.residency(), sess.peer_bytes),
+                          pack(reply), *rframes])
 
     if w.early:
         w.answer = answer
@@ -1344,28 +1347,28 @@ def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
                 logger.info("genie-server: request %s failed (%s): %s",
                             h.get("t") if isinstance(h, dict) else "?", reply.get("kind"),
                             reply.get("msg"))
-            internal: dict[str, Any] = {"u": sess.used(), "res": sess.residency(),
-                                        "pb": sess.peer_bytes}
+            used, res = sess.used(), sess.residency()
             if w.answered:  # the client has its values: the front now learns the run is done
                 w.answered = False
-                internal["done"] = 1
                 if reply.get("t") == "err":  # the rest of the tape failed after the answer
-                    internal["fatal"] = (
-                        f"the work that ran after its reply failed ({reply.get('etype', '')}: "
-                        f"{reply.get('msg')}), so what it was to write is unknown")
-                send_parts(sock, [pack(internal)])
+                    fatal = (f"the work that ran after its reply failed ({reply.get('etype', '')}"
+                             f": {reply.get('msg')}), so what it was to write is unknown")
+                    send_parts(sock, [pack({"u": used, "res": res, "pb": sess.peer_bytes,
+                                            "done": 1, "fatal": fatal})])
+                else:
+                    send_parts(sock, [status(DONE, used, res, sess.peer_bytes)])
                 w.after_reply()
                 continue
             if send is not None:
-                internal["send"] = send
-                send_parts(sock, [pack(internal), pack(reply), *rframes])
+                send_parts(sock, [pack({"u": used, "res": res, "pb": sess.peer_bytes,
+                                        "send": send}), pack(reply), *rframes])
                 continue
             reply["rid"] = h.get("rid", -1) if isinstance(h, dict) else -1
             reply["st"] = round(time.monotonic() - t0, 6)  # the server's own time
             rframes, counts = split_frames(rframes)
             if counts is not None:
                 reply["fc"] = counts
-            send_parts(sock, [pack(internal), pack(reply), *rframes])
+            send_parts(sock, [status(REPLY, used, res, sess.peer_bytes), pack(reply), *rframes])
             w.after_reply()
     except zmq.ContextTerminated:
         return
@@ -1539,10 +1542,17 @@ def _segfault_impl(x: torch.Tensor) -> torch.Tensor:
 
 
 def _lie_impl(x: torch.Tensor) -> torch.Tensor:
-    """A worker whose memory a kernel corrupted may say anything to the front: a transfer whose
-    header does not decode."""
+    """A worker whose memory a kernel corrupted may say anything to the front; by ``x``'s size:
+    a transfer whose header does not decode (4), a status frame one byte short (5), a status
+    that is no known message (6), a status whose counts are negative (7: a session that says
+    it uses less than nothing would have the front queue past its quota)."""
+    lies = {5: status(REPLY, 0, [0, 0], [0, 0])[:-1],
+            6: wire.STATUS.pack(0, 9, 0, 0, 0, 0, 0),
+            7: status(EARLY, -(1 << 40), [0, 0], [0, 0])}
     if _front is not None:
-        _front.send_multipart([pack({"send": {}, "u": "x", "res": [1], "pb": None}), b"\xc1"])
+        lie = lies.get(x.numel())
+        _front.send_multipart([pack({"send": {}, "u": "x", "res": [1], "pb": None}), b"\xc1"]
+                              if lie is None else [lie, pack({"t": "ok", "rid": 0})])
     return x.clone()
 
 

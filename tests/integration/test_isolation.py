@@ -107,13 +107,16 @@ def test_a_segfaulting_kernel_costs_only_its_own_session(server: ServerProc, vic
     v.alive()  # the victim's session and a fresh one still compute
 
 
+@pytest.mark.parametrize("lie", [4, 5, 6, 7])
 def test_a_worker_that_lies_to_the_front_costs_only_its_session(server: ServerProc,
-                                                                victim) -> None:
-    """A worker is no more trusted than a client: a reply the front cannot read (here a
-    transfer whose header does not decode) ends that session with a clear error."""
+                                                                victim, lie: int) -> None:
+    """A worker is no more trusted than a client: a reply the front cannot read ends that
+    session with a clear error (by the lying kernel's input size: a transfer whose header does
+    not decode, a status frame one byte short, a status that is no known message, a status
+    with negative counts: ``genie.remote.worker._lie_impl``)."""
     v, hid, x = victim
     a = Session(server)
-    y = torch.zeros(4)
+    y = torch.zeros(lie)
     r = a.run(["genie_test::lie.default"], [[0, 0, [-1], [0], [], False]], [host(y, 0)],
               (tensor_frame(y)[0],), specs=[A1])
     err(r, "session", "malformed reply")
