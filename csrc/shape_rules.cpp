@@ -714,6 +714,25 @@ PyObject* safe_softmax(PyObject* const* a, Py_ssize_t n, PyObject* index) {
   return softmax(args, 3, index);
 }
 
+// any.dim(x, dim, keepdim=False), all.dim: a reduction over one dimension (generate's stopping
+// checks), bool and contiguous as resize_reduction lays it out, whatever x's layout; uint8 inputs
+// (which keep their dtype), 0-dim and empty inputs go to the meta kernel.
+PyObject* any_dim(PyObject* const* a, Py_ssize_t n, PyObject* index) {
+  Meta x;
+  int64_t d = 0;
+  if (n < 2 || n > 3 || !plain(a[0], x) || x.st == at::kByte || x.ndim() == 0 ||
+      has_zero(x.shape) || !dim(a[1], static_cast<int64_t>(x.ndim()), d) ||
+      (n == 3 && !PyBool_Check(a[2]))) {
+    return nullptr;
+  }
+  if (n == 3 && a[2] == Py_True) {
+    x.shape[d] = 1;
+  } else {
+    x.shape.erase(x.shape.begin() + d);
+  }
+  return make_contiguous(x.shape, dtype_object(at::kBool), index);
+}
+
 // --- cat and the matmul family ---------------------------------------------------------------
 
 // suggest_memory_format(m) is channels-last (2d or 3d): strides follow NHWC/NDHWC.
@@ -1142,6 +1161,7 @@ PyMethodDef rule_defs[] = {
     GENIE_RULE(pow_scalar, "pow.Tensor_Scalar of a float tensor."),
     GENIE_RULE(softmax, "_softmax, _log_softmax of a float tensor: contiguous."),
     GENIE_RULE(safe_softmax, "_safe_softmax of a float tensor, no dtype: contiguous."),
+    GENIE_RULE(any_dim, "any.dim, all.dim: one dimension reduced, bool, contiguous."),
     GENIE_RULE(cat, "cat: one dtype, contiguous (1-d empty inputs skipped)."),
     GENIE_RULE(mm, "mm: 2-d floats of one dtype."),
     GENIE_RULE(addmm, "addmm: a bias broadcasting to the product, no beta/alpha."),

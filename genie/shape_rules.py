@@ -15,7 +15,7 @@ or list (``split``) of them, as the op returns them.
 
 The rules of the ops a decode step misses on every step (views, pointwise arithmetic and
 compares, ``where``, softmax, ``cat``, the matmul family, ``arange``) and a generate's per-token
-misses (``clone``, ``isin``, SDPA's CPU flash kernel) are native
+misses (``clone``, ``isin``, ``any.dim``, SDPA's CPU flash kernel) are native
 (``csrc/shape_rules.cpp``, registered here like the others; one implementation per op): a decode
 step's 17 misses paid ~5-16 µs each for the Python rules, well under 1 µs each natively.
 """
@@ -108,6 +108,7 @@ rule(aten.tanh.default, aten.exp.default, aten.neg.default, aten.sqrt.default,
 rule(aten.pow.Tensor_Scalar)(_C._rule_pow_scalar)
 rule(aten._softmax.default, aten._log_softmax.default)(_C._rule_softmax)
 rule(aten._safe_softmax.default)(_C._rule_safe_softmax)
+rule(aten.any.dim, aten.all.dim)(_C._rule_any_dim)
 rule(aten.cat.default)(_C._rule_cat)
 rule(aten.mm.default)(_C._rule_mm)
 rule(aten.addmm.default)(_C._rule_addmm)

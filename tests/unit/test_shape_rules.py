@@ -116,7 +116,8 @@ def test_rules_equal_meta_kernels_over_opinfo() -> None:
                aten.relu.default, aten._softmax.default,
                aten._log_softmax.default, aten.mm.default, aten.slice.Tensor,
                aten.cumsum.default, aten.native_layer_norm.default, aten.masked_fill.Scalar,
-               aten.all.default, aten.any.default, aten.embedding.default, aten.split.Tensor,
+               aten.all.default, aten.any.default, aten.any.dim, aten.all.dim,
+               aten.embedding.default, aten.split.Tensor,
                aten.clone.default, aten.isin.Tensor_Tensor, aten.matmul.default,
                aten.linear.default, aten.tril.default, aten.triu.default,
                aten._to_copy.default, aten.mul.Scalar, aten._safe_softmax.default):
@@ -508,6 +509,7 @@ def test_native_rules_over_random_layouts_and_offsets() -> None:
                       lambda: x / y, lambda: x <= y, lambda: x == 1,
                       lambda: torch.where(y > 0, x, x), lambda: torch.cat([x, x], d),
                       lambda: torch.softmax(x, d), lambda: torch.exp(x),
+                      lambda: torch.any(x, d), lambda: torch.all(x > 0, d, keepdim=True),
                       lambda: torch.matmul(x, x.transpose(-1, -2)),
                       lambda: torch.matmul(x, _offset_layouts(shape[-1:], gen).to(dt))):
                 try:
@@ -531,7 +533,7 @@ def test_native_rules_over_random_layouts_and_offsets() -> None:
                aten.mul.Tensor, aten.div.Tensor, aten.le.Tensor, aten.eq.Scalar,
                aten.where.self, aten.cat.default,
                aten._softmax.default, aten.exp.default, aten.mm.default, aten.addmm.default,
-               aten.bmm.default):
+               aten.bmm.default, aten.any.dim, aten.all.dim):
         assert check.checked[str(op)] >= 20, (op, check.checked[str(op)])
 
 
