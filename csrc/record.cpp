@@ -585,12 +585,13 @@ WordTable<Entry>& entries = *new WordTable<Entry>();
 // A call whose exact key was never seen (a new sequence length, batch size, KV-cache length) is
 // a meta-cache miss. Where Python answered the first miss of its *shape class* (op, argument
 // tree, each tensor's dtype, rank, device and math bits, numbers by type, other constants by
-// value) with a positional shape rule (genie.shape_rules.RULES), every later miss of that class
-// calls the rule here, with the call's TensorMetas in place of its LazyTensors, and makes the
-// MetaEntry itself from what the class shares (argument tree spec, output spec and plan, the
-// interned shape class): what lazy_tensor.entry_for -> meta.infer would make, without Python's
-// flattening, key hashing, dataclass construction and shape-class interning (~20 of a miss's
-// ~25-35 µs). The entry goes into Python's meta cache under the key Python builds (a key
+// value) with a shape rule (genie.shape_rules.RULES, KW_RULES), or found its entry by value (a
+// hit of Python's meta cache for inputs that are new TensorMeta objects), every later miss of
+// that class calls the rule here, with the call's TensorMetas in place of its LazyTensors, and
+// makes the MetaEntry itself from what the class shares (argument tree spec, output spec and
+// plan, the interned shape class): what lazy_tensor.entry_for -> meta.infer would make, without
+// Python's flattening, key hashing, dataclass construction and shape-class interning (~20 of a
+// miss's ~25-35 µs). The entry goes into Python's meta cache under the key Python builds (a key
 // already there is a hit, as in entry_for), counted as entry_for counts. A rule that declines,
 // raises, or answers with outputs of another count, dtype, rank or device than the class's
 // takes entry_for's path. GENIE_GENERIC_META=0 (config.generic_meta) turns this off.
@@ -1215,8 +1216,8 @@ void bump(PyObject* name) {
   }
 }
 
-// After entry_from_python answered the first miss of a class with a shape rule: remember what
-// the class's later misses share.
+// After entry_from_python answered the first miss of a class with a shape rule, or found its
+// entry by value: remember what the class's later misses share.
 void learn_generic(const OpInfo& info, const Call& call, Words&& cw, uint64_t ch, const Entry& e) {
   PyObject* entry = e.entry;
   PyObject* metas = slot(entry, S.me_metas);
@@ -1518,9 +1519,12 @@ std::shared_ptr<Entry> entry_of(PyObject* func, const OpInfo& info, PyObject* ar
   const int64_t misses = cw.empty() ? 0 : count_of(names->meta_cache_misses);
   const int64_t rules = cw.empty() ? 0 : count_of(names->shape_rule_hits);
   e = entry_from_python(func, info, args, kwargs, call);
-  if (e && !cw.empty() && !e->python_only && count_of(names->meta_cache_misses) == misses + 1 &&
-      count_of(names->shape_rule_hits) == rules + 1) {
-    learn_generic(info, call, std::move(cw), ch, *e);  // a miss a positional rule answered
+  const int64_t missed = cw.empty() ? 0 : count_of(names->meta_cache_misses) - misses;
+  const int64_t ruled = cw.empty() ? 0 : count_of(names->shape_rule_hits) - rules;
+  // a miss a shape rule answered, or a hit by value (an input's TensorMeta a new object equal to
+  // a known one: generate's any.dim of each token's fresh isin): the class's later calls here
+  if (e && !cw.empty() && !e->python_only && missed == ruled && missed <= 1) {
+    learn_generic(info, call, std::move(cw), ch, *e);
   }
   if (PyErr_Occurred()) {
     PyErr_Clear();

@@ -891,6 +891,27 @@ def test_generic_entries_record_the_same_graph_as_entry_for() -> None:
     _generic_both_ways(lambda: _prefill(D, 9) + _prefill(D, 11) + _prefill(D, 12))
 
 
+def test_a_class_first_found_by_value_makes_its_later_entries_natively() -> None:
+    """An input that is a new TensorMeta object equal to a known one (generate's ``any(dim=-1)``
+    of each token's fresh ``isin``): its entry is found in Python's meta cache by value, and the
+    class's later new shapes are made natively from its rule, not through ``entry_for``
+    (``unsqueeze`` here: any op with a shape rule)."""
+    meta_cache.clear()
+    x, y = torch.zeros(2, 5).to(D), torch.zeros(3, 7).to(D)
+    config.generic_meta = False
+    try:
+        (x + 1).unsqueeze(1)  # Python's meta cache holds the entry; no class learned
+    finally:
+        config.generic_meta = True
+    (x * 2).unsqueeze(1)  # an equal TensorMeta, another object: found by value
+    z = y - 1
+    before = _C._record_stats()["generic_made"]
+    got = z.unsqueeze(1)  # a new shape of the class
+    assert _C._record_stats()["generic_made"] == before + 1
+    assert (got.shape, got.stride(), got.dtype) == ((3, 1, 7), (7, 7, 1), torch.float32)
+    assert torch.equal(got.cpu(), torch.zeros(3, 1, 7) - 1)
+
+
 def _keyword_rules(dev: str | torch.device) -> list[Any]:
     """Calls of ops whose shape rule takes keyword arguments (shape_rules.KW_RULES), at new
     constants or shapes each time: a decode step's position ids (arange from the KV length),
