@@ -99,3 +99,54 @@ def test_install_hints_name_this_distribution():
                                                  ROOT / "README.md", ROOT / "tools" / "setup.sh"]
             for i, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]
     assert not hits, f"install hints naming the PyPI project 'genie': {hits}"
+
+
+_LOADS = textwrap.dedent("""
+    import json, sys
+    import torch
+
+    def f(t):
+        return (t * 2 + 1).relu().sum()
+
+    x = torch.randn(4, 4)
+    want = torch.compile(f)(x)  # what torch itself loads to compile, on the CPU
+    before = {m.partition(".")[0] for m in sys.modules}
+    import genie
+    got = torch.compile(f)(x.to("remote_accelerator")).cpu()
+    assert torch.allclose(got, want), (got, want)
+    print(json.dumps(sorted({m.partition(".")[0] for m in sys.modules} - before)))
+""")
+
+
+def _requirement_names(reqs):
+    import re
+    return {re.split(r"[\s;<>=!~\[]", r, maxsplit=1)[0].lower().replace("_", "-")
+            for r in reqs or () if "extra ==" not in r}
+
+
+def test_genie_loads_only_its_declared_dependencies():
+    """``import torch`` loads Genie (the backend entry point), so a package Genie imports on that
+    path or on a device's common paths (an op, a read, ``torch.compile``) that is not one of its
+    declared dependencies breaks ``import torch`` for whoever installed it without the extras
+    (the native replay importing the graph encoder imported msgpack, an extra then). Every
+    package such a program loads beyond what torch loads itself must be the standard library's,
+    torch's own dependencies' or in pyproject's ``dependencies``."""
+    import importlib.metadata as md
+    import tomllib
+
+    core = _requirement_names(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+                              ["dependencies"])
+    allowed = core | _requirement_names(md.requires("torch")) | {"torch"}
+    dists = md.packages_distributions()
+    env = {**ENV, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PYTHONPATH": str(ROOT)}
+    loaded = __import__("json").loads(
+        _run([sys.executable, "-c", _LOADS], cwd=ROOT, timeout=600, env=env).stdout.splitlines()[-1])
+    undeclared = sorted(
+        m for m in loaded
+        if m not in sys.stdlib_module_names and m not in ("genie", "_genie_autoload")
+        and not m.startswith("_")  # CPython's and extension modules' private parts
+        and not {d.lower().replace("_", "-") for d in dists.get(m, [m])} & allowed)
+    assert not undeclared, (
+        f"a device program loads {undeclared}, which pyproject.toml does not declare as "
+        "dependencies (only as extras, or not at all): import it where the optional feature "
+        "needs it, or declare it")
