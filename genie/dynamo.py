@@ -40,9 +40,16 @@ from typing import Any
 
 import torch
 
-from . import context
+from . import context, graphs
+from . import device as _device
+from . import lazy_tensor as _lazy_tensor
+from ._C import _graph_entry as graph_entry
+from ._C import _graph_refs as graph_refs
+from ._C import _record_graph as record_graph
 from .config import logger
+from .device import DEVICE_TYPE
 from .graph import Ref
+from .lazy_tensor import LazyTensor
 from .stats import bump
 
 _done = False
@@ -149,9 +156,6 @@ def install_hooks() -> None:
     from torch._dynamo.device_interface import register_interface_for_device
     from torch._dynamo.variables.builder import VariableBuilder
 
-    from .device import DEVICE_TYPE
-    from .lazy_tensor import LazyTensor
-
     for trace_numpy in (False, True):  # the table is cached per value of config.trace_numpy
         VariableBuilder._type_dispatch_impl(trace_numpy)[LazyTensor] = VariableBuilder.wrap_tensor
     _module_calls_as_torch()
@@ -223,47 +227,43 @@ def _then_reinstall(fn: Any) -> Any:
 
 def on_device(inputs: Any) -> bool:
     """Whether a graph's example inputs include a tensor on ``remote_accelerator``."""
-    from .device import DEVICE_TYPE
-
     return any(isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE for x in inputs)
 
 
 def _device_interface() -> type:
     from torch._dynamo.device_interface import DeviceInterface
 
-    from . import device as d
-
     class RemoteAcceleratorInterface(DeviceInterface):
         """``torch.remote_accelerator`` for Dynamo and Inductor (as ``CudaInterface``)."""
 
         class device:  # noqa: N801
             def __new__(cls, device: Any) -> Any:
-                return d.device(device)
+                return _device.device(device)
 
         class Worker:
             @staticmethod
             def set_device(device: int) -> None:
-                d.set_device(device)
+                _device.set_device(device)
 
             @staticmethod
             def current_device() -> int:
-                return d.current_device()
+                return _device.current_device()
 
             @staticmethod
             def get_device_properties(device: Any = None) -> Any:
                 return None
 
-        current_device = staticmethod(d.current_device)
-        set_device = staticmethod(d.set_device)
-        device_count = staticmethod(d.device_count)
-        is_available = staticmethod(d.is_available)
-        synchronize = staticmethod(d.synchronize)
+        current_device = staticmethod(_device.current_device)
+        set_device = staticmethod(_device.set_device)
+        device_count = staticmethod(_device.device_count)
+        is_available = staticmethod(_device.is_available)
+        synchronize = staticmethod(_device.synchronize)
 
         @staticmethod
         def maybe_exchange_device(device: int) -> int:
-            prev = d.current_device()
+            prev = _device.current_device()
             if device != prev:
-                d.set_device(device)
+                _device.set_device(device)
             return prev
 
         exchange_device = maybe_exchange_device
@@ -337,12 +337,12 @@ def _flash_attention_for_cpu(gm: torch.fx.GraphModule, example_inputs: list[Any]
     ``torch.compile`` on the CPU keeps them, instead of the math path the fake
     ``remote_accelerator`` device would trace (the T x T attention matrix, forward and
     backward). Only calls flash takes on the CPU: 4-D float inputs of one dtype, no dropout, no
-    grouped-query expansion, no mask (flash on the CPU wants it in the query's dtype). Returns whether a call was rewritten."""
-    from .device import real_device, runs_remotely
-
+    grouped-query expansion, no mask (flash on the CPU wants it in the query's dtype). Returns
+    whether a call was rewritten."""
     devs = {x.device.index or 0 for x in example_inputs if isinstance(x, torch.Tensor)
             and x.device.type == "remote_accelerator"}
-    if runs_remotely() or len(devs) != 1 or real_device(devs.pop()).type != "cpu":
+    if _device.runs_remotely() or len(devs) != 1 or \
+            _device.real_device(devs.pop()).type != "cpu":
         return False
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -384,9 +384,6 @@ def _graph_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any],
     (:func:`_no_runtime_wrapper`)."""
     from torch._functorch.aot_autograd import make_boxed_func
 
-    from . import graphs
-    from .device import DEVICE_TYPE
-
     reason = _refusal(gm, example_inputs)
     if reason is None:
         try:
@@ -414,9 +411,6 @@ _warned: set[str] = set()
 
 def _refusal(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | None:
     """Why a graph cannot be one node (None when it can)."""
-    from . import graphs
-    from .device import DEVICE_TYPE
-
     # 0-dim CPU tensors mix with device tensors as in eager (an optimizer's step counts)
     devs = {x.device for x in example_inputs if isinstance(x, torch.Tensor)
             and not (x.device.type == "cpu" and x.dim() == 0)}
@@ -456,12 +450,7 @@ def _caller(gm: torch.fx.GraphModule, g: Any,
     :func:`genie.graphs.caller_nodes`), the other tensor outputs come from the node. ``writes``:
     the host inputs the graph writes (:func:`genie.graphs.host_writes`), written here after the
     node is recorded (which snapshots them as it reads them)."""
-    from . import graphs
-    from ._C import _graph_entry as graph_entry
-    from ._C import _graph_refs as graph_refs
-    from ._C import _record_graph as record_graph
-    from .lazy_tensor import LazyTensor, record_known
-
+    record_known = _lazy_tensor.record_known  # as the graph compiles (a test counts its calls)
     ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
     pos = {n: i for i, n in enumerate(ph)}
     node_outs = graphs.node_outputs(gm)

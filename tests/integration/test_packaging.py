@@ -7,6 +7,7 @@ venv that reuses this venv's packages for its dependencies (a ``.pth`` line, so 
 resolved or downloaded), and runs a smoke program from a directory outside the source tree.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -139,8 +140,8 @@ def test_genie_loads_only_its_declared_dependencies():
     allowed = core | _requirement_names(md.requires("torch")) | {"torch"}
     dists = md.packages_distributions()
     env = {**ENV, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PYTHONPATH": str(ROOT)}
-    loaded = __import__("json").loads(
-        _run([sys.executable, "-c", _LOADS], cwd=ROOT, timeout=600, env=env).stdout.splitlines()[-1])
+    out = _run([sys.executable, "-c", _LOADS], cwd=ROOT, timeout=600, env=env).stdout
+    loaded = json.loads(out.splitlines()[-1])
     undeclared = sorted(
         m for m in loaded
         if m not in sys.stdlib_module_names and m not in ("genie", "_genie_autoload")

@@ -126,13 +126,13 @@ def test_graph_has_the_core_edges() -> None:
 #
 # A function-level import of one of Genie's own modules is allowed only where it defers a heavy
 # or optional dependency. Every one left is listed here, (module, function, imported module):
-# reason. None dodges an import cycle (the core is layered: issue 28); one that would is a type or
-# function on the wrong layer, to be moved down, never listed here.
+# reason. One dodges an import cycle (``_CYCLE``: a function on the wrong layer, to be moved
+# down, issue 28); none may be added.
 _DEFERS_ZMQ = "defers the remote client (pyzmq, msgpack: the optional 'remote' extra)"
 _DEFERS_RAY = "defers the pool's server side and ray (the optional 'pool' extra)"
 _PLUGINS = "registers the built-in passes/backends on first use (their modules import the registry)"
-# No cycle: these can move to module level; left to the torch.compile work in flight there.
-_MOVABLE = "no cycle; to move to module level (torch.compile work in flight in this file)"
+_CYCLE = ("cycle: the native replay imports genie.graphs, which asks the compiled backend "
+          "(above it) for its compiler and agreement check; to move down (issue 28)")
 ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str, str], str] = {
     ("genie", "_autoload", "genie.device"):
         "torch's backend autoload entry point: runs while genie/__init__ has not imported torch",
@@ -149,18 +149,7 @@ ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str, str], str] = {
     ("genie.device", "_native", "genie"): "the native module once genie/__init__ loaded it",
     ("genie.dynamo", "install", "genie.factories"): "defers torch._dynamo's backend setup",
     ("genie.dynamo", "install", "genie.lazy_tensor"): "defers torch._dynamo's backend setup",
-    ("genie.dynamo", "install_hooks", "genie.device"): _MOVABLE,
-    ("genie.dynamo", "install_hooks", "genie.lazy_tensor"): _MOVABLE,
-    ("genie.dynamo", "on_device", "genie.device"): _MOVABLE,
-    ("genie.dynamo", "_flash_attention_for_cpu", "genie.device"): _MOVABLE,
-    ("genie.dynamo", "_device_interface", "genie.device"): _MOVABLE,
-    ("genie.dynamo", "_graph_compiler", "genie.graphs"): _MOVABLE,
-    ("genie.dynamo", "_graph_compiler", "genie.device"): _MOVABLE,
-    ("genie.dynamo", "_refusal", "genie.graphs"): _MOVABLE,
-    ("genie.dynamo", "_refusal", "genie.device"): _MOVABLE,
-    ("genie.dynamo", "_caller", "genie.graphs"): _MOVABLE,
-    ("genie.dynamo", "_caller", "genie.lazy_tensor"): _MOVABLE,
-    ("genie.graphs", "_first_run", "genie.backends.compiled"): _MOVABLE,
+    ("genie.graphs", "_first_run", "genie.backends.compiled"): _CYCLE,
     ("genie.passes", "optimize", "genie.passes.cse"): _PLUGINS,
     ("genie.passes", "optimize", "genie.passes.dce"): _PLUGINS,
     ("genie.passes.pipeline", "_load_builtin", "genie.passes.cse"): _PLUGINS,
