@@ -28,8 +28,7 @@
 // two matmuls, _safe_softmax), eager CPU's one flash kernel's values only to ~1e-6, and a
 // contiguous output where eager's follows the query's layout (HF's transposed heads: (B, L, H, D)
 // strides). The stub registered here answers as the real device would: where the node replays
-// on a CPU (genie.device.sdp_runs_on_cpu: the embedded CPU, or a CPU server the node surely
-// runs on, Client.runs_on_cpu), it asks the CPU's own
+// on a CPU (genie.device.sdp_runs_on_cpu: the embedded CPU, no server), it asks the CPU's own
 // choice (the same metadata checks, sdpa_kernel and enable_*_sdp flags, dropout, masks, dtypes)
 // and the composite then records _scaled_dot_product_flash_attention_for_cpu, one node with its
 // own derivative; elsewhere it says math, as before. tests/unit/test_whole_ops.py.

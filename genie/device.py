@@ -71,20 +71,11 @@ def runs_remotely() -> bool:
     return bool(sessions[0]() or os.environ.get("GENIE_SERVER"))
 
 
-#: set by :mod:`genie.backends.remote`: ``remote_on_cpu(index)``, whether the server of device
-#: ``index`` surely replays its tapes on a CPU (see :func:`sdp_runs_on_cpu`)
-remote_on_cpu: Callable[[int], bool] = lambda index: False
-
-
 def sdp_runs_on_cpu(index: int) -> bool:
-    """Whether ``scaled_dot_product_attention`` on ``remote_accelerator:index`` replays on a CPU:
-    the embedded default on the CPU, or a server that surely does (:data:`remote_on_cpu`: its
-    own CPU, this torch, the only server the node can run on). It then takes the fused kernel
-    eager's CPU would (csrc/whole.cpp), not the math path. Asked by the native stub at each call."""
-    index = max(index, 0)
-    if runs_remotely():
-        return remote_on_cpu(index)
-    return real_device(index).type == "cpu"
+    """Whether ``scaled_dot_product_attention`` on ``remote_accelerator:index`` replays on a CPU
+    (the embedded default on the CPU, no server): it then takes the fused kernel eager's CPU
+    would (csrc/whole.cpp), not the math path. Asked by the native stub at each call."""
+    return not runs_remotely() and real_device(max(index, 0)).type == "cpu"
 
 
 def _initial_device_count() -> int:

@@ -261,10 +261,6 @@ device.remote_sync = _synchronize
 # placement policy decides each tape's server from the runs it sees, e.g. where a prefill's
 # inputs live, and a read answered here would change that)
 device.remote_served = lambda index: index < len(_clients) and _router is None
-# (a kernel choice that holds only on a CPU, taken where the tape surely runs on one: under a
-# placement policy a tape's server is picked when it runs, after its ops were recorded)
-device.remote_on_cpu = lambda index: index < len(_clients) and _router is None and \
-    _clients[index].runs_on_cpu()
 
 
 def client_for(index: int) -> Any:

@@ -903,20 +903,6 @@ class Client:
         bump("peer_bytes", nb)
         return nb
 
-    def runs_on_cpu(self) -> bool:
-        """Whether every tape of this session surely runs on a CPU with this process's torch:
-        the open session's server says so, and the session cannot move to another server (no
-        replay, or replay only onto this address). A recorded CPU-only kernel
-        (``_scaled_dot_product_flash_attention_for_cpu``, csrc/whole.cpp) is then safe; anything
-        else (no session yet, another device or torch, a pool to recover into) says False."""
-        info = self.info
-        if self.session is None or info.get("device") != "cpu" or \
-                info.get("torch") != torch.__version__:
-            return False
-        fb = self._fallbacks
-        return self._lineage is None or (not callable(fb) and
-                                         all(a == self.address for a in fb))
-
     def synchronize(self) -> None:
         """Wait until the server has finished the work this session gave it: a ping, which
         its worker answers after the rest of a tape it answered early (nothing to wait for when

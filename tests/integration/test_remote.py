@@ -492,54 +492,6 @@ def test_gpt2_greedy_generate_matches_eager(remote) -> None:
     assert s["round_trips"] == s["materializations"] <= per_token * 10 + 5, s
 
 
-def _sdpa(dev: str, grad: bool) -> tuple[torch.Tensor, list[torch.Tensor], int]:
-    """HF's attention shape (transposed heads, causal) on ``dev``: the output, the inputs'
-    gradients (``grad``) and how many ATen ops the attention itself recorded."""
-    torch.manual_seed(0)
-    xs = [torch.randn(2, n, 4, 16).transpose(1, 2).to(dev).requires_grad_(grad)
-          for n in (7, 9, 9)]
-    before = genie.stats().get("ops_recorded", 0)
-    with torch.set_grad_enabled(grad):
-        out = torch.nn.functional.scaled_dot_product_attention(*xs, is_causal=True)
-    n = genie.stats().get("ops_recorded", 0) - before
-    if grad:
-        out.backward(torch.randn(out.shape).to(dev))
-    return out, [x.grad for x in xs if grad], n
-
-
-@pytest.mark.skipif(SERVER_DEVICE != "cpu", reason="a server on the CPU")
-@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_sdpa_takes_the_cpu_servers_fused_kernel(remote, grad: bool) -> None:
-    """A server that replays on the CPU gets eager's CPU kernel (one node, flash attention for
-    the CPU): eager's values bit for bit, its strides (the query's layout) and gradients."""
-    want, want_g, _ = _sdpa("cpu", grad)
-    got, got_g, n = _sdpa(DEV, grad)
-    assert n == 1, f"SDPA recorded as {n} ops (eager's CPU: one kernel)"
-    if grad:
-        assert type(got.grad_fn).__name__ == type(want.grad_fn).__name__
-    assert (got.shape, got.stride()) == (want.shape, want.stride())
-    torch.testing.assert_close(got.detach().cpu(), want.detach(), rtol=0, atol=0)
-    for g, w in zip(got_g, want_g, strict=True):
-        assert g.stride() == w.stride()
-        torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0)
-
-
-def test_sdpa_where_a_tape_may_run_elsewhere_keeps_the_math_path(server: ServerProc,
-                                                                 spare: ServerProc) -> None:
-    """Placement across servers, or a session that may be rebuilt on another server, could run
-    the node where the CPU's kernel does not exist: the math path (values to eager's tolerance)."""
-    want, _, _ = _sdpa("cpu", False)
-    for kw in ({}, {"placement": "fixed", "replay": True}):
-        genie.connect([server.address, spare.address], key_file=str(server.key_file),
-                      timeout=20, **kw)
-        try:
-            got, _, n = _sdpa(DEV, False)
-            assert n > 1, kw
-            torch.testing.assert_close(got.cpu(), want)
-        finally:
-            genie.disconnect()
-
-
 def test_frees_reach_the_server(remote) -> None:
     xs = [torch.randn(64, 64, device=DEV) * 2 for _ in range(8)]
     genie.materialize(*xs)

@@ -289,10 +289,8 @@ def test_sdpa_follows_sdpa_kernel_and_dropout_to_the_math_path() -> None:
 
 
 def test_sdpa_through_a_server_keeps_the_math_path(monkeypatch) -> None:  # noqa: ANN001
-    """Where the work goes to a server not known to replay on a CPU (here: none connected yet)
-    the client cannot know the server's kernels: math, as before (values checked against eager
-    to tolerance: a different summation order). A CPU server's choice: tests/integration/
-    test_remote.py."""
+    """Where the work goes to a server the client cannot know the server's kernels: math, as
+    before (values checked against eager to tolerance: a different summation order)."""
     from genie import device
 
     monkeypatch.setattr(device, "runs_remotely", lambda: True)
