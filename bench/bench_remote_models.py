@@ -12,7 +12,7 @@ security; client and server one intra-op thread each, ``GENIE_BENCH_THREADS``):
 - GPT-2 4x128 greedy ``generate`` of 32 tokens, a prompt length never seen before every call,
   called as most scripts call it (no ``attention_mask``); the GPT-2 rows use transformers'
   ``eager`` attention (the host-cost issue's rows), and the generate row again with its default,
-  ``sdpa`` (a CPU server replays eager CPU's fused kernel, one node an attention);
+  ``sdpa`` (through a server the math path, as the client cannot know the server's kernels);
 - MLP 4 x Linear(256) + ReLU, batch 32, MSE, AdamW, ``loss.item()`` every step; a call is
   four steps and then ``torch.remote_accelerator.synchronize()`` (timed): the server answers a
   step's loss before the step's backward and update have run (an early reply, see

@@ -95,6 +95,52 @@ def test_compiled_training_sends_each_graph_once(remote) -> None:
     assert recorded[1:] == [(3, 1, 7)] * 5, recorded
 
 
+
+class _Attention(torch.nn.Module):
+    """nanoGPT's causal self-attention (``F.scaled_dot_product_attention``) and a head."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)  # a key bias is noise Adam amplifies
+        self.out = torch.nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(x).split(c, dim=2))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, c))
+
+
+def test_compiled_attention_training_keeps_eagers_values(remote) -> None:
+    """A compiled AdamW step of a causal attention block through the server: eager's losses and
+    parameters at every step. (A CPU server's SDPA choice once made the traced graphs take the
+    CPU's flash kernel there: the first loss agreed, every later one drifted.)"""
+    torch.manual_seed(0)
+    ref = _Attention()
+    lazy = copy.deepcopy(ref).to(DEV)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt_l = torch.optim.AdamW(lazy.parameters(), lr=1e-2)
+
+    def step(m, opt, x, y):
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    cstep = torch.compile(step)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 1, generator=g)
+        want = step(ref, opt_r, x, y).item()
+        assert cstep(lazy, opt_l, x.to(DEV), y.to(DEV)).item() == \
+            pytest.approx(want, rel=1e-5, abs=1e-6)
+    for a, b in zip(ref.parameters(), lazy.parameters(), strict=True):
+        torch.testing.assert_close(b.cpu(), a.detach())
+
+
 def test_graph_with_an_op_outside_the_servers_opset_is_refused(remote) -> None:
     g = torch.fx.Graph()
     x = g.placeholder("x")
