@@ -53,24 +53,29 @@ def remote(server: ServerProc):
     compiled_backend.set_compiler(compiled)
 
 
+def _twins(ref: torch.nn.Module) -> tuple:
+    """``ref``, a copy of it on the device, and an AdamW for each."""
+    lazy = copy.deepcopy(ref).to(DEV)
+    return (ref, lazy, torch.optim.AdamW(ref.parameters(), lr=1e-2),
+            torch.optim.AdamW(lazy.parameters(), lr=1e-2))
+
+
+def _adamw_step(m, opt, x, y):  # noqa: ANN001, ANN202
+    loss = torch.nn.functional.mse_loss(m(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def test_compiled_training_sends_each_graph_once(remote) -> None:
     """A compiled AdamW training step through the server: eager's losses and parameters; each
     graph sent once; the optimizer's step one genie::graph_mut node the server runs (parameters
     and moments written in place), not one recorded write-back ``copy_`` per mutated input."""
     torch.manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
-                              torch.nn.Linear(16, 1))
-    lazy = copy.deepcopy(ref).to(DEV)
-    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt_l = torch.optim.AdamW(lazy.parameters(), lr=1e-2)
-
-    def step(m, opt, x, y):
-        loss = torch.nn.functional.mse_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    ref, lazy, opt_r, opt_l = _twins(torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 1)))
+    step = _adamw_step
     cstep = torch.compile(step)
     sent, recorded = [], []
     counted = ("graph_calls", "graph_mut_calls", "ops_recorded")
@@ -118,18 +123,8 @@ def test_compiled_attention_training_keeps_eagers_values(remote) -> None:
     parameters at every step. (A CPU server's SDPA choice once made the traced graphs take the
     CPU's flash kernel there: the first loss agreed, every later one drifted.)"""
     torch.manual_seed(0)
-    ref = _Attention()
-    lazy = copy.deepcopy(ref).to(DEV)
-    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt_l = torch.optim.AdamW(lazy.parameters(), lr=1e-2)
-
-    def step(m, opt, x, y):
-        loss = torch.nn.functional.mse_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    ref, lazy, opt_r, opt_l = _twins(_Attention())
+    step = _adamw_step
     cstep = torch.compile(step)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
