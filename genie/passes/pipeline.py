@@ -411,16 +411,8 @@ def run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]:
     """Run ``tape`` (through :func:`genie.backends.run`), optimized when its plan has passes.
 
     Returns the values of ``tape.keep`` and the tape that ran (for memory accounting).
-
-    With ``eager`` the only backend (``backends`` left at their default), a tape whose plan
-    needs no decision (:func:`settled`: a steady read) runs in the eager backend directly,
-    without :func:`genie.backends.run`'s choice of a backend nor the decisions below.
     """
     plan = tape.plan
-    if len(backends._order) == 1:  # ``eager`` alone (set_backends appends it)
-        ran = tape if plan is None else settled(tape)
-        if ran is not None:
-            return run_instrs(ran, device), ran
     if plan is None or not active_passes():
         return backends.run(tape, device)[0], tape
     first = _not_eager()
@@ -455,33 +447,6 @@ def run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]:
     if state == "verify":
         return _verify_run(st, plan, tape, opt, device)
     return _gate_run(st, plan, tape, opt, device, time.perf_counter() - t0)
-
-
-def settled(tape: Tape) -> Tape | None:
-    """The tape :func:`run` runs for ``tape`` (of a plan) when ``eager`` runs it and nothing is
-    left to decide for its plan (no passes active; the plan left alone, waiting on a new
-    shape, or its script in state ``on``), with the same effects: ``tape``, its optimized tape,
-    or None (its first runs, verification, the gate, a new generation: :func:`run` decides)."""
-    if not active_passes():
-        return tape
-    st = tape.plan.artifacts.get("passes")
-    if st is None or st.gen != _config["gen"] or st.where is not None:
-        return None
-    t = type(st)
-    if t is _Waiting:
-        if not _waits(tape, st):
-            return None
-        bump("passes_waiting")
-        return tape
-    if t is _Off:
-        return tape
-    if st.state != "on":
-        return None
-    opt = st.apply(tape)
-    if opt is None:
-        bump("passes_step_unoptimized")
-        return tape
-    return opt
 
 
 def _not_eager() -> str | None:
