@@ -294,8 +294,15 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     found: list[Any] = []  # the inference graph's caller, where it needs no runtime wrapper
     inference = functools.partial(_graph_compiler, options=options or {}, direct=found)
     decomps = core_aten_decompositions()
-    if _flash_attention_for_cpu(gm, example_inputs):
-        decomps.pop(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, None)
+    _flash_attention_for_cpu(gm, example_inputs)
+    # the CPU's flash attention stays one op, as Inductor keeps it: the table's decomposition
+    # (for export) computes the math path and returns the attention weights (B, H, L, S) where
+    # the op returns its logsumexp (B, H, L), while the backward graph keeps the op's derivative,
+    # _scaled_dot_product_flash_attention_for_cpu_backward, which read those weights as the
+    # logsumexp: a training step's forward agreed with eager's and its gradients did not. The
+    # op reaches a trace only where the device's SDPA choice says it replays on a CPU
+    # (csrc/whole.cpp) or from the rewrite above, attention masks and grouped queries included
+    decomps.pop(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, None)
     # an inference graph writes the inputs it mutates in place (genie::graph_mut: an
     # optimizer's step, a static KV cache), embedded or through a server: else AOTAutograd's
     # graph returns each one's new value (a copy: an index_copy_ into a KV cache copies the

@@ -295,6 +295,37 @@ def test_attention_runs_the_cpus_flash_kernel_with_eagers_values_and_grads(fast_
     assert s["graph_calls"] == 2 and s.get("graphs_op_by_op", 0) == 0, s
 
 
+@pytest.mark.parametrize("case", ["float_mask", "bool_mask", "gqa"])
+def test_attention_the_device_sends_to_flash_keeps_eagers_grads(fast_compiler, case):
+    """Attention Genie's graph rewrite leaves alone (a mask, grouped queries) still reaches the
+    CPU's flash kernel where the device's SDPA choice (csrc/whole.cpp) picks it while AOTAutograd
+    traces. The forward op was then decomposed by Core ATen's table into the math path, which
+    returns the attention weights where flash returns its logsumexp, and the backward graph's
+    flash derivative read those weights: eager's outputs, gradients off by ~10."""
+    torch.manual_seed(0)
+    kv_heads = 1 if case == "gqa" else 3
+    q = torch.randn(2, 3, 6, 4)
+    k, v = (torch.randn(2, kv_heads, 6, 4) for _ in range(2))
+    mask = {"float_mask": torch.randn(6, 6), "bool_mask": torch.rand(6, 6) > 0.3,
+            "gqa": None}[case]
+    grad = torch.randn(2, 3, 6, 4)
+
+    def attn(q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                enable_gqa=case == "gqa")
+
+    lazy = [t.to(DEV).requires_grad_() for t in (q, k, v)]
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = torch.compile(attn)(*lazy, None if mask is None else mask.to(DEV))
+    out.backward(grad.to(DEV))
+    want = attn(*ref, mask)
+    want.backward(grad)
+    torch.testing.assert_close(out.cpu(), want.detach())
+    for a, b in zip(lazy, ref, strict=True):
+        torch.testing.assert_close(a.grad.cpu(), b.grad)
+    assert genie.stats().get("graphs_op_by_op", 0) == 0
+
+
 def test_compiling_keeps_genies_module_call(fast_compiler):
     """torch.fx's patcher (inside torch.compile) restores ``nn.Module.__call__`` to what reading
     the class gives, torch's own function: Genie puts its module call back after each compile,
