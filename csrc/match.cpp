@@ -1,14 +1,16 @@
 // The plan cache's column match (genie.plan_cache.match), its per-node part natively.
 //
-// A plan-cache hit on a write-free slice is found from the requested values alone: the plan's
-// in-plan argument references say, from the last instruction back, which node each instruction
-// is (found through the argument references of the targets and of later nodes), and then every
-// condition of genie.plan_cache._match_slow is checked over the found nodes: the node's
-// meta-cache entry is the plan's (identity), no node ran, every reference points where the
-// plan's does, record order, source lines, no pending write on a storage the slice reads, which
-// outputs are held by a live tensor or a pending consumer, float arguments that changed, and the
-// input values bound to the plan's input slots. The Python version does this with ~15 `map`
-// passes over columns (~2.4 µs per node on a GPT-2 decode step); here it is one pass over the
+// A plan-cache hit is found from the requested values alone: the plan's in-plan argument
+// references say, from the last instruction back, which node each instruction is (found through
+// the argument references of the targets and of later nodes), and then every condition of
+// genie.plan_cache._match_slow is checked over the found nodes: the node's meta-cache entry is the
+// plan's (identity), no node ran, every reference points where the plan's does, record order,
+// source lines, no pending write on a storage the slice reads, which outputs are held by a live
+// tensor or a pending consumer, float arguments that changed, and the input values bound to the
+// plan's input slots. A slice that writes (a training step) is found the same way, its in-place
+// updates through the storages' pending writes, which must be the plan's (see match_core). The
+// Python version does this with ~15 `map` passes over columns (~2.4 µs per node on a GPT-2 decode
+// step); here it is one pass over the
 // instructions that checks each node while its memory is at hand, then one over the inputs. The
 // cost is the nodes' memory: a slice that does not fit the caches (a 32-token generate's 6,480
 // nodes) paid a cache miss per condition per node with one pass per condition (0.75 µs per node;
@@ -48,7 +50,7 @@ struct State {
   Py_ssize_t n_leaves = 0, n_entry = 0, n_executed = 0, n_index = 0, n_where = 0,
              n_storages = 0, n_consumers = 0, n_outputs = 0, n_values = 0, n_metas = 0;
   Py_ssize_t r_node = 0, r_out = 0;
-  Py_ssize_t st_pending = 0;
+  Py_ssize_t st_pending = 0, st_readers = 0;
   PyObject* held_after = nullptr;
   PyObject* same_kind = nullptr;
   PyObject* klass = nullptr;  // interned "klass"
@@ -103,7 +105,11 @@ std::vector<Py_ssize_t> ints(PyObject* seq) {
 struct Columns {
   PyObject* flat = nullptr;  // held
   std::vector<Py_ssize_t> ei, ep, ej, ek, fi, fp, hi, hk, hn, roots, oi, ok;
-  bool grouped = false;  // ei, fi, hi and oi grouped by instruction, from the last one back
+  // Plan.wsite (a plan that writes): sites (wi, wp), their expected writers wpos[wstart[k]:...],
+  // and the requested values' (tw: tstart into tpos_w)
+  bool writes = false;
+  std::vector<Py_ssize_t> wi, wp, wstart, wpos, tstart, twpos;
+  bool grouped = false;  // ei, fi, hi, oi and wi grouped by instruction, from the last one back
   Columns() = default;
   Columns(const Columns&) = delete;
   Columns& operator=(const Columns&) = delete;
@@ -137,6 +143,39 @@ std::shared_ptr<const Columns> columns_of(PyObject* flat) {
   c->hk = ints(col[10]);
   c->hn = ints(col[11]);
   c->roots = ints(col[13]);
+  PyObject* ws = col[16];
+  if (ws != Py_None) {
+    if (!PyTuple_Check(ws) || PyTuple_GET_SIZE(ws) != 5) {
+      throw py::type_error("genie._C._match_core: Plan.wsite must be 5 columns");
+    }
+    c->writes = true;
+    c->wi = ints(PyTuple_GET_ITEM(ws, 0));
+    c->wp = ints(PyTuple_GET_ITEM(ws, 1));
+    c->wstart = ints(PyTuple_GET_ITEM(ws, 2));
+    c->wpos = ints(PyTuple_GET_ITEM(ws, 3));
+    PyObject* tw = PyTuple_GET_ITEM(ws, 4);
+    if (!PyList_CheckExact(tw) || c->wstart.size() != c->wi.size() + 1 ||
+        c->wp.size() != c->wi.size()) {
+      throw py::type_error("genie._C._match_core: Plan.wsite's columns do not agree");
+    }
+    c->tstart.push_back(0);
+    for (Py_ssize_t t = 0; t < PyList_GET_SIZE(tw); ++t) {
+      PyObject* e = PyList_GET_ITEM(tw, t);
+      if (!PyTuple_Check(e)) {
+        throw py::type_error("genie._C._match_core: Plan.wsite's targets must be tuples");
+      }
+      for (Py_ssize_t q = 0; q < PyTuple_GET_SIZE(e); ++q) {
+        c->twpos.push_back(as_index(PyTuple_GET_ITEM(e, q)));
+      }
+      c->tstart.push_back(static_cast<Py_ssize_t>(c->twpos.size()));
+    }
+    for (size_t k = 0; k + 1 < c->wstart.size(); ++k) {
+      if (c->wstart[k] > c->wstart[k + 1] ||
+          c->wstart[k + 1] > static_cast<Py_ssize_t>(c->wpos.size())) {
+        throw py::type_error("genie._C._match_core: Plan.wsite's columns do not agree");
+      }
+    }
+  }
   PyObject* other = col[12];
   if (!PyList_CheckExact(other)) {
     throw py::type_error("genie._C._match_core: plan columns must be lists");
@@ -152,7 +191,8 @@ std::shared_ptr<const Columns> columns_of(PyObject* flat) {
   auto descending = [](const std::vector<Py_ssize_t>& v) {
     return std::is_sorted(v.rbegin(), v.rend());
   };
-  c->grouped = descending(c->ei) && descending(c->fi) && descending(c->hi) && descending(c->oi);
+  c->grouped = descending(c->ei) && descending(c->fi) && descending(c->hi) &&
+                descending(c->oi) && descending(c->wi);
   Py_INCREF(flat);
   c->flat = flat;
   std::shared_ptr<const Columns> old;  // released after the cache is consistent again
@@ -241,6 +281,24 @@ bool pending_on(PyObject* n, Py_ssize_t k, bool& ok) {
   return truthy(pw);
 }
 
+// The pending writes of Storage `st` (a list or the shared empty tuple): borrowed, nullptr when
+// `st` is not a Storage or the slot holds anything else.
+PyObject* pending_list(PyObject* st) {
+  if (st == nullptr || Py_TYPE(st) != S.storage) {
+    return nullptr;
+  }
+  PyObject* pw = slot(st, S.st_pending);
+  if (pw == nullptr || !(PyList_CheckExact(pw) || PyTuple_CheckExact(pw))) {
+    return nullptr;
+  }
+  return pw;
+}
+
+// Node.index of a node.
+inline Py_ssize_t index_of(PyObject* n) {
+  return as_index(slot(n, S.n_index));
+}
+
 }  // namespace
 
 namespace genie {
@@ -271,6 +329,7 @@ void match_init(py::object node, py::object ref, py::object alive, py::object st
   S.r_node = genie::slot_offset(S.ref, "node");
   S.r_out = genie::slot_offset(S.ref, "out");
   S.st_pending = genie::slot_offset(S.storage, "pending_writes");
+  S.st_readers = genie::slot_offset(S.storage, "readers");
   S.held_after = held_after.release().ptr();
   S.same_kind = same_kind.release().ptr();
   S.klass = PyUnicode_InternFromString("klass");
@@ -280,12 +339,17 @@ void match_init(py::object node, py::object ref, py::object alive, py::object st
 py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::object wheres,
                       py::dict produced, py::list want_out, py::list targets, bool generic,
                       bool pending, py::dict pin, py::object entryless) {
+  // A plan that writes (Plan.wsite, flat's last column): its in-place updates are found from the
+  // storages' pending writes at the sites the plan names (genie.plan_cache._write_sites; the
+  // reference is _walk_writes and _writes_exact), and those lists are checked to be exactly the
+  // plan's, so the nodes found are slice_nodes' slice; the "no pending write on a storage the
+  // slice reads" rule of a plan that does not write is that check with no writes expected.
   if (!S.ready) {
     throw py::type_error("genie._C._match_core: call _match_init first");
   }
   const py::object slow = py::bool_(false);
-  if (PyTuple_GET_SIZE(flat.ptr()) != 16) {
-    throw py::type_error("genie._C._match_core: flat must be Plan.flat (16 columns)");
+  if (PyTuple_GET_SIZE(flat.ptr()) != 17) {
+    throw py::type_error("genie._C._match_core: flat must be Plan.flat (17 columns)");
   }
   PyObject* const* col = &PyTuple_GET_ITEM(flat.ptr(), 0);
   const std::shared_ptr<const Columns> cols_held = columns_of(flat.ptr());
@@ -295,6 +359,11 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   const std::vector<Py_ssize_t>&fi = cols.fi, &fp = cols.fp;
   PyObject* fv = col[7];
   const std::vector<Py_ssize_t>&hi = cols.hi, &hk = cols.hk, &hn = cols.hn;
+  const bool writes = cols.writes;
+  if (writes && !pending) {
+    return py::none();  // no write pending anywhere: not the slice of a plan that writes
+  }
+  const bool check_pending = pending && !writes;  // a plan that does not write: no write read
 
   const Py_ssize_t nn = PyList_GET_SIZE(entries.ptr());
   // Borrowed: every found node is reachable from the targets through argument references the
@@ -318,7 +387,12 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       if (PyErr_Occurred()) {
         throw py::error_already_set();
       }
-      return slow;
+      if (!writes) {
+        return slow;
+      }
+      tg[t] = {node, out};  // a value that ran, which the plan's writes update: an input
+      tpos[t] = -1;
+      continue;
     }
     const Py_ssize_t i = as_index(PyTuple_GET_ITEM(p, 0));
     if (out != as_index(PyTuple_GET_ITEM(p, 1)) || i < 0 || i >= nn ||
@@ -343,6 +417,49 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   const std::vector<Py_ssize_t>&oi = cols.oi, &ok = cols.ok;
   bool none = false;    // an instruction no reference reaches
   bool later = false;   // a condition failed: node by node decides (unless `none`)
+  // storages with a write of the slice that a read (or a requested value) waits for, and the
+  // index of the last such write: their pending readers before it must be in the slice
+  std::vector<std::pair<PyObject*, Py_ssize_t>> upto;
+  auto waits = [&upto](PyObject* st, Py_ssize_t last) {
+    for (auto& u : upto) {
+      if (u.first == st) {
+        u.second = std::max(u.second, last);
+        return;
+      }
+    }
+    upto.emplace_back(st, last);
+  };
+  // writes[q] of the pending-write list `pw` at plan positions want[0..len): true when taken
+  auto take = [&found](PyObject* pw, const Py_ssize_t* want, Py_ssize_t len, Py_ssize_t below) {
+    for (Py_ssize_t q = 0; q < len; ++q) {
+      PyObject* w = PySequence_Fast_GET_ITEM(pw, q);
+      const Py_ssize_t j = want[q];
+      if (!is_node(w) || j < 0 || j >= below || (found[j] != nullptr && found[j] != w)) {
+        return false;
+      }
+      found[j] = w;
+    }
+    return true;
+  };
+  const std::vector<Py_ssize_t>&wi = cols.wi, &wp = cols.wp, &wstart = cols.wstart,
+                               &wpos = cols.wpos;
+  if (writes) {  // a requested value's storage: every pending write is the plan's
+    if (static_cast<Py_ssize_t>(cols.tstart.size()) != nt + 1) {
+      return slow;
+    }
+    for (Py_ssize_t t = 0; t < nt; ++t) {
+      PyObject* st = item(slot(tg[t].first, S.n_storages), tg[t].second);
+      PyObject* pw = pending_list(st);
+      const Py_ssize_t b = cols.tstart[t], len = cols.tstart[t + 1] - b;
+      if (pw == nullptr || Py_SIZE(pw) != len ||
+          !take(pw, cols.twpos.data() + b, len, nn)) {
+        return slow;
+      }
+      if (len > 0) {
+        waits(st, index_of(PySequence_Fast_GET_ITEM(pw, len - 1)));
+      }
+    }
+  }
   std::vector<Py_ssize_t> shaped_at;  // from the last instruction back
   std::vector<Py_ssize_t> changed_at;
   std::vector<std::pair<PyObject*, Py_ssize_t>> must_free, must_keep;  // held_after decides
@@ -350,7 +467,8 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   if (!no_where && PyList_GET_SIZE(wheres.ptr()) != nn) {
     return slow;
   }
-  size_t m = 0, f = 0, h = 0, o = 0;
+  size_t m = 0, f = 0, h = 0, o = 0, k = 0;
+  const size_t nw = wi.size();
   Py_ssize_t next = PY_SSIZE_T_MAX;  // the index of the node after this one: record order
   for (Py_ssize_t i = nn - 1; i >= 0; --i) {
     PyObject* n = found[i];
@@ -380,9 +498,37 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       if (!later) {
         const Py_ssize_t xo = as_index(slot(x, S.r_out));
         bool fine = true;
-        if (xo != ek[m] || (pending && (pending_on(xn, xo, fine) || !fine))) {
+        if (xo != ek[m] || (check_pending && (pending_on(xn, xo, fine) || !fine))) {
           later = true;  // a write recorded before a read of the slice: _match_slow decides
         }
+      }
+    }
+    for (; k < nw && wi[k] == i; ++k) {  // a plan that writes: the pending writes each read sees
+      if (later || !is_node(n)) {
+        continue;
+      }
+      PyObject* x = item(slot(n, S.n_leaves), wp[k]);
+      PyObject* xn = x != nullptr && Py_TYPE(x) == S.ref ? slot(x, S.r_node) : nullptr;
+      if (!is_node(xn)) {
+        later = true;
+        continue;
+      }
+      PyObject* st = item(slot(xn, S.n_storages), as_index(slot(x, S.r_out)));
+      PyObject* pw = pending_list(st);
+      const Py_ssize_t b = wstart[k], len = wstart[k + 1] - b;
+      if (pw == nullptr || Py_SIZE(pw) < len || !take(pw, wpos.data() + b, len, i)) {
+        later = true;
+        continue;
+      }
+      if (Py_SIZE(pw) > len) {  // the next write must come after this read
+        PyObject* w = PySequence_Fast_GET_ITEM(pw, len);
+        if (!is_node(w) || index_of(w) < index_of(n)) {
+          later = true;
+          continue;
+        }
+      }
+      if (len > 0) {
+        waits(st, index_of(PySequence_Fast_GET_ITEM(pw, len - 1)));
       }
     }
     if (!later && n != nullptr) {
@@ -467,21 +613,48 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       }
     }
   }
-  if (m != ne || f != nf || h != nh || o != no) {
+  if (m != ne || f != nf || h != nh || o != no || k != nw) {
     return slow;  // columns out of order: not a Plan.flat
   }
   if (none) {
     return py::none();  // an instruction no reference reaches: not this plan's slice
   }
   for (Py_ssize_t t = 0; t < nt; ++t) {
-    if (found[tpos[t]] != tg[t].first) {  // the walk rebinds: every reference must agree
-      return slow;
+    if (tpos[t] >= 0 && found[tpos[t]] != tg[t].first) {  // the walk rebinds: every reference
+      return slow;                                          // must agree
     }
   }
   if (later) {
     return slow;
   }
-  if (pending) {  // a write recorded before a read of a requested value: _match_slow decides
+  if (!upto.empty()) {  // pending readers before a write of the slice: in the slice
+    std::vector<Py_ssize_t> at(nn);  // the found nodes' indices, increasing (checked above)
+    for (Py_ssize_t i = 0; i < nn; ++i) {
+      at[i] = index_of(found[i]);
+    }
+    for (const auto& [st, last] : upto) {
+      PyObject* rs = st == nullptr ? nullptr : slot(st, S.st_readers);
+      if (rs == nullptr || !(PyList_CheckExact(rs) || PyTuple_CheckExact(rs))) {
+        return slow;
+      }
+      for (Py_ssize_t q = 0; q < Py_SIZE(rs); ++q) {
+        py::object keep;
+        PyObject* rn = held_by(PySequence_Fast_GET_ITEM(rs, q), keep);
+        if (!is_node(rn) || slot(rn, S.n_executed) != Py_False) {
+          continue;  // died or ran
+        }
+        const Py_ssize_t idx = index_of(rn);
+        if (idx >= last) {
+          continue;
+        }
+        auto it = std::lower_bound(at.begin(), at.end(), idx);
+        if (it == at.end() || *it != idx || found[it - at.begin()] != rn) {
+          return slow;
+        }
+      }
+    }
+  }
+  if (check_pending) {  // a write recorded before a read of a requested value: _match_slow decides
     bool fine = true;
     for (const auto& [node, out] : tg) {
       if (pending_on(node, out, fine) || !fine) {
@@ -586,6 +759,69 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       }
     }
   }
+  // genie.plan_cache._bind_input(xn, out, y, pin, islots, inputs, generic): true when bound
+  auto bind = [&](PyObject* xn, PyObject* xo, PyObject* y) -> bool {
+    const Py_ssize_t out = as_index(xo);
+    py::object key = py::reinterpret_steal<py::object>(
+        PyTuple_Pack(2, slot(xn, S.n_index), xo));
+    if (!key) {
+      throw py::error_already_set();
+    }
+    PyObject* s = PyDict_GetItemWithError(islots.ptr(), key.ptr());
+    if (s != nullptr) {
+      return as_index(s) == as_index(y);
+    }
+    if (PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    PyObject* want = PyDict_GetItemWithError(pin.ptr(), y);
+    if (want == nullptr) {
+      if (PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      return false;
+    }
+    const int taken = PyDict_Contains(inputs.ptr(), y);
+    if (taken < 0) {
+      throw py::error_already_set();
+    }
+    PyObject* values = slot(xn, S.n_values);
+    if (taken || slot(xn, S.n_executed) != Py_True || values == nullptr || values == Py_None) {
+      return false;
+    }
+    PyObject* v = item(values, out);
+    PyObject* meta = item(slot(xn, S.n_metas), out);
+    if (v == nullptr || v == Py_None || meta == nullptr) {
+      return false;
+    }
+    if (meta != want) {
+      int eq = genie::tensor_meta_eq(meta, want);
+      if (eq < 0) {
+        eq = PyObject_RichCompareBool(meta, want, Py_EQ);
+        if (eq < 0) {
+          throw py::error_already_set();
+        }
+      }
+      if (eq == 0 && generic && meta != Py_None && want != Py_None) {
+        eq = genie::tensor_meta_same_kind(meta, want);
+        if (eq < 0) {
+          py::object r = py::reinterpret_steal<py::object>(
+              PyObject_CallFunctionObjArgs(S.same_kind, meta, want, nullptr));
+          if (!r) {
+            throw py::error_already_set();
+          }
+          eq = truthy(r.ptr());
+        }
+      }
+      if (eq == 0) {
+        return false;
+      }
+    }
+    if (PyDict_SetItem(islots.ptr(), key.ptr(), y) < 0 || PyDict_SetItem(inputs.ptr(), y, v) < 0) {
+      throw py::error_already_set();
+    }
+    return true;
+  };
   for (Py_ssize_t g = 0; g < ng; ++g) {
     PyObject* grp = PyList_GET_ITEM(ingroups, g);
     PyObject* y = PyTuple_GET_ITEM(grp, 0);
@@ -612,73 +848,22 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       return slow;
     }
     const Py_ssize_t out = as_index(xo);
-    if (pending) {
+    if (check_pending) {
       bool ok = true;
       if (pending_on(xn, out, ok) || !ok) {
         return slow;
       }
     }
-    // _bind_input(xn, out, y, pin, islots, inputs, generic)
-    py::object key = py::reinterpret_steal<py::object>(
-        PyTuple_Pack(2, slot(xn, S.n_index), xo));
-    if (!key) {
-      throw py::error_already_set();
+    if (!bind(xn, xo, y)) {
+      return slow;
     }
-    PyObject* s = PyDict_GetItemWithError(islots.ptr(), key.ptr());
-    if (s != nullptr) {
-      if (as_index(s) != as_index(y)) {
+  }
+  for (Py_ssize_t t = 0; t < nt; ++t) {  // requested values that ran (a plan that writes)
+    if (tpos[t] < 0) {
+      py::object xo = py::int_(tg[t].second);
+      if (!bind(tg[t].first, xo.ptr(), PyList_GET_ITEM(want_out.ptr(), t))) {
         return slow;
       }
-      continue;
-    }
-    if (PyErr_Occurred()) {
-      throw py::error_already_set();
-    }
-    PyObject* want = PyDict_GetItemWithError(pin.ptr(), y);
-    if (want == nullptr) {
-      if (PyErr_Occurred()) {
-        throw py::error_already_set();
-      }
-      return slow;
-    }
-    const int taken = PyDict_Contains(inputs.ptr(), y);
-    if (taken < 0) {
-      throw py::error_already_set();
-    }
-    PyObject* values = slot(xn, S.n_values);
-    if (taken || slot(xn, S.n_executed) != Py_True || values == nullptr || values == Py_None) {
-      return slow;
-    }
-    PyObject* v = item(values, out);
-    PyObject* meta = item(slot(xn, S.n_metas), out);
-    if (v == nullptr || v == Py_None || meta == nullptr) {
-      return slow;
-    }
-    if (meta != want) {
-      int eq = genie::tensor_meta_eq(meta, want);
-      if (eq < 0) {
-        eq = PyObject_RichCompareBool(meta, want, Py_EQ);
-        if (eq < 0) {
-          throw py::error_already_set();
-        }
-      }
-      if (eq == 0 && generic && meta != Py_None && want != Py_None) {
-        eq = genie::tensor_meta_same_kind(meta, want);
-        if (eq < 0) {
-          py::object r = py::reinterpret_steal<py::object>(
-              PyObject_CallFunctionObjArgs(S.same_kind, meta, want, nullptr));
-          if (!r) {
-            throw py::error_already_set();
-          }
-          eq = truthy(r.ptr());
-        }
-      }
-      if (eq == 0) {
-        return slow;
-      }
-    }
-    if (PyDict_SetItem(islots.ptr(), key.ptr(), y) < 0 || PyDict_SetItem(inputs.ptr(), y, v) < 0) {
-      throw py::error_already_set();
     }
   }
   if (PyDict_GET_SIZE(inputs.ptr()) != PyDict_GET_SIZE(pin.ptr())) {

@@ -1,10 +1,10 @@
 // The plan cache's slow path natively: genie.planner.slice_nodes and
 // genie.plan_cache.instantiate.
 //
-// A slice with writes (a training step: the optimizer's in-place updates) never takes the plan
-// cache's column match, so every step slices the graph and matches the slice against a cached
-// plan node by node; every miss (a new prompt length) slices too. In Python those two loops cost
-// ~1.3 ms of a 4.4 ms MLP training step (~130 nodes); here they cost a few µs per step.
+// A slice the plan cache's column match cannot take (a node only a write reaches) slices the
+// graph and matches the slice against a cached plan node by node; every miss (a new prompt
+// length) slices too. In Python those two loops cost ~1.3 ms of a 4.4 ms MLP training step (~130
+// nodes); here they cost a few µs per step.
 //
 // Semantics are those of the Python functions, kept as the reference (GENIE_NATIVE_SLICE=0, or
 // genie.config.config.native_slice = False; tests/unit/test_native_slice.py compares the two):

@@ -75,7 +75,8 @@ def _match_core(flat: tuple, entries: list[object], klasses: list[object],
                 pending: bool, pin: dict[int, object], entryless: object) -> object:
     """``genie.plan_cache.match``'s per-node part (``_match_core_py`` is the reference): None
     (not this plan), False (decide node by node) or ``(nodes, shaped, changed, input slots,
-    inputs)``."""
+    inputs)``. ``flat``: ``Plan.flat``, whose last column is ``Plan.wsite`` (a plan that
+    writes: where its updates are found and which pending writes each read must see)."""
 
 def _slice_init(objects: dict[str, object]) -> None:
     """Give the native slice and instantiate the classes they read and make (``genie.planner``:

@@ -175,7 +175,8 @@ def gc_paused(fn: Callable[P, R]) -> Callable[P, R]:
 
 # Pending-write entries over all storages: an upper bound of the true count, never below it (a
 # storage that dies with pending writes leaves it high). While it is 0 no storage has a pending
-# write, and the plan cache skips checking the storages a slice reads (genie.plan_cache.match).
+# write, and the plan cache skips checking the storages a plan that does not write reads
+# (genie.plan_cache.match).
 pending_total = [0]
 
 

@@ -26,11 +26,15 @@ kept values), so the nodes it finds are exactly the slice. Nodes are compared by
 meta-cache entry (``Node.entry``; identity stands for op, argument tree, input metadata and
 non-float constants), leaf by leaf where it differs; the common case is checked column by column
 with ``map`` (a Python loop only over the in-plan references, to find the nodes), the rest node
-by node; the tape's ``slots`` are built only when read. It handles slices without writes and with
-no pending write before a read; anything else (or no match) slices with
-:func:`~genie.planner.slice_nodes` and uses :func:`instantiate`: plans there are bucketed by a
-cheap prefix (node count, first/last op, requested outputs) and matched by full structural
-comparison, which is cheaper than hashing the structure every step.
+by node; the tape's ``slots`` are built only when read. A slice that writes (a training step's
+optimizer updates) is found the same way: an in-place update is reached through the pending
+writes of the storages the plan's nodes read (or the requested values'), at the sites the plan
+names, and every such list must be exactly the plan's, with no pending reader before one of its
+writes outside it (:func:`_write_sites`), so the nodes found are ``slice_nodes``' closure over
+writes. Anything else (or no match) slices with :func:`~genie.planner.slice_nodes` and uses
+:func:`instantiate`: plans there are bucketed by a cheap prefix (node count, first/last op,
+requested outputs) and matched by full structural comparison, which is cheaper than hashing the
+structure every step.
 Counters: ``plan_cache_hits``, ``plan_cache_misses`` in :func:`genie.stats`.
 
 Example:
@@ -116,9 +120,11 @@ class Plan:
 
     __slots__ = ("instrs", "metas", "specs", "wheres", "inputs", "outputs", "keep", "floats",
                  "index", "artifacts", "uses", "_key", "entries", "guide", "produced", "fast",
-                 "prefix", "guide_key", "flat", "no_where", "klasses", "rngs", "span", "states")
+                 "prefix", "guide_key", "flat", "no_where", "klasses", "rngs", "span", "states",
+                 "writes", "wsite")
 
-    def __init__(self, tape: Tape, nodes: list[Node]) -> None:
+    def __init__(self, tape: Tape, nodes: list[Node],
+                 targets: list[tuple[Node, int]] | None = None) -> None:
         self.metas = [n.metas for n in nodes]
         self.specs = [n.spec for n in nodes]
         self.wheres = [n.where for n in nodes]
@@ -140,9 +146,9 @@ class Plan:
         self.span = -1  # nodes recorded since the previous lookup, at its last use (PlanCache.match)
         self._key: str | None = None
         self.prefix: Any = None
-        self._build_guide(nodes)
+        self._build_guide(nodes, targets)
 
-    def _build_guide(self, nodes: list[Node]) -> None:
+    def _build_guide(self, nodes: list[Node], targets: list[tuple[Node, int]] | None) -> None:
         """What :func:`match` needs to find and check a slice from its targets alone.
 
         ``entries``: each node's meta-cache entry (identity stands for op, argument tree, input
@@ -193,7 +199,11 @@ class Plan:
             guide.append((tuple(refs), tuple(floats + hosts), tuple(outs)))
         self.guide = [(*g, c) for g, c in zip(guide, nref, strict=True)]
         self.produced = produced
-        self.fast = all(not n.writes for n in nodes)
+        self.writes = any(n.writes for n in nodes)
+        self.wsite = None
+        if self.writes and targets is not None:
+            self.wsite = _write_sites(self, nodes, targets)
+        self.fast = not self.writes or self.wsite is not None
         self.flat = _flatten(self)
 
     @property
@@ -214,8 +224,8 @@ class PlanCache:
         self.capacity = capacity
         self._buckets: OrderedDict[Any, list[Plan]] = OrderedDict()
         self._by_targets: dict[Any, list[Plan]] = {}  # what :meth:`match` tries, newest first
-        # requested ops whose last hit was a plan that writes (a training step's): the column
-        # match cannot take it, so its cached plans for these ops are not tried first
+        # requested ops whose last hit was a plan that writes and that the column match cannot
+        # take (a node only a write reaches: Plan.fast), so its cached plans are not tried first
         self._writes: set[Any] = set()
         self._size = 0
         self._last = -1  # the newest requested node's index at the previous lookup
@@ -241,12 +251,13 @@ class PlanCache:
         self._size = 0
 
     def writes_last(self, targets: list[tuple[Node, int]], key: Any = None) -> bool:
-        """Whether the last hit for these requested ops was a plan that writes (``key``: their
-        :func:`_target_key`, when the caller has it)."""
+        """Whether the last hit for these requested ops was a plan the column match cannot take
+        (``key``: their :func:`_target_key`, when the caller has it)."""
         return bool(self._writes) and (key or _target_key(targets)) in self._writes
 
     def note_hit(self, targets: list[tuple[Node, int]], plan: Plan, key: Any = None) -> None:
-        """Remember whether a hit found through the slice was a plan that writes."""
+        """Remember whether a hit found through the slice was a plan the column match cannot
+        take."""
         if not plan.fast:
             self._writes.add(key or _target_key(targets))
         elif self._writes:
@@ -304,7 +315,7 @@ class PlanCache:
         return None
 
     def insert(self, targets: list[tuple[Node, int]], nodes: list[Node], tape: Tape) -> Plan:
-        plan = Plan(tape, nodes)
+        plan = Plan(tape, nodes, targets)
         pre = plan.prefix = _prefix(targets, nodes)
         bucket = self._buckets.setdefault(pre, [])
         bucket.insert(0, plan)
@@ -426,7 +437,8 @@ def _flatten(plan: Plan) -> tuple[Any, ...]:
     references grouped by slot ``(slot, [i], [p])`` (in the order met), float leaves
     ``(i, p, value)``, host tensor leaves ``([i], [p], [_HostMeta])``, outputs that must not be held
     ``(i, k, nref)``, outputs that must be held ``(i, k)``, the instructions no in-plan
-    reference comes from, ops, output slots."""
+    reference comes from, ops, output slots, and ``Plan.wsite`` (None for a plan that does not
+    write)."""
     ei, ep, ej, ek, inrefs, fi, fp, fv, hi, hk, hn, other = ([] for _ in range(12))
     ei_, ep_, ej_, ek_, hi_, hk_, hn_ = ei.append, ep.append, ej.append, ek.append, hi.append, \
         hk.append, hn.append
@@ -460,15 +472,126 @@ def _flatten(plan: Plan) -> tuple[Any, ...]:
         gp.append(p)
     ingroups = [(y, gi, gp) for y, (gi, gp) in by_slot.items()]
     return (ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots,
-            [t.op for t in plan.instrs], [t.outs for t in plan.instrs])
+            [t.op for t in plan.instrs], [t.outs for t in plan.instrs], plan.wsite)
+
+
+_WriteSites = tuple[list[int], list[int], list[int], list[int], list[tuple[int, ...]]]
+
+
+def _write_sites(plan: Plan, nodes: list[Node], targets: list[tuple[Node, int]]
+                 ) -> _WriteSites | None:
+    """Where :func:`match` finds the writers of a plan whose nodes write, and what it checks so
+    that the nodes it finds are exactly :func:`~genie.planner.slice_nodes`' (None: some node
+    cannot be found that way; the plan goes through :func:`instantiate`).
+
+    An in-place update is reached by no argument reference (its result is its argument's own
+    tensor, whose node ran): the slice takes it through ``Storage.pending_writes``, those of a
+    requested value's storage (all of them) and those of a storage a slice node reads (the ones
+    recorded before the read), with the storage's pending readers recorded before such a write.
+    ``wsite`` says that per *site*: ``(wi, wp, wstart, wpos, tw)``, with every argument reference
+    of every instruction ``wi[k]`` (leaf ``wp[k]``; from the last instruction back) and the
+    plan positions ``wpos[wstart[k]:wstart[k + 1]]`` of the pending writes recorded before that
+    read, in order; ``tw[t]``: those of requested value ``t``'s storage. A match takes the
+    writers from these lists (:func:`_writes_exact`), then checks every list is that exactly: the
+    writes a site expects and no other before its read (a storage shared with another value,
+    aliased otherwise than in the plan, has other writes there), and no pending reader before a
+    write of the slice outside it. Every closure rule of ``slice_nodes`` is then checked from
+    the found nodes, so they are its slice."""
+    pos = {n.index: i for i, n in enumerate(nodes)}
+
+    def before(s: Storage | None, upto: int) -> list[int] | None:
+        out: list[int] = []
+        for w in (s.pending_writes if s is not None else ()):
+            if w.index >= upto:
+                break
+            j = pos.get(w.index)
+            if j is None:
+                return None  # not in the slice: not a slice_nodes closure (never seen)
+            out.append(j)
+        return out
+
+    tw: list[tuple[int, ...]] = []
+    reach = [False] * len(nodes)
+    for (node, out), want in zip(targets, plan.outputs, strict=True):
+        e = before(node.storages[out], 1 << 62)
+        if e is None:
+            return None
+        tw.append(tuple(e))
+        for j in e:
+            reach[j] = True
+        if want in plan.produced:
+            reach[plan.produced[want][0]] = True
+    wi: list[int] = []
+    wp: list[int] = []
+    wstart = [0]
+    wpos: list[int] = []
+    for i in range(len(nodes) - 1, -1, -1):
+        if not reach[i]:
+            return None  # reached only as a reader before a write: the slice finds it
+        n = nodes[i]
+        read = {id(x.node.storages[x.out]) for x in n.leaves or () if type(x) is Ref}
+        if any(id(w) not in read for w in n.writes):
+            return None  # a write the sites do not see (not through an argument reference)
+        for p, x in enumerate(n.leaves or ()):
+            if type(x) is not Ref:
+                continue
+            if x.node.index in pos:
+                reach[pos[x.node.index]] = True
+            e = before(x.node.storages[x.out], n.index)
+            if e is None:
+                return None
+            for j in e:
+                reach[j] = True
+            wi.append(i)
+            wp.append(p)
+            wpos += e
+            wstart.append(len(wpos))
+    return wi, wp, wstart, wpos, tw
+
+
+def _writes_exact(plan: Plan, found: list[Any], targets: list[tuple[Node, int]]) -> bool:
+    """Whether the pending writes of the storages the found nodes read (and the requested
+    values') are exactly the plan's (``Plan.wsite``), and no pending reader before a write of
+    the slice is outside it: :func:`match`'s check of a plan that writes (the reference of
+    csrc/match.cpp's). ``found``: the nodes, writers taken from the sites already."""
+    wi, wp, wstart, wpos, tw = plan.wsite
+    upto: dict[Storage, int] = {}  # storage -> the last write of the slice a read waits for
+    for (node, out), e in zip(targets, tw, strict=True):
+        s = node.storages[out]
+        pw = s.pending_writes if s is not None else ()
+        if len(pw) != len(e) or any(pw[q] is not found[j] for q, j in enumerate(e)):
+            return False
+        if e:
+            upto[s] = max(upto.get(s, -1), pw[-1].index)
+    for k, (i, p) in enumerate(zip(wi, wp, strict=True)):
+        n = found[i]
+        x = n.leaves[p]
+        if type(x) is not Ref:
+            return False
+        s = x.node.storages[x.out]
+        pw = s.pending_writes if s is not None else ()
+        e = wpos[wstart[k]:wstart[k + 1]]
+        if len(pw) < len(e) or any(pw[q] is not found[j] for q, j in enumerate(e)) or \
+                (len(pw) > len(e) and pw[len(e)].index < n.index):
+            return False
+        if e:
+            upto[s] = max(upto.get(s, -1), pw[len(e) - 1].index)
+    mine = set(map(id, found))
+    for s, last in upto.items():
+        for r in s.readers:
+            rn = r()
+            if rn is not None and not rn.executed and rn.index < last and id(rn) not in mine:
+                return False
+    return True
 
 
 def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) -> Tape | None:
     """``instantiate(plan, targets, slice_nodes(targets))`` without slicing, or None.
 
     The common case (every requested value is produced by the plan, every node's meta-cache
-    entry and op are the plan's, host tensors have its metadata, no pending write on any storage the slice reads, every value the plan keeps held
-    by a live tensor and no other one) is checked column by column (``Plan.flat``): one Python loop
+    entry and op are the plan's, host tensors have its metadata, the pending writes on the
+    storages the slice reads are the plan's (none for a plan that does not write), every value the
+    plan keeps held by a live tensor and no other one) is checked column by column (``Plan.flat``): one Python loop
     finds the nodes through the plan's in-plan references, then the conditions of
     :func:`_match_slow` are checked with ``map`` over the found nodes. Anything else is decided
     by :func:`_match_slow`, which gives the same answer in every case. The tape's ``slots`` are
@@ -490,7 +613,7 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     if r is False:
         return _match_slow(plan, targets, generic)
     found, shaped, changed, islots, inputs = r
-    ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs = \
+    ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs, _ = \
         plan.flat
     tmpl = plan.instrs
     pin = plan.inputs
@@ -546,34 +669,43 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
     :func:`_match_slow`) or ``(found nodes, shaped instructions, changed float columns, input
     slots by (node index, output), input values by slot)``."""
     want_out = plan.outputs
-    ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs = \
+    ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs, _ = \
         plan.flat
     tmpl = plan.instrs
     nn = len(tmpl)
     found: list[Any] = [None] * nn
     produced = plan.produced
+    wsite = plan.wsite
     for (node, out), want in zip(targets, want_out, strict=True):
         p = produced.get(want)
-        if p is None or out != p[1] or found[p[0]] not in (None, node):  # (two outputs of one)
+        if p is None:
+            if wsite is None:
+                return False
+            continue  # a value that ran, which the plan's writes update: an input, bound below
+        if out != p[1] or found[p[0]] not in (None, node):  # (two outputs of one)
             return False
         found[p[0]] = node
     xs: list[Any] = []  # the in-plan argument references, as the walk meets them
     add = xs.append
     try:
-        for i, p, j in zip(ei, ep, ej):
-            x = found[i].leaves[p]
-            add(x)
-            found[j] = x.node
+        if wsite is None:
+            for i, p, j in zip(ei, ep, ej):
+                x = found[i].leaves[p]
+                add(x)
+                found[j] = x.node
+        elif not _walk_writes(plan, found, targets, add):
+            return False
     except (AttributeError, TypeError, IndexError):
         return False
     get = found.__getitem__
     if any(map(is_, map(get, roots), repeat(None))):
         return None  # an instruction no reference reaches: not this plan's slice
     for (node, _), want in zip(targets, want_out, strict=True):
-        if found[produced[want][0]] is not node:  # the walk rebinds: every reference agrees
+        # the walk rebinds: every reference agrees
+        if want in produced and found[produced[want][0]] is not node:
             return False
     # The plan's interned meta-cache entries, by identity: op, argument tree (so which leaves are
-    # Refs, and that no node writes: the plan's nodes do not), input metadata, int/bool/str
+    # Refs, and which write: the op says so), input metadata, int/bool/str
     # constants. Checked first: the passes below read leaves as Refs. Shape-generic: the entries'
     # interned shape classes instead; the nodes whose entries differ are rebuilt below.
     # Nodes recorded without an entry (uploads) are compared leaf by leaf, as _match_slow does.
@@ -601,10 +733,11 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
             or not all(map(lt, idx, islice(idx, 1, None))) \
             or (any(map(_where, found)) if plan.no_where
                 else list(map(_where, found)) != plan.wheres) \
-            or (pending_total[0] and (
+            or (wsite is None and pending_total[0] and (
                 any(map(_pending, map(getitem, map(_storages, xnodes), ek)))
                 or any(map(_pending, map(getitem, map(_storages, map(itemgetter(0), targets)),
-                                         map(itemgetter(1), targets)))))):
+                                         map(itemgetter(1), targets)))))) \
+            or (wsite is not None and not _writes_exact(plan, found, targets)):
         return False
     cons = list(map(len, map(_consumers, map(get, hi))))
     if cons != hn:  # consumers outside the slice (dead ones too): held only if one is pending
@@ -639,13 +772,54 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
         if len(xs) > 1 and (list(map(_node, xs)).count(xn) != len(xs)
                             or list(map(_out, xs)).count(xo) != len(xs)):
             return False
-        if pending_total[0] and xn.storages[xo].pending_writes:
+        if wsite is None and pending_total[0] and xn.storages[xo].pending_writes:
             return False
         if not _bind_input(xn, xo, y, pin, islots, inputs, generic):  # also: one value, two slots
+            return False
+    for (node, out), want in zip(targets, want_out, strict=True):  # requested values that ran
+        if want not in produced and not _bind_input(node, out, want, pin, islots, inputs,
+                                                    generic):
             return False
     if len(inputs) != len(pin):
         return None
     return found, shaped, changed, islots, inputs
+
+
+def _walk_writes(plan: Plan, found: list[Any], targets: list[tuple[Node, int]], add: Any) -> bool:
+    """:func:`_match_core_py`'s walk for a plan that writes: from the last instruction back, each
+    node's producers from its argument references (``add`` collects them), and the writers the
+    plan's sites name (``Plan.wsite``) from the storages' pending writes. False where two name
+    different nodes for one instruction; what the sites name is checked by
+    :func:`_writes_exact`."""
+    wi, wp, wstart, wpos, tw = plan.wsite
+    ei, ep, ej = plan.flat[:3]
+
+    def take(pw: Any, e: Any) -> bool:
+        for q, j in enumerate(e):
+            if q >= len(pw) or found[j] not in (None, pw[q]):
+                return False
+            found[j] = pw[q]
+        return True
+
+    for (node, out), e in zip(targets, tw, strict=True):
+        if e and not take(node.storages[out].pending_writes, e):
+            return False
+    m = k = 0
+    ne, nw = len(ei), len(wi)
+    for i in range(len(found) - 1, -1, -1):
+        while m < ne and ei[m] == i:
+            x = found[i].leaves[ep[m]]
+            add(x)
+            found[ej[m]] = x.node
+            m += 1
+        while k < nw and wi[k] == i:
+            e = wpos[wstart[k]:wstart[k + 1]]
+            if e:
+                x = found[i].leaves[wp[k]]
+                if type(x) is not Ref or not take(x.node.storages[x.out].pending_writes, e):
+                    return False
+            k += 1
+    return True
 
 
 def _entryless(plan: Plan, i: int, n: Node, generic: bool) -> int:
@@ -703,7 +877,7 @@ def _match_slow(plan: Plan, targets: list[tuple[Node, int]], generic: bool = Fal
     """
     differs = False
     want_out = plan.outputs
-    if not plan.fast or len(targets) != len(want_out):
+    if plan.writes or len(targets) != len(want_out):
         return None
     tmpl = plan.instrs
     nn = len(tmpl)

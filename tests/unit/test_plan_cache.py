@@ -203,18 +203,32 @@ def test_in_place_updates_of_held_values_hit_and_stay_exact():
     assert genie.stats()["plan_cache_hits"] >= 4
 
 
-def test_requested_ops_of_a_writing_plan_skip_the_column_match(monkeypatch):
-    """``loss.item()`` of a training step slices the previous step's update (a write): once such
-    a hit came through the slice, the column match is not tried first for these requested ops,
-    and a hit with a plan that does not write (no update pending) turns that back."""
-    tried = []
-    real_match = plan_cache.match
-    monkeypatch.setattr(plan_cache, "match", lambda *a, **k: tried.append(1) or real_match(*a, **k))
+@contextlib.contextmanager
+def _column_only(monkeypatch):
+    """Hits must come from the column match: slicing (the path of a miss, or of a plan the
+    column match cannot take) fails the test."""
+    with monkeypatch.context() as m:
+        m.setattr(plan_cache, "slice_nodes", lambda *a: pytest.fail("sliced: not a column hit"))
+        yield
+
+
+def _column_hits(monkeypatch) -> list[bool]:
+    """What each :func:`plan_cache.match` call answered (True: a tape)."""
+    seen: list[bool] = []
+    real = plan_cache.match
+    monkeypatch.setattr(plan_cache, "match", lambda *a, **k: seen.append(
+        (t := real(*a, **k)) is not None) or t)
+    return seen
+
+
+def test_a_writing_plan_hits_through_the_column_match(monkeypatch):
+    """``loss.item()`` of a training step runs the previous step's update (a write recorded
+    before the read): the column match finds the update through the weight's pending writes, so
+    the steady loop hits without slicing; a read with nothing pending takes the forward's plan."""
     w, x = torch.ones(4, device=D), torch.arange(4.0, device=D)
     rw, rx = torch.ones(4), torch.arange(4.0)
 
     def step(update: bool) -> float:
-        nonlocal w, rw
         loss, ref = (w * x).sum(), (rw * rx).sum()
         if update:
             w.sub_(x, alpha=0.1)
@@ -228,21 +242,131 @@ def test_requested_ops_of_a_writing_plan_skip_the_column_match(monkeypatch):
 
     for _ in range(4):  # the forward alone (no write pending), then the loop's steady state
         step(False)
-    for _ in range(3):  # the first slice with the update pending is a miss, the next a hit
-        loss = step(True)
-    for _ in range(3):
-        assert plan_cache.cache().writes_last([(loss._node, loss._out)])
-        loss = step(True)
-    tried.clear()
-    for _ in range(3):
+    for _ in range(3):  # the first slice with the update pending is a miss, the next hits
         step(True)
-    assert not tried  # straight to slice_nodes + instantiate
-    step(False)  # the last update is pending: its slice writes, a hit through the slice again
+    plan = next(p for p in plan_cache.cache().plans() if p.writes)
+    assert plan.fast and plan.uses >= 2
+    with _column_only(monkeypatch):
+        for _ in range(3):
+            step(True)
+    step(False)  # the last update is pending: its slice writes, a column hit
     hits = genie.stats()["plan_cache_hits"]
-    loss = step(False)  # nothing pending now: the forward's plan, which does not write
+    step(False)  # nothing pending now: the forward's plan, which does not write
     assert genie.stats()["plan_cache_hits"] == hits + 1
-    assert not plan_cache.cache().writes_last([(loss._node, loss._out)])
     torch.testing.assert_close(w.cpu(), rw)
+
+
+def test_a_writing_plan_with_a_node_only_a_write_reaches_goes_through_the_slice(monkeypatch):
+    """A value read before an update (``y = w * 3``, held) joins the slice of a later read of
+    ``w`` only as a reader before a write: no reference or pending write leads to it, so the
+    column match cannot find it. Such a plan is not tried there (``writes_last``) and hits
+    through the slice, with eager's values."""
+    w, rw = torch.ones(4, device=D), torch.ones(4)
+    genie.materialize(w)
+    seen = _column_hits(monkeypatch)
+    for step in range(5):
+        y, ry = w * 3.0, rw * 3.0
+        w.add_(1.0)
+        rw.add_(1.0)
+        s = w.sum()
+        torch.testing.assert_close(s.cpu(), rw.sum())
+        torch.testing.assert_close(y.cpu(), ry)  # computed before the update, as eager's
+        if step >= 2:
+            assert plan_cache.cache().writes_last([(s._node, s._out)])
+    plan = next(p for p in plan_cache.cache().plans() if p.writes)
+    assert not plan.fast and plan.uses >= 3
+    assert not any(seen)
+
+
+def _update_steps(seen: list[bool], steps: int, twist, first: bool = False) -> int:  # noqa: ANN001
+    """Steady ``p.add_(g)`` then a read of ``p * 2``, which hit through the column match, then
+    one step changed by ``twist(p, rp)`` (recorded between the update and the read, or
+    ``first``, before the update), whose values must stay eager's whatever path serves it.
+    Returns where in ``seen`` (the column match's answers) the changed step starts."""
+    at = 0
+    p = torch.zeros(4, device=D)
+    rp = torch.zeros(4)
+    genie.materialize(p)
+    for step in range(steps + 1):
+        g = torch.full((4,), float(step + 1))
+        if step == steps:
+            at = len(seen)
+        late = twist(p, rp) if step == steps and first else None
+        p.add_(g.to(D))
+        rp.add_(g)
+        if step == steps and not first:
+            late = twist(p, rp)
+        r, rr = p * 2.0, rp * 2.0
+        torch.testing.assert_close(r.cpu(), rr)
+        if late is not None:
+            torch.testing.assert_close(late[0].cpu(), late[1])
+    torch.testing.assert_close(p.cpu(), rp)
+    assert seen[at - 2:at] == [True, True]  # the steady steps hit through the column match
+    return at
+
+
+def test_a_writing_plan_never_skips_another_write_before_a_read(monkeypatch):
+    """The plan reads ``p`` after one update; a step that updates it twice before the read must
+    not hit it (the second write is in the slice): every pending write before a read is the
+    plan's, or the column match refuses."""
+    seen = _column_hits(monkeypatch)
+    at = _update_steps(seen, 4, lambda p, rp: (p.mul_(0.5), rp.mul_(0.5)) and None)
+    assert not seen[at]
+
+
+def test_a_writing_plan_runs_every_pending_write_of_a_requested_value(monkeypatch):
+    """Steady ``p.add_(g)`` then ``materialize(p)`` (a requested value that ran, updated by the
+    plan): a step that also scales ``p`` has two pending writes on it, and the plan's one must
+    not serve it."""
+    seen = _column_hits(monkeypatch)
+    p, rp = torch.zeros(4, device=D), torch.zeros(4)
+    genie.materialize(p)
+    at = 0
+    for step in range(5):
+        at = len(seen)
+        g = torch.full((4,), float(step + 1))
+        p.add_(g.to(D))
+        rp.add_(g)
+        if step == 4:
+            p.mul_(0.5)
+            rp.mul_(0.5)
+        genie.materialize(p)
+        torch.testing.assert_close(p.cpu(), rp)
+    assert seen[at - 2:at] == [True, True] and not seen[at]
+
+
+def test_a_writing_plan_never_leaves_out_a_read_before_its_write(monkeypatch):
+    """A pending reader of ``p`` recorded before the plan's update (``y = p * 3``, held) joins
+    the slice (write after read): the column match must not hit without it (``y`` would read
+    the updated ``p``)."""
+    seen = _column_hits(monkeypatch)
+    at = _update_steps(seen, 4, lambda p, rp: (p * 3.0, rp * 3.0), first=True)
+    assert not seen[at]
+
+
+def test_a_writing_plan_never_hits_a_tensor_aliased_otherwise(monkeypatch):
+    """The plan updates two distinct tensors ``a`` and ``b`` the same way, then reads ``b``; in
+    the last step ``b`` is a view of ``a`` (same metadata): both updates are writes before the
+    read of one storage, which the plan's sites do not expect, so it must not hit; eager's
+    values."""
+    seen = _column_hits(monkeypatch)
+    a0 = torch.zeros(4, device=D)
+    b0 = torch.zeros(4, device=D)
+    alias = a0.view(4)
+    genie.materialize(a0, b0, alias)
+    ra0, rb0 = torch.zeros(4), torch.zeros(4)
+    ralias = ra0.view(4)
+    at = 0
+    for step in range(5):
+        at = len(seen)
+        a, b, ra, rb = (a0, b0, ra0, rb0) if step < 4 else (a0, alias, ra0, ralias)
+        a.add_(1.0)
+        b.add_(1.0)
+        ra.add_(1.0)
+        rb.add_(1.0)
+        torch.testing.assert_close((b * 2.0).cpu(), rb * 2.0)
+        torch.testing.assert_close(a.cpu(), ra)
+    assert seen[at - 2:at] == [True, True] and not seen[at]
 
 
 def test_disabled_cache_counts_nothing_and_still_computes():
@@ -479,8 +603,9 @@ def test_native_bind_leaves_the_graph_as_the_python_loop_does(monkeypatch) -> No
 def _match_programs() -> None:
     """Programs whose repeated steps reach the column match in every outcome: hits (exact and
     shape-generic, uploads, host constants, changing floats, random ops, held and dropped
-    values, two outputs of one node, several targets) and refusals (a kept value no longer
-    held, another wiring)."""
+    values, two outputs of one node, several targets, in-place updates) and refusals (a kept
+    value no longer held, another wiring, a read or a write the plan's updates do not
+    expect)."""
     a = torch.randn(4, 4, device=D)
     genie.materialize(a)
     kept = []
@@ -505,6 +630,17 @@ def _match_programs() -> None:
         p, q = torch.randn(4, device=D), torch.randn(4, device=D)
         r = (p + q) * (q if step % 2 else p)
         genie.materialize(r)
+    w = torch.zeros(4, device=D)
+    genie.materialize(w)
+    held = []
+    for step in range(7):  # updates: hits of plans that write, then a read before the update
+        if step == 4:      # and a second write before the read: refused
+            held.append(w * 3.0)
+        w.add_(1.0)
+        if step == 5:
+            w.mul_(0.5)
+        genie.materialize(w * 2.0)
+        genie.materialize(w)
 
 
 def test_native_match_core_agrees_with_python(monkeypatch) -> None:
@@ -536,6 +672,8 @@ def test_native_match_core_agrees_with_python(monkeypatch) -> None:
             assert rebuilt == [k for k, (a, b) in enumerate(zip(want.instrs, plan.instrs))
                                if a is not b]
         outcomes.append("hit" if got is not None else "none")
+        if plan.writes:
+            outcomes.append("writes " + outcomes[-1])
         return got
 
     monkeypatch.setattr(plan_cache, "match", both)
@@ -548,6 +686,7 @@ def test_native_match_core_agrees_with_python(monkeypatch) -> None:
     monkeypatch.setattr(plan_cache, "_match_core", lambda *a: core.append(r := native(*a)) or r)
     _match_programs()
     assert outcomes.count("hit") >= 8 and "none" in outcomes, outcomes
+    assert "writes hit" in outcomes and "writes none" in outcomes, outcomes
     assert rebuilds, "no hit rebuilt an instruction: the test no longer covers _rebuild_instrs"
     assert any(type(r) is tuple for r in core) and any(r is None or r is False for r in core)
 
