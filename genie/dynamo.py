@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
-import operator
 import sys
 from typing import Any
 
@@ -294,15 +293,17 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     found: list[Any] = []  # the inference graph's caller, where it needs no runtime wrapper
     inference = functools.partial(_graph_compiler, options=options or {}, direct=found)
     decomps = core_aten_decompositions()
-    _flash_attention_for_cpu(gm, example_inputs)
-    # the CPU's flash attention stays one op, as Inductor keeps it: the table's decomposition
-    # (for export) computes the math path and returns the attention weights (B, H, L, S) where
-    # the op returns its logsumexp (B, H, L), while the backward graph keeps the op's derivative,
+    # F.scaled_dot_product_attention reaches the trace as the kernel the device's SDPA choice
+    # names (csrc/whole.cpp): where the graph replays on a CPU, the CPU's own choice, so as
+    # eager's CPU and torch.compile on the CPU run it, the CPU's flash attention and its
+    # derivative where flash is eager's kernel (masks and grouped queries included), not the
+    # fake device's math path (the T x T attention matrix, forward and backward). That op stays
+    # one op, as Inductor keeps it: the table's decomposition (for export) computes the math
+    # path and returns the attention weights (B, H, L, S) where the op returns its logsumexp
+    # (B, H, L), while the backward graph keeps the op's derivative,
     # _scaled_dot_product_flash_attention_for_cpu_backward, which read those weights as the
-    # logsumexp: a training step's forward agreed with eager's and its gradients did not. The
-    # op reaches a trace only where the device's SDPA choice says it replays on a CPU
-    # (csrc/whole.cpp) or from the rewrite above, attention masks and grouped queries included
-    decomps.pop(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, None)
+    # logsumexp: a training step's forward agreed with eager's and its gradients did not
+    decomps.pop(_FLASH, None)
     # an inference graph writes the inputs it mutates in place (genie::graph_mut: an
     # optimizer's step, a static KV cache), embedded or through a server: else AOTAutograd's
     # graph returns each one's new value (a copy: an index_copy_ into a KV cache copies the
@@ -338,51 +339,6 @@ def _no_runtime_wrapper(n_inputs: int) -> bool:
                 for s in (*m.subclass_inp_meta, *m.subclass_fw_graph_out_meta))
 
 
-def _flash_attention_for_cpu(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> bool:
-    """Where the graph runs on the embedded CPU: ``F.scaled_dot_product_attention`` calls become
-    the CPU's flash-attention op (and its backward), as eager's CPU kernel chooses and as
-    ``torch.compile`` on the CPU keeps them, instead of the math path the fake
-    ``remote_accelerator`` device would trace (the T x T attention matrix, forward and
-    backward). Only calls flash takes on the CPU: 4-D float inputs of one dtype, no dropout, no
-    grouped-query expansion, no mask (flash on the CPU wants it in the query's dtype). Returns
-    whether a call was rewritten."""
-    devs = {x.device.index or 0 for x in example_inputs if isinstance(x, torch.Tensor)
-            and x.device.type == "remote_accelerator"}
-    if _device.runs_remotely() or len(devs) != 1 or \
-            _device.real_device(devs.pop()).type != "cpu":
-        return False
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-             "enable_gqa")
-    defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
-                "enable_gqa": False}
-    done = False
-    for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n.target is not torch._C._nn.scaled_dot_product_attention:
-            continue
-        a = {**defaults, **dict(zip(names, n.args)), **n.kwargs}
-        vals = [x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
-                for x in (a["query"], a["key"], a["value"])]
-        if a["dropout_p"] != 0.0 or a["enable_gqa"] or a["attn_mask"] is not None or \
-                not all(isinstance(v, torch.Tensor) and v.dim() == 4 for v in vals) or \
-                len({v.dtype for v in vals}) != 1 or \
-                vals[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            continue
-        with gm.graph.inserting_before(n):
-            call = gm.graph.call_function(flash, (a["query"], a["key"], a["value"]),
-                                          {"dropout_p": 0.0, "is_causal": a["is_causal"],
-                                           "attn_mask": a["attn_mask"], "scale": a["scale"]})
-            out = gm.graph.call_function(operator.getitem, (call, 0))
-        out.meta.update(n.meta)
-        n.replace_all_uses_with(out)
-        gm.graph.erase_node(n)
-        done = True
-    if done:
-        gm.recompile()
-        bump("flash_attention_calls")
-    return done
-
-
 def _graph_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any],
                     options: dict[str, Any], direct: list[Any] | None = None) -> Any:
     """An AOTAutograd graph as a callable that records one ``genie::graph`` node per call.
@@ -391,6 +347,8 @@ def _graph_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any],
     (:func:`_no_runtime_wrapper`)."""
     from torch._functorch.aot_autograd import make_boxed_func
 
+    if any(n.target is _FLASH for n in gm.graph.nodes):
+        bump("flash_attention_calls")
     reason = _refusal(gm, example_inputs)
     if reason is None:
         try:
@@ -441,10 +399,13 @@ def _refusal(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | None:
     return None
 
 
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
 def _no_dropout(n: torch.fx.Node) -> bool:
-    """A flash-attention call (seeded only for its dropout) with ``dropout_p == 0``: it draws
-    nothing (see :func:`_flash_attention_for_cpu`)."""
-    if n.target is not torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+    """A call of the CPU's flash attention (seeded only for its dropout) with ``dropout_p ==
+    0``: it draws nothing (see :func:`backend`)."""
+    if n.target is not _FLASH:
         return False
     p = n.kwargs.get("dropout_p", n.args[3] if len(n.args) > 3 else 0.0)
     return p == 0.0
