@@ -2,23 +2,23 @@
 //
 // A plan-cache hit is found from the requested values alone: the plan's in-plan argument
 // references say, from the last instruction back, which node each instruction is (found through
-// the argument references of the targets and of later nodes), and then every condition of
-// genie.plan_cache._match_slow is checked over the found nodes: the node's meta-cache entry is the
+// the argument references of the targets and of later nodes; an in-place update through the
+// storages' pending writes at the plan's sites), and then every condition of a hit is checked
+// over the found nodes (genie.plan_cache.match says them): the node's meta-cache entry is the
 // plan's (identity), no node ran, every reference points where the plan's does, record order,
-// source lines, no pending write on a storage the slice reads, which outputs are held by a live
-// tensor or a pending consumer, float arguments that changed, and the input values bound to the
-// plan's input slots. A slice that writes (a training step) is found the same way, its in-place
-// updates through the storages' pending writes, which must be the plan's (see match_core). The
-// Python version does this with ~15 `map` passes over columns (~2.4 µs per node on a GPT-2 decode
-// step); here it is one pass over the
-// instructions that checks each node while its memory is at hand, then one over the inputs. The
-// cost is the nodes' memory: a slice that does not fit the caches (a 32-token generate's 6,480
-// nodes) paid a cache miss per condition per node with one pass per condition (0.75 µs per node;
-// one pass: see bench/bench_models.py's lookup split).
+// source lines, the pending writes on the storages the slice reads (none before a read for a plan
+// that does not write; exactly the plan's for one that does, with no pending reader before them
+// outside the slice), which outputs are held by a live tensor or a pending consumer, float
+// arguments that changed, and the input values bound to the plan's input slots. The Python
+// version does this with ~15 `map` passes over columns (~2.4 µs per node on a GPT-2 decode
+// step); here it is one pass over the instructions that checks each node while its memory is at
+// hand, then one over the inputs. The cost is the nodes' memory: a slice that does not fit the
+// caches (a 32-token generate's 6,480 nodes) paid a cache miss per condition per node with one
+// pass per condition (0.75 µs per node; one pass: see bench/bench_models.py's lookup split).
 //
 // Contract: the same answer as the Python function (genie.plan_cache._match_core_py, kept as the
-// reference; GENIE_NATIVE_MATCH=0 uses it): None (not this plan), False (decide with
-// _match_slow), or (found nodes, shaped instructions, changed float columns, input slots by
+// reference; GENIE_NATIVE_MATCH=0 uses it): None (not this plan: the caller slices and
+// instantiates) or (found nodes, shaped instructions, changed float columns, input slots by
 // (node index, output), input values by slot). Constants and TensorMetas are compared by
 // slice.cpp's native same_const / TensorMeta equality / same_kind (Python's for anything else);
 // held_after and _entryless (nodes recorded without a meta-cache entry) are Python callbacks.
@@ -299,6 +299,25 @@ inline Py_ssize_t index_of(PyObject* n) {
   return as_index(slot(n, S.n_index));
 }
 
+// Whether a pending write on the storage of `xn`'s output `k` was recorded before node `reader`
+// (ok = false when a slot holds what this does not read).
+bool written_before(PyObject* xn, Py_ssize_t k, PyObject* reader, bool& ok) {
+  PyObject* pw = pending_list(item(slot(xn, S.n_storages), k));
+  if (pw == nullptr || !is_node(reader)) {
+    ok = false;
+    return false;
+  }
+  if (Py_SIZE(pw) == 0) {
+    return false;
+  }
+  PyObject* w = PySequence_Fast_GET_ITEM(pw, 0);
+  if (!is_node(w)) {
+    ok = false;
+    return false;
+  }
+  return index_of(w) < index_of(reader);
+}
+
 }  // namespace
 
 namespace genie {
@@ -347,7 +366,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   if (!S.ready) {
     throw py::type_error("genie._C._match_core: call _match_init first");
   }
-  const py::object slow = py::bool_(false);
+  const py::object miss = py::none();  // not this plan (the caller slices)
   if (PyTuple_GET_SIZE(flat.ptr()) != 17) {
     throw py::type_error("genie._C._match_core: flat must be Plan.flat (17 columns)");
   }
@@ -378,7 +397,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   for (Py_ssize_t t = 0; t < nt; ++t) {
     PyObject* pair = PyList_GET_ITEM(targets.ptr(), t);
     if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-      return slow;
+      return miss;
     }
     PyObject* node = PyTuple_GET_ITEM(pair, 0);
     const Py_ssize_t out = as_index(PyTuple_GET_ITEM(pair, 1));
@@ -388,7 +407,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
         throw py::error_already_set();
       }
       if (!writes) {
-        return slow;
+        return miss;
       }
       tg[t] = {node, out};  // a value that ran, which the plan's writes update: an input
       tpos[t] = -1;
@@ -397,7 +416,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
     const Py_ssize_t i = as_index(PyTuple_GET_ITEM(p, 0));
     if (out != as_index(PyTuple_GET_ITEM(p, 1)) || i < 0 || i >= nn ||
         (found[i] != nullptr && found[i] != node)) {
-      return slow;
+      return miss;
     }
     found[i] = node;
     tg[t] = {node, out};
@@ -408,15 +427,15 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   // every node's lines again): the walk sets the node of each instruction's producers from its
   // argument references, so an instruction's node is known when the pass reaches it (plan order
   // is record order: producers come first). The outcome is the column passes': a walk that breaks
-  // is decided node by node at once; an instruction no reference reaches means not this plan,
-  // unless the walk breaks later; every other failed condition means node by node.
+  // means not this plan at once; so does an instruction no reference reaches, and every other
+  // failed condition, once the pass is over.
   if (!cols.grouped) {
-    return slow;
+    return miss;
   }
   const size_t ne = ei.size(), nf = fi.size(), nh = hi.size(), no = cols.oi.size();
   const std::vector<Py_ssize_t>&oi = cols.oi, &ok = cols.ok;
   bool none = false;    // an instruction no reference reaches
-  bool later = false;   // a condition failed: node by node decides (unless `none`)
+  bool later = false;   // a condition failed: not this plan
   // storages with a write of the slice that a read (or a requested value) waits for, and the
   // index of the last such write: their pending readers before it must be in the slice
   std::vector<std::pair<PyObject*, Py_ssize_t>> upto;
@@ -445,7 +464,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
                                &wpos = cols.wpos;
   if (writes) {  // a requested value's storage: every pending write is the plan's
     if (static_cast<Py_ssize_t>(cols.tstart.size()) != nt + 1) {
-      return slow;
+      return miss;
     }
     for (Py_ssize_t t = 0; t < nt; ++t) {
       PyObject* st = item(slot(tg[t].first, S.n_storages), tg[t].second);
@@ -453,7 +472,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       const Py_ssize_t b = cols.tstart[t], len = cols.tstart[t + 1] - b;
       if (pw == nullptr || Py_SIZE(pw) != len ||
           !take(pw, cols.twpos.data() + b, len, nn)) {
-        return slow;
+        return miss;
       }
       if (len > 0) {
         waits(st, index_of(PySequence_Fast_GET_ITEM(pw, len - 1)));
@@ -465,7 +484,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   std::vector<std::pair<PyObject*, Py_ssize_t>> must_free, must_keep;  // held_after decides
   const bool no_where = wheres.is_none();
   if (!no_where && PyList_GET_SIZE(wheres.ptr()) != nn) {
-    return slow;
+    return miss;
   }
   size_t m = 0, f = 0, h = 0, o = 0, k = 0;
   const size_t nw = wi.size();
@@ -474,7 +493,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
     PyObject* n = found[i];
     const bool consumer = m < ne && ei[m] == i;
     if (consumer && !is_node(n)) {
-      return slow;
+      return miss;
     }
     if (n == nullptr) {
       none = true;  // not a consumer: one of the plan's roots
@@ -484,7 +503,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
     for (; m < ne && ei[m] == i; ++m) {  // the walk
       PyObject* x = item(slot(n, S.n_leaves), ep[m]);
       if (x == nullptr || Py_TYPE(x) != S.ref || ej[m] < 0 || ej[m] >= i) {
-        return slow;
+        return miss;
       }
       PyObject* xn = slot(x, S.r_node);
       if (found[ej[m]] == nullptr) {
@@ -498,8 +517,8 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       if (!later) {
         const Py_ssize_t xo = as_index(slot(x, S.r_out));
         bool fine = true;
-        if (xo != ek[m] || (check_pending && (pending_on(xn, xo, fine) || !fine))) {
-          later = true;  // a write recorded before a read of the slice: _match_slow decides
+        if (xo != ek[m] || (check_pending && (written_before(xn, xo, n, fine) || !fine))) {
+          later = true;  // a write recorded before a read of the slice: the slice holds it
         }
       }
     }
@@ -593,10 +612,10 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       PyObject* r = item(slot(n, S.n_outputs), hk[h]);
       py::object keep;
       if (cons == nullptr || !(PyList_CheckExact(cons) || PyTuple_CheckExact(cons)) ||
-          r == nullptr || (r != Py_None && held_by(r, keep) != Py_None)) {
+          r == nullptr) {
         later = true;
-      } else if (Py_SIZE(cons) != hn[h]) {
-        must_free.emplace_back(n, hk[h]);
+      } else if (Py_SIZE(cons) != hn[h] || (r != Py_None && held_by(r, keep) != Py_None)) {
+        must_free.emplace_back(n, hk[h]);  // (a capture graph's tensor: still this node's?)
       }
     }
     // Outputs the plan keeps: held by a live tensor, or read by a pending node outside the slice.
@@ -614,18 +633,18 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
     }
   }
   if (m != ne || f != nf || h != nh || o != no || k != nw) {
-    return slow;  // columns out of order: not a Plan.flat
+    return miss;  // columns out of order: not a Plan.flat
   }
   if (none) {
     return py::none();  // an instruction no reference reaches: not this plan's slice
   }
   for (Py_ssize_t t = 0; t < nt; ++t) {
     if (tpos[t] >= 0 && found[tpos[t]] != tg[t].first) {  // the walk rebinds: every reference
-      return slow;                                          // must agree
+      return miss;                                          // must agree
     }
   }
   if (later) {
-    return slow;
+    return miss;
   }
   if (!upto.empty()) {  // pending readers before a write of the slice: in the slice
     std::vector<Py_ssize_t> at(nn);  // the found nodes' indices, increasing (checked above)
@@ -635,7 +654,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
     for (const auto& [st, last] : upto) {
       PyObject* rs = st == nullptr ? nullptr : slot(st, S.st_readers);
       if (rs == nullptr || !(PyList_CheckExact(rs) || PyTuple_CheckExact(rs))) {
-        return slow;
+        return miss;
       }
       for (Py_ssize_t q = 0; q < Py_SIZE(rs); ++q) {
         py::object keep;
@@ -649,16 +668,16 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
         }
         auto it = std::lower_bound(at.begin(), at.end(), idx);
         if (it == at.end() || *it != idx || found[it - at.begin()] != rn) {
-          return slow;
+          return miss;
         }
       }
     }
   }
-  if (check_pending) {  // a write recorded before a read of a requested value: _match_slow decides
+  if (check_pending) {  // a write waits on a requested value: the slice holds it
     bool fine = true;
     for (const auto& [node, out] : tg) {
       if (pending_on(node, out, fine) || !fine) {
-        return slow;
+        return miss;
       }
     }
   }
@@ -685,12 +704,12 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   };
   for (const auto& [n, k] : must_free) {
     if (held_after(n, k)) {
-      return slow;
+      return miss;
     }
   }
   for (const auto& [n, k] : must_keep) {
     if (!held_after(n, k)) {
-      return slow;
+      return miss;
     }
   }
   py::list shaped;
@@ -834,35 +853,40 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       PyObject* n = found[as_index(PyList_GET_ITEM(gi, q))];
       PyObject* x = item(slot(n, S.n_leaves), as_index(PyList_GET_ITEM(gp, q)));
       if (x == nullptr || Py_TYPE(x) != S.ref) {
-        return slow;
+        return miss;
       }
       if (q == 0) {
         xn = slot(x, S.r_node);
         xo = slot(x, S.r_out);
       } else if (slot(x, S.r_node) != xn ||
                  as_index(slot(x, S.r_out)) != as_index(xo)) {
-        return slow;
+        return miss;
       }
     }
     if (xn == nullptr || !is_node(xn)) {
-      return slow;
+      return miss;
     }
     const Py_ssize_t out = as_index(xo);
-    if (check_pending) {
+    if (check_pending) {  // a write recorded before one of the reads: the slice holds it
       bool ok = true;
-      if (pending_on(xn, out, ok) || !ok) {
-        return slow;
+      for (Py_ssize_t q = 0; q < len && ok; ++q) {
+        if (written_before(xn, out, found[as_index(PyList_GET_ITEM(gi, q))], ok)) {
+          return miss;
+        }
+      }
+      if (!ok) {
+        return miss;
       }
     }
     if (!bind(xn, xo, y)) {
-      return slow;
+      return miss;
     }
   }
   for (Py_ssize_t t = 0; t < nt; ++t) {  // requested values that ran (a plan that writes)
     if (tpos[t] < 0) {
       py::object xo = py::int_(tg[t].second);
       if (!bind(tg[t].first, xo.ptr(), PyList_GET_ITEM(want_out.ptr(), t))) {
-        return slow;
+        return miss;
       }
     }
   }

@@ -319,7 +319,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The bytes of the live real CPU storages held on device `index` (genie.memory).");
   m.def("_match_init", &genie::match_init, "Types and Python rules genie._C._match_core uses.");
   m.def("_match_core", &genie::match_core,
-        "genie.plan_cache.match's per-node part: None, False (decide with _match_slow) or "
+        "genie.plan_cache.match's per-node part: None (not this plan) or "
         "(nodes, shaped, changed, input slots, inputs).");
   m.attr("_max_devices") = static_cast<int>(genie::kMaxDevices);
   genie::add_record_functions(m);

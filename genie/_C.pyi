@@ -74,7 +74,7 @@ def _match_core(flat: tuple, entries: list[object], klasses: list[object],
                 want_out: list[int], targets: list[tuple[object, int]], generic: bool,
                 pending: bool, pin: dict[int, object], entryless: object) -> object:
     """``genie.plan_cache.match``'s per-node part (``_match_core_py`` is the reference): None
-    (not this plan), False (decide node by node) or ``(nodes, shaped, changed, input slots,
+    (not this plan) or ``(nodes, shaped, changed, input slots,
     inputs)``. ``flat``: ``Plan.flat``, whose last column is ``Plan.wsite`` (a plan that
     writes: where its updates are found and which pending writes each read must see)."""
 

@@ -24,17 +24,16 @@ argument references of the targets and of later nodes, and checks every referenc
 must point at the pending node of that position, in record order; inputs at executed nodes with
 kept values), so the nodes it finds are exactly the slice. Nodes are compared by their interned
 meta-cache entry (``Node.entry``; identity stands for op, argument tree, input metadata and
-non-float constants), leaf by leaf where it differs; the common case is checked column by column
-with ``map`` (a Python loop only over the in-plan references, to find the nodes), the rest node
-by node; the tape's ``slots`` are built only when read. A slice that writes (a training step's
-optimizer updates) is found the same way: an in-place update is reached through the pending
-writes of the storages the plan's nodes read (or the requested values'), at the sites the plan
-names, and every such list must be exactly the plan's, with no pending reader before one of its
-writes outside it (:func:`_write_sites`), so the nodes found are ``slice_nodes``' closure over
-writes. Anything else (or no match) slices with :func:`~genie.planner.slice_nodes` and uses
-:func:`instantiate`: plans there are bucketed by a cheap prefix (node count, first/last op,
-requested outputs) and matched by full structural comparison, which is cheaper than hashing the
-structure every step.
+non-float constants), leaf by leaf where it has none (an upload); the checks run column by
+column, natively (csrc/match.cpp); the tape's ``slots`` are built only when read. A slice that
+writes (a training step's optimizer updates) is found the same way: an in-place update is
+reached through the pending writes of the storages the plan's nodes read (or the requested
+values'), at the sites the plan names, and every such list must be exactly the plan's, with no
+pending reader before one of its writes outside it (:func:`_write_sites`), so the nodes found
+are ``slice_nodes``' closure over writes. Anything else (or no match) slices with
+:func:`~genie.planner.slice_nodes` and uses :func:`instantiate`: plans there are bucketed by a
+cheap prefix (node count, first/last op, requested outputs) and matched by full structural
+comparison, which is cheaper than hashing the structure every step.
 Counters: ``plan_cache_hits``, ``plan_cache_misses`` in :func:`genie.stats`.
 
 Example:
@@ -588,14 +587,24 @@ def _writes_exact(plan: Plan, found: list[Any], targets: list[tuple[Node, int]])
 def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) -> Tape | None:
     """``instantiate(plan, targets, slice_nodes(targets))`` without slicing, or None.
 
-    The common case (every requested value is produced by the plan, every node's meta-cache
-    entry and op are the plan's, host tensors have its metadata, the pending writes on the
-    storages the slice reads are the plan's (none for a plan that does not write), every value the
-    plan keeps held by a live tensor and no other one) is checked column by column (``Plan.flat``): one Python loop
-    finds the nodes through the plan's in-plan references, then the conditions of
-    :func:`_match_slow` are checked with ``map`` over the found nodes. Anything else is decided
-    by :func:`_match_slow`, which gives the same answer in every case. The tape's ``slots`` are
-    built when first read (:class:`~genie.planner.PendingSlots`).
+    Walks the plan backwards from its outputs: instruction ``i``'s node is the one the targets
+    or a later instruction's arguments point at (``guide``; an in-place update: the pending
+    writes at the plan's sites, ``Plan.wsite``), so the slice is found and checked in the same
+    pass. It is exactly the slice because every argument reference is checked: one the plan
+    produces must point at a pending node (the one at that position, in record order), one the
+    plan takes as an input at an executed node with a kept value; and every pending write on a
+    storage the slice reads before the read, or on a requested value's, is the plan's (none for
+    a plan that does not write), with no pending reader before one of its writes outside it.
+    A node whose meta-cache entry is the plan's (identity) has the plan's op, argument tree,
+    input metadata and non-float constants (``generic``: or its shape class, then its
+    instruction takes its constants; see Shapes as parameters); a node recorded without one (an
+    upload) is compared leaf by leaf. Host tensors must have the plan's metadata, every value
+    the plan keeps must be held (by a live tensor or a pending consumer outside the slice) and
+    no other one. Checked column by column (``Plan.flat``), natively (``genie._C._match_core``,
+    csrc/match.cpp; :func:`_match_core_py` is the reference). None on any difference: the
+    caller then slices and uses :func:`instantiate` (a node whose entry is not the plan's
+    identical one, a plan with a node only a write reaches). The tape's ``slots`` are built when
+    first read (:class:`~genie.planner.PendingSlots`).
     """
     want_out = plan.outputs
     if not plan.fast or len(targets) != len(want_out):
@@ -610,8 +619,6 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
         r = _match_core_py(plan, targets, generic)
     if r is None:
         return None
-    if r is False:
-        return _match_slow(plan, targets, generic)
     found, shaped, changed, islots, inputs = r
     ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs, _ = \
         plan.flat
@@ -625,14 +632,14 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
         hx = list(map(getitem, map(_leaves, map(get, hsi)), hsp))
         for x, y in zip(hx, hsv, strict=True):
             if not isinstance(x, torch.Tensor) or not y.matches(x, generic):
-                return _match_slow(plan, targets, generic)
+                return None
             if generic and not differs and not y.matches(x):
                 differs = True
     if hsi or changed:  # instructions that take this step's host tensors or floats
         shaped_set = set(shaped)
         _rebuild(instrs, found, tmpl, [i for i in dict.fromkeys([*hsi, *(fi[k] for k in changed)])
                                        if i not in shaped_set], False)
-        for k in changed:  # as _match_slow: backends that bake constants in make these inputs
+        for k in changed:  # as instantiate: backends that bake constants in make these inputs
             plan.floats.add((fi[k], fp[k]))
     if shaped:
         _rebuild(instrs, found, tmpl, shaped, True)
@@ -665,9 +672,9 @@ def _rebuild(instrs: list[Instr], found: list[Node], tmpl: list[Instr], indices:
 
 def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -> Any:
     """:func:`match`'s per-node part in Python (the reference of ``genie._C._match_core``,
-    csrc/match.cpp; ``GENIE_NATIVE_MATCH=0`` uses it): None (not this plan), False (decide with
-    :func:`_match_slow`) or ``(found nodes, shaped instructions, changed float columns, input
-    slots by (node index, output), input values by slot)``."""
+    csrc/match.cpp; ``GENIE_NATIVE_MATCH=0`` uses it): None (not this plan) or ``(found
+    nodes, shaped instructions, changed float columns, input slots by (node index, output),
+    input values by slot)``."""
     want_out = plan.outputs
     ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs, _ = \
         plan.flat
@@ -680,10 +687,10 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
         p = produced.get(want)
         if p is None:
             if wsite is None:
-                return False
+                return None
             continue  # a value that ran, which the plan's writes update: an input, bound below
         if out != p[1] or found[p[0]] not in (None, node):  # (two outputs of one)
-            return False
+            return None
         found[p[0]] = node
     xs: list[Any] = []  # the in-plan argument references, as the walk meets them
     add = xs.append
@@ -694,21 +701,21 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
                 add(x)
                 found[j] = x.node
         elif not _walk_writes(plan, found, targets, add):
-            return False
+            return None
     except (AttributeError, TypeError, IndexError):
-        return False
+        return None
     get = found.__getitem__
     if any(map(is_, map(get, roots), repeat(None))):
         return None  # an instruction no reference reaches: not this plan's slice
     for (node, _), want in zip(targets, want_out, strict=True):
         # the walk rebinds: every reference agrees
         if want in produced and found[produced[want][0]] is not node:
-            return False
+            return None
     # The plan's interned meta-cache entries, by identity: op, argument tree (so which leaves are
     # Refs, and which write: the op says so), input metadata, int/bool/str
     # constants. Checked first: the passes below read leaves as Refs. Shape-generic: the entries'
     # interned shape classes instead; the nodes whose entries differ are rebuilt below.
-    # Nodes recorded without an entry (uploads) are compared leaf by leaf, as _match_slow does.
+    # Nodes recorded without an entry (uploads) are compared leaf by leaf, as instantiate does.
     ents = list(map(_entry, found))
     shaped: list[int] = []
     if not all(map(is_, ents, plan.entries)):
@@ -720,40 +727,42 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
                 continue
             n, t = found[i], tmpl[i]
             if e is not None or n.op is not t.op or n.writes:
-                return False
+                return None
             if not _same_node(n, t, plan.metas[i], plan.specs[i]):
                 if not generic or not _same_node(n, t, plan.metas[i], plan.specs[i], True):
-                    return False
+                    return None
                 shaped.append(i)
     if any(map(_executed, found)):
-        return False
+        return None
     xnodes = list(map(_node, xs))
     idx = list(map(_index, found))
     if xnodes != list(map(get, ej)) or list(map(_out, xs)) != ek \
             or not all(map(lt, idx, islice(idx, 1, None))) \
             or (any(map(_where, found)) if plan.no_where
                 else list(map(_where, found)) != plan.wheres) \
-            or (wsite is None and pending_total[0] and (
-                any(map(_pending, map(getitem, map(_storages, xnodes), ek)))
-                or any(map(_pending, map(getitem, map(_storages, map(itemgetter(0), targets)),
-                                         map(itemgetter(1), targets)))))) \
+            or (wsite is None and pending_total[0] and _written_before(found, xs, ei, targets)) \
             or (wsite is not None and not _writes_exact(plan, found, targets)):
-        return False
+        return None
     cons = list(map(len, map(_consumers, map(get, hi))))
     if cons != hn:  # consumers outside the slice (dead ones too): held only if one is pending
         in_run = set(idx)
         for i, k, c, n_in in zip(hi, hk, cons, hn, strict=True):
             if c != n_in and held_after(found[i], k, in_run):
-                return False
+                return None
     changed: list[int] = []  # float arguments with another value than the plan's: parameters
     if fi:
         fx = list(map(getitem, map(_leaves, map(get, fi)), fp))
         if not all(map(is_, fx, fv)):
             changed = [k for k, same in enumerate(map(_same_const, fx, fv)) if not same]
-    # outputs that must not be held: no live tensor refers to them (weak references)
+    # outputs that must not be held: no live tensor refers to them (weak references; one that
+    # refers to a tensor, as in a capture graph, is held if that tensor is still this node's)
     if not all(map(is_, map(call, filter(None, map(getitem, map(_outputs, map(get, hi)), hk))),
                    repeat(None))):
-        return False
+        in_run = set(idx)
+        for i, k in zip(hi, hk, strict=True):
+            r = found[i].outputs[k]
+            if r is not None and r() is not None and held_after(found[i], k, in_run):
+                return None
     in_run = None
     for i, k in other:  # outputs that must be held: by a live tensor, or a pending consumer
         r = found[i].outputs[k]
@@ -761,7 +770,7 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
             if in_run is None:
                 in_run = set(idx)
             if not held_after(found[i], k, in_run):
-                return False
+                return None
     pin = plan.inputs
     islots: dict[tuple[int, int], int] = {}
     inputs: dict[int, torch.Tensor] = {}
@@ -771,18 +780,31 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
         xn, xo = x.node, x.out
         if len(xs) > 1 and (list(map(_node, xs)).count(xn) != len(xs)
                             or list(map(_out, xs)).count(xo) != len(xs)):
-            return False
-        if wsite is None and pending_total[0] and xn.storages[xo].pending_writes:
-            return False
+            return None
+        if wsite is None and pending_total[0] and (pw := xn.storages[xo].pending_writes) and \
+                pw[0].index < max(map(_index, map(get, gi))):
+            return None  # a write before a read: the slice would hold it
         if not _bind_input(xn, xo, y, pin, islots, inputs, generic):  # also: one value, two slots
-            return False
+            return None
     for (node, out), want in zip(targets, want_out, strict=True):  # requested values that ran
         if want not in produced and not _bind_input(node, out, want, pin, islots, inputs,
                                                     generic):
-            return False
+            return None
     if len(inputs) != len(pin):
         return None
     return found, shaped, changed, islots, inputs
+
+
+def _written_before(found: list[Any], xs: list[Ref], ei: list[int],
+                    targets: list[tuple[Node, int]]) -> bool:
+    """For a plan that does not write: whether a pending write was recorded before a read of the
+    slice (the in-plan references ``xs``, read by instructions ``ei``) or waits on a requested
+    value; the slice would hold it (writes recorded after a read are not the read's)."""
+    for x, i in zip(xs, ei, strict=True):
+        pw = x.node.storages[x.out].pending_writes
+        if pw and pw[0].index < found[i].index:
+            return True
+    return any(node.storages[out].pending_writes for node, out in targets)
 
 
 def _walk_writes(plan: Plan, found: list[Any], targets: list[tuple[Node, int]], add: Any) -> bool:
@@ -823,9 +845,9 @@ def _walk_writes(plan: Plan, found: list[Any], targets: list[tuple[Node, int]], 
 
 
 def _entryless(plan: Plan, i: int, n: Node, generic: bool) -> int:
-    """A found node whose meta-cache entry is not the plan's: 0 (decide with
-    :func:`_match_slow`), 1 (the same node), 2 (the same but for shapes). Nodes recorded without
-    an entry (uploads) are compared leaf by leaf."""
+    """A found node whose meta-cache entry is not the plan's: 0 (not the plan's node, as far as
+    :func:`match` can tell: the caller slices), 1 (the same node), 2 (the same but for shapes).
+    Nodes recorded without an entry (uploads) are compared leaf by leaf."""
     e, t = n.entry, plan.instrs[i]
     if e is not None or n.op is not t.op or n.writes:
         return 0
@@ -845,160 +867,6 @@ def _klass(entry: Any) -> Any:
     """An entry's shape class (:attr:`genie.meta.MetaEntry.klass`); a node recorded without an
     entry gets a fresh object, equal to no other (it never matches shape-generically)."""
     return getattr(entry, "klass", None) or object()
-
-
-def _claim(found: list[Node | None], j: int, node: Node) -> bool:
-    """Bind plan position ``j`` to ``node``; False if it is already bound to another node."""
-    cur = found[j]
-    if cur is None:
-        found[j] = node
-        return True
-    return cur is node
-
-
-def _match_slow(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False
-                ) -> Tape | None:
-    """:func:`match`, node by node (every case; :func:`match` checks the common one faster).
-
-    Walks the plan backwards from its outputs: instruction ``i``'s node is the one the targets
-    or a later instruction's arguments point at (``guide``), so the slice is found and checked in
-    the same pass. It is exactly the slice because every argument reference is checked: one the
-    plan produces must point at a pending node (the one at that position, in record order), one
-    the plan takes as an input at an executed node with a kept value; and no storage read has
-    a pending write recorded before it (so write-before-read and write-after-read add nothing;
-    slices with writes are never matched here). A node whose meta-cache entry is the plan's
-    (identity) has the plan's op, argument tree, input metadata and non-float constants; others
-    are compared leaf by leaf. Returns None on any difference (the caller then slices and uses
-    :func:`instantiate`).
-
-    ``generic`` also accepts a slice that differs from the plan only in shapes (see Shapes as
-    parameters): its instructions take their int, metadata and host-tensor arguments from the
-    nodes, and the tape says so (``Tape.generic``).
-    """
-    differs = False
-    want_out = plan.outputs
-    if plan.writes or len(targets) != len(want_out):
-        return None
-    tmpl = plan.instrs
-    nn = len(tmpl)
-    found: list[Node | None] = [None] * nn
-    produced = plan.produced
-    pin = plan.inputs
-    slots: dict[tuple[int, int], int] = {}
-    inputs: dict[int, torch.Tensor] = {}
-    for (node, out), want in zip(targets, want_out, strict=True):
-        if node.storages[out].pending_writes:
-            return None
-        p = produced.get(want)
-        if p is not None:
-            j, k = p
-            if out != k or node.executed or not _claim(found, j, node):
-                return None
-        elif not _bind_input(node, out, want, pin, slots, inputs, generic):
-            return None
-    entries, guide, metas, specs, wheres = (plan.entries, plan.guide, plan.metas, plan.specs,
-                                            plan.wheres)
-    instrs: list[Instr] | None = None
-    changed: list[int] | None = None
-    later: list[tuple[Node, int, bool]] | None = None  # held checks that need the whole slice
-    last = 1 << 62
-    for i in range(nn - 1, -1, -1):
-        n = found[i]
-        if n is None:
-            return None
-        idx = n.index
-        if n.executed or n.writes or idx >= last:
-            return None
-        last = idx
-        t = tmpl[i]
-        shaped = False  # this node differs from the plan in shapes only: rebuild it from n
-        if n.entry is not entries[i] or n.op is not t.op:  # plan entries are never None
-            if len(states_seen) > 1 and _state(n.entry) != _state(entries[i]):
-                return None  # recorded under another global state: runs under another one
-            if not _same_node(n, t, metas[i], specs[i]):
-                if not generic or not _same_node(n, t, metas[i], specs[i], True):
-                    return None
-                shaped = differs = True
-        if n.where is not wheres[i] and n.where != wheres[i]:
-            return None
-        refs, params, outs, nref = guide[i]
-        leaves = n.leaves
-        for p, j, k, y in refs:
-            x = leaves[p]
-            if type(x) is not Ref:
-                return None
-            xn = x.node
-            xo = x.out
-            pw = xn.storages[xo].pending_writes
-            if pw and pw[0].index < idx:  # a write before this read: the slice would hold it
-                return None
-            if j >= 0:
-                if xo != k or not _claim(found, j, xn):
-                    return None
-            elif not _bind_input(xn, xo, y, pin, slots, inputs, generic):
-                return None
-        rebuild = n.rng is not None or shaped
-        if params:
-            tl = t.leaves
-            for p in params:
-                x = leaves[p]
-                y = tl[p]
-                if type(x) is float:
-                    if x is not y and not _same_const(x, y):
-                        rebuild = True
-                        if changed is None:
-                            changed = []
-                        changed.append(i)
-                elif type(y) is float or not isinstance(x, torch.Tensor) or \
-                        not y.matches(x, generic):
-                    return None
-                else:
-                    rebuild = True
-                    if generic and not differs and not y.matches(x):
-                        differs = True
-        outputs = n.outputs
-        for k, s, held in outs:
-            slots[(idx, k)] = s
-            if held is None:
-                continue
-            r = outputs[k]
-            v = r() if r is not None else None
-            if v is None:
-                if len(n.consumers) == nref:  # every consumer is in the slice
-                    if held:
-                        return None
-                    continue
-            elif type(v) is Alive:
-                if not held:
-                    return None
-                continue
-            if later is None:
-                later = []
-            later.append((n, k, held))
-        if rebuild:
-            if instrs is None:
-                instrs = list(tmpl)
-            instrs[i] = Instr(n.op, _leaves_of(leaves, t.leaves, shaped), t.spec, t.outs, n.rng,
-                              t.free, n.uid, n.where, t.device)
-    if len(inputs) != len(pin):
-        return None
-    if generic and not differs:  # inputs of other shapes (all nodes alike) also make it generic
-        differs = any(v.shape != pin[s].shape or v.stride() != pin[s].stride
-                      for s, v in inputs.items())
-    if later is not None:
-        in_run = {n.index for n in found}
-        for n, k, held in later:
-            if held_after(n, k, in_run) is not held:
-                return None
-    if changed is not None:
-        for i in dict.fromkeys(changed):
-            for j in guide[i][1]:
-                if type(tmpl[i].leaves[j]) is float and \
-                        not _same_const(instrs[i].leaves[j], tmpl[i].leaves[j]):
-                    plan.floats.add((i, j))
-    outputs = [want for want in want_out]
-    return Tape(instrs if instrs is not None else list(tmpl), inputs, outputs, set(plan.keep),
-                found, slots, plan.index, plan, differs)
 
 
 def _leaves_of(leaves: list[Any], tl: list[Any], shaped: bool) -> list[Any]:
@@ -1085,7 +953,7 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node],
 
     One pass: each node is compared with the plan's instruction at its position (op, argument
     tree, constants, output metadata, slot wiring) while its parameters are collected.
-    ``generic``: shapes may differ, as in :func:`_match_slow`.
+    ``generic``: shapes may differ, as in :func:`match`.
 
     Runs natively (csrc/slice.cpp: the same pass, the same tape, with its slots as a
     :class:`~genie.planner.PendingSlots`) unless ``config.native_slice`` is off

@@ -140,7 +140,7 @@ def _shape_steps(w, wc):
 
 def test_shape_generic_hits_off_and_on_give_equal_tapes():
     """The tape a shape-generic hit builds is the one a fresh plan would (slots, frees, ops,
-    every constant), for the column path, the node-by-node path and instantiate."""
+    every constant), for the column match and instantiate."""
     from genie.planner import build_tape, slice_nodes
 
     w = torch.randn(4, 4, device=D)
@@ -153,11 +153,11 @@ def test_shape_generic_hits_off_and_on_give_equal_tapes():
         if n == 2:
             plan = plan_cache.Plan(ref, nodes)
             continue
-        for tape in (plan_cache._match_slow(plan, targets, True),
+        for tape in (plan_cache.match(plan, targets, True),
                      plan_cache.instantiate(plan, targets, nodes, True)):
             assert tape is not None and tape.generic
             _assert_same_tape(tape, ref)
-        assert plan_cache._match_slow(plan, targets, False) is None
+        assert plan_cache.match(plan, targets, False) is None
         assert plan_cache.instantiate(plan, targets, nodes, False) is None
         y.cpu()
 
@@ -254,6 +254,50 @@ def test_a_writing_plan_hits_through_the_column_match(monkeypatch):
     step(False)  # nothing pending now: the forward's plan, which does not write
     assert genie.stats()["plan_cache_hits"] == hits + 1
     torch.testing.assert_close(w.cpu(), rw)
+
+
+def test_a_read_before_a_pending_write_hits_through_the_column_match(monkeypatch):
+    """``loss.item()`` while the update recorded after the loss waits (``opt.step()`` before the
+    read, no step tape): the write is not the read's, so the forward's plan (which does not
+    write) hits without slicing; a step whose update comes before the read must not."""
+    seen = _column_hits(monkeypatch)
+    w, x = torch.ones(4, device=D), torch.arange(4.0, device=D)
+    rw, rx = torch.ones(4), torch.arange(4.0)
+    genie.materialize(w, x)
+    at = 0
+    for step in range(6):
+        if step == 5:  # the update before the loss: the loss reads it
+            at = len(seen)
+            w.sub_(x, alpha=0.1)
+            rw.sub_(rx, alpha=0.1)
+        loss, ref = (w * x).sum(), (rw * rx).sum()
+        w.sub_(x, alpha=0.1)
+        rw.sub_(rx, alpha=0.1)
+        if step in (3, 4):
+            with _column_only(monkeypatch):
+                torch.testing.assert_close(loss.cpu(), ref)
+        else:
+            torch.testing.assert_close(loss.cpu(), ref)
+        torch.testing.assert_close(w.cpu(), rw)
+    assert not seen[at]
+
+
+def test_a_plan_that_does_not_write_never_skips_a_write_before_a_read(monkeypatch):
+    """``r = (x * 2) * 3`` hits its plan; a step that updates the intermediate in place before
+    the read (``h.add_(1)``) has the same nodes around that write, which the plan does not hold:
+    the column match must not hit."""
+    seen = _column_hits(monkeypatch)
+    x, rx = torch.arange(4.0, device=D), torch.arange(4.0)
+    genie.materialize(x)
+    at = 0
+    for step in range(5):
+        h, rh = x * 2.0, rx * 2.0
+        if step == 4:
+            at = len(seen)
+            h.add_(1.0)
+            rh.add_(1.0)
+        torch.testing.assert_close((h * 3.0).cpu(), rh * 3.0)
+    assert seen[at - 2:at] == [True, True] and not seen[at]
 
 
 def test_a_writing_plan_with_a_node_only_a_write_reaches_goes_through_the_slice(monkeypatch):
@@ -497,7 +541,7 @@ def test_match_builds_the_tape_instantiate_builds():
         genie.materialize(z)
 
 
-def test_column_match_agrees_with_node_by_node_match(monkeypatch):
+def test_column_match_agrees_with_instantiate():
     a = torch.randn(4, device=D)
     genie.materialize(a)
     for step in range(3):
@@ -510,13 +554,8 @@ def test_column_match_agrees_with_node_by_node_match(monkeypatch):
             plan_cache.plan(targets)
             continue
         plan = plan_cache.cache().plans()[-1]
-        slow = plan_cache._match_slow(plan, targets)
-        with monkeypatch.context() as m:  # the common case never goes node by node
-            m.setattr(plan_cache, "_match_slow", lambda *a: pytest.fail("not the column path"))
-            fast = plan_cache.match(plan, targets)
-        ref = plan_cache.instantiate(plan, targets, nodes)
-        for other in (slow, ref):
-            _assert_same_tape(fast, other)
+        fast = plan_cache.match(plan, targets)
+        _assert_same_tape(fast, plan_cache.instantiate(plan, targets, nodes))
         if step < 2:
             genie.materialize(z)
     del held
@@ -524,10 +563,10 @@ def test_column_match_agrees_with_node_by_node_match(monkeypatch):
 
 
 @pytest.mark.parametrize("generic", [False, True], ids=["exact", "shape-generic"])
-def test_column_match_takes_uploads_and_host_constants(monkeypatch, generic):
+def test_column_match_takes_uploads_and_host_constants(generic):
     """A decode step's slice holds uploads (the new token), host constants (a 0-dim CPU tensor)
     and floats that change: the column path matches it, with this step's values, and builds the
-    tape the node-by-node path and instantiate build; values equal eager's."""
+    tape instantiate builds; values equal eager's."""
     a = torch.randn(4, device=D)
     genie.materialize(a)
     ac = a.cpu()
@@ -542,14 +581,8 @@ def test_column_match_takes_uploads_and_host_constants(monkeypatch, generic):
                 plan_cache.plan(targets, generic)
             else:
                 plan = plan_cache.cache().plans()[-1]
-                slow = plan_cache._match_slow(plan, targets, generic)
-                with monkeypatch.context() as m:
-                    m.setattr(plan_cache, "_match_slow",
-                              lambda *a: pytest.fail("not the column path"))
-                    fast = plan_cache.match(plan, targets, generic)
-                ref = plan_cache.instantiate(plan, targets, nodes, generic)
-                for other in (slow, ref):
-                    _assert_same_tape(fast, other)
+                fast = plan_cache.match(plan, targets, generic)
+                _assert_same_tape(fast, plan_cache.instantiate(plan, targets, nodes, generic))
                 assert fast.generic == (generic and n != 3)
             torch.testing.assert_close(z.cpu(), (x * ac * c).sum(0) + (1.0 + step))
 
@@ -645,7 +678,7 @@ def _match_programs() -> None:
 
 def test_native_match_core_agrees_with_python(monkeypatch) -> None:
     """csrc/match.cpp against its reference (plan_cache._match_core_py): for every column match
-    the programs make, the same outcome (no plan / node by node / a hit) and the same tape."""
+    the programs make, the same outcome (no plan / a hit) and the same tape."""
     from genie.config import config
 
     outcomes = []
