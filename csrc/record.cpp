@@ -3118,6 +3118,101 @@ PyObject* graph_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
   });
 }
 
+// A graph call's leaves and lazy inputs, args = (key, [written,] tensors, ints), as flatten
+// finds them for record_hit, without the key's words (the entry is known) or each input's
+// TensorMeta and device (Dynamo's guards fix them; the caller vouches): per input only its
+// _node/_out and the bounds of its storage. The inputs' objects are prefetched in stages first
+// (tensor dicts, nodes, storage lists), so that a call whose ~100 inputs went cold since the
+// last one (a decode step's forward, between whole tokens of other work) waits for their cache
+// misses together instead of one after another. false: not a call this path takes (the caller
+// records it in Python).
+bool graph_leaves(PyObject* args, Call& call, size_t n_leaves, size_t n_lazies) {
+  call.leaves.reserve(n_leaves);
+  call.lazies.reserve(n_lazies);
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* a = PyTuple_GET_ITEM(args, i);
+    const bool is_list = PyList_CheckExact(a);
+    if (!is_list && !PyTuple_CheckExact(a)) {
+      call.leaves.push_back(a);  // the key
+      continue;
+    }
+    PyObject** items = is_list ? reinterpret_cast<PyListObject*>(a)->ob_item
+                               : reinterpret_cast<PyTupleObject*>(a)->ob_item;
+    const Py_ssize_t k = Py_SIZE(a);
+    for (Py_ssize_t j = 0; j < k; ++j) {
+      PyObject* x = items[j];
+      __builtin_prefetch(x);
+      call.leaves.push_back(x);
+    }
+  }
+#if PY_VERSION_HEX < 0x030D0000
+  for (PyObject* x : call.leaves) {
+    if (Py_TYPE(x) == S.lazy) {
+      PyObject** dp = _PyObject_GetDictPtr(x);
+      if (dp != nullptr && *dp != nullptr) {
+        __builtin_prefetch(*dp);
+      }
+    }
+  }
+  for (PyObject* x : call.leaves) {
+    if (Py_TYPE(x) == S.lazy) {
+      PyObject** dp = _PyObject_GetDictPtr(x);
+      if (dp != nullptr && *dp != nullptr) {
+        PyDictKeysObject* keys = reinterpret_cast<PyDictObject*>(*dp)->ma_keys;
+        __builtin_prefetch(keys);
+        __builtin_prefetch(reinterpret_cast<char*>(keys) + 64);
+      }
+    }
+  }
+#endif
+  for (size_t i = 0; i < call.leaves.size(); ++i) {
+    PyObject* x = call.leaves[i];
+    PyTypeObject* t = Py_TYPE(x);
+    if (t == S.lazy) {
+      PyObject* node = lazy_attr(x, names->node);
+      if (node == nullptr) {
+        return false;
+      }
+      PyObject* out = lazy_attr(x, names->out);
+      if (out == nullptr) {
+        Py_DECREF(node);
+        return false;
+      }
+      call.lazies.push_back(Lazy{x, node, out, 0, nullptr, static_cast<Py_ssize_t>(i)});
+      if (Py_TYPE(node) != S.node || !PyLong_CheckExact(out)) {
+        return false;
+      }
+      __builtin_prefetch(reinterpret_cast<char*>(node) + S.n.storages);
+      call.lazies.back().out_i = PyLong_AsSsize_t(out);
+    } else if (i > 0 && t != &PyLong_Type) {
+      return false;  // (leaf 0 is the key)
+    }
+  }
+  for (Lazy& l : call.lazies) {
+    PyObject* sts = slot(l.node, S.n.storages);
+    if (!PyList_CheckExact(sts) || l.out_i < 0 || l.out_i >= PyList_GET_SIZE(sts)) {
+      return false;
+    }
+    PyObject* st = PyList_GET_ITEM(sts, l.out_i);
+    __builtin_prefetch(st);
+    __builtin_prefetch(reinterpret_cast<char*>(st) + S.st_readers);
+  }
+  for (Lazy& l : call.lazies) {  // the reader lists record_hit appends to
+    PyObject* st = PyList_GET_ITEM(slot(l.node, S.n.storages), l.out_i);
+    if (Py_TYPE(st) != S.storage) {
+      return false;
+    }
+    PyObject* readers = slot(st, S.st_readers);
+    __builtin_prefetch(readers);
+    if (PyList_CheckExact(readers)) {
+      __builtin_prefetch(reinterpret_cast<PyListObject*>(readers)->ob_item +
+                         PyList_GET_SIZE(readers), 1);
+    }
+  }
+  return true;
+}
+
 // _record_graph(capsule, func, args): func(*args) recorded natively with the entry of
 // _graph_entry; NotImplemented, nothing recorded, where this path does not take the call (off,
 // a capture block, the profiler, an argument not of the kinds and count the entry was made for):
@@ -3139,7 +3234,8 @@ PyObject* record_graph(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nar
     }
     const OpInfo* info = op_info(func);
     Call call;
-    if (info == nullptr || !info->ok || !flatten(a, nullptr, *info, func, call) ||
+    if (info == nullptr || !info->ok || info->metadata_only ||
+        !graph_leaves(a, call, g->n_leaves, g->n_lazies) ||
         call.leaves.size() != g->n_leaves || call.lazies.size() != g->n_lazies) {
       PyErr_Clear();
       Py_RETURN_NOTIMPLEMENTED;

@@ -492,6 +492,60 @@ def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler, m
         torch.testing.assert_close(cm(x).cpu(), ref(xc))
 
 
+def test_a_cached_graph_mut_call_is_recorded_natively_as_the_first_call(fast_compiler,
+                                                                         monkeypatch):
+    """A graph that writes its inputs (genie::graph_mut: written list, then the read inputs):
+    later calls are recorded natively (genie._C._record_graph, the leaves read without the
+    entry's key words) with the node fields the op's own record gave the first call (the same
+    argument tree and entry, the written inputs' storages as its writes, its reads noted), and
+    eager's values."""
+    from genie import dynamo
+    from genie.graph import Ref
+
+    native: list[bool] = []
+    record_graph = dynamo.record_graph
+
+    def counted(*a):
+        r = record_graph(*a)
+        native.append(r is not NotImplemented)
+        return r
+
+    monkeypatch.setattr(dynamo, "record_graph", counted)  # read at each call
+
+    def f(x, y, cache, i):
+        cache.index_copy_(0, i, y * 2)
+        x.add_(y)
+        return (x * cache[:2]).sum(0)
+
+    cf = torch.compile(f)
+    x, cache = torch.randn(2, 3), torch.randn(5, 3)
+    xd, cached = x.to(DEV), cache.to(DEV)
+    seen = []  # per call, before it runs (a run drops the node's leaves)
+    for call in range(3):
+        y, i = torch.randn(2, 3), torch.tensor([call % 4, 4])
+        with torch.no_grad():
+            want = f(x, y, cache, i)
+            got = cf(xd, y.to(DEV), cached, i.to(DEV))
+        n = got._node
+        refs = [a for a in n.leaves if type(a) is Ref]
+        assert len(refs) == 4  # x, y, the cache, i
+        pairs = [(r.node, r.out) for r in refs]
+        assert (xd._node, xd._out) in pairs and (cached._node, cached._out) in pairs
+        for r in refs:  # its reads noted as any record notes them
+            assert any(w is n._wref for w in r.node.storages[r.out].readers)
+            assert r.node.executed or any(w is n._wref for w in r.node.consumers)
+        seen.append((n.op, n.entry, n.spec, n.metas, n.writes, n.leaves[0],
+                     [type(a) for a in n.leaves]))
+        torch.testing.assert_close(got.cpu(), want)
+    torch.testing.assert_close(xd.cpu(), x)
+    torch.testing.assert_close(cached.cpu(), cache)
+    assert native == [True, True], native  # the first call recorded through the op
+    assert seen[0][0] is graphs.GRAPH_MUT_OP and len(seen[0][4]) == 2  # writes: 2 storages
+    for later in seen[1:]:
+        assert all(a is b for a, b in zip(later[:4], seen[0][:4], strict=True))
+        assert later[4:] == seen[0][4:]
+
+
 def test_a_cached_graph_call_with_another_input_kind_is_recorded_by_python(fast_compiler):
     """genie._C._record_graph declines (NotImplemented, nothing recorded) a call whose
     arguments are not the kinds and count its entry was made for, and the capsule it takes
