@@ -1,4 +1,5 @@
-// Binding a run's results back to its nodes (genie.executor._bind), natively.
+// Binding a run's results back to its nodes (genie.executor._bind), natively; and the step's
+// extra targets (genie.executor.with_step), at the end.
 //
 // After a tape runs, every node of its slice gets the values of its output slots that the run
 // kept, is marked executed, and drops what only a pending node needs: its argument list (so the
@@ -18,9 +19,12 @@
 
 #include <algorithm>
 #include <array>
+#include <unordered_set>
+#include <utility>
 
 #include <c10/util/SmallVector.h>
 #include <pybind11/pybind11.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include "bind.h"
 #include "slots.h"
@@ -34,9 +38,11 @@ namespace {
 struct NodeSlots {
   PyTypeObject* node = nullptr;
   PyTypeObject* storage = nullptr;
+  PyTypeObject* meta = nullptr;  // genie.graph.TensorMeta
   Py_ssize_t values = 0, executed = 0, leaves = 0, consumers = 0, writes = 0, storages = 0;
-  Py_ssize_t readers = 0;
-  Py_ssize_t outputs = 0, wref = 0, seq = 0, index = 0;
+  Py_ssize_t readers = 0, pending = 0;
+  Py_ssize_t outputs = 0, wref = 0, seq = 0, index = 0, metas = 0;
+  Py_ssize_t meta_index = 0;
 };
 
 const NodeSlots& node_slots() {
@@ -45,6 +51,7 @@ const NodeSlots& node_slots() {
     NodeSlots r;
     r.node = reinterpret_cast<PyTypeObject*>(py::object(graph.attr("Node")).release().ptr());  // kept
     r.storage = reinterpret_cast<PyTypeObject*>(py::object(graph.attr("Storage")).release().ptr());
+    r.meta = reinterpret_cast<PyTypeObject*>(py::object(graph.attr("TensorMeta")).release().ptr());
     r.values = genie::slot_offset(r.node, "values");
     r.executed = genie::slot_offset(r.node, "executed");
     r.leaves = genie::slot_offset(r.node, "leaves");
@@ -52,6 +59,9 @@ const NodeSlots& node_slots() {
     r.writes = genie::slot_offset(r.node, "writes");
     r.storages = genie::slot_offset(r.node, "storages");
     r.readers = genie::slot_offset(r.storage, "readers");
+    r.pending = genie::slot_offset(r.storage, "pending_writes");
+    r.metas = genie::slot_offset(r.node, "metas");
+    r.meta_index = genie::slot_offset(r.meta, "index");
     r.outputs = genie::slot_offset(r.node, "outputs");
     r.wref = genie::slot_offset(r.node, "_wref");
     r.seq = genie::slot_offset(r.node, "seq");
@@ -373,6 +383,202 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
     }
   }
   return removed;
+}
+
+}  // namespace genie
+
+namespace {
+
+// A new reference to `o.name`, or nullptr (no error) when `o` has no such attribute.
+PyObject* attr_or_null(PyObject* o, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(o, name);
+  if (r == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      throw py::error_already_set();
+    }
+    PyErr_Clear();
+  }
+  return r;
+}
+
+// A new reference to the slot at `off` of `o` when `o` is of type `t`, else to `o.name`.
+PyObject* field(PyObject* o, PyTypeObject* t, Py_ssize_t off, PyObject* name) {
+  if (Py_TYPE(o) == t) {
+    PyObject* v = genie::slot_value(o, off);
+    if (v != nullptr) {
+      return Py_NewRef(v);
+    }
+  }
+  return attr(o, name);
+}
+
+// genie.executor.with_step's walk over one optimizer's tensors (genie.context.step_tensors):
+// each parameter, its .grad and its state tensors, in the optimizer's order, given to `visit`.
+template <typename Visit>
+void step_tensors(PyObject* opt, Visit&& visit) {
+  static PyObject* const state_name = PyUnicode_InternFromString("state");
+  static PyObject* const groups_name = PyUnicode_InternFromString("param_groups");
+  static PyObject* const params_name = PyUnicode_InternFromString("params");
+  static PyObject* const grad_name = PyUnicode_InternFromString("grad");
+  static PyObject* const get_name = PyUnicode_InternFromString("get");
+  static PyObject* const values_name = PyUnicode_InternFromString("values");
+  py::object state = py::reinterpret_steal<py::object>(attr(opt, state_name));
+  py::object groups = py::reinterpret_steal<py::object>(attr(opt, groups_name));
+  py::object git = py::reinterpret_steal<py::object>(checked(PyObject_GetIter(groups.ptr())));
+  while (PyObject* g = PyIter_Next(git.ptr())) {
+    py::object group = py::reinterpret_steal<py::object>(g);
+    py::object params =
+        py::reinterpret_steal<py::object>(checked(PyObject_GetItem(g, params_name)));
+    py::object pit = py::reinterpret_steal<py::object>(checked(PyObject_GetIter(params.ptr())));
+    while (PyObject* pp = PyIter_Next(pit.ptr())) {
+      py::object p = py::reinterpret_steal<py::object>(pp);
+      visit(pp);
+      py::object grad = py::reinterpret_steal<py::object>(attr(pp, grad_name));
+      if (grad.ptr() != Py_None) {
+        visit(grad.ptr());
+      }
+      py::object st;
+      if (PyDict_Check(state.ptr())) {  // dict.get: a defaultdict makes no entry
+        PyObject* v = PyDict_GetItemWithError(state.ptr(), pp);
+        if (v == nullptr && PyErr_Occurred()) {
+          throw py::error_already_set();
+        }
+        st = py::reinterpret_borrow<py::object>(v != nullptr ? v : Py_None);
+      } else {
+        st = py::reinterpret_steal<py::object>(
+            checked(PyObject_CallMethodOneArg(state.ptr(), get_name, pp)));
+      }
+      const int nonempty = PyObject_IsTrue(st.ptr());
+      if (nonempty < 0) {
+        throw py::error_already_set();
+      }
+      if (nonempty == 0) {
+        continue;
+      }
+      if (PyDict_Check(st.ptr())) {
+        Py_ssize_t pos = 0;
+        PyObject* k = nullptr;
+        PyObject* v = nullptr;
+        // (the values are held by the dict, which `st` holds; visit() runs no Python code
+        // that could change it but attribute reads of tensors)
+        while (PyDict_Next(st.ptr(), &pos, &k, &v)) {
+          if (THPVariable_Check(v)) {
+            py::object keep = py::reinterpret_borrow<py::object>(v);
+            visit(v);
+          }
+        }
+        continue;
+      }
+      py::object vals =
+          py::reinterpret_steal<py::object>(checked(PyObject_CallMethodNoArgs(st.ptr(), values_name)));
+      py::object vit = py::reinterpret_steal<py::object>(checked(PyObject_GetIter(vals.ptr())));
+      while (PyObject* v = PyIter_Next(vit.ptr())) {
+        py::object keep = py::reinterpret_steal<py::object>(v);
+        if (THPVariable_Check(v)) {
+          visit(v);
+        }
+      }
+    }
+    if (PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+  }
+  if (PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+}
+
+struct PairHash {
+  size_t operator()(const std::pair<PyObject*, Py_ssize_t>& k) const {
+    return std::hash<void*>()(k.first) * 31 + static_cast<size_t>(k.second);
+  }
+};
+
+}  // namespace
+
+namespace genie {
+
+// genie.executor.with_step (the Python loop there is the reference): `targets` followed by
+// (node, out) of each tensor the steps of `opts` write that lives on `index` and is pending
+// (its node did not run, or a write to its storage did not), each once, in the optimizers'
+// order. Per AdamW step of a 4-layer MLP (40 tensors): ~25 us in Python.
+py::list step_targets(const py::list& targets, const py::list& opts, int64_t index) {
+  static PyObject* const node_name = PyUnicode_InternFromString("_node");
+  static PyObject* const out_name = PyUnicode_InternFromString("_out");
+  static PyObject* const metas_name = PyUnicode_InternFromString("metas");
+  static PyObject* const index_name = PyUnicode_InternFromString("index");
+  static PyObject* const executed_name = PyUnicode_InternFromString("executed");
+  static PyObject* const storages_name = PyUnicode_InternFromString("storages");
+  static PyObject* const pending_name = PyUnicode_InternFromString("pending_writes");
+  const NodeSlots& ns = node_slots();
+  py::list out = py::reinterpret_steal<py::list>(
+      checked(PyList_GetSlice(targets.ptr(), 0, PyList_GET_SIZE(targets.ptr()))));
+  std::unordered_set<std::pair<PyObject*, Py_ssize_t>, PairHash> seen;
+  const auto as_index = [](PyObject* o) {
+    const Py_ssize_t v = PyLong_AsSsize_t(o);
+    if (v == -1 && PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    return v;
+  };
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(targets.ptr()); ++i) {
+    PyObject* t = PyList_GET_ITEM(targets.ptr(), i);
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 2) {
+      throw py::type_error("genie._C._step_targets: targets must be (node, output) pairs");
+    }
+    seen.emplace(PyTuple_GET_ITEM(t, 0), as_index(PyTuple_GET_ITEM(t, 1)));
+  }
+  const auto visit = [&](PyObject* t) {
+    py::object n = py::reinterpret_steal<py::object>(attr_or_null(t, node_name));
+    if (!n || n.ptr() == Py_None) {
+      return;
+    }
+    py::object o = py::reinterpret_steal<py::object>(attr(t, out_name));
+    const Py_ssize_t k = as_index(o.ptr());
+    py::object metas =
+        py::reinterpret_steal<py::object>(field(n.ptr(), ns.node, ns.metas, metas_name));
+    py::object meta = py::reinterpret_steal<py::object>(checked(PySequence_GetItem(metas.ptr(), k)));
+    py::object idx =
+        py::reinterpret_steal<py::object>(field(meta.ptr(), ns.meta, ns.meta_index, index_name));
+    const int64_t on = PyLong_AsLongLong(idx.ptr());
+    if (on == -1 && PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    if (on != index) {
+      return;
+    }
+    py::object ran =
+        py::reinterpret_steal<py::object>(field(n.ptr(), ns.node, ns.executed, executed_name));
+    const int executed = PyObject_IsTrue(ran.ptr());
+    if (executed < 0) {
+      throw py::error_already_set();
+    }
+    if (executed) {
+      py::object sts =
+          py::reinterpret_steal<py::object>(field(n.ptr(), ns.node, ns.storages, storages_name));
+      py::object st = py::reinterpret_steal<py::object>(checked(PySequence_GetItem(sts.ptr(), k)));
+      py::object pw =
+          py::reinterpret_steal<py::object>(field(st.ptr(), ns.storage, ns.pending, pending_name));
+      const int pending = PyObject_IsTrue(pw.ptr());
+      if (pending < 0) {
+        throw py::error_already_set();
+      }
+      if (!pending) {
+        return;
+      }
+    }
+    if (seen.emplace(n.ptr(), k).second) {
+      py::object pair = py::reinterpret_steal<py::object>(checked(PyTuple_Pack(2, n.ptr(), o.ptr())));
+      if (PyList_Append(out.ptr(), pair.ptr()) < 0) {
+        throw py::error_already_set();
+      }
+    }
+  };
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(opts.ptr()); ++i) {
+    py::object opt = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(opts.ptr(), i));
+    step_tensors(opt.ptr(), visit);
+  }
+  return out;
 }
 
 }  // namespace genie

@@ -312,6 +312,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Bind a run's kept values to its nodes (genie.executor._bind); returns the number of "
         "pending-write entries removed. `release`: bind from the last node to the first and "
         "replace each node in `nodes` by None once bound (the caller is done with the list).");
+  m.def("_step_targets", &genie::step_targets, py::arg("targets"), py::arg("opts"),
+        py::arg("index"),
+        "genie.executor.with_step: `targets` and the pending (node, output) of each tensor the "
+        "steps of the optimizers `opts` write on device `index`, each once (a new list).");
   m.def("_mem_hold", &genie::mem_hold, py::arg("index"), py::arg("values"),
         "Note the real CPU storages of `values` as held on device `index` while they live "
         "(genie.memory.hold); returns the bytes held there now.");

@@ -65,6 +65,11 @@ def _bind_nodes(nodes: list[object], outs: list[tuple[int | None, ...]], kept: d
     the new values and consumer lists are made off the cyclic GC). Returns how many
     pending-write entries it removed."""
 
+def _step_targets(targets: list[tuple[object, int]], opts: list[object],
+                  index: int) -> list[tuple[object, int]]:
+    """``targets`` followed by the pending ``(node, output)`` of each tensor the steps of the
+    optimizers ``opts`` write on device ``index``, each once (``genie.executor.with_step``)."""
+
 def _match_init(node: type, ref: type, alive: type, storage: type, held_after: object,
                 same_kind: object) -> None:
     """The classes and Python rules ``_match_core`` uses (genie.plan_cache calls it once)."""

@@ -59,7 +59,8 @@ class Config:
     # With gc_untrack: record writers untracked too and put them back under the collector only
     # if they stay pending (genie.graph.defer_writer); 0: every write re-tracks what it reaches.
     gc_defer_writes: bool = _flag("GENIE_GC_DEFER_WRITES", "1") != "0"
-    # Bind a run's values to its nodes natively (csrc/bind.cpp; 0: the Python loop, the reference).
+    # Bind a run's values to its nodes and collect a step's targets natively (csrc/bind.cpp; 0:
+    # the Python loops, the reference).
     native_bind: bool = _flag("GENIE_NATIVE_BIND", "1") != "0"
     # torch's per-op lookup of registered __torch_dispatch__ rules natively (genie.lazy_tensor;
     # 0: torch's own Python function). Read once at import.

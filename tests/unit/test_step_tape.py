@@ -238,3 +238,42 @@ def test_requested_tape_keeps_every_field_but_the_step_targets():
             assert getattr(r, name) is getattr(t, name), name
     assert r.outputs == [1] and r.keep == {2, 3, 7} and t.outputs == [1, 2, 3] and t.keep == {7}
     assert _requested(t, 3) is t
+
+
+def test_native_step_targets_are_the_python_loops():
+    """``genie._C._step_targets`` (config.native_bind) collects what ``with_step``'s Python loop
+    does, in its order: two optimizers sharing a parameter, one without a gradient, state with a
+    non-tensor entry, a requested value among the step's, a value that already ran (left out)."""
+    from genie import context, executor
+    from genie.config import config
+
+    model = _model(D, 8, 2, False)
+    ps = list(model.parameters())
+    opt1 = torch.optim.AdamW(ps[:3], lr=1e-3)
+    opt2 = torch.optim.SGD([ps[2], ps[3]], lr=0.1, momentum=0.9)
+    done = torch.ones(2, device=D)
+    done.cpu()
+    extra = torch.zeros(1, device=D)
+    x = torch.randn(4, 8).to(D)
+    model(x).square().mean().backward()
+    ps[1].grad = None
+    opt1.step()
+    opt2.step()
+    opt2.state[ps[3]]["note"] = "not a tensor"
+    opt1.state[ps[0]]["ran"] = done  # a value that ran: left out
+    opt1.state[ps[2]]["twice"] = opt1.state[ps[0]]["exp_avg"]  # taken once
+    targets = [(extra._node, extra._out), (ps[0]._node, ps[0]._out)]
+    opts = context.take_steps()
+    assert [id(o) for o in opts] == [id(opt1), id(opt2)]
+    got = {}
+    for native in (True, False):
+        context._steps.pending = [__import__("weakref").ref(o) for o in opts]
+        config.native_bind, was = native, config.native_bind
+        try:
+            got[native] = executor.with_step(list(targets), 0)
+        finally:
+            config.native_bind = was
+    assert [(id(n), o) for n, o in got[True]] == [(id(n), o) for n, o in got[False]]
+    assert len(got[True]) == len({(id(n), o) for n, o in got[True]}) > 2 + 8
+    assert got[True][:2] == targets
+    assert all(not n.executed or n.storages[o].pending_writes for n, o in got[True])
