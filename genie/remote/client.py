@@ -553,20 +553,56 @@ class Client:
             self._skeletons.pop(enc.key, None)
             r.header = header
             r.what = f"a tape of {len(tape.instrs)} ops"
-            if not wait and not tape.outputs:
-                # sent ahead: the handles now, the answer before the next request; what reads
-                # the tape's nodes is booked now (the caller binds them once it is answered)
-                sent = self._send(header, enc.frames, r.what)
-                r.kept = kept = self._kept(r, fresh=True)
-                if base is not None and (self._runs + 1) % FLOP_SAMPLE_EVERY == 0:
-                    r.work = self._work_of(r)
-                res.ran(tape, kept, r.owners,
-                        [r.remote_inputs[s] for s in uploads if s in tape.inputs], restored)
+            ahead = not wait and not tape.outputs
+            try:
+                sent: _Sent | None = self._send(header, enc.frames, r.what)
+            except (ServerUnavailableError, SessionLostError):
+                if self._lineage is None or ahead:
+                    raise
+                sent = None  # _exchange recovers the session and sends it again
+            # the handles and residency of what the run makes are booked while the server runs
+            # it: the client waits anyway, and after the answer it starts on cold caches; the
+            # answer then only fills in the outputs. Not a run that puts evicted values back
+            # (they are marked back once the server has them)
+            early = ahead or not restored
+            if early:
+                kept = self._book(r)
+            if ahead and sent is not None:
+                # sent ahead: the answer before the next request (the caller binds the tape's
+                # nodes once it is answered)
                 self._inflight = _Ahead(r, sent)
                 bump("runs_sent_ahead")
                 return kept
-            h, frames = self._exchange(r)
+            try:
+                h, frames = self._exchange(r, sent)
+            except BaseException:
+                if early:
+                    self._unbook(r)
+                raise
+            if not early:
+                self._book(r)
             return self._ran(r, h, frames)
+
+    def _book(self, r: _Run) -> dict[int, Any]:
+        """Book run ``r`` before its answer: a handle for every kept slot, residency (a failed
+        run is unbooked: :meth:`_unbook`)."""
+        tape = r.tape
+        r.kept = kept = self._kept(r, fresh=True)
+        if r.base is not None and (self._runs + 1) % FLOP_SAMPLE_EVERY == 0:
+            r.work = self._work_of(r)
+        self.res.ran(tape, kept, r.owners,
+                     [r.remote_inputs[s] for s in r.uploads if s in tape.inputs], r.restored)
+        return kept
+
+    def _unbook(self, r: _Run) -> None:
+        """Undo :meth:`_book` of run ``r``, which failed: no hints about values never made."""
+        res = self.res
+        res.pending.clear()
+        assert r.kept is not None
+        for s, v in r.kept.items():
+            if s not in r.tape.inputs:
+                res.live.pop(v.id, None)
+                v.res = None
 
     def _exchange(self, r: _Run, sent: _Sent | None = None
                   ) -> tuple[dict[str, Any], list[zmq.Frame]]:
@@ -639,8 +675,8 @@ class Client:
         return kept
 
     def _ran(self, r: _Run, h: dict[str, Any], frames: list[zmq.Frame]) -> dict[int, Any]:
-        """Book run ``r`` after its answer ``h``: skeleton and graphs known, lineage, uploads
-        and residency; its outputs read into their handles."""
+        """Book run ``r`` (booked, :meth:`_book`) after its answer ``h``: skeleton and graphs
+        known, lineage, uploads; its outputs read into their handles."""
         tape, enc = r.tape, r.enc
         self._runs += 1
         self._graphs_sent.update(r.gkeys)
@@ -661,17 +697,14 @@ class Client:
                            [x.id for x in r.restored] + list(range(r.id0, r.id0 + r.n_new)))
         if len(self._skeletons) > SKELETON_MEMORY:
             self._skeletons.popitem(last=False)
-        kept = r.kept
+        kept = r.kept  # booked (_book): its uploads are there now
+        assert kept is not None
         inputs = tape.inputs
-        if kept is not None:  # sent ahead (booked with residency then): its uploads are there
-            for s, (t, _) in uploads.items():
-                if s in inputs:
-                    self._register_upload(t, r.remote_inputs[s])
-            return kept
-        kept = self._kept(r)
-        self._read_outputs(h, frames, [kept[s] for s in tape.outputs])
-        self.res.ran(tape, kept, r.owners,
-                     [r.remote_inputs[s] for s in uploads if s in inputs], r.restored)
+        for s, (t, _) in uploads.items():
+            if s in inputs:
+                self._register_upload(t, r.remote_inputs[s])
+        if tape.outputs or frames:
+            self._read_outputs(h, frames, [kept[s] for s in tape.outputs])
         return kept
 
     def _work_of(self, r: _Run) -> Any:
@@ -713,13 +746,7 @@ class Client:
         try:
             h, frames = self._exchange(a.run, a.sent)
         except Exception as e:  # noqa: BLE001 - see above: the read that needs it raises it
-            r = a.run
-            res = self.res
-            res.pending.clear()  # no hints about values that were never made
-            for s, v in r.kept.items():
-                if s not in r.tape.inputs:
-                    res.live.pop(v.id, None)
-                    v.res = None
+            self._unbook(a.run)
             bump("runs_ahead_failed")
             if not self.alive:
                 raise
@@ -1334,7 +1361,7 @@ class _Run:
         self.extra: dict[str, Any] = {}
         self.uploads: dict[int, tuple[torch.Tensor, int]] = {}
         self.restored: list[Handle] = []
-        self.kept: dict[int, Any] | None = None  # sent ahead: its handles, made at the send
+        self.kept: dict[int, Any] | None = None  # its handles, once booked (Client._book)
         self.work: Any = None  # sent ahead: its estimated work, when the cost model samples it
 
 
