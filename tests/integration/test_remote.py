@@ -532,11 +532,18 @@ def test_inplace_on_resident_and_adopted_values(remote) -> None:
 
 
 def test_execution_error_on_the_server(remote) -> None:
+    from genie.backends.remote import clients
+
+    res = clients()[0].res
+    live = set(res.live)
     x = torch.ones(3, device=DEV)
     idx = torch.tensor([7]).to(DEV)
     with pytest.raises(genie.ExecutionError, match="index") as e:
         x.gather(0, idx).cpu()
     assert "gather" in str(e.value) and e.value.index is not None  # the server named the op
+    # the run's values were booked while it ran (Client._book) and never made: no hints about
+    # them, none the server could name as a victim
+    assert not res.pending and set(res.live) <= live
     assert (x * 2).sum().item() == 6.0  # the session still works
 
 
