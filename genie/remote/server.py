@@ -57,13 +57,11 @@ import logging.handlers
 import os
 import queue
 import secrets
-import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -79,7 +77,8 @@ from . import ProtocolError, peer
 from . import keys as keyring
 from .protocol import PROTOCOL_VERSION, REQUESTS, pack, unpack
 from .sched import LoadMeter
-from .wire import SRCFD, read_status, readable, recv_parts, send_parts
+from .wire import SRCFD, Channel, MAX_PARTS, channel_limit, read_status, readable, recv_parts, \
+    send_parts
 from .worker import TEST_KERNELS_ENV, Config
 
 logger = logging.getLogger("genie.server")
@@ -104,18 +103,15 @@ KEEPALIVE = 0.25
 SPAWN_TIMEOUT = 30.0
 #: seconds the zygote may take to import torch and Genie and warm up, at the server's start
 ZYGOTE_TIMEOUT = 120.0
-#: high-water mark of a worker's socket (0: unbounded; a worker answers one request at a time,
-#: and a reply is bounded by the session's quota)
-WORKER_HWM = 0
 
 
 @dataclass
 class Link:
-    """The front's side of one session: its worker's socket and process, its queue, and what
+    """The front's side of one session: its worker's channel and process, its queue, and what
     the worker last reported (``used`` bytes against the quota, residency, peer bytes)."""
 
     token: bytes
-    sock: zmq.Socket
+    sock: Channel
     quota: int
     pid: int = 0
     ready: bool = False
@@ -192,7 +188,6 @@ class Server:
         self._zygote: subprocess.Popen | None = None
         self._ctl: socket.socket | None = None
         self._ctl_buf = b""
-        self._rundir = ""
         self.test_kernels = os.environ.get(TEST_KERNELS_ENV) == "1"
 
     # --- setup ------------------------------------------------------------------------------
@@ -247,7 +242,6 @@ class Server:
     def _start_zygote(self) -> None:
         """The process that forks session workers: a fresh interpreter (no thread pool, no CUDA
         context, no lock held by another thread), started once."""
-        self._rundir = tempfile.mkdtemp(prefix="genie-server-")  # 0700: only this user
         ours, theirs = socket.socketpair()
         cfg = Config(str(self.device), self.quota, self.max_run_seconds, self.index_check,
                      self.threads, self.test_kernels)
@@ -317,9 +311,13 @@ class Server:
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(100))
-                for s in events:
+                for s, ev in events.items():
                     link = self._by_sock.get(s)
                     if link is not None:
+                        if ev & zmq.POLLOUT and link.sock.flush():
+                            poller.register(s, zmq.POLLIN)  # all written: readable only
+                        if not ev & (zmq.POLLIN | zmq.POLLERR):
+                            continue
                         try:
                             self._from_worker(link)
                         except Exception as e:  # a worker is no more trusted than a client
@@ -469,7 +467,8 @@ class Server:
         link.cur = (ident, rid, nbytes, kind, time.monotonic())
         self._meter.begin(link.token, slot=link.token)
         self._running += 1
-        send_parts(link.sock, fwd)
+        if not link.sock.post(fwd):  # the rest goes when the worker's socket takes it
+            self._poller.register(link.sock.fileno(), zmq.POLLIN | zmq.POLLOUT)
 
     def _pump_all(self) -> None:
         if self.workers:  # a slot freed: the sessions that wait take turns (oldest request first)
@@ -501,18 +500,19 @@ class Server:
                                   "restart genie-server")
         assert self._ctx is not None and self._ctl is not None
         tok = secrets.token_bytes(16)
-        sock = self._ctx.socket(zmq.PAIR)
-        sock.linger = 0
-        sock.sndhwm = sock.rcvhwm = WORKER_HWM
-        endpoint = f"ipc://{self._rundir}/{tok.hex()[:16]}"
-        sock.bind(endpoint)
-        link = Link(tok, sock, self.quota, hello=(ident, rid))
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        chan = Channel(ours, MAX_PARTS, channel_limit(self.quota))
+        link = Link(tok, chan, self.quota, hello=(ident, rid))
         self.links[tok] = link
         self._meter.bind(tok, principal, alive=self.links)  # whose load it may see
-        self._by_sock[sock] = link
-        self._poller.register(sock, zmq.POLLIN)
+        self._by_sock[chan.fileno()] = link
+        self._poller.register(chan.fileno(), zmq.POLLIN)
         self._inflight[ident] = (rid, tok)
-        _send_line(self._ctl, {"spawn": tok.hex(), "endpoint": endpoint})
+        try:  # the worker's end goes with its spawn line (the zygote hands it to the worker)
+            _send_line(self._ctl, {"spawn": tok.hex()}, theirs.fileno())
+        finally:
+            theirs.close()
 
     def _put_link(self, h: dict[str, Any]) -> Link:
         """The session a peer's ``put`` is for, once its fields and ticket are checked
@@ -570,17 +570,20 @@ class Server:
 
     # --- workers -> front -----------------------------------------------------------------------
     def _from_worker(self, link: Link) -> None:
-        for k in range(64):  # the poller saw a message: the first is taken without asking
-            if link.token not in self.links or k and not readable(link.sock):
-                return
-            try:
-                parts = recv_parts(link.sock)
-            except zmq.Again:  # (never: the poller's POLLIN is the socket's own)
+        try:
+            msgs = link.sock.take()  # (ProtocolError: the worker is killed)
+        except EOFError:  # the worker closed its end: it is gone, or will be
+            self._poller.unregister(link.sock.fileno())
+            with contextlib.suppress(OSError):
+                os.kill(link.pid, signal.SIGKILL)  # (the zygote reports its end)
+            return
+        for parts in msgs:
+            if link.token not in self.links:
                 return
             internal = read_status(parts[0])  # (ProtocolError: the worker is killed)
             if internal is None:  # its rarer messages: a msgpack map
                 try:
-                    internal = unpack(parts[0].buffer)
+                    internal = unpack(parts[0])
                 except ProtocolError:
                     internal = {}
                 if not isinstance(internal, dict):
@@ -646,7 +649,7 @@ class Server:
             elif ident is not None:
                 self._inflight.pop(ident, None)
                 if kind == "ping":  # the bytes this session's transfers sent are counted here
-                    h = unpack(parts[1].buffer)
+                    h = unpack(parts[1])
                     with self._qlock:
                         h["pb"] = list(link.pb)
                     parts = [parts[0], pack(h), *parts[2:]]
@@ -662,7 +665,7 @@ class Server:
         """Push the values a worker packed to the peer server (:mod:`genie.remote.peer`), with
         the key registered for that member of the pool; the peer thread answers the client once
         the peer has them. The bytes it holds meanwhile count against the session's quota."""
-        header = unpack(parts[1].buffer)
+        header = unpack(parts[1])
         frames = list(parts[2:])
         nbytes = sum(len(f) for f in frames)
         # the request's own fields (validated on arrival): destination, timeout
@@ -770,17 +773,12 @@ class Server:
     def _end(self, link: Link, why: str | None) -> None:
         """Close a session: its worker exits on the front's goodbye (or is killed)."""
         self.links.pop(link.token, None)
-        self._by_sock.pop(link.sock, None)
+        self._by_sock.pop(link.sock.fileno(), None)
         if self._peers is not None and link.sends:
             self._peers.cancel(link.token)  # what its transfers hold goes too
         with contextlib.suppress(Exception):
-            self._poller.unregister(link.sock)
-        if link.ready and link.pid in self._by_pid:
-            with contextlib.suppress(zmq.ZMQError):
-                link.sock.send(b"", zmq.NOBLOCK)
-        with contextlib.suppress(OSError):
-            os.unlink(link.sock.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("ipc://"))
-        link.sock.close(linger=100)
+            self._poller.unregister(link.sock.fileno())
+        link.sock.close()  # the goodbye: the worker reads the end of its channel and exits
         if link.pid and link.pid in self._by_pid and not link.ready:
             with contextlib.suppress(OSError):
                 os.kill(link.pid, signal.SIGKILL)
@@ -873,7 +871,6 @@ class Server:
             self._auth.stop()
         assert self._ctx is not None
         self._ctx.term()
-        shutil.rmtree(self._rundir, ignore_errors=True)
         logger.info("genie-server: stopped (%.1f s)", time.monotonic() - t0)
 
 
@@ -889,9 +886,13 @@ def _two_ints(x: Any) -> bool:
     return isinstance(x, list) and len(x) == 2 and all(type(v) is int for v in x)
 
 
-def _send_line(s: socket.socket, obj: dict[str, Any]) -> None:
+def _send_line(s: socket.socket, obj: dict[str, Any], fd: int | None = None) -> None:
     data = json.dumps(obj).encode()
-    s.sendall(struct.pack("<I", len(data)) + data)
+    msg = struct.pack("<I", len(data)) + data
+    if fd is None:
+        s.sendall(msg)
+    else:  # (a short line: one sendmsg takes it whole)
+        socket.send_fds(s, [msg], [fd])
 
 
 _CHECKS = {"all": "on", "cpu": "on for the CPU kernels that do not check", None: "off"}

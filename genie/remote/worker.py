@@ -6,8 +6,9 @@ from a *zygote* the front starts once (a fresh interpreter that imported torch a
 never ran a kernel, so a fork is ~10 ms and inherits no thread pool, lock or CUDA context).
 
 What a worker can reach: its session's store, compiled skeletons and accounting
-(:class:`Session`), and one ZeroMQ ``PAIR`` socket to the front over a Unix socket in a
-directory only the server's user can open. It has no listening socket, no other session's
+(:class:`Session`), and its end of a Unix socket pair the front made for it (a
+:class:`genie.remote.wire.Channel`; the front passes it through the zygote, so it has no name
+in the file system). It has no listening socket, no other session's
 memory, no peer links (the front sends a transfer's bytes), and it cannot create files
 (``RLIMIT_FSIZE`` 0) or dump core. Where the kernel allows it (root, or unprivileged user
 namespaces), it has no network at all: it is moved into a network namespace of its own with only
@@ -22,14 +23,19 @@ Protocol with the front (all messages multipart):
 
 - front -> worker: ``[header, *frames]``, the client's header bytes and tensor frames as they
   came (a peer's ``put`` too, its ticket checked by the front).
-- worker -> front: ``[status, header, *frames]``: ``status`` is a fixed-width frame the front
+- worker -> front: ``[status, header, *frames]``: ``status`` is a fixed-width part the front
   reads (:data:`genie.remote.wire.STATUS`: a reply, an early reply or the end of an answered run;
   bytes counted against the quota, residency, peer bytes), ``header`` and ``frames`` go to the
   requester unchanged. The rarer messages start with a msgpack map of the same fields instead
   (``u``, ``res``, ``pb``): for a ``send`` the worker answers ``[{..., "send": {...}}, b"",
   *value frames]`` (the front pushes them to the peer); a run whose rest failed after its early
   reply ends with ``[{..., "done": 1, "fatal": why}]``.
-- On start the worker sends ``[{"ready": pid}]``.
+- On start the worker sends ``[{"ready": pid}]``. The front closing its end is the goodbye.
+
+A worker's messages are bounded (:func:`genie.remote.wire.channel_limit`): the front reads no
+more parts or bytes than that, and a worker whose message passes it is killed; the worker refuses
+a reply whose values pass its session's quota (a ``get`` naming one value many times) rather than
+send it.
 
 Requests of one session run in order, one at a time (the front forwards the next when the last
 is answered).
@@ -57,7 +63,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import zmq
 
 from .. import _C, backends, graphs, tape_io
 from ..errors import ExecutionError
@@ -69,7 +74,7 @@ from ..planner import Tape
 from .guard import QuotaError, RunTimeout, run_guarded, vet_tape
 from . import shape_class
 from .shape_class import NotAClass, build, moved, shape_params
-from .wire import DONE, EARLY, REPLY, recv_parts, send_parts, status
+from .wire import DONE, EARLY, MAX_PARTS, REPLY, Channel, channel_limit, status
 from .protocol import (
     ALIGN,
     DECODE_PINNED,
@@ -625,7 +630,7 @@ class Worker:
                 if t is None:
                     raise Refused("protocol", f"no tensor with handle id {hid} in this session")
                 vals.append(t)
-            reply, rframes = _outputs(vals)
+            reply, rframes = _outputs(vals, sess.quota)
             reply["res"] = sess.residency()
             return reply, rframes, None
         if kind == "run":
@@ -838,7 +843,7 @@ class Worker:
         _apply_hints(sess, hints)  # the values this request made too, now that they exist
         if self.answered:  # the client has its values: serve_session sends the front only
             return {"t": "ok"}, []  # that the run is done
-        reply, rframes = _outputs([kept[s] for s in c.outputs])
+        reply, rframes = _outputs([kept[s] for s in c.outputs], sess.quota)
         reply["res"] = sess.residency()
         reply["vt"] = self.how
         reply.update(_index_counts(ix))
@@ -951,7 +956,8 @@ class Worker:
                 sum(v.nbytes for v in vals) > EARLY_MAX_BYTES:
             return
         # copies: the values go out while the rest runs (and may free or reuse their memory)
-        reply, frames = _outputs([v.clone(memory_format=torch.preserve_format) for v in vals])
+        reply, frames = _outputs([v.clone(memory_format=torch.preserve_format) for v in vals],
+                                 self.sess.quota)
         reply["vt"] = self.how
         reply["er"] = 1
         reply.update(_index_counts(self._ix))  # the checks made before the answer
@@ -1286,26 +1292,29 @@ def _device_value(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     return t if t.data_ptr() % ALIGN == 0 else t.clone(memory_format=torch.preserve_format)
 
 
-def _outputs(vals: list[torch.Tensor]) -> tuple[dict[str, Any], list[Any]]:
+def _outputs(vals: list[torch.Tensor], quota: int) -> tuple[dict[str, Any], list[Any]]:
     for v in vals:
         if not isinstance(v, torch.Tensor):
             raise Refused("internal", f"an output is a {type(v).__name__}, not a tensor")
+    nbytes = sum(v.nbytes for v in vals)
+    if nbytes > quota:  # (views of one storage, or one value named many times)
+        raise Refused("quota", f"the reply's {len(vals)} values are {nbytes} bytes, more than "
+                               f"the session's quota of {quota} bytes; ask for fewer at once")
     metas, frames = tensor_frames(vals)
     return {"t": "ok", "o": metas}, frames
 
 
 # --- the worker process ---------------------------------------------------------------------------
 
-def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
-    """The worker's loop: connect to the front, answer requests until the front goes away."""
+def serve_session(fd: int, token: bytes, cfg: Config) -> None:
+    """The worker's loop on its end of the front's socket pair (``fd``): answer requests until
+    the front closes it."""
     w = Worker(token, cfg)
-    ctx = zmq.Context(1)
-    sock = ctx.socket(zmq.PAIR)
-    sock.linger = 0
-    sock.connect(endpoint)
+    sock = socket.socket(fileno=fd)
+    chan = Channel(sock, MAX_PARTS, channel_limit(cfg.quota))
     global _front
-    _front = sock
-    sock.send_multipart([pack({"ready": os.getpid()})])
+    _front = chan
+    chan.send([pack({"ready": os.getpid()})])
     sess = w.sess
     h: Any = None
     t0 = 0.0
@@ -1316,22 +1325,22 @@ def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
         rframes, counts = split_frames(rframes)
         if counts is not None:
             reply["fc"] = counts
-        send_parts(sock, [status(EARLY, sess.used(), sess.residency(), sess.peer_bytes),
-                          pack(reply), *rframes])
+        chan.send([status(EARLY, sess.used(), sess.residency(), sess.peer_bytes), pack(reply),
+                   *rframes])
 
     if w.early:
         w.answer = answer
     try:
         while True:
-            parts = recv_parts(sock, 0)
-            if not parts or not parts[0].bytes:
+            parts = chan.recv()
+            if parts is None:
                 return  # the front's goodbye
             t0 = time.monotonic()
             send = None
             h = None
             w.answered = False
             try:
-                h = unpack(parts[0].buffer)
+                h = unpack(parts[0])
                 if not isinstance(h, dict):
                     raise ProtocolError("a header must be a map")
                 reply, rframes, send = w.handle(h, list(parts[1:]))
@@ -1353,31 +1362,30 @@ def serve_session(endpoint: str, token: bytes, cfg: Config) -> None:
                 if reply.get("t") == "err":  # the rest of the tape failed after the answer
                     fatal = (f"the work that ran after its reply failed ({reply.get('etype', '')}"
                              f": {reply.get('msg')}), so what it was to write is unknown")
-                    send_parts(sock, [pack({"u": used, "res": res, "pb": sess.peer_bytes,
-                                            "done": 1, "fatal": fatal})])
+                    chan.send([pack({"u": used, "res": res, "pb": sess.peer_bytes, "done": 1,
+                                     "fatal": fatal})])
                 else:
-                    send_parts(sock, [status(DONE, used, res, sess.peer_bytes)])
+                    chan.send([status(DONE, used, res, sess.peer_bytes)])
                 w.after_reply()
                 continue
             if send is not None:
-                send_parts(sock, [pack({"u": used, "res": res, "pb": sess.peer_bytes,
-                                        "send": send}), pack(reply), *rframes])
+                chan.send([pack({"u": used, "res": res, "pb": sess.peer_bytes, "send": send}),
+                           pack(reply), *rframes])
                 continue
             reply["rid"] = h.get("rid", -1) if isinstance(h, dict) else -1
             reply["st"] = round(time.monotonic() - t0, 6)  # the server's own time
             rframes, counts = split_frames(rframes)
             if counts is not None:
                 reply["fc"] = counts
-            send_parts(sock, [status(REPLY, used, res, sess.peer_bytes), pack(reply), *rframes])
+            chan.send([status(REPLY, used, res, sess.peer_bytes), pack(reply), *rframes])
             w.after_reply()
-    except zmq.ContextTerminated:
-        return
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the front went away while this worker answered
     finally:
         for b in w.builds:
             b.stop()
         sess.clear()
-        sock.close(linger=0)
-        ctx.term()
+        chan.close()
 
 
 # --- sandbox --------------------------------------------------------------------------------------
@@ -1545,14 +1553,25 @@ def _lie_impl(x: torch.Tensor) -> torch.Tensor:
     """A worker whose memory a kernel corrupted may say anything to the front; by ``x``'s size:
     a transfer whose header does not decode (4), a status frame one byte short (5), a status
     that is no known message (6), a status whose counts are negative (7: a session that says
-    it uses less than nothing would have the front queue past its quota)."""
+    it uses less than nothing would have the front queue past its quota); or a message the
+    channel does not take: more parts than a message may have (8), more bytes than it may have
+    (9, declared, never sent), a head that promises more than follows (10: the front waits for
+    the rest, which never comes as a message)."""
     lies = {5: status(REPLY, 0, [0, 0], [0, 0])[:-1],
             6: wire.STATUS.pack(0, 9, 0, 0, 0, 0, 0),
             7: status(EARLY, -(1 << 40), [0, 0], [0, 0])}
+    head = lambda *lens: struct.pack(f"<I{len(lens)}Q", len(lens), *lens)  # noqa: E731
+    raw = {8: head(*[0] * (MAX_PARTS + 1)),
+           9: head(wire.STATUS.size, _front.max_bytes - wire.STATUS.size + 1) if _front else b"",
+           10: head(wire.STATUS.size, 4096) + status(REPLY, 0, [0, 0], [0, 0])}
     if _front is not None:
-        lie = lies.get(x.numel())
-        _front.send_multipart([pack({"send": {}, "u": "x", "res": [1], "pb": None}), b"\xc1"]
-                              if lie is None else [lie, pack({"t": "ok", "rid": 0})])
+        n = x.numel()
+        if n in raw:
+            _front.sock.sendall(raw[n])
+        else:
+            lie = lies.get(n)
+            _front.send([pack({"send": {}, "u": "x", "res": [1], "pb": None}), b"\xc1"]
+                        if lie is None else [lie, pack({"t": "ok", "rid": 0})])
     return x.clone()
 
 
@@ -1578,7 +1597,8 @@ def zygote(ctl_fd: int, cfg: Config) -> int:
     """Fork a worker per ``spawn`` line from the front; report each worker's death.
 
     Control protocol (length-prefixed JSON over the inherited socket): front -> zygote
-    ``{"spawn": token hex, "endpoint": path}``; zygote -> front ``{"zygote": pid}`` once it is
+    ``{"spawn": token hex}`` with the worker's end of its socket pair (``SCM_RIGHTS``, in the
+    same ``sendmsg``); zygote -> front ``{"zygote": pid}`` once it is
     ready, ``{"pid": n, "token": hex}`` after a
     fork, ``{"dead": pid, "signal": n or null, "code": n or null}`` when a worker ended. The zygote
     exits when the front closes the socket (and dies with the front)."""
@@ -1591,6 +1611,7 @@ def zygote(ctl_fd: int, cfg: Config) -> int:
     ctl = socket.socket(fileno=ctl_fd)
     _send_line(ctl, {"zygote": os.getpid()})
     buf = b""
+    fds: list[int] = []  # channels received, in the order of their spawn lines
     children: set[int] = set()
     while True:
         r, _, _ = select.select([ctl], [], [], 0.1)
@@ -1611,9 +1632,10 @@ def zygote(ctl_fd: int, cfg: Config) -> int:
         if not r:
             continue
         try:
-            data = ctl.recv(1 << 16)
+            data, got, _, _ = socket.recv_fds(ctl, 1 << 16, 64)
         except OSError:
-            data = b""
+            data, got = b"", []
+        fds += got
         if not data:  # the front closed: its sessions end now, and so does the zygote
             for pid in children:
                 with contextlib.suppress(OSError):
@@ -1626,22 +1648,30 @@ def zygote(ctl_fd: int, cfg: Config) -> int:
                 break
             msg = json.loads(buf[4:4 + n])
             buf = buf[4 + n:]
+            if not fds:  # (never: the front sends a channel with every spawn line)
+                logging.getLogger("genie.server.worker").error("a spawn without its channel")
+                continue
+            fd = fds.pop(0)
             pid = os.fork()
-            if pid == 0:  # the worker
+            if pid == 0:  # the worker: its own channel only
                 code = 0
                 try:
                     ctl.close()
-                    _worker_main(msg["endpoint"], bytes.fromhex(msg["spawn"]), cfg)
+                    for other in fds:
+                        os.close(other)
+                    os.set_inheritable(fd, False)
+                    _worker_main(fd, bytes.fromhex(msg["spawn"]), cfg)
                 except BaseException:  # noqa: BLE001 - a worker must never return into the loop
                     logging.getLogger("genie.server.worker").exception("worker failed")
                     code = 1
                 finally:
                     os._exit(code)
+            os.close(fd)
             children.add(pid)
             _send_line(ctl, {"pid": pid, "token": msg["spawn"]})
 
 
-def _worker_main(endpoint: str, token: bytes, cfg: Config) -> None:
+def _worker_main(fd: int, token: bytes, cfg: Config) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -1653,7 +1683,7 @@ def _worker_main(endpoint: str, token: bytes, cfg: Config) -> None:
     got = sandbox(cfg)
     _cuda_limit(cfg)
     logger.debug("genie-server: worker %d sandboxed: %s", os.getpid(), got)
-    serve_session(endpoint, token, cfg)
+    serve_session(fd, token, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1708,6 +1738,7 @@ def warm() -> None:
         aten._softmax.default(m, -1, False)
         aten.native_layer_norm.default(m, [4], None, None, 1e-5)
     shape_class.warm()  # the symbolic machinery's lazy imports (~1 s on a worker's first class)
+
 
 
 if __name__ == "__main__":

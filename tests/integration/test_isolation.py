@@ -107,13 +107,14 @@ def test_a_segfaulting_kernel_costs_only_its_own_session(server: ServerProc, vic
     v.alive()  # the victim's session and a fresh one still compute
 
 
-@pytest.mark.parametrize("lie", [4, 5, 6, 7])
+@pytest.mark.parametrize("lie", [4, 5, 6, 7, 8, 9])
 def test_a_worker_that_lies_to_the_front_costs_only_its_session(server: ServerProc,
                                                                 victim, lie: int) -> None:
     """A worker is no more trusted than a client: a reply the front cannot read ends that
     session with a clear error (by the lying kernel's input size: a transfer whose header does
     not decode, a status frame one byte short, a status that is no known message, a status
-    with negative counts: ``genie.remote.worker._lie_impl``)."""
+    with negative counts, a channel message of more parts than any message has, one that
+    declares more bytes than any message has: ``genie.remote.worker._lie_impl``)."""
     v, hid, x = victim
     a = Session(server)
     y = torch.zeros(lie)
@@ -123,6 +124,36 @@ def test_a_worker_that_lies_to_the_front_costs_only_its_session(server: ServerPr
     assert server.alive()
     assert torch.equal(_get(v, hid, x), x)
     v.alive()
+
+
+def test_a_worker_that_sends_part_of_a_message_is_stopped_at_the_deadline(server: ServerProc,
+                                                                          victim) -> None:
+    """A worker whose message head promises more bytes than it sends (the lying kernel with 10
+    elements; its real reply is then read as the rest) never gets the front to block or to
+    take garbage as a reply: the front waits for the rest without waiting on it, and the
+    request's deadline stops the worker; other sessions go on meanwhile."""
+    v, hid, x = victim
+    a = Session(server)
+    y = torch.zeros(10)
+    t0 = time.monotonic()
+    r = a.run(["genie_test::lie.default"], [[0, 0, [-1], [0], [], False]], [host(y, 0)],
+              (tensor_frame(y)[0],), specs=[A1])
+    err(r, "timeout", "past the server's limit of 1 s", "worker was stopped")
+    assert time.monotonic() - t0 < 10
+    assert server.alive()
+    assert torch.equal(_get(v, hid, x), x)
+    v.alive()
+
+
+def test_a_reply_larger_than_the_quota_is_refused_not_sent(server: ServerProc, victim) -> None:
+    """A ``get`` that names one 8 MiB value nine times asks for 72 MiB, more than the session's
+    quota of 64 MiB (the bound of what a worker may send the front): the worker refuses it
+    with the fix; the same value named once still comes back."""
+    v, hid, x = victim
+    msg = err(v.ask({"t": "get", "ids": [hid] * 9}), "quota", "more than the session's quota",
+              "ask for fewer at once")
+    assert "75497472 bytes" in msg, msg
+    assert torch.equal(_get(v, hid, x), x)
 
 
 def test_an_out_of_bounds_read_never_sees_another_session(server: ServerProc, victim) -> None:
