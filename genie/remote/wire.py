@@ -10,6 +10,7 @@ as plain ints and each frame's ``more`` bit.
 
 from __future__ import annotations
 
+import mmap
 import socket
 import struct
 from typing import Any
@@ -135,7 +136,8 @@ class Channel:
         self.max_bytes = max_bytes
         self._out: list[memoryview] = []  # written, not yet taken by the socket
         self._scratch = bytearray(_READ)
-        self._have = memoryview(self._scratch)[:0]  # read, not yet parsed
+        self._view = memoryview(self._scratch)
+        self._have = self._view[:0]  # read, not yet parsed
         self._lens: list[int] | None = None  # the message being read: its parts' lengths
         self._parts: list[memoryview] = []
         self._cur: memoryview | None = None  # the part being filled, and how far
@@ -149,23 +151,25 @@ class Channel:
 
     # --- sending ---
     @staticmethod
-    def _frame(parts: list[Any]) -> list[memoryview]:
-        views = [p if type(p) is memoryview else memoryview(getattr(p, "buffer", p))
-                 for p in parts]
-        views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
-        n = len(views)
-        return [memoryview(struct.pack(f"<I{n}Q", n, *[v.nbytes for v in views])), *views]
+    def _frame(parts: list[Any]) -> tuple[list[Any], int]:
+        """The message's buffers (its head first: the part count and lengths) and its bytes."""
+        lens = [len(p) if type(p) in _FLAT else memoryview(p).nbytes for p in parts]
+        n = len(parts)
+        return [struct.pack(f"<I{n}Q", n, *lens), *parts], _COUNT.size + 8 * n + sum(lens)
 
     def send(self, parts: list[Any]) -> None:
         """Write one message whole (blocking: the worker's side)."""
-        out = self._frame(parts)
-        while out:
-            out = _consume(out, self.sock.sendmsg(out[:_IOV]))
+        out, total = self._frame(parts)
+        sent = self.sock.sendmsg(out) if len(out) <= _IOV else 0
+        if sent < total:  # (the socket took part of it: the rest, from where it stopped)
+            rest = _consume(_views(out), sent)
+            while rest:
+                rest = _consume(rest, self.sock.sendmsg(rest[:_IOV]))
 
     def post(self, parts: list[Any]) -> bool:
         """Queue one message and write what the socket takes now (never blocks: the front's
         side); False while some of it waits for :meth:`flush`."""
-        self._out += self._frame(parts)
+        self._out += _views(self._frame(parts)[0])
         return self.flush()
 
     def flush(self) -> bool:
@@ -228,28 +232,29 @@ class Channel:
             return n, room
         kept = self._have.nbytes
         room = len(self._scratch) - kept
-        n = self.sock.recv_into(memoryview(self._scratch)[kept:], 0, flags)
-        self._have = memoryview(self._scratch)[:kept + n]
+        n = self.sock.recv_into(self._view[kept:], 0, flags)
+        self._have = self._view[:kept + n]
         return n, room
 
     def _parse(self, most: int) -> list[list[memoryview]]:
         """The messages (at most ``most``) that the bytes read make whole."""
         out: list[list[memoryview]] = []
         while len(out) < most:
+            have = self._have
             if self._cur is not None:  # a part being filled
-                take = min(self._cur.nbytes - self._at, self._have.nbytes)
+                take = min(self._cur.nbytes - self._at, have.nbytes)
                 if take:
-                    self._cur[self._at:self._at + take] = self._have[:take]
+                    self._cur[self._at:self._at + take] = have[:take]
                     self._at += take
-                    self._have = self._have[take:]
+                    self._have = have[take:]
                 if self._at < self._cur.nbytes:
                     return out
                 self._parts.append(self._cur)
                 self._cur = None
             elif self._lens is None:  # a message's head
-                have = self._have
                 if have.nbytes < _COUNT.size:
-                    self._keep(_COUNT.size)
+                    if have.nbytes:
+                        self._keep(_COUNT.size)
                     return out
                 (k,) = _COUNT.unpack_from(have)
                 if not 0 < k <= self.max_parts:
@@ -258,12 +263,22 @@ class Channel:
                 if have.nbytes < end:
                     self._keep(end)
                     return out
-                lens = list(struct.unpack_from(f"<{k}Q", have, _COUNT.size))
-                if sum(lens) > self.max_bytes:
-                    raise ProtocolError(f"a message of {sum(lens)} bytes (at most "
+                lens = struct.unpack_from(f"<{k}Q", have, _COUNT.size)
+                total = sum(lens)
+                if total > self.max_bytes:
+                    raise ProtocolError(f"a message of {total} bytes (at most "
                                         f"{self.max_bytes})")
+                if have.nbytes >= end + total:  # whole here (a request, a status): one copy,
+                    body = memoryview(bytes(have[end:end + total]))  # its parts views of it
+                    parts, at = [], 0
+                    for n in lens:
+                        parts.append(body[at:at + n])
+                        at += n
+                    out.append(parts)
+                    self._have = have[end + total:]
+                    continue
                 self._have = have[end:]
-                self._lens = lens
+                self._lens = list(lens)
                 self._parts = []
             lens = self._lens
             if len(self._parts) == len(lens):
@@ -272,11 +287,11 @@ class Channel:
                 self._parts = []
                 continue
             n = lens[len(self._parts)]
-            if n <= self._have.nbytes:  # whole in what was read: copied out (small)
+            if n <= self._have.nbytes:  # whole in what was read: copied out
                 self._parts.append(memoryview(bytes(self._have[:n])))
                 self._have = self._have[n:]
-            else:
-                self._cur = memoryview(bytearray(n))
+            else:  # a large part's memory is committed as its bytes arrive, not as declared
+                self._cur = memoryview(mmap.mmap(-1, n) if n >= _READ else bytearray(n))
                 self._at = 0
         return out
 
@@ -286,8 +301,19 @@ class Channel:
         rest = bytes(self._have)
         if need > len(self._scratch):
             self._scratch = bytearray(need)
+            self._view = memoryview(self._scratch)
         self._scratch[:len(rest)] = rest
-        self._have = memoryview(self._scratch)[:len(rest)]
+        self._have = self._view[:len(rest)]
+
+
+#: what a part's ``len`` counts in bytes (any other buffer: its memoryview's ``nbytes``)
+_FLAT = (bytes, bytearray, zmq.Frame)
+
+
+def _views(bufs: list[Any]) -> list[memoryview]:
+    """Each buffer as a flat byte view (to cut where a write stopped)."""
+    views = [b if type(b) is memoryview else memoryview(b) for b in bufs]
+    return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
 
 
 def _consume(views: list[memoryview], n: int) -> list[memoryview]:
