@@ -1740,6 +1740,5 @@ def warm() -> None:
     shape_class.warm()  # the symbolic machinery's lazy imports (~1 s on a worker's first class)
 
 
-
 if __name__ == "__main__":
     sys.exit(main())
