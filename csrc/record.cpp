@@ -3065,10 +3065,23 @@ PyObject* note_reads(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
 // a hit (record_hit: the Refs, the Node, its reads noted, the outputs), the node's fields those
 // of lazy_tensor.record_known's (tests/unit/test_compile.py compares the two).
 
+// One lazy input of the last call _record_graph recorded with an entry: the tensor, its instance
+// dict and that dict's version, and the _node/_out read from it then (borrowed: while the dict
+// has that version it still holds them). A version is unique over the process's dicts and changes
+// with every write, so the same tensor with a dict of that version has these _node/_out.
+struct LastInput {
+  PyObject* tensor = nullptr;
+  PyObject* dict = nullptr;
+  uint64_t version = 0;
+  PyObject* node = nullptr;
+  PyObject* out = nullptr;
+};
+
 struct GraphEntry {
   std::shared_ptr<Entry> e;
   size_t n_leaves = 0;
   size_t n_lazies = 0;
+  std::vector<LastInput> last;  // per lazy input (Pythons whose dicts have a version tag)
 };
 
 const char* const kGraphEntry = "genie.graph_entry";
@@ -3126,9 +3139,9 @@ PyObject* graph_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
 // last one (a decode step's forward, between whole tokens of other work) waits for their cache
 // misses together instead of one after another. false: not a call this path takes (the caller
 // records it in Python).
-bool graph_leaves(PyObject* args, Call& call, size_t n_leaves, size_t n_lazies) {
-  call.leaves.reserve(n_leaves);
-  call.lazies.reserve(n_lazies);
+bool graph_leaves(PyObject* args, Call& call, GraphEntry& g) {
+  call.leaves.reserve(g.n_leaves);
+  call.lazies.reserve(g.n_lazies);
   const Py_ssize_t n = PyTuple_GET_SIZE(args);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* a = PyTuple_GET_ITEM(args, i);
@@ -3146,7 +3159,12 @@ bool graph_leaves(PyObject* args, Call& call, size_t n_leaves, size_t n_lazies) 
       call.leaves.push_back(x);
     }
   }
-#if PY_VERSION_HEX < 0x030D0000
+#if PY_VERSION_HEX < 0x030C0000
+  // an input whose dict is unchanged since the last call takes that call's _node/_out (no
+  // lookups: its dict's keys stay cold); the others' dict keys are prefetched for the lookups
+  if (g.last.size() != g.n_lazies) {
+    g.last.assign(g.n_lazies, LastInput{});
+  }
   for (PyObject* x : call.leaves) {
     if (Py_TYPE(x) == S.lazy) {
       PyObject** dp = _PyObject_GetDictPtr(x);
@@ -3155,14 +3173,22 @@ bool graph_leaves(PyObject* args, Call& call, size_t n_leaves, size_t n_lazies) 
       }
     }
   }
+  c10::SmallVector<char, 128> same;
   for (PyObject* x : call.leaves) {
-    if (Py_TYPE(x) == S.lazy) {
-      PyObject** dp = _PyObject_GetDictPtr(x);
-      if (dp != nullptr && *dp != nullptr) {
-        PyDictKeysObject* keys = reinterpret_cast<PyDictObject*>(*dp)->ma_keys;
-        __builtin_prefetch(keys);
-        __builtin_prefetch(reinterpret_cast<char*>(keys) + 64);
-      }
+    if (Py_TYPE(x) != S.lazy) {
+      continue;
+    }
+    const size_t j = same.size();
+    PyObject** dp = _PyObject_GetDictPtr(x);
+    PyObject* d = dp != nullptr ? *dp : nullptr;
+    const LastInput* c = j < g.last.size() ? &g.last[j] : nullptr;
+    const bool hit = d != nullptr && c != nullptr && c->tensor == x && c->dict == d &&
+                     c->version == reinterpret_cast<PyDictObject*>(d)->ma_version_tag;
+    same.push_back(hit ? 1 : 0);
+    if (!hit && d != nullptr) {
+      PyDictKeysObject* keys = reinterpret_cast<PyDictObject*>(d)->ma_keys;
+      __builtin_prefetch(keys);
+      __builtin_prefetch(reinterpret_cast<char*>(keys) + 64);
     }
   }
 #endif
@@ -3170,14 +3196,32 @@ bool graph_leaves(PyObject* args, Call& call, size_t n_leaves, size_t n_lazies) 
     PyObject* x = call.leaves[i];
     PyTypeObject* t = Py_TYPE(x);
     if (t == S.lazy) {
-      PyObject* node = lazy_attr(x, names->node);
-      if (node == nullptr) {
-        return false;
+      PyObject* node = nullptr;
+      PyObject* out = nullptr;
+#if PY_VERSION_HEX < 0x030C0000
+      const size_t j = call.lazies.size();
+      if (j < same.size() && same[j]) {
+        node = new_ref(g.last[j].node);
+        out = new_ref(g.last[j].out);
       }
-      PyObject* out = lazy_attr(x, names->out);
-      if (out == nullptr) {
-        Py_DECREF(node);
-        return false;
+#endif
+      if (node == nullptr) {
+        node = lazy_attr(x, names->node);
+        if (node == nullptr) {
+          return false;
+        }
+        out = lazy_attr(x, names->out);
+        if (out == nullptr) {
+          Py_DECREF(node);
+          return false;
+        }
+#if PY_VERSION_HEX < 0x030C0000
+        PyObject** dp = _PyObject_GetDictPtr(x);
+        if (j < g.last.size() && dp != nullptr && *dp != nullptr) {
+          g.last[j] = LastInput{x, *dp, reinterpret_cast<PyDictObject*>(*dp)->ma_version_tag,
+                                node, out};
+        }
+#endif
       }
       call.lazies.push_back(Lazy{x, node, out, 0, nullptr, static_cast<Py_ssize_t>(i)});
       if (Py_TYPE(node) != S.node || !PyLong_CheckExact(out)) {
@@ -3235,7 +3279,7 @@ PyObject* record_graph(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nar
     const OpInfo* info = op_info(func);
     Call call;
     if (info == nullptr || !info->ok || info->metadata_only ||
-        !graph_leaves(a, call, g->n_leaves, g->n_lazies) ||
+        !graph_leaves(a, call, *g) ||
         call.leaves.size() != g->n_leaves || call.lazies.size() != g->n_lazies) {
       PyErr_Clear();
       Py_RETURN_NOTIMPLEMENTED;

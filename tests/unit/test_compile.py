@@ -546,6 +546,45 @@ def test_a_cached_graph_mut_call_is_recorded_natively_as_the_first_call(fast_com
         assert later[4:] == seen[0][4:]
 
 
+def test_a_cached_graph_call_reads_an_input_rebound_since_the_last_call(fast_compiler,
+                                                                        monkeypatch):
+    """genie._C._record_graph takes the last call's ``_node``/``_out`` of an input whose
+    instance dict is unchanged since (csrc/record.cpp, ``LastInput``); a parameter rebound in
+    between (``p.data = ...``: the same tensor, the same metadata, so the same compiled graph,
+    with a new ``_node``) is read again: the node reads the new value, with eager's values."""
+    from genie import dynamo
+    from genie.graph import Ref
+
+    native: list[bool] = []
+    record_graph = dynamo.record_graph
+
+    def counted(*a):
+        r = record_graph(*a)
+        native.append(r is not NotImplemented)
+        return r
+
+    monkeypatch.setattr(dynamo, "record_graph", counted)  # read at each call
+    torch.manual_seed(0)
+    ref = _mlp(8, 2)
+    dev = copy.deepcopy(ref).to(DEV)
+    cm = torch.compile(dev)
+    x = torch.randn(4, 8)
+    xd = x.to(DEV)
+    with torch.no_grad():
+        for step in range(4):
+            got = cm(xd)
+            w = dev[0].weight
+            assert any(type(a) is Ref and a.node is w._node and a.out == w._out
+                       for a in got._node.leaves)
+            torch.testing.assert_close(got.cpu(), ref(x))
+            new = torch.randn(8, 8)
+            ref[0].weight.data = new.clone()
+            before = w._node
+            w.data = new.to(DEV)
+            assert w._node is not before
+    assert len(native) == 3 and all(native), native  # calls 2-4: natively, from the cache
+
+
 def test_a_cached_graph_call_with_another_input_kind_is_recorded_by_python(fast_compiler):
     """genie._C._record_graph declines (NotImplemented, nothing recorded) a call whose
     arguments are not the kinds and count its entry was made for, and the capsule it takes
