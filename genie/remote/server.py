@@ -59,6 +59,7 @@ import queue
 import secrets
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -103,6 +104,24 @@ KEEPALIVE = 0.25
 SPAWN_TIMEOUT = 30.0
 #: seconds the zygote may take to import torch and Genie and warm up, at the server's start
 ZYGOTE_TIMEOUT = 120.0
+
+
+def _to_regular_file(fd: int) -> bool:
+    """Whether ``fd`` is open on a regular file (what a sandboxed worker cannot write)."""
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+
+def _relay(src: int, dst: int) -> None:
+    """Copy what the zygote and its workers write (``src``, a pipe) into ``dst`` until every
+    writer has exited."""
+    with contextlib.suppress(OSError):
+        while data := os.read(src, 1 << 16):
+            while data:
+                data = data[os.write(dst, data):]
+    os.close(src)
 
 
 @dataclass
@@ -252,10 +271,23 @@ class Server:
         # re-initialize CUDA in forked subprocess"): torch.cuda.is_available() asks NVML instead
         # of the CUDA runtime (found on the first GPU run: every CUDA session failed to start)
         env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+        # a worker cannot write a regular file (RLIMIT_FSIZE 0, worker.sandbox): where this
+        # server's output goes to one (``genie-server ... > server.log 2>&1``), the zygote and its
+        # workers write to a pipe this process copies into it, else their log (a failed request's
+        # traceback) would be lost without a word. Their end never blocks: a line that finds the
+        # pipe full (the file's disk stalled) is dropped, as the front drops its own
+        relay = os.pipe() if _to_regular_file(2) else None
+        if relay:
+            os.set_blocking(relay[1], False)
         self._zygote = subprocess.Popen(
             [sys.executable, "-m", "genie.remote.worker", str(theirs.fileno()), cfg.to_json()],
-            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+            stdout=relay and relay[1], stderr=relay and relay[1])
         theirs.close()
+        if relay:
+            os.close(relay[1])
+            threading.Thread(target=_relay, args=(relay[0], 2), name="genie-worker-log",
+                             daemon=True).start()
         self._ctl = ours
         # the banner says "serving" once sessions can start: wait for the zygote's warm-up
         ours.settimeout(ZYGOTE_TIMEOUT)

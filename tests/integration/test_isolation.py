@@ -12,6 +12,7 @@ victim's value is intact and was never read, other sessions run at their usual s
 from __future__ import annotations
 
 import os
+import re
 import struct
 import time
 
@@ -400,3 +401,24 @@ def test_the_deadline_covers_the_rest_of_an_early_answered_tape(server: ServerPr
     assert server.alive()
     assert torch.equal(_get(v, hid, x), x)
     v.alive()
+
+
+def test_a_server_logging_to_a_file_keeps_its_workers_log(tmp_path) -> None:
+    """A worker cannot write a regular file (RLIMIT_FSIZE 0): with the server's output sent to
+    one (``genie-server ... > server.log 2>&1``) every line a worker logged (a failed request's
+    traceback) was lost without a word. The front now copies its workers' output into it."""
+    log = tmp_path / "server.log"
+    (tmp_path / "keys").mkdir(mode=0o700)
+    s = ServerProc(tmp_path / "keys", "--quota", "64MiB", log_level="DEBUG", log=log)
+    try:
+        a = Session(s)  # its worker logs what its sandbox took, at DEBUG
+        deadline = time.monotonic() + 20
+        while "sandboxed" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        a.alive()
+        a.close()
+    finally:
+        assert s.stop() == 0
+    text = log.read_text()
+    assert re.search(r"genie\.server\.worker: genie-server: worker \d+ sandboxed: .*'fsize': 0",
+                     text), text[-2000:]

@@ -55,7 +55,7 @@ class ServerProc:
     (``KEYS/peers.json``, as genie-pool registers its members) unless ``--peers`` is given."""
 
     def __init__(self, keys: Path, *args: str, drain: bool = True,
-                 log_level: str = "WARNING") -> None:
+                 log_level: str = "WARNING", log: Path | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "GENIE_LOG_LEVEL": log_level}
         env.pop("GENIE_SERVER", None)
         own_peers = "--peers" not in args
@@ -64,11 +64,18 @@ class ServerProc:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "genie.remote.server", "--device", SERVER_DEVICE, "--listen",
              "127.0.0.1:0", "--keys", str(keys), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-            preexec_fn=ends_with_this_process)
+            stdout=log.open("w") if log else subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=env, preexec_fn=ends_with_this_process)
         deadline = time.monotonic() + 60
         line = ""
         while time.monotonic() < deadline:
+            if log:  # its output goes to a regular file, as `genie-server ... > log` sends it
+                line = next((ln for ln in log.read_text().splitlines()
+                             if ln.startswith("genie-server: serving")), "")
+                if line or not self.alive():
+                    break
+                time.sleep(0.1)
+                continue
             line = self.proc.stdout.readline()
             if line.startswith("genie-server: serving") or not line:
                 break
@@ -77,7 +84,7 @@ class ServerProc:
             self.proc.kill()
             raise RuntimeError(f"genie-server did not start: {line!r}")
         self.address = m.group(0)
-        if drain:  # read its log as a terminal would (an unread pipe fills at 64 KiB)
+        if drain and not log:  # read its log as a terminal would (an unread pipe fills at 64 KiB)
             threading.Thread(target=lambda: collections.deque(self.proc.stdout, maxlen=200),
                              daemon=True).start()
         self.key_file = keys / "client.json"
