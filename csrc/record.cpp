@@ -317,6 +317,8 @@ struct OpInfo {
   bool metadata_only = false;
   bool same_device = false;  // a device argument off this backend is a transfer: the fallback's
   std::vector<Py_ssize_t> writes;  // schema positions of the arguments it mutates
+  std::vector<Py_ssize_t> unmarked;  // those its schema does not mark (OpPolicy.unmarked)
+  Py_ssize_t write_flag = -1;  // the bool without which it writes none of them (OpPolicy.write_flag)
   PyObject* names = nullptr;       // argument names by schema position (a tuple, held)
   PyObject* pol_key = nullptr;     // OpPolicy.key (held): the op in Python's meta-cache keys
   PyObject* rule = nullptr;        // its positional shape rule (genie.shape_rules.RULES), held
@@ -392,6 +394,13 @@ const OpInfo* op_info(PyObject* func) {
     for (const auto& w : writes) {
       info.writes.push_back(w.cast<Py_ssize_t>());
     }
+    py::object unmarked = py::reinterpret_steal<py::object>(
+        checked(PyObject_GetAttrString(pol, "unmarked")));
+    for (const auto& w : unmarked) {
+      info.unmarked.push_back(w.cast<Py_ssize_t>());
+    }
+    info.write_flag = py::reinterpret_steal<py::object>(
+        checked(PyObject_GetAttrString(pol, "write_flag"))).cast<Py_ssize_t>();
     info.pol_key = checked(PyObject_GetAttrString(pol, "key"));
     if (S.rules != nullptr) {
       PyObject* rule = PyDict_GetItemWithError(S.rules, func);  // borrowed
@@ -868,11 +877,17 @@ PyObject* storage_of(PyObject* t) {
 }
 
 // The storages the op writes, as lazy_tensor._record collects them (LazyTensor arguments at the
-// policy's write positions, and the LazyTensors in lists there), new references; false when one
-// has no storage.
+// positions OpPolicy.call_writes gives, and the LazyTensors in lists there), new references;
+// false when one has no storage.
 bool write_storages(const OpInfo& info, PyObject* args, PyObject* kwargs,
                     c10::SmallVector<py::object, 4>& out) {
+  const bool flag_off =
+      info.write_flag >= 0 && arg_at(info, args, kwargs, info.write_flag) == Py_False;
   for (Py_ssize_t pos : info.writes) {
+    if (flag_off &&
+        std::find(info.unmarked.begin(), info.unmarked.end(), pos) != info.unmarked.end()) {
+      continue;  // an eval-mode batch norm reads its running statistics
+    }
     PyObject* a = arg_at(info, args, kwargs, pos);
     if (a == nullptr) {
       continue;

@@ -401,7 +401,7 @@ class CaptureMode(TorchDispatchMode):
         (the op then stays on the host, as eagerly); None otherwise."""
         pol = policy(func)
         if not any(isinstance(t, torch.Tensor) and not isinstance(t, LazyTensor)
-                   for pos in pol.writes
+                   for pos in pol.call_writes(args, kwargs)
                    for t in _as_list(pol.arg(pos, args, kwargs))):
             return None
         data = self.literal_data
@@ -414,7 +414,7 @@ class CaptureMode(TorchDispatchMode):
 
     def _upload_host(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         pol = policy(func)
-        for pos in pol.writes:
+        for pos in pol.call_writes(args, kwargs):
             a = pol.arg(pos, args, kwargs)
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
                 if isinstance(t, torch.Tensor) and not isinstance(t, LazyTensor):

@@ -36,6 +36,7 @@ from torch._ops import _len_torch_dispatch_stack_pre_dispatch as _len_pre_dispat
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .config import logger
+from .meta import policy
 from .progress import waiting
 from .stats import bump
 
@@ -184,19 +185,28 @@ def host_module(gm: torch.fx.GraphModule, outs: list[torch.fx.Node]) -> torch.fx
 
 
 def _input_writes(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
-    """``(node, input)`` for each input a node writes in place (an argument its op's schema
-    writes: AOTAutograd's ``copy_`` into an input whose mutation it kept in the graph)."""
+    """``(node, input)`` for each input a node writes in place (an argument its op writes,
+    :meth:`genie.meta.OpPolicy.call_writes`: AOTAutograd's ``copy_`` into an input whose
+    mutation it kept in the graph)."""
+    out = []
+    for n, pol in _writers(gm):
+        for i in pol.call_writes(n.args, n.kwargs):
+            v = pol.arg(i, n.args, n.kwargs)
+            if isinstance(v, torch.fx.Node) and v.op == "placeholder":
+                out.append((n, v))
+    return out
+
+
+def _writers(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, Any]]:
+    """The graph's nodes that write an argument, with their op's policy (whose writes include
+    those the schema does not mark: a training ``native_batch_norm``'s running statistics)."""
     out = []
     for n in gm.graph.nodes:
         t = n.target
-        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or \
-                not t._schema.is_mutable:
-            continue
-        for i, a in enumerate(t._schema.arguments):
-            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
-            if a.alias_info is not None and a.alias_info.is_write and \
-                    isinstance(v, torch.fx.Node) and v.op == "placeholder":
-                out.append((n, v))
+        if n.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+            pol = policy(t)
+            if pol.writes and pol.call_writes(n.args, n.kwargs):
+                out.append((n, pol))
     return out
 
 
@@ -206,11 +216,8 @@ def _only_input_copies(gm: torch.fx.GraphModule) -> None:
     functional). Then what a graph writes is what its data says (:func:`_input_writes`): an op
     that writes anything else could reach an input through a view, even one whose schema does
     not say it aliases (``_unsafe_view``), and write what the graph does not declare."""
-    for n in gm.graph.nodes:
+    for n, _ in _writers(gm):
         t = n.target
-        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or \
-                not t._schema.is_mutable:
-            continue
         if t is not _COPY_ or not n.args or not isinstance(n.args[0], torch.fx.Node) or \
                 n.args[0].op != "placeholder":
             raise GraphError(f"it writes with {op_name(t)} ({n.name}): a graph writes only its "

@@ -633,7 +633,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
     writes: tuple[Storage, ...] = ()
     if pol.writes:
         ws = []
-        for pos in pol.writes:
+        for pos in (pol.writes if pol.write_flag < 0 else pol.call_writes(args, kwargs)):
             a = pol.arg(pos, args, kwargs)
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
                 if isinstance(t, LazyTensor):

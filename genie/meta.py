@@ -14,7 +14,10 @@ meta kernel (shape mismatch, bad dim, device mismatch) propagate unchanged, so t
 user's line with eager's exception type.
 
 Policy (what an op mutates, which input its outputs alias, whether it is random or data-dependent)
-comes only from ``op._schema`` alias annotations and ``op.tags``, never from names.
+comes from ``op._schema`` alias annotations and ``op.tags``, never from names, with one
+exception: kernels that write arguments their schemas do not mark (the batch norms' running
+statistics), from torch's own ``SchemaInfo`` and :data:`UNMARKED_WRITES` (see
+:func:`_unmarked_writes`).
 """
 
 from __future__ import annotations
@@ -55,7 +58,12 @@ class OpPolicy:
     """What the schema says about one overload.
 
     Attributes:
-        writes: schema positions of arguments the op mutates (``Tensor(a!)`` / ``Tensor(a!)[]``).
+        writes: schema positions of arguments the op may mutate (``Tensor(a!)`` /
+            ``Tensor(a!)[]``, and those of ``unmarked``).
+        unmarked: the positions among ``writes`` the schema does not mark (``native_batch_norm``'s
+            ``running_mean`` and ``running_var``: :func:`_unmarked_writes`).
+        write_flag: schema position of the bool argument (``training``) without which the op
+            writes none of ``unmarked`` (-1: none). A call's own writes: :meth:`call_writes`.
         returns: per return, ``(kind, arg_position)`` with kind ``"write"`` (returns its mutated
             argument: ``add_``, ``out=``), ``"view"`` (aliases an input: ``view``, ``unbind``) or
             ``None`` (fresh storage).
@@ -85,11 +93,20 @@ class OpPolicy:
     # keys are skipped (``torch.inference_mode()``); recorded as its decomposition, as eager runs it.
     # False for the ops of WHOLE, which are recorded as one node.
     implicit: bool = False
+    unmarked: tuple[int, ...] = ()
+    write_flag: int = -1
 
     def arg(self, pos: int, args: tuple, kwargs: dict) -> Any:
         if pos < len(args):
             return args[pos]
         return kwargs.get(self.names[pos])
+
+    def call_writes(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
+        """The positions this call writes: :attr:`writes`, less :attr:`unmarked` where its
+        :attr:`write_flag` is False (an eval-mode batch norm reads its running statistics)."""
+        if self.write_flag < 0 or self.arg(self.write_flag, args, kwargs) is not False:
+            return self.writes
+        return tuple(p for p in self.writes if p not in self.unmarked)
 
 
 _policies: dict[Any, OpPolicy] = {}
@@ -107,6 +124,59 @@ config.on_change(lambda cfg: _whole_ops_enable(cfg.whole_ops))
 #: plans. ``_scaled_dot_product_flash_attention_for_cpu`` (SDPA's fused CPU kernel, chosen by
 #: csrc/whole.cpp's stub only without dropout): its kernel raises for ``dropout_p > 0``.
 SEEDED_FOR_NOTHING = frozenset({torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default})
+
+
+#: Kernels that write arguments their schemas do not mark (``Tensor?`` where ``Tensor(a!)?``
+#: belongs) and torch's ``SchemaInfo`` does not list (it lists ``native_batch_norm``, its
+#: ``.out``, ``cudnn_batch_norm``, ``miopen_batch_norm`` and their composites): op -> (the
+#: arguments written, the bool argument without which they are not, or None). Their kernels
+#: update the running statistics in place: ``batch_norm_update_stats`` on the CPU (checked in
+#: tests/unit/test_unmarked_writes.py), the others on CUDA or ROCm, and every ``.out`` here calls
+#: its functional overload (CompositeExplicitAutograd).
+UNMARKED_WRITES: dict[Any, tuple[tuple[str, ...], str | None]] = {
+    **{getattr(packet, name): (("running_mean", "running_var"), None)
+       for packet in (aten.batch_norm_update_stats, aten.batch_norm_gather_stats,
+                      aten.batch_norm_gather_stats_with_counts)
+       for name in ("default", "out")},
+    aten.cudnn_batch_norm.out: (("running_mean", "running_var"), "training"),
+    aten.miopen_batch_norm.out: (("running_mean", "running_var"), "training"),
+}
+
+
+def _unmarked_writes(op: Any, schema: Any) -> tuple[tuple[int, ...], int]:
+    """The positions of the arguments ``op`` writes without its schema marking them, and of the
+    bool argument without which it writes none of them (-1: none).
+
+    torch's schemas of the batch norms (``native_batch_norm``, kept for compatibility) do not
+    mark ``running_mean``/``running_var`` as written, though a training call updates them in
+    place; torch knows (``_decomp``'s "native_batch_norm ... has a wrong schema"), and its
+    ``SchemaInfo`` says they are mutable, unless ``training`` is known False. Found here from
+    ``SchemaInfo`` and :data:`UNMARKED_WRITES`; every consumer of :attr:`OpPolicy.writes`
+    (recording's pending writes, the passes, the plan cache, liveness, the remote path, compiled
+    graphs) then sees them as any other write."""
+    args = schema.arguments
+    named = UNMARKED_WRITES.get(op)
+    if named is not None:
+        written, flag = named
+        return (tuple(i for i, a in enumerate(args) if a.name in written),
+                next((i for i, a in enumerate(args) if a.name == flag), -1))
+    info = torch._C._SchemaInfo(schema)
+    pos = tuple(i for i, a in enumerate(args)
+                if "Tensor" in str(a.type) and (a.alias_info is None or not a.alias_info.is_write)
+                and info.is_mutable(_argument(i)))
+    if not pos:
+        return (), -1
+    for i, a in enumerate(args):
+        if str(a.type) == "bool":
+            off = torch._C._SchemaInfo(schema)
+            off.add_argument_value(a.name, False)
+            if not any(off.is_mutable(_argument(j)) for j in pos):
+                return pos, i
+    return pos, -1
+
+
+def _argument(i: int) -> Any:
+    return torch._C._SchemaArgument(torch._C._SchemaArgType.input, i)
 
 
 def policy(op: Any) -> OpPolicy:
@@ -155,8 +225,9 @@ def _analyze(op: Any) -> OpPolicy:
             src = next((sets[s] for s in info.before_set if s in sets), view_src)
             returns.append(("view", src) if src is not None else None)
     tags = set(op.tags)
+    unmarked, write_flag = _unmarked_writes(op, schema)
     return OpPolicy(
-        writes=tuple(writes),
+        writes=tuple(sorted((*writes, *unmarked))),
         returns=tuple(returns),
         random=torch.Tag.nondeterministic_seeded in tags and op not in SEEDED_FOR_NOTHING,
         dynamic=bool(tags & _DYNAMIC),
@@ -168,6 +239,8 @@ def _analyze(op: Any) -> OpPolicy:
         key=len(_policies),
         implicit=torch._C._dispatch_has_kernel_for_dispatch_key(
             op.name(), "CompositeImplicitAutograd") and op.name() not in WHOLE,
+        unmarked=unmarked,
+        write_flag=write_flag,
     )
 
 

@@ -437,6 +437,30 @@ def test_training_steps_match_eager(remote) -> None:
         torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-6)
 
 
+def test_batch_norm_running_statistics_match_eager(remote) -> None:
+    """A training BatchNorm updates its running statistics in place, which its schema does not
+    say (genie.meta.UNMARKED_WRITES): the server's update is the one a read gets, after each
+    step and in the eval forward that reads them."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                              torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))
+    rem = copy.deepcopy(ref).to(DEV)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, rem)]
+    for _ in range(4):
+        x = torch.randn(5, 3, 8, 8)
+        for m, opt, xx in ((ref, opts[0], x), (rem, opts[1], x.to(DEV))):
+            opt.zero_grad()
+            m(xx).square().mean().backward()
+            opt.step()
+        for k, v in ref[1].state_dict().items():
+            torch.testing.assert_close(rem[1].state_dict()[k].cpu(), v, rtol=1e-5, atol=1e-6)
+    ref.eval()
+    rem.eval()
+    x = torch.randn(5, 3, 8, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(rem(x.to(DEV)).cpu(), ref(x), rtol=1e-5, atol=1e-5)
+
 def test_weights_sent_once(remote) -> None:
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
