@@ -963,12 +963,14 @@ def msgpack_in(data: bytes) -> list[str]:
 
 @pytest.mark.parametrize("how", ["add_ into the input", "copy_ into a view of it",
                                  "copy_ into _unsafe_view of it", "copy_ into an intermediate",
-                                 "out= into the input"])
+                                 "out= into the input", "a training batch norm's statistics"])
 def test_a_graph_writes_only_its_inputs_with_copy_(how):
     """The inputs a graph writes are those its data declares, found from the data alone: only
     ``copy_`` into an input itself may write (AOTAutograd's epilogue). Any other write could
     reach an input through a view (``_unsafe_view``'s schema does not say it aliases) and write
-    what the graph does not declare: refused, declared written or not."""
+    what the graph does not declare: refused, declared written or not. A training
+    ``native_batch_norm`` writes its running statistics, which its schema does not mark
+    (genie.meta.UNMARKED_WRITES)."""
     import msgpack
 
     def build(g, ph):
@@ -984,6 +986,10 @@ def test_a_graph_writes_only_its_inputs_with_copy_(how):
                             (g.call_function(_aten._unsafe_view.default, (x, [3])), v))
         elif how == "copy_ into an intermediate":
             g.call_function(_aten.copy_.default, (g.call_function(_aten.alias.default, (x,)), v))
+        elif how == "a training batch norm's statistics":
+            rows = g.call_function(_aten.expand.default, (v, [2, 3]))
+            g.call_function(_aten.native_batch_norm.default,
+                            (rows, None, None, x, x, True, 0.1, 1e-5))
         else:
             g.call_function(_aten.mul.out, (y, 2.0), {"out": x})
         return [v]
