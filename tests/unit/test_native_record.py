@@ -333,6 +333,25 @@ def test_writes_with_fresh_outputs_and_an_optimizer_step() -> None:
     assert_same(program)
 
 
+def test_batch_norm_writes_its_statistics_only_in_training() -> None:
+    """A write its schema does not mark (genie.meta.UNMARKED_WRITES), only where ``training``
+    is True: eval calls (positional and keyword) read the statistics, as Python records them."""
+    x, _ = _inputs()
+    f = torch.nn.functional.batch_norm
+
+    def program() -> list[Any]:
+        rm, rv = torch.zeros(6, device=D), torch.ones(6, device=D)
+        genie.materialize(rm, rv)
+        a = f(x, rm, rv, training=False)
+        b = f(x, rm, rv, training=True, momentum=0.5)
+        c = torch.ops.aten.native_batch_norm(x, None, None, rm, rv, False, 0.1, 1e-5)[0]
+        d = torch.ops.aten.native_batch_norm(x, None, None, rm, rv, training=True,
+                                             momentum=0.1, eps=1e-5)[0]
+        return [a, b, c, d, rm, rv]
+
+    assert_same(program)
+
+
 def test_multi_output_ops() -> None:
     x, b = _inputs()
 

@@ -150,3 +150,30 @@ def test_a_read_of_the_running_mean_waits_for_the_forward_that_updates_it():
         torch.testing.assert_close(lazy.running_var.cpu(), cpu.running_var)
     assert int(lazy.num_batches_tracked.cpu()) == 3
 
+
+
+def test_only_a_training_batch_norm_is_a_pending_write_of_its_statistics():
+    """Recorded (by Python, then natively: the loop's later calls), a training call is a pending
+    write on the running statistics' storages, and an eval call (``training=False``) is not: it
+    reads them, and an eval forward's plan writes nothing."""
+    f = torch.nn.functional.batch_norm
+    for _ in range(3):
+        x = torch.randn(4, 3, device=DEV)
+        rm, rv = torch.zeros(3, device=DEV), torch.ones(3, device=DEV)
+        genie.materialize(x, rm, rv)
+        stats = [t._node.storages[t._out] for t in (rm, rv)]
+        f(x, rm, rv, training=False)
+        assert [len(s.pending_writes) for s in stats] == [0, 0]
+        f(x, rm, rv, training=True)
+        assert [len(s.pending_writes) for s in stats] == [1, 1]
+
+
+def test_instance_norm_with_running_statistics_matches_eager():
+    """``instance_norm`` updates them through a batch norm of a repeated copy, then ``copy_``."""
+    torch.manual_seed(0)
+    cpu = torch.nn.InstanceNorm2d(3, track_running_stats=True)
+    lazy = copy.deepcopy(cpu).to(DEV)
+    for _ in range(3):
+        x = torch.randn(2, 3, 4, 4)
+        torch.testing.assert_close(lazy(x.to(DEV)).cpu(), cpu(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_buffers(lazy), _buffers(cpu), rtol=1e-5, atol=1e-6)
