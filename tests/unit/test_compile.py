@@ -492,15 +492,10 @@ def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler, m
         torch.testing.assert_close(cm(x).cpu(), ref(xc))
 
 
-def test_a_cached_graph_mut_call_is_recorded_natively_as_the_first_call(fast_compiler,
-                                                                         monkeypatch):
-    """A graph that writes its inputs (genie::graph_mut: written list, then the read inputs):
-    later calls are recorded natively (genie._C._record_graph, the leaves read without the
-    entry's key words) with the node fields the op's own record gave the first call (the same
-    argument tree and entry, the written inputs' storages as its writes, its reads noted), and
-    eager's values."""
+def _native_graph_records(monkeypatch) -> list[bool]:
+    """Per compiled graph call from now on, whether ``genie._C._record_graph`` recorded it
+    (``False``: it declined, and the op's own record did)."""
     from genie import dynamo
-    from genie.graph import Ref
 
     native: list[bool] = []
     record_graph = dynamo.record_graph
@@ -511,6 +506,19 @@ def test_a_cached_graph_mut_call_is_recorded_natively_as_the_first_call(fast_com
         return r
 
     monkeypatch.setattr(dynamo, "record_graph", counted)  # read at each call
+    return native
+
+
+def test_a_cached_graph_mut_call_is_recorded_natively_as_the_first_call(fast_compiler,
+                                                                         monkeypatch):
+    """A graph that writes its inputs (genie::graph_mut: written list, then the read inputs):
+    later calls are recorded natively (genie._C._record_graph, the leaves read without the
+    entry's key words) with the node fields the op's own record gave the first call (the same
+    argument tree and entry, the written inputs' storages as its writes, its reads noted), and
+    eager's values."""
+    from genie.graph import Ref
+
+    native = _native_graph_records(monkeypatch)
 
     def f(x, y, cache, i):
         cache.index_copy_(0, i, y * 2)
@@ -552,18 +560,9 @@ def test_a_cached_graph_call_reads_an_input_rebound_since_the_last_call(fast_com
     instance dict is unchanged since (csrc/record.cpp, ``LastInput``); a parameter rebound in
     between (``p.data = ...``: the same tensor, the same metadata, so the same compiled graph,
     with a new ``_node``) is read again: the node reads the new value, with eager's values."""
-    from genie import dynamo
     from genie.graph import Ref
 
-    native: list[bool] = []
-    record_graph = dynamo.record_graph
-
-    def counted(*a):
-        r = record_graph(*a)
-        native.append(r is not NotImplemented)
-        return r
-
-    monkeypatch.setattr(dynamo, "record_graph", counted)  # read at each call
+    native = _native_graph_records(monkeypatch)
     torch.manual_seed(0)
     ref = _mlp(8, 2)
     dev = copy.deepcopy(ref).to(DEV)
