@@ -10,11 +10,11 @@ as plain ints and each frame's ``more`` bit.
 
 from __future__ import annotations
 
-import mmap
 import socket
 import struct
 from typing import Any
 
+import numpy
 import zmq
 
 from . import ProtocolError
@@ -291,7 +291,7 @@ class Channel:
                 self._parts.append(memoryview(bytes(self._have[:n])))
                 self._have = self._have[n:]
             else:  # a large part's memory is committed as its bytes arrive, not as declared
-                self._cur = memoryview(mmap.mmap(-1, n) if n >= _READ else bytearray(n))
+                self._cur = _uninitialized(n)
                 self._at = 0
         return out
 
@@ -314,6 +314,14 @@ def _views(bufs: list[Any]) -> list[memoryview]:
     """Each buffer as a flat byte view (to cut where a write stopped)."""
     views = [b if type(b) is memoryview else memoryview(b) for b in bufs]
     return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+
+
+def _uninitialized(n: int) -> memoryview:
+    """``n`` writable bytes, not zeroed: malloc's, so a large part's pages are committed as its
+    bytes arrive (a fresh mapping), or reused where the process keeps freed memory (a worker,
+    :func:`genie.memory.retain_host_memory`; an ``mmap`` of its own per part faulted each of a
+    128 MiB upload's 32k pages in again: 0.78x the throughput)."""
+    return memoryview(numpy.empty(n, numpy.uint8)).cast("B")
 
 
 def _consume(views: list[memoryview], n: int) -> list[memoryview]:
