@@ -10,11 +10,12 @@ as plain ints and each frame's ``more`` bit.
 
 from __future__ import annotations
 
+import mmap
 import socket
 import struct
 from typing import Any
 
-import numpy
+import torch
 import zmq
 
 from . import ProtocolError
@@ -130,10 +131,17 @@ class Channel:
     blocks (:meth:`send`, :meth:`recv`).
     """
 
-    def __init__(self, sock: socket.socket, max_parts: int, max_bytes: int) -> None:
+    def __init__(self, sock: socket.socket, max_parts: int, max_bytes: int,
+                 heap: bool = False) -> None:
         self.sock = sock
         self.max_parts = max_parts
         self.max_bytes = max_bytes
+        # where a large part is received: a mapping of its own (its pages committed as its bytes
+        # arrive, returned to the OS when it is freed: the front), or the heap where this process
+        # keeps freed memory for reuse (a worker: a mapping per part faulted each of a 128 MiB
+        # upload's 32k pages in again, 0.65-0.80x the throughput; in a process that does not keep
+        # it, malloc's own threshold moves and its trimming with it)
+        self.heap = heap
         self._out: list[memoryview] = []  # written, not yet taken by the socket
         self._scratch = bytearray(_READ)
         self._view = memoryview(self._scratch)
@@ -291,7 +299,7 @@ class Channel:
                 self._parts.append(memoryview(bytes(self._have[:n])))
                 self._have = self._have[n:]
             else:  # a large part's memory is committed as its bytes arrive, not as declared
-                self._cur = _uninitialized(n)
+                self._cur = _heap(n) if self.heap else memoryview(mmap.mmap(-1, n))
                 self._at = 0
         return out
 
@@ -316,12 +324,10 @@ def _views(bufs: list[Any]) -> list[memoryview]:
     return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
 
 
-def _uninitialized(n: int) -> memoryview:
-    """``n`` writable bytes, not zeroed: malloc's, so a large part's pages are committed as its
-    bytes arrive (a fresh mapping), or reused where the process keeps freed memory (a worker,
-    :func:`genie.memory.retain_host_memory`; an ``mmap`` of its own per part faulted each of a
-    128 MiB upload's 32k pages in again: 0.78x the throughput)."""
-    return memoryview(numpy.empty(n, numpy.uint8)).cast("B")
+def _heap(n: int) -> memoryview:
+    """``n`` writable bytes, not zeroed, from torch's CPU allocator (malloc's): reused where the
+    process keeps freed memory (a worker, :func:`genie.memory.retain_host_memory`)."""
+    return memoryview(torch.empty(n, dtype=torch.uint8).numpy())
 
 
 def _consume(views: list[memoryview], n: int) -> list[memoryview]:

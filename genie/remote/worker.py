@@ -1306,12 +1306,12 @@ def _outputs(vals: list[torch.Tensor], quota: int) -> tuple[dict[str, Any], list
 
 # --- the worker process ---------------------------------------------------------------------------
 
-def serve_session(fd: int, token: bytes, cfg: Config) -> None:
+def serve_session(fd: int, token: bytes, cfg: Config, retains: bool = False) -> None:
     """The worker's loop on its end of the front's socket pair (``fd``): answer requests until
-    the front closes it."""
+    the front closes it; ``retains``: this process keeps freed host memory for reuse."""
     w = Worker(token, cfg)
     sock = socket.socket(fileno=fd)
-    chan = Channel(sock, MAX_PARTS, channel_limit(cfg.quota))
+    chan = Channel(sock, MAX_PARTS, channel_limit(cfg.quota), heap=retains)
     global _front
     _front = chan
     chan.send([pack({"ready": os.getpid()})])
@@ -1683,7 +1683,7 @@ def _worker_main(fd: int, token: bytes, cfg: Config) -> None:
     got = sandbox(cfg)
     _cuda_limit(cfg)
     logger.debug("genie-server: worker %d sandboxed: %s", os.getpid(), got)
-    serve_session(fd, token, cfg)
+    serve_session(fd, token, cfg, retains=bool(got.get("retain")))
 
 
 def main(argv: list[str] | None = None) -> int:
