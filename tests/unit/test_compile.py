@@ -492,6 +492,14 @@ def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler, m
         torch.testing.assert_close(cm(x).cpu(), ref(xc))
 
 
+def _write_cache(x, y, cache, i):
+    """A graph that writes two of its inputs in place (a static KV cache's ``index_copy_``, an
+    optimizer's ``add_``) and reads both."""
+    cache.index_copy_(0, i, y * 2)
+    x.add_(y)
+    return (x * cache[:2]).sum(0)
+
+
 def _native_graph_records(monkeypatch) -> list[bool]:
     """Per compiled graph call from now on, whether ``genie._C._record_graph`` recorded it
     (``False``: it declined, and the op's own record did)."""
@@ -520,11 +528,7 @@ def test_a_cached_graph_mut_call_is_recorded_natively_as_the_first_call(fast_com
 
     native = _native_graph_records(monkeypatch)
 
-    def f(x, y, cache, i):
-        cache.index_copy_(0, i, y * 2)
-        x.add_(y)
-        return (x * cache[:2]).sum(0)
-
+    f = _write_cache
     cf = torch.compile(f)
     x, cache = torch.randn(2, 3), torch.randn(5, 3)
     xd, cached = x.to(DEV), cache.to(DEV)
@@ -836,11 +840,7 @@ def test_a_graph_writes_the_inputs_it_mutates_in_place(fast_compiler, compiles):
 
         compiled_backend.set_compiler(broken)
 
-    def f(x, y, cache, i):
-        cache.index_copy_(0, i, y * 2)
-        x.add_(y)
-        return (x * cache[:2]).sum(0)
-
+    f = _write_cache
     cf = torch.compile(f)
     x, cache = torch.randn(2, 3), torch.randn(5, 3)
     xd, cached = x.to(DEV), cache.to(DEV)
