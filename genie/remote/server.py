@@ -76,6 +76,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ..index_check import server_scope as index_check_scope
 from . import ProtocolError, peer
 from . import keys as keyring
+from . import logbudget
 from .protocol import PROTOCOL_VERSION, REQUESTS, pack, unpack
 from .sched import LoadMeter
 from .wire import SRCFD, Channel, MAX_PARTS, channel_limit, read_status, readable, recv_parts, \
@@ -152,6 +153,7 @@ class Link:
     killed: str | None = None  # why the front killed the worker (a deadline)
     answered: bool = False  # the running request's client has its reply (an early reply)
     send_to: dict[int, tuple[str, float]] = field(default_factory=dict)
+    tenant: str = ""  # the client key that opened it: whose log budget its lines spend
 
 
 class Server:
@@ -191,6 +193,7 @@ class Server:
         self._answering: tuple[bytes | None, int] | None = None
         self._fd_ident: dict[int, bytes] = {}  # connection (fd) -> peer identity, to cancel
         self._inflight: dict[bytes, tuple[int, Any]] = {}
+        self._from: list[Any] | None = None  # the client message being handled (_incoming)
         # why sessions whose workers died ended (token -> message), the latest MAX_ENDED
         self._ended: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._stop = threading.Event()
@@ -404,6 +407,13 @@ class Server:
 
     # --- clients -> front ---------------------------------------------------------------------
     def _incoming(self, parts: list[zmq.Frame]) -> None:
+        self._from = parts  # whose log budget a refusal's line spends (_send_err)
+        try:
+            self._incoming_from(parts)
+        finally:
+            self._from = None
+
+    def _incoming_from(self, parts: list[zmq.Frame]) -> None:
         ident = parts[0].bytes
         if len(parts) < 2:
             return self._send_err(ident, -1, "protocol", "empty message")
@@ -535,7 +545,7 @@ class Server:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ours.setblocking(False)
         chan = Channel(ours, MAX_PARTS, channel_limit(self.quota))
-        link = Link(tok, chan, self.quota, hello=(ident, rid))
+        link = Link(tok, chan, self.quota, hello=(ident, rid), tenant=principal)
         self.links[tok] = link
         self._meter.bind(tok, principal, alive=self.links)  # whose load it may see
         self._by_sock[chan.fileno()] = link
@@ -627,7 +637,8 @@ class Server:
                     link.hello = None
                     self._inflight.pop(ident, None)
                     logger.info("genie-server: session %s opened (worker %s)",
-                                link.token.hex()[:8], link.pid or internal["ready"])
+                                link.token.hex()[:8], link.pid or internal["ready"],
+                                extra={"tenant": link.tenant})
                     self._send(ident, {"t": "ok", "rid": rid, "session": link.token,
                                        "device": str(self.device), "lease": self.lease,
                                        "quota": self.quota, "torch": torch.__version__,
@@ -780,7 +791,8 @@ class Server:
                 f"memory); the session and its {link.res[0]} resident tensors are gone. Other "
                 "sessions are not affected. Run the failing program eagerly on the CPU to find "
                 "the op, or report it with the server's log")
-        logger.warning("genie-server: session %s: %s", link.token.hex()[:8], msg)
+        logger.warning("genie-server: session %s: %s", link.token.hex()[:8], msg,
+                       extra={"tenant": link.tenant})
         self._ended[link.token] = msg  # told to the token's holder when it next asks
         while len(self._ended) > MAX_ENDED:
             self._ended.popitem(last=False)
@@ -816,7 +828,7 @@ class Server:
                 os.kill(link.pid, signal.SIGKILL)
         if why is not None:
             logger.info("genie-server: session %s %s; freed %d tensors (%d bytes)",
-                        link.token.hex()[:8], why, *link.res)
+                        link.token.hex()[:8], why, *link.res, extra={"tenant": link.tenant})
 
     # --- housekeeping -----------------------------------------------------------------------------
     def _disconnects(self) -> None:
@@ -880,8 +892,21 @@ class Server:
         send_parts(self._sock, [ident, pack(h), *frames])
 
     def _send_err(self, ident: bytes, rid: int, kind: str, msg: str) -> None:
-        logger.info("genie-server: refused a request (%s): %s", kind, msg)
+        logger.info("genie-server: refused a request (%s): %s", kind, msg,
+                    extra={"tenant": self._tenant()})
         self._send(ident, {"t": "err", "rid": rid, "kind": kind, "msg": msg})
+
+    def _tenant(self) -> str:
+        """The client key of the message being handled: whose log budget a line about it spends
+        (one budget for all without CURVE, where anyone may connect, and for what no client
+        message caused)."""
+        parts = self._from
+        if parts is None or len(parts) < 2 or self._keyring is None:
+            return ""
+        try:
+            return parts[1].get("User-Id")
+        except (zmq.ZMQError, UnicodeDecodeError):
+            return ""
 
     def _close(self) -> None:
         t0 = time.monotonic()
@@ -1099,6 +1124,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     _log_off_the_loop()
+    logbudget.install(keyed=True)
     os.environ.pop("GENIE_SERVER", None)  # the workers run tapes themselves
     server = server_from_args(a)
     server.start()

@@ -68,7 +68,7 @@ from .. import _C, backends, graphs, tape_io
 from ..errors import ExecutionError
 from ..index_check import IndexCheck, IndexOutOfRange
 from ..memory import retain_host_memory, retain_limit
-from . import ProtocolError, allowlist, compiler, peer, wire
+from . import ProtocolError, allowlist, compiler, logbudget, peer, wire
 from ..backends import native_replay
 from ..planner import Tape
 from .guard import QuotaError, RunTimeout, run_guarded, vet_tape
@@ -1691,6 +1691,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=os.environ.get("GENIE_LOG_LEVEL", "WARNING").upper(),
                         format="%(asctime)s %(name)s: %(message)s")
+    # each worker (forked from here) is one session: its lines spend one budget, its own
+    logbudget.install(keyed=False)
     cfg = Config.from_json(argv[1])
     os.environ.pop("GENIE_SERVER", None)  # the worker runs tapes itself
     backends.set_backends([n for n in backends.backend_order() if n != "remote"])

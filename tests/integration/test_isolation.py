@@ -422,3 +422,50 @@ def test_a_server_logging_to_a_file_keeps_its_workers_log(tmp_path) -> None:
     text = log.read_text()
     assert re.search(r"genie\.server\.worker: genie-server: worker \d+ sandboxed: .*'fsize': 0",
                      text), text[-2000:]
+
+
+def test_a_tenant_cannot_flood_the_servers_log(tmp_path) -> None:
+    """Each refused or failed request is a line in the server's log (a traceback, for an
+    internal error): a key holder that sends bad requests in a loop filled the disk the log goes
+    to. Now each session's worker, and each client key in the front, has a log budget
+    (genie.remote.logbudget; 5 records at once, then one a second here): the flood is dropped
+    and counted, another session's lines still reach the log."""
+    log = tmp_path / "server.log"
+    (tmp_path / "keys").mkdir(mode=0o700)
+    os.environ["GENIE_SERVER_LOG_BUDGET"] = "5/1"
+    try:
+        s = ServerProc(tmp_path / "keys", "--quota", "64MiB", log_level="INFO", log=log)
+    finally:
+        del os.environ["GENIE_SERVER_LOG_BUDGET"]
+    x = torch.zeros(4)
+
+    def bad(sess: Session, name: str) -> None:
+        r = sess.run([f"aten::{name}.default"], [[0, 0, [-1], [0], [], False]], [host(x, 0)],
+                     (tensor_frame(x)[0],), specs=[A1])
+        err(r, "protocol", name)
+
+    try:
+        a, v = Session(s), Session(s)
+        t0 = time.monotonic()
+        for _ in range(60):
+            bad(a, "attacker_flood")  # refused in a's worker: a line in its log each
+            err(a.ask({"t": "ping", "s": b"\0" * 16}), "session")  # refused by the front
+        elapsed = time.monotonic() - t0
+        bad(v, "victim_line")  # another session's worker: its own budget
+        time.sleep(1.5)
+        bad(a, "attacker_after")  # the budget refilled: it passes, saying what was dropped
+        a.close()
+        v.close()
+    finally:
+        assert s.stop() == 0
+    text = log.read_text()
+    allowed = 5 + int(elapsed) + 2
+    flood = text.count("attacker_flood")
+    assert 5 <= flood <= allowed, (flood, elapsed, text[-3000:])
+    refusals = text.count("refused a request (session)")  # (the sessions' opening lines and
+    assert 1 <= refusals <= allowed, (refusals, elapsed, text[-3000:])  # these share a budget)
+    assert "earlier log record(s) of this client's dropped" in text, text[-3000:]
+    assert "victim_line" in text, text[-3000:]
+    line = next(ln for ln in text.splitlines() if "attacker_after" in ln)
+    dropped = re.search(r"and (\d+) earlier log record\(s\) of this session's dropped", line)
+    assert dropped and flood + int(dropped[1]) >= 60, line
