@@ -25,6 +25,7 @@
 #include "session.h"
 #include "shape_rules.h"
 #include "state.h"
+#include "walk.h"
 #include "warnings.h"
 #include "whole.h"
 
@@ -334,6 +335,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   genie::add_shape_rule_functions(m);
   genie::add_state_functions(m);
   genie::add_warning_functions(m);
+  genie::add_walk_functions(m);
   genie::add_storage_functions(m);
   genie::add_session_functions(m);
 }

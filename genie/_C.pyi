@@ -148,6 +148,12 @@ def _record_sync_counts() -> None:
 def _context_init(objects: dict[str, object]) -> bool:
     """Give _ctx_push/_ctx_pop genie.context's thread-local stack (``tls``) and its ``Context``
     and ``Call`` classes; returns whether the native record path is initialized."""
+def _lazy_walk(obj: object, kinds: dict[type, int], kind: object,
+               atoms: frozenset[type]) -> list[object]:
+    """``genie.context._lazy_tensors`` natively (csrc/walk.cpp): the tensors with a recorded
+    node in ``obj``'s lists, tuples, dicts and objects' ``__dict__``, to depth 6; ``kinds``:
+    what to do with each type (filled by ``kind(x)`` for a type not seen yet); values whose
+    type is in ``atoms`` are not visited."""
 def _ctx_push(module: object) -> tuple[object, object, object] | None:
     """genie.context._module_call's inline path: push ``module``'s context inside a module
     call and return the stack entry, or None where the Python code decides."""

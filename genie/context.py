@@ -49,9 +49,10 @@ from typing import Any
 
 import torch
 
-from ._C import _context_init, _module_call as _native_module_call
+from ._C import _context_init, _lazy_walk, _module_call as _native_module_call, \
+    _record_sync_counts
 from .graph import current
-from .stats import _counts, bump, sync
+from .stats import _counts, bump
 
 _on = os.environ.get("GENIE_CONTEXT", "1").strip() != "0"
 # nn.Module.__call__ replaced by a native object (csrc/record.cpp, ModuleCall): a call that
@@ -123,7 +124,7 @@ _phase_contexts: dict[str, Context] = {}
 
 
 def _recorded() -> int:
-    sync()
+    _record_sync_counts()  # the native record's counts (all of sync(): ~1 µs more a call)
     return _counts["ops_recorded"] + _counts["factories_recorded"]
 
 
@@ -496,52 +497,15 @@ def _kind(x: Any) -> int:
 
 def _lazy_tensors(obj: Any) -> list[Any]:
     """Lazy tensors (tensors with a recorded node) in a call's arguments: through lists,
-    tuples, dicts and the attributes of plain objects (cache objects), a few levels deep.
+    tuples, dicts and the attributes of plain objects (cache objects), a few levels deep
+    (depth 6; each container once).
 
-    Runs at every outermost module call (a decode step's KV cache object: ~40 objects), so
-    numbers, strings and None are dropped before they are pushed, and what to do with an object
-    is looked up by its type (:data:`_kinds`: up to four isinstance calls less per object; a
-    12-layer GPT-2 decode step's arguments, 25 lazy tensors: 15.8 -> 9.2 µs)."""
-    found: list[Any] = []
-    seen: set[int] = set()  # identities only to stop cycles; never part of an id or key
-    todo: list[Any] = [obj]  # iterative: a recursive closure would be a cycle holding the
-    depths: list[int] = [0]  # tensors until a collection
-    atoms = _ATOMS
-    kinds = _kinds
-    while todo:
-        x = todo.pop()
-        depth = depths.pop()
-        t = type(x)
-        k = kinds.get(t)
-        if k is None or x.__class__ is not t:
-            k = _kind(x)
-            if x.__class__ is t and len(kinds) < 4096:  # bounded: types made per call
-                kinds[t] = k
-        if k == _TENSOR:
-            if getattr(x, "_node", None) is not None:
-                found.append(x)
-            continue
-        if depth > 6 or k == _SKIP:
-            continue
-        i = id(x)
-        if i in seen:
-            continue
-        seen.add(i)
-        if k == _SEQ:
-            vals: Any = x
-        elif k == _DICT:
-            vals = x.values()
-        else:
-            d = getattr(x, "__dict__", None)
-            if not isinstance(d, dict):
-                continue
-            vals = d.values()
-        depth += 1
-        for v in vals:
-            if type(v) not in atoms:
-                todo.append(v)
-                depths.append(depth)
-    return found
+    Runs at every outermost module call (a decode step's KV cache object: ~25 objects), natively
+    (``genie._C._lazy_walk``, csrc/walk.cpp: ~13 -> ~1 µs a token of a GPT-2 generate): numbers,
+    strings and None are dropped before they are pushed, and what to do with an object is looked
+    up by its type (:data:`_kinds`, filled by :func:`_kind`; an object that reports another
+    ``__class__`` is classified each time)."""
+    return _lazy_walk(obj, _kinds, _kind, _ATOMS)
 
 
 _NO_NAMES: dict[Any, str] = {}

@@ -604,3 +604,75 @@ def test_lazy_tensors_walks_containers_objects_and_reported_classes_the_same_eve
     for _ in range(2):  # the second walk answers from the types it remembered
         got = context._lazy_tensors(args)
         assert sorted(id(t) for t in got) == sorted(id(t) for t in (a, b, c, d, e))
+
+
+def _walk_reference(obj):
+    """context._lazy_tensors as it was written in Python (before csrc/walk.cpp), in its order:
+    the reference the native walk is checked against."""
+    found, seen, todo = [], set(), [(obj, 0)]
+    while todo:
+        x, depth = todo.pop()
+        k = context._kind(x)
+        if k == context._TENSOR:
+            if getattr(x, "_node", None) is not None:
+                found.append(x)
+            continue
+        if depth > 6 or k == context._SKIP or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if k == context._SEQ:
+            vals = x
+        elif k == context._DICT:
+            vals = x.values()
+        else:
+            d = getattr(x, "__dict__", None)
+            if not isinstance(d, dict):
+                continue
+            vals = d.values()
+        todo += [(v, depth + 1) for v in vals if type(v) not in context._ATOMS]
+    return found
+
+
+def test_lazy_tensors_finds_what_the_python_walk_found_in_its_order():
+    """The native walk (csrc/walk.cpp) against the Python one it replaces: the same tensors in
+    the same order through cycles, shared containers, the depth limit (a tensor in a container
+    6 levels down is found, 7 down is not), iterables that are list or tuple subclasses with
+    their own ``__iter__``, dict subclasses with their own ``values()``, objects with slots only, host
+    tensors and modules (not entered)."""
+    class Rev(list):
+        def __iter__(self):
+            return reversed(list(list.__iter__(self)))
+
+    class Vals(dict):
+        def values(self):
+            return [v for _, v in sorted(self.items())]
+
+    class Slotted:
+        __slots__ = ("t",)
+
+        def __init__(self, t):
+            self.t = t
+
+    class Obj:
+        pass
+
+    ts = [torch.ones(2, device=D) * k for k in range(12)]
+    deep = ts[0]
+    for _ in range(5):  # found: its list is 6 containers down (the outer tuple is 0)
+        deep = [deep]
+    too_deep = ts[1]
+    for _ in range(6):  # not found: its list is 7 down
+        too_deep = [too_deep]
+    o = Obj()
+    o.cache = [(ts[2], ts[3]), (ts[4], ts[5])]
+    o.me = o  # a cycle
+    shared = [ts[6]]
+    args = ((deep, too_deep, o, shared, shared, Rev([ts[7], ts[8], 1]),
+             Vals(b=ts[9], a=ts[10]), Slotted(ts[11]), nn.Linear(2, 2).to(D), torch.ones(3)),
+            {"past": o, "x": ts[3], "n": 5, "s": "text", "none": None})
+    want = _walk_reference(args)
+    ids = {id(t) for t in want}
+    assert id(ts[0]) in ids and id(ts[1]) not in ids and id(ts[11]) not in ids and len(want) > 8
+    for _ in range(2):  # the second walk answers from the types it remembered
+        got = context._lazy_tensors(args)
+        assert [id(t) for t in got] == [id(t) for t in want]
