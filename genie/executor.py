@@ -373,9 +373,41 @@ def host_read(node: Node, out: int) -> torch.Tensor | None:
     it, :func:`genie.executor.with_step`). None: read it from the device."""
     if _steps.pending:
         return None
+    entry = node.entry
+    seen = _refused.get(id(entry)) if entry is not None else None
+    if seen is not None and seen[0] is not entry:
+        seen = None  # another entry, since gone, had that id
+    if seen is not None and seen[1]:  # refused before: the device's value, without a walk
+        _refused[id(entry)] = (entry, seen[1] - 1)
+        return None
     index = node.metas[out].index
-    return _on_host(node, out, lambda n: (n.op == _UPLOAD or n.op in _READ_OPS) and
-                    _host_known(n, index), True)
+    value = _on_host(node, out, lambda n: (n.op == _UPLOAD or n.op in _READ_OPS) and
+                     _host_known(n, index), True)
+    if entry is not None:
+        if value is None:
+            if len(_refused) >= REFUSED_MEMORY:
+                _refused.clear()
+            _refused[id(entry)] = (entry, REFUSED_SKIP)
+        elif seen is not None:
+            del _refused[id(entry)]
+    return value
+
+
+#: :func:`host_read`: a read whose node's meta-cache entry (op, arguments, input metadata: the
+#: same read site of a loop) was refused goes to the device without a walk for the next
+#: ``REFUSED_SKIP`` reads of that entry, then is tried again. A generate loop's stopping check
+#: (``unfinished.max() == 0``, its lineage reaching the last token's logits) was refused every
+#: token after a walk of ~25-45 us with the caches cold from the token's recording. A read sent
+#: to the device instead is the same value (the host reads only what the device computes
+#: exactly), at most a round trip more
+_refused: dict[int, tuple[Any, int]] = {}  # id(entry) -> (entry, reads left to skip)
+REFUSED_SKIP = 15
+REFUSED_MEMORY = 256
+
+
+def forget_refusals() -> None:
+    """Try every read site on the host again (:func:`host_read`; a new session)."""
+    _refused.clear()
 
 
 def _host_known(n: Node, index: int) -> bool:

@@ -172,6 +172,7 @@ def connect(address: str | Sequence[str] | None = None, *, key_file: str | None 
                 c.close()
             raise
     _clients[:] = new
+    executor.forget_refusals()
     global _router
     if policy != "fixed" and len(new) > 1:
         from ..remote.placement import Router

@@ -198,6 +198,27 @@ def test_small_exact_checks_on_host_made_values_cost_no_round_trip(remote) -> No
     assert st.get("host_reads", 0) == 0 and st["round_trips"] == 2, st
 
 
+def test_a_read_site_the_host_refused_is_tried_again_only_now_and_then(remote,
+                                                                      monkeypatch) -> None:
+    """A read site whose value the host could not evaluate (float arithmetic: the device's
+    answer) goes to the device without another walk of its lineage for the next
+    ``REFUSED_SKIP`` reads of that site (a generate loop's stopping check, once per token),
+    then is tried again; eager's values throughout, one round trip a read."""
+    from genie import executor
+
+    walks = []
+    real = executor._on_host
+    monkeypatch.setattr(executor, "_on_host", lambda *a: walks.append(1) or real(*a))
+    x, xc = torch.tensor([1.5, -2.0], device=DEV), torch.tensor([1.5, -2.0])
+    n = 2 * (executor.REFUSED_SKIP + 1) + 1
+    genie.reset_stats()
+    got = [bool((x * (k - 20) > 0).any()) for k in range(n)]
+    assert got == [bool((xc * (k - 20) > 0).any()) for k in range(n)]
+    st = genie.stats()
+    assert len(walks) == 3 and st.get("host_reads", 0) == 0 and st["round_trips"] == n, \
+        (len(walks), st)
+
+
 def test_stopping_check_of_every_token_costs_no_round_trip(remote) -> None:
     """generate's stopping check, once per token: ``unfinished = unfinished & ~done`` then
     ``unfinished.max() == 0``. Its lineage grows by a few nodes a token; the host starts each read
