@@ -321,9 +321,12 @@ def frame_tensor(buf: Any, ref: FrameRef, copy: bool) -> torch.Tensor:
         # a scalar read: the bytes cloned, as bytes, into fresh aligned memory of the allocator
         # (torch alone: a client reads one after every wait on the server, when numpy's path
         # was no longer in the caches, ~20 us more a read on a loaded machine)
-        flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8).clone().view(ref.dtype)
-        return flat.view(ref.shape) if ref.stride is None else \
-            flat.as_strided(ref.shape, ref.stride)
+        # (as the dtype at once, no view of a shape that is already the flat one: a scalar
+        # read is three torch calls, each ~5-10 us with those caches cold)
+        flat = torch.frombuffer(bytearray(buf), dtype=ref.dtype).clone()
+        if ref.stride is not None:
+            return flat.as_strided(ref.shape, ref.stride)
+        return flat if len(ref.shape) == 1 else flat.view(ref.shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only buffers: we copy or only read
         raw = torch.frombuffer(buf, dtype=torch.uint8)
@@ -515,10 +518,26 @@ def encode_tape(tape: Tape, input_const: Any, hoist: bool = False) -> Encoded:
         where = wire.where
         part = pw.consts.copy()
         starts = pw.starts
+        seen = pw.seen
         for w in itertools.compress(range(len(where)),
                                     map(operator.is_not, map(instrs.__getitem__, pw.at), pw.own)):
             i, js = where[w]
-            part[starts[w]:starts[w] + len(js)] = _leaf_consts(instrs[i], js, frames)
+            ins = instrs[i]
+            leaves = ins.leaves
+            last = seen[w]
+            if last is not None and (last[0] is leaves or (
+                    last[0] == leaves and all(map(same_const, map(last[0].__getitem__, last[2]),
+                                                  map(leaves.__getitem__, last[2]))))):
+                vals = last[1]  # this call's constants are the last call's
+            else:
+                nf = len(frames)
+                vals = _leaf_consts(ins, js, frames)
+                if len(frames) == nf and ins.rng is None and \
+                        not any(isinstance(x, torch.Tensor) for x in leaves):
+                    # (floats compared as constants: == takes -0.0 for 0.0)
+                    seen[w] = (leaves, vals,
+                               tuple(j for j, x in enumerate(leaves) if type(x) is float))
+            part[starts[w]:starts[w] + len(js)] = vals
         consts += part
         return Encoded(wire.key, wire.skeleton, consts, frames, wire.order, wire.hoisted)
     shape = (hoist, _structure(tape, inputs))
@@ -541,7 +560,7 @@ def encode_tape(tape: Tape, input_const: Any, hoist: bool = False) -> Encoded:
                        len(frames) == nf else None)
         if plan is not None:
             plan.artifacts[wkey] = _PlanWire(memo, [i for i, _ in memo.where], own,
-                                             consts[n_consts:], starts)
+                                             consts[n_consts:], starts, [None] * len(own))
         return Encoded(memo.key, memo.skeleton, consts, frames, memo.order, memo.hoisted)
     keep = tape.keep
     # uploads of kept values: sent as input uploads (their instruction index by slot)
@@ -669,13 +688,19 @@ class _PlanWire:
     (``own``; None: rebuilt every call, a random op or one with a host tensor) and where its
     constants start in ``consts`` (``starts``), the constants of those entries as first sent.
     A plan-cache hit reuses the plan's object for an instruction whose constants are the
-    plan's, so a call re-encodes only the entries whose instruction is not that object."""
+    plan's, so a call re-encodes only the entries whose instruction is not that object, and of
+    those (``seen``: per entry, the leaves of its last encoding, their constants and the
+    positions of float leaves) only the ones whose leaves differ from the last call's: a shape-
+    generic plan rebuilds every instruction of a shape that moves (a GPT-2 token's growing KV
+    cache: 39 of a 4x128 token's instructions, nearly all of the same constants as the token
+    before)."""
 
     wire: _Wire
     at: list[int]
     own: list[Any]
     consts: list[Any]
     starts: list[int]
+    seen: list[Any]
 
 
 #: where a plan keeps its encoding (:attr:`genie.plan_cache.Plan.artifacts`)

@@ -63,3 +63,46 @@ def test_steady_steps_encode_as_from_scratch():
             seen_plan_wire += isinstance(pw, protocol._PlanWire)
             y.item()  # runs it (the plan matches again), so the next step starts clean
     assert seen_plan_wire >= 6  # the steady path ran (not only encodings from scratch)
+
+
+def _same_consts(a: list, b: list) -> bool:
+    """Constant lists equal as the wire tells them apart (``0.0`` from ``-0.0``, ``1`` from
+    ``True``), not as ``==`` does."""
+    from genie.graph import same_const
+
+    return len(a) == len(b) and all(type(x) is type(y) and same_const(x, y)
+                                    for x, y in zip(a, b, strict=True))
+
+
+def test_a_moving_shape_reencodes_only_constants_that_changed(monkeypatch):
+    """A shape-generic plan rebuilds every instruction whose shapes moved (a KV cache growing
+    by a token), though most of their constants are the last call's: those are taken from the
+    last encoding (``_PlanWire.seen``), the others encoded again, exactly (a float that turns
+    from ``0.0`` to ``-0.0`` is a change, though ``==`` says it is not)."""
+    plan_cache.clear()
+    torch.manual_seed(0)
+    w = torch.randn(4).to(DEV)
+    h = w[:2].clone()
+    genie.materialize(h)
+    leaf_calls = []
+    real = protocol._leaf_consts
+    monkeypatch.setattr(protocol, "_leaf_consts",
+                        lambda ins, js, frames: leaf_calls.append(ins) or real(ins, js, frames))
+    steady = rebuilt = 0
+    for step, scale in enumerate([1.5, 1.5, 1.5, 0.0, -0.0, -0.0, 0.0, 2.0, 2.0]):
+        h = torch.cat([h, w[:1]])  # grows: the plan's shapes move every step
+        y = (h.view(-1, 1) * scale).sum() + h.narrow(0, 0, step + 2).sum()
+        tape = plan_cache.plan([(y._node, 0)], True)
+        del leaf_calls[:]
+        got = _encode(tape)
+        n_got = len(leaf_calls)
+        want = _encode(_bare(tape))
+        assert got[0] == want[0]
+        assert _same_consts(got[1], want[1]), (step, got[1], want[1])
+        pw = tape.plan.artifacts.get(protocol._WIRE) if tape.plan is not None else None
+        if step >= 3 and isinstance(pw, protocol._PlanWire):
+            steady += n_got  # encoded again, of the entries the plan-cache hit rebuilt
+            rebuilt += sum(tape.instrs[i] is not o for i, o in zip(pw.at, pw.own, strict=True))
+        y.item()
+        genie.materialize(h)
+    assert rebuilt > 0 and steady < rebuilt * 2 / 3, (steady, rebuilt)
