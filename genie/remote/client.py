@@ -117,8 +117,9 @@ def _host_tensor(buf: Any, m: list[Any]) -> torch.Tensor:
     it is :data:`ALIGN`-aligned (chunks joined, see :func:`~genie.remote.protocol.join_frames`:
     this process's alone and writable; the tensor keeps it alive), else a copy."""
     ref = FrameRef(0, dtype_of(m[0]), tuple(m[1]), None if m[2] is None else tuple(m[2]))
-    t = frame_tensor(buf, ref, copy=frame_view(buf).nbytes < ZERO_COPY_MIN)
-    if t.data_ptr() % ALIGN:  # a received frame: not where eager's allocator would put it
+    copy = (buf.nbytes if type(buf) is memoryview else frame_view(buf).nbytes) < ZERO_COPY_MIN
+    t = frame_tensor(buf, ref, copy)  # a copy is the allocator's memory
+    if not copy and t.data_ptr() % ALIGN:  # a received frame: not where eager's would be
         t = t.clone(memory_format=torch.preserve_format)
     t._genie_own = True  # no one else holds it: `.cpu()` returns it without another copy
     return t
