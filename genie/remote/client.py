@@ -90,7 +90,7 @@ from .protocol import (
 )
 from .handle import Handle
 from .residency import Residency, Resident, dense
-from .wire import recv_parts, send_parts
+from .wire import NOBLOCK, recv_parts, send_parts
 
 logger = logging.getLogger("genie.remote")
 
@@ -350,7 +350,9 @@ class Client:
         up = transfer_started("upload", size, self.address)
         sent_at = time.perf_counter()
         try:
-            send_parts(self._sock, [data, *frames])
+            send_parts(self._sock, [data, *frames], NOBLOCK)
+        except zmq.Again:
+            self._send_when_writable([data, *frames], what)
         except zmq.ZMQError as e:
             raise self._fail(ServerUnavailableError(self.address, f"cannot send {what}: {e}")
                              ) from None
@@ -358,6 +360,35 @@ class Client:
         bump("bytes_sent", len(data) + size)
         self._last_activity = time.monotonic()
         return _Sent(rid, what, len(data), size, up, sent_at)
+
+    def _send_when_writable(self, parts: list[Any], what: str) -> None:
+        """Send ``parts`` once the socket takes them: it refuses while it has no connection (a
+        handshake that failed dropped it; a blocking send would wait forever, where the
+        connection's monitor says why), for at most ``timeout`` seconds."""
+        assert self._sock is not None
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLOUT)
+        if self._mon is not None:
+            poller.register(self._mon, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._fail(ServerUnavailableError(
+                    self.address, f"cannot send {what}: no connection to the server within "
+                    f"{self.timeout:g} s{self._lost_note()}. Check that genie-server runs at "
+                    f"{self.address}, then genie.connect() again."))
+            events = dict(poller.poll(min(left, 1.0) * 1000))
+            if self._mon in events:
+                self._read_monitor(what)
+            try:
+                send_parts(self._sock, parts, NOBLOCK)
+                return
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as e:
+                raise self._fail(ServerUnavailableError(self.address,
+                                                        f"cannot send {what}: {e}")) from None
 
     def _receive(self, sent: _Sent) -> tuple[dict[str, Any], list[zmq.Frame]]:
         """The answer to the request ``sent`` (raised as an error when it is one)."""

@@ -45,12 +45,13 @@ def recv_parts(sock: zmq.Socket, flags: int = NOBLOCK) -> list[zmq.Frame]:
     return parts
 
 
-def send_parts(sock: zmq.Socket, parts: list[Any]) -> None:
-    """``sock.send_multipart(parts, copy=False)`` without pyzmq's flag enums (see
-    :func:`recv_parts`)."""
+def send_parts(sock: zmq.Socket, parts: list[Any], flags: int = 0) -> None:
+    """``sock.send_multipart(parts, flags, copy=False)`` without pyzmq's flag enums (see
+    :func:`recv_parts`; with ``NOBLOCK``, only the first part may raise ``zmq.Again``: a
+    message's parts are queued together)."""
     for p in parts[:-1]:
-        sock.send(p, SNDMORE, copy=False)
-    sock.send(parts[-1], 0, copy=False)
+        sock.send(p, SNDMORE | flags, copy=False)
+    sock.send(parts[-1], flags, copy=False)
 
 
 #: a session worker's status, the first frame of its replies to the front (``[status, header,

@@ -677,6 +677,29 @@ def test_unauthenticated_clients_are_refused(server: ServerProc) -> None:
         Client(server.address, timeout=5)  # no keys at all: refused before connecting
 
 
+def test_a_refused_key_is_named_when_the_handshake_failed_before_the_first_send(
+        server: ServerProc, monkeypatch) -> None:
+    """A handshake that fails before the client sends its hello drops the connection: a
+    blocking send would wait forever (it did, under load); the client waits at most its timeout
+    for the socket to take the message, and names the refusal."""
+    real = Client._socket
+
+    def slow(self, monitor=False):  # the I/O thread finishes the handshake before the send
+        s, mon = real(self, monitor)
+        time.sleep(1.0)
+        return s, mon
+
+    monkeypatch.setattr(Client, "_socket", slow)
+    pub, sec = zmq.curve_keypair()
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnavailableError, match="refused this client's key"):
+        Client(server.address, server_key=server.keys["server_public_key"],
+               client_public=pub.decode(), client_secret=sec.decode(), timeout=5).open()
+    with pytest.raises(ServerUnavailableError):
+        Client(server.address, insecure=True, timeout=5).open()
+    assert time.monotonic() - t0 < 14
+
+
 def _raw(s: ServerProc) -> zmq.Socket:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
