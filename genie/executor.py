@@ -28,7 +28,7 @@ from .errors import DeviceError, ExecutionError
 from .graph import Node, pending_total
 from .meta import policy
 from .passes import pipeline
-from .planner import PendingSlots, Slot, Tape, build_tape, value_slice
+from .planner import PendingSlots, Slot, Tape, build_tape, raw_instrs, value_slice
 from .profiling import phase
 from .stats import _counts, bump
 from .backends import eager as eager_backend  # noqa: E402 - the backends package is imported above
@@ -97,6 +97,12 @@ def run_tape(tape: Tape, index: int,
             before = _state_apply(next(iter(states)))
         elif not pipeline._not_eager():  # a server or compiled backend runs it as one (a gap)
             per_op = [n.entry.state if n.entry is not None else None for n in tape.nodes]
+    if tape._stale is not None and (per_op is not None or pipeline._not_eager()):
+        # A hit's instructions are left unbuilt (Tape.instrs) only for this process's eager
+        # backend, whose native replay reads their nodes: others read them, and a server's
+        # client first settles the answers of earlier requests, which binds (and empties) the
+        # nodes they ran, some of which a tape sent ahead may share.
+        _ = tape.instrs
     try:
         bits = _math_bits_on()  # real_dispatch(), inline: once per materialization
         try:
@@ -125,7 +131,7 @@ def run_tape(tape: Tape, index: int,
     finally:
         if before is not None:
             _state_apply(before)
-    _counts["nodes_executed"] += len(ran.instrs)
+    _counts["nodes_executed"] += len(raw_instrs(ran))  # (their number: a hit's need not be built)
     outputs = [kept[s] for s in tape.outputs]
     if defer is not None and defer(lambda: _bind_ran(tape, kept, ran, index)):
         return outputs
@@ -156,6 +162,8 @@ def _bind(tape: Tape, kept: dict[int, torch.Tensor], upto: int | None = None,
     the list as it goes (each node it alone held is freed while still in the cache: a 6,480-node
     generate tape freed afterwards cost ~1.5 µs a node in cache misses), so the list holds Nones
     after."""
+    if tape._stale is not None and (upto is not None or not release):
+        _ = tape.instrs  # a hit's instructions, built while its nodes hold their leaves (see below)
     pending = tape._slots
     lazy = pending.outs if type(pending) is PendingSlots else None  # node i's slots, in order
     nodes = tape.nodes
@@ -486,8 +494,10 @@ def _requested(tape: Tape, n: int) -> Tape:
     if len(tape.outputs) <= n:
         return tape
     # (not dataclasses.replace: it walks the fields and costs ~10x this, once per step)
-    return Tape(tape.instrs, tape.inputs, tape.outputs[:n], tape.keep | set(tape.outputs[n:]),
-                tape.nodes, tape._slots, tape.index, tape.plan, tape.generic)
+    r = Tape(raw_instrs(tape), tape.inputs, tape.outputs[:n], tape.keep | set(tape.outputs[n:]),
+             tape.nodes, tape._slots, tape.index, tape.plan, tape.generic)
+    r._stale = tape._stale
+    return r
 
 
 def with_step(targets: list[tuple[Node, int]], index: int) -> list[tuple[Node, int]]:

@@ -205,6 +205,38 @@ class Plan:
         self.fast = not self.writes or self.wsite is not None
         self.flat = _flatten(self)
 
+    def step_instrs(self, tmpl: list[Instr], nodes: list[Node],
+                    stale: tuple[list[int], list[int]]) -> list[Instr]:
+        """The instructions of a hit (:func:`match`) on ``nodes``, from the plan's ``tmpl``:
+        those of ``stale = (plain, shaped)`` rebuilt from their nodes (``plain``: this step's host
+        tensors and floats; ``shaped``: all constants of a node whose shapes differ), and the
+        random ops' with this step's ``(seed, offset)``; the others are the plan's own. Read
+        before the nodes are bound (binding drops their leaves)."""
+        plain, shaped = stale
+        instrs = list(tmpl)
+        _rebuild(instrs, nodes, tmpl, plain, False)
+        _rebuild(instrs, nodes, tmpl, shaped, True)
+        for i in self.rngs:  # random ops: this step's (seed, offset)
+            n, t = nodes[i], tmpl[i]
+            instrs[i] = Instr(n.op, list(instrs[i].leaves), t.spec, t.outs, n.rng, t.free,
+                              n.uid, n.where, t.device)
+        return instrs
+
+    def replay_source(self, tmpl: list[Instr], nodes: list[Node],
+                      stale: tuple[list[int], list[int]]) -> list[Any]:
+        """What a native replay (genie.backends.native_replay) reads a hit's per-step leaves and
+        ``(seed, offset)`` from, without building its instructions: the plan's instruction where
+        the step's is the plan's own, else its node, whose ``leaves`` and ``rng`` hold the values
+        :meth:`step_instrs` would put there (at the positions a replay reads: floats, host
+        tensors, ints and metadata arguments; argument references are registers)."""
+        plain, shaped = stale
+        if not plain and not shaped and not self.rngs:
+            return tmpl
+        src = list(tmpl)
+        for i in (*plain, *shaped, *self.rngs):
+            src[i] = nodes[i]
+        return src
+
     @property
     def key(self) -> str:
         """Deterministic digest (BLAKE2b-128, hex) of the structure: same program, same key."""
@@ -622,10 +654,8 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     found, shaped, changed, islots, inputs = r
     ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs, _ = \
         plan.flat
-    tmpl = plan.instrs
     pin = plan.inputs
     get = found.__getitem__
-    instrs = list(tmpl)
     differs = bool(shaped)
     hsi, hsp, hsv = hosts
     if hsi:  # host tensors (uploads, host constants): parameters of the plan's metadata
@@ -635,24 +665,23 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
                 return None
             if generic and not differs and not y.matches(x):
                 differs = True
+    plain: list[int] = []
     if hsi or changed:  # instructions that take this step's host tensors or floats
         shaped_set = set(shaped)
-        _rebuild(instrs, found, tmpl, [i for i in dict.fromkeys([*hsi, *(fi[k] for k in changed)])
-                                       if i not in shaped_set], False)
+        plain = [i for i in dict.fromkeys([*hsi, *(fi[k] for k in changed)])
+                 if i not in shaped_set]
         for k in changed:  # as instantiate: backends that bake constants in make these inputs
             plan.floats.add((fi[k], fp[k]))
-    if shaped:
-        _rebuild(instrs, found, tmpl, shaped, True)
     if generic and not differs:
         differs = _inputs_differ(inputs, pin) if config.native_slice else NotImplemented
         if differs is NotImplemented:
             differs = any_input_differs(inputs, pin)
-    for i in plan.rngs:  # random ops: this step's (seed, offset)
-        n, t = found[i], tmpl[i]
-        instrs[i] = Instr(n.op, list(instrs[i].leaves), t.spec, t.outs, n.rng, t.free,
-                          n.uid, n.where, t.device)
-    return Tape(instrs, inputs, list(want_out), set(plan.keep), found, PendingSlots(outs, islots),
-                plan.index, plan, differs)
+    # the instructions are built when the tape's are first read (Tape.instrs, Plan.step_instrs):
+    # a native replay reads this step's leaves from the nodes (Plan.replay_source)
+    tape = Tape(plan.instrs, inputs, list(want_out), set(plan.keep), found,
+                PendingSlots(outs, islots), plan.index, plan, differs)
+    tape._stale = (plain, shaped)
+    return tape
 
 
 

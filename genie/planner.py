@@ -56,7 +56,15 @@ class Instr:
 
 @dataclass(slots=True)
 class Tape:
-    """A linear program: inputs (real tensors by slot), instructions, outputs and kept slots."""
+    """A linear program: inputs (real tensors by slot), instructions, outputs and kept slots.
+
+    A plan-cache hit's instructions are built when :attr:`instrs` is first read: until then the
+    slot holds its plan's shared list and ``_stale`` says which of them the step's nodes change
+    (their host tensors, floats, shapes and random offsets:
+    :meth:`genie.plan_cache.Plan.step_instrs`). A native replay reads those from the nodes
+    themselves (:meth:`genie.plan_cache.Plan.replay_source`), so a step that only replays builds
+    none (a GPT-2 decode step rebuilt and freed ~100 instructions, ~60 µs).
+    """
 
     instrs: list[Instr]
     inputs: dict[int, torch.Tensor]
@@ -70,6 +78,9 @@ class Tape:
     # True when the tape differs from its plan in shapes (ints, metadata arguments, host tensor
     # and input shapes): backends that bake the plan's shapes in must not reuse their artifact
     generic: bool = False
+    # a plan-cache hit's instructions not built yet (see above): set after construction, never
+    # copied (dataclasses.replace reads :attr:`instrs`, which builds them first)
+    _stale: Any = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def slots(self) -> dict[tuple[int, int], int]:
@@ -78,6 +89,33 @@ class Tape:
         if type(s) is PendingSlots:
             s = self._slots = s.build(self.nodes)
         return s
+
+
+_instrs_slot = Tape.instrs  # the slot's own descriptor, wrapped by the property below
+
+
+def _instrs_get(tape: Tape) -> list[Instr]:
+    stale = tape._stale
+    if stale is not None:
+        _instrs_slot.__set__(tape, tape.plan.step_instrs(_instrs_slot.__get__(tape, Tape),
+                                                         tape.nodes, stale))
+        tape._stale = None
+    return _instrs_slot.__get__(tape, Tape)
+
+
+def _instrs_set(tape: Tape, instrs: list[Instr]) -> None:
+    _instrs_slot.__set__(tape, instrs)
+    tape._stale = None
+
+
+Tape.instrs = property(_instrs_get, _instrs_set,  # type: ignore[assignment, method-assign]
+                       doc="The instructions to run, in order (a hit's built on first read).")
+
+
+def raw_instrs(tape: Tape) -> list[Instr]:
+    """``tape``'s instruction list as it is held, without building a hit's (its length is the
+    tape's; where ``tape._stale`` is set, the stale ones are still the plan's)."""
+    return _instrs_slot.__get__(tape, Tape)
 
 
 @dataclass(frozen=True, slots=True)

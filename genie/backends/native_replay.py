@@ -57,7 +57,7 @@ from ..config import config, logger
 from ..device import real_device
 from ..errors import ExecutionError
 from ..meta import policy
-from ..planner import MetaArg, Slot, Tape
+from ..planner import MetaArg, Slot, Tape, raw_instrs
 from ..stats import _counts, _syncs, bump
 
 UPLOAD = "genie.upload"
@@ -94,11 +94,14 @@ class Program:
         those slots defined then; what it raises is instruction ``i``'s failure (a server's
         index check, :meth:`genie.index_check.IndexCheck.points`)."""
         devices = [dev, *map(real_device, self.others)] if self.others else [dev]
+        stale = tape._stale  # a hit whose instructions are not built: read from its nodes
+        instrs = tape.instrs if stale is None else \
+            tape.plan.replay_source(raw_instrs(tape), tape.nodes, stale)
         if early is None and check is None:
-            r = self.native.run(tape.inputs, tape.instrs, devices)
+            r = self.native.run(tape.inputs, instrs, devices)
         else:
             fn, at, slots = check if check is not None else (None, (), ())
-            r = self.native.run(tape.inputs, tape.instrs, devices, split, early, fn, at, slots)
+            r = self.native.run(tape.inputs, instrs, devices, split, early, fn, at, slots)
         if type(r) is tuple:  # (failing instruction, the exception it raised, live values)
             i, e, live = r
             ins = tape.instrs[i]

@@ -159,6 +159,56 @@ def test_shape_generic_decode_loop_with_growing_length():
     assert any("native_generic" in p.artifacts for p in plan_cache.cache().plans())
 
 
+def test_a_hit_replays_from_its_nodes_without_building_its_instructions(monkeypatch):
+    """A plan-cache hit's instructions are built only when read (``Tape.instrs``): a native
+    replay reads the step's floats, host tensors, shapes and ``(seed, offset)`` from its nodes
+    (``Plan.replay_source``). Values as eager's (random ones as the interpreter's), with the
+    instructions built once per plan (its program compiled from them), then never (without
+    passes: an optimized plan's script reads the step's instructions)."""
+    from genie import memory, passes
+
+    monkeypatch.setattr(passes.pipeline, "_config", {**passes.pipeline._config, "names": ()})
+    monkeypatch.setattr(memory, "_tracking", [False])  # (peaks read the built instructions)
+    built = []
+    step_instrs = plan_cache.Plan.step_instrs
+
+    def counted(plan, *a):
+        built.append(plan)
+        return step_instrs(plan, *a)
+
+    monkeypatch.setattr(plan_cache.Plan, "step_instrs", counted)
+    w_cpu = torch.randn(3, 3)
+    w = w_cpu.to(D)
+    genie.materialize(w)
+
+    def rand(step: int, dev: str) -> torch.Tensor:
+        torch.manual_seed(step)  # a new (seed, offset) every step
+        return torch.rand(3, 3, device=dev) + torch.randn(3, 3, device=dev)
+
+    def grow(n: int, dev: str) -> torch.Tensor:  # new shapes every step: a generic hit
+        x = torch.arange(n * 3, device=dev, dtype=torch.float32).view(n, 3)
+        return torch.cat([x, x * 0.5], 0).sum(0) + torch.zeros(n, 1, device=dev).sum()
+
+    config.native_replay = "0"
+    randoms = [rand(step, D).cpu() for step in range(5)]  # (generated code reads instructions)
+    config.native_replay = "1"
+    built.clear()
+    plan_cache.clear()
+    genie.reset_stats()
+    for step in range(5):
+        lr, host = 0.1 / (step + 1), torch.randn(3, 3)
+        want = [t.cpu() for t in _step(w_cpu.to(EAGER), lr, host, EAGER)]
+        got = [t.cpu() for t in genie.materialize(*_step(w, lr, host, D))]
+        for a, b in zip(got, want, strict=True):
+            _same(a, b)
+        _same(rand(step, D).cpu(), randoms[step])
+        _same(grow(step + 2, D).cpu(), grow(step + 2, EAGER).cpu())
+    s = genie.stats()
+    assert s["plan_cache_hits"] >= 12 and s["plan_cache_generic_hits"] >= 3
+    assert s["native_replays"] >= 12
+    assert len(built) == len(set(map(id, built))) == 3  # once per plan: its program's compile
+
+
 @pytest.mark.kernel_error
 @pytest.mark.parametrize("mode", ["1", "always"])
 def test_error_names_the_op_with_eagers_exception(mode):

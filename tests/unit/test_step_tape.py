@@ -225,14 +225,17 @@ def test_requested_tape_keeps_every_field_but_the_step_targets():
     import dataclasses
 
     from genie.executor import _requested
-    from genie.planner import PendingSlots, Tape
+    from genie.planner import PendingSlots, Tape, raw_instrs
 
     slots = PendingSlots([(1,), (2,), (3,)], {})
     t = Tape([], {0: torch.ones(1)}, [1, 2, 3], {7}, [], slots, 2, "plan", True)
+    t._stale = stale = ([], [])  # a hit's instructions not built yet: passed on unbuilt
     r = _requested(t, 1)
+    assert r._stale is stale and raw_instrs(r) is raw_instrs(t)
+    r._stale = t._stale = None
     names = [f.name for f in dataclasses.fields(Tape)]
     assert names == ["instrs", "inputs", "outputs", "keep", "nodes", "_slots", "index", "plan",
-                     "generic"], "a new Tape field: executor._requested must pass it on"
+                     "generic", "_stale"], "a new Tape field: executor._requested must pass it on"
     for name in names:
         if name not in ("outputs", "keep"):
             assert getattr(r, name) is getattr(t, name), name
