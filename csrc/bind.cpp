@@ -389,14 +389,13 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
 
 namespace {
 
-// A new reference to `o.name`, or nullptr (no error) when `o` has no such attribute.
+// A new reference to `o.name`, or nullptr (no error) when `o` has no such attribute: without
+// making the AttributeError a plain getattr raises (and clears) for it, as getattr(o, name, None)
+// does (an optimizer's CPU `step` tensors, one per parameter of an AdamW step, have no `_node`).
 PyObject* attr_or_null(PyObject* o, PyObject* name) {
-  PyObject* r = PyObject_GetAttr(o, name);
-  if (r == nullptr) {
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-      throw py::error_already_set();
-    }
-    PyErr_Clear();
+  PyObject* r = nullptr;
+  if (_PyObject_LookupAttr(o, name, &r) < 0) {
+    throw py::error_already_set();
   }
   return r;
 }
