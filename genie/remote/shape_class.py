@@ -130,14 +130,23 @@ def _instr_params(tape: Tape, filled: Any
     if filled is not None and filled.params is not None:
         baked, cbaked, istatic, iints, pos = filled.params
         fresh = list(iints)
+        flips: list[tuple[int, bool]] = []
         for i, j in filled.patched:
             x = tape.instrs[i].leaves[j]
             p = pos.get((i, j))
-            if p is not None and type(x) is int:
+            t = type(x)
+            if p is not None and p >= 0 and t is int:
                 fresh[p] = x
-            elif type(x) is not float or policy(tape.instrs[i].op).float_values_matter:
+            elif p is not None and p < 0 and t is bool:  # a value argument's bool: baked, the
+                flips.append((-1 - p, x))  # class keys its type (HF's is_done, last step)
+            elif t is not float or policy(tape.instrs[i].op).float_values_matter:
                 break  # a baked constant or a float that decides sizes: key it anew
         else:
+            if flips:
+                bl = list(baked)
+                for k, x in flips:
+                    bl[k] = (bool, x)
+                baked = tuple(bl)
             out = tuple(fresh)
             filled.params = (baked, cbaked, istatic, out, pos)
             filled.patched.clear()
@@ -166,8 +175,12 @@ def _instr_params(tape: Tape, filled: Any
             elif isinstance(x, torch.Tensor):
                 static.append((tuple(x.shape), x.stride(), x.dtype))
             elif x is None or t in _BAKED:
+                if t is bool and j in values:  # (-1 - its place in baked: patched in place)
+                    where[(i, j)] = -1 - len(baked_l)
+                    cbaked_l.append((t, t))
+                else:
+                    cbaked_l.append((t, x))
                 baked_l.append((t, x))
-                cbaked_l.append((t, t if t is bool and j in values else x))
             else:
                 return None
         static.append(len(ins.leaves))

@@ -141,6 +141,40 @@ def _input_key_reference(inputs: dict) -> tuple[tuple, tuple[int, ...]]:
     return tuple(static), tuple(ints)
 
 
+def test_a_patched_call_is_keyed_as_a_fresh_one() -> None:
+    """A worker patches a structure's last tape in place (``protocol.refill``) and keys only
+    the leaves it patched (``Filled.patched``): integers, and a value argument's bool (a
+    generate's last step flips ``full``'s ``is_done``), give the key a fresh keying gives; a
+    patch the fast path does not follow (a bool that decides metadata) keys anew."""
+    from genie.remote.protocol import Filled
+
+    def patch(tape: Tape, filled: Filled, i: int, j: int, v: object) -> None:
+        ins = tape.instrs[i]
+        leaves = list(ins.leaves)
+        leaves[j] = v
+        tape.instrs[i] = Instr(ins.op, leaves, ins.spec, ins.outs, ins.rng, ins.free)
+        filled.patched.append((i, j))
+
+    tape = _fill_tape(torch.zeros(12), 2, 6, False)
+    filled = Filled(tape.instrs, {}, [])
+    assert shape_params(b"k", tape, filled) == shape_params(b"k", tape)
+    for flag, b in ((True, 6), (True, 5), (False, 4), (False, 4)):
+        patch(tape, filled, 0, 2, b)  # view(a, b)'s b
+        patch(tape, filled, 1, 1, b)  # full((a, b), flag)'s b
+        patch(tape, filled, 1, 2, flag)  # and its flag
+        tape.inputs[0] = torch.zeros(2 * b)
+        static = filled.params[2]
+        got, fresh = shape_params(b"k", tape, filled), shape_params(b"k", tape)
+        assert got == fresh and got[0].baked == fresh[0].baked, (flag, b)
+        assert got[0][3] is static and not filled.patched  # patched, not keyed anew
+    keep = _fill_tape(torch.zeros(12), 2, 6, False)
+    filled = Filled(keep.instrs, {}, [])
+    shape_params(b"k", keep, filled)
+    patch(keep, filled, 3, 2, True)  # sum's keepdim
+    got, fresh = shape_params(b"k", keep, filled), shape_params(b"k", keep)
+    assert got == fresh and got[0].baked == fresh[0].baked
+
+
 def test_inputs_are_keyed_natively_as_the_python_reference_keys_them() -> None:
     """genie._C._input_key: the same integers as the reference, and two calls' static parts
     equal exactly when the reference's are (dtype, rank, conj/neg, density, aliasing, slots)."""
