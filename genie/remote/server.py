@@ -156,6 +156,11 @@ class Link:
     tenant: str = ""  # the client key that opened it: whose log budget its lines spend
 
 
+#: poll event bits as plain ints: pyzmq's flag enums cost an enum object per operation (~2 us,
+#: three on every wake of the serve loop; see genie.remote.wire)
+_POLLOUT, _IN_OR_ERR = int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLERR)
+
+
 class Server:
     """A Genie server on one device. :meth:`start` binds; :meth:`serve` runs until stopped."""
 
@@ -349,9 +354,9 @@ class Server:
                 for s, ev in events.items():
                     link = self._by_sock.get(s)
                     if link is not None:
-                        if ev & zmq.POLLOUT and link.sock.flush():
+                        if ev & _POLLOUT and link.sock.flush():
                             poller.register(s, zmq.POLLIN)  # all written: readable only
-                        if not ev & (zmq.POLLIN | zmq.POLLERR):
+                        if not ev & _IN_OR_ERR:
                             continue
                         try:
                             self._from_worker(link)
