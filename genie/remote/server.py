@@ -152,6 +152,9 @@ class Link:
     last_seen: float = field(default_factory=time.monotonic)
     killed: str | None = None  # why the front killed the worker (a deadline)
     answered: bool = False  # the running request's client has its reply (an early reply)
+    # the next request went to the worker while the rest of an early-answered run may still
+    # run (its reply, or a late word that the run is done, says it is over)
+    tail: bool = False
     send_to: dict[int, tuple[str, float]] = field(default_factory=dict)
     tenant: str = ""  # the client key that opened it: whose log budget its lines spend
 
@@ -505,13 +508,23 @@ class Server:
 
     def _pump(self, link: Link) -> None:
         """Forward the session's next request to its worker, if it is idle (and, with
-        ``--workers N``, fewer than N sessions run)."""
-        if link.cur is not None or not link.ready or not link.pending:
+        ``--workers N``, fewer than N sessions run), or answered early: the worker reads the
+        request once the rest of that run is done, and the request's time runs from that run's
+        start (its deadline covers both)."""
+        if not link.ready or not link.pending:
             return
-        if self.workers and self._running >= self.workers:
+        t0 = time.monotonic()
+        if link.cur is not None:
+            if not link.answered:
+                return
+            t0 = link.cur[4]  # (the request takes over its slot of --workers)
+            self._finished(link, link.cur)
+            link.answered = False
+            link.tail = True
+        elif self.workers and self._running >= self.workers:
             return
         ident, fwd, rid, nbytes, kind = link.pending.popleft()
-        link.cur = (ident, rid, nbytes, kind, time.monotonic())
+        link.cur = (ident, rid, nbytes, kind, t0)
         self._meter.begin(link.token, slot=link.token)
         self._running += 1
         if not link.sock.post(fwd):  # the rest goes when the worker's socket takes it
@@ -650,6 +663,15 @@ class Server:
                                        "res": [0, 0]})
                 self._pump(link)
                 continue
+            if link.tail:  # the request running came while the rest of an early-answered
+                link.tail = False  # run may still have run: the worker's next word ends that
+                fatal = internal.get("fatal")
+                if isinstance(fatal, str):  # the rest failed: the waiting client learns why
+                    self._worker_died(link, None, None, fatal=fatal[:2000])
+                    continue
+                if internal.get("done") == 1 and len(parts) == 1:  # (said before the request
+                    self._took_status(link, internal)  # came; else its reply says it)
+                    continue
             if internal.get("early") == 1:  # the values are final; the tape's rest still runs
                 if link.cur is None or link.answered or len(parts) < 2:
                     continue  # (a worker answers a request once)
@@ -663,6 +685,7 @@ class Server:
                 if ident is not None:
                     self._inflight.pop(ident, None)
                     send_parts(self._sock, [ident, *parts[1:]])
+                self._pump(link)  # (a request that came meanwhile goes now)
                 continue
             cur, link.cur = link.cur, None
             if cur is None:
@@ -676,21 +699,11 @@ class Server:
                     self._worker_died(link, None, None, fatal=fatal[:2000])
                     continue
             self._answering = cur[0], cur[1]  # answered by the handler if the reply is bad
-            self._meter.end(slot=link.token)
-            self._running -= 1
             ident, rid, nbytes, kind, _ = cur
-            link.queued -= nbytes
-            link.nqueued -= 1
+            self._finished(link, cur)
             if len(parts) < 2 and ident is not None:
                 raise ProtocolError("a reply without its header")
-            u, res, pb = internal.get("u"), internal.get("res"), internal.get("pb")
-            if type(u) is int:
-                link.used = u
-            if _two_ints(res):
-                link.res = res
-            if _two_ints(pb):
-                with self._qlock:
-                    link.pb[1] = pb[1]
+            self._took_status(link, internal)
             send = internal.get("send")
             if send is not None and ident is not None:
                 self._peer_send(link, ident, rid, parts)
@@ -708,6 +721,25 @@ class Server:
                 continue
             self._pump(link)
             self._pump_all()
+
+    def _finished(self, link: Link, cur: tuple[Any, ...]) -> None:
+        """The worker is done with request ``cur`` (its reply, or its rest after an early one):
+        it leaves the session's running and queued counts."""
+        self._meter.end(slot=link.token)
+        self._running -= 1
+        link.queued -= cur[2]
+        link.nqueued -= 1
+
+    def _took_status(self, link: Link, internal: dict[str, Any]) -> None:
+        """What a worker's message says of its session: bytes used, residency, peer bytes."""
+        u, res, pb = internal.get("u"), internal.get("res"), internal.get("pb")
+        if type(u) is int:
+            link.used = u
+        if _two_ints(res):
+            link.res = res
+        if _two_ints(pb):
+            with self._qlock:
+                link.pb[1] = pb[1]
 
     def _peer_send(self, link: Link, ident: bytes, rid: int, parts: list[Any]) -> None:
         """Push the values a worker packed to the peer server (:mod:`genie.remote.peer`), with

@@ -11,6 +11,7 @@ as plain ints and each frame's ``more`` bit.
 from __future__ import annotations
 
 import mmap
+import select
 import socket
 import struct
 from typing import Any
@@ -210,6 +211,13 @@ class Channel:
                 if self._lens is not None or self._have.nbytes:
                     raise ProtocolError("the channel closed inside a message")
                 return None
+
+    def ready(self, timeout: float) -> bool:
+        """Whether a message (or a part of one) waits to be read, after waiting up to
+        ``timeout`` seconds for one (the worker's side; the other end closing counts)."""
+        if self._have.nbytes or self._lens is not None:
+            return True
+        return bool(select.select([self.sock], [], [], timeout)[0])
 
     def take(self) -> list[list[memoryview]]:
         """The messages whole now (never blocks: the front's side). EOFError when the other end

@@ -108,14 +108,15 @@ def test_a_segfaulting_kernel_costs_only_its_own_session(server: ServerProc, vic
     v.alive()  # the victim's session and a fresh one still compute
 
 
-@pytest.mark.parametrize("lie", [4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("lie", [4, 5, 6, 7, 8, 9, 11])
 def test_a_worker_that_lies_to_the_front_costs_only_its_session(server: ServerProc,
                                                                 victim, lie: int) -> None:
     """A worker is no more trusted than a client: a reply the front cannot read ends that
     session with a clear error (by the lying kernel's input size: a transfer whose header does
     not decode, a status frame one byte short, a status that is no known message, a status
     with negative counts, a channel message of more parts than any message has, one that
-    declares more bytes than any message has: ``genie.remote.worker._lie_impl``)."""
+    declares more bytes than any message has, the end of a run it never answered early:
+    ``genie.remote.worker._lie_impl``)."""
     v, hid, x = victim
     a = Session(server)
     y = torch.zeros(lie)
@@ -372,6 +373,46 @@ def test_a_sync_ping_waits_for_the_rest_of_an_early_answered_tape(server: Server
     waited = time.monotonic() - t0
     assert plain < 0.1 and waited > 0.1, (plain, waited)
     a.close()
+
+
+def test_a_request_sent_while_the_rest_of_an_early_answered_tape_runs_waits_for_it(
+        server: ServerProc, victim) -> None:
+    """The front forwards a session's next request while the rest of a tape it answered early
+    still runs (the worker reads it once that rest is done, and its reply says so; no word of
+    the rest's end in between): a run sent at once is answered after the rest, with what the
+    rest kept; when the rest then fails, the request that waits for it gets the session's end
+    and why. Other sessions are not touched."""
+    v, hid, x = victim
+    a = Session(server)
+    zeros, ones = _keep(a, torch.zeros(4)), _keep(a, torch.ones(4))
+    rows = [[0, 0, [0, -1], [1], [], False],  # y = x * 2: the output
+            [1, 0, [0, -1], [2], [], False],  # spin(x, seconds): after the output is final
+            [2, 1, [2], [3], [], False]]      # fail_if(spin(x)): kept
+
+    def call(h: int, seconds: float) -> dict | None:
+        return a.run(["aten::mul.Scalar", "genie_test::spin.default",
+                      "genie_test::fail_if.default"], rows, [h, 2.0, seconds], inputs=(0,),
+                     outputs=(1,), keep=(3,), specs=[A2, A1])
+
+    for _ in range(3):  # guarded, then replayed (answered early)
+        r = call(zeros, 0.01)
+        assert r and r["t"] == "ok", r
+    assert r.get("er") == 1, r
+    t0 = time.monotonic()
+    r = call(zeros, 0.3)
+    assert r and r.get("er") == 1 and time.monotonic() - t0 < 0.25, r
+    first = a.hid - 100  # the kept value of that call (its handle id)
+    r = call(zeros, 0.01)  # forwarded at once; read by the worker after the 0.3 s spin
+    assert r and r["t"] == "ok" and time.monotonic() - t0 > 0.3, r
+    assert torch.equal(_get(a, first, torch.zeros(4)), torch.zeros(4))  # what the rest kept
+    assert a.ask({"t": "ping", "sync": 1})["t"] == "ok"
+    r = call(ones, 0.3)  # answered early; the spin runs, then fail_if raises
+    assert r and r["t"] == "ok" and r.get("er") == 1, r
+    msg = err(call(zeros, 0.01), "session", "after its reply failed", "fail_if")
+    assert "Other sessions are not affected" in msg, msg
+    assert server.alive()
+    assert torch.equal(_get(v, hid, x), x)
+    v.alive()
 
 
 def test_the_deadline_covers_the_rest_of_an_early_answered_tape(server: ServerProc,

@@ -121,3 +121,24 @@ def test_a_head_of_many_parts_larger_than_one_read() -> None:
     got = Channel(b, 1 << 16, 1 << 30).recv()
     th.join()
     assert got is not None and len(got) == 20_000
+
+
+def test_ready_says_whether_a_message_waits() -> None:
+    """``Channel.ready`` (a worker waiting, after an early-answered run's rest, for the next
+    request before it tells the front the run is done): false on an empty channel after the
+    wait; true for a message on the socket, for one already read into the channel's buffer
+    (two in one read: the second is not on the socket any more), and at the other end's close."""
+    a, b = socket.socketpair()
+    ch = Channel(a, 16, 1 << 20)
+    assert not ch.ready(0) and not ch.ready(0.01)
+    b.sendall(_raw([b"one"]) + _raw([b"two", b"2"]))
+    assert ch.ready(0)
+    assert [bytes(p) for p in ch.recv()] == [b"one"]
+    assert ch.ready(0) and not select.select([a], [], [], 0)[0]
+    assert [bytes(p) for p in ch.recv()] == [b"two", b"2"]
+    assert not ch.ready(0)
+    b.sendall(_raw([b"x" * 100])[:10])  # a message's first bytes: the rest comes later
+    assert ch.ready(0)
+    b.close()
+    assert ch.ready(0)
+    a.close()
