@@ -912,7 +912,9 @@ class Server:
         hard = self.max_run_seconds * (1 + HARD_GRACE) + HARD_GRACE
         for link in list(self.links.values()):
             if link.cur is not None and link.killed is None and now - link.cur[4] > hard:
-                link.killed = (f"a {link.cur[3]} request ran {now - link.cur[4]:.1f} s, past the "
+                what = f"a {link.cur[3]} request" if not link.tail else \
+                    f"a run answered early and the {link.cur[3]} request after it"
+                link.killed = (f"{what} ran {now - link.cur[4]:.1f} s, past the "
                                f"server's limit of {self.max_run_seconds:g} s (--max-run-seconds)"
                                " inside one kernel; the session's worker was stopped and the "
                                f"session's {link.res[0]} resident tensors are gone. Split the "

@@ -437,6 +437,7 @@ def test_the_deadline_covers_the_rest_of_an_early_answered_tape(server: ServerPr
     assert r and r["t"] == "ok" and r.get("er") == 1, r
     assert time.monotonic() - t0 < 1.0
     msg = err(a.ask({"t": "ping", "sync": 1}, timeout_ms=30000), "timeout",
+              "a run answered early and the ping request after it ran",
               "past the server's limit of 1 s", "worker was stopped")
     assert time.monotonic() - t0 < 10, msg
     assert server.alive()
