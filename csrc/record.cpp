@@ -3534,6 +3534,10 @@ PyTypeObject* lazy_type() {
   return S.ready ? S.lazy : nullptr;
 }
 
+PyObject* detach_op() {
+  return S.ready ? S.detach : nullptr;
+}
+
 int dispatch_rule_may_apply(PyObject* func, PyObject* qualname) {
   if (rule_data == nullptr) {
     return 1;  // torch's own lookup is in place: only torch's path applies it

@@ -21,6 +21,9 @@ PyObject* record_factory_call(PyObject* func, PyObject* args, PyObject* kwargs);
 // genie.lazy_tensor.LazyTensor once _record_init has run, else nullptr.
 PyTypeObject* lazy_type();
 
+// aten.detach.default (borrowed) once _record_init has run, else nullptr.
+PyObject* detach_op();
+
 // Whether a torch dispatch rule may be registered for (func, LazyTensor), `qualname` being
 // func.__qualname__ (its key in torch's registry): 1 (or when Genie's native rule lookup is not
 // installed), 0 when none is, -1 with a Python error set.

@@ -105,6 +105,7 @@ def _rebuild_instrs(instrs: list[object], found: list[object], tmpl: list[object
     nothing written where a type is not the expected one."""
 
 _record_native: bool
+_native_detach: bool  # csrc/python_key.cpp: C++ detaches of LazyTensors recorded natively
 """Whether this build has the native record path (every build since it records on torch 2.11 too)."""
 
 _record_wrap: str

@@ -177,6 +177,56 @@ def test_a_training_step_with_foreach_lists() -> None:
         torch.testing.assert_close(g.cpu(), w)
 
 
+def _detached() -> int:
+    return tuple(_C._python_key_stats())[3]
+
+
+def _saved_output_step(device: str, x: torch.Tensor) -> list[Any]:
+    """relu saves its output: autograd detaches it in C++ (TensorImpl::shallow_copy_and_detach,
+    through torch's interpreter) when it saves it and again when backward unpacks it."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 3).to(device)
+    lin(x.to(device)).relu().sum().backward()
+    return [lin.weight.grad, lin.bias.grad]
+
+
+@pytest.mark.skipif(not getattr(_C, "_native_detach", False),
+                    reason="genie._C built without the native detach (torch other than 2.13)")
+def test_detaches_from_cpp_are_recorded_natively() -> None:
+    x = _x(4, 6)
+    assert_same(lambda: _saved_output_step(D, x))
+    for on in (False, True):
+        config.python_key = on
+        before = _detached()
+        got = _saved_output_step(D, x)
+        assert _detached() - before == (2 if on else 0)  # relu's output saved and unpacked
+        for g, w in zip(got, _saved_output_step("cpu", x)):
+            torch.testing.assert_close(g.cpu(), w)
+            assert type(g) is LazyTensor and g.grad_fn is None and not g.requires_grad
+
+
+def test_detaches_from_cpp_reach_modes_and_a_replaced_torch_dispatch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    x = _x(4, 6)
+    before = _detached()
+    with _Log() as log:
+        _saved_output_step(D, x)
+    assert log.ops.count(aten.detach.default) >= 2
+    seen = []
+    native = LazyTensor.__dict__["__torch_dispatch__"]
+
+    def spy(func, types, args=(), kwargs=None):
+        seen.append(func)
+        return native.__func__(func, types, args, kwargs)
+
+    monkeypatch.setattr(LazyTensor, "__torch_dispatch__", staticmethod(spy))
+    got = _saved_output_step(D, x)
+    assert seen.count(aten.detach.default) >= 2
+    assert _detached() == before
+    for g, w in zip(got, _saved_output_step("cpu", x)):
+        torch.testing.assert_close(g.cpu(), w)
+
+
 # --- calls the kernel hands to PyTorch's path ----------------------------------------------------
 
 class _Log(TorchDispatchMode):
