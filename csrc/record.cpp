@@ -2489,6 +2489,17 @@ struct CtxState {
   PyObject* ended = nullptr;         // genie.context._ended(module, call)
   PyObject* empty = nullptr;         // ""
   PyObject* forward = nullptr;       // "forward"
+  // a call with keyword arguments or a decode (ctx_begin_walk)
+  PyObject* walk = nullptr;          // genie.context._lazy_tensors
+  PyObject* globals = nullptr;       // genie.context.__dict__ (share_decode_calls)
+  PyObject* share = nullptr;         // "share_decode_calls"
+  PyObject* decode = nullptr;        // "decode" (genie.context._tls.decode)
+  PyObject* data = nullptr;          // "data" (a WeakKeyDictionary's dict)
+  PyObject* role = nullptr;          // "role"
+  PyObject* kv_cache = nullptr;      // "kv_cache"
+  PyObject* decode_calls = nullptr;  // "phase.decode.calls"
+  PyObject* decode_nodes = nullptr;  // "phase.decode.nodes"
+  PyObject* root_key = nullptr;      // ("", "forward", None): the outermost context's key
 };
 
 CtxState CX;
@@ -2633,10 +2644,143 @@ PyObject* ctx_push_impl(PyObject* module) {
 // or phase annotation, no context set outside any module, the module's names known (its first
 // call makes them). Its Call and root Context are made as _begin and _context make them, pushed
 // as _enter pushes; ctx_pop ends the call as _leave does. None wherever the Python code decides.
+// A call with keyword arguments (or positional ones that are not all LazyTensors) as
+// genie.context._begin decides it, in the common cases: its arguments walked (the walk itself,
+// genie.context._lazy_tensors, is csrc/walk.cpp's); Py_False where no tensor an earlier call of
+// `module` recorded is among them (not a decode: ctx_begin makes its Call); for a decode whose
+// module has its shared decode Call with the outermost context interned (every decode step of
+// a generate loop after the first: transformers calls the model with keyword arguments and
+// its cache object), the tensors that call recorded tagged ``kv_cache``, the Call restarted and
+// its context pushed, as _begin, _decode_call and _enter do; the stack entry is returned. None
+// wherever the Python code decides (a producer whose phase is not known yet: _begin sets it;
+// the first decode; decode calls not shared; anything unexpected), before any side effect.
+// Python's _module_call, _host_call, _enter, _begin and _decode_call cost ~35 µs a token of a
+// GPT-2 4x128 generate in situ (thread CPU, a loaded 2-core machine).
+PyObject* ctx_begin_walk(PyObject* module, PyObject* const* args, Py_ssize_t n,
+                         PyObject* kwnames, const ThreadObjects& t, PyObject* root,
+                         PyObject* names_) {
+  if (CX.walk == nullptr) {
+    Py_RETURN_NONE;
+  }
+  const Py_ssize_t nk = kwnames != nullptr ? PyTuple_GET_SIZE(kwnames) : 0;
+  // (args, kwargs), as _begin walks them
+  py::object pargs = py::reinterpret_steal<py::object>(checked(PyTuple_New(n)));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyTuple_SET_ITEM(pargs.ptr(), i, new_ref(args[i]));
+  }
+  py::object kw = py::reinterpret_steal<py::object>(checked(PyDict_New()));
+  for (Py_ssize_t i = 0; i < nk; ++i) {
+    if (PyDict_SetItem(kw.ptr(), PyTuple_GET_ITEM(kwnames, i), args[n + i]) < 0) {
+      throw py::error_already_set();
+    }
+  }
+  py::object pair =
+      py::reinterpret_steal<py::object>(checked(PyTuple_Pack(2, pargs.ptr(), kw.ptr())));
+  py::object found =
+      py::reinterpret_steal<py::object>(checked(PyObject_CallOneArg(CX.walk, pair.ptr())));
+  if (!PyList_CheckExact(found.ptr())) {
+    Py_RETURN_NONE;
+  }
+  // the producers: any of `module`'s makes this a decode
+  const Py_ssize_t nf = PyList_GET_SIZE(found.ptr());
+  std::vector<PyObject*> kv;  // nodes `module`'s earlier calls recorded (borrowed: found holds)
+  std::vector<py::object> held;
+  for (Py_ssize_t i = 0; i < nf; ++i) {
+    PyObject* x = PyList_GET_ITEM(found.ptr(), i);
+    if (Py_TYPE(x) != S.lazy) {
+      Py_RETURN_NONE;
+    }
+    py::object node = py::reinterpret_steal<py::object>(lazy_attr(x, names->node));
+    if (!node || Py_TYPE(node.ptr()) != S.node) {
+      Py_RETURN_NONE;
+    }
+    PyObject* ctx = slot(node.ptr(), S.n.ctx);
+    if (ctx == nullptr || ctx == Py_None) {
+      continue;
+    }
+    if (Py_TYPE(ctx) != CX.context) {
+      Py_RETURN_NONE;
+    }
+    PyObject* producer = slot(ctx, CX.ctx_call);
+    if (producer == nullptr || producer == Py_None) {
+      continue;
+    }
+    if (Py_TYPE(producer) != CX.call) {
+      Py_RETURN_NONE;
+    }
+    PyObject* r = slot(producer, CX.call_root);
+    if (r == nullptr || !PyWeakref_CheckRef(r)) {
+      Py_RETURN_NONE;
+    }
+    if (PyWeakref_GET_OBJECT(r) != module) {
+      continue;
+    }
+    PyObject* phase = slot(producer, CX.call_phase);
+    if (phase == nullptr || phase == Py_None) {
+      Py_RETURN_NONE;  // its call was the prefill: _begin says so
+    }
+    kv.push_back(node.ptr());
+    held.push_back(std::move(node));
+  }
+  if (kv.empty()) {
+    Py_RETURN_FALSE;
+  }
+  // _decode_call(module): the module's shared Call, its outermost context interned
+  PyObject* share = dict_get(CX.globals, CX.share);
+  if (share != Py_True) {
+    Py_RETURN_NONE;
+  }
+  py::object decode = py::reinterpret_steal<py::object>(PyObject_GetAttr(CX.tls, CX.decode));
+  py::object data = decode ? py::reinterpret_steal<py::object>(
+                                 PyObject_GetAttr(decode.ptr(), CX.data))
+                           : py::object();
+  if (!data || !PyDict_CheckExact(data.ptr())) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  PyObject* call = dict_get(data.ptr(), root);  // borrowed (weak keys compare by referent)
+  if (call == nullptr || Py_TYPE(call) != CX.call) {
+    Py_RETURN_NONE;
+  }
+  PyObject* contexts = slot(call, CX.contexts);
+  if (contexts == nullptr || !PyDict_CheckExact(contexts)) {
+    Py_RETURN_NONE;
+  }
+  PyObject* c = dict_get(contexts, CX.root_key);
+  if (c == nullptr || Py_TYPE(c) != CX.context) {
+    Py_RETURN_NONE;
+  }
+  py::object hold_call = py::reinterpret_borrow<py::object>(call);
+  py::object hold_c = py::reinterpret_borrow<py::object>(c);
+  // the side effects, as _begin, _decode_call and _enter make them
+  for (PyObject* node : kv) {
+    PyObject*& tags = slot(node, S.n.tags);
+    if (tags == nullptr || tags == Py_None) {
+      PyObject* d = checked(PyDict_New());
+      Py_XSETREF(tags, d);
+    }
+    if (PyObject_SetItem(tags, CX.role, CX.kv_cache) < 0) {
+      throw py::error_already_set();
+    }
+  }
+  PyObject*& start = slot(call, CX.call_start);
+  Py_XSETREF(start, checked(PyLong_FromLongLong(recorded_count())));
+  PyObject*& nodes = slot(call, CX.call_nodes);
+  Py_XSETREF(nodes, new_ref(Py_None));
+  add_count(CX.decode_calls, 1);
+  py::object entry = py::reinterpret_steal<py::object>(
+      checked(PyTuple_Pack(3, module, Py_None, names_)));
+  if (PyList_Append(t.ctx_modules, entry.ptr()) < 0 ||
+      PyDict_SetItem(t.current, names->ctx, c) < 0) {
+    throw py::error_already_set();
+  }
+  return entry.release().ptr();
+}
+
 PyObject* ctx_begin(PyObject* module, PyObject* const* args, Py_ssize_t n, PyObject* kwnames,
                     const ThreadObjects& t) {
-  if (CX.names == nullptr || n < 1 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) > 0) ||
-      PyList_GET_SIZE(t.ctx_phases) != 0) {
+  const Py_ssize_t nk = kwnames != nullptr ? PyTuple_GET_SIZE(kwnames) : 0;
+  if (CX.names == nullptr || n + nk < 1 || PyList_GET_SIZE(t.ctx_phases) != 0) {
     Py_RETURN_NONE;
   }
   PyObject** dp = _PyObject_GetDictPtr(module);
@@ -2667,7 +2811,18 @@ PyObject* ctx_begin(PyObject* module, PyObject* const* args, Py_ssize_t n, PyObj
     Py_RETURN_NONE;
   }
   py::object root = py::reinterpret_steal<py::object>(ref);
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  bool lazies = nk == 0;  // positional LazyTensors only: their nodes read directly, below
+  for (Py_ssize_t i = 0; lazies && i < n; ++i) {
+    lazies = Py_TYPE(args[i]) == S.lazy;
+  }
+  if (!lazies) {
+    PyObject* r = ctx_begin_walk(module, args, n, kwnames, t, root.ptr(), names_);
+    if (r != Py_False) {
+      return r;  // a decode's entry, or None: Python decides
+    }
+    Py_DECREF(r);  // not a decode: its Call, below
+  }
+  for (Py_ssize_t i = 0; lazies && i < n; ++i) {
     if (Py_TYPE(args[i]) != S.lazy) {
       Py_RETURN_NONE;
     }
@@ -2725,6 +2880,40 @@ PyObject* ctx_begin(PyObject* module, PyObject* const* args, Py_ssize_t n, PyObj
   return entry.release().ptr();
 }
 
+// genie.context._ended(module, call) for a decode call (a steady generate's every step): its
+// contexts kept while it is the module's shared decode Call, else released; its size counted
+// in phase.decode.nodes. False where the Python function decides (another phase, objects not as
+// expected).
+bool decode_ended(PyObject* module, PyObject* call, PyObject* phase, PyObject* nodes) {
+  if (CX.walk == nullptr || !PyUnicode_CheckExact(phase) ||
+      PyUnicode_Compare(phase, CX.decode) != 0 || nodes == nullptr || !PyLong_CheckExact(nodes)) {
+    if (PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    return false;
+  }
+  PyObject* contexts = slot(call, CX.contexts);
+  py::object decode = py::reinterpret_steal<py::object>(PyObject_GetAttr(CX.tls, CX.decode));
+  py::object data = decode ? py::reinterpret_steal<py::object>(
+                                 PyObject_GetAttr(decode.ptr(), CX.data))
+                           : py::object();
+  py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(module, nullptr));
+  if (!data || !ref || !PyDict_CheckExact(data.ptr()) || contexts == nullptr ||
+      !PyDict_CheckExact(contexts)) {
+    PyErr_Clear();
+    return false;
+  }
+  const long long n = PyLong_AsLongLong(nodes);
+  if (n == -1 && PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+  if (dict_get(data.ptr(), ref.ptr()) != call) {
+    PyDict_Clear(contexts);
+  }
+  add_count(CX.decode_nodes, n);
+  return true;
+}
+
 PyObject* ctx_push(PyObject* /*self*/, PyObject* module) {
   return guarded([&] { return ctx_push_impl(module); });
 }
@@ -2768,7 +2957,8 @@ PyObject* ctx_pop(PyObject* /*self*/, PyObject* entry) {
           if (contexts != nullptr && PyDict_CheckExact(contexts)) {
             PyDict_Clear(contexts);
           }
-        } else if (CX.ended != nullptr) {
+        } else if (!decode_ended(PyTuple_GET_ITEM(entry, 0), call, phase, nodes) &&
+                   CX.ended != nullptr) {
           py::object r = py::reinterpret_steal<py::object>(checked(
               PyObject_CallFunctionObjArgs(CX.ended, PyTuple_GET_ITEM(entry, 0), call, nullptr)));
         }
@@ -2966,6 +3156,18 @@ bool context_init(const py::dict& objs) {
   }
   c.empty = intern("");
   c.forward = intern("forward");
+  if (objs.contains("walk") && objs.contains("globals")) {  // with keyword arguments, decodes
+    c.walk = object_of(objs, "walk");
+    c.globals = object_of(objs, "globals");
+    c.share = intern("share_decode_calls");
+    c.decode = intern("decode");
+    c.data = intern("data");
+    c.role = intern("role");
+    c.kv_cache = intern("kv_cache");
+    c.decode_calls = intern("phase.decode.calls");
+    c.decode_nodes = intern("phase.decode.nodes");
+    c.root_key = checked(PyTuple_Pack(3, c.empty, c.forward, Py_None));
+  }
   c.ready = true;
   CX = c;
   return S.ready;

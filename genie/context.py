@@ -450,12 +450,6 @@ def _decode_call(module: Any) -> Call:
 #: Whether the decode calls of an outermost module share one :class:`Call` (the default).
 share_decode_calls = True
 
-# the native module call (csrc/record.cpp): submodule contexts, and an outermost call's in the
-# common case (_enter, _begin and _leave's work, with their objects)
-_context_init({"tls": _tls, "Context": Context, "Call": Call, "names": _names.data,
-               "ended": _ended})
-
-
 def caller_kwargs() -> dict:
     """The keyword arguments of the module call that runs a global forward pre-hook.
 
@@ -507,6 +501,12 @@ def _lazy_tensors(obj: Any) -> list[Any]:
     ``__class__`` is classified each time)."""
     return _lazy_walk(obj, _kinds, _kind, _ATOMS)
 
+
+# the native module call (csrc/record.cpp): submodule contexts, and an outermost call's in the
+# common cases (_enter, _begin, _decode_call and _leave's work, with their objects: a call with
+# keyword arguments walked by _lazy_tensors; share_decode_calls read in this module's dict)
+_context_init({"tls": _tls, "Context": Context, "Call": Call, "names": _names.data,
+               "ended": _ended, "walk": _lazy_tensors, "globals": globals()})
 
 _NO_NAMES: dict[Any, str] = {}
 _ref = weakref.ref

@@ -236,6 +236,76 @@ def test_hand_written_decode_loop_phases_and_kv_role():
     assert past2[0]._node.ctx.phase == "decode"
 
 
+class _Cache:
+    """A cache object as transformers' (its tensors in a list attribute, replaced each step)."""
+
+    def __init__(self):
+        self.layers = []
+
+
+class _KwAttn(_Attn):
+    """_Attn called as transformers' generate calls a model: by keyword, with a cache object."""
+
+    def forward(self, x, cache=None, use_cache=True):
+        y, kv = super().forward(x, tuple(cache.layers) if cache and cache.layers else None)
+        if cache is not None:
+            cache.layers[:] = kv
+        return y
+
+
+def _kw_decode_loop(model, dev, steps):
+    x = torch.linspace(-1, 1, 5 * 8).reshape(1, 5, 8).to(dev)
+    cache = _Cache()
+    with torch.no_grad():
+        outs = [model(x=x, cache=cache, use_cache=True)[:, -1:]]
+        for _ in range(steps):
+            outs.append(model(x=outs[-1], cache=cache, use_cache=True))
+    return torch.cat(outs, dim=1), cache
+
+
+def _roles(t):
+    """The role tag of every node ``t`` depends on, in record order."""
+    seen, todo, out = set(), [t._node], []
+    while todo:
+        n = todo.pop()
+        if id(n) not in seen:
+            seen.add(id(n))
+            out.append(n)
+            todo.extend(x.node for x in (n.leaves or ()) if type(x).__name__ == "Ref")
+    return [(str(n.op), (n.tags or {}).get("role")) for n in sorted(out, key=lambda n: n.index)]
+
+
+def test_a_decode_called_by_keyword_is_begun_natively_as_python_begins_it(monkeypatch):
+    """A decode loop that passes its input and a cache object by keyword (as transformers'
+    generate calls the model every token): from the second decode step on, each step is begun
+    natively (csrc/record.cpp, ctx_begin_walk: no Python _enter), and every node's context and
+    role tag, the phase counters and the values equal the Python wrapper's."""
+    torch.manual_seed(0)
+    ref = _KwAttn()
+    m = _KwAttn()
+    m.load_state_dict(ref.state_dict())
+    m.to(D)
+    want, _ = _kw_decode_loop(ref, "cpu", steps=5)
+    got = {}
+    for native in (True, False):
+        _use(native, monkeypatch)
+        enters = []
+        enter = context._enter
+        monkeypatch.setattr(context, "_enter", lambda *a: (enters.append(a[0]), enter(*a))[1])
+        genie.reset_stats()
+        out, cache = _kw_decode_loop(m, D, steps=5)
+        got[native] = (_contexts(out), _roles(out), _roles(cache.layers[0]),
+                       {k: v for k, v in genie.stats().items() if k.startswith("phase.")})
+        torch.testing.assert_close(out.cpu(), want)
+        # native: the prefill (the module's names) and the first decode (its shared Call) only
+        assert len(enters) == (2 if native else 6)
+        assert current_ctx() is None and not context._tls.modules
+        monkeypatch.setattr(context, "_enter", enter)
+    assert got[True] == got[False]
+    assert got[True][3]["phase.decode.calls"] == 5 and got[True][3]["phase.prefill.calls"] == 1
+    assert sum(r == "kv_cache" for _, r in got[True][2]) >= 5  # each step's cache, fed back
+
+
 def test_decode_calls_share_one_call_and_intern_no_context_per_step(monkeypatch):
     """The decode calls of one model share a Call: after the first decode step a steady decode
     interns no new context (the same objects, the same count), and every node's context, the
@@ -460,8 +530,10 @@ def test_eager_model_called_by_keyword_gets_no_context_and_a_lazy_keyword_does()
         lazy.load_state_dict(net.state_dict())
         y = lazy(x=x.to(D))  # keyword lazy tensor: a genie call
         assert len(calls) == 1 and y._node.ctx.path == "lin" and y._node.ctx.call is not None
-        z = lazy(x.to(D), extra=x.to(D))
-        assert len(calls) == 2 and z._node.ctx.path == ""
+        z = lazy(x.to(D), extra=x.to(D))  # (its Call made natively, or by Call.__init__)
+        c = z._node.ctx.call
+        assert z._node.ctx.path == "" and c is not None and c is not y._node.ctx.call
+        assert c.root() is lazy and c.phase is None and len(calls) in (1, 2)
         # positional host, lazy keyword: not a host call; no tensor at the top level: context
         assert not context._host_call((x,), {"extra": torch.ones(2, device=D)})
         assert context._host_call((), {"x": x}) and not context._host_call((), {})
