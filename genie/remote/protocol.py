@@ -525,18 +525,21 @@ def encode_tape(tape: Tape, input_const: Any, hoist: bool = False) -> Encoded:
             ins = instrs[i]
             leaves = ins.leaves
             last = seen[w]
-            if last is not None and (last[0] is leaves or (
+            if last is None:  # first seen: kept for the next call where it may be
+                nf = len(frames)
+                vals = _leaf_consts(ins, js, frames)
+                seen[w] = (leaves, vals, tuple(j for j, x in enumerate(leaves)
+                                               if type(x) is float), 0) \
+                    if len(frames) == nf and ins.rng is None and \
+                    not any(isinstance(x, torch.Tensor) for x in leaves) else _MOVES
+            elif last is not _MOVES and (last[0] is leaves or (
                     last[0] == leaves and all(map(same_const, map(last[0].__getitem__, last[2]),
                                                   map(leaves.__getitem__, last[2]))))):
                 vals = last[1]  # this call's constants are the last call's
-            else:
-                nf = len(frames)
+            else:  # (floats compared as constants: == takes -0.0 for 0.0)
                 vals = _leaf_consts(ins, js, frames)
-                if len(frames) == nf and ins.rng is None and \
-                        not any(isinstance(x, torch.Tensor) for x in leaves):
-                    # (floats compared as constants: == takes -0.0 for 0.0)
-                    seen[w] = (leaves, vals,
-                               tuple(j for j, x in enumerate(leaves) if type(x) is float))
+                if last is not _MOVES:  # the second change: its constants move every call
+                    seen[w] = (leaves, vals, last[2], 1) if not last[3] else _MOVES
             part[starts[w]:starts[w] + len(js)] = vals
         consts += part
         return Encoded(wire.key, wire.skeleton, consts, frames, wire.order, wire.hoisted)
@@ -689,8 +692,9 @@ class _PlanWire:
     constants start in ``consts`` (``starts``), the constants of those entries as first sent.
     A plan-cache hit reuses the plan's object for an instruction whose constants are the
     plan's, so a call re-encodes only the entries whose instruction is not that object, and of
-    those (``seen``: per entry, the leaves of its last encoding, their constants and the
-    positions of float leaves) only the ones whose leaves differ from the last call's: a shape-
+    those (``seen``: per entry, the leaves of its last encoding, their constants, the positions
+    of float leaves and whether they changed before; :data:`_MOVES` where they keep changing)
+    only the ones whose leaves differ from the last call's: a shape-
     generic plan rebuilds every instruction of a shape that moves (a GPT-2 token's growing KV
     cache: 39 of a 4x128 token's instructions, nearly all of the same constants as the token
     before)."""
@@ -702,6 +706,10 @@ class _PlanWire:
     starts: list[int]
     seen: list[Any]
 
+
+#: ``_PlanWire.seen`` of an entry encoded every call: a random op, a host tensor, or constants
+#: that changed twice (an optimizer's step-dependent floats, a length that grows every token)
+_MOVES = ()
 
 #: where a plan keeps its encoding (:attr:`genie.plan_cache.Plan.artifacts`)
 _WIRE = "wire"
