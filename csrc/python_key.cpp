@@ -494,12 +494,16 @@ struct DetachVTable final : PyInterpreterVTable {
         c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
       return {};
     }
+    // Another subclass's tensor (a FakeTensor under torch.compile) goes to torch's detach
+    // before taking the GIL (its PyObject lives as long as `self`); checked again under it.
+    PyObject* o = self->pyobj_slot()->load_pyobj();
+    PyObject* func = genie::detach_op();
+    if (o == nullptr || Py_TYPE(o) != lazy || func == nullptr) {
+      return {};
+    }
     py::gil_scoped_acquire gil;
     at::impl::MaybeSetTLSOnEntryGuard guard;  // as torch's detach
-    PyObject* func = genie::detach_op();
-    PyObject* o = self->pyobj_slot()->load_pyobj();
-    if (func == nullptr || o == nullptr || Py_TYPE(o) != lazy ||
-        _PyType_Lookup(lazy, td_name) != genie_dispatch) {
+    if (Py_TYPE(o) != lazy || _PyType_Lookup(lazy, td_name) != genie_dispatch) {
       return {};
     }
     static PyObject* const qualname = PyObject_GetAttrString(func, "__qualname__");
