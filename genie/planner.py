@@ -63,7 +63,9 @@ class Tape:
     (their host tensors, floats, shapes and random offsets:
     :meth:`genie.plan_cache.Plan.step_instrs`). A native replay reads those from the nodes
     themselves (:meth:`genie.plan_cache.Plan.replay_source`), so a step that only replays builds
-    none (a GPT-2 decode step rebuilt and freed ~100 instructions, ~60 µs).
+    none (a GPT-2 decode step rebuilt and freed ~100 instructions, ~60 µs). So a hit's
+    instructions can be read only until its run has bound its nodes (and emptied
+    :attr:`nodes`); a later first read raises.
     """
 
     instrs: list[Instr]
@@ -97,6 +99,11 @@ _instrs_slot = Tape.instrs  # the slot's own descriptor, wrapped by the property
 def _instrs_get(tape: Tape) -> list[Instr]:
     stale = tape._stale
     if stale is not None:
+        if tape.nodes and tape.nodes[-1] is None:  # (_bind's release empties it last first)
+            raise RuntimeError(
+                "this plan-cache hit's instructions were never built, and its run has released "
+                "the nodes they are built from: read Tape.instrs before the run ends (e.g. in a "
+                "wrapper of genie.passes.pipeline.run, after it returns)")
         _instrs_slot.__set__(tape, tape.plan.step_instrs(_instrs_slot.__get__(tape, Tape),
                                                          tape.nodes, stale))
         tape._stale = None

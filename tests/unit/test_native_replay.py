@@ -209,6 +209,33 @@ def test_a_hit_replays_from_its_nodes_without_building_its_instructions(monkeypa
     assert len(built) == len(set(map(id, built))) == 3  # once per plan: its program's compile
 
 
+def test_a_hits_instructions_read_after_its_run_raise_saying_when_to_read_them(monkeypatch):
+    """A hit's instructions are built from its nodes, which its run releases: a wrapper of
+    ``pipeline.run`` that reads them after the run got ``'NoneType' object has no attribute
+    'op'``; now a clear error, and reading them before the run ends gives eager's program."""
+    from genie import memory, passes
+    from genie.planner import Tape
+
+    monkeypatch.setattr(passes.pipeline, "_config", {**passes.pipeline._config, "names": ()})
+    monkeypatch.setattr(memory, "_tracking", [False])
+    tapes: list[Tape] = []
+    run = passes.pipeline.run
+
+    def grab(tape, device):
+        tapes.append(tape)
+        return run(tape, device)
+
+    monkeypatch.setattr(passes.pipeline, "run", grab)
+    plan_cache.clear()
+    for n in range(2, 6):  # new shapes every step: generic hits rebuild their instructions
+        x = torch.arange(n * 3, device=D, dtype=torch.float32).view(n, 3)
+        (x * 0.5).sum(0).cpu()
+    late = [t for t in tapes if t._stale is not None]
+    assert late, "no hit left its instructions unbuilt"
+    with pytest.raises(RuntimeError, match="read Tape.instrs before the run ends"):
+        _ = late[-1].instrs
+
+
 @pytest.mark.kernel_error
 @pytest.mark.parametrize("mode", ["1", "always"])
 def test_error_names_the_op_with_eagers_exception(mode):

@@ -535,7 +535,9 @@ def test_a_gpt2_decode_steps_class_is_the_same_built_fast() -> None:
 
     def keep(tape, device):
         tapes.append(tape)
-        return real(tape, device)
+        out = real(tape, device)
+        _ = tape.instrs  # a hit builds them when first read, while its nodes are still there
+        return out
 
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100,
                                   attn_implementation="eager")
