@@ -27,6 +27,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "bind.h"
+#include "gccount.h"
 #include "slots.h"
 
 namespace py = pybind11;
@@ -300,6 +301,7 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
       }
       vals = nones[k];
     } else {
+      const int before = genie::gc_young();
       vals = py::reinterpret_steal<py::object>(checked(PyList_New(k)));
       for (Py_ssize_t j = 0; j < k; ++j) {
         PyList_SET_ITEM(vals.ptr(), j, Py_NewRef(got[j]));
@@ -308,8 +310,9 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
         // Off the cyclic GC: a list of real tensors (or None) closes no cycle. Tracked, a step's
         // list per node survives the young collections its own allocation triggers and is
         // promoted, which makes the interpreter run full collections over the whole heap
-        // (~100 ms with torch and a model loaded) every few steps.
-        PyObject_GC_UnTrack(vals.ptr());
+        // (~100 ms with torch and a model loaded) every few steps. Off the young count too,
+        // where its allocation counted (csrc/gccount.cpp).
+        genie::gc_untrack_new(vals.ptr(), before);
       }
     }
     // A node that ran has no pending consumer to note: the shared empty tuple, not a new list.

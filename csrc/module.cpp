@@ -16,6 +16,7 @@
 #include "memory.h"
 #include "match.h"
 #include "device.h"
+#include "gccount.h"
 #include "generator.h"
 #include "hooks.h"
 #include "record.h"
@@ -274,6 +275,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Genie's native remote_accelerator (PrivateUse1) runtime.";
 
   genie::register_hooks();
+  genie::gc_count_init();
+  m.def("_gc_count_active", &genie::gc_count_active,
+        "Whether allocations genie._C keeps off the cyclic GC are off its young count too "
+        "(csrc/gccount.cpp; false on a CPython whose count setup.py could not find).");
 
   m.def("_set_device_count", &genie::set_device_count, py::arg("count"),
         "Set how many remote_accelerator devices exist (1..64). Call before the first backward().");

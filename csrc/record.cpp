@@ -74,6 +74,7 @@
 #endif
 
 #include "device.h"
+#include "gccount.h"
 #include "record.h"
 #include "slots.h"
 #include "state.h"
@@ -1588,18 +1589,23 @@ PyObject* new_object(PyTypeObject* t, bool tracked) {
   if (tracked) {
     return checked(t->tp_alloc(t, 0));
   }
+  const int before = genie::gc_young();
   PyObject* o = checked(_PyObject_GC_New(t));
+  genie::gc_untrack_new(o, before);  // counted by its allocation, never on the lists
   std::memset(reinterpret_cast<char*>(o) + sizeof(PyObject), 0,
               static_cast<size_t>(t->tp_basicsize) - sizeof(PyObject));
   return o;
 }
 
-// A GC container (list, weak reference) made by CPython tracked: untracked right away, while
-// its neighbours on the GC list are still in cache.
-inline PyObject* fresh(PyObject* o, bool tracked) {
-  checked(o);
+// A GC container (list, weak reference) that `make` makes, as CPython makes it tracked:
+// untracked right away, while its neighbours on the GC list are still in cache, and off the
+// young count if its allocation counted (csrc/gccount.cpp; a list from the free list did not).
+template <class Make>
+inline PyObject* fresh(Make make, bool tracked) {
+  const int before = genie::gc_young();
+  PyObject* o = checked(make());
   if (!tracked) {
-    PyObject_GC_UnTrack(o);
+    genie::gc_untrack_new(o, before);
   }
   return o;
 }
@@ -1750,7 +1756,7 @@ PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untr
   py::object a = py::reinterpret_steal<py::object>(new_object(S.alive, !gc_untrack));
   py::object t = bound_wrapper(o, node, k.ptr(), a.ptr(), gc_untrack, base);
   PyObject* outputs = slot(node, S.n.outputs);
-  PyObject* w = fresh(PyWeakref_NewRef(a.ptr(), nullptr), !node_untracked);
+  PyObject* w = fresh([&] { return PyWeakref_NewRef(a.ptr(), nullptr); }, !node_untracked);
   PyObject* old = PyList_GET_ITEM(outputs, o.k);
   PyList_SET_ITEM(outputs, o.k, w);
   Py_DECREF(old);
@@ -1885,7 +1891,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   const bool untracked = gc_untrack && (writes.empty() || deferred);
   const bool tracked = !untracked;
   const Py_ssize_t n_leaves = static_cast<Py_ssize_t>(call.leaves.size());
-  py::object rec = py::reinterpret_steal<py::object>(fresh(PyList_New(n_leaves), tracked));
+  py::object rec = py::reinterpret_steal<py::object>(fresh([&] { return PyList_New(n_leaves); }, tracked));
   {
     size_t li = 0;
     for (Py_ssize_t i = 0; i < n_leaves; ++i) {
@@ -1912,7 +1918,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
         checked(PyObject_CallFunctionObjArgs(S.retrack_below, rec.ptr(), S.ref, nullptr)));
   }
   const Py_ssize_t n_out = PyList_GET_SIZE(e.metas);
-  py::object storages = py::reinterpret_steal<py::object>(fresh(PyList_New(n_out), tracked));
+  py::object storages = py::reinterpret_steal<py::object>(fresh([&] { return PyList_New(n_out); }, tracked));
   for (Py_ssize_t k = 0; k < n_out; ++k) {
     PyList_SET_ITEM(storages.ptr(), k, new_ref(Py_None));
   }
@@ -1932,7 +1938,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   // Node.__init__
   py::object node = py::reinterpret_steal<py::object>(new_object(S.node, tracked));
   PyObject* n = node.ptr();
-  PyObject* outputs = fresh(PyList_New(n_out), tracked);
+  PyObject* outputs = fresh([&] { return PyList_New(n_out); }, tracked);
   for (Py_ssize_t k = 0; k < n_out; ++k) {
     PyList_SET_ITEM(outputs, k, new_ref(Py_None));
   }
@@ -1955,7 +1961,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   init_slot(n, S.n.tags, new_ref(Py_None));
   init_slot(n, S.n.entry, new_ref(e.entry));
   init_slot(n, S.n.ctx, current_ctx(this_thread().current));
-  PyObject* wref = fresh(PyWeakref_NewRef(n, nullptr), tracked);
+  PyObject* wref = fresh([&] { return PyWeakref_NewRef(n, nullptr); }, tracked);
   init_slot(n, S.n.wref, wref);
 
   // consumers and readers of the inputs
@@ -1983,7 +1989,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
     PyObject* st = w.ptr();
     PyObject* pw = slot(st, S.st_pending);
     if (!PyList_CheckExact(pw)) {  // the first write: the shared empty tuple becomes a list
-      PyObject* list = fresh(PyList_New(0), !deferred);
+      PyObject* list = fresh([&] { return PyList_New(0); }, !deferred);
       slot(st, S.st_pending) = list;
       Py_DECREF(pw);
       pw = list;

@@ -1,0 +1,25 @@
+// The cyclic GC's young-generation count and the objects genie._C keeps off the collector.
+#pragma once
+#include <Python.h>
+
+namespace genie {
+
+// Check the build's offsets (csrc/gc_probe.c) against the gc module; until this succeeds (and
+// where the build had none), the functions below only track and untrack.
+void gc_count_init();
+
+// Whether gc_count_init found the count (the functions below keep it).
+bool gc_count_active();
+
+// The young generation's count now (0 where gc_count_init did not find it): read it right before
+// an allocation that gc_untrack_new is then given.
+int gc_young();
+
+// `o`, just allocated (the count read `before` right before it), off the collector's lists and,
+// where its allocation counted (exactly one more than `before`: not a list from CPython's free
+// list, no collection in between), off the count too. Only for objects allocated this way: an
+// object untracked later may have been counted before the last collection reset the count, and
+// taking it off then would hide allocations of the program's own from the collector.
+void gc_untrack_new(PyObject* o, int before);
+
+}  // namespace genie
