@@ -2650,6 +2650,41 @@ PyObject* ctx_push_impl(PyObject* module) {
 // or phase annotation, no context set outside any module, the module's names known (its first
 // call makes them). Its Call and root Context are made as _begin and _context make them, pushed
 // as _enter pushes; ctx_pop ends the call as _leave does. None wherever the Python code decides.
+// The Call whose context recorded LazyTensor `x`'s node (genie.context._begin's producer):
+// `producer` (borrowed: `node`, which `x` holds, holds it) with a weak `call_root`, or null where
+// the node was recorded outside any call; `node` is the node. False where Python decides (not a
+// LazyTensor, objects not of the types expected).
+bool producing_call(PyObject* x, py::object& node, PyObject*& producer) {
+  producer = nullptr;
+  if (Py_TYPE(x) != S.lazy) {
+    return false;
+  }
+  node = py::reinterpret_steal<py::object>(lazy_attr(x, names->node));
+  if (!node || Py_TYPE(node.ptr()) != S.node) {
+    return false;
+  }
+  PyObject* ctx = slot(node.ptr(), S.n.ctx);
+  if (ctx == nullptr || ctx == Py_None) {
+    return true;
+  }
+  if (Py_TYPE(ctx) != CX.context) {
+    return false;
+  }
+  PyObject* call = slot(ctx, CX.ctx_call);
+  if (call == nullptr || call == Py_None) {
+    return true;
+  }
+  if (Py_TYPE(call) != CX.call) {
+    return false;
+  }
+  PyObject* r = slot(call, CX.call_root);
+  if (r == nullptr || !PyWeakref_CheckRef(r)) {
+    return false;
+  }
+  producer = call;
+  return true;
+}
+
 // A call with keyword arguments (or positional ones that are not all LazyTensors) as
 // genie.context._begin decides it, in the common cases: its arguments walked (the walk itself,
 // genie.context._lazy_tensors, is csrc/walk.cpp's); Py_False where no tensor an earlier call of
@@ -2692,33 +2727,12 @@ PyObject* ctx_begin_walk(PyObject* module, PyObject* const* args, Py_ssize_t n,
   std::vector<PyObject*> kv;  // nodes `module`'s earlier calls recorded (borrowed: found holds)
   std::vector<py::object> held;
   for (Py_ssize_t i = 0; i < nf; ++i) {
-    PyObject* x = PyList_GET_ITEM(found.ptr(), i);
-    if (Py_TYPE(x) != S.lazy) {
+    py::object node;
+    PyObject* producer = nullptr;
+    if (!producing_call(PyList_GET_ITEM(found.ptr(), i), node, producer)) {
       Py_RETURN_NONE;
     }
-    py::object node = py::reinterpret_steal<py::object>(lazy_attr(x, names->node));
-    if (!node || Py_TYPE(node.ptr()) != S.node) {
-      Py_RETURN_NONE;
-    }
-    PyObject* ctx = slot(node.ptr(), S.n.ctx);
-    if (ctx == nullptr || ctx == Py_None) {
-      continue;
-    }
-    if (Py_TYPE(ctx) != CX.context) {
-      Py_RETURN_NONE;
-    }
-    PyObject* producer = slot(ctx, CX.ctx_call);
-    if (producer == nullptr || producer == Py_None) {
-      continue;
-    }
-    if (Py_TYPE(producer) != CX.call) {
-      Py_RETURN_NONE;
-    }
-    PyObject* r = slot(producer, CX.call_root);
-    if (r == nullptr || !PyWeakref_CheckRef(r)) {
-      Py_RETURN_NONE;
-    }
-    if (PyWeakref_GET_OBJECT(r) != module) {
+    if (producer == nullptr || PyWeakref_GET_OBJECT(slot(producer, CX.call_root)) != module) {
       continue;
     }
     PyObject* phase = slot(producer, CX.call_phase);
@@ -2829,29 +2843,15 @@ PyObject* ctx_begin(PyObject* module, PyObject* const* args, Py_ssize_t n, PyObj
     Py_DECREF(r);  // not a decode: its Call, below
   }
   for (Py_ssize_t i = 0; lazies && i < n; ++i) {
-    if (Py_TYPE(args[i]) != S.lazy) {
+    py::object node;
+    PyObject* producer = nullptr;
+    if (!producing_call(args[i], node, producer)) {
       Py_RETURN_NONE;
     }
-    py::object node = py::reinterpret_steal<py::object>(lazy_attr(args[i], names->node));
-    if (!node || Py_TYPE(node.ptr()) != S.node) {
-      Py_RETURN_NONE;
-    }
-    PyObject* ctx = slot(node.ptr(), S.n.ctx);
-    if (ctx == nullptr || ctx == Py_None) {
+    if (producer == nullptr) {
       continue;
     }
-    if (Py_TYPE(ctx) != CX.context) {
-      Py_RETURN_NONE;
-    }
-    PyObject* producer = slot(ctx, CX.ctx_call);
-    if (producer == nullptr || producer == Py_None) {
-      continue;
-    }
-    if (Py_TYPE(producer) != CX.call) {
-      Py_RETURN_NONE;
-    }
-    PyObject* r = slot(producer, CX.call_root);
-    if (r == nullptr || !PyWeakref_CheckRef(r) || PyWeakref_GET_OBJECT(r) == module) {
+    if (PyWeakref_GET_OBJECT(slot(producer, CX.call_root)) == module) {
       Py_RETURN_NONE;  // an earlier call of this module produced it: a decode (Python decides)
     }
   }

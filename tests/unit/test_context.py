@@ -104,9 +104,7 @@ def test_an_outermost_call_begun_natively_gives_pythons_contexts_and_phases(monk
     got = {}
     for native in (True, False):
         _use(native, monkeypatch)
-        enters = []
-        enter = context._enter
-        monkeypatch.setattr(context, "_enter", lambda *a: (enters.append(a[0]), enter(*a))[1])
+        enters, enter = _count_enters(monkeypatch)
         genie.reset_stats()
         xs = [torch.full((1, 1, 8), float(i)).to(D) for i in range(3)]
         with torch.no_grad():
@@ -206,6 +204,25 @@ class _Attn(nn.Module):
         return self.out(a), (k, v)
 
 
+def _count_enters(monkeypatch) -> tuple[list, object]:
+    """Note each module ``context._enter`` (Python's way into a call) is given; the list it
+    notes them in, and the real ``_enter``."""
+    enters: list = []
+    enter = context._enter
+    monkeypatch.setattr(context, "_enter", lambda *a: (enters.append(a[0]), enter(*a))[1])
+    return enters, enter
+
+
+def _twins(cls: type[nn.Module]) -> tuple[nn.Module, nn.Module]:
+    """Two instances of ``cls`` with the same weights: one on the CPU (the reference), one on
+    the device."""
+    torch.manual_seed(0)
+    ref = cls()
+    m = cls()
+    m.load_state_dict(ref.state_dict())
+    return ref, m.to(D)
+
+
 def _decode_loop(model, dev, steps=4):
     x = torch.linspace(-1, 1, 5 * 8).reshape(1, 5, 8).to(dev)
     with torch.no_grad():
@@ -218,11 +235,7 @@ def _decode_loop(model, dev, steps=4):
 
 
 def test_hand_written_decode_loop_phases_and_kv_role():
-    torch.manual_seed(0)
-    ref = _Attn()
-    m = _Attn()
-    m.load_state_dict(ref.state_dict())
-    m.to(D)
+    ref, m = _twins(_Attn)
     want, _ = _decode_loop(ref, "cpu")
     genie.reset_stats()
     got, past = _decode_loop(m, D)
@@ -280,18 +293,12 @@ def test_a_decode_called_by_keyword_is_begun_natively_as_python_begins_it(monkey
     generate calls the model every token): from the second decode step on, each step is begun
     natively (csrc/record.cpp, ctx_begin_walk: no Python _enter), and every node's context and
     role tag, the phase counters and the values equal the Python wrapper's."""
-    torch.manual_seed(0)
-    ref = _KwAttn()
-    m = _KwAttn()
-    m.load_state_dict(ref.state_dict())
-    m.to(D)
+    ref, m = _twins(_KwAttn)
     want, _ = _kw_decode_loop(ref, "cpu", steps=5)
     got = {}
     for native in (True, False):
         _use(native, monkeypatch)
-        enters = []
-        enter = context._enter
-        monkeypatch.setattr(context, "_enter", lambda *a: (enters.append(a[0]), enter(*a))[1])
+        enters, enter = _count_enters(monkeypatch)
         genie.reset_stats()
         out, cache = _kw_decode_loop(m, D, steps=5)
         got[native] = (_contexts(out), _roles(out), _roles(cache.layers[0]),
@@ -310,11 +317,7 @@ def test_decode_calls_share_one_call_and_intern_no_context_per_step(monkeypatch)
     """The decode calls of one model share a Call: after the first decode step a steady decode
     interns no new context (the same objects, the same count), and every node's context, the
     phase counters and the values are those of a new Call per call (the reference)."""
-    torch.manual_seed(0)
-    ref = _Attn()
-    m = _Attn()
-    m.load_state_dict(ref.state_dict())
-    m.to(D)
+    ref, m = _twins(_Attn)
     want, _ = _decode_loop(ref, "cpu", steps=5)
     got = {}
     for share in (True, False):
@@ -550,11 +553,7 @@ def test_a_forward_leaves_no_cyclic_garbage():
     import gc
     import weakref
 
-    torch.manual_seed(0)
-    ref = _Attn()
-    m = _Attn()
-    m.load_state_dict(ref.state_dict())
-    m.to(D)
+    ref, m = _twins(_Attn)
     x = torch.randn(1, 2, 8)
     with torch.no_grad():
         want, _ = ref(x)

@@ -205,14 +205,10 @@ def test_detaches_from_cpp_are_recorded_natively() -> None:
             assert type(g) is LazyTensor and g.grad_fn is None and not g.requires_grad
 
 
-def test_detaches_from_cpp_reach_modes_and_a_replaced_torch_dispatch(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    x = _x(4, 6)
-    before = _detached()
-    with _Log() as log:
-        _saved_output_step(D, x)
-    assert log.ops.count(aten.detach.default) >= 2
-    seen = []
+def _spy_on_torch_dispatch(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Replace ``LazyTensor.__torch_dispatch__`` by one that notes each op and calls Genie's;
+    the list it notes them in."""
+    seen: list = []
     native = LazyTensor.__dict__["__torch_dispatch__"]
 
     def spy(func, types, args=(), kwargs=None):
@@ -220,6 +216,17 @@ def test_detaches_from_cpp_reach_modes_and_a_replaced_torch_dispatch(
         return native.__func__(func, types, args, kwargs)
 
     monkeypatch.setattr(LazyTensor, "__torch_dispatch__", staticmethod(spy))
+    return seen
+
+
+def test_detaches_from_cpp_reach_modes_and_a_replaced_torch_dispatch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    x = _x(4, 6)
+    before = _detached()
+    with _Log() as log:
+        _saved_output_step(D, x)
+    assert log.ops.count(aten.detach.default) >= 2
+    seen = _spy_on_torch_dispatch(monkeypatch)
     got = _saved_output_step(D, x)
     assert seen.count(aten.detach.default) >= 2
     assert _detached() == before
@@ -293,14 +300,7 @@ def test_a_dispatch_rule_registered_for_lazy_tensor_is_used() -> None:
 
 
 def test_a_replaced_torch_dispatch_is_called(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = []
-    native = LazyTensor.__dict__["__torch_dispatch__"]
-
-    def spy(func, types, args=(), kwargs=None):
-        seen.append(func)
-        return native.__func__(func, types, args, kwargs)
-
-    monkeypatch.setattr(LazyTensor, "__torch_dispatch__", staticmethod(spy))
+    seen = _spy_on_torch_dispatch(monkeypatch)
     x = torch.randn(3).to(D)
     y = x.exp()
     assert aten.exp.default in seen
