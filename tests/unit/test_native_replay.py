@@ -40,6 +40,15 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def _step_matches_eager(w: torch.Tensor, w_cpu: torch.Tensor, step: int) -> None:
+    """One ``_step`` on the device (this step's float and host tensor) equals eager's."""
+    lr, host = 0.1 / (step + 1), torch.randn(3, 3)
+    want = [t.cpu() for t in _step(w_cpu.to(EAGER), lr, host, EAGER)]
+    got = [t.cpu() for t in genie.materialize(*_step(w, lr, host, D))]
+    for a, b in zip(got, want, strict=True):
+        _same(a, b)
+
+
 def _step(w: torch.Tensor, lr: float, host: torch.Tensor, dev: str) -> list[torch.Tensor]:
     """One program with every kind of per-step parameter and argument tree."""
     x = host.to(dev)  # a host upload: a parameter
@@ -65,11 +74,7 @@ def test_native_replay_equals_eager(mode):
     plan_cache.clear()
     genie.reset_stats()
     for step in range(4):
-        lr, host = 0.1 / (step + 1), torch.randn(3, 3)
-        want = [t.cpu() for t in _step(w_cpu.to(EAGER), lr, host, EAGER)]
-        got = [t.cpu() for t in genie.materialize(*_step(w, lr, host, D))]
-        for a, b in zip(got, want, strict=True):
-            _same(a, b)
+        _step_matches_eager(w, w_cpu, step)
     s = genie.stats()
     assert s["plan_cache_hits"] >= 3
     assert s["native_replays"] >= (4 if mode == "always" else 3)  # really replayed natively
@@ -196,11 +201,7 @@ def test_a_hit_replays_from_its_nodes_without_building_its_instructions(monkeypa
     plan_cache.clear()
     genie.reset_stats()
     for step in range(5):
-        lr, host = 0.1 / (step + 1), torch.randn(3, 3)
-        want = [t.cpu() for t in _step(w_cpu.to(EAGER), lr, host, EAGER)]
-        got = [t.cpu() for t in genie.materialize(*_step(w, lr, host, D))]
-        for a, b in zip(got, want, strict=True):
-            _same(a, b)
+        _step_matches_eager(w, w_cpu, step)
         _same(rand(step, D).cpu(), randoms[step])
         _same(grow(step + 2, D).cpu(), grow(step + 2, EAGER).cpu())
     s = genie.stats()
