@@ -28,15 +28,20 @@ m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
 opt = torch.optim.AdamW(m.parameters())
 x = torch.randn(64, 1024).to(dev)
 faults = []
-for i in range(10):
+for i in range(14):
+    if i == 10:
+        gate = {k: v for k, v in genie.stats().items() if k.startswith("passes_")}
     a = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     opt.zero_grad()
     m(x).square().mean().backward()
     opt.step()
     m[0].bias.sum().item()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - a)
-print(sum(faults[6:]),  # the first steps grow the heap (plan, passes' verification)
-      genie.memory._retaining[0] is True)
+# the first steps grow the heap: the plan, the passes' verified first run and their gate (steps
+# 3-8 alternate the optimized and the unoptimized tape, timed, then one stays: which one depends
+# on the machine's load, so its heap is settled only after it)
+settled = gate == {k: v for k, v in genie.stats().items() if k.startswith("passes_")}
+print(sum(faults[10:]), genie.memory._retaining[0] is True, settled)
 """
 
 
@@ -47,12 +52,13 @@ def _run(dev: str, retain: str | None) -> tuple[int, bool]:
     out = subprocess.run([sys.executable, "-c", _STEPS, dev], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    faults, retaining = out.stdout.split()
+    faults, retaining, settled = out.stdout.split()
+    assert settled == "True", "the passes' gate still ran in the measured steps"
     return int(faults), retaining == "True"
 
 
 def test_steady_training_steps_reuse_freed_host_memory() -> None:
-    """Steps 7-10 of an AdamW loop on the device fault (almost) no pages in; with retention off
+    """Steps 11-14 of an AdamW loop on the device fault (almost) no pages in; with retention off
     (glibc's defaults, what the device did before) the same steps fault in tens of MB each."""
     if genie_real_device() != "cpu":
         pytest.skip("the embedded real device is not the CPU")
@@ -61,7 +67,11 @@ def test_steady_training_steps_reuse_freed_host_memory() -> None:
     off, off_retaining = _run("remote_accelerator:0", "0")
     assert not off_retaining
     assert off > 10_000, f"glibc's defaults no longer trim between steps ({off} faults)"
-    assert faults < 1_000, f"{faults} minor page faults in 4 steady steps (without retention {off})"
+    # Retained, the steps fault (almost) nothing in; now and then one weight-sized chunk (a 16 MiB
+    # gradient or optimizer temporary: 4096 pages, in ~1 run of 20, at any step) when glibc has
+    # split its free chunk of that size for smaller allocations in between. Without retention
+    # every step faults ~10,000-16,000 pages in: the bound is half of one such step.
+    assert faults < off / 8, f"{faults} minor page faults in 4 steady steps (without retention {off})"
 
 
 def test_a_program_that_never_touches_the_device_keeps_glibc_defaults() -> None:
