@@ -16,6 +16,7 @@ import msgpack
 import pytest
 import torch
 
+from genie import graphs
 from genie.remote import protocol
 from genie.remote.worker import HANDLE_COST, Config, Refused, Session, Worker
 
@@ -77,6 +78,9 @@ def test_only_a_tape_that_writes_recounts_what_it_read(monkeypatch: pytest.Monke
     an argument; a skeleton of ops that write nothing (a decode step's 519) cannot resize one."""
     recounts = []
     monkeypatch.setattr(Session, "refresh", lambda self, ts: recounts.append(len(list(ts))))
+    # a Worker turns on the server's check of every graph_mut call for its (own) process:
+    # restored after, or later tests in this process run as a server would (no direct calls)
+    monkeypatch.setattr(graphs, "check_calls", graphs.check_calls)
     w = Worker(b"tok", Config("cpu", 1 << 30, 60.0, None, 1))
     x, y = torch.ones(4), torch.full((4,), 2.0)
     neg = protocol.pack([1, ["aten::neg.default"], [[1, [1, 0], [3, [], []]]],
