@@ -982,8 +982,12 @@ class Worker:
         self.last_ints[ck] = ints
         cls = self.classes.get(ck)
         tries = self.class_tries.get(ck, 0)
+        # a structure without instructions (values uploaded and kept: a model's weights moved to
+        # the device, one structure whose sizes move with each weight's shape) is vetted for
+        # ~0.1 ms; a class would cost a fork of the worker (~8-15 ms of its CPU) and the child's
+        # page faults (~15-20 ms), twice per model loaded (a GPT-2 12x768's weights)
         if prev is None or cls is False or tries >= CLASS_TRIES or self.build_mode == "off" or \
-                len(tape.instrs) > CLASS_MAX_INSTRS:
+                not tape.instrs or len(tape.instrs) > CLASS_MAX_INSTRS:
             return
         background = self.build_mode == "background"
         if background and (self._free_build() is None or self._building(ck)):

@@ -59,6 +59,14 @@ def test_a_bulk_put_that_put_refuses_puts_nothing(case: str) -> None:
     assert _state(s) == before
 
 
+def _worker(monkeypatch: pytest.MonkeyPatch) -> Worker:
+    """An in-process session worker. A Worker turns on the server's check of every graph_mut
+    call for its (own) process: restored after the test, or later tests in this process run as
+    a server would (no direct calls)."""
+    monkeypatch.setattr(graphs, "check_calls", graphs.check_calls)
+    return Worker(b"tok", Config("cpu", 1 << 30, 60.0, None, 1))
+
+
 def _run(w: Worker, sk: bytes, consts: list, frames: list, id0: int) -> dict:
     h = {"t": "run", "k": hashlib.blake2b(sk, digest_size=16).digest(), "sk": sk, "c": consts,
          "id0": id0}
@@ -78,10 +86,7 @@ def test_only_a_tape_that_writes_recounts_what_it_read(monkeypatch: pytest.Monke
     an argument; a skeleton of ops that write nothing (a decode step's 519) cannot resize one."""
     recounts = []
     monkeypatch.setattr(Session, "refresh", lambda self, ts: recounts.append(len(list(ts))))
-    # a Worker turns on the server's check of every graph_mut call for its (own) process:
-    # restored after, or later tests in this process run as a server would (no direct calls)
-    monkeypatch.setattr(graphs, "check_calls", graphs.check_calls)
-    w = Worker(b"tok", Config("cpu", 1 << 30, 60.0, None, 1))
+    w = _worker(monkeypatch)
     x, y = torch.ones(4), torch.full((4,), 2.0)
     neg = protocol.pack([1, ["aten::neg.default"], [[1, [1, 0], [3, [], []]]],
                          [[0, 0, [-1], [0], [], False]], [], [0], [0]])
@@ -96,3 +101,28 @@ def test_only_a_tape_that_writes_recounts_what_it_read(monkeypatch: pytest.Monke
     torch.testing.assert_close(w.sess.store[100], -x + y)
     _run(w, neg, [_host(y, 0)], [protocol.tensor_frame(y)[0]], 300)
     assert recounts == [1]
+
+
+def test_a_structure_without_instructions_gets_no_class_build(monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """Uploads kept as values (a model's weights moved to the device) are one structure without
+    instructions whose sizes move with each weight's shape: each call is vetted concretely (for
+    next to nothing), never by a class whose build would fork the worker (its CPU, and the
+    child's page faults, for a vet of nothing). The values are the uploads."""
+    monkeypatch.setenv("GENIE_SERVER_CLASS_BUILD", "background")
+    monkeypatch.setenv("GENIE_SERVER_CLASS_BUILD_COST", "0")
+    w = _worker(monkeypatch)
+    assert w.build_mode == "background"
+    sk = protocol.pack([1, [], [], [], [0], [], [0]])  # slot 0: an input upload, kept
+    assert protocol.compile_skeleton(sk).templates == []
+    hows = []
+    for k, n in enumerate((4, 6, 9, 12)):
+        x = torch.arange(float(n))
+        up = msgpack.ExtType(protocol.EXT_INPUT, protocol.pack([[0, "float32", [n], None],
+                                                                  100 + k]))
+        reply = _run(w, sk, [up], [protocol.tensor_frame(x)[0]], 200 + k)
+        hows.append(reply["vt"])
+        w.after_reply()  # where a background build would start
+        assert not any(b.busy for b in w.builds), k
+        assert torch.equal(w.sess.store[100 + k], x)
+    assert hows == ["guarded", "vetted", "vetted", "vetted"] and w.class_tries == {}
