@@ -18,8 +18,8 @@
 //
 // Contract: the same answer as the Python function (genie.plan_cache._match_core_py, kept as the
 // reference; GENIE_NATIVE_MATCH=0 uses it): None (not this plan: the caller slices and
-// instantiates) or (found nodes, shaped instructions, changed float columns, input slots by
-// (node index, output), input values by slot). Constants and TensorMetas are compared by
+// instantiates) or (found nodes, shaped instructions, changed float columns, input slots as a
+// flat [node, out, slot, ...] list, input values by slot). Constants and TensorMetas are compared by
 // slice.cpp's native same_const / TensorMeta equality / same_kind (Python's for anything else);
 // held_after and _entryless (nodes recorded without a meta-cache entry) are Python callbacks.
 // tests/unit/test_plan_cache.py compares the two on every outcome of its programs.
@@ -29,6 +29,8 @@
 #include <algorithm>
 #include <memory>
 #include <stdexcept>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <pybind11/pybind11.h>
@@ -78,6 +80,24 @@ inline PyObject* item(PyObject* l, Py_ssize_t i) {
 }
 
 Py_ssize_t as_index(PyObject* o) {
+#if PY_VERSION_HEX < 0x030C0000
+  // An exact int of at most one digit (node indices below 2**30, outputs, positions), read in
+  // place: the conversion call per reference, node and reader was ~12% of a warm match of a
+  // training step (AdamW's plan reads ~540 storage readers).
+  if (PyLong_CheckExact(o)) {
+    const Py_ssize_t size = Py_SIZE(o);
+    const digit d = reinterpret_cast<PyLongObject*>(o)->ob_digit[0];
+    if (size == 0) {
+      return 0;
+    }
+    if (size == 1) {
+      return static_cast<Py_ssize_t>(d);
+    }
+    if (size == -1) {
+      return -static_cast<Py_ssize_t>(d);
+    }
+  }
+#endif
   Py_ssize_t v = PyLong_AsSsize_t(o);
   if (v == -1 && PyErr_Occurred()) {
     throw py::error_already_set();
@@ -317,6 +337,38 @@ bool written_before(PyObject* xn, Py_ssize_t k, PyObject* reader, bool& ok) {
   }
   return index_of(w) < index_of(reader);
 }
+
+// Storage.prune_readers on the list `rs` in place: its plain weak references whose node died or
+// ran are dropped, the others kept in order. A training step's plan reads each weight's, gradient's
+// and optimizer state's reader list (~540 weak references over 60 storages for a 4-layer MLP's
+// AdamW step), most of them readers of earlier steps that ran: dropped where the match reads them
+// anyway, the next step's match reads only its own (binding prunes only lists of 16 or more).
+void drop_gone_readers(PyObject* rs) {
+  PyObject** items = reinterpret_cast<PyListObject*>(rs)->ob_item;
+  const Py_ssize_t n = PyList_GET_SIZE(rs);
+  std::vector<PyObject*> dropped;
+  Py_ssize_t w = 0;
+  for (Py_ssize_t q = 0; q < n; ++q) {
+    PyObject* r = items[q];
+    PyObject* rn = PyWeakref_CheckRefExact(r) ? PyWeakref_GET_OBJECT(r) : nullptr;
+    if (rn != nullptr &&
+        (rn == Py_None || (is_node(rn) && slot(rn, S.n_executed) == Py_True))) {
+      dropped.push_back(r);
+    } else {
+      items[w++] = r;
+    }
+  }
+  Py_SET_SIZE(rs, w);  // (a list may hold fewer items than it has room for)
+  for (PyObject* r : dropped) {  // after the list is consistent: a weak reference's dealloc
+    Py_DECREF(r);                // runs no Python code, but the list is whole first anyway
+  }
+}
+
+struct PairHash {
+  size_t operator()(const std::pair<PyObject*, Py_ssize_t>& k) const {
+    return std::hash<void*>()(k.first) * 31 + static_cast<size_t>(k.second);
+  }
+};
 
 }  // namespace
 
@@ -656,10 +708,14 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       if (rs == nullptr || !(PyList_CheckExact(rs) || PyTuple_CheckExact(rs))) {
         return miss;
       }
+      Py_ssize_t gone = 0;  // readers that died or ran (plain weak references)
       for (Py_ssize_t q = 0; q < Py_SIZE(rs); ++q) {
         py::object keep;
-        PyObject* rn = held_by(PySequence_Fast_GET_ITEM(rs, q), keep);
+        PyObject* r = PySequence_Fast_GET_ITEM(rs, q);
+        PyObject* rn = held_by(r, keep);
         if (!is_node(rn) || slot(rn, S.n_executed) != Py_False) {
+          gone += PyWeakref_CheckRefExact(r) &&
+                  (rn == Py_None || (is_node(rn) && slot(rn, S.n_executed) == Py_True));
           continue;  // died or ran
         }
         const Py_ssize_t idx = index_of(rn);
@@ -670,6 +726,9 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
         if (it == at.end() || *it != idx || found[it - at.begin()] != rn) {
           return miss;
         }
+      }
+      if (gone > 0 && PyList_CheckExact(rs)) {
+        drop_gone_readers(rs);
       }
     }
   }
@@ -721,7 +780,12 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
     changed.append(py::int_(c));
   }
   // Input references, grouped by plan slot: one value each, bound as build_tape would.
-  py::dict islots;
+  // Input slots by (node, output): a node is its index while it is alive (these are borrowed
+  // from found nodes' Refs), so no (index, out) tuple is made and hashed per input here; the
+  // tape's PendingSlots gets them as a flat [node, out, slot, ...] list and makes the
+  // (node index, out) keys only if Tape.slots is read (a replay and a bind never read it).
+  std::unordered_map<std::pair<PyObject*, Py_ssize_t>, PyObject*, PairHash> islots;
+  std::vector<PyObject*> islot_list;  // borrowed: node, out, slot, ...
   py::dict inputs;
   const Py_ssize_t ng = PyList_GET_SIZE(ingroups);
   {  // the inputs' nodes (a weight's upload, the previous step's KV cache) are cold: ask for
@@ -781,17 +845,9 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   // genie.plan_cache._bind_input(xn, out, y, pin, islots, inputs, generic): true when bound
   auto bind = [&](PyObject* xn, PyObject* xo, PyObject* y) -> bool {
     const Py_ssize_t out = as_index(xo);
-    py::object key = py::reinterpret_steal<py::object>(
-        PyTuple_Pack(2, slot(xn, S.n_index), xo));
-    if (!key) {
-      throw py::error_already_set();
-    }
-    PyObject* s = PyDict_GetItemWithError(islots.ptr(), key.ptr());
-    if (s != nullptr) {
-      return as_index(s) == as_index(y);
-    }
-    if (PyErr_Occurred()) {
-      throw py::error_already_set();
+    const auto known = islots.find({xn, out});
+    if (known != islots.end()) {
+      return as_index(known->second) == as_index(y);
     }
     PyObject* want = PyDict_GetItemWithError(pin.ptr(), y);
     if (want == nullptr) {
@@ -836,9 +892,11 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
         return false;
       }
     }
-    if (PyDict_SetItem(islots.ptr(), key.ptr(), y) < 0 || PyDict_SetItem(inputs.ptr(), y, v) < 0) {
+    if (PyDict_SetItem(inputs.ptr(), y, v) < 0) {
       throw py::error_already_set();
     }
+    islots.emplace(std::make_pair(xn, out), y);
+    islot_list.insert(islot_list.end(), {xn, xo, y});
     return true;
   };
   for (Py_ssize_t g = 0; g < ng; ++g) {
@@ -882,10 +940,11 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       return miss;
     }
   }
+  std::vector<py::object> outs_made;  // the ints of requested values' outputs, held
   for (Py_ssize_t t = 0; t < nt; ++t) {  // requested values that ran (a plan that writes)
     if (tpos[t] < 0) {
-      py::object xo = py::int_(tg[t].second);
-      if (!bind(tg[t].first, xo.ptr(), PyList_GET_ITEM(want_out.ptr(), t))) {
+      outs_made.push_back(py::int_(tg[t].second));
+      if (!bind(tg[t].first, outs_made.back().ptr(), PyList_GET_ITEM(want_out.ptr(), t))) {
         return miss;
       }
     }
@@ -893,12 +952,16 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   if (PyDict_GET_SIZE(inputs.ptr()) != PyDict_GET_SIZE(pin.ptr())) {
     return py::none();
   }
+  py::list islots_out(islot_list.size());
+  for (size_t q = 0; q < islot_list.size(); ++q) {
+    PyList_SET_ITEM(islots_out.ptr(), static_cast<Py_ssize_t>(q), Py_NewRef(islot_list[q]));
+  }
   py::list nodes(nn);
   for (Py_ssize_t i = 0; i < nn; ++i) {
     Py_INCREF(found[i]);
     PyList_SET_ITEM(nodes.ptr(), i, found[i]);
   }
-  return py::make_tuple(nodes, shaped, changed, islots, inputs);
+  return py::make_tuple(nodes, shaped, changed, islots_out, inputs);
 }
 
 }  // namespace genie

@@ -79,8 +79,8 @@ def _match_core(flat: tuple, entries: list[object], klasses: list[object],
                 want_out: list[int], targets: list[tuple[object, int]], generic: bool,
                 pending: bool, pin: dict[int, object], entryless: object) -> object:
     """``genie.plan_cache.match``'s per-node part (``_match_core_py`` is the reference): None
-    (not this plan) or ``(nodes, shaped, changed, input slots,
-    inputs)``. ``flat``: ``Plan.flat``, whose last column is ``Plan.wsite`` (a plan that
+    (not this plan) or ``(nodes, shaped, changed, input slots (a flat ``[node, out, slot,
+    ...]`` list), inputs)``. ``flat``: ``Plan.flat``, whose last column is ``Plan.wsite`` (a plan that
     writes: where its updates are found and which pending writes each read must see)."""
 
 def _slice_init(objects: dict[str, object]) -> None:

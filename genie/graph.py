@@ -188,7 +188,9 @@ class Storage:
     list per recorded output cost an allocation at record and a free at teardown), then a list.
     ``readers`` are weak references to pending nodes that read it (for write-after-read): the
     shared empty tuple until the first reader, then a list (an output read by no pending node,
-    as a step's last values, never makes one).
+    as a step's last values, never makes one). Readers that died or ran are dropped when the list
+    doubles (:meth:`add_reader`), when binding meets a long one, and where a writing plan's column
+    match reads the list (csrc/match.cpp).
     ``role`` is set where a storage's meaning is known for its whole life (the upload of a
     parameter: ``weight``), so in-place updates and views keep it (:func:`genie.context.node_role`).
     """

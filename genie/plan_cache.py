@@ -702,8 +702,8 @@ def _rebuild(instrs: list[Instr], found: list[Node], tmpl: list[Instr], indices:
 def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -> Any:
     """:func:`match`'s per-node part in Python (the reference of ``genie._C._match_core``,
     csrc/match.cpp; ``GENIE_NATIVE_MATCH=0`` uses it): None (not this plan) or ``(found
-    nodes, shaped instructions, changed float columns, input slots by (node index, output),
-    input values by slot)``."""
+    nodes, shaped instructions, changed float columns, input slots as a flat ``[node, out,
+    slot, ...]`` list (:class:`~genie.planner.PendingSlots`), input values by slot)``."""
     want_out = plan.outputs
     ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs, _ = \
         plan.flat
@@ -803,6 +803,7 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
     pin = plan.inputs
     islots: dict[tuple[int, int], int] = {}
     inputs: dict[int, torch.Tensor] = {}
+    made: list[Any] = []  # the bindings, as PendingSlots.inputs' flat list
     for y, gi, gp in ingroups:  # input references, by plan slot: one value each
         xs = list(map(getitem, map(_leaves, map(get, gi)), gp))
         x = xs[0]
@@ -813,15 +814,15 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
         if wsite is None and pending_total[0] and (pw := xn.storages[xo].pending_writes) and \
                 pw[0].index < max(map(_index, map(get, gi))):
             return None  # a write before a read: the slice would hold it
-        if not _bind_input(xn, xo, y, pin, islots, inputs, generic):  # also: one value, two slots
-            return None
+        if not _bind_input(xn, xo, y, pin, islots, inputs, generic, made):  # also: one value,
+            return None                                                       # two slots
     for (node, out), want in zip(targets, want_out, strict=True):  # requested values that ran
         if want not in produced and not _bind_input(node, out, want, pin, islots, inputs,
-                                                    generic):
+                                                    generic, made):
             return None
     if len(inputs) != len(pin):
         return None
-    return found, shaped, changed, islots, inputs
+    return found, shaped, changed, made, inputs
 
 
 def _written_before(found: list[Any], xs: list[Ref], ei: list[int],
@@ -909,9 +910,10 @@ def _leaves_of(leaves: list[Any], tl: list[Any], shaped: bool) -> list[Any]:
 
 def _bind_input(node: Node, out: int, slot: int, pin: dict[int, TensorMeta],
                 slots: dict[tuple[int, int], int], inputs: dict[int, torch.Tensor],
-                generic: bool = False) -> bool:
+                generic: bool = False, made: list[Any] | None = None) -> bool:
     """Bind an already computed value to the plan's input ``slot``, as build_tape would
-    (``generic``: its metadata may differ from the plan's in shape and strides)."""
+    (``generic``: its metadata may differ from the plan's in shape and strides); ``made``: a
+    new binding is appended there too, as ``node, out, slot``."""
     key = (node.index, out)
     s = slots.get(key)
     if s is not None:
@@ -925,6 +927,8 @@ def _bind_input(node: Node, out: int, slot: int, pin: dict[int, TensorMeta],
         return False
     slots[key] = slot
     inputs[slot] = v
+    if made is not None:
+        made += (node, out, slot)
     return True
 
 

@@ -130,16 +130,23 @@ class PendingSlots:
     """:attr:`Tape.slots` not built yet (a plan-cache hit builds it only when read).
 
     ``outs[i]`` is the output slots of ``Tape.nodes[i]`` (as :attr:`Instr.outs`; shared with
-    the plan, never mutated); ``inputs`` maps ``(node index, out)`` of the input values to slots.
+    the plan, never mutated); ``inputs`` maps ``(node index, out)`` of the input values to slots,
+    or says the same as a flat ``[node, out, slot, ...]`` list (a column match's:
+    :func:`genie.plan_cache.match` makes no key per input unless the slots are read).
     """
 
     outs: list[tuple[int | None, ...]]
-    inputs: dict[tuple[int, int], int]
+    inputs: dict[tuple[int, int], int] | list[Any]
 
     def build(self, nodes: list[Node]) -> dict[tuple[int, int], int]:
         d = {(n.index, k): s for n, outs in zip(nodes, self.outs, strict=True)
              for k, s in enumerate(outs) if s is not None}
-        d.update(self.inputs)
+        ins = self.inputs
+        if type(ins) is dict:
+            d.update(ins)
+        else:
+            it = iter(ins)
+            d.update(((n.index, k), s) for n, k, s in zip(it, it, it, strict=True))
         return d
 
 

@@ -256,6 +256,27 @@ def test_a_writing_plan_hits_through_the_column_match(monkeypatch):
     torch.testing.assert_close(w.cpu(), rw)
 
 
+def test_a_writing_plan_hit_drops_the_readers_that_ran_from_what_it_checks():
+    """A writing plan's column match reads the reader list of every storage its writes update
+    (a pending reader before a write must be in the slice); the readers of earlier steps, which
+    ran, are dropped there (as ``Storage.prune_readers``), so a weight's list holds about one
+    step's readers instead of growing to binding's pruning size (16), and the next match reads
+    only those. Values stay eager's."""
+    w, x = torch.ones(4, device=D), torch.arange(4.0, device=D)
+    rw, rx = torch.ones(4), torch.arange(4.0)
+    lengths = []
+    for _ in range(12):
+        loss = (w * x).sum() + (w * 2.0).sum()  # three readers of w's storage a step
+        w.sub_(x, alpha=0.1)
+        ref = (rw * rx).sum() + (rw * 2.0).sum()
+        rw.sub_(rx, alpha=0.1)
+        torch.testing.assert_close(loss.cpu(), ref)
+        lengths.append(len(w._node.storages[w._out].readers))
+    assert genie.stats()["plan_cache_hits"] >= 8
+    assert max(lengths[4:]) <= 6, lengths
+    torch.testing.assert_close(w.cpu(), rw)
+
+
 def test_a_read_before_a_pending_write_hits_through_the_column_match(monkeypatch):
     """``loss.item()`` while the update recorded after the loss waits (``opt.step()`` before the
     read, no step tape): the write is not the read's, so the forward's plan (which does not
