@@ -97,11 +97,12 @@ def run_tape(tape: Tape, index: int,
             before = _state_apply(next(iter(states)))
         elif not pipeline._not_eager():  # a server or compiled backend runs it as one (a gap)
             per_op = [n.entry.state if n.entry is not None else None for n in tape.nodes]
-    if tape._stale is not None and (per_op is not None or pipeline._not_eager()):
-        # A hit's instructions are left unbuilt (Tape.instrs) only for this process's eager
-        # backend, whose native replay reads their nodes: others read them, and a server's
-        # client first settles the answers of earlier requests, which binds (and empties) the
-        # nodes they ran, some of which a tape sent ahead may share.
+    if tape._stale is not None and (per_op is not None or not _reads_hits()):
+        # A hit's instructions are left unbuilt (Tape.instrs) only for a backend that reads
+        # their nodes (this process's eager backend: its native replay; a server's client: its
+        # encoding) before anything binds them: others read the instructions, and a server's
+        # client that sent tapes ahead first settles their answers, which binds (and empties)
+        # the nodes they ran, some of which this tape may share.
         _ = tape.instrs
     try:
         bits = _math_bits_on()  # real_dispatch(), inline: once per materialization
@@ -137,6 +138,14 @@ def run_tape(tape: Tape, index: int,
         return outputs
     _bind_ran(tape, kept, ran, index)
     return outputs
+
+
+def _reads_hits() -> bool:
+    """Whether the backend that runs tapes now reads a plan-cache hit's per-step values from
+    its nodes before anything binds them (so its instructions need not be built): the eager
+    backend, and one whose ``reads_hits`` says so (a server's client not sending ahead)."""
+    first = pipeline._not_eager()
+    return first is None or getattr(backends.get_backend(first), "reads_hits", False)
 
 
 def _bind_ran(tape: Tape, kept: dict[int, Any], ran: Tape, index: int) -> None:

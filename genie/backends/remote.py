@@ -382,6 +382,15 @@ class RemoteBackend:
     def is_available(self) -> bool:
         return bool(_clients) or _env_error is not None
 
+    @property
+    def reads_hits(self) -> bool:
+        """Whether a plan-cache hit's instructions may stay unbuilt (``genie.executor``): the
+        client encodes a hit from its nodes (``Plan.replay_source``) before anything binds
+        them, unless a tape sent ahead is on its way (the run first settles its answer,
+        binding its nodes, which this tape may share) or a policy places tapes (it reads
+        instructions)."""
+        return _router is None and all(c._inflight is None for c in _clients)
+
     def check(self, tape: Tape) -> str | None:
         return None
 

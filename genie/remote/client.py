@@ -54,7 +54,7 @@ from zmq.utils.monitor import recv_monitor_message
 from .. import graphs
 from ..errors import ExecutionError, GenieError
 from ..graph import TensorMeta
-from ..planner import PendingSlots, Tape
+from ..planner import PendingSlots, Tape, raw_instrs
 from ..progress import transfer_done, transfer_started
 from ..stats import _counts, bump
 from ..tape_io import UPLOAD
@@ -584,7 +584,7 @@ class Client:
             header.update(r.extra)
             self._skeletons.pop(enc.key, None)
             r.header = header
-            r.what = f"a tape of {len(tape.instrs)} ops"
+            r.what = f"a tape of {len(raw_instrs(tape))} ops"  # (a hit's need not be built)
             ahead = not wait and not tape.outputs
             try:
                 sent: _Sent | None = self._send(header, enc.frames, r.what)

@@ -50,7 +50,7 @@ from .. import _C, graphs
 from ..graph import TensorMeta, same_const
 from ..memory import fresh_bytes
 from ..meta import policy
-from ..planner import Instr, MetaArg, Slot, Tape
+from ..planner import Instr, MetaArg, Slot, Tape, raw_instrs
 from ..tape_io import (  # one table of names, shared
     _DTYPE_NAME,
     _DTYPES,
@@ -498,7 +498,6 @@ def encode_tape(tape: Tape, input_const: Any, hoist: bool = False) -> Encoded:
     """
     frames: list[Any] = []
     inputs = sorted(tape.inputs)
-    instrs = tape.instrs
     plan = tape.plan
     # a tape instantiated from a plan (genie.plan_cache) has the plan's structure: its encoding
     # is the plan's (the plan-cache match checked every op, tree, wiring and kind of constant),
@@ -512,37 +511,54 @@ def encode_tape(tape: Tape, input_const: Any, hoist: bool = False) -> Encoded:
     wkey = _WIRE if tape.outputs else _WIRE_KEPT
     pw: _PlanWire | None = plan.artifacts.get(wkey) if plan is not None else None
     if pw is not None and pw.wire.hoist == hoist:
-        # the plan's own instructions: their constants as the plan sent them
+        # the plan's own instructions: their constants as the plan sent them. A hit whose
+        # instructions are not built (Tape.instrs) is read where a native replay reads it: the
+        # plan's instruction where the step's is the plan's own, else its node, whose leaves
+        # and (seed, offset) hold what the rebuilt instruction would (Plan.replay_source), so
+        # the build is skipped (~25 us a GPT-2 4x128 token)
         wire = pw.wire
-        consts = _input_consts(tape, wire, input_const, frames)
+        stale = tape._stale
+        src = tape.instrs if stale is None else \
+            plan.replay_source(raw_instrs(tape), tape.nodes, stale)
+        consts = _input_consts(tape, wire, input_const, frames, src)
         where = wire.where
         part = pw.consts.copy()
         starts = pw.starts
         seen = pw.seen
+        gets = pw.gets
         for w in itertools.compress(range(len(where)),
-                                    map(operator.is_not, map(instrs.__getitem__, pw.at), pw.own)):
+                                    map(operator.is_not, map(src.__getitem__, pw.at), pw.own)):
             i, js = where[w]
-            ins = instrs[i]
-            leaves = ins.leaves
+            ins = src[i]
             last = seen[w]
-            if last is None:  # first seen: kept for the next call where it may be
-                nf = len(frames)
+            if last is _MOVES:
                 vals = _leaf_consts(ins, js, frames)
-                seen[w] = (leaves, vals, tuple(j for j, x in enumerate(leaves)
-                                               if type(x) is float), 0) \
-                    if len(frames) == nf and ins.rng is None and \
-                    not any(isinstance(x, torch.Tensor) for x in leaves) else _MOVES
-            elif last is not _MOVES and (last[0] is leaves or (
-                    last[0] == leaves and all(map(same_const, map(last[0].__getitem__, last[2]),
-                                                  map(leaves.__getitem__, last[2]))))):
-                vals = last[1]  # this call's constants are the last call's
-            else:  # (floats compared as constants: == takes -0.0 for 0.0)
-                vals = _leaf_consts(ins, js, frames)
-                if last is not _MOVES:  # the second change: its constants move every call
-                    seen[w] = (leaves, vals, last[2], 1) if not last[3] else _MOVES
+            else:
+                # the values at the entry's leaves (a node's other leaves are references): one
+                # value, or a tuple of several
+                now = gets[w](ins.leaves)
+                fl = last[2] if last is not None else None
+                if last is None:  # first seen: kept for the next call where it may be
+                    nf = len(frames)
+                    vals = _leaf_consts(ins, js, frames)
+                    vs = now if len(js) > 1 else (now,)
+                    fl = -1 if len(js) == 1 and type(now) is float else \
+                        tuple(k for k, x in enumerate(vs) if type(x) is float) or None
+                    seen[w] = (now, vals, fl, 0) if len(frames) == nf and \
+                        not any(isinstance(x, torch.Tensor) for x in vs) else _MOVES
+                elif last[0] == now and (fl is None or (
+                        same_const(last[0], now) if fl == -1 else
+                        all(map(same_const, map(last[0].__getitem__, fl),
+                                map(now.__getitem__, fl))))):
+                    vals = last[1]  # this call's constants are the last call's
+                else:  # (floats compared as constants: == takes -0.0 for 0.0)
+                    vals = _leaf_consts(ins, js, frames)
+                    # the second change: its constants move every call
+                    seen[w] = (now, vals, fl, 1) if not last[3] else _MOVES
             part[starts[w]:starts[w] + len(js)] = vals
         consts += part
         return Encoded(wire.key, wire.skeleton, consts, frames, wire.order, wire.hoisted)
+    instrs = tape.instrs
     shape = (hoist, _structure(tape, inputs))
     with _encoded_lock:  # clients of several servers may encode at once (threads)
         memo: _Wire | None = _encoded.get(shape)
@@ -562,8 +578,10 @@ def encode_tape(tape: Tape, input_const: Any, hoist: bool = False) -> Encoded:
             own.append(ins if tmpl is not None and ins is tmpl[i] and ins.rng is None and
                        len(frames) == nf else None)
         if plan is not None:
-            plan.artifacts[wkey] = _PlanWire(memo, [i for i, _ in memo.where], own,
-                                             consts[n_consts:], starts, [None] * len(own))
+            plan.artifacts[wkey] = _PlanWire(
+                memo, [i for i, _ in memo.where], own, consts[n_consts:], starts,
+                [None if js[-1] >= 0 else _MOVES for _, js in memo.where],
+                [operator.itemgetter(*js) for _, js in memo.where])
         return Encoded(memo.key, memo.skeleton, consts, frames, memo.order, memo.hoisted)
     keep = tape.keep
     # uploads of kept values: sent as input uploads (their instruction index by slot)
@@ -659,11 +677,13 @@ def _leaf_consts(ins: Instr, js: list[int], frames: list[Any]) -> list[Any]:
     return out
 
 
-def _input_consts(tape: Tape, wire: _Wire, input_const: Any, frames: list[Any]) -> list[Any]:
+def _input_consts(tape: Tape, wire: _Wire, input_const: Any, frames: list[Any],
+                  instrs: list[Any] | None = None) -> list[Any]:
     """The constants naming ``tape``'s inputs in the wire's order (input uploads: the host
-    tensor of their upload instruction)."""
+    tensor of their upload instruction, or ``instrs``' there: its node)."""
     given = tape.inputs
-    instrs = tape.instrs
+    if instrs is None:
+        instrs = tape.instrs
     return [input_const(s, given[s] if i < 0 else instrs[i].leaves[0], frames)
             for s, i in wire.inputs]
 
@@ -691,10 +711,11 @@ class _PlanWire:
     (``own``; None: rebuilt every call, a random op or one with a host tensor) and where its
     constants start in ``consts`` (``starts``), the constants of those entries as first sent.
     A plan-cache hit reuses the plan's object for an instruction whose constants are the
-    plan's, so a call re-encodes only the entries whose instruction is not that object, and of
-    those (``seen``: per entry, the leaves of its last encoding, their constants, the positions
-    of float leaves and whether they changed before; :data:`_MOVES` where they keep changing)
-    only the ones whose leaves differ from the last call's: a shape-
+    plan's, so a call re-encodes only the entries whose instruction (or node: a hit's
+    instructions are not built) is not that object, and of those (``seen``: per entry, the
+    values at its leaves of its last encoding, their constants, the positions of floats among
+    them and whether they changed before; :data:`_MOVES` where they keep changing) only the
+    ones whose values differ from the last call's: a shape-
     generic plan rebuilds every instruction of a shape that moves (a GPT-2 token's growing KV
     cache: 39 of a 4x128 token's instructions, nearly all of the same constants as the token
     before)."""
@@ -705,6 +726,8 @@ class _PlanWire:
     consts: list[Any]
     starts: list[int]
     seen: list[Any]
+    #: per entry, what reads the values at its leaves from an instruction's (or node's) leaves
+    gets: list[Any]
 
 
 #: ``_PlanWire.seen`` of an entry encoded every call: a random op, a host tensor, or constants

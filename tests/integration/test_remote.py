@@ -546,6 +546,42 @@ def test_gpt2_greedy_generate_matches_eager(remote) -> None:
     assert s["round_trips"] == s["materializations"] <= per_token * 10 + 5, s
 
 
+def test_steady_steps_build_no_instructions(remote, monkeypatch) -> None:
+    """A plan-cache hit's instructions are not built for a server: the client encodes its
+    per-step constants from the hit's nodes (``Plan.replay_source``), as a native replay reads
+    them. Values as eager's while shapes and floats move every step (with a tape sent ahead on
+    its way they are built: its answer binds nodes a later tape may share, see
+    test_sending_ahead_gives_eager_values_and_one_wait)."""
+    from genie import plan_cache
+    from genie.backends import get_backend
+
+    built, hits = [], [0]
+    real = plan_cache.Plan.step_instrs
+    monkeypatch.setattr(plan_cache.Plan, "step_instrs",
+                        lambda plan, *a: built.append(plan) or real(plan, *a))
+
+    def steps(dev: str, n: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        w = torch.randn(4, 4).to(dev)
+        h = torch.randn(1, 4).to(dev)
+        out = []
+        for k in range(n):
+            if k == 3:  # the plan's first hits encoded it (from instructions) and its shapes
+                del built[:]
+                hits[0] = genie.stats().get("plan_cache_hits", 0)
+            h = torch.cat([h, torch.tanh(h[-1:] @ w) * (0.5 + k)])  # grows: shapes move
+            out.append((h.sum(0) / h.shape[0]).cpu())
+        return out
+
+    want = steps("cpu", 12)
+    plan_cache.clear()
+    got = steps(DEV, 12)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert genie.stats()["plan_cache_hits"] - hits[0] >= 8
+    assert not built, f"{len(built)} hits built their instructions"
+    assert get_backend("remote").reads_hits
+
+
 def test_frees_reach_the_server(remote) -> None:
     xs = [torch.randn(64, 64, device=DEV) * 2 for _ in range(8)]
     genie.materialize(*xs)

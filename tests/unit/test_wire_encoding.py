@@ -1,5 +1,6 @@
 """A steady step's wire encoding (issue 27): a tape a plan-cache hit instantiated re-encodes only
-the instructions the hit rebuilt (``genie.remote.protocol._PlanWire``), and the client finds its
+the instructions the hit rebuilt (``genie.remote.protocol._PlanWire``), read from the hit's nodes
+without building its instructions (``Plan.replay_source``), and the client finds its
 kept values' nodes from the plan (``genie.remote.client._kept_at``). Both must give exactly what
 encoding and searching the tape from scratch gives, every step: floats that move (parameters),
 host tensors (frames), random ops (their seed and offset), several plans of one structure."""
@@ -30,6 +31,12 @@ def _encode(tape: Tape) -> tuple[bytes, list, list[bytes]]:
     return enc.key, enc.consts, [bytes(memoryview(f).cast("B")) for f in enc.frames]
 
 
+def _steady(tape: Tape) -> bool:
+    """Whether ``tape``'s plan has its encoding (:class:`~genie.remote.protocol._PlanWire`)."""
+    return tape.plan is not None and \
+        isinstance(tape.plan.artifacts.get(protocol._WIRE), protocol._PlanWire)
+
+
 def _kept_from_slots(tape: Tape) -> list[tuple[int, int, int]]:
     slots = PendingSlots(tape._slots.outs, tape._slots.inputs).build(tape.nodes)
     return [(i, k, s) for i, n in enumerate(tape.nodes) for k in range(len(n.metas))
@@ -47,13 +54,18 @@ def test_steady_steps_encode_as_from_scratch():
     torch.manual_seed(0)
     w = torch.randn(4, 4).to(DEV)
     genie.materialize(w)
-    seen_plan_wire = 0
+    seen_plan_wire = unbuilt = 0
     for step in range(6):
         # two call sites of one structure: two plans whose tapes share one skeleton
         for scale in (1.5 + step, -2.0 * step):
             y, x = _step(w, step, scale)
             tape = plan_cache.plan([(y._node, 0)], True)
-            got, want = _encode(tape), _encode(_bare(tape))
+            stale, steady = tape._stale, _steady(tape)
+            got = _encode(tape)
+            if steady:  # a hit's instructions are not built to encode it: read from its nodes
+                assert tape._stale is stale
+                unbuilt += stale is not None
+            want = _encode(_bare(tape))
             assert got[0] == want[0]
             assert got[1] == want[1], step
             assert got[2] == want[2], step
@@ -63,6 +75,7 @@ def test_steady_steps_encode_as_from_scratch():
             seen_plan_wire += isinstance(pw, protocol._PlanWire)
             y.item()  # runs it (the plan matches again), so the next step starts clean
     assert seen_plan_wire >= 6  # the steady path ran (not only encodings from scratch)
+    assert unbuilt >= 6  # hits whose instructions were never built were encoded
 
 
 def _same_consts(a: list, b: list) -> bool:
@@ -95,13 +108,16 @@ def test_a_moving_shape_reencodes_only_constants_that_changed(monkeypatch):
         y = (h.view(-1, 1) * scale).sum() + h.narrow(0, 0, step + 2).sum()
         tape = plan_cache.plan([(y._node, 0)], True)
         del leaf_calls[:]
+        stale, steady = tape._stale, _steady(tape)
         got = _encode(tape)
         n_got = len(leaf_calls)
+        if steady:  # encoded from the hit's nodes, its instructions not built
+            assert stale is not None and tape._stale is stale
         want = _encode(_bare(tape))
         assert got[0] == want[0]
         assert _same_consts(got[1], want[1]), (step, got[1], want[1])
         pw = tape.plan.artifacts.get(protocol._WIRE) if tape.plan is not None else None
-        if step >= 3 and isinstance(pw, protocol._PlanWire):
+        if step >= 3 and steady:
             steady += n_got  # encoded again, of the entries the plan-cache hit rebuilt
             rebuilt += sum(tape.instrs[i] is not o for i, o in zip(pw.at, pw.own, strict=True))
             steps += 1
