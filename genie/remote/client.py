@@ -51,7 +51,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .. import graphs
+from .. import graphs, progress
 from ..errors import ExecutionError, GenieError
 from ..graph import TensorMeta
 from ..planner import PendingSlots, Tape, raw_instrs
@@ -423,8 +423,11 @@ class Client:
                 continue
             self._last_activity = time.monotonic()
             # durations span request to reply, the server's work included: lower bounds on rate
-            transfer_done("upload", size, self.address, up, "request to reply")
-            transfer_done("download", got, self.address, sent_at, "request to reply")
+            # (reported only when large: not called for the others, read after every wait)
+            if up is not None:
+                transfer_done("upload", size, self.address, up, "request to reply")
+            if got >= progress.LARGE:
+                transfer_done("download", got, self.address, sent_at, "request to reply")
             st = h.get("st")
             if type(st) is float or type(st) is int:
                 model().observe_transfer(head + size + got,
@@ -557,8 +560,8 @@ class Client:
             r.enc = enc = encode_tape(tape, input_const, hoist=True)
             r.n_new = n_new = len(enc.order)
             r.id0 = id0 = next(self._ids)
-            for _ in range(n_new - 1):
-                next(self._ids)
+            if n_new > 1:  # (under the lock, as every use of the counter)
+                self._ids = itertools.count(id0 + n_new)
             header: dict[str, Any] = {"t": "run", "k": enc.key, "id0": id0}
             r.base = base = self._skeletons.get(enc.key)
             delta = const_delta(base, enc.consts) if base is not None else None

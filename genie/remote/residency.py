@@ -59,6 +59,8 @@ if TYPE_CHECKING:
 PHASE_SCAN = 256
 #: entries of :attr:`Residency.live` before its dead ones are first dropped
 PRUNE_LIVE = 1024
+#: metadata objects whose layout and size :meth:`Residency.ran` remembers (then forgets all)
+SIZED_MEMORY = 4096
 
 
 @dataclass(slots=True, eq=False)
@@ -141,6 +143,8 @@ class Residency:
         # values a GPT-2 token)
         self.live: dict[int, weakref.ref[Handle]] = {}
         self._prune_at = PRUNE_LIVE
+        # id of a value's metadata -> (the metadata, dense, bytes): what ran() hints by
+        self._sized: dict[int, tuple[Any, bool, int]] = {}
         self.evicted: weakref.WeakValueDictionary[int, Handle] = weakref.WeakValueDictionary()
 
     # --- per request ------------------------------------------------------------------------
@@ -207,14 +211,24 @@ class Residency:
         inputs = tape.inputs
         live = self.live
         pending = self.pending
+        sized = self._sized
         for s, h in kept.items():
             if s in inputs or type(h) is not Handle or h.res is not None:
                 continue
             n, k = owners.get(s, (None, 0))
             m = h.meta
-            if m is None or not dense(m):
+            if m is None:
+                continue
+            # (a step's nodes share their metadata objects with the steps before, where their
+            # shapes are the same: dense and size read once per object)
+            got = sized.get(id(m))
+            if got is None or got[0] is not m:
+                if len(sized) >= SIZED_MEMORY:
+                    sized.clear()
+                got = sized[id(m)] = (m, dense(m), _nbytes(m))  # (m held: its id is its own)
+            if not got[1]:
                 continue  # a re-upload would not reproduce its layout: never hinted
-            r = h.res = Resident(None, _nbytes(m))
+            r = h.res = Resident(None, got[2])
             wh = weakref.ref(h)
             live[h.id] = wh
             pending.append((wh, weakref.ref(n) if n is not None else None, k))
