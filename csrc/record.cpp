@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -57,6 +58,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Device.h>
@@ -1688,11 +1690,25 @@ void add_reader(PyObject* storage, PyObject* wref) {
 // LazyTensor whose value the output aliases: a view, a detach) or a fresh fake one.
 PyObject* make_wrapper(const Out& o, PyObject* base) {
 #if GENIE_WRAP_NATIVE
-  c10::Storage storage = base != nullptr ? THPVariable_Unpack(base).storage()
-                                         : genie::fake_storage(o.nbytes, o.index);
-  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-      c10::scalarTypeToTypeMeta(o.dtype));
+  const c10::DispatchKeySet keys(c10::DispatchKey::PrivateUse1);
+  const caffe2::TypeMeta dtype = c10::scalarTypeToTypeMeta(o.dtype);
+  at::Tensor t;
+  if (base == nullptr) {
+    t = at::detail::make_tensor<c10::TensorImpl>(genie::fake_storage(o.nbytes, o.index), keys,
+                                                 dtype);
+  } else if (c10::InferenceMode::is_enabled() && !THPVariable_Unpack(base).is_inference()) {
+    // An alias of a normal tensor taken in inference mode is a normal tensor, as eager's views
+    // (which take their base's keys): autograd's view tracking gives it the base's version
+    // counter, which an inference tensor cannot take.
+    t = at::detail::make_tensor<c10::TensorImpl>(
+        c10::TensorImpl::VIEW, c10::Storage(THPVariable_Unpack(base).storage()),
+        keys | c10::getAutocastRelatedKeySetFromBackend(c10::BackendComponent::PrivateUse1Bit) |
+            c10::getAutogradRelatedKeySetFromBackend(c10::BackendComponent::PrivateUse1Bit),
+        dtype);
+  } else {
+    t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(THPVariable_Unpack(base).storage()),
+                                                 keys, dtype);
+  }
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   impl->set_sizes_and_strides(o.sizes, o.strides, o.offset);
   impl->set_python_dispatch(true);
@@ -1717,7 +1733,13 @@ PyObject* make_wrapper(const Out& o, PyObject* base) {
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(o.dtype));  // borrowed
   PyObject* args[] = {reinterpret_cast<PyObject*>(S.lazy), sizes.ptr(), strides.ptr(), offset.ptr(),
                       dtype, device.ptr(), Py_False};
+  std::optional<c10::InferenceMode> normal;  // an alias of a normal tensor is one (see above)
+  if (base != nullptr && c10::InferenceMode::is_enabled() &&
+      !THPVariable_Unpack(base).is_inference()) {
+    normal.emplace(false);
+  }
   PyObject* r = checked(PyObject_Vectorcall(make, args, 2, kw_names));
+  normal.reset();
   if (base != nullptr) {
     const at::Tensor b = THPVariable_Unpack(base);
     genie::set_storage(THPVariable_Unpack(r), &b);

@@ -1076,7 +1076,13 @@ def _wrapper(cls: type, meta: TensorMeta, base: LazyTensor | None = None) -> Any
     """A data-less ``cls`` tensor on the device with ``meta``'s metadata, math bits included
     (the dispatcher's Conjugate/Negative fallbacks then act as eager); not yet bound to a node.
     Its storage is ``base``'s (it aliases base's value) or a fresh one at a fake address of its
-    own (``csrc/storage.cpp``): ``data_ptr()`` and ``untyped_storage()`` answer as eager's."""
+    own (``csrc/storage.cpp``): ``data_ptr()`` and ``untyped_storage()`` answer as eager's.
+    An alias of a normal tensor taken in ``inference_mode`` is a normal tensor, as eager's
+    views: autograd's view tracking gives it base's version counter, which an inference tensor
+    cannot take."""
+    if base is not None and torch.is_inference_mode_enabled() and not base.is_inference():
+        with torch.inference_mode(False):
+            return _wrapper(cls, meta, base)
     r = torch.Tensor._make_wrapper_subclass(
         cls, meta.shape, strides=meta.stride, storage_offset=meta.offset, dtype=meta.dtype,
         device=device_of(meta.index), requires_grad=False)

@@ -262,6 +262,22 @@ def test_greedy_generate_equals_eager(name: str, counts: Any) -> None:
     counts(name, "generate 8 tokens", genie.stats())
 
 
+def test_generate_in_inference_mode_equals_eager() -> None:
+    """``with torch.inference_mode(): model.generate(ids)``, the model and the prompt moved to the
+    device before: views of their (normal) tensors taken in inference mode are normal tensors, as
+    eager's (they raised ``Cannot set version_counter for inference tensor``)."""
+    model, dmodel = _pair(CASES["gpt2-eager"])
+    model.eval()
+    dmodel.eval()
+    ids = torch.randint(3, VOCAB, (BATCH, 5))
+    dids = ids.to(D)
+    kw = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
+    with torch.inference_mode():
+        expected = model.generate(ids, **kw)
+        got = dmodel.generate(dids, **kw)
+    assert torch.equal(got.cpu(), expected), f"tokens differ:\n{got.cpu()}\n{expected}"
+
+
 def test_transformer_encoder_padding_mask_inference() -> None:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
