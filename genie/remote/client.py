@@ -688,9 +688,25 @@ class Client:
             elif isinstance(v, torch.Tensor):
                 remote_inputs[s] = self._uploads[id(v)][1]
         r.remote_inputs = remote_inputs
-        metas: dict[int, TensorMeta] = {}
-        owners: dict[int, tuple[Any, int]] = {}
         nodes = tape.nodes
+        id0 = r.id0
+        rows = _kept_rows(tape, r.enc.order) if not uploads else None
+        if rows is not None:  # a plan's tape: its kept slots' places known from the plan
+            kept: dict[int, Any] = {}
+            owners: dict[int, tuple[Any, int]] = {}
+            for s, i, k, j in rows:
+                if i < 0:
+                    kept[s] = remote_inputs[s]
+                    continue
+                n = nodes[i]
+                m = n.metas[k]
+                if m is not None:
+                    owners[s] = (n, k)
+                kept[s] = Handle(id0 + j, self, m)
+            r.owners = owners
+            return kept
+        metas: dict[int, TensorMeta] = {}
+        owners = {}
         for i, k, s in _kept_at(tape):
             n = nodes[i]
             m = n.metas[k]
@@ -698,8 +714,7 @@ class Client:
                 metas[s] = m
                 owners[s] = (n, k)
         r.owners = owners
-        kept: dict[int, Any] = {}
-        id0 = r.id0
+        kept = {}
         made = dict(zip(r.enc.order, range(id0, id0 + r.n_new)))  # as the server numbers them
         for s in sorted(keep):
             if s in inputs:
@@ -1322,6 +1337,8 @@ class Client:
 
 #: where a plan keeps the positions of its tapes' kept values (:func:`_kept_at`)
 _KEPT = "remote.kept"
+#: where a plan keeps its tapes' kept slots with their nodes and server ids (:func:`_kept_rows`)
+_KEPT_ROWS = "remote.kept_rows"
 #: a plan's artifact: its tapes call no compiled graph (:func:`_graph_keys`)
 _NO_GRAPHS = "remote.no_graphs"
 
@@ -1363,6 +1380,34 @@ def _kept_at(tape: Tape) -> list[tuple[int, int, int]]:
     if art is not None:
         art[_KEPT] = (outs, set(keep), at)
     return at
+
+
+def _kept_rows(tape: Tape, order: list[int]) -> list[tuple[int, int, int, int]] | None:
+    """For a plan-cache hit (its slot map not built), ``(slot, node index, output index, place
+    in order)`` of each kept slot in slot order (``node index`` -1: a tape input), the same for
+    every tape of the plan that keeps the same slots and numbers them by the same ``order``
+    (its wire's), so kept on the plan; None for another tape."""
+    pending = tape._slots
+    art = getattr(tape.plan, "artifacts", None)
+    if type(pending) is not PendingSlots or art is None:
+        return None
+    keep = tape.keep
+    hit = art.get(_KEPT_ROWS)
+    if hit is not None and hit[0] is pending.outs and hit[1] is order and hit[2] == keep:
+        return hit[3]
+    made = {s: (i, k) for i, k, s in _kept_at(tape)}
+    place = {s: j for j, s in enumerate(order)}
+    inputs = tape.inputs
+    rows = []
+    for s in sorted(keep):
+        if s in inputs:
+            rows.append((s, -1, 0, 0))
+        elif s in made and s in place:
+            rows.append((s, *made[s], place[s]))
+        else:  # made by no node of the tape's, or not numbered by the server: not this path
+            return None
+    art[_KEPT_ROWS] = (pending.outs, order, set(keep), rows)
+    return rows
 
 
 def _retire(ctx: zmq.Context) -> None:

@@ -71,6 +71,14 @@ def test_steady_steps_encode_as_from_scratch():
             assert got[2] == want[2], step
             if tape.plan is not None and type(tape._slots) is PendingSlots:
                 assert client._kept_at(tape) == _kept_from_slots(tape)
+                # each kept slot's node, output and place in the server's numbering
+                enc = protocol.encode_tape(tape, lambda s, v, frames: 0)
+                at = {s: (i, k) for i, k, s in _kept_from_slots(tape)}
+                want_rows = [(s, -1, 0, 0) if s in tape.inputs else
+                             (s, *at[s], enc.order.index(s)) for s in sorted(tape.keep)]
+                assert client._kept_rows(tape, enc.order) == want_rows
+                assert client._kept_rows(tape, enc.order) is \
+                    client._kept_rows(tape, enc.order)  # kept on the plan
             pw = tape.plan.artifacts.get(protocol._WIRE) if tape.plan is not None else None
             seen_plan_wire += isinstance(pw, protocol._PlanWire)
             y.item()  # runs it (the plan matches again), so the next step starts clean
