@@ -534,7 +534,8 @@ class Client:
         with self._lock:
             if self._inflight is not None:
                 self._settle()
-            self.open()
+            if self.session is None:  # (open() re-enters the lock only to find it open)
+                self.open()
             lin = self._lineage
             if lin is not None and lin.stale():
                 try:
