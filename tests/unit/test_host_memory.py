@@ -28,7 +28,7 @@ m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
 opt = torch.optim.AdamW(m.parameters())
 x = torch.randn(64, 1024).to(dev)
 faults = []
-for i in range(14):
+for i in range(24):
     if i == 10:
         gate = {k: v for k, v in genie.stats().items() if k.startswith("passes_")}
     a = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -41,41 +41,45 @@ for i in range(14):
 # 3-8 alternate the optimized and the unoptimized tape, timed, then one stays: which one depends
 # on the machine's load, so its heap is settled only after it)
 settled = gate == {k: v for k, v in genie.stats().items() if k.startswith("passes_")}
-print(sum(faults[10:]), genie.memory._retaining[0] is True, settled)
+print(sum(faults[10:]), sum(faults[3:]), genie.memory._retaining[0] is True, settled)
 """
 
 
-def _run(dev: str, retain: str | None) -> tuple[int, bool]:
+def _run(dev: str, retain: str | None) -> tuple[int, int, bool]:
+    """Minor page faults in steps 11-24 and in steps 4-24, and whether retention was on."""
     env = {k: v for k, v in os.environ.items() if k != "GENIE_CPU_RETAIN"}
     if retain is not None:
         env["GENIE_CPU_RETAIN"] = retain
     out = subprocess.run([sys.executable, "-c", _STEPS, dev], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    faults, retaining, settled = out.stdout.split()
+    steady, after_first, retaining, settled = out.stdout.split()
     assert settled == "True", "the passes' gate still ran in the measured steps"
-    return int(faults), retaining == "True"
+    return int(steady), int(after_first), retaining == "True"
 
 
 def test_steady_training_steps_reuse_freed_host_memory() -> None:
-    """Steps 11-14 of an AdamW loop on the device fault (almost) no pages in; with retention off
-    (glibc's defaults, what the device did before) the same steps fault in tens of MB each."""
+    """Steps 11-24 of an AdamW loop on the device fault (almost) no pages in; with retention off
+    (glibc's defaults, what the device did before) the steps fault in tens of MB each."""
     if genie_real_device() != "cpu":
         pytest.skip("the embedded real device is not the CPU")
-    faults, retaining = _run("remote_accelerator:0", None)
+    faults, _, retaining = _run("remote_accelerator:0", None)
     assert retaining
-    off, off_retaining = _run("remote_accelerator:0", "0")
+    _, off, off_retaining = _run("remote_accelerator:0", "0")
     assert not off_retaining
-    assert off > 10_000, f"glibc's defaults no longer trim between steps ({off} faults)"
-    # Retained, the steps fault (almost) nothing in; now and then one weight-sized chunk (a 16 MiB
-    # gradient or optimizer temporary: 4096 pages, in ~1 run of 20, at any step) when glibc has
-    # split its free chunk of that size for smaller allocations in between. Without retention
-    # every step faults ~10,000-16,000 pages in: the bound is half of one such step.
-    assert faults < off / 8, f"{faults} minor page faults in 4 steady steps (without retention {off})"
+    # Without retention glibc trims the heap's top when a step frees it, and the next step faults
+    # it in again: 4,000-16,000 pages a step, ~80,000-240,000 over steps 4-24; fewer where glibc's
+    # dynamic thresholds moved up early and it stopped trimming (23,199 the least in 30 runs).
+    assert off > 12_000, f"glibc's defaults no longer trim between steps ({off} faults)"
+    # Retained, the steady steps fault (almost) nothing in; now and then one weight-sized chunk (a
+    # 16 MiB gradient or optimizer temporary: 4,096 pages, ~1 run in 20, at any step) when glibc
+    # split its free chunk of that size for smaller allocations in between. The bound admits one.
+    assert faults < 6_000, f"{faults} minor page faults in 14 steady steps (without retention " \
+        f"{off} in steps 4-24)"
 
 
 def test_a_program_that_never_touches_the_device_keeps_glibc_defaults() -> None:
-    _, retaining = _run("cpu", None)
+    _, _, retaining = _run("cpu", None)
     assert not retaining
 
 
