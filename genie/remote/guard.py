@@ -492,7 +492,12 @@ def run_guarded(tape: Tape, dev: torch.device, budget: int, deadline: float | No
     env, resident, baseline = _start(tape)
     n = len(tape.instrs)
     ix = index_check
-    with _disable_current_modes(), torch.no_grad():
+    # Below autograd, as the native replay runs (csrc/replay.cpp): the real values never carry
+    # autograd history, and its checks would refuse what eager allowed where the client recorded
+    # (the global state a tape was recorded under stays on the client: a view's in-place
+    # detach_, which torch.tensor(..., device=) makes, is refused outside inference mode)
+    with _disable_current_modes(), torch.no_grad(), \
+            torch._C._AutoDispatchBelowADInplaceOrView():
         try:
             first = vet(tape, 0, env, budget, resident, baseline, deadline, limit)
         except QuotaError as e:
