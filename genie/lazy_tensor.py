@@ -18,6 +18,7 @@ What forces a value to exist (the "triggers", see docs/semantics.md): copying to
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import sys
@@ -61,8 +62,6 @@ def device_of(index: int) -> torch.device:
 
 
 class _TLS(threading.local):
-    no_address = 0  # inside LazyTensor.__deepcopy__: data_ptr() answers 0
-
     def __init__(self) -> None:
         self.graphs: list[Graph] = []
 
@@ -207,17 +206,35 @@ class LazyTensor(torch.Tensor):
         return body[:-1] + suffix + body[-1:] if body.endswith(")") else body + suffix
 
     def __deepcopy__(self, memo: dict) -> LazyTensor:
-        # torch.Tensor.__deepcopy__ copies a subclass through its storage's bytes when its
-        # data_ptr() is not 0, else by clone(); a LazyTensor's bytes are not on this host (its
-        # address is a fake one), so it takes clone()'s way, as a storage-less wrapper does.
-        _tls.no_address += 1
-        try:
-            return super().__deepcopy__(memo)
-        finally:
-            _tls.no_address -= 1
-
-    def data_ptr(self) -> int:
-        return 0 if _tls.no_address else super().data_ptr()
+        """torch.Tensor.__deepcopy__'s way for a tensor whose bytes are not on this host (a lazy
+        or storage-less device's): a ``clone()``, recorded here, so the copy holds the value of
+        this point of the program whatever is written to the original later; then the grad and
+        the subclass's attributes deep-copied (a Parameter: a new Parameter of the clone, as
+        ``Parameter.__deepcopy__`` makes, without them). torch's own would deep-copy the whole instance
+        dict over the clone's, Genie's record of the original (its node and what it reads)
+        included: the copy then stood for the original's pending writes, and a later write to
+        the original, read in one materialization with the copy, showed through it."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if self.__dict__.get("_is_param"):  # a Parameter on the device: Parameter.__deepcopy__'s
+            new = torch.nn.Parameter(self.data.clone(memory_format=torch.preserve_format),
+                                     self.requires_grad)
+            memo[id(self)] = new
+            return new
+        if not self.is_leaf:
+            return super().__deepcopy__(memo)  # eager's error
+        with torch.no_grad():
+            new = self.clone()
+        if self.requires_grad:
+            new.requires_grad_()
+        if self.grad is not None:
+            new.grad = self.grad.__deepcopy__(memo)
+        own = new.__dict__  # the clone's record: node, output, liveness
+        state = {k: v for k, v in self.__dict__.items() if k not in own}
+        if state:  # hooks, the user's attributes
+            own.update(copy.deepcopy(state, memo))
+        memo[id(self)] = new
+        return new
 
     def is_set_to(self, tensor: torch.Tensor) -> bool:
         """As eager's: the same storage, offset, sizes and strides; decided from the wrappers'

@@ -4,6 +4,7 @@ Inference mode, dtype moves of modules, ``__format__``, ``resize_``/``resize_as_
 wrong size, and ``TransformerEncoder`` with a padding mask (PyTorch's nested-tensor fast path).
 """
 
+import copy
 import warnings
 
 import pytest
@@ -264,3 +265,44 @@ def test_transformer_encoder_outside_the_fast_path_is_pytorchs_own():
     torch.testing.assert_close(out.cpu(), ref.detach())
     out.sum().backward()
     assert enc.layers[0].linear1.weight.grad is not None
+
+
+def test_deepcopy_holds_the_value_at_the_copy_as_eager():
+    """``copy.deepcopy`` of a tensor with pending writes, then more writes to the original, both
+    read in one materialization: the copy keeps the value it had (it read the original's later
+    writes, its record being a copy of the original's). Also what eager keeps of a leaf (its
+    grad, its attributes) and of a Parameter (neither), tied weights staying tied, and a
+    non-leaf raising eager's error."""
+    def program(dev):
+        t = torch.zeros(3).to(dev)
+        t.add_(1)
+        u = copy.deepcopy(t)
+        t.add_(1)
+        leaf = torch.ones(2, 3).to(dev).requires_grad_()
+        leaf.grad, leaf.note = torch.full((2, 3), 3.0).to(dev), "kept"
+        leaf2 = copy.deepcopy(leaf)
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False))
+        m[1].weight = m[0].weight  # tied, as a language model's head
+        m.to(dev)
+        m[0].weight.grad = torch.ones(5, 4).to(dev)
+        m[0].weight.note = "dropped"
+        with torch.no_grad():
+            m[0].weight.mul_(2)
+        m2 = copy.deepcopy(m)
+        with torch.no_grad():
+            m[0].weight.add_(1)
+        with pytest.raises(RuntimeError, match="graph leaves"):
+            copy.deepcopy(m[0].weight * 1)
+        w = m2[0].weight
+        facts = (w is m2[1].weight, isinstance(w, torch.nn.Parameter), w.requires_grad,
+                 w.grad is None, hasattr(w, "note"), leaf2.requires_grad, leaf2.note)
+        values = [v.detach() for v in (t - u, u, m[0].weight - w, w, leaf2, leaf2.grad)]
+        return facts, values
+
+    facts, got = program(DEV)
+    facts_cpu, want = program("cpu")
+    assert facts == facts_cpu
+    assert all(type(v) is genie.LazyTensor for v in got)
+    for g, w in zip(genie.materialize(*got), want):  # one materialization
+        torch.testing.assert_close(g.cpu(), w)
