@@ -257,6 +257,16 @@ def _gpt2(layers: int, width: int, heads: int, seed: int = 0, attn: str = "eager
     return model
 
 
+def _cache_kw(model) -> str:
+    """The keyword a transformers model takes its KV cache by: ``cache`` from transformers 5.2x
+    (``past_key_values`` still accepted, with a warning), ``past_key_values`` before (5.17, the
+    GPU machine's, swallows an unknown ``cache=`` into ``**kwargs``: every step would run without
+    its cache)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 # --- GPT-2-sized decode with a growing KV cache ------------------------------------------------
 
 def _decode_run(model, dev: torch.device, sync) -> Callable[[], object]:
@@ -267,18 +277,99 @@ def _decode_run(model, dev: torch.device, sync) -> Callable[[], object]:
     tokens = [torch.randint(0, 1000, (1, 1), generator=g).to(dev) for _ in range(DECODE_STEPS)]
     with torch.no_grad():
         cache = DynamicCache()
-        out = model(prompt, cache=cache, use_cache=True)
+        out = model(prompt, **{_cache_kw(model): cache}, use_cache=True)
         sync(out.logits)
 
     def run() -> torch.Tensor:
         with torch.no_grad():
             logits = None
             for t in tokens:
-                logits = model(t, cache=cache, use_cache=True).logits
+                logits = model(t, **{_cache_kw(model): cache}, use_cache=True).logits
                 sync(logits)
         return logits
 
     return run
+
+
+GRAPHED = "eager, CUDA graph"
+#: the static KV cache's length for :data:`GRAPHED` (the position wraps to 0 before it is full)
+STATIC_LEN = 1024
+
+
+def _decode_graphed(model, dev: torch.device, capture: bool = True) -> Callable[[], object]:
+    """Eager at its fastest on CUDA, for the decode row: the decode step as a CUDA graph. A
+    transformers ``StaticCache`` (its position a device tensor, so one captured step serves
+    every position), the token and its position in static tensors, one step captured with
+    ``torch.cuda.graph`` after warm-up steps on a side stream (as its documentation asks), then
+    per token: two copies into the static inputs and one ``replay``. The same tokens as
+    :func:`_decode_run`. Attention runs over the whole static cache each step (masked), as
+    transformers' static-cache ``generate`` does. ``capture=False`` runs the step uncaptured
+    (the check on the CPU: :func:`test_decode_graphed_equals_dynamic`)."""
+    from transformers import StaticCache
+
+    kw = _cache_kw(model)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 1000, (1, PROMPT), generator=g).to(dev)
+    tokens = [torch.randint(0, 1000, (1, 1), generator=g).to(dev) for _ in range(DECODE_STEPS)]
+    cache = StaticCache(config=model.config, max_cache_len=STATIC_LEN)
+    tok = torch.zeros((1, 1), dtype=torch.long, device=dev)
+    pos = torch.zeros((1, 1), dtype=torch.long, device=dev)
+    state = {"p": PROMPT}
+
+    def prefill() -> None:
+        cache.reset()
+        with torch.no_grad():
+            model(prompt, **{kw: cache}, position_ids=torch.arange(PROMPT, device=dev)[None],
+                  use_cache=True)
+        state["p"] = PROMPT
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            return model(tok, **{kw: cache}, position_ids=pos, use_cache=True).logits
+
+    prefill()
+    if not capture:
+        out: dict[str, torch.Tensor] = {}
+
+        def replay() -> None:
+            out["logits"] = step()
+    else:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                pos.fill_(state["p"])
+                step()
+                state["p"] += 1
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        pos.fill_(state["p"])
+        with torch.cuda.graph(graph):
+            out = {"logits": step()}
+        replay = graph.replay
+        prefill()  # the warm-up and capture steps wrote the cache: start again after the prompt
+
+    def run() -> torch.Tensor:
+        for t in tokens:
+            if state["p"] >= STATIC_LEN:
+                prefill()
+            tok.copy_(t)
+            pos.fill_(state["p"])
+            replay()
+            state["p"] += 1
+            _device_sync()
+        return out["logits"]
+
+    return run
+
+
+def test_decode_graphed_equals_dynamic(workloads) -> None:
+    """The graphed decode variant's step, run uncaptured here (on the CPU), gives the logits of
+    the dynamic-cache decode: it measures the same workload."""
+    model = _gpt2(2, 64, 2)
+    want = _decode_run(model, torch.device("cpu"), lambda t: t)()
+    got = _decode_graphed(model, torch.device("cpu"), capture=False)()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 def test_gpt2_decode(benchmark, ratios, workloads) -> None:
@@ -300,6 +391,14 @@ def test_gpt2_decode(benchmark, ratios, workloads) -> None:
                 raise
             _note_peer_failure(row, e)
     _drop_peer_failures(row, variants)
+    if _eager_device().type == "cuda":
+        try:
+            variants[GRAPHED] = _decode_graphed(models["eager"], _eager_device())
+            row.ratios += [("genie", GRAPHED), ("eager", GRAPHED)]
+        except Exception as e:  # noqa: BLE001 - the peer's failure is reported in the row
+            first = (str(e).strip().splitlines() or [""])[0]
+            row.notes.append(f"{GRAPHED}: cannot capture the step ({type(e).__name__}: "
+                             f"{first[:200]})")
     ops = _ops_of(variants["genie"]) / DECODE_STEPS
     workloads.interleave(benchmark, row, variants, rounds=_rounds(7), per=DECODE_STEPS,
                          before=_pure(variants))
@@ -337,9 +436,9 @@ def _first_calls(name: str, dev: torch.device, sync, pure: Callable[[], object]
         model = state["model"]
         with torch.no_grad():
             cache = DynamicCache()
-            sync(model(state["prompt"], cache=cache, use_cache=True).logits)
+            sync(model(state["prompt"], **{_cache_kw(model): cache}, use_cache=True).logits)
             for t in state["tokens"]:  # type: ignore[attr-defined]
-                sync(model(t, cache=cache, use_cache=True).logits)
+                sync(model(t, **{_cache_kw(model): cache}, use_cache=True).logits)
 
     return before, run
 

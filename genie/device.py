@@ -59,7 +59,58 @@ def register() -> None:
     if not hasattr(torch.Tensor, "is_remote_accelerator"):
         torch.utils.generate_methods_for_privateuse1_backend(
             for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
+    other = _accelerator_beside()
+    if other is not None:
+        _explain_other_backward(other)
     _registered = True
+
+
+def _accelerator_beside() -> str | None:
+    try:
+        from _genie_autoload import accelerator_beside
+    except ImportError:  # genie without its distribution's entry point module (vendored)
+        return None
+    return accelerator_beside()
+
+
+#: the autograd engine's assert when a backward runs over another accelerator's tensors in a
+#: process where PrivateUse1 is registered (pytorch/pytorch#161129)
+_OTHER_BACKWARD_ASSERT = "opt_ready_stream && opt_parent_stream"
+
+
+def _explain_other_backward(other: str) -> None:
+    """Beside another accelerator (``other``: ``cuda``), registering ``remote_accelerator`` makes
+    it torch's accelerator, and PyTorch's autograd engine then fails a backward over ``other``'s
+    tensors with an internal assert (pytorch/pytorch#161129). Nothing on Genie's side can lift
+    that; ``torch.autograd.backward`` and ``torch.autograd.grad`` (``Tensor.backward`` calls the
+    former) say what happened and what to do instead, the original error chained."""
+    import functools
+
+    import torch.autograd as ag
+
+    why = (f"PyTorch's autograd cannot run a backward over {other} tensors in a process where "
+           "the 'remote_accelerator' device (PrivateUse1) is registered: torch then takes it as "
+           f"its one accelerator and finds no {other} stream for the backward's nodes "
+           "(pytorch/pytorch#161129). Run the eager "
+           f"{other} training in a process that does not import genie (`import torch` alone "
+           f"does not register it on a machine with a {other} device), or move the model and "
+           "its inputs to 'remote_accelerator', whose backward runs on that same device.")
+    for name in ("backward", "grad"):
+        fn = getattr(ag, name)
+        if getattr(fn, "_genie_explains", False):
+            continue
+
+        def explained(*args: Any, _fn: Callable[..., Any] = fn, **kwargs: Any) -> Any:
+            try:
+                return _fn(*args, **kwargs)
+            except RuntimeError as e:
+                if _OTHER_BACKWARD_ASSERT not in str(e):
+                    raise
+                raise RuntimeError(why) from e
+
+        functools.update_wrapper(explained, fn)
+        explained._genie_explains = True  # type: ignore[attr-defined]
+        setattr(ag, name, explained)
 
 
 #: the connected servers' clients (genie.backends.remote sets it: it sits above this module)

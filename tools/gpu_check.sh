@@ -4,7 +4,8 @@
 # what matters most, each step logged under $OUT (default /tmp/genie-gpu) so a run cut short still
 # tells what it reached:
 #   1. builds genie._C against that torch in place (the build on torch 2.11 is exercised nowhere
-#      else), 2. runs the demo (remote_accelerator -> cuda:0), 3. bench_models.py's rows with eager
+#      else), then eager CUDA autograd where Genie is installed (`import torch` alone must leave it
+#      working), 2. runs the demo (remote_accelerator -> cuda:0), 3. bench_models.py's rows with eager
 #   on CUDA too, 4. bench_remote_models.py's rows through a loopback CUDA server (eager on CUDA
 #   beside it), 5. the unit suite and the model tests on CUDA, in parallel workers.
 # Python packages the machine lacks travel as wheels in .whl/ (see docs/testing.md).
@@ -52,6 +53,26 @@ skip native ||   # a C++ error raised inside genie._C must reach Python as an ex
   $PY -c "import genie; from genie import _C; _C._set_device_count(0)" 2>&1 | tail -3
   $PY -c "import torch, genie; torch.Generator(device='remote_accelerator:9')" 2>&1 | tail -3
 } 2>&1 | tee "$OUT/native_errors.txt"
+
+stamp "beside"  # eager CUDA autograd on a machine where Genie is installed (pytorch#161129)
+skip beside ||
+{ $PY -c "
+import torch, _genie_autoload as a
+print('accelerator beside:', a.accelerator_beside())
+a.autoload()  # what import torch runs where Genie is pip-installed
+x = torch.randn(4, device='cuda', requires_grad=True)
+(x * 2).sum().backward()
+print('after import torch: PrivateUse1 is', torch._C._get_privateuse1_backend_name(), '| eager CUDA backward ok:', x.grad.tolist() == [2.0] * 4)
+"
+  $PY -c "
+import torch, genie
+x = torch.randn(4, device='cuda', requires_grad=True)
+try:
+    (x * 2).sum().backward(); print('after import genie: eager CUDA backward ran')
+except RuntimeError as e:
+    print('after import genie:', str(e)[:90], '| cause:', str(e.__cause__)[:60])
+"
+} 2>&1 | tee "$OUT/beside.txt"
 
 stamp "demo"
 skip demo || timeout 120 $PY -m genie.demo >"$OUT/demo.txt" 2>&1; echo "demo rc=$?"; tail -4 "$OUT/demo.txt"

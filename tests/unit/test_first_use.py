@@ -313,3 +313,90 @@ def test_data_dependent_error_names_the_line_with_record_source():
     """, env={"GENIE_RECORD_SOURCE": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "(recorded at <string>:4)" in r.stdout and "GENIE_RECORD_SOURCE" not in r.stdout
+
+
+# --- beside another accelerator: `import torch` leaves PyTorch's accelerator alone ------------
+
+_BESIDE = """
+    import _genie_autoload as a
+    a.accelerator_beside = lambda: {other!r}  # a machine with a GPU, as its driver shows it
+    import torch
+    a.autoload()  # what `import torch` runs, with Genie installed
+    print(torch._C._get_privateuse1_backend_name())
+"""
+
+
+@pytest.mark.parametrize("other,env,want", [
+    (None, {}, "remote_accelerator"),
+    ("cuda", {}, "privateuseone"),
+    ("cuda", {"GENIE_AUTOLOAD": "1"}, "remote_accelerator"),
+    (None, {"GENIE_AUTOLOAD": "0"}, "privateuseone"),
+])
+def test_import_torch_registers_the_device_unless_another_accelerator_is_there(other, env, want):
+    """Registering PrivateUse1 makes it torch's one accelerator, and PyTorch's autograd then
+    cannot run a backward over CUDA tensors in the process (pytorch/pytorch#161129): on a GPU
+    machine `import torch` must leave eager CUDA programs as they are, so only `import genie`
+    (or GENIE_AUTOLOAD=1) registers the device there."""
+    r = subprocess.run([PY, "-c", textwrap.dedent(_BESIDE.format(other=other))],
+                       capture_output=True, text=True, timeout=120,
+                       env={**{k: v for k, v in os.environ.items() if not k.startswith("GENIE_")},
+                            "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", **env})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [want], r.stdout + r.stderr
+
+
+def test_accelerator_beside_finds_none_on_a_cpu_machine():
+    """The detection the autoload relies on: this machine's torch has no other accelerator in
+    reach (a CPU wheel, or no driver), so the tests above are the only place it says "cuda"."""
+    import _genie_autoload
+
+    if torch.cuda.is_available():
+        assert _genie_autoload.accelerator_beside() == "cuda"
+    else:
+        assert _genie_autoload.accelerator_beside() is None
+
+
+_OTHER_BACKWARD = """
+    import torch, genie
+    from genie import device
+    device._explain_other_backward("cuda")
+
+    class Asserts(torch.autograd.Function):  # the engine's assert, as a backward raises it
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("opt_ready_stream && opt_parent_stream INTERNAL ASSERT FAILED")
+
+    class Other(torch.autograd.Function):  # any other error stays as it is
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("something else")
+
+    x = torch.randn(3, requires_grad=True)
+    for fn, call in [(Asserts, lambda y: y.sum().backward()),
+                     (Asserts, lambda y: torch.autograd.grad(y.sum(), x)),
+                     (Other, lambda y: y.sum().backward())]:
+        try:
+            call(fn.apply(x))
+        except RuntimeError as e:
+            print(type(e.__cause__).__name__, str(e)[:60].replace(" ", "_"))
+    (x * 3).sum().backward()  # a backward that works still does
+    print(x.grad.tolist() == [3.0, 3.0, 3.0])
+"""
+
+
+def test_a_backward_over_another_accelerator_says_why_it_cannot_run():
+    """Where `import genie` registers the device beside CUDA, the autograd engine's internal
+    assert on a CUDA backward becomes an error that says why and what to do, the assert chained;
+    other errors and working backwards are untouched."""
+    r = subprocess.run([PY, "-c", textwrap.dedent(_OTHER_BACKWARD)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split("\n")
+    want = "RuntimeError PyTorch's_autograd_cannot_run_a_backward_over_cuda_tensors_i"
+    assert lines[:4] == [want, want, "NoneType something_else", "True"], r.stdout
