@@ -301,7 +301,8 @@ def _decode_graphed(model, dev: torch.device, capture: bool = True) -> Callable[
     transformers ``StaticCache`` (its position a device tensor, so one captured step serves
     every position), the token and its position in static tensors, one step captured with
     ``torch.cuda.graph`` after warm-up steps on a side stream (as its documentation asks), then
-    per token: two copies into the static inputs and one ``replay``. The same tokens as
+    per token: three writes into the static inputs (token, position, the mask's new column)
+    and one ``replay``. The same tokens as
     :func:`_decode_run`. Attention runs over the whole static cache each step (masked), as
     transformers' static-cache ``generate`` does. ``capture=False`` runs the step uncaptured
     (the check on the CPU: :func:`test_decode_graphed_equals_dynamic`)."""
@@ -314,10 +315,17 @@ def _decode_graphed(model, dev: torch.device, capture: bool = True) -> Callable[
     cache = StaticCache(config=model.config, max_cache_len=STATIC_LEN)
     tok = torch.zeros((1, 1), dtype=torch.long, device=dev)
     pos = torch.zeros((1, 1), dtype=torch.long, device=dev)
+    # the step's attention mask as a static 4-D input (transformers takes it as it is): building
+    # it inside the step copies a host scalar to the device (`torch.tensor(0.0, device=...)`),
+    # which a capture refuses
+    hidden = torch.finfo(torch.float32).min
+    mask = torch.full((1, 1, 1, STATIC_LEN), hidden, device=dev)
     state = {"p": PROMPT}
 
     def prefill() -> None:
         cache.reset()
+        mask.fill_(hidden)
+        mask[..., :PROMPT] = 0.0
         with torch.no_grad():
             model(prompt, **{kw: cache}, position_ids=torch.arange(PROMPT, device=dev)[None],
                   use_cache=True)
@@ -325,7 +333,8 @@ def _decode_graphed(model, dev: torch.device, capture: bool = True) -> Callable[
 
     def step() -> torch.Tensor:
         with torch.no_grad():
-            return model(tok, **{kw: cache}, position_ids=pos, use_cache=True).logits
+            return model(tok, **{kw: cache}, position_ids=pos, attention_mask=mask,
+                         use_cache=True).logits
 
     prefill()
     if not capture:
@@ -339,11 +348,13 @@ def _decode_graphed(model, dev: torch.device, capture: bool = True) -> Callable[
         with torch.cuda.stream(side):
             for _ in range(3):
                 pos.fill_(state["p"])
+                mask[..., state["p"]] = 0.0
                 step()
                 state["p"] += 1
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         pos.fill_(state["p"])
+        mask[..., state["p"]] = 0.0
         with torch.cuda.graph(graph):
             out = {"logits": step()}
         replay = graph.replay
@@ -355,6 +366,7 @@ def _decode_graphed(model, dev: torch.device, capture: bool = True) -> Callable[
                 prefill()
             tok.copy_(t)
             pos.fill_(state["p"])
+            mask[..., state["p"]] = 0.0
             replay()
             state["p"] += 1
             _device_sync()
