@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.autograd import profiler as _profiler
 
 from . import backends, checks, context, memory, plan_cache
-from ._C import (_bind_nodes, _gc_untrack, _math_bits_on, _math_bits_restore,
+from ._C import (_bind_nodes, _gc_untrack, _grad_swap, _math_bits_on, _math_bits_restore,
                  _record_ahead_reset, _state_apply, _state_word, _step_targets, _without_warning)
 from .config import config
 from .context import _steps
@@ -27,11 +27,13 @@ from .device import real_device
 from .errors import DeviceError, ExecutionError
 from .graph import Node, pending_total
 from .meta import policy
+from .modes import _NO_MODES, disable_modes
 from .passes import pipeline
 from .planner import PendingSlots, Slot, Tape, build_tape, raw_instrs, value_slice
 from .profiling import phase
 from .stats import _counts, bump
 from .backends import eager as eager_backend  # noqa: E402 - the backends package is imported above
+from .backends import native_replay  # noqa: E402
 
 #: the keys ``genie._C._math_bits_on`` re-enables (csrc/state.cpp, kMathBits)
 _MATH_BIT_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative,
@@ -118,15 +120,7 @@ def run_tape(tape: Tape, index: int,
             else:
                 kept, ran = run(*args)
         except ExecutionError as e:
-            partial, e.partial = e.partial, None  # the raised error holds no tensors
-            if partial is not None:
-                _bind_partial(tape, *partial, index)
-            # the user's traceback ends here, in Genie's materialization, not a dozen frames
-            # below it in a backend; the message says the op, the cause and where it was
-            # recorded
-            if e.__cause__ is not None:
-                e.__cause__.__traceback__ = None
-            raise e.with_traceback(None) from e.__cause__
+            _failed(tape, e, index)
         finally:
             _math_bits_restore(bits)
     finally:
@@ -138,6 +132,18 @@ def run_tape(tape: Tape, index: int,
         return outputs
     _bind_ran(tape, kept, ran, index)
     return outputs
+
+
+def _failed(tape: Tape, e: ExecutionError, index: int) -> NoReturn:
+    """Raise ``e``, the failure of a run of ``tape``, once the nodes that ran are bound."""
+    partial, e.partial = e.partial, None  # the raised error holds no tensors
+    if partial is not None:
+        _bind_partial(tape, *partial, index)
+    # the user's traceback ends here, in Genie's materialization, not a dozen frames below it
+    # in a backend; the message says the op, the cause and where it was recorded
+    if e.__cause__ is not None:
+        e.__cause__.__traceback__ = None
+    raise e.with_traceback(None) from e.__cause__
 
 
 def _reads_hits() -> bool:
@@ -470,8 +476,11 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
         if _steps.pending:
             targets = with_step(targets, index)
         if not _profiler._is_profiler_enabled:  # as below, without the no-op phase contexts
-            outs = run_tape(_requested(plan_cache.plan(targets, backends.shape_generic()), n),
-                            index)
+            tape = plan_cache.plan(targets, backends.shape_generic(), _fusing())
+            if type(tape) is tuple:  # a column-match hit, its tape not made
+                outs = _run_hit(*tape, targets, n, index)
+            else:
+                outs = run_tape(_requested(tape, n), index)
         else:
             with phase("plan"):
                 tape = _requested(plan_cache.plan(targets, backends.shape_generic()), n)
@@ -482,6 +491,128 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
         return backends.fetch(outs)  # handles of values resident on a server -> real tensors
     with phase("transfer"):
         return backends.fetch(outs)
+
+
+# --- the fused hit path --------------------------------------------------------------------------
+#
+# A read whose slice a cached plan serves as it is (an exact column-match hit on the eager
+# backend, the plan's native program compiled, its passes settled) runs from the match itself:
+# the program reads the step's parameters from the found nodes, the values are bound to them,
+# and no Tape, edited instructions or backend dispatch is made. Anything else (a miss, shapes
+# that differ, passes still verified or timed, a profiler, a dispatch mode, memory tracking, a
+# failing op) takes the general path (run_tape), which stays the reference: both bind the same
+# values to the same nodes.
+
+_fuse = [False]  # the settings allow it (config: native bind and replay, no index checks)
+
+
+def _fuse_config(c: Any) -> None:
+    _fuse[0] = c.native_bind and c.native_replay in ("1", "always") and c.index_check == "0"
+
+
+config.on_change(_fuse_config)
+
+
+def _fusing() -> bool:
+    """Whether this read may take the fused hit path (settings and process state)."""
+    return _fuse[0] and backends.before_plan is None and backends._order[:1] == ["eager"] \
+        and not memory._tracking[0] and not checks.DOF_PENDING \
+        and disable_modes() is _NO_MODES
+
+
+class _Fused:
+    """What a plan's fused hits read (``Plan.artifacts["fused"]``), for its passes' state
+    ``passes`` (``Plan.artifacts["passes"]``) of generation ``gen``: the native program (None:
+    the plan's hits take the general path), the instructions it reads a step's parameters
+    from where the step's are the plan's, and with an edit script, per plan instruction that
+    may take a step's parameters, the program's instructions made from it."""
+
+    __slots__ = ("passes", "gen", "program", "tmpl", "at", "consts", "final")
+
+    def __init__(self, plan: Any) -> None:
+        self.passes = plan.artifacts.get("passes")
+        self.gen = pipeline._config["gen"]
+        self.program: Any = None
+        self.tmpl: list[Any] = plan.instrs
+        self.at: dict[int, list[int]] | None = None
+        self.consts: dict[int, torch.Tensor] | None = None
+        self.final = False  # made for good (else again at the next hit: passes or program to come)
+        s = pipeline.settled(plan)
+        if s is None:
+            return
+        owner, st = s
+        prog = owner.artifacts.get("native")
+        if prog is None:
+            return
+        self.final = True
+        if prog is False or prog.others:
+            return
+        if st is not None:
+            stale = {*plan.flat[5], *plan.rngs}  # instructions of floats and random ops
+            if not stale.isdisjoint(st.frozen):  # a step may differ where a pass compared
+                return
+            self.tmpl = st.tmpl
+            self.at = {o: st.by_origin.get(o, []) for o in stale}
+            self.consts = st.consts
+        self.program = prog
+
+
+def _fused(plan: Any) -> _Fused:
+    f = plan.artifacts.get("fused")
+    if f is None or f.passes is not plan.artifacts.get("passes") or \
+            f.gen != pipeline._config["gen"] or not f.final:
+        f = plan.artifacts["fused"] = _Fused(plan)
+    return f
+
+
+def _run_hit(plan: Any, r: Any, generic: bool, targets: list[tuple[Node, int]], n: int,
+             index: int) -> list[Any]:
+    """Run a column-match hit (:func:`genie.plan_cache.plan`'s ``found``) on the fused path
+    when it can take it, else as :func:`run_tape` runs its tape; the values of the first ``n``
+    targets."""
+    f = _fused(plan)
+    p = None
+    states = plan.states
+    if f.program is not None and not r[1] and \
+            not (states and (len(states) > 1 or _state_word() not in states)):
+        p = plan_cache.params(plan, generic, r)
+    if p is None or p[1]:  # not fused, or the step's shapes differ from the plan's
+        return run_tape(_requested(plan_cache.hit_tape(plan, r, targets, generic, p), n), index)
+    found, _, _, _, inputs = r
+    stale = [*p[0], *plan.rngs]
+    if f.at is None:
+        src = plan.replay_source(f.tmpl, found, (stale, ()))
+    else:
+        src = list(f.tmpl)
+        at = f.at
+        for i in stale:
+            for j in at[i]:
+                src[j] = found[i]
+    if f.consts:
+        inputs = {**inputs, **f.consts}
+    prog = f.program
+    bits = _math_bits_on()
+    grad = _grad_swap(False)
+    try:
+        kept = prog.native.run(inputs, src, [_device_for(index)])
+    finally:
+        _grad_swap(grad)
+        _math_bits_restore(bits)
+    if type(kept) is tuple:  # (failing instruction, its exception, live values): as run_tape
+        tape = _requested(plan_cache.hit_tape(plan, r, targets, generic, p), n)
+        ran = tape if f.at is None else pipeline.settled(plan)[1].apply(tape)
+        err = native_replay.failure(ran, *kept)
+        err.__cause__ = kept[1]
+        _failed(tape, err, index)
+    _counts["native_replays"] += 1
+    _counts["fused_hits"] += 1
+    if prog.freed:
+        _counts["values_freed"] += prog.freed
+    _counts["nodes_executed"] += len(f.tmpl)
+    pending_total[0] -= _bind_nodes(found, plan.flat[15], kept, _PRUNE_AT, config.gc_untrack,
+                                    True)
+    memory.after_run(None, kept, index)
+    return [kept[s] for s in plan.outputs[:n]]
 
 
 def run_kept(targets: list[tuple[Node, int]], index: int,

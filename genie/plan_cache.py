@@ -295,10 +295,12 @@ class PlanCache:
             self._writes.discard(key or _target_key(targets))
 
     def match(self, targets: list[tuple[Node, int]], generic: bool = False,
-              span: int = -1, key: Any = None) -> Tape | None:
+              span: int = -1, key: Any = None, found: bool = False
+              ) -> Tape | tuple[Plan, Any, bool] | None:
         """A hit found from the targets alone (no :func:`~genie.planner.slice_nodes`): the
         cached plans for these requested ops are tried with :func:`match`, those last used at
-        ``span`` (:meth:`span`) first, then most recently used first."""
+        ``span`` (:meth:`span`) first, then most recently used first. ``found``: as
+        :func:`plan`'s."""
         plans = self._by_targets.get(key or _target_key(targets))
         if not plans:
             return None
@@ -306,7 +308,7 @@ class PlanCache:
         if len(plans) > 1 and span >= 0 and plans[0].span != span:
             order = [p for p in plans if p.span == span] + [p for p in plans if p.span != span]
         for plan in order:
-            tape = match(plan, targets, generic)
+            tape = match(plan, targets, generic, found)
             if tape is not None:
                 plan.span = span
                 k = plans.index(plan) if plans[0] is not plan else 0
@@ -403,13 +405,16 @@ def clear() -> None:
 
 
 @gc_paused
-def plan(targets: list[tuple[Node, int]], generic: bool = True) -> Tape:
+def plan(targets: list[tuple[Node, int]], generic: bool = True, found: bool = False
+         ) -> Tape | tuple[Plan, Any, bool]:
     """A :class:`~genie.planner.Tape` for ``targets``: a cached plan's when the structure
     matches one (a hit), else a freshly built one, whose plan is cached (a miss).
 
     ``generic``: the backend that will run the tape takes any shapes (eager, remote: see
     :func:`genie.backends.shape_generic`), so a plan that differs only in shapes is a hit too
-    (when :func:`shape_generic` is on).
+    (when :func:`shape_generic` is on). ``found``: a hit the column match finds on a plan without
+    host tensors comes back as ``(plan, the match, generic)`` instead, its tape not made: the
+    executor's fused hit path runs it from that, or makes the tape with :func:`hit_tape`.
     """
     generic = generic and _generic
     span = _cache.span(targets) if targets else -1
@@ -417,9 +422,11 @@ def plan(targets: list[tuple[Node, int]], generic: bool = True) -> Tape:
     # and optimizer state it updates (33 for a 4-layer MLP's AdamW step)
     key = _target_key(targets) if _enabled and targets else None
     if key is not None and not _cache.writes_last(targets, key):
-        tape = _cache.match(targets, generic, span, key)
+        tape = _cache.match(targets, generic, span, key, found)
         if tape is not None:
             _counts["plan_cache_hits"] += 1
+            if type(tape) is tuple:  # the caller runs it (executor's fused hit) or asks hit_tape
+                return tape
             if tape.generic:
                 _counts["plan_cache_generic_hits"] += 1
             return tape
@@ -616,8 +623,11 @@ def _writes_exact(plan: Plan, found: list[Any], targets: list[tuple[Node, int]])
     return True
 
 
-def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) -> Tape | None:
-    """``instantiate(plan, targets, slice_nodes(targets))`` without slicing, or None.
+def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False,
+          found: bool = False) -> Tape | tuple[Plan, Any, bool] | None:
+    """``instantiate(plan, targets, slice_nodes(targets))`` without slicing, or None
+    (``found``: for a plan without host tensors, whose tape a match always makes, ``(plan, the
+    match, generic)`` instead of the tape: see :func:`plan`).
 
     Walks the plan backwards from its outputs: instruction ``i``'s node is the one the targets
     or a later instruction's arguments point at (``guide``; an in-place update: the pending
@@ -638,23 +648,63 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
     identical one, a plan with a node only a write reaches). The tape's ``slots`` are built when
     first read (:class:`~genie.planner.PendingSlots`).
     """
+    r = _core(plan, targets, generic)
+    if r is None:
+        return None
+    if found and not plan.flat[8][0]:
+        return plan, r, generic
+    return _tape_of(plan, targets, generic, r)
+
+
+def _core(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -> Any:
+    """:func:`match`'s walk and per-node checks (natively: ``genie._C._match_core``): None, or
+    what :func:`_match_core_py` returns."""
     want_out = plan.outputs
     if not plan.fast or len(targets) != len(want_out):
         return None
     if config.native_match:
-        r = _match_core(plan.flat, plan.entries, plan.klasses,
-                        None if plan.no_where else plan.wheres, plan.produced, want_out,
-                        targets if type(targets) is list else list(targets), generic,
-                        bool(pending_total[0]), plan.inputs,
-                        lambda i, n: _entryless(plan, i, n, generic))
-    else:
-        r = _match_core_py(plan, targets, generic)
-    if r is None:
+        return _match_core(plan.flat, plan.entries, plan.klasses,
+                           None if plan.no_where else plan.wheres, plan.produced, want_out,
+                           targets if type(targets) is list else list(targets), generic,
+                           bool(pending_total[0]), plan.inputs,
+                           lambda i, n: _entryless(plan, i, n, generic))
+    return _match_core_py(plan, targets, generic)
+
+
+def hit_tape(plan: Plan, r: Any, targets: list[tuple[Node, int]], generic: bool,
+             p: tuple[list[int], bool] | None = None) -> Tape:
+    """The tape of a hit :func:`plan` handed back as ``(plan, r, generic)`` (counted as a
+    shape-generic hit when it is one); ``p``: its :func:`params`, when the caller has them."""
+    tape = _tape_of(plan, targets, generic, r, p)
+    assert tape is not None  # (only host tensors fail after the core, and such plans make it)
+    if tape.generic:
+        _counts["plan_cache_generic_hits"] += 1
+    return tape
+
+
+def _tape_of(plan: Plan, targets: list[tuple[Node, int]], generic: bool, r: Any,
+             p: tuple[list[int], bool] | None = None) -> Tape | None:
+    """:func:`match`'s tape from the core's answer ``r``; None where a host tensor differs."""
+    if p is None:
+        p = params(plan, generic, r)
+    if p is None:
         return None
-    found, shaped, changed, islots, inputs = r
-    ei, ep, ej, ek, ingroups, fi, fp, fv, hosts, hi, hk, hn, other, roots, ops, outs, _ = \
-        plan.flat
-    pin = plan.inputs
+    found, shaped, _, islots, inputs = r
+    # the instructions are built when the tape's are first read (Tape.instrs, Plan.step_instrs):
+    # a native replay reads this step's leaves from the nodes (Plan.replay_source)
+    tape = Tape(plan.instrs, inputs, list(plan.outputs), set(plan.keep), found,
+                PendingSlots(plan.flat[15], islots), plan.index, plan, p[1])
+    tape._stale = (p[0], shaped)
+    return tape
+
+
+def params(plan: Plan, generic: bool, r: Any) -> tuple[list[int], bool] | None:
+    """A hit's per-step parameters from the core's answer ``r`` (:func:`_core`): the
+    instructions that take this step's host tensors or floats (those whose shapes differ
+    aside), and whether the step's shapes differ from the plan's; None where a host tensor does
+    not fit the plan."""
+    found, shaped, changed, _, inputs = r
+    _, _, _, _, _, fi, fp, _, hosts, *_ = plan.flat
     get = found.__getitem__
     differs = bool(shaped)
     hsi, hsp, hsv = hosts
@@ -673,16 +723,10 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False) ->
         for k in changed:  # as instantiate: backends that bake constants in make these inputs
             plan.floats.add((fi[k], fp[k]))
     if generic and not differs:
-        differs = _inputs_differ(inputs, pin) if config.native_slice else NotImplemented
+        differs = _inputs_differ(inputs, plan.inputs) if config.native_slice else NotImplemented
         if differs is NotImplemented:
-            differs = any_input_differs(inputs, pin)
-    # the instructions are built when the tape's are first read (Tape.instrs, Plan.step_instrs):
-    # a native replay reads this step's leaves from the nodes (Plan.replay_source)
-    tape = Tape(plan.instrs, inputs, list(want_out), set(plan.keep), found,
-                PendingSlots(outs, islots), plan.index, plan, differs)
-    tape._stale = (plain, shaped)
-    return tape
-
+            differs = any_input_differs(inputs, plan.inputs)
+    return plain, differs
 
 
 def _rebuild(instrs: list[Instr], found: list[Node], tmpl: list[Instr], indices: list[int],

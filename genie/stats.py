@@ -40,7 +40,8 @@ def stats() -> dict[str, int]:
       run at once because their output shape or value depends on data), ``nodes_executed``,
       ``values_freed``;
     - engine: ``plan_cache_hits``, ``plan_cache_misses``, ``plan_cache_generic_hits`` (hits of
-      a plan whose shapes differ: shapes as parameters), ``codegen_plans`` (plans given a
+      a plan whose shapes differ: shapes as parameters), ``fused_hits`` (hits run from the
+      column match on the executor's fused path: no tape made), ``codegen_plans`` (plans given a
       generated replay function), ``compiled_plans``, ``compiled_runs``, ``compiled_verified``,
       ``native_slices`` and ``native_instantiates`` (slices and plan matches done by
       csrc/slice.cpp; ``GENIE_NATIVE_SLICE=0`` runs the Python references);

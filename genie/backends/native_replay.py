@@ -103,15 +103,20 @@ class Program:
             fn, at, slots = check if check is not None else (None, (), ())
             r = self.native.run(tape.inputs, instrs, devices, split, early, fn, at, slots)
         if type(r) is tuple:  # (failing instruction, the exception it raised, live values)
-            i, e, live = r
-            ins = tape.instrs[i]
-            err = ExecutionError(ins.op, ins.where, e, i)
-            err.partial = (tape, i, live)  # instructions [0, i) ran (see executor.run_tape)
-            raise err from e
+            raise failure(tape, *r) from r[1]
         if self.freed:
             _counts["values_freed"] += self.freed
         _counts["native_replays"] += 1
         return r
+
+
+def failure(tape: Tape, i: int, e: BaseException, live: dict[int, Any]) -> ExecutionError:
+    """The error of a run of ``tape`` whose instruction ``i`` raised ``e`` with the values
+    ``live`` (what a program's run returns then); raise it ``from e``."""
+    ins = tape.instrs[i]
+    err = ExecutionError(ins.op, ins.where, e, i)
+    err.partial = (tape, i, live)  # instructions [0, i) ran (see executor.run_tape)
+    return err
 
 
 def _sync() -> None:

@@ -449,6 +449,21 @@ def run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]:
     return _gate_run(st, plan, tape, opt, device, time.perf_counter() - t0)
 
 
+def settled(plan: Any) -> tuple[Any, Script | None] | None:
+    """How :func:`run` runs an exact hit of ``plan`` (the eager backend first) when it neither
+    prepares, verifies nor times the plan's passes: ``(the plan whose artifacts hold the
+    program, the script applied or None)``; None when the next run must go through :func:`run`.
+    The executor's fused hit path (:func:`genie.executor.run_targets`) runs only settled plans."""
+    if not active_passes():
+        return plan, None
+    st = plan.artifacts.get("passes")
+    if st is None or type(st) is _Waiting or st.gen != _config["gen"] or st.where is not None:
+        return None
+    if type(st) is _Off:
+        return plan, None
+    return (st.shadow, st) if st.state == "on" else None
+
+
 def _not_eager() -> str | None:
     """The backend other than ``eager`` that comes first and is available, if any: ``compiled``
     does its own CSE, DCE and fusion (passes would double its compilations), ``remote`` runs on
