@@ -39,6 +39,46 @@ def gc_offsets() -> list[str]:
             f"-DGENIE_GC_COUNT_OFFSET={int(count)}"]
 
 
+def static_cxx_runtime(path: str) -> bool:
+    """Whether the shared object at ``path`` was linked without the shared C++ runtime: ELF
+    (Linux), and ``libstdc++.so`` is not among its NEEDED libraries (``readelf -d``). False where
+    that cannot be told (no ``readelf``, not ELF)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"\x7fELF":
+                return False
+        out = subprocess.run(["readelf", "-d", path], check=True, capture_output=True,
+                             text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return "libstdc++.so" not in out and "libc++.so" not in out
+
+
+class Build(BuildExtension):
+    """torch's ``BuildExtension``, and a check of what it linked: a compiler that links
+    libstdc++ statically into genie._C (``/opt/gcc/bin/g++`` of an NVIDIA CUDA image did) gives it
+    a C++ runtime of its own beside the shared one torch's libraries use, and any C++ exception
+    it throws that torch catches (every error raised natively, such as
+    ``torch.Generator(device="remote_accelerator:9")``) then ends the process with a segmentation
+    fault. That is refused here, at the build, with what to do instead."""
+
+    def build_extension(self, ext) -> None:
+        super().build_extension(ext)
+        path = self.get_ext_fullpath(ext.name)
+        if static_cxx_runtime(path):
+            how = f"the compiler {os.environ.get('CXX') or 'c++'!r}" + (
+                f" with LDFLAGS {os.environ['LDFLAGS']!r}" if os.environ.get("LDFLAGS") else "")
+            os.remove(path)
+            raise RuntimeError(
+                f"{ext.name} was linked with a static copy of the C++ runtime: {how} links "
+                "libstdc++ statically (readelf -d shows no libstdc++.so among its NEEDED "
+                "libraries). PyTorch's libraries use the shared libstdc++, and a C++ "
+                f"exception thrown in {ext.name} and caught by torch would end the process with "
+                "a segmentation fault. Build with a compiler that links it dynamically, e.g. "
+                "`CXX=g++ pip install --no-build-isolation -e .` (or `CXX=g++ python setup.py "
+                "build_ext --inplace`).")
+
+
 setup(
     ext_modules=[
         CppExtension(
@@ -54,5 +94,5 @@ setup(
                 else [])},
         )
     ],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": Build},
 )
