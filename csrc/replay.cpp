@@ -53,6 +53,12 @@
 
 #include "replay.h"
 
+#include <c10/core/GradMode.h>
+
+#include "bind.h"
+#include "memory.h"
+#include "state.h"
+
 namespace py = pybind11;
 
 namespace {
@@ -816,6 +822,105 @@ class Program {
   int64_t freed_ = 0;
 };
 
+// Sets the math-bit keys on and grad mode off for a run, and back when it ends (as
+// genie.executor.run_tape and genie.backends.eager.run_instrs do around the general path's).
+struct RunState {
+  long bits = genie::math_bits_on();
+  c10::AutoGradMode no_grad{false};
+  ~RunState() { genie::math_bits_restore(bits); }
+};
+
+// genie._C._hit_run: a fused plan-cache hit (genie.executor._run_hit) run and bound in one call.
+// The replay source is `tmpl` (the program's instructions) with the found node of each plan
+// instruction in `stale` (its floats and random ops of this step) in its place, or, with an
+// edit script (`at`: plan instruction -> the program's instructions made from it), at those;
+// the inputs are `inputs` and the script's `consts`. The program runs with the math-bit keys
+// on and grad mode off; its kept values are bound to `found` (genie::bind_nodes, releasing the
+// list: `outs`, `prune_at`, `untrack` as genie._C._bind_nodes) and, with `hold` >= 0, held in
+// the CPU accounting of remote_accelerator:`hold` (genie::mem_hold). Returns (the values of
+// the slots `want`, the pending writes bound, the bytes held or -1, the kept values), or what
+// the program returns for a failing instruction (index, exception, live values): nothing is
+// bound then (the caller binds what ran, as the general path does).
+py::object hit_run(Program& program, const py::dict& inputs, const py::object& consts,
+                   const py::list& tmpl, const py::object& at, const py::list& found,
+                   const py::list& stale, const py::list& devices, const py::list& outs,
+                   int64_t prune_at, bool untrack, int64_t hold, const py::list& want) {
+  py::list src = tmpl;
+  const Py_ssize_t n = PyList_GET_SIZE(tmpl.ptr());
+  if (PyList_GET_SIZE(stale.ptr()) != 0) {
+    src = py::reinterpret_steal<py::list>(PyList_GetSlice(tmpl.ptr(), 0, n));
+    for (const py::handle i : stale) {
+      const Py_ssize_t k = PyLong_AsSsize_t(i.ptr());
+      if (k < 0 || k >= PyList_GET_SIZE(found.ptr())) {
+        throw py::index_error("genie._C._hit_run: a stale instruction outside the plan");
+      }
+      PyObject* node = PyList_GET_ITEM(found.ptr(), k);
+      if (at.is_none()) {
+        if (k >= n) {
+          throw py::index_error("genie._C._hit_run: a stale instruction outside the program");
+        }
+        Py_INCREF(node);
+        PyList_SetItem(src.ptr(), k, node);
+        continue;
+      }
+      PyObject* js = PyDict_GetItemWithError(at.ptr(), i.ptr());
+      if (js == nullptr || !PyList_Check(js)) {
+        if (PyErr_Occurred()) {
+          throw py::error_already_set();
+        }
+        throw py::key_error("genie._C._hit_run: a stale instruction the script does not map");
+      }
+      for (Py_ssize_t q = 0; q < PyList_GET_SIZE(js); ++q) {
+        const Py_ssize_t j = PyLong_AsSsize_t(PyList_GET_ITEM(js, q));
+        if (j < 0 || j >= n) {
+          throw py::index_error("genie._C._hit_run: a script position outside the program");
+        }
+        Py_INCREF(node);
+        PyList_SetItem(src.ptr(), j, node);
+      }
+    }
+  }
+  py::dict in = inputs;
+  if (!consts.is_none() && PyDict_GET_SIZE(consts.ptr()) != 0) {
+    in = py::reinterpret_steal<py::dict>(PyDict_Copy(inputs.ptr()));
+    if (PyDict_Update(in.ptr(), consts.ptr()) < 0) {
+      throw py::error_already_set();
+    }
+  }
+  py::object r;
+  {
+    RunState state;
+    r = program.run(in, src, devices);
+  }
+  if (PyTuple_Check(r.ptr())) {
+    return r;  // (failing instruction, its exception, live values)
+  }
+  src = py::list();  // (its nodes freed while bound, as the others: the caller holds none)
+  const auto kept = py::reinterpret_borrow<py::dict>(r);
+  py::list vals(PyList_GET_SIZE(want.ptr()));  // before anything is bound, as run_tape
+  for (Py_ssize_t k = 0; k < PyList_GET_SIZE(want.ptr()); ++k) {
+    PyObject* v = PyDict_GetItemWithError(kept.ptr(), PyList_GET_ITEM(want.ptr(), k));
+    if (v == nullptr) {
+      if (PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      throw py::key_error("genie._C._hit_run: a requested slot the program does not keep");
+    }
+    Py_INCREF(v);
+    PyList_SET_ITEM(vals.ptr(), k, v);
+  }
+  const int64_t bound = genie::bind_nodes(found, outs, kept, prune_at, untrack, true);
+  int64_t held = -1;
+  if (hold >= 0) {
+    PyObject* values = PyObject_CallMethod(kept.ptr(), "values", nullptr);
+    if (values == nullptr) {
+      throw py::error_already_set();
+    }
+    held = genie::mem_hold(hold, py::reinterpret_steal<py::iterable>(values));
+  }
+  return py::make_tuple(vals, bound, held, kept);
+}
+
 } // namespace
 
 namespace genie {
@@ -838,6 +943,12 @@ void add_replay_functions(py::module_& m) {
       .def("direct_last", &Program::direct_last, py::arg("learn"))
       .def_property_readonly("freed", &Program::freed)
       .def("__len__", &Program::size);
+  m.def("_hit_run", &hit_run, py::arg("program"), py::arg("inputs"), py::arg("consts"),
+        py::arg("tmpl"), py::arg("at"), py::arg("found"), py::arg("stale"), py::arg("devices"),
+        py::arg("outs"), py::arg("prune_at"), py::arg("untrack"), py::arg("hold"),
+        py::arg("want"),
+        "A fused plan-cache hit run and bound in one call (csrc/replay.cpp; "
+        "genie.executor._run_hit).");
   m.def("_replay_graph_calls", [] {
     const int64_t n = direct_graph_calls;
     direct_graph_calls = 0;

@@ -136,14 +136,7 @@ constexpr c10::DispatchKey kMathBits[] = {c10::DispatchKey::Conjugate, c10::Disp
 // kMathBits[i]), for _math_bits_restore. Two calls instead of three guard objects (~6 µs
 // from Python per materialization).
 PyObject* py_math_bits_on(PyObject* /*self*/, PyObject* /*unused*/) {
-  long mask = 0;
-  for (int i = 0; i < 3; ++i) {
-    if (c10::impl::tls_is_dispatch_key_excluded(kMathBits[i])) {
-      c10::impl::tls_set_dispatch_key_excluded(kMathBits[i], false);
-      mask |= 1L << i;
-    }
-  }
-  return PyLong_FromLong(mask);
+  return PyLong_FromLong(genie::math_bits_on());
 }
 
 // Exclude again the keys `mask` (a _math_bits_on result) names, in reverse order.
@@ -152,11 +145,7 @@ PyObject* py_math_bits_restore(PyObject* /*self*/, PyObject* arg) {
   if (mask == -1 && PyErr_Occurred()) {
     return nullptr;
   }
-  for (int i = 2; i >= 0; --i) {
-    if ((mask >> i & 1) != 0) {
-      c10::impl::tls_set_dispatch_key_excluded(kMathBits[i], true);
-    }
-  }
+  genie::math_bits_restore(mask);
   Py_RETURN_NONE;
 }
 
@@ -187,6 +176,25 @@ PyMethodDef methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
+
+long math_bits_on() {
+  long mask = 0;
+  for (int i = 0; i < 3; ++i) {
+    if (c10::impl::tls_is_dispatch_key_excluded(kMathBits[i])) {
+      c10::impl::tls_set_dispatch_key_excluded(kMathBits[i], false);
+      mask |= 1L << i;
+    }
+  }
+  return mask;
+}
+
+void math_bits_restore(long mask) {
+  for (int i = 2; i >= 0; --i) {
+    if ((mask >> i & 1) != 0) {
+      c10::impl::tls_set_dispatch_key_excluded(kMathBits[i], true);
+    }
+  }
+}
 
 void add_state_functions(pybind11::module_& m) {
   if (PyModule_AddFunctions(m.ptr(), methods) < 0) {

@@ -12,6 +12,13 @@ namespace genie {
 // genie.lazy_tensor._record).
 uint64_t state_word();
 
+// Re-enable the math-bit keys (Conjugate, Negative, ZeroTensor) this thread excludes, as
+// genie._C._math_bits_on; returns which it re-enabled, for math_bits_restore.
+long math_bits_on();
+
+// Exclude again the keys `mask` (a math_bits_on result) names.
+void math_bits_restore(long mask);
+
 // Adds _state_word, _state_apply and _state_mask to the genie._C module.
 void add_state_functions(pybind11::module_& m);
 

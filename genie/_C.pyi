@@ -245,6 +245,18 @@ class _ReplayProgram:
         (``{slot: value}``)."""
     def __len__(self) -> int: ...
 
+def _hit_run(program: _ReplayProgram, inputs: dict[int, object], consts: dict[int, object] | None,
+             tmpl: list, at: dict[int, list[int]] | None, found: list[object], stale: list[int],
+             devices: list[object], outs: list[tuple[int | None, ...]], prune_at: int,
+             untrack: bool, hold: int, want: list[int]) -> tuple:
+    """A fused plan-cache hit (``genie.executor._run_hit``) in one call: ``program`` run on the
+    step's replay source (``tmpl`` with ``found[i]`` for each ``i`` of ``stale``, at ``at[i]``
+    with an edit script) and ``inputs`` (with ``consts``), math-bit keys on, grad mode off; its
+    kept values bound to ``found`` as :func:`_bind_nodes` (releasing it) and, with ``hold`` >= 0,
+    held as :func:`_mem_hold`. Returns ``(values of want, pending writes bound, bytes held or
+    -1, kept)``, or the program's ``(index, exception, live)`` for a failing instruction
+    (nothing bound)."""
+
 def _state_word() -> int:
     """The global state an op's result depends on, as one int (csrc/state.cpp): part of every
     meta-cache key."""

@@ -19,7 +19,7 @@ import torch
 from torch.autograd import profiler as _profiler
 
 from . import backends, checks, context, memory, plan_cache
-from ._C import (_bind_nodes, _gc_untrack, _grad_swap, _math_bits_on, _math_bits_restore,
+from ._C import (_bind_nodes, _gc_untrack, _hit_run, _math_bits_on, _math_bits_restore,
                  _record_ahead_reset, _state_apply, _state_word, _step_targets, _without_warning)
 from .config import config
 from .context import _steps
@@ -579,40 +579,28 @@ def _run_hit(plan: Any, r: Any, generic: bool, targets: list[tuple[Node, int]], 
     if p is None or p[1]:  # not fused, or the step's shapes differ from the plan's
         return run_tape(_requested(plan_cache.hit_tape(plan, r, targets, generic, p), n), index)
     found, _, _, _, inputs = r
-    stale = [*p[0], *plan.rngs]
-    if f.at is None:
-        src = plan.replay_source(f.tmpl, found, (stale, ()))
-    else:
-        src = list(f.tmpl)
-        at = f.at
-        for i in stale:
-            for j in at[i]:
-                src[j] = found[i]
-    if f.consts:
-        inputs = {**inputs, **f.consts}
-    prog = f.program
-    bits = _math_bits_on()
-    grad = _grad_swap(False)
-    try:
-        kept = prog.native.run(inputs, src, [_device_for(index)])
-    finally:
-        _grad_swap(grad)
-        _math_bits_restore(bits)
-    if type(kept) is tuple:  # (failing instruction, its exception, live values): as run_tape
+    out = _hit_run(f.program.native, inputs, f.consts, f.tmpl, f.at, found,
+                   [*p[0], *plan.rngs] if plan.rngs else p[0], [_device_for(index)],
+                   plan.flat[15], _PRUNE_AT, config.gc_untrack,
+                   index if memory.held_here(index) else -1, plan.outputs[:n])
+    if len(out) == 3:  # (failing instruction, its exception, live values): as run_tape
         tape = _requested(plan_cache.hit_tape(plan, r, targets, generic, p), n)
         ran = tape if f.at is None else pipeline.settled(plan)[1].apply(tape)
-        err = native_replay.failure(ran, *kept)
-        err.__cause__ = kept[1]
+        err = native_replay.failure(ran, *out)
+        err.__cause__ = out[1]
         _failed(tape, err, index)
+    vals, bound, held, kept = out
     _counts["native_replays"] += 1
     _counts["fused_hits"] += 1
-    if prog.freed:
-        _counts["values_freed"] += prog.freed
+    if f.program.freed:
+        _counts["values_freed"] += f.program.freed
     _counts["nodes_executed"] += len(f.tmpl)
-    pending_total[0] -= _bind_nodes(found, plan.flat[15], kept, _PRUNE_AT, config.gc_untrack,
-                                    True)
-    memory.after_run(None, kept, index)
-    return [kept[s] for s in plan.outputs[:n]]
+    pending_total[0] -= bound
+    if held < 0:
+        memory.after_run(None, kept, index)
+    else:
+        memory.held(index, held)
+    return vals
 
 
 def run_kept(targets: list[tuple[Node, int]], index: int,

@@ -70,10 +70,21 @@ _real = real_device
 def hold(index: int, values: Any) -> None:
     """Count the real CPU storages of ``values`` as held on ``remote_accelerator:index`` while
     they live (server handles and CUDA tensors are accounted elsewhere)."""
+    held(index, _mem_hold(index, values))
+
+
+def held(index: int, allocated: int) -> None:
+    """Account values ``genie._C._mem_hold`` held on ``index``; ``allocated``: its answer."""
     _seen.add(index)
-    a = _mem_hold(index, values)
-    if a > _peak.get(index, 0):
-        _peak[index] = a
+    if allocated > _peak.get(index, 0):
+        _peak[index] = allocated
+
+
+def held_here(index: int) -> bool:
+    """Whether :func:`after_run` holds a run's values on ``index`` in the CPU accounting, as an
+    earlier run set it up, and tracks no peak: the executor's fused hit then holds them itself
+    (``genie._C._hit_run``) and reports to :func:`held`."""
+    return not _tracking[0] and _cpu[0] is not None and _real(index) is _cpu[0]
 
 
 def _allocated(index: int) -> int:

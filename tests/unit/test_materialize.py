@@ -173,9 +173,10 @@ def test_a_run_frees_its_intermediates_while_binding(monkeypatch, tracking: bool
     monkeypatch.setattr(config, "native_bind", True)
     monkeypatch.setattr(memory, "_tracking", [tracking])
     bound = []  # the node lists bound natively (a tape's, or a fused hit's found nodes)
-    bind = executor._bind_nodes
+    bind, hit = executor._bind_nodes, executor._hit_run
     monkeypatch.setattr(executor, "_bind_nodes", lambda nodes, *a: bound.append(nodes) or
                         bind(nodes, *a))
+    monkeypatch.setattr(executor, "_hit_run", lambda *a: bound.append(a[5]) or hit(*a))
     x = torch.randn(4, device=D)
     genie.materialize(x)
     natively = 0
