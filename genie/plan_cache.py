@@ -120,7 +120,7 @@ class Plan:
     __slots__ = ("instrs", "metas", "specs", "wheres", "inputs", "outputs", "keep", "floats",
                  "index", "artifacts", "uses", "_key", "entries", "guide", "produced", "fast",
                  "prefix", "guide_key", "flat", "no_where", "klasses", "rngs", "span", "states",
-                 "writes", "wsite")
+                 "writes", "wsite", "changed")
 
     def __init__(self, tape: Tape, nodes: list[Node],
                  targets: list[tuple[Node, int]] | None = None) -> None:
@@ -143,6 +143,9 @@ class Plan:
         self.artifacts: dict[str, Any] = {}
         self.uses = 1
         self.span = -1  # nodes recorded since the previous lookup, at its last use (PlanCache.match)
+        # (changed float columns, their instructions) of the last hit whose floats changed and
+        # that had no host tensor or other shapes: params' answer when the next one's are the same
+        self.changed: tuple[list[int], list[int]] = ([], [])
         self._key: str | None = None
         self.prefix: Any = None
         self._build_guide(nodes, targets)
@@ -716,12 +719,16 @@ def params(plan: Plan, generic: bool, r: Any) -> tuple[list[int], bool] | None:
             if generic and not differs and not y.matches(x):
                 differs = True
     plain: list[int] = []
-    if hsi or changed:  # instructions that take this step's host tensors or floats
+    if not hsi and not shaped and changed and changed == plan.changed[0]:
+        plain = plan.changed[1]  # the floats of the step before (a training step's: all of them)
+    elif hsi or changed:  # instructions that take this step's host tensors or floats
         shaped_set = set(shaped)
         plain = [i for i in dict.fromkeys([*hsi, *(fi[k] for k in changed)])
                  if i not in shaped_set]
         for k in changed:  # as instantiate: backends that bake constants in make these inputs
             plan.floats.add((fi[k], fp[k]))
+        if not hsi and not shaped:
+            plan.changed = (changed, plain)
     if generic and not differs:
         differs = _inputs_differ(inputs, plan.inputs) if config.native_slice else NotImplemented
         if differs is NotImplemented:
