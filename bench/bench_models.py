@@ -10,7 +10,8 @@ genie`` is what genie costs a model that never touches the device. Each row also
 host cost per recorded op, ``(genie - eager) / ops``, where ``ops`` is what genie records for one
 call (ATen ops and factory calls, from ``genie.stats()``), and where genie's time goes (``genie
 split``, :func:`_split`: the record side and its module contexts, plan lookup, bind, replay with
-its kernels, teardown; CPU time of a few calls after the rounds, µs per op).
+its kernels, teardown, a fused hit's replay and bind (one native call); CPU time of a few calls
+after the rounds, µs per op).
 
 | row | workload | one call |
 |---|---|---|
@@ -167,7 +168,9 @@ def _host_us(row, ops: float, genie_fn: Callable[[], object] | None = None,
 #: attribute for the split's calls only (never during the timed rounds); a part that is not
 #: called (another backend, a native path) shows 0 calls.
 _PARTS = (("lookup", plan_cache, "plan"), ("bind", executor, "_bind"),
-          ("replay", pipeline, "run"), ("teardown", memory, "after_run"))
+          ("replay", pipeline, "run"), ("teardown", memory, "after_run"),
+          # a fused hit's replay, bind and teardown in one native call (docs/engine.md)
+          ("fused replay+bind", executor, "_hit_run"))
 
 
 def _split(fn: Callable[[], object], ops: float) -> str:
@@ -178,7 +181,8 @@ def _split(fn: Callable[[], object], ops: float) -> str:
     (genie.context's module call against nn.Module's own, each call paired with one without: the
     meaning of each node; the optimizer hooks stay, so a training step runs the same work),
     and the materializations: plan lookup, bind, replay (the kernels included: eager's compute),
-    teardown and the rest of ``run_targets``."""
+    teardown, a fused hit's replay and bind (``executor._hit_run``) and the rest of
+    ``run_targets``."""
     acc: dict[str, int] = {}
     saved = []
 
