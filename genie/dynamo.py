@@ -458,6 +458,7 @@ def _caller(gm: torch.fx.GraphModule, g: Any,
     no_entry = (None, None)
     LT = LazyTensor
     only_lt = {LT}
+    with_host = {LT, torch.Tensor}
     dispatch_modes = torch._C._len_torch_dispatch_stack
     # the outputs are the node's, in order (an inference graph's usual plan): returned as the
     # node's list itself
@@ -477,16 +478,25 @@ def _caller(gm: torch.fx.GraphModule, g: Any,
                 # the node recorded natively with its entry (each input checked a LazyTensor)
                 res = record_graph(native, op, (key, written, tensors, ints) if w_idx
                                    else (key, tensors, ints))
-            plain = res is NotImplemented and set(map(type, tensors)) == only_lt and \
+            kinds = set(map(type, tensors)) if res is NotImplemented else only_lt
+            # host: 0-dim CPU tensors among the inputs (a static KV cache's per-layer counters
+            # in transformers' prefill), which Dynamo's guards fix as they fix the others
+            host = kinds == with_host and all(
+                type(t) is LT or (t.device.type == "cpu" and not t.dim()) for t in tensors)
+            plain = res is NotImplemented and (kinds == only_lt or host) and \
                 not dispatch_modes() and all(type(t) is LT for t in written)
             if res is not NotImplemented:
                 pass
             elif entry is not None and plain:
                 # the recorded leaves of (key, [written,] tensors, ints), as record would
                 # flatten them; the Refs made natively (one per input every call: 97 inputs
-                # 8.7 -> 3.7 µs, no Ref.__init__ each)
+                # 8.7 -> 3.7 µs, no Ref.__init__ each); a host input snapshotted, as
+                # lazy_tensor._record snapshots it (eager reads it at the call)
                 rec = [key]
-                if not graph_refs(rec, written, tensors):
+                if host:
+                    rec += [Ref(t._node, t._out) if type(t) is LT else t.detach().clone()
+                            for t in (*written, *tensors)]
+                elif not graph_refs(rec, written, tensors):
                     rec += [Ref(t._node, t._out) for t in (*written, *tensors)]
                 rec += ints
                 res = record_known(op, (key, written, tensors, ints) if w_idx

@@ -492,6 +492,56 @@ def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler, m
         torch.testing.assert_close(cm(x).cpu(), ref(xc))
 
 
+def test_a_cached_call_with_host_scalar_inputs_records_the_first_calls_node(fast_compiler,
+                                                                          monkeypatch):
+    """A graph with 0-dim CPU tensor inputs beside its device inputs (a static KV cache's
+    per-layer CPU counters in transformers' prefill) records its later calls from the cached
+    entry as well (record_known, each host input snapshotted as the op's own record snapshots
+    it), not through the op's dispatch every call: the node is the first call's (leaves, tree,
+    entry, reads noted), and a write to the host input after the call does not reach the
+    value, as eager read it at the call."""
+    from genie import lazy_tensor
+    from genie.graph import Ref
+
+    known_records: list[int] = []
+    known = lazy_tensor.record_known
+
+    def counted(*a):
+        known_records.append(1)
+        return known(*a)
+
+    monkeypatch.setattr(lazy_tensor, "record_known", counted)  # read when the graph compiles
+    cm = torch.compile(lambda x, s: (x * s + 1).relu())
+    xc = torch.randn(5)
+    x = xc.to(DEV)
+    s = torch.tensor(3)
+    with torch.no_grad():
+        first = cm(x, s)
+        later = cm(x, s)
+        s.add_(1)  # after the call: eager read 3
+        assert known_records == [1]  # the second call (the first: the op's own record)
+        fn, ln = first._node, later._node
+        assert ln.entry is fn.entry and ln.spec is fn.spec and ln.metas is fn.metas
+        assert ln.writes == fn.writes == () and ln.graph is fn.graph
+        f_leaves, l_leaves = list(fn.leaves), list(ln.leaves)  # (dropped once they run)
+        torch.testing.assert_close(later.cpu(), (xc * 3 + 1).relu())
+        torch.testing.assert_close(first.cpu(), (xc * 3 + 1).relu())
+        torch.testing.assert_close(cm(x, s).cpu(), (xc * 4 + 1).relu())
+    hosts = 0
+    for a, b in zip(f_leaves, l_leaves, strict=True):
+        assert type(a) is type(b)
+        if type(a) is Ref:
+            assert (a.node, a.out) == (b.node, b.out)
+        elif isinstance(a, torch.Tensor):
+            hosts += 1
+            assert a is not s and b is not s and b is not a  # each call's own snapshot
+            assert (a.device, a.dtype, a.shape) == (b.device, b.dtype, b.shape)
+            assert a.item() == b.item() == 3
+        else:
+            assert a == b
+    assert hosts == 1
+
+
 def _write_cache(x, y, cache, i):
     """A graph that writes two of its inputs in place (a static KV cache's ``index_copy_``, an
     optimizer's ``add_``) and reads both."""
