@@ -17,16 +17,33 @@
 //     also its strides, storage offset and storage bytes.
 // A value that is not a strided tensor with a storage is a TypeError (a session holds none).
 //
-// _storages_held(values, storages, sign) -> int | None: the session holds each tensor among
-// `values` once more (sign 1: its storage's entry counts one more, a new entry [1, bytes] for a
-// storage not counted yet) or once less (-1: one less, the entry dropped at 0); returns the
-// change of the bytes counted. All or nothing: None, and nothing counted, when a value is not
-// a tensor with a storage (the caller refuses it by name).
-//
 // _storages_grown(values, storages) -> int: for each tensor among `values` whose storage (keyed
 // by its StorageImpl's address, which is torch's UntypedStorage._cdata) has an entry
 // [count, bytes] in the dict `storages` and now holds other than `bytes`, the entry takes the
 // bytes it holds; returns the sum of the changes.
+//
+// The handles of a run request, each in one pass over the session's dicts (Session in
+// genie/remote/worker.py: `store` handle id -> tensor, `storages` as above, `roles` and `used_at`
+// handle id -> int). In Python each id cost a few dict operations and a tensor call with cold
+// caches (a GPT-2 4x128 token: its 18 frees, 65 inputs and 18 kept values, ~50 µs):
+//
+// _drop_handles(store, storages, roles, used_at, ids) -> int: every exact int of the list `ids`
+//   that `store` holds leaves the four dicts, its storage counted once less; other items (not an
+//   exact int, or not held) are skipped, and an id listed twice is dropped once. Returns the
+//   change of the bytes counted (<= 0).
+//
+// _held_inputs(store, used_at, ids, slots, tick) -> dict | int | None: the values of a run's
+//   input slots when the first len(slots) items of the list `ids` are handle ids the session
+//   holds: {slot: tensor} in the order of `slots`, each id marked used at `tick`. None (nothing
+//   marked) when one of them is not an exact int or `ids` is shorter; else the first id that
+//   `store` does not hold (nothing marked).
+//
+// _put_handles(store, storages, used_at, ids, values, tick, max_handles) -> int | None: the run's
+//   kept values under new ids, all or nothing: None (nothing changed) unless `ids` and `values`
+//   are lists of one length, every id an exact int that `store` does not hold and no other of
+//   `ids` repeats, every value a strided tensor with a storage, and the store stays within
+//   `max_handles`. Each is stored, marked used at `tick` and its storage counted once more;
+//   returns the change of the bytes counted.
 //
 // _frames_of(values, names) -> (metas, buffers) | None: a reply's tensors as wire frames
 // (genie.remote.protocol.tensor_frame of each, in one pass: after a replay the reply runs with
@@ -205,51 +222,195 @@ int64_t storages_grown(py::handle values, py::handle storages) {
   }
 }
 
-py::object storages_held(py::handle values, py::handle storages, int sign) {
-  PyObject* d = storages.ptr();
-  if (!PyDict_Check(d) || (sign != 1 && sign != -1)) {
-    throw py::type_error("_storages_held(values, storages, sign): a dict of storages, sign +-1");
+// Count storage `st` once more (sign 1: a new entry [1, bytes] when not counted yet) or once
+// less (-1: the entry dropped at 0) in the dict `d`; returns the change of the bytes counted.
+int64_t hold(PyObject* d, const c10::Storage& st, int sign) {
+  py::object key = storage_key(st);
+  PyObject* e = entry_of(d, key.ptr());
+  if (sign > 0) {
+    if (e == nullptr) {
+      const int64_t nb = static_cast<int64_t>(st.nbytes());
+      py::list entry(2);
+      entry[0] = py::int_(1);
+      entry[1] = py::int_(nb);
+      if (PyDict_SetItem(d, key.ptr(), entry.ptr()) < 0) {
+        raise();
+      }
+      return nb;
+    }
+    set_field(e, 0, field(e, 0) + 1);
+    return 0;
   }
-  py::list vals = py::reinterpret_steal<py::list>(PySequence_List(values.ptr()));
-  if (!vals) {
+  if (e == nullptr) {
+    return 0;
+  }
+  const int64_t c = field(e, 0) - 1;
+  if (c == 0) {
+    const int64_t nb = field(e, 1);
+    if (PyDict_DelItem(d, key.ptr()) < 0) {
+      raise();
+    }
+    return -nb;
+  }
+  set_field(e, 0, c);
+  return 0;
+}
+
+PyObject* as_dict(py::handle h, const char* what) {
+  if (!PyDict_Check(h.ptr())) {
+    throw py::type_error(std::string(what) + ": the session's maps must be dicts");
+  }
+  return h.ptr();
+}
+
+// Remove `key` from the dict `d` when there (a pop without a default's KeyError).
+void discard(PyObject* d, PyObject* key) {
+  PyObject* v = PyDict_GetItemWithError(d, key);  // borrowed
+  if (v == nullptr) {
+    if (PyErr_Occurred()) {
+      raise();
+    }
+    return;
+  }
+  if (PyDict_DelItem(d, key) < 0) {
     raise();
   }
-  const Py_ssize_t n = PyList_GET_SIZE(vals.ptr());
-  for (Py_ssize_t i = 0; i < n; ++i) {  // all or nothing: the caller says what is not a tensor
-    PyObject* v = PyList_GET_ITEM(vals.ptr(), i);
-    if (!THPVariable_Check(v) || !THPVariable_Unpack(v).has_storage()) {
+}
+
+int64_t drop_handles(py::handle store, py::handle storages, py::handle roles, py::handle used_at,
+                     py::handle ids) {
+  PyObject* sd = as_dict(store, "_drop_handles");
+  PyObject* std_ = as_dict(storages, "_drop_handles");
+  PyObject* rd = as_dict(roles, "_drop_handles");
+  PyObject* ud = as_dict(used_at, "_drop_handles");
+  if (!PyList_Check(ids.ptr())) {
+    throw py::type_error("_drop_handles: ids must be a list");
+  }
+  // (a list of our own: dropping a value runs no Python, but `ids` is the caller's)
+  py::list items = py::reinterpret_steal<py::list>(PySequence_List(ids.ptr()));
+  if (!items) {
+    raise();
+  }
+  int64_t delta = 0;
+  const Py_ssize_t n = PyList_GET_SIZE(items.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* hid = PyList_GET_ITEM(items.ptr(), i);
+    if (!PyLong_CheckExact(hid)) {
+      continue;
+    }
+    PyObject* v = PyDict_GetItemWithError(sd, hid);  // borrowed
+    if (v == nullptr) {
+      if (PyErr_Occurred()) {
+        raise();
+      }
+      continue;
+    }
+    py::object held = py::reinterpret_borrow<py::object>(v);  // freed last, after the counting
+    if (THPVariable_Check(v) && THPVariable_Unpack(v).has_storage()) {
+      delta += hold(std_, THPVariable_Unpack(v).storage(), -1);
+    }
+    if (PyDict_DelItem(sd, hid) < 0) {
+      raise();
+    }
+    discard(rd, hid);
+    discard(ud, hid);
+  }
+  return delta;
+}
+
+py::object held_inputs(py::handle store, py::handle used_at, py::handle ids, py::handle slots,
+                       py::handle tick) {
+  PyObject* sd = as_dict(store, "_held_inputs");
+  PyObject* ud = as_dict(used_at, "_held_inputs");
+  if (!PyList_Check(ids.ptr()) || !PyList_Check(slots.ptr()) || !PyLong_CheckExact(tick.ptr())) {
+    throw py::type_error("_held_inputs(store, used_at, ids, slots, tick): lists and an int");
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(slots.ptr());
+  if (PyList_GET_SIZE(ids.ptr()) < n) {
+    return py::none();
+  }
+  // (the items are read into a vector of new references: the lists are the caller's)
+  std::vector<py::object> hids;
+  std::vector<py::object> keys;
+  hids.reserve(static_cast<size_t>(n));
+  keys.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* hid = PyList_GET_ITEM(ids.ptr(), i);
+    if (!PyLong_CheckExact(hid)) {
       return py::none();
+    }
+    hids.push_back(py::reinterpret_borrow<py::object>(hid));
+    keys.push_back(py::reinterpret_borrow<py::object>(PyList_GET_ITEM(slots.ptr(), i)));
+  }
+  py::dict out;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* v = PyDict_GetItemWithError(sd, hids[static_cast<size_t>(i)].ptr());  // borrowed
+    if (v == nullptr) {
+      if (PyErr_Occurred()) {
+        raise();
+      }
+      return hids[static_cast<size_t>(i)];
+    }
+    if (PyDict_SetItem(out.ptr(), keys[static_cast<size_t>(i)].ptr(), v) < 0) {
+      raise();
+    }
+  }
+  for (const py::object& hid : hids) {
+    if (PyDict_SetItem(ud, hid.ptr(), tick.ptr()) < 0) {
+      raise();
+    }
+  }
+  return out;
+}
+
+py::object put_handles(py::handle store, py::handle storages, py::handle used_at, py::handle ids,
+                       py::handle values, py::handle tick, int64_t max_handles) {
+  PyObject* sd = as_dict(store, "_put_handles");
+  PyObject* std_ = as_dict(storages, "_put_handles");
+  PyObject* ud = as_dict(used_at, "_put_handles");
+  if (!PyLong_CheckExact(tick.ptr())) {
+    throw py::type_error("_put_handles: tick must be an int");
+  }
+  if (!PyList_Check(ids.ptr()) || !PyList_Check(values.ptr())) {
+    return py::none();
+  }
+  py::list hids = py::reinterpret_steal<py::list>(PySequence_List(ids.ptr()));
+  py::list vals = py::reinterpret_steal<py::list>(PySequence_List(values.ptr()));
+  if (!hids || !vals) {
+    raise();
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(hids.ptr());
+  if (PyList_GET_SIZE(vals.ptr()) != n ||
+      static_cast<int64_t>(PyDict_GET_SIZE(sd)) + static_cast<int64_t>(n) > max_handles) {
+    return py::none();
+  }
+  py::set seen;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* hid = PyList_GET_ITEM(hids.ptr(), i);
+    PyObject* v = PyList_GET_ITEM(vals.ptr(), i);
+    if (!PyLong_CheckExact(hid) || !THPVariable_Check(v) ||
+        THPVariable_Unpack(v).layout() != c10::kStrided || !THPVariable_Unpack(v).has_storage()) {
+      return py::none();
+    }
+    const int in_store = PyDict_Contains(sd, hid);
+    const int again = PySet_Contains(seen.ptr(), hid);
+    if (in_store < 0 || again < 0) {
+      raise();
+    }
+    if (in_store || again) {
+      return py::none();
+    }
+    if (PySet_Add(seen.ptr(), hid) < 0) {
+      raise();
     }
   }
   int64_t delta = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    const c10::Storage& st = THPVariable_Unpack(PyList_GET_ITEM(vals.ptr(), i)).storage();
-    py::object key = storage_key(st);
-    PyObject* e = entry_of(d, key.ptr());
-    if (sign > 0) {
-      if (e == nullptr) {
-        const int64_t nb = static_cast<int64_t>(st.nbytes());
-        py::list entry(2);
-        entry[0] = py::int_(1);
-        entry[1] = py::int_(nb);
-        if (PyDict_SetItem(d, key.ptr(), entry.ptr()) < 0) {
-          raise();
-        }
-        delta += nb;
-      } else {
-        set_field(e, 0, field(e, 0) + 1);
-      }
-    } else if (e != nullptr) {
-      const int64_t c = field(e, 0) - 1;
-      if (c == 0) {
-        const int64_t nb = field(e, 1);
-        if (PyDict_DelItem(d, key.ptr()) < 0) {
-          raise();
-        }
-        delta -= nb;
-      } else {
-        set_field(e, 0, c);
-      }
+    PyObject* hid = PyList_GET_ITEM(hids.ptr(), i);
+    PyObject* v = PyList_GET_ITEM(vals.ptr(), i);
+    delta += hold(std_, THPVariable_Unpack(v).storage(), 1);
+    if (PyDict_SetItem(sd, hid, v) < 0 || PyDict_SetItem(ud, hid, tick.ptr()) < 0) {
+      raise();
     }
   }
   return py::int_(delta);
@@ -314,12 +475,20 @@ void add_session_functions(py::module_& m) {
   m.def("_storages_grown", &storages_grown, py::arg("values"), py::arg("storages"),
         "Recount the storages of `values` in `storages` ({StorageImpl address: [count, bytes]}) "
         "to the bytes they hold now; returns the change (csrc/session.cpp).");
-  m.def("_storages_held", &storages_held, py::arg("values"), py::arg("storages"),
-        py::arg("sign"),
-        "Count the storages of the tensors `values` in `storages` once more (sign 1: new "
-        "entries [1, bytes]) or once less (-1: entries dropped at 0); returns the change of the "
-        "bytes counted, or None (nothing changed) when a value is not a tensor with a storage "
+  m.def("_drop_handles", &drop_handles, py::arg("store"), py::arg("storages"), py::arg("roles"),
+        py::arg("used_at"), py::arg("ids"),
+        "Drop the held handle ids among `ids` (exact ints) from a session's dicts, their storages "
+        "counted once less; returns the change of the bytes counted (csrc/session.cpp).");
+  m.def("_held_inputs", &held_inputs, py::arg("store"), py::arg("used_at"), py::arg("ids"),
+        py::arg("slots"), py::arg("tick"),
+        "{slot: value} of a run's input slots from the first len(slots) ids, each marked used "
+        "at `tick`; None when one is not an int, else the first id not held "
         "(csrc/session.cpp).");
+  m.def("_put_handles", &put_handles, py::arg("store"), py::arg("storages"), py::arg("used_at"),
+        py::arg("ids"), py::arg("values"), py::arg("tick"), py::arg("max_handles"),
+        "Store a run's kept values under new ids, all or nothing: the change of the bytes "
+        "counted, or None (nothing stored) when an id is held or repeats, a value is not a "
+        "strided tensor with a storage, or the store would pass max_handles (csrc/session.cpp).");
   py::class_<TensorBytes>(m, "_TensorBytes", py::buffer_protocol())
       .def_buffer([](TensorBytes& b) -> py::buffer_info {
         return py::buffer_info(b.t.data_ptr(), 1, py::format_descriptor<uint8_t>::format(), 1,

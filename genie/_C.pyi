@@ -291,11 +291,28 @@ def _storages_grown(values: object, storages: dict[int, list[int]]) -> int:
     ``[count, bytes]`` in ``storages`` (keyed by ``UntypedStorage._cdata``) to the bytes they
     hold now; returns the change (``genie.remote.worker.Session.refresh``)."""
 
-def _storages_held(values: object, storages: dict[int, list[int]], sign: int) -> int | None:
-    """Count the storages of the tensors ``values`` once more (``sign`` 1: new entries
-    ``[1, bytes]``) or once less (-1: entries dropped at 0); returns the change of the bytes
-    counted, or None, with nothing counted, when a value is not a tensor with a storage
-    (``genie.remote.worker.Session.put_many`` / ``drop_many``)."""
+def _drop_handles(store: dict[int, torch.Tensor], storages: dict[int, list[int]],
+                  roles: dict[int, int], used_at: dict[int, int], ids: list[object]) -> int:
+    """Drop every exact int of ``ids`` that ``store`` holds from the session's four dicts
+    (an id listed twice once; other items skipped), its storage counted once less in
+    ``storages``; returns the change of the bytes counted
+    (``genie.remote.worker.Session.drop_many``)."""
+
+def _held_inputs(store: dict[int, torch.Tensor], used_at: dict[int, int], ids: list[object],
+                 slots: list[int], tick: int) -> dict[int, torch.Tensor] | int | None:
+    """``{slot: value}`` of a run's input slots from the first ``len(slots)`` items of ``ids``
+    (handle ids), each marked used at ``tick``; None when one of them is not an int (or
+    ``ids`` is shorter), else the first id ``store`` does not hold; nothing is marked unless a
+    dict is returned (``genie.remote.worker.Worker._held_inputs``)."""
+
+def _put_handles(store: dict[int, torch.Tensor], storages: dict[int, list[int]],
+                 used_at: dict[int, int], ids: object, values: object, tick: int,
+                 max_handles: int) -> int | None:
+    """Store a run's kept values under new handle ids, all or nothing, each marked used at
+    ``tick`` and its storage counted once more; returns the change of the bytes counted, or
+    None (nothing stored) unless ids and values are lists of one length, every id an int not
+    held and not repeated, every value a strided tensor with a storage, within
+    ``max_handles`` (``genie.remote.worker.Session.put_many``)."""
 
 class _TensorBytes:
     """A tensor's elements as a read-only byte buffer (buffer protocol) that holds the tensor."""

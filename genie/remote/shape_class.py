@@ -144,15 +144,16 @@ def _instr_params(tape: Tape, filled: Any
         baked, cbaked, istatic, iints, pos = filled.params
         fresh = list(iints)
         flips: list[tuple[int, bool]] = []
+        instrs = tape.instrs  # (a property: read once, not per patched leaf)
         for i, j in filled.patched:
-            x = tape.instrs[i].leaves[j]
+            x = instrs[i].leaves[j]
             p = pos.get((i, j))
             t = type(x)
             if p is not None and p >= 0 and t is int:
                 fresh[p] = x
             elif p is not None and p < 0 and t is bool:  # a value argument's bool: baked, the
                 flips.append((-1 - p, x))  # class keys its type (HF's is_done, last step)
-            elif t is not float or policy(tape.instrs[i].op).float_values_matter:
+            elif t is not float or policy(instrs[i].op).float_values_matter:
                 break  # a baked constant or a float that decides sizes: key it anew
         else:
             if flips:

@@ -428,43 +428,29 @@ class Session:
             self.nbytes -= e[1]
 
     def put_many(self, hids: list[int], ts: list[Any]) -> None:
-        """:meth:`put` of a run's kept values, all or none: their storages counted in one
-        native pass (``genie._C._storages_held``); anything :meth:`put` refuses is refused by
+        """:meth:`put` of a run's kept values, all or none, in one native pass over the
+        session's dicts (``genie._C._put_handles``); anything :meth:`put` refuses is refused by
         it, naming the first value, with nothing put."""
-        delta = None
-        if self.store.keys().isdisjoint(hids) and len(set(hids)) == len(hids) and \
-                len(self.store) + len(hids) <= MAX_HANDLES:
-            delta = _C._storages_held(ts, self.storages, 1)
-        if delta is None:  # one by one: :meth:`put` refuses what it refuses, naming it
-            done: list[int] = []
-            try:
-                for hid, t in zip(hids, ts, strict=True):
-                    self.put(hid, t)
-                    done.append(hid)
-            except BaseException:
-                self.drop_many(done)
-                raise
+        delta = _C._put_handles(self.store, self.storages, self.used_at, hids, ts, self.tick,
+                                MAX_HANDLES)
+        if delta is not None:
+            self.nbytes += delta
             return
-        self.nbytes += delta
-        self.store.update(zip(hids, ts, strict=True))
-        self.used_at.update(dict.fromkeys(hids, self.tick))
+        done: list[int] = []  # one by one: :meth:`put` refuses what it refuses, naming it
+        try:
+            for hid, t in zip(hids, ts, strict=True):
+                self.put(hid, t)
+                done.append(hid)
+        except BaseException:
+            self.drop_many(done)
+            raise
 
     def drop_many(self, hids: list[int]) -> None:
-        """:meth:`drop` of several ids (those not held are skipped), the storages uncounted in
-        one native pass."""
-        held = self.store.keys() & hids
-        if not held:
-            return
-        delta = _C._storages_held([self.store[h] for h in held], self.storages, -1)
-        if delta is None:  # never: every stored value is a tensor
-            for hid in held:
-                self.drop(hid)
-            return
-        self.nbytes += delta
-        for hid in held:
-            del self.store[hid]
-            self.roles.pop(hid, None)
-            self.used_at.pop(hid, None)
+        """:meth:`drop` of several ids (those not held are skipped), in one native pass over the
+        session's dicts (``genie._C._drop_handles``)."""
+        if hids:
+            self.nbytes += _C._drop_handles(self.store, self.storages, self.roles, self.used_at,
+                                            hids)
 
     def refresh(self, tensors: Any) -> None:
         """Recount the storages of ``tensors`` (a tape may have resized them in place): natively,
@@ -859,20 +845,17 @@ class Worker:
         """The input slots' values when every input is a value the session holds (a replayed
         structure's request: no uploads), resolved in bulk, with no Python per input: each id
         must be held (Refused, as one by one, naming the first that is not); they join
-        ``protect`` and are marked used by this request. None when an input is not a handle id
-        (an upload, or a bad input: resolved one by one)."""
+        ``protect`` and are marked used by this request (``genie._C._held_inputs``, one native
+        pass). None when an input is not a handle id (an upload, or a bad input: resolved one
+        by one)."""
         sess = self.sess
-        ids = consts[:len(c.inputs)]
-        if not set(map(type, ids)) <= _INT_ONLY:
-            return None
-        missing = set(ids).difference(sess.store)
-        if missing:
-            hid = next(i for i in ids if i in missing)
-            raise Refused("protocol", f"no tensor with handle id {hid} in this session (freed, "
+        got = _C._held_inputs(sess.store, sess.used_at, consts, c.inputs, sess.tick)
+        if type(got) is int:
+            raise Refused("protocol", f"no tensor with handle id {got} in this session (freed, "
                                       "or never created)")
-        protect.update(ids)
-        sess.used_at.update(dict.fromkeys(ids, sess.tick))
-        return dict(zip(c.inputs, map(sess.store.__getitem__, ids), strict=True))
+        if got is not None:
+            protect.update(consts[:len(c.inputs)])
+        return got
 
     def _replay(self, key: bytes, tape: Tape, budget: int, started: float,
                 filled: Any = None, ix: IndexCheck | None = None) -> dict[int, Any] | None:
@@ -1280,9 +1263,6 @@ def _hints(ev: Any) -> list[tuple[int, int]]:
                                 f"({', '.join(ROLES)})")
         out.append((hid, code))
     return out
-
-
-_INT_ONLY = frozenset((int,))
 
 
 def _id_list(x: Any) -> list[int]:

@@ -1,7 +1,8 @@
 """genie.remote.worker.Session's accounting in process: what a session holds and counts.
 
-A run's kept values are put, and a request's frees dropped, in bulk (``put_many``,
-``drop_many``: their storages counted in one native pass, ``genie._C._storages_held``); the
+A run's kept values are put, a request's frees dropped and its held inputs resolved in bulk
+(``put_many``, ``drop_many``, ``Worker._held_inputs``: one native pass over the session's dicts
+each, ``genie._C._put_handles``, ``_drop_handles``, ``_held_inputs``); the
 counts must be the ones :meth:`Session.put` and :meth:`Session.drop` reach one value at a time
 (views of one storage counted once, a storage uncounted with its last value), and a bulk put
 that :meth:`Session.put` would refuse puts nothing. A run recounts what it read only when its
@@ -126,3 +127,77 @@ def test_a_structure_without_instructions_gets_no_class_build(monkeypatch: pytes
         assert not any(b.busy for b in w.builds), k
         assert torch.equal(w.sess.store[100 + k], x)
     assert hows == ["guarded", "vetted", "vetted", "vetted"] and w.class_tries == {}
+
+
+def test_bulk_drops_take_only_the_held_ints_a_client_names() -> None:
+    """A request's frees are a client's list (``free``, ``ids``): only exact ints the session
+    holds are dropped, each once, as :meth:`Session.drop` one at a time would (a bool or a float
+    equal to a held id is not that id; huge, negative and repeated ids are skipped or dropped
+    once); roles and last uses go with their value."""
+    junk = [True, 1.0, "1", None, [1], b"1", 2 ** 80, -(2 ** 80), -1, 2, 2, 3]
+    one, bulk = Session(b"a", 1 << 30), Session(b"b", 1 << 30)
+    base = torch.zeros(16)
+    for s in (one, bulk):
+        for hid, v in ((1, base), (2, base[4:]), (3, torch.ones(5)), (2 ** 70, torch.ones(2))):
+            s.put(hid, v)
+            s.roles[hid] = 1
+    for i in junk:
+        one.drop(i)
+    bulk.drop_many(junk)
+    assert _state(one) == _state(bulk)
+    assert sorted(bulk.store) == [1, 2 ** 70] and sorted(bulk.roles) == [1, 2 ** 70]
+    assert sorted(bulk.used_at) == [1, 2 ** 70] and bulk.nbytes == 16 * 4 + 2 * 4
+    bulk.drop_many([2 ** 70, 1])
+    assert bulk.store == {} and bulk.storages == {} and bulk.nbytes == 0 and bulk.roles == {}
+
+
+def test_bulk_puts_take_any_int_ids_and_count_the_handle_limit(monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """A run's new ids may be any non-negative ints a client chose (``id0``, ``ids``): a huge one
+    is stored as it is; a bulk put past the session's handle limit is refused by :meth:`put`,
+    naming it, with nothing put."""
+    from genie.remote import worker
+
+    s = Session(b"a", 1 << 30)
+    s.put_many([2 ** 70, 5], [torch.ones(3), torch.ones(3)[1:]])
+    assert sorted(s.store) == [5, 2 ** 70] and s.nbytes == 24 and s.used_at == {5: 0, 2 ** 70: 0}
+    monkeypatch.setattr(worker, "MAX_HANDLES", 3)
+    before = _state(s)
+    with pytest.raises(Refused, match="the most a session may hold"):
+        s.put_many([6, 7], [torch.ones(1), torch.ones(1)])
+    assert _state(s) == before
+    monkeypatch.setattr(worker, "MAX_HANDLES", 4)
+    with pytest.raises(Refused, match="already in use"):
+        s.put_many([6, 2 ** 70], [torch.ones(1), torch.ones(1)])
+    assert _state(s) == before
+    s.put_many([6, 7][:1], [torch.ones(1)])
+    assert sorted(s.store) == [5, 6, 2 ** 70]
+
+
+def test_held_inputs_resolve_only_held_ints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's inputs are the first constants (handle ids a client names): resolved in bulk only
+    when each is an int (None: the one-by-one path refuses what is not), refused naming the
+    first that the session does not hold; nothing is marked used unless all resolve."""
+    import types
+
+    w = _worker(monkeypatch)
+    sess = w.sess
+    a, b = torch.ones(2), torch.zeros(3)
+    sess.put(10, a)
+    sess.put(11, b)
+    sess.tick = 7
+    c = types.SimpleNamespace(inputs=[3, 5])
+    for consts, why in (([True, 11, 1.5], None), ([10, 11.0], None), ([10], None),
+                        ([12, 10.5], None), ([10, 12, 3], "12"), ([2 ** 80, 10], str(2 ** 80)),
+                        ([-1, 10], "-1")):
+        protect: set[int] = set()
+        if why is None:
+            assert w._held_inputs(c, consts, protect) is None, consts
+        else:
+            with pytest.raises(Refused, match=f"no tensor with handle id {why} "):
+                w._held_inputs(c, consts, protect)
+        assert protect == set() and sess.used_at == {10: 0, 11: 0}, consts
+    protect = set()
+    got = w._held_inputs(c, [11, 10, 99], protect)
+    assert list(got) == [3, 5] and got[3] is b and got[5] is a
+    assert protect == {10, 11} and sess.used_at == {10: 7, 11: 7}
