@@ -56,7 +56,7 @@ const NodeSlots& node_slots() {
     r.values = genie::slot_offset(r.node, "values");
     r.executed = genie::slot_offset(r.node, "executed");
     r.leaves = genie::slot_offset(r.node, "leaves");
-    r.consumers = genie::slot_offset(r.node, "consumers");
+    r.consumers = genie::slot_offset(r.node, "n_consumers");
     r.writes = genie::slot_offset(r.node, "writes");
     r.storages = genie::slot_offset(r.node, "storages");
     r.readers = genie::slot_offset(r.storage, "readers");
@@ -153,8 +153,8 @@ void prefetch_node(PyObject* node, int stage, const NodeSlots& ns) {
       prefetch_object(c);
       prefetch_items(c, false);
     }
-    static constexpr Py_ssize_t NodeSlots::*kOthers[] = {&NodeSlots::consumers, &NodeSlots::wref,
-                                                         &NodeSlots::seq, &NodeSlots::index};
+    static constexpr Py_ssize_t NodeSlots::*kOthers[] = {&NodeSlots::wref, &NodeSlots::seq,
+                                                         &NodeSlots::index};
     for (Py_ssize_t NodeSlots::*f : kOthers) {
       prefetch_object(genie::slot_value(node, ns.*f));
     }
@@ -234,7 +234,7 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
   static PyObject* const values_name = PyUnicode_InternFromString("values");
   static PyObject* const executed_name = PyUnicode_InternFromString("executed");
   static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
-  static PyObject* const consumers_name = PyUnicode_InternFromString("consumers");
+  static PyObject* const consumers_name = PyUnicode_InternFromString("n_consumers");
   static PyObject* const writes_name = PyUnicode_InternFromString("writes");
   static PyObject* const storages_name = PyUnicode_InternFromString("storages");
   static PyObject* const pending_name = PyUnicode_InternFromString("pending_writes");
@@ -246,9 +246,11 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
     throw py::value_error("genie._C._bind_nodes: nodes and outs differ in length");
   }
   const NodeSlots& ns = node_slots();
-  const py::object no_consumers = py::reinterpret_steal<py::object>(checked(PyTuple_New(0)));
+  const py::object no_consumers = py::reinterpret_steal<py::object>(checked(PyLong_FromLong(0)));
   std::array<py::object, 8> nones;  // (None,) * k, made once per call for each length k used
   int64_t removed = 0;
+  // what the nodes freed here were taken off at allocation is not taken off the count again
+  const int young = genie::gc_young();
   // Prefetch distances: node i + 16 is fetched, i + 12's containers, i + 8's items, i + 4's
   // storages' reader lists (each stage reads what the one before fetched); with `release`, the
   // nodes are bound last first, so "ahead" is i - 16 and so on.
@@ -315,7 +317,7 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
         genie::gc_untrack_new(vals.ptr(), before);
       }
     }
-    // A node that ran has no pending consumer to note: the shared empty tuple, not a new list.
+    // A node that ran has no pending consumer to count (n_consumers: 0).
     const bool fast = Py_TYPE(node) == ns.node;
     if (fast) {
       set_slot(node, ns.values, vals.ptr());
@@ -385,6 +387,7 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
       Py_DECREF(node);
     }
   }
+  genie::gc_young_at_least(young);
   return removed;
 }
 

@@ -93,4 +93,10 @@ void gc_untrack_new(PyObject* o, int before) {
   }
 }
 
+void gc_young_at_least(int before) {
+  if (young_count != nullptr && *young_count < before) {
+    *young_count = before;
+  }
+}
+
 }  // namespace genie

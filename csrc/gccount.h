@@ -22,4 +22,13 @@ int gc_young();
 // taking it off then would hide allocations of the program's own from the collector.
 void gc_untrack_new(PyObject* o, int before);
 
+// The count back up to `before` where frees since lowered it: CPython lowers the count at every
+// free of a collector-allocated object, those gc_untrack_new took off the count at allocation
+// too, so freeing a run's recorded nodes (a few such objects each) would eat the count the
+// program's own allocations built and delay the collection of its garbage cycles (with no
+// counted object of Genie's in between, indefinitely). Called after code that frees such objects
+// in bulk (csrc/bind.cpp); counted objects freed there stay counted (a collection comes sooner,
+// never later).
+void gc_young_at_least(int before);
+
 }  // namespace genie

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <memory>
 #include <stdexcept>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -393,7 +394,7 @@ void match_init(py::object node, py::object ref, py::object alive, py::object st
   S.n_index = genie::slot_offset(S.node, "index");
   S.n_where = genie::slot_offset(S.node, "where");
   S.n_storages = genie::slot_offset(S.node, "storages");
-  S.n_consumers = genie::slot_offset(S.node, "consumers");
+  S.n_consumers = genie::slot_offset(S.node, "n_consumers");
   S.n_outputs = genie::slot_offset(S.node, "outputs");
   S.n_values = genie::slot_offset(S.node, "values");
   S.n_metas = genie::slot_offset(S.node, "metas");
@@ -533,7 +534,8 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
   }
   std::vector<Py_ssize_t> shaped_at;  // from the last instruction back
   std::vector<Py_ssize_t> changed_at;
-  std::vector<std::pair<PyObject*, Py_ssize_t>> must_free, must_keep;  // held_after decides
+  // held_after decides: (node, output, the slice's references to the node; -1: not counted)
+  std::vector<std::tuple<PyObject*, Py_ssize_t, Py_ssize_t>> must_free, must_keep;
   const bool no_where = wheres.is_none();
   if (!no_where && PyList_GET_SIZE(wheres.ptr()) != nn) {
     return miss;
@@ -660,14 +662,14 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       if (later || n == nullptr) {
         continue;
       }
-      PyObject* cons = slot(n, S.n_consumers);
+      PyObject* cons = slot(n, S.n_consumers);  // a count (genie.graph.Node.n_consumers)
       PyObject* r = item(slot(n, S.n_outputs), hk[h]);
       py::object keep;
-      if (cons == nullptr || !(PyList_CheckExact(cons) || PyTuple_CheckExact(cons)) ||
-          r == nullptr) {
+      if (cons == nullptr || !PyLong_CheckExact(cons) || r == nullptr) {
         later = true;
-      } else if (Py_SIZE(cons) != hn[h] || (r != Py_None && held_by(r, keep) != Py_None)) {
-        must_free.emplace_back(n, hk[h]);  // (a capture graph's tensor: still this node's?)
+      } else if (PyLong_AsSsize_t(cons) != hn[h] ||
+                 (r != Py_None && held_by(r, keep) != Py_None)) {
+        must_free.push_back({n, hk[h], hn[h]});  // (a capture graph's tensor: still this node's?)
       }
     }
     // Outputs the plan keeps: held by a live tensor, or read by a pending node outside the slice.
@@ -680,7 +682,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       if (r == nullptr) {
         later = true;
       } else if (r == Py_None || Py_TYPE(held_by(r, keep)) != S.alive) {
-        must_keep.emplace_back(n, ok[o]);
+        must_keep.emplace_back(n, ok[o], -1);
       }
     }
   }
@@ -752,22 +754,22 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
     }
     return in_run.ptr();
   };
-  auto held_after = [&](PyObject* n, Py_ssize_t k) {
-    py::object kk = py::int_(k);
-    py::object r = py::reinterpret_steal<py::object>(
-        PyObject_CallFunctionObjArgs(S.held_after, n, kk.ptr(), run_set(), nullptr));
+  auto held_after = [&](PyObject* n, Py_ssize_t k, Py_ssize_t inside) {
+    py::object kk = py::int_(k), ii = py::int_(inside);
+    py::object r = py::reinterpret_steal<py::object>(PyObject_CallFunctionObjArgs(
+        S.held_after, n, kk.ptr(), run_set(), ii.ptr(), nullptr));
     if (!r) {
       throw py::error_already_set();
     }
     return truthy(r.ptr());
   };
-  for (const auto& [n, k] : must_free) {
-    if (held_after(n, k)) {
+  for (const auto& [n, k, inside] : must_free) {
+    if (held_after(n, k, inside)) {
       return miss;
     }
   }
-  for (const auto& [n, k] : must_keep) {
-    if (!held_after(n, k)) {
+  for (const auto& [n, k, inside] : must_keep) {
+    if (!held_after(n, k, inside)) {
       return miss;
     }
   }

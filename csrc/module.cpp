@@ -127,7 +127,7 @@ void untrack_storage(PyObject* s) {
 void untrack_node(const py::handle& node, const py::handle& leaves, const py::handle& ref_type) {
   static PyObject* const names[] = {
       PyUnicode_InternFromString("storages"), PyUnicode_InternFromString("outputs"),
-      PyUnicode_InternFromString("consumers"), PyUnicode_InternFromString("_wref")};
+      PyUnicode_InternFromString("_wref")};
   static PyTypeObject* const storage_type = graph_type("Storage");
   untrack(node.ptr());
   if (PyList_Check(leaves.ptr())) {
@@ -176,7 +176,7 @@ void retrack_walk(std::vector<py::object>& stack, PyObject* ref_t) {
   static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
   static PyObject* const names[] = {
       PyUnicode_InternFromString("storages"), PyUnicode_InternFromString("outputs"),
-      PyUnicode_InternFromString("consumers"), PyUnicode_InternFromString("_wref")};
+      PyUnicode_InternFromString("_wref")};
   auto push_refs = [&](PyObject* list) {
     const Py_ssize_t n = PyList_GET_SIZE(list);
     for (Py_ssize_t i = 0; i < n; ++i) {

@@ -1622,9 +1622,9 @@ PyObject* new_storage(bool tracked) {
   return s;
 }
 
-// The list in `owner`'s slot at `off`, made from the shared empty tuple a Storage's readers and
-// a Node's consumers start as (most lists are never made: genie.graph.Storage), under the
-// collector as its owner is (it holds weak references only).
+// The list in `owner`'s slot at `off`, made from the shared empty tuple a Storage's readers
+// start as (most lists are never made: genie.graph.Storage), under the collector as its owner is
+// (it holds weak references only).
 PyObject* list_slot(PyObject* owner, Py_ssize_t off) {
   PyObject* v = slot(owner, off);
   if (PyList_CheckExact(v)) {
@@ -1639,6 +1639,18 @@ PyObject* list_slot(PyObject* owner, Py_ssize_t off) {
   slot(owner, off) = list;
   Py_DECREF(v);
   return list;
+}
+
+// One more consumer of the pending node `n` (genie.graph.Node.n_consumers: a count, a cached
+// small int below 257; the consumers themselves are found through the storages' readers).
+void count_consumer(PyObject* n) {
+  PyObject*& c = slot(n, S.n.consumers);
+  const Py_ssize_t v = PyLong_AsSsize_t(c);
+  if (v == -1 && PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+  PyObject* next = checked(PyLong_FromSsize_t(v + 1));
+  Py_SETREF(c, next);
 }
 
 // genie.graph.Storage.add_reader.
@@ -1979,7 +1991,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   init_slot(n, S.n.graph, new_ref(graph));
   init_slot(n, S.n.seq, next_seq());
   init_slot(n, S.n.where, new_ref(Py_None));
-  init_slot(n, S.n.consumers, checked(PyTuple_New(0)));  // a list from its first consumer
+  init_slot(n, S.n.consumers, checked(PyLong_FromLong(0)));  // a count (no list per node)
   init_slot(n, S.n.tags, new_ref(Py_None));
   init_slot(n, S.n.entry, new_ref(e.entry));
   init_slot(n, S.n.ctx, current_ctx(this_thread().current));
@@ -1994,9 +2006,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
     }
     PyObject* xn = l.node;
     if (slot(xn, S.n.executed) == Py_False) {
-      if (PyList_Append(list_slot(xn, S.n.consumers), wref) < 0) {
-        throw py::error_already_set();
-      }
+      count_consumer(xn);
     }
     PyObject* sts = slot(xn, S.n.storages);
     PyObject* st = PyList_GET_ITEM(sts, l.out_i);
@@ -3252,9 +3262,9 @@ PyObject* graph_refs(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
 }
 
 // _note_reads(rec, wref): lazy_tensor._record's note of each Ref in list `rec` for record_known
-// (a compiled graph call: one Ref per graph input), natively: `wref` (the reading node's weak
-// reference) among the input node's consumers while that node has not run, and among its
-// storage's readers (Storage.add_reader, pruned as it prunes). False, nothing noted, where this
+// (a compiled graph call: one Ref per graph input), natively: one more consumer of the input node
+// while that node has not run, and `wref` (the reading node's weak reference) among its storage's
+// readers (Storage.add_reader, pruned as it prunes). False, nothing noted, where this
 // path is off (the caller notes them in Python).
 PyObject* note_reads(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyList_CheckExact(args[0])) {
@@ -3280,8 +3290,8 @@ PyObject* note_reads(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
       if (done < 0) {
         throw py::error_already_set();
       }
-      if (done == 0 && PyList_Append(list_slot(xn, S.n.consumers), wref) < 0) {
-        throw py::error_already_set();
+      if (done == 0) {
+        count_consumer(xn);
       }
       PyObject* sts = slot(xn, S.n.storages);
       const Py_ssize_t out = PyLong_AsSsize_t(slot(x, S.ref_out));
@@ -3641,7 +3651,7 @@ bool record_init(const py::dict& objs) {
   }
   check_slots(s.node, {"op", "leaves", "spec", "metas", "out_spec", "storages", "writes",
                        "outputs", "values", "executed", "index", "rng", "graph", "seq", "where",
-                       "consumers", "tags", "entry", "ctx", "_wref"});
+                       "n_consumers", "tags", "entry", "ctx", "_wref"});
   check_slots(s.ref, {"node", "out"});
   check_slots(s.storage, {"pending_writes", "readers", "_prune_at", "role"});
   check_slots(s.alive, {});
@@ -3665,7 +3675,7 @@ bool record_init(const py::dict& objs) {
   n.graph = slot_offset(t, "graph");
   n.seq = slot_offset(t, "seq");
   n.where = slot_offset(t, "where");
-  n.consumers = slot_offset(t, "consumers");
+  n.consumers = slot_offset(t, "n_consumers");
   n.tags = slot_offset(t, "tags");
   n.entry = slot_offset(t, "entry");
   n.ctx = slot_offset(t, "ctx");

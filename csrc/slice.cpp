@@ -219,7 +219,7 @@ void slice_init(const py::dict& objs) {
     S.n_rng = slot_offset(t, "rng");
     S.n_seq = slot_offset(t, "seq");
     S.n_where = slot_offset(t, "where");
-    S.n_consumers = slot_offset(t, "consumers");
+    S.n_consumers = slot_offset(t, "n_consumers");
     S.r_node = slot_offset(S.ref, "node");
     S.r_out = slot_offset(S.ref, "out");
     S.st_pending = slot_offset(S.storage, "pending_writes");
@@ -572,8 +572,61 @@ py::object slice_nodes(const py::list& targets) {
 using SlotMap = FlatMap<int64_t>;  // out_key(node index, output) -> slot
 using IndexSet = FlatMap<char>;    // node indices
 
-// genie.planner.held_after (in_run: the run's node indices).
-bool held_after(PyObject* n, Py_ssize_t k, IndexSet& in_run) {
+// Whether a pending node outside `in_run` reads an output of `n` (genie.planner.
+// _has_pending_consumer): nodes keep only a count of their consumers, and every pending consumer
+// is among the readers of the storage it reads, so the pending readers whose arguments name `n`
+// are its pending consumers.
+bool has_pending_consumer(PyObject* n, IndexSet& in_run) {
+  PyObject* count = get(n, S.n_consumers);
+  if (!PyLong_CheckExact(count)) {
+    throw Unsupported();
+  }
+  if (PyLong_AsSsize_t(count) == 0) {
+    return false;  // none was recorded, or n ran
+  }
+  py::object storages = py::reinterpret_borrow<py::object>(get(n, S.n_storages));
+  const Py_ssize_t ns = size_of(storages.ptr());
+  for (Py_ssize_t j = 0; j < ns; ++j) {
+    PyObject* st = item(storages.ptr(), j);
+    if (st == Py_None) {
+      continue;
+    }
+    bool again = false;  // (outputs may share a storage: views)
+    for (Py_ssize_t q = 0; q < j && !again; ++q) {
+      again = item(storages.ptr(), q) == st;
+    }
+    if (again) {
+      continue;
+    }
+    if (Py_TYPE(st) != S.storage) {
+      throw Unsupported();
+    }
+    py::object readers = py::reinterpret_borrow<py::object>(get(st, S.st_readers));
+    const Py_ssize_t nr = size_of(readers.ptr());
+    for (Py_ssize_t i = 0; i < nr; ++i) {
+      PyObject* c = deref(item(readers.ptr(), i));
+      if (c == Py_None || executed(as_node(c)) || in_run.find(index_of(c)) != nullptr) {
+        continue;
+      }
+      PyObject* leaves = get(c, S.n_leaves);
+      if (leaves == Py_None) {
+        continue;
+      }
+      const Py_ssize_t m = size_of(leaves);
+      for (Py_ssize_t p = 0; p < m; ++p) {
+        PyObject* x = item(leaves, p);
+        if (Py_TYPE(x) == S.ref && get(x, S.r_node) == n) {
+          return true;
+        }
+      }
+    }
+  }
+  return false;
+}
+
+// genie.planner.held_after (in_run: the run's node indices; inside: the run's references to `n`,
+// or -1 when not counted).
+bool held_after(PyObject* n, Py_ssize_t k, IndexSet& in_run, Py_ssize_t inside) {
   static PyObject* const node_name = PyUnicode_InternFromString("_node");
   PyObject* r = item(get(n, S.n_outputs), k);
   if (r != Py_None) {
@@ -598,18 +651,11 @@ bool held_after(PyObject* n, Py_ssize_t k, IndexSet& in_run) {
       }
     }
   }
-  PyObject* consumers = get(n, S.n_consumers);
-  if (PyTuple_CheckExact(consumers) && PyTuple_GET_SIZE(consumers) == 0) {
-    return false;  // a node that ran (genie.executor._bind): no pending consumer
+  PyObject* count = get(n, S.n_consumers);
+  if (PyLong_CheckExact(count) && PyLong_AsSsize_t(count) == inside) {
+    return false;  // every consumer is in the run
   }
-  as_list(consumers);
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(consumers); ++i) {
-    PyObject* cn = deref(PyList_GET_ITEM(consumers, i));
-    if (cn != Py_None && !executed(as_node(cn)) && in_run.find(index_of(cn)) == nullptr) {
-      return true;
-    }
-  }
-  return false;
+  return has_pending_consumer(n, in_run);
 }
 
 bool host_matches(PyObject* meta, PyObject* t, bool generic) {
@@ -855,6 +901,7 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
   static PyObject* const n_outputs = PyUnicode_InternFromString("outputs");
   static PyObject* const n_floats = PyUnicode_InternFromString("floats");
   static PyObject* const n_index = PyUnicode_InternFromString("index");
+  static PyObject* const n_guide = PyUnicode_InternFromString("guide");
   if (!S.plan_ready) {
     return py::reinterpret_borrow<py::object>(Py_NotImplemented);
   }
@@ -875,6 +922,8 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
     }
     py::object metas_o = field(n_metas), specs_o = field(n_specs), wheres_o = field(n_wheres);
     py::object pin_o = field(n_inputs), keep_o = field(n_keep), want_o = field(n_outputs);
+    py::object guide_o = field(n_guide);
+    PyObject* pguide = as_list(guide_o.ptr());
     PyObject* pmetas = as_list(metas_o.ptr());
     PyObject* pspecs = as_list(specs_o.ptr());
     PyObject* pwheres = as_list(wheres_o.ptr());
@@ -882,7 +931,8 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
     PyObject* keep = keep_o.ptr();
     PyObject* want_out = as_list(want_o.ptr());
     if (!PyDict_CheckExact(pin) || !PyAnySet_CheckExact(keep) || PyList_GET_SIZE(pmetas) != nn ||
-        PyList_GET_SIZE(pspecs) != nn || PyList_GET_SIZE(pwheres) != nn) {
+        PyList_GET_SIZE(pspecs) != nn || PyList_GET_SIZE(pwheres) != nn ||
+        PyList_GET_SIZE(pguide) != nn) {
       throw Unsupported();
     }
     IndexSet in_run(static_cast<size_t>(nn));
@@ -1017,8 +1067,10 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
         *slots.insert(sk, sv).first = sv;
         // Which values the program still holds decides the frees: must be the plan's.
         PyObject* r = item(get(n, S.n_outputs), k);
+        // (the plan's references to the node from inside the slice, which are this slice's
+        // once it matches; if it does not, the tape is None anyway)
         const bool held = (r != Py_None && Py_TYPE(deref(r)) == S.alive) ||
-                          held_after(n, k, in_run);
+                          held_after(n, k, in_run, as_int(item(item(pguide, i), 3)));
         if (held != contains(keep, s) && !contains(want_out, s)) {
           return py::none();
         }

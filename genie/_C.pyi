@@ -60,9 +60,9 @@ def _gc_track(*objects: object) -> None:
 def _bind_nodes(nodes: list[object], outs: list[tuple[int | None, ...]], kept: dict[int, object],
                 prune_at: int, untrack: bool) -> int:
     """Bind a run's kept values to its nodes as ``genie.executor._bind`` does (node ``i`` takes
-    the values of the slots ``outs[i]``, is marked executed, drops its arguments, consumers and
-    pending-write entries; storages with ``prune_at`` readers or more are pruned; ``untrack``:
-    the new values and consumer lists are made off the cyclic GC). Returns how many
+    the values of the slots ``outs[i]``, is marked executed, drops its arguments and
+    pending-write entries, counts no consumer; storages with ``prune_at`` readers or more are
+    pruned; ``untrack``: the new value lists are made off the cyclic GC). Returns how many
     pending-write entries it removed."""
 
 def _step_targets(targets: list[tuple[object, int]], opts: list[object],

@@ -209,7 +209,7 @@ def _bind(tape: Tape, kept: dict[int, torch.Tensor], upto: int | None = None,
             n.values = vals
         n.executed = True
         n.leaves = None
-        n.consumers = ()  # no pending consumer to note once a node ran
+        n.n_consumers = 0  # no pending consumer to count once a node ran
         for s in n.writes:
             if n in s.pending_writes:
                 s.pending_writes.remove(n)

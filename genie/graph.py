@@ -252,6 +252,10 @@ class Node:
         storages: the :class:`Storage` of each tensor output.
         writes: storages this node mutates.
         outputs: weak references to the LazyTensors that hold each output.
+        n_consumers: how many argument references recorded nodes made to an output while this
+            node was pending (dead and executed consumers still count); 0 once it ran. The
+            consumers themselves are found through the output storages' readers
+            (:attr:`consumers`).
         values: real tensors after execution (only those still needed are kept; a tuple of
             Nones when none is, as for most intermediates of a run).
         rng: ``(seed, offset)`` for random ops, fixed at record time.
@@ -267,7 +271,7 @@ class Node:
 
     __slots__ = (
         "op", "leaves", "spec", "metas", "out_spec", "storages", "writes", "outputs",
-        "values", "executed", "index", "rng", "graph", "seq", "where", "consumers",
+        "values", "executed", "index", "rng", "graph", "seq", "where", "n_consumers",
         "tags", "entry", "ctx", "_wref", "__weakref__",
     )
 
@@ -289,8 +293,9 @@ class Node:
         self.graph = graph
         self.seq = graph.next_seq()
         self.where: str | None = None
-        # pending nodes reading an output: the shared empty tuple until the first one
-        self.consumers: list[weakref.ref[Node]] | tuple[()] = ()
+        # how many argument references to an output recorded nodes made while this node was
+        # pending (a small int: no list per node); 0 once it ran
+        self.n_consumers = 0
         self.tags: dict[str, Any] | None = None
         self.entry: Any = None
         # what the program was doing (genie.context.Context: module path, region, phase); on
@@ -309,6 +314,25 @@ class Node:
     @property
     def uid(self) -> str:
         return f"op*{self.seq}"
+
+    @property
+    def consumers(self) -> tuple[weakref.ref[Node], ...]:
+        """The pending nodes that read an output, as their weak references (``_wref``), each
+        once, for tools and tests: found through the output storages' readers (every pending
+        consumer is among them, :func:`genie.planner.held_after`). Recording keeps only their
+        count, ``n_consumers``."""
+        if self.executed or not self.n_consumers:
+            return ()
+        found: dict[Node, weakref.ref[Node]] = {}  # (nodes hash by identity)
+        for st in dict.fromkeys(self.storages):  # (outputs may share a storage: views)
+            if st is None:
+                continue
+            for w in st.readers:
+                c = w()
+                if c is not None and c not in found and not c.executed and c.leaves and \
+                        any(type(x) is Ref and x.node is self for x in c.leaves):
+                    found[c] = w
+        return tuple(found.values())
 
     def inputs(self) -> list[Ref]:
         """Lazy inputs of this node (empty once it has run and released them)."""
@@ -349,8 +373,8 @@ def track(t: Any, node: Node, out: int) -> None:
 
 # --- the cyclic garbage collector ---------------------------------------------------------------
 #
-# Recording allocates about ten small GC-tracked objects per op (the node, its argument, storage,
-# output and consumer lists, its Refs, weak references). They live until the next
+# Recording allocates about ten small GC-tracked objects per op (the node, its argument, storage
+# and output lists, its Refs, weak references). They live until the next
 # materialization, so CPython's collector promotes them to its oldest generation, and every few
 # decode steps runs a full collection over the whole heap: with a transformers model alive
 # (~400k tracked objects) that cost a GPT-2 decode step more than recording itself (21 of 57 ms,
@@ -381,7 +405,7 @@ def track(t: Any, node: Node, out: int) -> None:
 
 def untrack_node(node: Node, leaves: list[Any]) -> None:
     """Take a recorded node (no writes, default graph), once its output tensors are bound, off
-    the GC: the node, ``leaves`` and its Refs, its storage, output and consumer lists, the weak
+    the GC: the node, ``leaves`` and its Refs, its storage and output lists, the weak
     references in them, and its own weak reference (one native call)."""
     _gc_untrack_node(node, leaves, Ref)
 

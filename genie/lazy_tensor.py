@@ -704,15 +704,10 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
         if type(x) is Ref:
             xn = x.node
             if not xn.executed:  # consumers only decide what a run of xn keeps
-                cons = xn.consumers
-                if type(cons) is tuple:  # the shared empty tuple until a first consumer
-                    cons = xn.consumers = list(cons)
-                    if not gc.is_tracked(xn):
-                        _C._gc_untrack(cons)
-                cons.append(wref)
+                xn.n_consumers += 1
             s = xn.storages[x.out]  # Storage.add_reader, inlined (once per lazy input)
             readers = s.readers
-            if type(readers) is tuple:  # as for consumers
+            if type(readers) is tuple:  # the shared empty tuple until a first reader
                 readers = s.readers = list(readers)
                 if not gc.is_tracked(s):
                     _C._gc_untrack(readers)
@@ -1008,7 +1003,7 @@ def _upload_into(dst: LazyTensor, src: torch.Tensor, non_blocking: bool) -> Lazy
     # broadcasting/dtype errors exactly as eager: check on meta
     meta_tensor(dmeta).copy_(src.to("meta"))
     node = dst._node
-    fresh_empty = (not node.executed and node.op in _EMPTY_FACTORIES and not node.consumers
+    fresh_empty = (not node.executed and node.op in _EMPTY_FACTORIES and not node.n_consumers
                    and not node.storages[dst._out].pending_writes
                    and tuple(src.shape) == dmeta.shape and dmeta.offset == 0)
     up = upload(src.expand(dmeta.shape) if tuple(src.shape) != dmeta.shape else src,

@@ -468,7 +468,7 @@ def _target_key(targets: list[tuple[Node, int]]) -> tuple[Any, ...]:
 (_index, _entry, _rng, _leaves, _node, _out, _storages, _pending, _outputs, _consumers,
  _executed, _where) = (
     attrgetter(a) for a in ("index", "entry", "rng", "leaves", "node", "out", "storages",
-                            "pending_writes", "outputs", "consumers", "executed", "where"))
+                            "pending_writes", "outputs", "n_consumers", "executed", "where"))
 
 
 def _flatten(plan: Plan) -> tuple[Any, ...]:
@@ -823,11 +823,11 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
             or (wsite is None and pending_total[0] and _written_before(found, xs, ei, targets)) \
             or (wsite is not None and not _writes_exact(plan, found, targets)):
         return None
-    cons = list(map(len, map(_consumers, map(get, hi))))
+    cons = list(map(_consumers, map(get, hi)))
     if cons != hn:  # consumers outside the slice (dead ones too): held only if one is pending
         in_run = set(idx)
         for i, k, c, n_in in zip(hi, hk, cons, hn, strict=True):
-            if c != n_in and held_after(found[i], k, in_run):
+            if c != n_in and held_after(found[i], k, in_run, n_in):
                 return None
     changed: list[int] = []  # float arguments with another value than the plan's: parameters
     if fi:
@@ -1057,7 +1057,7 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node],
     if len(tmpl) != len(nodes):
         return None
     changed: list[int] | None = None  # instructions whose float arguments differ from the plan's
-    pin, keep, want_out = plan.inputs, plan.keep, plan.outputs
+    pin, keep, want_out, guide = plan.inputs, plan.keep, plan.outputs, plan.guide
     slots: dict[tuple[int, int], int] = {}
     inputs: dict[int, torch.Tensor] = {}
     instrs = list(tmpl)
@@ -1131,7 +1131,10 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node],
                 slots[(idx, k)] = s
                 # Which values the program still holds decides the frees: must be the plan's.
                 r = n.outputs[k]
-                held = (r is not None and type(r()) is Alive) or held_after(n, k, in_run)
+                # (guide[i][3]: the plan's references to the node from inside the slice, which
+                # are this slice's once it matches; if it does not, the tape is None anyway)
+                held = (r is not None and type(r()) is Alive) or \
+                    held_after(n, k, in_run, guide[i][3])
                 if held is not (s in keep) and s not in want_out:
                     return None
             k += 1

@@ -263,11 +263,14 @@ def build_tape(targets: list[tuple[Node, int]], nodes: list[Node] | None = None,
     inputs: dict[int, torch.Tensor] = {}
     instrs: list[Instr] = []
     last_use: dict[int, int] = {}
+    refs_in: dict[int, int] = {}  # node index -> argument references to it from the run
 
     def slot_of(node: Node, out: int, at: int) -> int:
         key = (node.index, out)
         s = slots.get(key)
-        if s is None:
+        if s is not None and node.index in in_run:
+            refs_in[node.index] = refs_in.get(node.index, 0) + 1
+        elif s is None:
             if node.index in in_run:
                 raise AssertionError(f"{node} used before it runs")  # record order is topological
             value = node.values[out] if node.values is not None else None
@@ -306,7 +309,7 @@ def build_tape(targets: list[tuple[Node, int]], nodes: list[Node] | None = None,
         for k, m in enumerate(n.metas):
             if m is None:
                 continue
-            if held_after(n, k, in_run):
+            if held_after(n, k, in_run, refs_in.get(n.index, 0)):
                 keep.add(slots[(n.index, k)])
 
     frees: dict[int, list[int]] = {}
@@ -329,23 +332,35 @@ def _device_index(n: Node) -> int:
     return next((m.index for m in n.metas if m is not None), 0)
 
 
-def held_after(n: Node, k: int, in_run: set[int]) -> bool:
+def held_after(n: Node, k: int, in_run: set[int], inside: int = -1) -> bool:
     """Whether output ``k`` of ``n`` must outlive a run of the nodes ``in_run`` (by index):
-    a live tensor holds it, or a pending node outside the run reads it."""
+    a live tensor holds it, or a pending node outside the run reads it (any output of ``n``).
+    ``inside``: how many argument references to ``n`` the run makes, when the caller counted
+    them; ``n.n_consumers`` equal to it says no consumer is outside without looking for one."""
     ref = n.outputs[k]
     t = ref() if ref is not None else None
     if t is not None:
         # t: the tensor's liveness token (default graph) or the tensor itself (capture graphs)
         if type(t) is Alive or getattr(t, "_node", None) is n:
             return True
-    return _has_pending_consumer(n, in_run)
+    return n.n_consumers != inside and _has_pending_consumer(n, in_run)
 
 
 def _has_pending_consumer(n: Node, in_run: set[int]) -> bool:
-    for c in n.consumers:
-        cn = c()
-        if cn is not None and not cn.executed and cn.index not in in_run:
-            return True
+    """Whether a pending node outside ``in_run`` reads an output of ``n``. Nodes keep only a
+    count of their consumers: every pending consumer is among the readers of the storage it
+    reads (readers are dropped only once dead or run), so the readers whose arguments name
+    ``n`` are its pending consumers (a metadata-only argument is neither)."""
+    if not n.n_consumers:  # none was recorded, or n ran
+        return False
+    for st in dict.fromkeys(n.storages):  # (outputs may share a storage: views)
+        if st is None:
+            continue
+        for w in st.readers:
+            c = w()
+            if c is not None and not c.executed and c.index not in in_run and c.leaves and \
+                    any(type(x) is Ref and x.node is n for x in c.leaves):
+                return True
     return False
 
 

@@ -159,10 +159,11 @@ def test_live_nodes_counts_untracked_nodes() -> None:
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
-def test_consumer_and_reader_lists_made_at_the_first_read(native: bool) -> None:
-    """A node's ``consumers`` and a storage's ``readers`` are the shared empty tuple until a
-    pending node reads them (a value nothing reads makes neither list); the first read makes
-    each a list holding the reader's weak reference, off the collector as its owner is."""
+def test_consumer_count_and_reader_list_made_at_the_first_read(native: bool) -> None:
+    """A node counts its consumers (a small int, no list) and a storage's ``readers`` are the
+    shared empty tuple until a pending node reads it (a value nothing reads makes no list); the
+    first read makes a list holding the reader's weak reference, off the collector as its owner
+    is. ``consumers`` finds the pending consumers through those readers."""
     saved = config.native_record
     config.native_record = native
     try:
@@ -170,15 +171,16 @@ def test_consumer_and_reader_lists_made_at_the_first_read(native: bool) -> None:
         for _ in range(3):  # the first time through the Python path, then the chosen one
             x = a * 2
             n, s = x._node, x._node.storages[x._out]
-            assert n.consumers == () and type(n.consumers) is tuple
+            assert n.n_consumers == 0 and n.consumers == ()
             assert s.readers == () and type(s.readers) is tuple
             y = x * 0.5
             z = x + 1.0
-        assert type(n.consumers) is list and type(s.readers) is list
+        assert n.n_consumers == 2 and type(s.readers) is list
         assert [w() for w in n.consumers] == [y._node, z._node]
         assert [w() for w in s.readers] == [y._node, z._node]
-        assert not gc.is_tracked(n.consumers) and not gc.is_tracked(s.readers)
-        assert y._node.consumers == () and y._node.storages[0].readers == ()
+        assert not gc.is_tracked(s.readers)
+        assert y._node.n_consumers == 0 and y._node.consumers == ()
+        assert y._node.storages[0].readers == ()
         torch.testing.assert_close(z.cpu(), torch.full((4,), 3.0))
     finally:
         config.native_record = saved
@@ -194,7 +196,7 @@ def test_a_recorded_value_leaves_one_tracked_object() -> None:
         y = x * 0.5
     n, s = y._node, y._node.storages[y._out]
     objs = {"node": n, "leaves": n.leaves, "ref": n.leaves[0], "storages": n.storages,
-            "outputs": n.outputs, "consumers": n.consumers, "wref": n._wref, "storage": s,
+            "outputs": n.outputs, "wref": n._wref, "storage": s,
             "pending_writes": s.pending_writes, "readers": s.readers,
             "token": n.outputs[0](), "dict": y.__dict__, "input storage": x._node.storages[0]}
     assert {k for k, o in objs.items() if gc.is_tracked(o)} == set()
@@ -306,7 +308,13 @@ def test_recording_does_not_bring_the_collector_closer_but_the_programs_garbage_
                     z.cpu()
         return _young_collections() - n0, refs
 
-    eager_runs, _ = churn(False)
+    def alive(refs: list[weakref.ref]) -> int:
+        return sum(r() is not None for r in refs)
+
+    eager_runs, refs = churn(False)
+    eager_alive = alive(refs)
     genie_runs, refs = churn(True)
     assert eager_runs >= 5 and genie_runs >= eager_runs, (eager_runs, genie_runs)
-    assert sum(r() is not None for r in refs) <= 1  # (the last may wait for the next one)
+    # (the last ones wait for the next collection, as without Genie: freeing a run's recorded
+    # objects, which were never counted, must not lower the count the program's own built)
+    assert alive(refs) <= eager_alive, (alive(refs), eager_alive)

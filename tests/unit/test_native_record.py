@@ -134,11 +134,11 @@ def describe(results: list[Any], start: int) -> list[Any]:
             graph=n.graph is DEFAULT_GRAPH or type(n.graph).__name__,
             uid=_uid(n) - _uid(base) if n.graph is DEFAULT_GRAPH else n.uid,
             seq=type(n.seq), where=n.where,
+            n_consumers=n.n_consumers,
             consumers=sorted(str(node_id(w())) for w in n.consumers if w() is not None),
             tags=n.tags, entry=id(n.entry), ctx=None if ctx is None else repr(ctx),
             wref=n._wref() is n,
-            tracked=[gc.is_tracked(o) for o in (n, n.leaves, n.storages, n.outputs, n.consumers,
-                                                n._wref)]))
+            tracked=[gc.is_tracked(o) for o in (n, n.leaves, n.storages, n.outputs, n._wref)]))
     for t in results:
         if isinstance(t, LazyTensor):
             out.append(dict(

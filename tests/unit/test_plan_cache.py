@@ -583,6 +583,63 @@ def test_column_match_agrees_with_instantiate():
     assert plan_cache.match(plan, targets) is None  # a kept value no longer held: not this plan
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("kind", ["view", "multi-output"])
+@pytest.mark.parametrize("outside", ["pending", "dead", "reader"])
+def test_a_consumer_outside_the_slice_decides_what_the_run_keeps(monkeypatch, native, kind,
+                                                                   outside):
+    """A node counts its consumers; a run keeps an output no tensor holds only while a pending
+    consumer outside the slice reads it. A consumer that died keeps nothing, nor does a pending
+    node that reads the same storage without naming the node (``reader``: the base of a view; a
+    view of a multi-output node's output), nor the slice's own consumers once they ran. The
+    planner, the column match and instantiate find them through the storages' readers, and the
+    steps after the first hit the plan."""
+    from genie.config import config
+
+    monkeypatch.setattr(config, "native_match", native)
+    monkeypatch.setattr(config, "native_slice", native)
+    a = torch.randn(4, 4, device=D)
+    genie.materialize(a)
+    ac = a.cpu()
+    genie.reset_stats()
+    for step in range(3):
+        s = float(step + 1)
+        b = a * s
+        if kind == "view":
+            t = b[1:]  # the node whose output the slice reads: a view of b's storage
+            w = t * 2.0
+            reader = b + 1.0  # reads that storage too, through b
+            want_t, want_r = (ac * s)[1:], ac * s + 1.0
+        else:
+            vals, t = b.max(dim=1)  # the node's second output
+            iv = t[1:]  # in the slice, a view of t's storage
+            w = vals * 2.0 + iv.sum()
+            reader = iv + 1  # reads t's storage, through iv
+            want_t, want_r = (ac * s).max(dim=1)[1], (ac * s).max(dim=1)[1][1:] + 1
+            del vals, iv  # (a view holds its base tensor: t)
+        _ = t * 3  # a consumer that dies at once: counted, so the readers are looked at
+        del _
+        c = t + 5 if outside == "pending" else None
+        if outside != "reader":
+            del reader
+        n, k = t._node, t._out
+        del t
+        targets = [(w._node, w._out)]
+        if step:
+            _assert_same_tape(plan_cache.match(plan, targets),
+                              plan_cache.instantiate(plan, targets, plan_cache.slice_nodes(targets)))
+        genie.materialize(w)
+        plan = plan_cache.cache().plans()[-1] if not step else plan
+        assert n.executed and (n.values[k] is not None) == (outside == "pending")
+        if c is not None:
+            torch.testing.assert_close(c.cpu(), want_t + 5)
+        if outside == "reader":
+            torch.testing.assert_close(reader.cpu(), want_r)
+    reads = outside != "dead"  # (the read of c or of the reader each step: a plan of its own)
+    assert (genie.stats()["plan_cache_misses"], genie.stats()["plan_cache_hits"]) == \
+        (1 + reads, 2 + 2 * reads)
+
+
 @pytest.mark.parametrize("generic", [False, True], ids=["exact", "shape-generic"])
 def test_column_match_takes_uploads_and_host_constants(generic):
     """A decode step's slice holds uploads (the new token), host constants (a 0-dim CPU tensor)
@@ -624,7 +681,7 @@ def _bind_program() -> tuple[list, list]:
         nodes = [t._node for t in (x, v, vals, idx, *reads)]
         outs.append(genie.materialize(vals, idx, x))
         snaps.append([(n.executed, n.leaves and [type(x).__name__ for x in n.leaves],
-                       type(n.consumers).__name__, len(n.consumers), type(n.values).__name__,
+                       n.n_consumers, type(n.values).__name__,
                        [t.tolist() if isinstance(t, torch.Tensor) else type(t).__name__
                         for t in (n.values or [])],  # (server handles through a server)
                        [None if s is None else (type(s.pending_writes).__name__,
