@@ -58,12 +58,12 @@ const NodeSlots& node_slots() {
     r.leaves = genie::slot_offset(r.node, "leaves");
     r.consumers = genie::slot_offset(r.node, "n_consumers");
     r.writes = genie::slot_offset(r.node, "writes");
-    r.storages = genie::slot_offset(r.node, "storages");
+    r.storages = genie::slot_offset(r.node, "_st");
     r.readers = genie::slot_offset(r.storage, "readers");
     r.pending = genie::slot_offset(r.storage, "pending_writes");
     r.metas = genie::slot_offset(r.node, "metas");
     r.meta_index = genie::slot_offset(r.meta, "index");
-    r.outputs = genie::slot_offset(r.node, "outputs");
+    r.outputs = genie::slot_offset(r.node, "_out");
     r.wref = genie::slot_offset(r.node, "_wref");
     r.seq = genie::slot_offset(r.node, "seq");
     r.index = genie::slot_offset(r.node, "index");
@@ -167,11 +167,11 @@ void prefetch_node(PyObject* node, int stage, const NodeSlots& ns) {
     return;
   }
   PyObject* storages = genie::slot_value(node, ns.storages);
-  if (storages == nullptr || !PyList_CheckExact(storages)) {
+  if (storages == nullptr) {
     return;
   }
-  for (Py_ssize_t j = 0; j < PyList_GET_SIZE(storages) && j < 16; ++j) {
-    PyObject* st = PyList_GET_ITEM(storages, j);
+  for (Py_ssize_t j = 0; j < genie::per_output_count(storages) && j < 16; ++j) {
+    PyObject* st = genie::per_output(storages, j);
     if (Py_TYPE(st) == ns.storage) {
       PyObject* r = genie::slot_value(st, ns.readers);
       prefetch_object(r);
@@ -357,10 +357,10 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
     // Storage.add_reader's pruning at doubling, which bounds them).
     py::object storages = py::reinterpret_steal<py::object>(
         fast ? checked(get_slot(node, ns.storages, "storages")) : attr(node, storages_name));
-    if (PyList_Check(storages.ptr())) {
-      const Py_ssize_t m = PyList_GET_SIZE(storages.ptr());
+    {  // (a single output's storage is held inline: slots.h per_output)
+      const Py_ssize_t m = genie::per_output_count(storages.ptr());
       for (Py_ssize_t j = 0; j < m; ++j) {
-        PyObject* st = PyList_GET_ITEM(storages.ptr(), j);
+        PyObject* st = genie::per_output(storages.ptr(), j);
         if (st == Py_None) {
           continue;
         }
@@ -561,7 +561,11 @@ py::list step_targets(const py::list& targets, const py::list& opts, int64_t ind
     if (executed) {
       py::object sts =
           py::reinterpret_steal<py::object>(field(n.ptr(), ns.node, ns.storages, storages_name));
-      py::object st = py::reinterpret_steal<py::object>(checked(PySequence_GetItem(sts.ptr(), k)));
+      PyObject* st_k = genie::per_output(sts.ptr(), k);
+      if (st_k == nullptr) {
+        throw py::index_error("genie._C._step_targets: an output its node does not have");
+      }
+      py::object st = py::reinterpret_borrow<py::object>(st_k);
       py::object pw =
           py::reinterpret_steal<py::object>(field(st.ptr(), ns.storage, ns.pending, pending_name));
       const int pending = PyObject_IsTrue(pw.ptr());

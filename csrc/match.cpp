@@ -80,6 +80,11 @@ inline PyObject* item(PyObject* l, Py_ssize_t i) {
   return PyList_GET_ITEM(l, i);
 }
 
+// Output `k`'s item of a node's `_st` or `_out` (slots.h per_output), or nullptr.
+inline PyObject* out_item(PyObject* v, Py_ssize_t k) {
+  return v == nullptr ? nullptr : genie::per_output(v, k);
+}
+
 Py_ssize_t as_index(PyObject* o) {
 #if PY_VERSION_HEX < 0x030C0000
   // An exact int of at most one digit (node indices below 2**30, outputs, positions), read in
@@ -289,7 +294,7 @@ bool truthy(PyObject* o) {
 
 // A storage of `n`'s output `k` with a pending write (a non-empty pending_writes list).
 bool pending_on(PyObject* n, Py_ssize_t k, bool& ok) {
-  PyObject* st = item(slot(n, S.n_storages), k);
+  PyObject* st = out_item(slot(n, S.n_storages), k);
   if (st == nullptr || Py_TYPE(st) != S.storage) {
     ok = false;
     return false;
@@ -323,7 +328,7 @@ inline Py_ssize_t index_of(PyObject* n) {
 // Whether a pending write on the storage of `xn`'s output `k` was recorded before node `reader`
 // (ok = false when a slot holds what this does not read).
 bool written_before(PyObject* xn, Py_ssize_t k, PyObject* reader, bool& ok) {
-  PyObject* pw = pending_list(item(slot(xn, S.n_storages), k));
+  PyObject* pw = pending_list(out_item(slot(xn, S.n_storages), k));
   if (pw == nullptr || !is_node(reader)) {
     ok = false;
     return false;
@@ -393,9 +398,9 @@ void match_init(py::object node, py::object ref, py::object alive, py::object st
   S.n_executed = genie::slot_offset(S.node, "executed");
   S.n_index = genie::slot_offset(S.node, "index");
   S.n_where = genie::slot_offset(S.node, "where");
-  S.n_storages = genie::slot_offset(S.node, "storages");
+  S.n_storages = genie::slot_offset(S.node, "_st");
   S.n_consumers = genie::slot_offset(S.node, "n_consumers");
-  S.n_outputs = genie::slot_offset(S.node, "outputs");
+  S.n_outputs = genie::slot_offset(S.node, "_out");
   S.n_values = genie::slot_offset(S.node, "values");
   S.n_metas = genie::slot_offset(S.node, "metas");
   S.r_node = genie::slot_offset(S.ref, "node");
@@ -520,7 +525,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       return miss;
     }
     for (Py_ssize_t t = 0; t < nt; ++t) {
-      PyObject* st = item(slot(tg[t].first, S.n_storages), tg[t].second);
+      PyObject* st = out_item(slot(tg[t].first, S.n_storages), tg[t].second);
       PyObject* pw = pending_list(st);
       const Py_ssize_t b = cols.tstart[t], len = cols.tstart[t + 1] - b;
       if (pw == nullptr || Py_SIZE(pw) != len ||
@@ -586,7 +591,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
         later = true;
         continue;
       }
-      PyObject* st = item(slot(xn, S.n_storages), as_index(slot(x, S.r_out)));
+      PyObject* st = out_item(slot(xn, S.n_storages), as_index(slot(x, S.r_out)));
       PyObject* pw = pending_list(st);
       const Py_ssize_t b = wstart[k], len = wstart[k + 1] - b;
       if (pw == nullptr || Py_SIZE(pw) < len || !take(pw, wpos.data() + b, len, i)) {
@@ -663,7 +668,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
         continue;
       }
       PyObject* cons = slot(n, S.n_consumers);  // a count (genie.graph.Node.n_consumers)
-      PyObject* r = item(slot(n, S.n_outputs), hk[h]);
+      PyObject* r = out_item(slot(n, S.n_outputs), hk[h]);
       py::object keep;
       if (cons == nullptr || !PyLong_CheckExact(cons) || r == nullptr) {
         later = true;
@@ -677,7 +682,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       if (later || n == nullptr) {
         continue;
       }
-      PyObject* r = item(slot(n, S.n_outputs), ok[o]);
+      PyObject* r = out_item(slot(n, S.n_outputs), ok[o]);
       py::object keep;
       if (r == nullptr) {
         later = true;

@@ -126,7 +126,7 @@ void untrack_storage(PyObject* s) {
 
 void untrack_node(const py::handle& node, const py::handle& leaves, const py::handle& ref_type) {
   static PyObject* const names[] = {
-      PyUnicode_InternFromString("storages"), PyUnicode_InternFromString("outputs"),
+      PyUnicode_InternFromString("_st"), PyUnicode_InternFromString("_out"),
       PyUnicode_InternFromString("_wref")};
   static PyTypeObject* const storage_type = graph_type("Storage");
   untrack(node.ptr());
@@ -134,22 +134,26 @@ void untrack_node(const py::handle& node, const py::handle& leaves, const py::ha
     untrack(leaves.ptr());
     untrack_of_type(py::reinterpret_borrow<py::list>(leaves), ref_type);
   }
-  for (PyObject* name : names) {
+  const auto untrack_item = [](PyObject* e) {
+    if (PyWeakref_CheckRefExact(e)) {
+      untrack(e);
+    } else if (Py_TYPE(e) == storage_type) {
+      untrack_storage(e);
+    }
+  };
+  for (PyObject* name : names) {  // (a single output's storage and weak reference are inline)
     PyObject* o = PyObject_GetAttr(node.ptr(), name);
     if (o == nullptr) {
       throw py::error_already_set();
     }
-    untrack(o);
     if (PyList_Check(o)) {
+      untrack(o);
       const Py_ssize_t n = PyList_GET_SIZE(o);
       for (Py_ssize_t i = 0; i < n; ++i) {
-        PyObject* e = PyList_GET_ITEM(o, i);
-        if (PyWeakref_CheckRefExact(e)) {
-          untrack(e);
-        } else if (Py_TYPE(e) == storage_type) {
-          untrack_storage(e);
-        }
+        untrack_item(PyList_GET_ITEM(o, i));
       }
+    } else {
+      untrack_item(o);
     }
     Py_DECREF(o);
   }
@@ -175,7 +179,7 @@ void retrack_walk(std::vector<py::object>& stack, PyObject* ref_t) {
   static PyObject* const node_name = PyUnicode_InternFromString("node");
   static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
   static PyObject* const names[] = {
-      PyUnicode_InternFromString("storages"), PyUnicode_InternFromString("outputs"),
+      PyUnicode_InternFromString("_st"), PyUnicode_InternFromString("_out"),
       PyUnicode_InternFromString("_wref")};
   auto push_refs = [&](PyObject* list) {
     const Py_ssize_t n = PyList_GET_SIZE(list);

@@ -862,7 +862,7 @@ PyObject* alias_source(const OpInfo& info, PyObject* args, PyObject* kwargs, con
   return src != nullptr && Py_TYPE(src) == S.lazy ? src : nullptr;
 }
 
-// A LazyTensor's Storage (t._node.storages[t._out]), new reference, or nullptr.
+// A LazyTensor's Storage (t._node.storage(t._out)), new reference, or nullptr.
 PyObject* storage_of(PyObject* t) {
   py::object node = py::reinterpret_steal<py::object>(lazy_attr(t, names->node));
   py::object out = py::reinterpret_steal<py::object>(lazy_attr(t, names->out));
@@ -871,11 +871,11 @@ PyObject* storage_of(PyObject* t) {
   }
   PyObject* sts = slot(node.ptr(), S.n.storages);
   const Py_ssize_t i = PyLong_AsSsize_t(out.ptr());
-  if (sts == nullptr || !PyList_CheckExact(sts) || i < 0 || i >= PyList_GET_SIZE(sts)) {
+  PyObject* st = sts == nullptr ? nullptr : genie::per_output(sts, i);
+  if (st == nullptr) {
     PyErr_Clear();
     return nullptr;
   }
-  PyObject* st = PyList_GET_ITEM(sts, i);
   return Py_TYPE(st) == S.storage ? new_ref(st) : nullptr;
 }
 
@@ -1789,11 +1789,15 @@ PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untr
   py::object k = py::reinterpret_steal<py::object>(checked(PyLong_FromSsize_t(o.k)));
   py::object a = py::reinterpret_steal<py::object>(new_object(S.alive, !gc_untrack));
   py::object t = bound_wrapper(o, node, k.ptr(), a.ptr(), gc_untrack, base);
-  PyObject* outputs = slot(node, S.n.outputs);
+  PyObject*& outputs = slot(node, S.n.outputs);
   PyObject* w = fresh([&] { return PyWeakref_NewRef(a.ptr(), nullptr); }, !node_untracked);
-  PyObject* old = PyList_GET_ITEM(outputs, o.k);
-  PyList_SET_ITEM(outputs, o.k, w);
-  Py_DECREF(old);
+  if (PyList_CheckExact(outputs)) {
+    PyObject* old = PyList_GET_ITEM(outputs, o.k);
+    PyList_SET_ITEM(outputs, o.k, w);
+    Py_DECREF(old);
+  } else {  // a single output's, inline (genie.graph.Node._out)
+    Py_SETREF(outputs, w);
+  }
   return t.release().ptr();
 }
 
@@ -1952,13 +1956,20 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
         checked(PyObject_CallFunctionObjArgs(S.retrack_below, rec.ptr(), S.ref, nullptr)));
   }
   const Py_ssize_t n_out = PyList_GET_SIZE(e.metas);
-  py::object storages = py::reinterpret_steal<py::object>(fresh([&] { return PyList_New(n_out); }, tracked));
-  for (Py_ssize_t k = 0; k < n_out; ++k) {
+  // each output's storage: a single output's inline (genie.graph.Node._st), else a list
+  const bool one = n_out == 1;
+  py::object storages = py::reinterpret_steal<py::object>(
+      one ? new_ref(Py_None) : fresh([&] { return PyList_New(n_out); }, tracked));
+  for (Py_ssize_t k = 0; k < n_out && !one; ++k) {
     PyList_SET_ITEM(storages.ptr(), k, new_ref(Py_None));
   }
   for (size_t j = 0; j < e.outs.size(); ++j) {
     const Out& o = e.outs[j];
     PyObject* st = o.kind == Kind::kFresh ? new_storage(tracked) : new_ref(aliased[j].ptr());
+    if (one) {
+      storages = py::reinterpret_steal<py::object>(st);
+      continue;
+    }
     PyObject* old = PyList_GET_ITEM(storages.ptr(), o.k);
     PyList_SET_ITEM(storages.ptr(), o.k, st);
     Py_DECREF(old);
@@ -1972,8 +1983,8 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   // Node.__init__
   py::object node = py::reinterpret_steal<py::object>(new_object(S.node, tracked));
   PyObject* n = node.ptr();
-  PyObject* outputs = fresh([&] { return PyList_New(n_out); }, tracked);
-  for (Py_ssize_t k = 0; k < n_out; ++k) {
+  PyObject* outputs = one ? new_ref(Py_None) : fresh([&] { return PyList_New(n_out); }, tracked);
+  for (Py_ssize_t k = 0; k < n_out && !one; ++k) {
     PyList_SET_ITEM(outputs, k, new_ref(Py_None));
   }
   init_slot(n, S.n.outputs, outputs);
@@ -2008,9 +2019,8 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
     if (slot(xn, S.n.executed) == Py_False) {
       count_consumer(xn);
     }
-    PyObject* sts = slot(xn, S.n.storages);
-    PyObject* st = PyList_GET_ITEM(sts, l.out_i);
-    if (Py_TYPE(st) != S.storage) {
+    PyObject* st = genie::per_output(slot(xn, S.n.storages), l.out_i);  // (checked by the key)
+    if (st == nullptr || Py_TYPE(st) != S.storage) {
       throw std::logic_error("an input's storage is not a genie.graph.Storage");
     }
     add_reader(st, wref);
@@ -2056,7 +2066,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   if (untracked) {
     for (size_t j = 0; j < e.outs.size(); ++j) {
       if (e.outs[j].kind != Kind::kFresh) {
-        untrack_storage(PyList_GET_ITEM(storages.ptr(), e.outs[j].k));
+        untrack_storage(genie::per_output(storages.ptr(), e.outs[j].k));
       }
     }
   }
@@ -2108,12 +2118,11 @@ PyObject* detach_alias(PyObject* args, PyObject* kwargs) {
   const Py_ssize_t k = PyLong_AsSsize_t(out.ptr());
   PyObject* outputs = slot(node.ptr(), S.n.outputs);
   PyObject* metas = slot(node.ptr(), S.n.metas);
-  if (k < 0 || !PyList_CheckExact(outputs) || k >= PyList_GET_SIZE(outputs) ||
-      !PyList_CheckExact(metas) || k >= PyList_GET_SIZE(metas)) {
+  PyObject* w = outputs == nullptr ? nullptr : genie::per_output(outputs, k);
+  if (k < 0 || w == nullptr || !PyList_CheckExact(metas) || k >= PyList_GET_SIZE(metas)) {
     PyErr_Clear();
     return kNotHandled;
   }
-  PyObject* w = PyList_GET_ITEM(outputs, k);
   if (!PyWeakref_CheckRefExact(w) || PyWeakref_GET_OBJECT(w) != alive.ptr()) {
     return kNotHandled;  // the node does not follow x's token
   }
@@ -3298,10 +3307,10 @@ PyObject* note_reads(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
       if (out == -1 && PyErr_Occurred()) {
         throw py::error_already_set();
       }
-      if (!PyList_CheckExact(sts) || out < 0 || out >= PyList_GET_SIZE(sts)) {
+      PyObject* st = genie::per_output(sts, out);
+      if (st == nullptr) {
         throw std::logic_error("a Ref's output is not one of its node's storages");
       }
-      PyObject* st = PyList_GET_ITEM(sts, out);
       if (Py_TYPE(st) != S.storage) {
         throw std::logic_error("an input's storage is not a genie.graph.Storage");
       }
@@ -3489,16 +3498,15 @@ bool graph_leaves(PyObject* args, Call& call, GraphEntry& g) {
     }
   }
   for (Lazy& l : call.lazies) {
-    PyObject* sts = slot(l.node, S.n.storages);
-    if (!PyList_CheckExact(sts) || l.out_i < 0 || l.out_i >= PyList_GET_SIZE(sts)) {
+    PyObject* st = genie::per_output(slot(l.node, S.n.storages), l.out_i);
+    if (st == nullptr) {
       return false;
     }
-    PyObject* st = PyList_GET_ITEM(sts, l.out_i);
     __builtin_prefetch(st);
     __builtin_prefetch(reinterpret_cast<char*>(st) + S.st_readers);
   }
   for (Lazy& l : call.lazies) {  // the reader lists record_hit appends to
-    PyObject* st = PyList_GET_ITEM(slot(l.node, S.n.storages), l.out_i);
+    PyObject* st = genie::per_output(slot(l.node, S.n.storages), l.out_i);
     if (Py_TYPE(st) != S.storage) {
       return false;
     }
@@ -3649,8 +3657,8 @@ bool record_init(const py::dict& objs) {
   if (!PyDict_Check(s.counts) || !PyDict_Check(s.profiler)) {
     throw std::runtime_error("counts and profiler must be dicts");
   }
-  check_slots(s.node, {"op", "leaves", "spec", "metas", "out_spec", "storages", "writes",
-                       "outputs", "values", "executed", "index", "rng", "graph", "seq", "where",
+  check_slots(s.node, {"op", "leaves", "spec", "metas", "out_spec", "_st", "writes",
+                       "_out", "values", "executed", "index", "rng", "graph", "seq", "where",
                        "n_consumers", "tags", "entry", "ctx", "_wref"});
   check_slots(s.ref, {"node", "out"});
   check_slots(s.storage, {"pending_writes", "readers", "_prune_at", "role"});
@@ -3665,9 +3673,9 @@ bool record_init(const py::dict& objs) {
   n.spec = slot_offset(t, "spec");
   n.metas = slot_offset(t, "metas");
   n.out_spec = slot_offset(t, "out_spec");
-  n.storages = slot_offset(t, "storages");
+  n.storages = slot_offset(t, "_st");
   n.writes = slot_offset(t, "writes");
-  n.outputs = slot_offset(t, "outputs");
+  n.outputs = slot_offset(t, "_out");
   n.values = slot_offset(t, "values");
   n.executed = slot_offset(t, "executed");
   n.index = slot_offset(t, "index");

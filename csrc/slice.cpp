@@ -210,9 +210,9 @@ void slice_init(const py::dict& objs) {
     S.n_leaves = slot_offset(t, "leaves");
     S.n_spec = slot_offset(t, "spec");
     S.n_metas = slot_offset(t, "metas");
-    S.n_storages = slot_offset(t, "storages");
+    S.n_storages = slot_offset(t, "_st");
     S.n_writes = slot_offset(t, "writes");
-    S.n_outputs = slot_offset(t, "outputs");
+    S.n_outputs = slot_offset(t, "_out");
     S.n_values = slot_offset(t, "values");
     S.n_executed = slot_offset(t, "executed");
     S.n_index = slot_offset(t, "index");
@@ -347,6 +347,16 @@ inline Py_ssize_t size_of(PyObject* seq) {
     return PyTuple_GET_SIZE(seq);
   }
   throw Unsupported();
+}
+
+// Output `k`'s item of a node's `_st` or `_out` (slots.h per_output), borrowed; Unsupported when
+// out of range.
+inline PyObject* out_of(PyObject* v, Py_ssize_t k) {
+  PyObject* r = genie::per_output(v, k);
+  if (r == nullptr) {
+    throw Unsupported();
+  }
+  return r;
 }
 
 // a == b as Python's bool(a == b) (propagating errors).
@@ -519,7 +529,7 @@ py::object slice_nodes(const py::list& targets) {
       }
       PyObject* node = as_node(PyTuple_GET_ITEM(tp, 0));
       need(node);
-      need_storage(item(get(node, S.n_storages), as_int(PyTuple_GET_ITEM(tp, 1))), inf);
+      need_storage(out_of(get(node, S.n_storages), as_int(PyTuple_GET_ITEM(tp, 1))), inf);
     }
     while (!stack.empty()) {
       PyObject* n = stack.back();
@@ -535,7 +545,7 @@ py::object slice_nodes(const py::list& targets) {
           }
           PyObject* xn = as_node(get(x, S.r_node));
           need(xn);
-          need_storage(item(get(xn, S.n_storages), as_int(get(x, S.r_out))), at);
+          need_storage(out_of(get(xn, S.n_storages), as_int(get(x, S.r_out))), at);
         }
       }
       PyObject* writes = get(n, S.n_writes);
@@ -585,15 +595,15 @@ bool has_pending_consumer(PyObject* n, IndexSet& in_run) {
     return false;  // none was recorded, or n ran
   }
   py::object storages = py::reinterpret_borrow<py::object>(get(n, S.n_storages));
-  const Py_ssize_t ns = size_of(storages.ptr());
+  const Py_ssize_t ns = genie::per_output_count(storages.ptr());
   for (Py_ssize_t j = 0; j < ns; ++j) {
-    PyObject* st = item(storages.ptr(), j);
+    PyObject* st = out_of(storages.ptr(), j);
     if (st == Py_None) {
       continue;
     }
     bool again = false;  // (outputs may share a storage: views)
     for (Py_ssize_t q = 0; q < j && !again; ++q) {
-      again = item(storages.ptr(), q) == st;
+      again = out_of(storages.ptr(), q) == st;
     }
     if (again) {
       continue;
@@ -628,7 +638,7 @@ bool has_pending_consumer(PyObject* n, IndexSet& in_run) {
 // or -1 when not counted).
 bool held_after(PyObject* n, Py_ssize_t k, IndexSet& in_run, Py_ssize_t inside) {
   static PyObject* const node_name = PyUnicode_InternFromString("_node");
-  PyObject* r = item(get(n, S.n_outputs), k);
+  PyObject* r = out_of(get(n, S.n_outputs), k);
   if (r != Py_None) {
     PyObject* t = deref(r);
     if (t != Py_None) {
@@ -1066,7 +1076,7 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
         const int64_t sv = as_int(s);
         *slots.insert(sk, sv).first = sv;
         // Which values the program still holds decides the frees: must be the plan's.
-        PyObject* r = item(get(n, S.n_outputs), k);
+        PyObject* r = out_of(get(n, S.n_outputs), k);
         // (the plan's references to the node from inside the slice, which are this slice's
         // once it matches; if it does not, the tape is None anyway)
         const bool held = (r != Py_None && Py_TYPE(deref(r)) == S.alive) ||

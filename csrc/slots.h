@@ -29,4 +29,19 @@ inline PyObject* slot_value(PyObject* o, Py_ssize_t off) {
   return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
 }
 
+// Output `k`'s item of genie.graph.Node's per-output fields `_st` (storages) and `_out`
+// (liveness): a single-output node holds the item itself, never a list; a node with another
+// number of outputs a list. Borrowed; nullptr when `k` is out of range.
+inline PyObject* per_output(PyObject* v, Py_ssize_t k) {
+  if (PyList_CheckExact(v)) {
+    return k >= 0 && k < PyList_GET_SIZE(v) ? PyList_GET_ITEM(v, k) : nullptr;
+  }
+  return k == 0 ? v : nullptr;
+}
+
+// How many items `v` (a per-output field, as above) holds.
+inline Py_ssize_t per_output_count(PyObject* v) {
+  return PyList_CheckExact(v) ? PyList_GET_SIZE(v) : 1;
+}
+
 }  // namespace genie

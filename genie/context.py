@@ -626,7 +626,7 @@ def node_role(n: Any, k: int) -> str:
     """The role of output ``k`` of node ``n`` (what :func:`role` says of a tensor, from the node
     alone: a parameter is known by its storage, uploaded from a ``Parameter``; runtimes that
     hold values, not tensors, ask this)."""
-    st = n.storages[k] if k < len(n.storages) else None
+    st = n.storage(k) if k < len(n.metas) else None
     if st is not None and st.role is not None:
         return st.role
     return _recorded_role(n)

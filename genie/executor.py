@@ -359,7 +359,7 @@ def _on_host(node: Node, out: int, accept: Any, keep: bool) -> torch.Tensor | No
     bump("host_evaluations")
     for n, ins in zip(tape.nodes, tape.instrs) if keep else ():
         vals = {k: kept[s] for k, s in enumerate(ins.outs)
-                if s is not None and not n.storages[k].pending_writes}
+                if s is not None and not n.storage(k).pending_writes}
         if vals:
             _host_values[n] = vals
     return kept[tape.outputs[0]]
@@ -381,7 +381,7 @@ def _host_value_of(node: Node, out: int) -> torch.Tensor | None:
     if node.executed:
         return None
     vals = _host_values.get(node)
-    if vals is None or node.storages[out].pending_writes:
+    if vals is None or node.storage(out).pending_writes:
         return None
     return vals.get(out)
 
@@ -467,7 +467,7 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
         backends.before_plan()
     outs = None
     for node, out in targets:  # values already on the device (_ready's test, in a loop)
-        if not node.executed or node.values is None or node.storages[out].pending_writes:
+        if not node.executed or node.values is None or node.storage(out).pending_writes:
             break
     else:
         outs = [node.values[out] for node, out in targets]
@@ -653,7 +653,7 @@ def with_step(targets: list[tuple[Node, int]], index: int) -> list[tuple[Node, i
             if n is None:
                 continue
             o = t._out
-            if n.metas[o].index != index or (n.executed and not n.storages[o].pending_writes):
+            if n.metas[o].index != index or (n.executed and not n.storage(o).pending_writes):
                 continue
             k = (id(n), o)
             if k not in seen:
@@ -665,6 +665,6 @@ def with_step(targets: list[tuple[Node, int]], index: int) -> list[tuple[Node, i
 
 
 def _ready(n: Node, out: int) -> torch.Tensor | None:
-    if n.executed and n.values is not None and not n.storages[out].pending_writes:
+    if n.executed and n.values is not None and not n.storage(out).pending_writes:
         return n.values[out]
     return None

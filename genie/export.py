@@ -285,7 +285,7 @@ def _inputs(g: CaptureGraph) -> list[tuple[str, Any]]:
 
 
 def _value(node: Node, out: int) -> torch.Tensor:
-    ref = node.outputs[out] if out < len(node.outputs) else None
+    ref = node.output(out) if out < len(node.metas) else None
     t = ref() if ref is not None else None
     if isinstance(t, LazyTensor) and t._node is node and t._out == out:
         return materialize(t, trigger="export")

@@ -249,9 +249,11 @@ class Node:
         leaves / spec: the flattened ``(args, kwargs)`` tree; lazy inputs are :class:`Ref`.
         metas: one :class:`TensorMeta` per tensor output (None for non-tensor outputs).
         out_spec: tree spec to rebuild the op's return value from its flat outputs.
-        storages: the :class:`Storage` of each tensor output.
+        storages: the :class:`Storage` of each tensor output (a property: a single output's is
+            held inline, as ``_st``; :meth:`storage` reads one without making a list).
         writes: storages this node mutates.
-        outputs: weak references to the LazyTensors that hold each output.
+        outputs: weak references to the LazyTensors that hold each output (as ``storages``:
+            ``_out``, :meth:`output`).
         n_consumers: how many argument references recorded nodes made to an output while this
             node was pending (dead and executed consumers still count); 0 once it ran. The
             consumers themselves are found through the output storages' readers
@@ -270,7 +272,7 @@ class Node:
     """
 
     __slots__ = (
-        "op", "leaves", "spec", "metas", "out_spec", "storages", "writes", "outputs",
+        "op", "leaves", "spec", "metas", "out_spec", "_st", "writes", "_out",
         "values", "executed", "index", "rng", "graph", "seq", "where", "n_consumers",
         "tags", "entry", "ctx", "_wref", "__weakref__",
     )
@@ -283,9 +285,12 @@ class Node:
         self.spec = spec
         self.metas = metas
         self.out_spec = out_spec
-        self.storages = storages
+        # a single output's storage and liveness inline, a list otherwise (no list per node)
+        one = len(metas) == 1
+        self._st: Storage | None | list[Storage | None] = storages[0] if one else storages
         self.writes = writes
-        self.outputs: list[weakref.ref[Any] | None] = [None] * len(metas)
+        self._out: weakref.ref[Any] | None | list[weakref.ref[Any] | None] = \
+            None if one else [None] * len(metas)
         self.values: list[torch.Tensor | None] | tuple[None, ...] | None = None
         self.executed = False
         self.index = next(_record_counter)
@@ -314,6 +319,46 @@ class Node:
     @property
     def uid(self) -> str:
         return f"op*{self.seq}"
+
+    @property
+    def storages(self) -> list[Storage | None]:
+        """The :class:`Storage` of each output (a new list for a single output)."""
+        s = self._st
+        return s if type(s) is list else [s]
+
+    def storage(self, k: int) -> Storage | None:
+        """The :class:`Storage` of output ``k``."""
+        s = self._st
+        if type(s) is list:
+            return s[k]
+        if k != 0:
+            raise IndexError(f"{self} has one output, not {k + 1}")
+        return s
+
+    @property
+    def outputs(self) -> list[weakref.ref[Any] | None]:
+        """The weak reference that follows each output's tensor (None until bound; a new list
+        for a single output)."""
+        o = self._out
+        return o if type(o) is list else [o]
+
+    def output(self, k: int) -> weakref.ref[Any] | None:
+        """The weak reference that follows output ``k``'s tensor (None until one is bound)."""
+        o = self._out
+        if type(o) is list:
+            return o[k]
+        if k != 0:
+            raise IndexError(f"{self} has one output, not {k + 1}")
+        return o
+
+    def set_output(self, k: int, r: weakref.ref[Any] | None) -> None:
+        o = self._out
+        if type(o) is list:
+            o[k] = r
+        elif k != 0:
+            raise IndexError(f"{self} has one output, not {k + 1}")
+        else:
+            self._out = r
 
     @property
     def consumers(self) -> tuple[weakref.ref[Node], ...]:
@@ -358,12 +403,12 @@ class Alive:
 
 
 def track(t: Any, node: Node, out: int) -> None:
-    """Make ``node.outputs[out]`` follow the liveness of the LazyTensor ``t`` (bound to it)."""
+    """Make ``node.output(out)`` follow the liveness of the LazyTensor ``t`` (bound to it)."""
     if node.graph.keep_nodes:
-        node.outputs[out] = weakref.ref(t)
+        node.set_output(out, weakref.ref(t))
     else:
         a = t._alive = Alive()
-        node.outputs[out] = weakref.ref(a)
+        node.set_output(out, weakref.ref(a))
         if config.gc_untrack:
             # Neither can close a cycle: the token holds nothing, and the tensor's dict holds the
             # node, which never holds the tensor (outputs are weak). CPython tracks the dict again

@@ -190,7 +190,7 @@ class LazyTensor(torch.Tensor):
 
     @property
     def _storage(self) -> Storage:
-        return self._node.storages[self._out]
+        return self._node.storage(self._out)
 
     # Replaced by the native record path at import (csrc/record.cpp, see _install_native_record),
     # which calls _dispatch for every op it does not handle itself.
@@ -266,7 +266,7 @@ class LazyTensor(torch.Tensor):
         # computed every element): read it without recording an ``item`` and planning a run.
         node = self._node
         if node.executed and node.values is not None and \
-                not node.storages[self._out].pending_writes:
+                not node.storage(self._out).pending_writes:
             real = node.values[self._out]
             if _plain(real):
                 _counts["forced_materializations"] += 1
@@ -477,7 +477,7 @@ def _host_value(x: torch.Tensor) -> torch.Tensor | None:
     while True:
         if n.executed:
             return None  # (an executed value is the device's, even where it is a host tensor)
-        if n.storages[o].pending_writes:
+        if n.storage(o).pending_writes:
             break
         if n.op is _UPLOAD:
             return n.leaves[0] if n.leaves else None
@@ -654,7 +654,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             a = pol.arg(pos, args, kwargs)
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
                 if isinstance(t, LazyTensor):
-                    ws.append(t._node.storages[t._out])
+                    ws.append(t._node.storage(t._out))
         writes = tuple(ws)
 
     storages: list[Storage | None] = [None] * len(metas)
@@ -669,7 +669,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
         src = pol.arg(pos, args, kwargs)
         if isinstance(src, (list, tuple)):
             src = src[k] if kind == "write" else src[0]
-        storages[k] = src._node.storages[src._out]
+        storages[k] = src._node.storage(src._out)
         if kind == "write":
             if metas[k].shape != src._node.metas[src._out].shape and \
                     func._schema.arguments[pos].is_out:
@@ -705,7 +705,7 @@ def _record(func: Any, pol: Any, args: tuple, kwargs: dict, leaves: list[Any], s
             xn = x.node
             if not xn.executed:  # consumers only decide what a run of xn keeps
                 xn.n_consumers += 1
-            s = xn.storages[x.out]  # Storage.add_reader, inlined (once per lazy input)
+            s = xn.storage(x.out)  # Storage.add_reader, inlined (once per lazy input)
             readers = s.readers
             if type(readers) is tuple:  # the shared empty tuple until a first reader
                 readers = s.readers = list(readers)
@@ -1004,12 +1004,12 @@ def _upload_into(dst: LazyTensor, src: torch.Tensor, non_blocking: bool) -> Lazy
     meta_tensor(dmeta).copy_(src.to("meta"))
     node = dst._node
     fresh_empty = (not node.executed and node.op in _EMPTY_FACTORIES and not node.n_consumers
-                   and not node.storages[dst._out].pending_writes
+                   and not node.storage(dst._out).pending_writes
                    and tuple(src.shape) == dmeta.shape and dmeta.offset == 0)
     up = upload(src.expand(dmeta.shape) if tuple(src.shape) != dmeta.shape else src,
                 dmeta.index, like=dmeta)
     if isinstance(src, torch.nn.Parameter):
-        up._node.storages[0].role = "weight"  # its in-place updates and views stay weights
+        up._node.storage(0).role = "weight"  # its in-place updates and views stay weights
     if fresh_empty:
         # `cpu.to(device)` is empty_strided + copy_: rebind the fresh empty to the upload, so the
         # transfer is one node and the empty is never run.
@@ -1122,7 +1122,7 @@ def _detach_alias(x: LazyTensor) -> LazyTensor | None:
     if alive is None or node.graph is not DEFAULT_GRAPH or current_graph() is not DEFAULT_GRAPH:
         return None
     out = x._out
-    w = node.outputs[out]
+    w = node.output(out)
     meta = node.metas[out]
     if w is None or w() is not alive or meta.conj or meta.neg:
         return None

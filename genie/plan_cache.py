@@ -554,7 +554,7 @@ def _write_sites(plan: Plan, nodes: list[Node], targets: list[tuple[Node, int]]
     tw: list[tuple[int, ...]] = []
     reach = [False] * len(nodes)
     for (node, out), want in zip(targets, plan.outputs, strict=True):
-        e = before(node.storages[out], 1 << 62)
+        e = before(node.storage(out), 1 << 62)
         if e is None:
             return None
         tw.append(tuple(e))
@@ -570,7 +570,7 @@ def _write_sites(plan: Plan, nodes: list[Node], targets: list[tuple[Node, int]]
         if not reach[i]:
             return None  # reached only as a reader before a write: the slice finds it
         n = nodes[i]
-        read = {id(x.node.storages[x.out]) for x in n.leaves or () if type(x) is Ref}
+        read = {id(x.node.storage(x.out)) for x in n.leaves or () if type(x) is Ref}
         if any(id(w) not in read for w in n.writes):
             return None  # a write the sites do not see (not through an argument reference)
         for p, x in enumerate(n.leaves or ()):
@@ -578,7 +578,7 @@ def _write_sites(plan: Plan, nodes: list[Node], targets: list[tuple[Node, int]]
                 continue
             if x.node.index in pos:
                 reach[pos[x.node.index]] = True
-            e = before(x.node.storages[x.out], n.index)
+            e = before(x.node.storage(x.out), n.index)
             if e is None:
                 return None
             for j in e:
@@ -598,7 +598,7 @@ def _writes_exact(plan: Plan, found: list[Any], targets: list[tuple[Node, int]])
     wi, wp, wstart, wpos, tw = plan.wsite
     upto: dict[Storage, int] = {}  # storage -> the last write of the slice a read waits for
     for (node, out), e in zip(targets, tw, strict=True):
-        s = node.storages[out]
+        s = node.storage(out)
         pw = s.pending_writes if s is not None else ()
         if len(pw) != len(e) or any(pw[q] is not found[j] for q, j in enumerate(e)):
             return False
@@ -609,7 +609,7 @@ def _writes_exact(plan: Plan, found: list[Any], targets: list[tuple[Node, int]])
         x = n.leaves[p]
         if type(x) is not Ref:
             return False
-        s = x.node.storages[x.out]
+        s = x.node.storage(x.out)
         pw = s.pending_writes if s is not None else ()
         e = wpos[wstart[k]:wstart[k + 1]]
         if len(pw) < len(e) or any(pw[q] is not found[j] for q, j in enumerate(e)) or \
@@ -840,12 +840,12 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
                    repeat(None))):
         in_run = set(idx)
         for i, k in zip(hi, hk, strict=True):
-            r = found[i].outputs[k]
+            r = found[i].output(k)
             if r is not None and r() is not None and held_after(found[i], k, in_run):
                 return None
     in_run = None
     for i, k in other:  # outputs that must be held: by a live tensor, or a pending consumer
-        r = found[i].outputs[k]
+        r = found[i].output(k)
         if r is None or type(r()) is not Alive:
             if in_run is None:
                 in_run = set(idx)
@@ -862,7 +862,7 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
         if len(xs) > 1 and (list(map(_node, xs)).count(xn) != len(xs)
                             or list(map(_out, xs)).count(xo) != len(xs)):
             return None
-        if wsite is None and pending_total[0] and (pw := xn.storages[xo].pending_writes) and \
+        if wsite is None and pending_total[0] and (pw := xn.storage(xo).pending_writes) and \
                 pw[0].index < max(map(_index, map(get, gi))):
             return None  # a write before a read: the slice would hold it
         if not _bind_input(xn, xo, y, pin, islots, inputs, generic, made):  # also: one value,
@@ -882,10 +882,10 @@ def _written_before(found: list[Any], xs: list[Ref], ei: list[int],
     slice (the in-plan references ``xs``, read by instructions ``ei``) or waits on a requested
     value; the slice would hold it (writes recorded after a read are not the read's)."""
     for x, i in zip(xs, ei, strict=True):
-        pw = x.node.storages[x.out].pending_writes
+        pw = x.node.storage(x.out).pending_writes
         if pw and pw[0].index < found[i].index:
             return True
-    return any(node.storages[out].pending_writes for node, out in targets)
+    return any(node.storage(out).pending_writes for node, out in targets)
 
 
 def _walk_writes(plan: Plan, found: list[Any], targets: list[tuple[Node, int]], add: Any) -> bool:
@@ -905,7 +905,7 @@ def _walk_writes(plan: Plan, found: list[Any], targets: list[tuple[Node, int]], 
         return True
 
     for (node, out), e in zip(targets, tw, strict=True):
-        if e and not take(node.storages[out].pending_writes, e):
+        if e and not take(node.storage(out).pending_writes, e):
             return False
     m = k = 0
     ne, nw = len(ei), len(wi)
@@ -919,7 +919,7 @@ def _walk_writes(plan: Plan, found: list[Any], targets: list[tuple[Node, int]], 
             e = wpos[wstart[k]:wstart[k + 1]]
             if e:
                 x = found[i].leaves[wp[k]]
-                if type(x) is not Ref or not take(x.node.storages[x.out].pending_writes, e):
+                if type(x) is not Ref or not take(x.node.storage(x.out).pending_writes, e):
                     return False
             k += 1
     return True
@@ -1130,7 +1130,7 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node],
             if s is not None:
                 slots[(idx, k)] = s
                 # Which values the program still holds decides the frees: must be the plan's.
-                r = n.outputs[k]
+                r = n.output(k)
                 # (guide[i][3]: the plan's references to the node from inside the slice, which
                 # are this slice's once it matches; if it does not, the tape is None anyway)
                 held = (r is not None and type(r()) is Alive) or \

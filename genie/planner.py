@@ -188,12 +188,12 @@ def slice_nodes(targets: list[tuple[Node, int]]) -> list[Node]:
     inf = 1 << 62
     for node, out in targets:
         need(node)
-        need_storage(node.storages[out], inf)
+        need_storage(node.storage(out), inf)
     while stack:
         n = stack.pop()
         for ref in n.inputs():
             need(ref.node)
-            need_storage(ref.node.storages[ref.out], n.index)
+            need_storage(ref.node.storage(ref.out), n.index)
         for s in n.writes:
             need_storage(s, n.index)
     return [needed[i] for i in sorted(needed)]
@@ -232,14 +232,14 @@ def value_slice(node: Node, out: int, accept: Any, limit: int,
                 return False
         return True
 
-    if not (need(node) and need_storage(node.storages[out], 1 << 62)):
+    if not (need(node) and need_storage(node.storage(out), 1 << 62)):
         return None
     while stack:
         n = stack.pop()
         for ref in n.inputs():
             if known is not None and known(ref.node, ref.out):
                 continue
-            if not (need(ref.node) and need_storage(ref.node.storages[ref.out], n.index)):
+            if not (need(ref.node) and need_storage(ref.node.storage(ref.out), n.index)):
                 return None
         for s in n.writes:
             if not need_storage(s, n.index):
@@ -337,7 +337,7 @@ def held_after(n: Node, k: int, in_run: set[int], inside: int = -1) -> bool:
     a live tensor holds it, or a pending node outside the run reads it (any output of ``n``).
     ``inside``: how many argument references to ``n`` the run makes, when the caller counted
     them; ``n.n_consumers`` equal to it says no consumer is outside without looking for one."""
-    ref = n.outputs[k]
+    ref = n.output(k)
     t = ref() if ref is not None else None
     if t is not None:
         # t: the tensor's liveness token (default graph) or the tensor itself (capture graphs)

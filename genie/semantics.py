@@ -276,14 +276,14 @@ class RoleMap:
         if override or key not in self.by_key:
             self.by_key[key] = (role, name)
             self.version += 1
-        s = t._node.storages[t._out]
+        s = t._node.storage(t._out)
         if s is not None and (override or s not in self.by_storage):
             self.by_storage[s] = (role, name)
 
     def lookup(self, node: Node, out: int) -> tuple[str, str | None] | None:
         r = self.by_key.get((node.index, out))
         if r is None:
-            s = node.storages[out] if out < len(node.storages) else None
+            s = node.storage(out) if out < len(node.metas) else None
             if s is not None:
                 r = self.by_storage.get(s)
         return r

@@ -160,10 +160,10 @@ def profile(tape: Tape, nodes: list[Node], clients: list[Client]) -> Profile:
                 if type(x) is Ref:
                     s = slots.get((x.node.index, x.out))
                     if s is not None and s in inputs and s not in found:
-                        found[s] = (x.node.storages[x.out], x.node, x.out)
+                        found[s] = (x.node.storage(x.out), x.node, x.out)
         for k, m in enumerate(n.metas):
             if m is not None and slots.get((n.index, k)) in keep:
-                st = n.storages[k]
+                st = n.storage(k)
                 if st is not None:
                     kept_storages.add(st)
     ins: list[Input] = []
@@ -424,7 +424,7 @@ class Router:
                 if m is None:
                     continue
                 v = kept.get(slots.get((n.index, k)))  # type: ignore[arg-type]
-                st = n.storages[k]
+                st = n.storage(k)
                 if type(v) is Handle and st is not None:
                     vals = self._values.get(st)
                     if vals is None:

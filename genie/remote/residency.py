@@ -234,7 +234,7 @@ class Residency:
             pending.append((wh, weakref.ref(n) if n is not None else None, k))
             if not self.recording or n is None:
                 continue
-            r.storage = n.storages[k]
+            r.storage = n.storage(k)
             r.epoch = self.epochs.get(r.storage, 0) if r.storage is not None else 0
             if n.op == "genie.upload" and n.leaves and isinstance(n.leaves[0], torch.Tensor):
                 src = n.leaves[0]  # the upload's snapshot: a host source
@@ -275,7 +275,7 @@ class Residency:
                 if type(x) is Ref:
                     s = slots.get((x.node.index, x.out))
                     if s is not None and s in tape.inputs and s not in in_storage:
-                        in_storage[s] = x.node.storages[x.out]
+                        in_storage[s] = x.node.storage(x.out)
         writes = {st for n in tape.nodes for st in n.writes}
         inputs: dict[int, Any] = {}
         host: list[tuple[torch.Tensor, int]] = []

@@ -195,12 +195,18 @@ def test_a_recorded_value_leaves_one_tracked_object() -> None:
         x = a * 2
         y = x * 0.5
     n, s = y._node, y._node.storages[y._out]
-    objs = {"node": n, "leaves": n.leaves, "ref": n.leaves[0], "storages": n.storages,
-            "outputs": n.outputs, "wref": n._wref, "storage": s,
+    assert n._st is s and n._out is n.outputs[0]  # one output's: inline, no lists
+    objs = {"node": n, "leaves": n.leaves, "ref": n.leaves[0], "output": n._out,
+            "wref": n._wref, "storage": s,
             "pending_writes": s.pending_writes, "readers": s.readers,
             "token": n.outputs[0](), "dict": y.__dict__, "input storage": x._node.storages[0]}
     assert {k for k, o in objs.items() if gc.is_tracked(o)} == set()
     assert gc.is_tracked(y)
+    for _ in range(3):
+        vals, idx = y.max(dim=0)
+    m = idx._node  # two outputs: lists of storages and weak references, untracked too
+    assert type(m._st) is list and type(m._out) is list and m.outputs[1]() is idx._alive
+    assert not [o for o in (m, m._st, m._out, *m._st, *m._out) if gc.is_tracked(o)]
 
 
 def test_a_write_tracks_its_storage_again_and_user_attributes_track_the_dict(defer: bool) -> None:

@@ -138,7 +138,8 @@ def describe(results: list[Any], start: int) -> list[Any]:
             consumers=sorted(str(node_id(w())) for w in n.consumers if w() is not None),
             tags=n.tags, entry=id(n.entry), ctx=None if ctx is None else repr(ctx),
             wref=n._wref() is n,
-            tracked=[gc.is_tracked(o) for o in (n, n.leaves, n.storages, n.outputs, n._wref)]))
+            shape_of_outputs=(type(n._st).__name__, type(n._out).__name__),
+            tracked=[gc.is_tracked(o) for o in (n, n.leaves, n._st, n._out, n._wref)]))
     for t in results:
         if isinstance(t, LazyTensor):
             out.append(dict(
