@@ -524,7 +524,8 @@ def effect(op: Any, ins: Any, env: dict[int, Any], storages: dict[int, list[int]
     metadata of its operands (``env``: slot -> the vet's tensor values; ``storages``: storage
     id -> [bytes, ...]), or None: no rule, or one that declines (the vet runs it on meta).
 
-    Example (a float ``(2, 1, 4)`` plus an int64 ``(3, 1)``: what ``a + b`` gives on meta):
+    Example (a float ``(2, 1, 4)`` plus an int64 ``(3, 1)``: what ``a + b`` gives on meta; None
+    on a torch the rules were not reviewed against, :data:`ACTIVE`):
         >>> import optree, torch
         >>> from genie.planner import Instr, Slot
         >>> from genie.remote.guard import TV
@@ -532,8 +533,10 @@ def effect(op: Any, ins: Any, env: dict[int, Any], storages: dict[int, list[int]
         ...        1: TV(((3, 1), (1, 1), 0, torch.int64, False, False), 8)}
         >>> spec = optree.tree_structure(((0, 0), {}))
         >>> ins = Instr(torch.ops.aten.add.Tensor, [Slot(0), Slot(1)], spec, (2,), None)
-        >>> effect(ins.op, ins, env, {7: [32, 1, 0], 8: [24, 1, 0]})
-        [(((2, 3, 4), (12, 4, 1), 0, torch.float32, False, False), -1, 96)]
+        >>> out = effect(ins.op, ins, env, {7: [32, 1, 0], 8: [24, 1, 0]})
+        >>> out == ([(((2, 3, 4), (12, 4, 1), 0, torch.float32, False, False), -1, 96)]
+        ...         if ACTIVE else None)
+        True
     """
     rule = RULES.get(op) if ACTIVE else None
     if rule is None:
