@@ -518,7 +518,8 @@ def encode_tape(tape: Tape, input_const: Any, hoist: bool = False) -> Encoded:
         # the build is skipped (~25 us a GPT-2 4x128 token)
         wire = pw.wire
         stale = tape._stale
-        src = tape.instrs if stale is None else \
+        # (a hit whose run released its nodes: Tape.instrs raises what happened)
+        src = tape.instrs if stale is None or (tape.nodes and tape.nodes[-1] is None) else \
             plan.replay_source(raw_instrs(tape), tape.nodes, stale)
         consts = _input_consts(tape, wire, input_const, frames, src)
         where = wire.where
