@@ -361,21 +361,19 @@ _OTHER_BACKWARD = """
     from genie import device
     device._explain_other_backward("cuda")
 
-    class Asserts(torch.autograd.Function):  # the engine's assert, as a backward raises it
-        @staticmethod
-        def forward(ctx, t):
-            return t * 2
-        @staticmethod
-        def backward(ctx, g):
-            raise RuntimeError("opt_ready_stream && opt_parent_stream INTERNAL ASSERT FAILED")
+    def raising(message):  # a Function whose backward raises `message`
+        class F(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t * 2
+            @staticmethod
+            def backward(ctx, g):
+                raise RuntimeError(message)
+        return F
 
-    class Other(torch.autograd.Function):  # any other error stays as it is
-        @staticmethod
-        def forward(ctx, t):
-            return t * 2
-        @staticmethod
-        def backward(ctx, g):
-            raise RuntimeError("something else")
+    # the engine's assert, as a backward raises it; any other error stays as it is
+    Asserts = raising("opt_ready_stream && opt_parent_stream INTERNAL ASSERT FAILED")
+    Other = raising("something else")
 
     x = torch.randn(3, requires_grad=True)
     for fn, call in [(Asserts, lambda y: y.sum().backward()),
