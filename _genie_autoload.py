@@ -28,10 +28,12 @@ def accelerator_beside() -> str | None:
     ``import torch`` does not register the device beside one (see :func:`autoload`)."""
     import torch
 
-    if getattr(torch.version, "cuda", None) and any(
+    # (a process that hides every GPU, CUDA_VISIBLE_DEVICES empty or -1, has none in reach)
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES", "all").strip() not in ("", "-1")
+    if shown and getattr(torch.version, "cuda", None) and any(
             os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia/version")):
         return "cuda"
-    if getattr(torch.version, "hip", None) and os.path.exists("/dev/kfd"):
+    if shown and getattr(torch.version, "hip", None) and os.path.exists("/dev/kfd"):
         return "cuda"  # ROCm's torch device type
     mps = getattr(torch.backends, "mps", None)
     if sys.platform == "darwin" and mps is not None and mps.is_built():

@@ -345,6 +345,24 @@ def test_import_torch_registers_the_device_unless_another_accelerator_is_there(o
     assert r.stdout.split() == [want], r.stdout + r.stderr
 
 
+def test_accelerator_beside_reads_the_driver_and_the_visible_devices(monkeypatch):
+    """A CUDA torch with NVIDIA's driver node in reach is "beside CUDA", unless the process
+    hides every GPU (CUDA_VISIBLE_DEVICES empty or -1); a CPU torch never is."""
+    import _genie_autoload
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(os.path, "exists", lambda p: p == "/dev/nvidiactl")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _genie_autoload.accelerator_beside() == "cuda"
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert _genie_autoload.accelerator_beside() is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert _genie_autoload.accelerator_beside() == "cuda"
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert _genie_autoload.accelerator_beside() is None
+
+
 def test_accelerator_beside_finds_none_on_a_cpu_machine():
     """The detection the autoload relies on: this machine's torch has no other accelerator in
     reach (a CPU wheel, or no driver), so the tests above are the only place it says "cuda"."""
