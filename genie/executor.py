@@ -495,11 +495,11 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
 
 # --- the fused hit path --------------------------------------------------------------------------
 #
-# A read whose slice a cached plan serves as it is (an exact column-match hit on the eager
-# backend, the plan's native program compiled, its passes settled) runs from the match itself:
-# the program reads the step's parameters from the found nodes, the values are bound to them,
-# and no Tape, edited instructions or backend dispatch is made. Anything else (a miss, shapes
-# that differ, passes still verified or timed, a profiler, a dispatch mode, memory tracking, a
+# A read whose slice a cached plan serves (a column-match hit on the eager backend, the plan's
+# native program compiled, its passes settled) runs from the match itself: the program reads
+# the step's parameters from the found nodes, the values are bound to them, and no Tape, edited
+# instructions or backend dispatch is made. Anything else (a miss, passes still verified or
+# timed, a script on a hit of other shapes, a profiler, a dispatch mode, memory tracking, a
 # failing op) takes the general path (run_tape), which stays the reference: both bind the same
 # values to the same nodes.
 
@@ -521,72 +521,79 @@ def _fusing() -> bool:
 
 
 class _Fused:
-    """What a plan's fused hits read (``Plan.artifacts["fused"]``), for its passes' state
-    ``passes`` (``Plan.artifacts["passes"]``) of generation ``gen``: the native program (None:
-    the plan's hits take the general path), the instructions it reads a step's parameters
-    from where the step's are the plan's, and with an edit script, per plan instruction that
-    may take a step's parameters, the program's instructions made from it."""
+    """What a plan's fused hits read (``Plan.artifacts["fused"]``; ``["fused_generic"]`` for
+    hits whose shapes differ from the plan's), for its passes' state ``passes``
+    (``Plan.artifacts["passes"]``) of generation ``gen``: the native program (None: these hits
+    take the general path), the instructions it reads a step's parameters from where the
+    step's are the plan's, whether such a run counts as waiting for the passes, and with an
+    edit script, per plan instruction that may take a step's parameters, the program's
+    instructions made from it."""
 
-    __slots__ = ("passes", "gen", "program", "tmpl", "at", "consts", "final")
+    __slots__ = ("passes", "gen", "program", "tmpl", "at", "consts", "script", "waiting",
+                 "final")
 
-    def __init__(self, plan: Any) -> None:
+    def __init__(self, plan: Any, generic: bool) -> None:
         self.passes = plan.artifacts.get("passes")
         self.gen = pipeline._config["gen"]
         self.program: Any = None
         self.tmpl: list[Any] = plan.instrs
         self.at: dict[int, list[int]] | None = None
         self.consts: dict[int, torch.Tensor] | None = None
+        self.script: Any = None
+        self.waiting = False
         self.final = False  # made for good (else again at the next hit: passes or program to come)
-        s = pipeline.settled(plan)
+        s = pipeline.settled(plan, generic)
         if s is None:
             return
-        owner, st = s
-        prog = owner.artifacts.get("native")
+        owner, st, self.waiting = s
+        prog = owner.artifacts.get("native_generic" if generic else "native")
         if prog is None:
             return
         self.final = True
         if prog is False or prog.others:
             return
         if st is not None:
-            stale = {*plan.flat[5], *plan.rngs}  # instructions of floats and random ops
+            # instructions of floats, host tensors and random ops
+            stale = {*plan.flat[5], *plan.flat[8][0], *plan.rngs}
             if not stale.isdisjoint(st.frozen):  # a step may differ where a pass compared
                 return
             self.tmpl = st.tmpl
             self.at = {o: st.by_origin.get(o, []) for o in stale}
             self.consts = st.consts
+            self.script = st
         self.program = prog
 
 
-def _fused(plan: Any) -> _Fused:
-    f = plan.artifacts.get("fused")
+def _fused(plan: Any, generic: bool) -> _Fused:
+    name = "fused_generic" if generic else "fused"
+    f = plan.artifacts.get(name)
     if f is None or f.passes is not plan.artifacts.get("passes") or \
             f.gen != pipeline._config["gen"] or not f.final:
-        f = plan.artifacts["fused"] = _Fused(plan)
+        f = plan.artifacts[name] = _Fused(plan, generic)
     return f
 
 
-def _run_hit(plan: Any, r: Any, generic: bool, targets: list[tuple[Node, int]], n: int,
-             index: int) -> list[Any]:
-    """Run a column-match hit (:func:`genie.plan_cache.plan`'s ``found``) on the fused path
-    when it can take it, else as :func:`run_tape` runs its tape; the values of the first ``n``
-    targets."""
-    f = _fused(plan)
-    p = None
+def _run_hit(plan: Any, r: Any, generic: bool, p: tuple[list[int], bool],
+             targets: list[tuple[Node, int]], n: int, index: int) -> list[Any]:
+    """Run a column-match hit (:func:`genie.plan_cache.plan`'s ``found``: the match ``r``, its
+    params ``p``) on the fused path when it can take it, else as :func:`run_tape` runs its
+    tape; the values of the first ``n`` targets."""
+    f = _fused(plan, p[1])
     states = plan.states
-    if f.program is not None and not r[1] and \
-            not (states and (len(states) > 1 or _state_word() not in states)):
-        p = plan_cache.params(plan, generic, r)
-    if p is None or p[1]:  # not fused, or the step's shapes differ from the plan's
+    if f.program is None or (states and (len(states) > 1 or _state_word() not in states)):
         return run_tape(_requested(plan_cache.hit_tape(plan, r, targets, generic, p), n), index)
-    found, _, _, _, inputs = r
+    found, shaped, _, _, inputs = r
+    if p[1]:  # as the general path counts them, before the run
+        _counts["plan_cache_generic_hits"] += 1
+    if f.waiting:
+        bump("passes_waiting")
     out = _hit_run(f.program.native, inputs, f.consts, f.tmpl, f.at, found,
-                   [*p[0], *plan.rngs] if plan.rngs else p[0], [_device_for(index)],
-                   plan.flat[15], _PRUNE_AT, config.gc_untrack,
+                   [*p[0], *shaped, *plan.rngs] if shaped or plan.rngs else p[0],
+                   [_device_for(index)], plan.flat[15], _PRUNE_AT, config.gc_untrack,
                    index if memory.held_here(index) else -1, plan.outputs[:n])
     if len(out) == 3:  # (failing instruction, its exception, live values): as run_tape
-        tape = _requested(plan_cache.hit_tape(plan, r, targets, generic, p), n)
-        ran = tape if f.at is None else pipeline.settled(plan)[1].apply(tape)
-        err = native_replay.failure(ran, *out)
+        tape = _requested(plan_cache.hit_tape(plan, r, targets, generic, p, False), n)
+        err = native_replay.failure(tape if f.script is None else f.script.apply(tape), *out)
         err.__cause__ = out[1]
         _failed(tape, err, index)
     vals, bound, held, kept = out

@@ -299,7 +299,7 @@ class PlanCache:
 
     def match(self, targets: list[tuple[Node, int]], generic: bool = False,
               span: int = -1, key: Any = None, found: bool = False
-              ) -> Tape | tuple[Plan, Any, bool] | None:
+              ) -> Tape | tuple[Plan, Any, bool, Any] | None:
         """A hit found from the targets alone (no :func:`~genie.planner.slice_nodes`): the
         cached plans for these requested ops are tried with :func:`match`, those last used at
         ``span`` (:meth:`span`) first, then most recently used first. ``found``: as
@@ -409,15 +409,15 @@ def clear() -> None:
 
 @gc_paused
 def plan(targets: list[tuple[Node, int]], generic: bool = True, found: bool = False
-         ) -> Tape | tuple[Plan, Any, bool]:
+         ) -> Tape | tuple[Plan, Any, bool, Any]:
     """A :class:`~genie.planner.Tape` for ``targets``: a cached plan's when the structure
     matches one (a hit), else a freshly built one, whose plan is cached (a miss).
 
     ``generic``: the backend that will run the tape takes any shapes (eager, remote: see
     :func:`genie.backends.shape_generic`), so a plan that differs only in shapes is a hit too
-    (when :func:`shape_generic` is on). ``found``: a hit the column match finds on a plan without
-    host tensors comes back as ``(plan, the match, generic)`` instead, its tape not made: the
-    executor's fused hit path runs it from that, or makes the tape with :func:`hit_tape`.
+    (when :func:`shape_generic` is on). ``found``: a hit the column match finds comes back as
+    ``(plan, the match, generic, its params)`` instead, its tape not made: the executor's fused
+    hit path runs it from that, or makes the tape with :func:`hit_tape`.
     """
     generic = generic and _generic
     span = _cache.span(targets) if targets else -1
@@ -627,10 +627,10 @@ def _writes_exact(plan: Plan, found: list[Any], targets: list[tuple[Node, int]])
 
 
 def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False,
-          found: bool = False) -> Tape | tuple[Plan, Any, bool] | None:
+          found: bool = False) -> Tape | tuple[Plan, Any, bool, Any] | None:
     """``instantiate(plan, targets, slice_nodes(targets))`` without slicing, or None
-    (``found``: for a plan without host tensors, whose tape a match always makes, ``(plan, the
-    match, generic)`` instead of the tape: see :func:`plan`).
+    (``found``: ``(plan, the match, generic, its params)`` instead of the tape: see
+    :func:`plan`).
 
     Walks the plan backwards from its outputs: instruction ``i``'s node is the one the targets
     or a later instruction's arguments point at (``guide``; an in-place update: the pending
@@ -654,9 +654,10 @@ def match(plan: Plan, targets: list[tuple[Node, int]], generic: bool = False,
     r = _core(plan, targets, generic)
     if r is None:
         return None
-    if found and not plan.flat[8][0]:
-        return plan, r, generic
-    return _tape_of(plan, targets, generic, r)
+    if not found:
+        return _tape_of(plan, targets, generic, r)
+    p = params(plan, generic, r)
+    return None if p is None else (plan, r, generic, p)
 
 
 def _core(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -> Any:
@@ -675,12 +676,12 @@ def _core(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -> Any:
 
 
 def hit_tape(plan: Plan, r: Any, targets: list[tuple[Node, int]], generic: bool,
-             p: tuple[list[int], bool] | None = None) -> Tape:
-    """The tape of a hit :func:`plan` handed back as ``(plan, r, generic)`` (counted as a
-    shape-generic hit when it is one); ``p``: its :func:`params`, when the caller has them."""
+             p: tuple[list[int], bool], count: bool = True) -> Tape:
+    """The tape of a hit :func:`plan` handed back as ``(plan, r, generic, p)`` (``count``:
+    counted as a shape-generic hit when it is one)."""
     tape = _tape_of(plan, targets, generic, r, p)
-    assert tape is not None  # (only host tensors fail after the core, and such plans make it)
-    if tape.generic:
+    assert tape is not None  # (p: the params of a match that fits)
+    if count and tape.generic:
         _counts["plan_cache_generic_hits"] += 1
     return tape
 

@@ -449,19 +449,23 @@ def run(tape: Tape, device: torch.device) -> tuple[dict[int, Any], Tape]:
     return _gate_run(st, plan, tape, opt, device, time.perf_counter() - t0)
 
 
-def settled(plan: Any) -> tuple[Any, Script | None] | None:
-    """How :func:`run` runs an exact hit of ``plan`` (the eager backend first) when it neither
-    prepares, verifies nor times the plan's passes: ``(the plan whose artifacts hold the
-    program, the script applied or None)``; None when the next run must go through :func:`run`.
-    The executor's fused hit path (:func:`genie.executor.run_targets`) runs only settled plans."""
+def settled(plan: Any, generic: bool = False) -> tuple[Any, Script | None, bool] | None:
+    """How :func:`run` runs a hit of ``plan`` (the eager backend first; ``generic``: a hit whose
+    shapes differ from the plan's) when it neither prepares, verifies nor times the plan's
+    passes, nor applies a script that may refuse the step: ``(the plan whose artifacts hold the
+    program, the script applied or None, whether the run counts as waiting:
+    ``passes_waiting``)``; None when the next run must go through :func:`run`. The executor's
+    fused hit path (:func:`genie.executor.run_targets`) runs only settled plans."""
     if not active_passes():
-        return plan, None
+        return plan, None, False
     st = plan.artifacts.get("passes")
-    if st is None or type(st) is _Waiting or st.gen != _config["gen"] or st.where is not None:
+    if st is None or st.gen != _config["gen"] or st.where is not None:
         return None
+    if type(st) is _Waiting:  # (as _waits: a generic hit keeps waiting, an exact one prepares)
+        return (plan, None, True) if generic and _wait[0] and memory_budget() is None else None
     if type(st) is _Off:
-        return plan, None
-    return (st.shadow, st) if st.state == "on" else None
+        return plan, None, False
+    return (st.shadow, st, False) if st.state == "on" and not generic else None
 
 
 def _not_eager() -> str | None:

@@ -89,6 +89,45 @@ def test_both_paths_bind_and_count_alike(monkeypatch):
     assert seen[True][3] == seen[False][3]
 
 
+def _growing(step, w):
+    """A decode step's kind of read: an input one row longer every step (a hit of other
+    shapes)."""
+    x = torch.arange(float(4 * (step + 2)), device=D).view(step + 2, 4)
+    genie.materialize(x)
+    return ((x * 0.5).exp().sum(0) + w).sum()
+
+
+def _uploading(step, w):
+    """A read that uploads a host tensor it made this step (a parameter of the plan)."""
+    return (torch.tensor([float(step), 1.0, 2.0, 3.0], device=D) * w).sum()
+
+
+@pytest.mark.parametrize("read", [_growing, _uploading], ids=["other-shapes", "host-tensor"])
+def test_hits_of_other_shapes_and_host_tensors_run_fused_as_the_general_path(monkeypatch, read):
+    if not executor._fuse[0]:
+        pytest.skip(_OFF)
+    keys = ("plan_cache_hits", "plan_cache_generic_hits", "plan_cache_misses", "nodes_executed",
+            "values_freed", "native_replays", "passes_waiting", "uploads")
+    seen = {}
+    for on in (False, True):
+        monkeypatch.setattr(executor, "_fuse", [on])
+        plan_cache.clear()
+        w = torch.ones(4, device=D)
+        genie.materialize(w)
+        genie.reset_stats()
+        vals = [read(step, w).item() for step in range(8)]
+        s = genie.stats()
+        seen[on] = (vals, {k: s.get(k, 0) for k in keys}, s.get("fused_hits", 0))
+    assert seen[True][2] >= 4 and seen[False][2] == 0
+    assert seen[True][0] == seen[False][0]  # bit-equal
+    assert seen[True][1] == seen[False][1]
+    cpu = torch.ones(4)
+    want = [(torch.arange(float(4 * (k + 2))).view(k + 2, 4) * 0.5).exp().sum(0).add(cpu).sum()
+            if read is _growing else (torch.tensor([float(k), 1.0, 2.0, 3.0]) * cpu).sum()
+            for k in range(8)]
+    assert seen[True][0] == pytest.approx([v.item() for v in want], rel=1e-6)
+
+
 def _failing_reads(runs):
     """Reads of ``a`` and ``y`` whose sixth fails in its second op (an index only the data
     shows is out of range): what it raised, and the state it left; ``runs`` is emptied before

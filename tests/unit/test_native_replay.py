@@ -214,11 +214,12 @@ def test_a_hits_instructions_read_after_its_run_raise_saying_when_to_read_them(m
     """A hit's instructions are built from its nodes, which its run releases: a wrapper of
     ``pipeline.run`` that reads them after the run got ``'NoneType' object has no attribute
     'op'``; now a clear error, and reading them before the run ends gives eager's program."""
-    from genie import memory, passes
+    from genie import executor, memory, passes
     from genie.planner import Tape
 
     monkeypatch.setattr(passes.pipeline, "_config", {**passes.pipeline._config, "names": ()})
     monkeypatch.setattr(memory, "_tracking", [False])
+    monkeypatch.setattr(executor, "_fuse", [False])  # the general path (a fused hit: no tape)
     tapes: list[Tape] = []
     run = passes.pipeline.run
 

@@ -528,10 +528,12 @@ def test_a_gpt2_decode_steps_class_is_the_same_built_fast() -> None:
     transformers = pytest.importorskip("transformers")
     from transformers import DynamicCache
 
+    from genie import executor
     from genie.passes import pipeline
 
     tapes = []
     real = pipeline.run
+    fuse = executor._fuse
 
     def keep(tape, device):
         tapes.append(tape)
@@ -550,11 +552,13 @@ def test_a_gpt2_decode_steps_class_is_the_same_built_fast() -> None:
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True).logits.cpu()
         pipeline.run = keep
+        executor._fuse = [False]  # every step a tape (a fused hit makes none)
         try:
             for _ in range(6):
                 model(tok, past_key_values=cache, use_cache=True).logits.cpu()
         finally:
             pipeline.run = real
+            executor._fuse = fuse
     steps = [t for t in tapes if len(t.instrs) > 20]
     assert len(steps) == 6
     specs, (fast, slow) = _fast_and_slow(steps[1], steps[2])
