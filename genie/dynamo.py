@@ -411,6 +411,12 @@ def _no_dropout(n: torch.fx.Node) -> bool:
     return p == 0.0
 
 
+def _writer(t: LazyTensor) -> Any:
+    """The node recorded last that writes ``t``'s storage (pending), or None."""
+    w = t._node.storages[t._out].pending_writes
+    return w[-1] if w else None
+
+
 def _caller(gm: torch.fx.GraphModule, g: Any,
             writes: list[tuple[int, torch.fx.Node]]) -> Any:
     """``args -> outputs`` recording one ``genie::graph`` node; outputs that are inputs are
@@ -504,8 +510,12 @@ def _caller(gm: torch.fx.GraphModule, g: Any,
             else:
                 a = (key, written, list(tensors), ints) if w_idx else (key, list(tensors), ints)
                 res = op(*a)
-                if plain and res and type(res[0]) is LT:
-                    e = res[0]._node.entry
+                made = res[0]._node if plain and res and type(res[0]) is LT else \
+                    _writer(written[0]) if plain and not res and written else None
+                if made is not None and made.op is op and made.entry is not None:
+                    # (a graph with no output, an optimizer's step: the node is the last
+                    # writer of what it writes)
+                    e = made.entry
                     entries[sizes] = (e, graph_entry(op, a, e))
         bump("graph_calls")
         if w_idx:

@@ -543,6 +543,53 @@ def test_a_cached_call_with_host_scalar_inputs_records_the_first_calls_node(fast
     assert hosts == 1
 
 
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),  # device inputs only: native
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2),  # and its 0-dim CPU step counts: record_known
+], ids=["sgd", "adamw"])
+def test_a_graph_with_no_output_records_later_calls_from_its_cached_entry(fast_compiler,
+                                                                         monkeypatch, make_opt):
+    """A compiled optimizer step returns nothing (it writes the parameters and moments in
+    place): its first call's node is found as the last writer of what it writes, so later steps
+    record from the cached entry as well (genie._C._record_graph; record_known where it also
+    reads host step counts), not through the op's dispatch and its key over every input each
+    step; the parameters follow eager's."""
+    from genie import lazy_tensor
+
+    native = _native_graph_records(monkeypatch)
+    known_records: list[int] = []
+    known = lazy_tensor.record_known
+
+    def counted(*a):
+        known_records.append(1)
+        return known(*a)
+
+    monkeypatch.setattr(lazy_tensor, "record_known", counted)  # read when the graph compiles
+    torch.manual_seed(0)
+    ref = _mlp(8, 2)
+    dev_model = copy.deepcopy(ref).to(DEV)
+    opts = make_opt(ref.parameters()), make_opt(dev_model.parameters())
+    step = torch.compile(opts[1].step)
+    xc = torch.randn(4, 8)
+    x = xc.to(DEV)
+    cached = []  # per step: calls recorded from the cached entry
+    for _ in range(6):
+        for m, o, inp in ((ref, opts[0], xc), (dev_model, opts[1], x)):
+            o.zero_grad()
+            m(inp).square().sum().backward()
+        opts[0].step()
+        before = len(known_records) + sum(native)
+        step()
+        cached.append(len(known_records) + sum(native) - before)
+    # the first steps trace and compile (the state's first step, guards on it); then each step
+    # records its one node from the entry
+    assert cached[-3:] == [1, 1, 1], cached
+    if isinstance(opts[0], torch.optim.AdamW):
+        assert not any(native[-3:])  # (its host inputs: record_known)
+    for a, b in zip(ref.parameters(), dev_model.parameters(), strict=True):
+        torch.testing.assert_close(b.cpu(), a)
+
+
 def _write_cache(x, y, cache, i):
     """A graph that writes two of its inputs in place (a static KV cache's ``index_copy_``, an
     optimizer's ``add_``) and reads both."""
