@@ -918,12 +918,14 @@ class Filled:
     """A filled tape's instructions, kept to be patched by the next call's changed constants.
 
     ``where[k]`` is ``(instruction, leaf)`` of constant ``k`` (leaf -1/-2: the random seed /
-    offset; instruction -1: an upload, which a patch cannot follow); ``frames`` lists the
-    constants that are host tensors (read from every call's own frames)."""
+    offset; instruction -1: an upload); ``frames`` lists the constants that are host tensors
+    and ``uploads`` the upload instructions' ``(constant, slot)``: both read from every call's
+    own frames."""
 
     instrs: list[Instr]
     where: dict[int, tuple[int, int]]
     frames: list[int]
+    uploads: list[tuple[int, int]] = field(default_factory=list)
     #: leaves patched ``(instruction, leaf)`` since ``params`` was found
     patched: list[tuple[int, int]] = field(default_factory=list)
     #: what :func:`genie.remote.shape_class.shape_params` found in these instructions
@@ -1048,10 +1050,12 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
     instrs: list[Instr] = []
     where: dict[int, tuple[int, int]] = {}
     at_frames: list[int] = []
+    ups: list[tuple[int, int]] = []
     for i, t in enumerate(c.templates):
         if upload is not None and t.op == UPLOAD:
             v = consts[k]
             where[k] = (-1, 0)
+            ups.append((k, t.outs[0]))
             k += 1
             if type(v) is not FrameRef or v.index >= len(frames):
                 raise ProtocolError(f"instruction {i}: an upload needs a tensor frame")
@@ -1091,9 +1095,8 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
             args, kwargs = optree.tree_unflatten(t.spec, leaves)
             check_args(t.op, t.checks, args, kwargs, i)
         instrs.append(Instr(t.op, leaves, t.spec, t.outs, rng, t.free, uid=f"#{i}"))
-    # a skeleton with uploads is filled anew every call (an upload becomes an input)
-    c.filled = Filled(instrs, where, at_frames) if upload is not None and \
-        len(instrs) == len(c.templates) else None
+    # (with ``upload``, each upload is an input: a refill reads it anew, as every call's)
+    c.filled = Filled(instrs, where, at_frames, ups) if upload is not None else None
     return Tape(instrs, inputs, list(c.outputs), set(c.keep), [], {})
 
 
@@ -1102,27 +1105,35 @@ _PATCHABLE = (int, float, bool, type(None))
 
 
 def refill(c: Compiled, old: list[Any], consts: list[Any], changed: list[int],
-           frames: list[Any], inputs: dict[int, Any]) -> Tape | None:
+           frames: list[Any], inputs: dict[int, Any], upload: Any = None) -> Tape | None:
     """:func:`fill` of a call whose constants differ from the last call's (``old``) only at
     ``changed``: the last tape's instructions patched in place (the last call's tape is not used
-    again), host tensors read from this call's frames. None when a change is not a patch of a
-    plain number (a type that changes, a tensor, an upload): fill anew. Checks as :func:`fill`
-    does: seeds >= 0; the schema's argument checks hold unchecked (see below)."""
+    again), host tensors read from this call's frames, and with ``upload`` (as :func:`fill`'s)
+    each upload instruction's value too, into ``inputs`` (a prompt of a new length each call: a
+    GPT-2 prefill's ~250 instructions filled anew cost ~0.6-1.2 ms, and the class key's walk of
+    them ~0.3-0.5 ms more). None when a change is not a patch of a plain number (a type that
+    changes, a tensor), or an upload's constant is not a tensor frame: fill anew. Checks as
+    :func:`fill` does: seeds >= 0, an upload's frame as :func:`frame_tensor` checks it; the
+    schema's argument checks hold unchecked (see below)."""
     f = c.filled
-    if f is None or len(consts) != c.n_consts:
+    if f is None or len(consts) != c.n_consts or (f.uploads and upload is None):
         return None
     n_in = len(c.inputs)
     touched: set[int] = set()
     for k in changed:
         if k < n_in:
             continue  # an input: resolved by the caller
+        i, j = f.where[k]
+        if i < 0:
+            continue  # an upload: read below, as every call's
         a, b = old[k], consts[k]
         if type(a) is not type(b) or type(b) not in _PATCHABLE:
             return None
-        i, j = f.where[k]
-        if i < 0:
-            return None
         touched.add(i)
+    for k, _ in f.uploads:  # (as fill: ProtocolError from it when one is not a tensor frame)
+        v = consts[k]
+        if type(v) is not FrameRef or v.index >= len(frames):
+            return None
     instrs = f.instrs
     patched = f.patched
     for i in touched:  # a patched instruction is a new object: a native program skips the
@@ -1133,6 +1144,8 @@ def refill(c: Compiled, old: list[Any], consts: list[Any], changed: list[int],
         if k < n_in:
             continue
         i, j = f.where[k]
+        if i < 0:
+            continue
         v = consts[k]
         ins = instrs[i]
         if j >= 0:
@@ -1151,6 +1164,9 @@ def refill(c: Compiled, old: list[Any], consts: list[Any], changed: list[int],
             raise ProtocolError(f"tensor frame {v.index} is missing")
         i, j = f.where[k]
         instrs[i].leaves[j] = frame_tensor(frames[v.index], v, copy=True)
+    for k, slot in f.uploads:
+        v = consts[k]
+        inputs[slot] = upload(frame_tensor(frames[v.index], v, copy=False))
     # no check_args of the patched instructions: its verdict depends only on the types of the
     # values at checked positions and on list lengths, and a patch keeps every leaf's type (a
     # plain number or None) and the tree; the values it checks (devices, dtypes, layouts,

@@ -761,7 +761,8 @@ class Worker:
             tape = None
             if changed is not None and old is not None:
                 try:
-                    tape = refill(c, old, consts, changed, frames, inputs)
+                    tape = refill(c, old, consts, changed, frames, inputs,
+                                  upload=lambda t: _device_value(t, dev))
                 except BaseException:
                     c.filled = None  # patched half way: fill anew next time
                     raise

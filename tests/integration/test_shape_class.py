@@ -440,3 +440,63 @@ def test_two_structures_that_move_together_each_get_their_class(background) -> N
     finally:
         s.alive()
         s.close()
+
+
+def test_a_prefills_upload_is_read_from_each_calls_own_frame(sess: Session) -> None:
+    """A prefill uploads a prompt of a new length each call (an upload instruction, not a
+    resident input): its calls are sent as deltas and patched from the last call's tape
+    (``protocol.refill``), the upload read from the call's own frame, as a fill reads it. An
+    attacker's delta whose upload claims more than its frame holds, names a frame not sent or
+    is no frame is refused as a fill refuses it; one that makes the upload an odd count of
+    complex128 (a frame ZeroMQ places at 8 mod 16) runs on an aligned copy; the session goes on
+    with eager's values."""
+    import hashlib
+
+    names = ["genie.upload", "aten::view.default", "aten::mul.Scalar"]
+    rows = [[0, -1, [-1], [0], [], False], [1, 0, [0, -1, -1], [1], [0], False],
+            [2, 1, [1, -1], [2], [1], False]]
+    sk = protocol.pack([protocol.PROTOCOL_VERSION, names, [VIEW, MUL], rows, [], [2], []])
+    key = hashlib.blake2b(sk, digest_size=16).digest()
+
+    def call(x: torch.Tensor, a: int, b: int, scale: float, first: bool = False,
+             frames: tuple | None = None) -> dict | None:
+        sess.hid += 100
+        head: dict = {"t": "run", "k": key, "id0": sess.hid}
+        consts = [host(x, 0), a, b, scale]
+        if first:
+            head.update(sk=sk, c=consts)
+        else:
+            head.update(d=[p for k, c in enumerate(consts) for p in (k, c)])
+        return sess.ask(head, *(frames if frames is not None else
+                                (protocol.tensor_frame(x)[0],)))
+
+    seen = []
+    for k in range(3, 9):
+        x = torch.arange(2.0 * k) - 5
+        r = call(x, 2, k, 1.0 + k, first=k == 3)
+        assert r and r["t"] == "ok", (k, r)
+        seen.append(r["vt"])
+        want = x.view(2, k) * (1.0 + k)
+        got = _reply_tensor(sess, r)
+        assert got.shape == want.shape and torch.equal(got, want), (k, got, want)
+    assert seen[2:] == ["class"] * 4, seen
+    small = protocol.tensor_frame(torch.arange(4.0))[0]
+    for x, frames, why in ((torch.arange(64.0), (small,), "frame"),
+                           (torch.arange(4.0), (), "frame"),
+                           (torch.arange(4.0), (small, small), None)):
+        r = call(x, 2, x.numel() // 2, 2.0, frames=frames)
+        if why is None:  # (an extra frame is not read)
+            assert r and r["t"] == "ok", r
+            continue
+        err(r, "protocol", why)
+    sess.hid += 100
+    r = sess.ask({"t": "run", "k": key, "id0": sess.hid, "d": [0, 7]})  # no frame at all
+    err(r, "protocol", "upload needs a tensor frame")
+    z = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j], dtype=torch.complex128)
+    r = call(z, 1, 3, 2.0)
+    assert r and r["t"] == "ok", r
+    assert torch.equal(_reply_tensor(sess, r), z.view(1, 3) * 2.0)
+    x = torch.arange(10.0)
+    r = call(x, 2, 5, 3.0)
+    assert r and r["t"] == "ok", r
+    assert torch.equal(_reply_tensor(sess, r), x.view(2, 5) * 3.0)

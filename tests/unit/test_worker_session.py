@@ -201,3 +201,46 @@ def test_held_inputs_resolve_only_held_ints(monkeypatch: pytest.MonkeyPatch) -> 
     got = w._held_inputs(c, [11, 10, 99], protect)
     assert list(got) == [3, 5] and got[3] is b and got[5] is a
     assert protect == {10, 11} and sess.used_at == {10: 7, 11: 7}
+
+
+def _upload_neg() -> bytes:
+    """A skeleton that uploads a host value (slot 0, not kept) and keeps its negation (slot 1):
+    a prefill's shape (its prompt an upload of a new length each call)."""
+    return protocol.pack([1, ["genie.upload", "aten::neg.default"], [[1, [1, 0], [3, [], []]]],
+                          [[0, -1, [-1], [0], [], False], [1, 0, [0], [1], [0], False]], [], [1],
+                          [1]])
+
+
+def _delta(w: Worker, sk: bytes, d: list, frames: list, id0: int) -> dict:
+    h = {"t": "run", "k": hashlib.blake2b(sk, digest_size=16).digest(), "d": d, "id0": id0}
+    return w.handle(protocol.unpack(protocol.pack(h)), frames)[0]
+
+
+def test_an_upload_of_a_new_length_refills(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tape that uploads a value of a new length each call (a prefill) is patched from the
+    last call's (``protocol.refill``), the upload read from its own frame as a fill reads it;
+    an upload frame that does not hold what its constant describes is refused as a fill refuses
+    it, and the next call fills anew."""
+    w = _worker(monkeypatch)
+    sk = _upload_neg()
+    x = torch.arange(4.0)
+    _run(w, sk, [_host(x, 0)], [protocol.tensor_frame(x)[0]], 100)
+    assert torch.equal(w.sess.store[100], -x) and w.refills == 0
+    for k, n in enumerate((6, 9, 3)):
+        y = torch.arange(float(n)) * (k + 2)
+        reply = _delta(w, sk, [0, _host(y, 0)], [protocol.tensor_frame(y)[0]], 101 + k)
+        assert reply["t"] == "ok", reply
+        assert torch.equal(w.sess.store[101 + k], -y) and w.refills == k + 1
+    short = torch.arange(2.0)
+    with pytest.raises(protocol.ProtocolError, match="frame"):
+        _delta(w, sk, [0, _host(torch.arange(8.0), 0)], [protocol.tensor_frame(short)[0]], 200)
+    with pytest.raises(protocol.ProtocolError, match="upload needs a tensor frame"):
+        _delta(w, sk, [0, 7], [], 201)  # (not a tensor frame)
+    with pytest.raises(protocol.ProtocolError, match="upload needs a tensor frame"):
+        _delta(w, sk, [0, _host(short, 1)], [protocol.tensor_frame(short)[0]], 202)  # no frame 1
+    assert not {200, 201, 202} & set(w.sess.store)
+    for k, n in enumerate((5, 7)):  # a fill anew after the refusals, then refills again
+        z = torch.arange(float(n))
+        reply = _delta(w, sk, [0, _host(z, 0)], [protocol.tensor_frame(z)[0]], 300 + k)
+        assert reply["t"] == "ok" and torch.equal(w.sess.store[300 + k], -z)
+        assert w.refills == 3 + k
