@@ -42,7 +42,7 @@ struct NodeSlots {
   PyTypeObject* meta = nullptr;  // genie.graph.TensorMeta
   Py_ssize_t values = 0, executed = 0, leaves = 0, consumers = 0, writes = 0, storages = 0;
   Py_ssize_t readers = 0, pending = 0;
-  Py_ssize_t outputs = 0, wref = 0, seq = 0, index = 0, metas = 0;
+  Py_ssize_t outputs = 0, wref = 0, index = 0, metas = 0;
   Py_ssize_t meta_index = 0;
 };
 
@@ -65,7 +65,6 @@ const NodeSlots& node_slots() {
     r.meta_index = genie::slot_offset(r.meta, "index");
     r.outputs = genie::slot_offset(r.node, "_out");
     r.wref = genie::slot_offset(r.node, "_wref");
-    r.seq = genie::slot_offset(r.node, "seq");
     r.index = genie::slot_offset(r.node, "index");
     return r;
   }();
@@ -153,8 +152,7 @@ void prefetch_node(PyObject* node, int stage, const NodeSlots& ns) {
       prefetch_object(c);
       prefetch_items(c, false);
     }
-    static constexpr Py_ssize_t NodeSlots::*kOthers[] = {&NodeSlots::wref, &NodeSlots::seq,
-                                                         &NodeSlots::index};
+    static constexpr Py_ssize_t NodeSlots::*kOthers[] = {&NodeSlots::wref, &NodeSlots::index};
     for (Py_ssize_t NodeSlots::*f : kOthers) {
       prefetch_object(genie::slot_value(node, ns.*f));
     }

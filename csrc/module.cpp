@@ -20,6 +20,7 @@
 #include "generator.h"
 #include "hooks.h"
 #include "record.h"
+#include "seq.h"
 #include "slice.h"
 #include "storage.h"
 #include "replay.h"
@@ -337,6 +338,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(nodes, shaped, changed, input slots, inputs).");
   m.attr("_max_devices") = static_cast<int>(genie::kMaxDevices);
   genie::add_record_functions(m);
+  genie::add_seq_functions(m);
   genie::add_python_key_functions(m);
   genie::add_slice_functions(m);
   genie::add_replay_functions(m);

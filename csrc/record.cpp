@@ -78,6 +78,7 @@
 #include "device.h"
 #include "gccount.h"
 #include "record.h"
+#include "seq.h"
 #include "slots.h"
 #include "state.h"
 #include "storage.h"
@@ -108,7 +109,6 @@ PyObject* intern(const char* s) {
 struct Names {
   PyObject* profiler_enabled = intern("_is_profiler_enabled");
   PyObject* graphs = intern("graphs");
-  PyObject* total = intern("_total");
   PyObject* ctx = intern("ctx");
   PyObject* backward = intern("backward");
   PyObject* node = intern("_node");
@@ -198,7 +198,7 @@ struct State {
   PyObject* tls = nullptr;            // lazy_tensor._tls (graphs: the capture stack)
   PyObject* current = nullptr;        // graph.current (ctx, backward)
   PyObject* default_graph = nullptr;
-  PyObject* graph_dict = nullptr;  // default_graph.__dict__ (_total, keep_nodes)
+  PyObject* graph_dict = nullptr;  // default_graph.__dict__ (keep_nodes)
   PyObject* counter = nullptr;  // graph._record_counter
   PyObject* leaf_spec = nullptr;
   PyObject* copy_ops = nullptr;  // a tuple of ops that always take the fallback
@@ -1870,23 +1870,16 @@ void record_sync_counts() {
   }
 }
 
-// Graph.next_seq of the default graph: N of a node's uid "op*N", its record position (the
-// graph's _total, then incremented). The int object that was _total becomes the node's seq, so
-// a node costs one int here and no string (Node.uid formats it when asked).
-PyObject* next_seq() {
-  PyObject* total = dict_get(S.graph_dict, names->total);  // borrowed
-  const long long n = total != nullptr && PyLong_CheckExact(total) ? PyLong_AsLongLong(total) : -1;
-  if (n < 0) {
-    PyErr_Clear();
-    throw std::logic_error("the default graph's _total is not a count");
-  }
-  PyObject* seq = new_ref(total);  // the dict's reference goes with the item replaced below
-  py::object next = py::reinterpret_steal<py::object>(checked(PyLong_FromLongLong(n + 1)));
-  if (PyDict_SetItem(S.graph_dict, names->total, next.ptr()) < 0) {
-    Py_DECREF(seq);
+// Graph.next_seq of the default graph for the node with index `index` (a new reference):
+// None, its position (N of its uid "op*N") following from the index (csrc/seq.cpp), so a node
+// costs no int and no string here (Node.seq and Node.uid make them when asked).
+PyObject* next_seq(PyObject* index) {
+  const long long i = PyLong_AsLongLong(index);
+  if (i == -1 && PyErr_Occurred()) {
     throw py::error_already_set();
   }
-  return seq;
+  const int64_t at = genie::default_seq_note(i);
+  return at < 0 ? new_ref(Py_None) : checked(PyLong_FromLongLong(at));
 }
 
 // lazy_tensor._record for a learned entry: one Node, its Refs and outputs; nullptr without an
@@ -2000,7 +1993,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   init_slot(n, S.n.index, checked(PyIter_Next(S.counter)));
   init_slot(n, S.n.rng, new_ref(Py_None));
   init_slot(n, S.n.graph, new_ref(graph));
-  init_slot(n, S.n.seq, next_seq());
+  init_slot(n, S.n.seq, next_seq(slot(n, S.n.index)));
   init_slot(n, S.n.where, new_ref(Py_None));
   init_slot(n, S.n.consumers, checked(PyLong_FromLong(0)));  // a count (no list per node)
   init_slot(n, S.n.tags, new_ref(Py_None));
@@ -3658,7 +3651,7 @@ bool record_init(const py::dict& objs) {
     throw std::runtime_error("counts and profiler must be dicts");
   }
   check_slots(s.node, {"op", "leaves", "spec", "metas", "out_spec", "_st", "writes",
-                       "_out", "values", "executed", "index", "rng", "graph", "seq", "where",
+                       "_out", "values", "executed", "index", "rng", "graph", "_seq", "where",
                        "n_consumers", "tags", "entry", "ctx", "_wref"});
   check_slots(s.ref, {"node", "out"});
   check_slots(s.storage, {"pending_writes", "readers", "_prune_at", "role"});
@@ -3681,7 +3674,7 @@ bool record_init(const py::dict& objs) {
   n.index = slot_offset(t, "index");
   n.rng = slot_offset(t, "rng");
   n.graph = slot_offset(t, "graph");
-  n.seq = slot_offset(t, "seq");
+  n.seq = slot_offset(t, "_seq");
   n.where = slot_offset(t, "where");
   n.consumers = slot_offset(t, "n_consumers");
   n.tags = slot_offset(t, "tags");

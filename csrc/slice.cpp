@@ -34,6 +34,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "slice.h"
+#include "seq.h"
 #include "slots.h"
 
 namespace py = pybind11;
@@ -217,7 +218,7 @@ void slice_init(const py::dict& objs) {
     S.n_executed = slot_offset(t, "executed");
     S.n_index = slot_offset(t, "index");
     S.n_rng = slot_offset(t, "rng");
-    S.n_seq = slot_offset(t, "seq");
+    S.n_seq = slot_offset(t, "_seq");
     S.n_where = slot_offset(t, "where");
     S.n_consumers = slot_offset(t, "n_consumers");
     S.r_node = slot_offset(S.ref, "node");
@@ -801,7 +802,17 @@ PyObject* node_uid(PyObject* seq) {
 // (every slot written; the dataclass __init__ only assigns them). Steals `leaves`.
 PyObject* new_instr(PyObject* n, PyObject* t, PyObject* leaves) {
   py::object owned = py::reinterpret_steal<py::object>(leaves);
-  py::object uid = py::reinterpret_steal<py::object>(node_uid(get(n, S.n_seq)));
+  PyObject* seq = get(n, S.n_seq);  // None: a default-graph node's, from its index (csrc/seq.cpp)
+  py::object derived;
+  if (seq == Py_None) {
+    derived = py::reinterpret_steal<py::object>(
+        PyLong_FromLongLong(genie::default_seq_of(index_of(n))));
+    if (!derived) {
+      raise();
+    }
+    seq = derived.ptr();
+  }
+  py::object uid = py::reinterpret_steal<py::object>(node_uid(seq));
   const std::pair<Py_ssize_t, PyObject*> fields[] = {
       {S.i_op, get(n, S.n_op)},     {S.i_leaves, leaves},         {S.i_spec, get(t, S.i_spec)},
       {S.i_outs, get(t, S.i_outs)}, {S.i_rng, get(n, S.n_rng)},   {S.i_free, get(t, S.i_free)},

@@ -54,6 +54,17 @@ def _gc_retrack_writers(nodes: list[object], ref_type: type) -> None:
     the storages they write with their pending-write and reader lists
     (``genie.graph.retrack_writers``)."""
 
+def _default_seq_note(index: int) -> int | None:
+    """Note a node recorded in the default graph with process-wide ``index``: None where its
+    position (N of its uid ``op*N``) follows from the index (``_default_seq_of``), else the
+    position to store on the node (csrc/seq.cpp)."""
+
+def _default_seq_of(index: int) -> int:
+    """The position in the default graph of the node with ``index`` whose note returned None."""
+
+def _default_seq_len() -> int:
+    """How many nodes were recorded in the default graph (``len(genie.graph.DEFAULT_GRAPH)``)."""
+
 def _gc_track(*objects: object) -> None:
     """Put ``objects`` back under the cyclic garbage collector (no-op where tracked or not GC)."""
 

@@ -36,7 +36,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from ._C import _gc_retrack_below, _gc_retrack_writers, _gc_track, _gc_untrack, _gc_untrack_node
+from ._C import (_default_seq_len, _default_seq_note, _default_seq_of, _gc_retrack_below,
+                 _gc_retrack_writers, _gc_track, _gc_untrack, _gc_untrack_node)
 from .config import config
 
 _record_counter = itertools.count()
@@ -262,8 +263,8 @@ class Node:
             Nones when none is, as for most intermediates of a run).
         rng: ``(seed, offset)`` for random ops, fixed at record time.
         graph / uid: the owning :class:`Graph` and the node's deterministic unique id, ``op*N``
-            (a property: ``seq`` holds N, the node's record position in its graph, so recording
-            makes no string per node).
+            (a property: ``seq`` is N, the node's record position in its graph, so recording
+            makes no string per node; on the default graph no int either, see :class:`Graph`).
         where: the user's source line (only with ``GENIE_RECORD_SOURCE=1`` or in capture).
         entry: the meta-cache entry the op was recorded with (None for uploads and pseudo-ops).
             Entries are interned per meta-cache key (op, argument tree, input metadata,
@@ -273,7 +274,7 @@ class Node:
 
     __slots__ = (
         "op", "leaves", "spec", "metas", "out_spec", "_st", "writes", "_out",
-        "values", "executed", "index", "rng", "graph", "seq", "where", "n_consumers",
+        "values", "executed", "index", "rng", "graph", "_seq", "where", "n_consumers",
         "tags", "entry", "ctx", "_wref", "__weakref__",
     )
 
@@ -296,7 +297,7 @@ class Node:
         self.index = next(_record_counter)
         self.rng = rng
         self.graph = graph
-        self.seq = graph.next_seq()
+        self._seq = graph.next_seq(self.index)
         self.where: str | None = None
         # how many argument references to an output recorded nodes made while this node was
         # pending (a small int: no list per node); 0 once it ran
@@ -315,6 +316,13 @@ class Node:
     @property
     def name(self) -> str:
         return op_name(self.op)
+
+    @property
+    def seq(self) -> int:
+        """The node's record position in its graph (N of its uid): ``_seq``, or on the default
+        graph, where ``_seq`` is None, from its index (csrc/seq.cpp)."""
+        s = self._seq
+        return s if s is not None else _default_seq_of(self.index)
 
     @property
     def uid(self) -> str:
@@ -560,9 +568,10 @@ class Graph:
         self.nodes: list[Node] = []
         self._total = 0
 
-    def next_seq(self) -> int:
-        # N of seed 000's unique id ``op*N`` (Node.uid): the record position in this graph (the
-        # op's name and inputs live in the complex id, genie.ids).
+    def next_seq(self, index: int) -> int | None:
+        """N of seed 000's unique id ``op*N`` (Node.uid) for the node with process-wide index
+        ``index``: the record position in this graph (the op's name and inputs live in the
+        complex id, genie.ids), or None where :attr:`Node.seq` derives it from the index."""
         n = self._total
         self._total = n + 1
         return n
@@ -575,6 +584,19 @@ class Graph:
         return self._total
 
 
+class _DefaultGraph(Graph):
+    """The process's default graph. Its nodes store no position: within a run of consecutive
+    indices recorded here, a node's position is its index minus the run's base, and the runs
+    (broken by a capture's nodes or an index taken without a node) are kept natively
+    (csrc/seq.cpp) instead of an int per node."""
+
+    def next_seq(self, index: int) -> int | None:
+        return _default_seq_note(index)
+
+    def __len__(self) -> int:
+        return _default_seq_len()
+
+
 def short_op_name(op: Any) -> str:
     """``add`` for ``aten.add.Tensor``; pseudo-ops keep their own name."""
     name = getattr(op, "_opname", None)
@@ -583,4 +605,4 @@ def short_op_name(op: Any) -> str:
     return name
 
 
-DEFAULT_GRAPH = Graph("default")
+DEFAULT_GRAPH: Graph = _DefaultGraph("default")

@@ -219,3 +219,31 @@ def test_const_text_never_shows_addresses():
 
 if __name__ == "__main__":
     sys.stdout.write("".join(emit(n) for n in sys.argv[1:]))
+
+
+def test_default_graph_positions_follow_from_indices_across_captures_and_gaps():
+    """A default-graph node stores no position (``_seq`` None: no int per node): its uid's N
+    follows from its index, through runs broken by a capture's nodes or an index taken without
+    a node, and equals the count of default-graph nodes recorded before it (its uid then)."""
+    from genie.graph import DEFAULT_GRAPH, _record_counter
+
+    x = torch.ones(2, device=DEV)
+    seqs, nodes = [], []
+    for step in range(3):  # the first time through the Python path, then the native one
+        before = len(DEFAULT_GRAPH)
+        a = x * 2
+        with genie.capture() as g:  # another graph's nodes take indices in between
+            c = torch.ones(2) + 1
+        b = a + 1
+        next(_record_counter)  # an index taken without a node
+        d = b * 3
+        assert len(DEFAULT_GRAPH) == before + 3
+        ns = [a._node, b._node, d._node]
+        assert [n._seq for n in ns] == [None] * 3
+        assert [n.seq for n in ns] == [before, before + 1, before + 2]
+        assert [n.uid for n in ns] == [f"op*{before + k}" for k in range(3)]
+        assert [n.uid for n in g.nodes] == ["op*0", "op*1"] and g.nodes[0]._seq == 0
+        nodes += ns
+        seqs += [n.seq for n in ns]
+    assert [n.seq for n in nodes] == seqs  # (unchanged by the runs recorded after them)
+    del c
