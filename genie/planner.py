@@ -265,11 +265,12 @@ def build_tape(targets: list[tuple[Node, int]], nodes: list[Node] | None = None,
     last_use: dict[int, int] = {}
     refs_in: dict[int, int] = {}  # node index -> argument references to it from the run
 
-    def slot_of(node: Node, out: int, at: int) -> int:
+    def slot_of(node: Node, out: int, at: int, ref: bool = True) -> int:
         key = (node.index, out)
         s = slots.get(key)
         if s is not None and node.index in in_run:
-            refs_in[node.index] = refs_in.get(node.index, 0) + 1
+            if ref:
+                refs_in[node.index] = refs_in.get(node.index, 0) + 1
         elif s is None:
             if node.index in in_run:
                 raise AssertionError(f"{node} used before it runs")  # record order is topological
@@ -301,7 +302,9 @@ def build_tape(targets: list[tuple[Node, int]], nodes: list[Node] | None = None,
 
     outputs = []
     for node, out in targets:
-        outputs.append(slot_of(node, out, len(instrs)))
+        # a requested value is no argument reference (n_consumers counts those only): counted,
+        # it stood for a consumer outside the run, whose input was then freed
+        outputs.append(slot_of(node, out, len(instrs), ref=False))
 
     # Keep a value past the run if a live tensor holds it or a pending node outside the run reads it.
     keep: set[int] = set(outputs)

@@ -640,6 +640,28 @@ def test_a_consumer_outside_the_slice_decides_what_the_run_keeps(monkeypatch, na
         (1 + reads, 2 + 2 * reads)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_requested_output_is_no_consumer_of_its_node(monkeypatch, native):
+    """A read of one output of a multi-output node is not an argument reference: counted as one
+    (the planner did, session 48), it stood for the pending consumer of the node's other output
+    outside the run, whose value the run then freed (OpInfo's prelu-grad: "value ... was freed
+    but is still needed"). Values against eager, the first call and the plan's hits."""
+    from genie.config import config
+
+    monkeypatch.setattr(config, "native_match", native)
+    monkeypatch.setattr(config, "native_slice", native)
+    x0 = torch.randn(4, 3)
+    x = x0.to(D)
+    for step in range(3):
+        s = float(step + 1)
+        lo, hi = torch.aminmax(x * s, dim=1)
+        y = hi * 2  # the other output's one consumer, outside the run of lo's read
+        del hi  # no tensor holds it: only y's pending node keeps it
+        want_lo, want_hi = torch.aminmax(x0 * s, dim=1)
+        torch.testing.assert_close(lo.cpu(), want_lo)
+        torch.testing.assert_close(y.cpu(), want_hi * 2)
+
+
 @pytest.mark.parametrize("generic", [False, True], ids=["exact", "shape-generic"])
 def test_column_match_takes_uploads_and_host_constants(generic):
     """A decode step's slice holds uploads (the new token), host constants (a 0-dim CPU tensor)
