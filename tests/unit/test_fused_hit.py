@@ -16,6 +16,16 @@ D = "remote_accelerator"
 _OFF = "the settings turn the fused path off (GENIE_NATIVE_BIND/REPLAY, index checks)"
 
 
+@pytest.fixture(autouse=True)
+def _no_memory_tracking(monkeypatch):
+    """Runs compute their high-water marks once a peak was asked for anywhere in the process
+    (max_memory_allocated: the device-generic tests, test_step_tape), and the fused path then
+    steps aside (executor._fusing): each test here starts from a process that asked for none."""
+    from genie import memory
+
+    monkeypatch.setattr(memory, "_tracking", [False])
+
+
 @pytest.fixture(params=[True, False], ids=["fused", "general"])
 def fused(request, monkeypatch):
     """Each test runs with the fused path allowed and without it (the reference)."""
