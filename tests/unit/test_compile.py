@@ -448,18 +448,10 @@ def test_a_cached_call_records_the_node_the_first_call_recorded(fast_compiler, m
     must be the one the op's own record made on the first call (same leaves in the same order,
     same argument tree, same entry, its reads noted, its context, graph and writes), so
     planning, liveness and the plan cache cannot tell them apart."""
-    from genie import lazy_tensor
     from genie.config import config
     from genie.graph import Ref
 
-    python_records: list[int] = []
-    known = lazy_tensor.record_known
-
-    def counted(*a):
-        python_records.append(1)
-        return known(*a)
-
-    monkeypatch.setattr(lazy_tensor, "record_known", counted)  # read when the graph compiles
+    python_records = _known_records(monkeypatch)
     monkeypatch.setattr(config, "native_record", native)
     ref = _mlp(8, 2)
     cm = torch.compile(copy.deepcopy(ref).to(DEV))
@@ -501,17 +493,9 @@ def test_a_cached_call_with_host_scalar_inputs_records_the_first_calls_node(fast
     it), not through the op's dispatch every call: the node is the first call's (leaves, tree,
     entry, reads noted), and a write to the host input after the call does not reach the
     value, as eager read it at the call."""
-    from genie import lazy_tensor
     from genie.graph import Ref
 
-    known_records: list[int] = []
-    known = lazy_tensor.record_known
-
-    def counted(*a):
-        known_records.append(1)
-        return known(*a)
-
-    monkeypatch.setattr(lazy_tensor, "record_known", counted)  # read when the graph compiles
+    known_records = _known_records(monkeypatch)
     cm = torch.compile(lambda x, s: (x * s + 1).relu())
     xc = torch.randn(5)
     x = xc.to(DEV)
@@ -554,17 +538,9 @@ def test_a_graph_with_no_output_records_later_calls_from_its_cached_entry(fast_c
     record from the cached entry as well (genie._C._record_graph; record_known where it also
     reads host step counts), not through the op's dispatch and its key over every input each
     step; the parameters follow eager's."""
-    from genie import lazy_tensor
 
     native = _native_graph_records(monkeypatch)
-    known_records: list[int] = []
-    known = lazy_tensor.record_known
-
-    def counted(*a):
-        known_records.append(1)
-        return known(*a)
-
-    monkeypatch.setattr(lazy_tensor, "record_known", counted)  # read when the graph compiles
+    known_records = _known_records(monkeypatch)
     torch.manual_seed(0)
     ref = _mlp(8, 2)
     dev_model = copy.deepcopy(ref).to(DEV)
@@ -596,6 +572,22 @@ def _write_cache(x, y, cache, i):
     cache.index_copy_(0, i, y * 2)
     x.add_(y)
     return (x * cache[:2]).sum(0)
+
+
+def _known_records(monkeypatch) -> list[int]:
+    """One entry per ``lazy_tensor.record_known`` call from now on (a graph call recorded from
+    its cached entry in Python; the name is read when the graph compiles)."""
+    from genie import lazy_tensor
+
+    calls: list[int] = []
+    known = lazy_tensor.record_known
+
+    def counted(*a):
+        calls.append(1)
+        return known(*a)
+
+    monkeypatch.setattr(lazy_tensor, "record_known", counted)
+    return calls
 
 
 def _native_graph_records(monkeypatch) -> list[bool]:
