@@ -61,7 +61,9 @@ def stats() -> dict[str, int]:
       then replayed natively), ``server_shape_class_hits`` (admitted by a shape class's guards),
       ``server_vet_hits`` (shapes vetted before), ``server_early_replies`` (runs answered
       as soon as their values were final, while the rest of the tape ran: a training step's
-      loss before its backward and update; ``GENIE_SERVER_EARLY_REPLY``); recovery: ``replays``,
+      loss before its backward and update; ``GENIE_SERVER_EARLY_REPLY``),
+      ``syncs_answered_here`` (``synchronize()`` calls that sent nothing: no answer since the
+      last sync was early); recovery: ``replays``,
       ``replayed_requests``, ``checkpoints``, ``last_recovery_ms``; memory pressure
       (:mod:`genie.remote.residency`): ``pressure_events``, ``evictions``,
       ``evictions.<role>`` (``evictions.activation``, ...), ``evict_bytes``,

@@ -208,6 +208,10 @@ class Client:
         #: a run sent ahead whose answer is not read yet (:meth:`run` with ``wait=False``); read
         #: before anything else is sent (:meth:`_settle`)
         self._inflight: _Ahead | None = None
+        #: whether the server may still work for this session after its last answer: an answer
+        #: said the rest of its tape still runs (an early reply), or a peer transfer touched the
+        #: session, since the last sync ping (:meth:`synchronize` pings only then)
+        self._unsynced = False
 
     # --- lifecycle --------------------------------------------------------------------------
     def open(self) -> Client:
@@ -442,6 +446,7 @@ class Client:
                 bump(_VETTED_AS[vt])
             if h.get("er") == 1:  # answered before the rest of its tape ran (worker.py)
                 bump("server_early_replies")
+                self._unsynced = True
             res = h.get("res")
             if isinstance(res, list) and len(res) == 2:
                 self.resident = (res[0], res[1])
@@ -975,6 +980,8 @@ class Client:
                     if recovered or e.refused is not None or not dest._lost_and_rebuilt():
                         raise
                     recovered = True
+        # (the destination's worker takes the values as a request of its own session)
+        self._unsynced = dest._unsynced = True
         nb = h.get("pb")
         nb = nb if type(nb) is int and nb >= 0 else 0
         bump("peer_transfers")
@@ -983,10 +990,21 @@ class Client:
 
     def synchronize(self) -> None:
         """Wait until the server has finished the work this session gave it: a ping, which
-        its worker answers after the rest of a tape it answered early (nothing to wait for when
-        no session is open)."""
-        if self.session is not None and self.alive:
-            self._call({"t": "ping", "sync": 1}, (), "a synchronize")
+        its worker answers after the rest of a tape it answered early. Nothing to wait for when
+        no session is open, or when every answer since the last sync was a whole run's (the
+        worker answers a request after its work and takes the next only then; a run sent ahead
+        is settled first): a program that reads a value per call and synchronizes after it (a
+        benchmark's loop) pays one round trip a call, not two."""
+        if self.session is None or not self.alive:
+            return
+        with self._lock:
+            if self._inflight is not None:
+                self._settle()
+            if not self._unsynced:
+                bump("syncs_answered_here")
+                return
+            self._call_locked({"t": "ping", "sync": 1}, (), "a synchronize")
+            self._unsynced = False
 
     def _lost_and_rebuilt(self) -> bool:
         """After a failed transfer into this session: whether the session was lost and has

@@ -70,6 +70,31 @@ def test_a_value_the_rest_of_a_step_writes_is_answered_after_it(remote) -> None:
         assert torch.equal(p, q)
 
 
+def test_a_sync_pings_only_while_the_rest_of_an_answered_tape_may_run(remote) -> None:
+    """``synchronize()`` waits for the rest of a tape answered early (a sync ping, through the
+    worker). When every answer since the last sync was a whole run's, the session's worker has
+    nothing left to do and the sync sends nothing: a program that reads a value per call and
+    synchronizes after it (bench_compile's server rows) pays one round trip a call, not two."""
+    s = genie.stats
+    _loop(DEV, 6)  # its steps answered early
+    rt = s().get("round_trips", 0)
+    torch.remote_accelerator.synchronize()
+    assert s()["round_trips"] == rt + 1  # the sync ping
+    x = torch.arange(16.0).to(DEV)
+    vals = [(x * i).sum().item() for i in range(3)]  # each read's tape ends at its output
+    assert vals == [(torch.arange(16.0) * i).sum().item() for i in range(3)]
+    early, rt = s().get("server_early_replies", 0), s()["round_trips"]
+    here = s().get("syncs_answered_here", 0)
+    for _ in range(2):
+        torch.remote_accelerator.synchronize()
+    assert s()["round_trips"] == rt and s().get("server_early_replies", 0) == early
+    assert s()["syncs_answered_here"] == here + 2
+    _loop(DEV, 6)
+    rt = s()["round_trips"]
+    torch.remote_accelerator.synchronize()  # the last step's rest: waited for again
+    assert s()["round_trips"] == rt + 1
+
+
 def test_the_session_reports_what_the_rest_of_a_step_kept(remote) -> None:
     """An early reply cannot say what the rest of its tape keeps; the next answer does (here
     ``synchronize``'s), and what the rest wrote is there: gradients and parameters read back
