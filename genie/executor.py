@@ -499,9 +499,11 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
 # native program compiled, its passes settled) runs from the match itself: the program reads
 # the step's parameters from the found nodes, the values are bound to them, and no Tape, edited
 # instructions or backend dispatch is made. Anything else (a miss, passes still verified or
-# timed, a script on a hit of other shapes, a profiler, a dispatch mode, memory tracking, a
-# failing op) takes the general path (run_tape), which stays the reference: both bind the same
-# values to the same nodes.
+# timed, a script on a hit of other shapes, a profiler, a dispatch mode, a hit of other shapes
+# under memory tracking, a failing op) takes the general path (run_tape), which stays the
+# reference: both bind the same values to the same nodes. With memory tracking on (a peak was
+# asked for), a hit of the plan's own shapes runs fused, its run's high-water mark (the same
+# every such hit) computed once from the tape the general path would run.
 
 _fuse = [False]  # the settings allow it (config: native bind and replay, no index checks)
 
@@ -516,8 +518,7 @@ config.on_change(_fuse_config)
 def _fusing() -> bool:
     """Whether this read may take the fused hit path (settings and process state)."""
     return _fuse[0] and backends.before_plan is None and backends._order[:1] == ["eager"] \
-        and not memory._tracking[0] and not checks.DOF_PENDING \
-        and disable_modes() is _NO_MODES
+        and not checks.DOF_PENDING and disable_modes() is _NO_MODES
 
 
 class _Fused:
@@ -530,7 +531,7 @@ class _Fused:
     instructions made from it."""
 
     __slots__ = ("passes", "gen", "program", "tmpl", "at", "consts", "script", "waiting",
-                 "final")
+                 "final", "high_water")
 
     def __init__(self, plan: Any, generic: bool) -> None:
         self.passes = plan.artifacts.get("passes")
@@ -542,6 +543,9 @@ class _Fused:
         self.script: Any = None
         self.waiting = False
         self.final = False  # made for good (else again at the next hit: passes or program to come)
+        # bytes of fresh values alive at once in a run of the plan's own shapes (memory
+        # tracking: memory.tape_high_water of the tape the general path runs), once known
+        self.high_water: int | None = None
         s = pipeline.settled(plan, generic)
         if s is None:
             return
@@ -580,7 +584,10 @@ def _run_hit(plan: Any, r: Any, generic: bool, p: tuple[list[int], bool],
     tape; the values of the first ``n`` targets."""
     f = _fused(plan, p[1])
     states = plan.states
-    if f.program is None or (states and (len(states) > 1 or _state_word() not in states)):
+    tracking = memory._tracking[0]
+    if f.program is None or (states and (len(states) > 1 or _state_word() not in states)) or \
+            (tracking and (p[1] or (f.high_water is None and not _high_water(f, plan, r, targets,
+                                                                             generic, p, n)))):
         return run_tape(_requested(plan_cache.hit_tape(plan, r, targets, generic, p), n), index)
     found, shaped, _, _, inputs = r
     if p[1]:  # as the general path counts them, before the run
@@ -604,10 +611,23 @@ def _run_hit(plan: Any, r: Any, generic: bool, p: tuple[list[int], bool],
     _counts["nodes_executed"] += len(f.tmpl)
     pending_total[0] -= bound
     if held < 0:
-        memory.after_run(None, kept, index)
+        memory.after_run(None, kept, index, f.high_water)
     else:
         memory.held(index, held)
     return vals
+
+
+def _high_water(f: _Fused, plan: Any, r: Any, targets: list[tuple[Node, int]], generic: bool,
+                p: tuple[list[int], bool], n: int) -> bool:
+    """Set ``f.high_water`` from this hit (of the plan's own shapes) as the general path would
+    account its run (:func:`genie.memory.after_run` of the tape it runs: the plan's, or its
+    edit script's); False when the script would not take this step (the general path runs it)."""
+    tape = _requested(plan_cache.hit_tape(plan, r, targets, generic, p, False), n)
+    ran = tape if f.script is None else f.script.apply(tape)
+    if ran is None:
+        return False
+    f.high_water = memory.tape_high_water(ran)
+    return True
 
 
 def run_kept(targets: list[tuple[Node, int]], index: int,

@@ -187,8 +187,11 @@ def retain_limit() -> int:
 _retaining: list[bool | None] = [None]  # None: no run on the CPU yet; then whether glibc retains
 
 
-def after_run(tape: Any, kept: dict[int, Any], index: int) -> None:
-    """Account a finished run on ``remote_accelerator:index`` (called by the executor)."""
+def after_run(tape: Any, kept: dict[int, Any], index: int, high_water: int | None = None
+              ) -> None:
+    """Account a finished run on ``remote_accelerator:index`` (called by the executor);
+    ``high_water``: the run's :func:`tape_high_water`, when the caller knows it (``tape`` is then
+    not read)."""
     try:
         local = _real(index)
     except DeviceError:  # no local device for this index (one GPU, two servers): a server ran it
@@ -201,7 +204,7 @@ def after_run(tape: Any, kept: dict[int, Any], index: int) -> None:
             _retaining[0] = retain_host_memory(retain_limit())
     if _tracking[0]:
         before = _allocated(index)
-        hw = tape_high_water(tape)
+        hw = tape_high_water(tape) if high_water is None else high_water
         if before + hw > _peak.get(index, 0):
             _peak[index] = before + hw
     hold(index, kept.values())

@@ -3,6 +3,7 @@ runs from the column match itself (no tape, no backend dispatch), with the gener
 (run_tape) as its reference: the same values, the same nodes bound, the same counters, the same
 errors."""
 
+import gc
 import traceback
 
 import pytest
@@ -209,3 +210,64 @@ def test_a_settled_edit_script_runs_fused(fused, monkeypatch):
             assert f is None
     finally:
         passes.set_passes(None)
+
+
+def _peaks(steps=16):
+    """A training step's loss and the device's peak after each step, from a peak reset before
+    the first: the peak counts the values alive inside each run (memory tracking on)."""
+    gc.collect()  # (what an earlier call left in cycles is not held during this one)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)).to(D)
+    x, t = torch.randn(4, 8).to(D), torch.randn(4, 8).to(D)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    big = torch.linspace(0, 1, 4096).to(D)  # its transients: 16 KiB each, alive only in a run
+    dev = torch.device(D)
+    torch.remote_accelerator.reset_peak_memory_stats(dev)
+    base = torch.remote_accelerator.memory_allocated(dev)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(m(x), t)
+        loss.backward()
+        opt.step()
+        out.append((loss.item(), (big * 2).exp().sum().item(),
+                    torch.remote_accelerator.max_memory_allocated(dev) - base,
+                    torch.remote_accelerator.memory_allocated(dev) - base))
+    return out
+
+
+def test_memory_tracking_keeps_the_fused_path_with_the_general_paths_peaks(monkeypatch):
+    """Once a peak was asked for, a hit of its plan's own shapes still runs fused, and the peaks
+    it reports are the general path's (the run's high-water mark, known once per plan)."""
+    if not executor._fuse[0]:
+        pytest.skip(_OFF)
+    from genie import memory
+
+    monkeypatch.setattr(memory, "_tracking", [True])
+    seen = {}
+    for on in (False, True):
+        monkeypatch.setattr(executor, "_fuse", [on])
+        plan_cache.clear()
+        before = genie.stats().get("fused_hits", 0)
+        seen[on] = (_peaks(), genie.stats().get("fused_hits", 0) - before)
+    assert seen[False][1] == 0 and seen[True][1] >= 3, (seen[False][1], seen[True][1])
+    assert seen[True][0] == seen[False][0]
+    assert seen[True][0][-1][2] >= seen[True][0][-1][3] + (16 << 10)  # a run's transients
+
+
+def test_memory_tracking_sends_a_hit_of_other_shapes_to_the_general_path(monkeypatch):
+    if not executor._fuse[0]:
+        pytest.skip(_OFF)
+    from genie import memory
+
+    monkeypatch.setattr(memory, "_tracking", [True])
+    plan_cache.clear()
+    w = torch.ones(4, device=D)
+    genie.materialize(w)
+    genie.reset_stats()
+    got = [_growing(step, w).item() for step in range(6)]
+    s = genie.stats()
+    assert s.get("plan_cache_generic_hits", 0) >= 4 and s.get("fused_hits", 0) == 0
+    want = [(torch.arange(float(4 * (k + 2))).view(k + 2, 4) * 0.5).exp().sum(0).add(1).sum()
+            .item() for k in range(6)]
+    assert got == pytest.approx(want, rel=1e-6)
