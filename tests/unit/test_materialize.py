@@ -159,12 +159,15 @@ def test_a_run_leaves_no_lists_on_what_it_ran(monkeypatch, native_bind: bool) ->
     torch.testing.assert_close(mid.cpu(), x.cpu() + 2)
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["general", "fused"])
 @pytest.mark.parametrize("tracking", [False, True])
-def test_a_run_frees_its_intermediates_while_binding(monkeypatch, tracking: bool) -> None:
+def test_a_run_frees_its_intermediates_while_binding(monkeypatch, tracking: bool,
+                                                     fuse: bool) -> None:
     """The native bind takes the tape's references to its nodes as it binds them (last first),
     so an intermediate no tensor holds is freed before the executor drops the tape (on a long
     tape, freeing them afterwards cost a cache miss per object); the tape's node list is kept
-    whole where it is read after the bind (a peak being measured)."""
+    whole where it is read after the bind (a peak being measured on the general path; a fused
+    hit knows its run's high-water mark before it runs, and releases them as it binds)."""
     import weakref
 
     from genie import executor, memory
@@ -172,11 +175,16 @@ def test_a_run_frees_its_intermediates_while_binding(monkeypatch, tracking: bool
 
     monkeypatch.setattr(config, "native_bind", True)
     monkeypatch.setattr(memory, "_tracking", [tracking])
+    if fuse and not executor._fuse[0]:
+        pytest.skip("the settings turn the fused hit path off")
+    monkeypatch.setattr(executor, "_fuse", [fuse])
     bound = []  # the node lists bound natively (a tape's, or a fused hit's found nodes)
+    fused = []  # whether each was a fused hit's
     bind, hit = executor._bind_nodes, executor._hit_run
     monkeypatch.setattr(executor, "_bind_nodes", lambda nodes, *a: bound.append(nodes) or
-                        bind(nodes, *a))
-    monkeypatch.setattr(executor, "_hit_run", lambda *a: bound.append(a[5]) or hit(*a))
+                        fused.append(False) or bind(nodes, *a))
+    monkeypatch.setattr(executor, "_hit_run", lambda *a: bound.append(a[5]) or
+                        fused.append(True) or hit(*a))
     x = torch.randn(4, device=D)
     genie.materialize(x)
     natively = 0
@@ -189,11 +197,12 @@ def test_a_run_frees_its_intermediates_while_binding(monkeypatch, tracking: bool
         if len(bound) == was:  # slots built: the Python loop binds
             continue
         natively += 1
-        if tracking:  # the peak pass reads the nodes after the bind: the tape keeps them
+        if tracking and not fused[-1]:  # the peak pass reads the nodes after the bind: kept
             assert all(n is not None for n in bound[-1]) and gone() is not None
         else:
             assert bound[-1] == [None] * len(bound[-1]) and gone() is None
     assert natively >= 2, "no run was bound natively: the test no longer covers it"
+    assert any(fused) == fuse
     assert z._node.executed and z._node.values[0] is not None and mid._node.executed
     if tracking:
         assert memory.max_memory_allocated(D) > 0
