@@ -391,7 +391,9 @@ def test_compile_row_server(benchmark, ratios, workloads, name: str) -> None:
             def synced(f: Callable[[], object] = remote) -> object:
                 # a step's loss comes back before its backward and update have run on the
                 # server (early replies): wait for them, or the interleaved CPU variants would
-                # run beside the server's unfinished work and the row would time only the loss
+                # run beside the server's unfinished work and the row would time only the loss.
+                # (After an answer that was not early the sync sends nothing: the mlp and
+                # generate rows pay their reads' round trips only)
                 out = f()
                 torch.remote_accelerator.synchronize()
                 return out
@@ -403,7 +405,9 @@ def test_compile_row_server(benchmark, ratios, workloads, name: str) -> None:
             row.notes.append(_agreement(values))
             s = genie.stats()
             row.notes.append(f"graphs sent {s.get('graphs_sent', 0)}, round trips "
-                             f"{s.get('round_trips', 0)}")
+                             f"{s.get('round_trips', 0)}, syncs that sent nothing "
+                             f"{s.get('syncs_answered_here', 0)}, early replies "
+                             f"{s.get('server_early_replies', 0)}")
         finally:
             genie.disconnect()
             srv.stop()
