@@ -123,6 +123,13 @@ DATA_SLACK = 512 << 20
 #: libraries' workspaces, which it allocates through that allocator (cuBLAS and cuBLASLt: 32 MiB
 #: each on Hopper; a 600x600 matmul under a 16 MiB quota failed without it on the H200 run)
 CUDA_SLACK = 96 << 20
+#: a request's frees leave the session's store and accounting at once, but are deallocated after
+#: its reply is sent (:meth:`Worker.after_reply`), off the request's critical path, when the
+#: storages they leave hold at most this many bytes (and an eighth of the quota): a GPT-2 decode
+#: step frees ~10-18 values a request, their deallocation ~15-30 us of the worker's time between
+#: the request and its reply (session 48, load 7-8); a larger free is made at once (the OS bound
+#: on the worker's memory leaves room for this much more)
+FREES_LATER_MAX = 8 << 20
 #: vetted (structure, shapes) and native programs a session keeps (cleared when full)
 MAX_VETTED = 4096
 MAX_PROGRAMS = 256
@@ -445,12 +452,18 @@ class Session:
             self.drop_many(done)
             raise
 
-    def drop_many(self, hids: list[int]) -> None:
+    def drop_many(self, hids: list[int], later: list[Any] | None = None) -> None:
         """:meth:`drop` of several ids (those not held are skipped), in one native pass over the
-        session's dicts (``genie._C._drop_handles``)."""
-        if hids:
-            self.nbytes += _C._drop_handles(self.store, self.storages, self.roles, self.used_at,
-                                            hids)
+        session's dicts (``genie._C._drop_handles``). ``later``: the dropped values join it
+        (uncounted at once, deallocated when the caller clears it) unless the storages they
+        leave are over :data:`FREES_LATER_MAX` bytes."""
+        if not hids:
+            return
+        held = list(map(self.store.get, hids)) if later is not None else None
+        delta = _C._drop_handles(self.store, self.storages, self.roles, self.used_at, hids)
+        self.nbytes += delta
+        if held is not None and -delta <= min(FREES_LATER_MAX, self.quota // 8):
+            later += held
 
     def refresh(self, tensors: Any) -> None:
         """Recount the storages of ``tensors`` (a tape may have resized them in place): natively,
@@ -582,6 +595,8 @@ class Worker:
         self.splits: dict[Any, int] = {}
         self.answer: Any = None
         self.answered = False
+        #: values the last request freed, deallocated once its reply is out (FREES_LATER_MAX)
+        self.freed: list[Any] = []
 
     # --- dispatch ---------------------------------------------------------------------------------
     def handle(self, h: dict[str, Any], frames: list[Any]
@@ -589,7 +604,9 @@ class Worker:
         """``(reply, reply frames, send)``: ``send`` is a peer transfer for the front to make."""
         kind = h.get("t")
         sess = self.sess
-        sess.drop_many(_id_list(h.get("free")))
+        if self.freed:  # (a request that found no after_reply: a peer send's)
+            self.freed.clear()
+        sess.drop_many(_id_list(h.get("free")), self.freed)
         if kind == "free":
             sess.drop_many(_id_list(h.get("ids")))
             room = h.get("room")
@@ -704,7 +721,7 @@ class Worker:
             for i in range(0, len(d), 2):
                 p = d[i]
                 if type(p) is not int or not 0 <= p < len(consts):
-                    raise ProtocolError(f"bad constant position {p!r}")
+                    raise ProtocolError(f"bad constant position {p!r:.40}")
                 consts[p] = d[i + 1]
                 changed.append(p)
         if not isinstance(consts, list) or len(consts) != c.n_consts:
@@ -1013,7 +1030,9 @@ class Worker:
         """Start the background build the last request found (:meth:`_classify`), now that its
         reply is out: the fork's cost falls between requests, not in one. The tape ran since
         it was vetted, so it is keyed again first: a build reads the inputs' metadata as they
-        are now, and must build the class of the call that was vetted."""
+        are now, and must build the class of the call that was vetted. The request's frees are
+        deallocated here (:data:`FREES_LATER_MAX`)."""
+        self.freed.clear()
         job, self._next_build = self._next_build, None
         if job is None:
             return

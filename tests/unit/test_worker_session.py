@@ -12,6 +12,7 @@ skeleton has an op that writes.
 from __future__ import annotations
 
 import hashlib
+import re
 
 import msgpack
 import pytest
@@ -244,3 +245,84 @@ def test_an_upload_of_a_new_length_refills(monkeypatch: pytest.MonkeyPatch) -> N
         reply = _delta(w, sk, [0, _host(z, 0)], [protocol.tensor_frame(z)[0]], 300 + k)
         assert reply["t"] == "ok" and torch.equal(w.sess.store[300 + k], -z)
         assert w.refills == 3 + k
+
+
+def test_a_delta_names_only_positions_in_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's delta (``d``: position, constant, ...) is checked in bulk: a position that is not
+    an exact int within the skeleton's constants (a bool, a float, a string, a huge or negative
+    int, one past the end) is refused naming the first bad one, and nothing of the call is kept:
+    the next good delta patches the last good call's constants."""
+    w = _worker(monkeypatch)
+    sk = _upload_neg()
+    x = torch.arange(4.0)
+    _run(w, sk, [_host(x, 0)], [protocol.tensor_frame(x)[0]], 100)
+    y = torch.arange(3.0)
+    fy = [protocol.tensor_frame(y)[0]]
+    for d, named in (([True, _host(y, 0)], "True"), ([0.0, _host(y, 0)], "0.0"),
+                     (["0", _host(y, 0)], "'0'"), ([-1, _host(y, 0)], "-1"),
+                     ([1, _host(y, 0)], "1"), ([2 ** 64 - 1, _host(y, 0)], str(2 ** 64 - 1)),
+                     ([0, _host(y, 0), 5, 1], "5"), ([0, _host(y, 0), None, 1], "None")):
+        with pytest.raises(protocol.ProtocolError, match=f"bad constant position {named}$"):
+            _delta(w, sk, d, fy, 200)
+        assert 200 not in w.sess.store
+    reply = _delta(w, sk, [0, _host(y, 0)], fy, 300)
+    assert reply["t"] == "ok" and torch.equal(w.sess.store[300], -y)
+
+
+def test_residency_hints_are_checked_in_bulk() -> None:
+    """``ev`` (handle id, role code, ...) from a client: pairs of exact non-negative ints, each
+    code a role's; anything else refused naming the first bad pair."""
+    from genie.remote.worker import _hints
+
+    assert _hints(None) == [] and _hints([]) == []
+    assert _hints([5, 0, 2 ** 70, len(protocol.ROLES) - 1]) == [
+        (5, 0), (2 ** 70, len(protocol.ROLES) - 1)]
+    for ev, named in (([True, 0], "True, 0"), ([5, False], "5, False"), ([5, 0.0], "5, 0.0"),
+                      ([-1, 0], "-1, 0"), ([5, -1], "5, -1"),
+                      ([5, len(protocol.ROLES)], f"5, {len(protocol.ROLES)}"),
+                      ([5, 0, 6, "weight"], "6, 'weight'"), ([5, 0, [6], 0], "[6], 0"),
+                      ([1.5, 0], "1.5, 0")):
+        with pytest.raises(protocol.ProtocolError, match=rf"bad residency hint \[{re.escape(named)}\]"):
+            _hints(ev)
+    for ev in ("x", [5], [5, 0, 6], list(range(2 * protocol.MAX_HINTS + 2))):
+        with pytest.raises(protocol.ProtocolError, match="flat list"):
+            _hints(ev)
+
+
+def test_a_requests_frees_are_deallocated_after_its_reply(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """The values a request frees leave the store and the accounting at once (the request
+    cannot read them, the quota no longer counts them) and are deallocated once its reply is
+    out (``Worker.after_reply``); a free of more than ``FREES_LATER_MAX`` bytes (or an eighth
+    of the quota) is deallocated at once."""
+    import weakref
+
+    from genie.remote import worker
+
+    w = _worker(monkeypatch)
+    sess = w.sess
+    small, big = torch.ones(4), torch.ones(256)
+    sess.put(10, small)
+    sess.put(11, big)
+    sess.put(12, small[1:])  # shares 10's storage
+    refs = [weakref.ref(small), weakref.ref(big)]
+    del small, big
+    reply, _, _ = w.handle({"t": "ping", "free": [10, 12, 99, True]}, [])
+    assert reply["t"] == "ok" and sorted(sess.store) == [11]
+    assert sess.nbytes == 256 * 4 and sess.used() == 256 * 4 + HANDLE_COST
+    assert refs[0]() is not None  # held until the reply is out
+    w.after_reply()
+    assert refs[0]() is None and w.freed == []
+    monkeypatch.setattr(worker, "FREES_LATER_MAX", 512)
+    w.handle({"t": "ping", "free": [11]}, [])
+    assert refs[1]() is None and sess.store == {} and sess.nbytes == 0  # 1 KiB: at once
+    # a run that fails still frees, later
+    t = torch.ones(4)
+    sess.put(20, t)
+    ref = weakref.ref(t)
+    del t
+    with pytest.raises(protocol.ProtocolError):
+        w.handle({"t": "run", "k": b"k" * 16, "id0": -1, "free": [20]}, [])
+    assert 20 not in sess.store and ref() is not None
+    w.after_reply()
+    assert ref() is None
