@@ -490,6 +490,9 @@ struct Entry {
   PyObject* consts = nullptr;
   PyObject* spec = nullptr;
   bool single = false;       // out_spec is a leaf: return the tensor itself
+  // out_spec a tuple or a list of leaves (native_layer_norm, split, the _foreach ops): the
+  // value is the flat outputs as that type, made here instead of by out_spec.unflatten
+  PyTypeObject* flat_kind = nullptr;
   bool python_only = false;  // a plan this path does not make (conj/neg outputs, out= resizes)
   std::vector<Out> outs;
   std::shared_ptr<Entry> next;  // same hash
@@ -652,6 +655,35 @@ PyObject* lazy_attr(PyObject* t, PyObject* name) {
   return new_ref(v);
 }
 
+// lazy_attr(t, "_node") and lazy_attr(t, "_out") from one look at the dict (new references);
+// false, with neither set, where either is missing.
+bool lazy_attrs(PyObject* t, PyObject** node, PyObject** out) {
+#if PY_VERSION_HEX < 0x030D0000
+  PyObject** dp = _PyObject_GetDictPtr(t);
+  PyObject* d = dp != nullptr ? *dp : nullptr;
+  PyObject* n = d != nullptr ? PyDict_GetItemWithError(d, names->node) : nullptr;
+  PyObject* o = n != nullptr ? PyDict_GetItemWithError(d, names->out) : nullptr;
+  if (o == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  *node = new_ref(n);
+  *out = new_ref(o);
+  return true;
+#else
+  *node = lazy_attr(t, names->node);
+  if (*node == nullptr) {
+    return false;
+  }
+  *out = lazy_attr(t, names->out);
+  if (*out == nullptr) {
+    Py_CLEAR(*node);
+    return false;
+  }
+  return true;
+#endif
+}
+
 struct Lazy {
   PyObject* tensor;     // borrowed (the call's args hold it)
   PyObject* node;       // owned
@@ -700,13 +732,9 @@ bool flatten(PyObject* args, PyObject* kwargs, const OpInfo& info, PyObject* fun
   auto leaf = [&](PyObject* x) -> bool {
     PyTypeObject* t = Py_TYPE(x);
     if (t == S.lazy) {
-      PyObject* node = lazy_attr(x, names->node);
-      if (node == nullptr) {
-        return false;
-      }
-      PyObject* out = lazy_attr(x, names->out);
-      if (out == nullptr) {
-        Py_DECREF(node);
+      PyObject* node;
+      PyObject* out;
+      if (!lazy_attrs(x, &node, &out)) {
         return false;
       }
       call.lazies.push_back(Lazy{x, node, out, 0, nullptr,
@@ -879,10 +907,24 @@ PyObject* storage_of(PyObject* t) {
   return Py_TYPE(st) == S.storage ? new_ref(st) : nullptr;
 }
 
+// storage_of(t) for a LazyTensor among the call's arguments: from the node and output flatten
+// read for it (no second look into its dict); storage_of where it is not among them.
+PyObject* storage_in(const Call& call, PyObject* t) {
+  for (const Lazy& l : call.lazies) {
+    if (l.tensor != t) {
+      continue;
+    }
+    PyObject* sts = slot(l.node, S.n.storages);
+    PyObject* st = sts == nullptr ? nullptr : genie::per_output(sts, l.out_i);
+    return st != nullptr && Py_TYPE(st) == S.storage ? new_ref(st) : nullptr;
+  }
+  return storage_of(t);
+}
+
 // The storages the op writes, as lazy_tensor._record collects them (LazyTensor arguments at the
 // positions OpPolicy.call_writes gives, and the LazyTensors in lists there), new references;
 // false when one has no storage.
-bool write_storages(const OpInfo& info, PyObject* args, PyObject* kwargs,
+bool write_storages(const OpInfo& info, PyObject* args, PyObject* kwargs, const Call* call,
                     c10::SmallVector<py::object, 4>& out) {
   const bool flag_off =
       info.write_flag >= 0 && arg_at(info, args, kwargs, info.write_flag) == Py_False;
@@ -902,7 +944,7 @@ bool write_storages(const OpInfo& info, PyObject* args, PyObject* kwargs,
       if (Py_TYPE(items[i]) != S.lazy) {
         continue;
       }
-      PyObject* st = storage_of(items[i]);
+      PyObject* st = call != nullptr ? storage_in(*call, items[i]) : storage_of(items[i]);
       if (st == nullptr) {
         return false;
       }
@@ -1017,7 +1059,7 @@ py::object recorded_node(PyObject* func, const OpInfo& info, PyObject* args, PyO
     }
   }
   c10::SmallVector<py::object, 4> writes;
-  if (!info.writes.empty() && write_storages(info, args, kwargs, writes) && !writes.empty()) {
+  if (!info.writes.empty() && write_storages(info, args, kwargs, nullptr, writes) && !writes.empty()) {
     PyObject* pw = slot(writes[0].ptr(), S.st_pending);
     if (PyList_CheckExact(pw) && PyList_GET_SIZE(pw) > 0) {
       PyObject* n = PyList_GET_ITEM(pw, PyList_GET_SIZE(pw) - 1);
@@ -1032,6 +1074,54 @@ py::object recorded_node(PyObject* func, const OpInfo& info, PyObject* args, PyO
 // The native Entry for `call` from genie.meta.MetaEntry `entry` (the one Python's meta cache holds
 // for the call's value key): its outputs decoded, or python_only where this path does not make
 // them (conj/neg outputs, an out= argument to resize).
+// tuple or list where `spec` is the tree spec of a tuple or a list of `n` leaves, as optree
+// makes it (genie.meta: none_is_leaf): compared with the spec of such a value; else nullptr.
+PyTypeObject* flat_kind_of(PyObject* spec, Py_ssize_t n) {
+  PyObject* t = PyObject_GetAttr(spec, names->type);  // optree and torch specs: the node's type
+  if (t == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  Py_DECREF(t);  // tuple and list live forever
+  if (t != reinterpret_cast<PyObject*>(&PyTuple_Type) &&
+      t != reinterpret_cast<PyObject*>(&PyList_Type)) {
+    return nullptr;
+  }
+  static PyObject* structure = nullptr;  // optree.tree_structure (never released)
+  if (structure == nullptr) {
+    py::object optree = py::reinterpret_steal<py::object>(PyImport_ImportModule("optree"));
+    structure = optree ? PyObject_GetAttrString(optree.ptr(), "tree_structure") : nullptr;
+    if (structure == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+  }
+  py::object zeros = py::reinterpret_steal<py::object>(PyList_New(n));
+  if (!zeros) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyList_SET_ITEM(zeros.ptr(), i, PyLong_FromLong(0));  // cached: cannot fail
+  }
+  py::object value = t == reinterpret_cast<PyObject*>(&PyList_Type)
+                         ? zeros
+                         : py::reinterpret_steal<py::object>(PyList_AsTuple(zeros.ptr()));
+  py::object kw = py::reinterpret_steal<py::object>(Py_BuildValue("{s:O}", "none_is_leaf", Py_True));
+  if (!value || !kw) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  py::object call_args = py::reinterpret_steal<py::object>(PyTuple_Pack(1, value.ptr()));
+  py::object canon = py::reinterpret_steal<py::object>(
+      call_args ? PyObject_Call(structure, call_args.ptr(), kw.ptr()) : nullptr);
+  const int same = canon ? PyObject_RichCompareBool(spec, canon.ptr(), Py_EQ) : -1;
+  if (same < 0) {
+    PyErr_Clear();
+  }
+  return same == 1 ? reinterpret_cast<PyTypeObject*>(t) : nullptr;
+}
+
 std::shared_ptr<Entry> make_entry(const OpInfo& info, PyObject* args, PyObject* kwargs,
                                   const Call& call, PyObject* entry) {
   auto e = std::make_shared<Entry>();
@@ -1065,6 +1155,9 @@ std::shared_ptr<Entry> make_entry(const OpInfo& info, PyObject* args, PyObject* 
   e->single = single == 1;
   if (!e->python_only && !read_plan(*e, slot(entry, S.me_plan))) {
     e->python_only = true;
+  }
+  if (!e->python_only && !e->single) {
+    e->flat_kind = flat_kind_of(e->out_spec, PyList_GET_SIZE(e->metas));
   }
   // An out= argument of another size is resized first (lazy_tensor._record): left to Python.
   // Its TensorMeta is in the key, so the sizes compare the same on every call with it.
@@ -1897,13 +1990,13 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
     sources.push_back(src);
   }
   c10::SmallVector<py::object, 4> writes;
-  if (!info.writes.empty() && !write_storages(info, args, kwargs, writes)) {
+  if (!info.writes.empty() && !write_storages(info, args, kwargs, &call, writes)) {
     return nullptr;
   }
   c10::SmallVector<py::object, 4> aliased;  // the storage of each aliased output
   for (size_t j = 0; j < e.outs.size(); ++j) {
     if (sources[j] != nullptr) {
-      PyObject* st = storage_of(sources[j]);
+      PyObject* st = storage_in(call, sources[j]);
       if (st == nullptr) {
         return nullptr;
       }
@@ -2082,6 +2175,12 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   }
   if (n_out == 1 && e.single) {
     return new_ref(PyList_GET_ITEM(flat.ptr(), 0));
+  }
+  if (e.flat_kind == &PyList_Type) {
+    return flat.release().ptr();  // a new list, as out_spec.unflatten makes
+  }
+  if (e.flat_kind == &PyTuple_Type) {
+    return checked(PyList_AsTuple(flat.ptr()));
   }
   return checked(PyObject_CallMethodOneArg(e.out_spec, names->unflatten, flat.ptr()));
 }

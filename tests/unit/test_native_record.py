@@ -326,6 +326,33 @@ def test_keyword_arguments_writes_and_foreach() -> None:
     assert_same(program)
 
 
+def test_multi_output_values_are_eagers_containers() -> None:
+    # A tuple or list of tensors an op returns is built natively (not by out_spec.unflatten):
+    # the same container type and values as eager, for tuples (native_layer_norm, aminmax,
+    # max.dim) and lists (split.Tensor, unbind, the _foreach ops), learned and then hit.
+    def program(dev: str) -> list[Any]:
+        torch.manual_seed(0)
+        x = torch.randn(4, 6).to(dev)
+        b = torch.randn(6).to(dev)
+        aten = torch.ops.aten
+        return [aten.native_layer_norm.default(x, [6], b, b, 1e-5), aten.aminmax.default(x),
+                aten.split.Tensor(x, 2), aten.unbind.int(x), aten.max.dim(x, 1),
+                torch._foreach_add([x, b], 1.5), torch._foreach_mul([x, x], [b, b])]
+
+    want = program("cpu")
+    for run in range(2):  # the first learns the calls' entries, the second hits them
+        _C._record_reset_stats()
+        got = program(D)
+        if run == 1:
+            assert _C._record_stats()["handled"] >= 7, _C._record_stats()
+        for w, g in zip(want, got, strict=True):
+            assert type(g) is type(w), (run, type(g), type(w))
+            assert len(g) == len(w)
+            for a, c in zip(w, g, strict=True):
+                assert type(c) is LazyTensor
+                torch.testing.assert_close(c.cpu(), a, rtol=0, atol=0)
+
+
 def test_writes_with_fresh_outputs_and_an_optimizer_step() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6)).to(D)
