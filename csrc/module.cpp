@@ -284,6 +284,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_gc_count_active", &genie::gc_count_active,
         "Whether allocations genie._C keeps off the cyclic GC are off its young count too "
         "(csrc/gccount.cpp; false on a CPython whose count setup.py could not find).");
+  m.def(
+      "_gc_count_frees_of",
+      [](const py::type& t) {
+        return genie::gc_count_frees_of(reinterpret_cast<PyTypeObject*>(t.ptr()));
+      },
+      py::arg("type"),
+      "Make the free of a `type` instance (genie.graph.Node) leave the collector's young "
+      "count where it was, with everything it releases (csrc/gccount.h); false where the "
+      "count is not kept.");
+  m.def(
+      "_release_nodes",
+      [](const py::list& nodes) {
+        // as genie._C._bind_nodes releases them (last first), and the count after as before:
+        // what the frees take off the young count was taken off at allocation already
+        const int young = genie::gc_young();
+        for (Py_ssize_t i = PyList_GET_SIZE(nodes.ptr()) - 1; i >= 0; --i) {
+          PyObject* node = PyList_GET_ITEM(nodes.ptr(), i);
+          PyList_SET_ITEM(nodes.ptr(), i, Py_NewRef(Py_None));
+          Py_DECREF(node);
+        }
+        genie::gc_young_at_least(young);
+      },
+      py::arg("nodes"),
+      "Drop a run's bound nodes from `nodes` (each item becomes None) without the frees "
+      "lowering the cyclic GC's young count (csrc/gccount.h: gc_young_at_least).");
 
   m.def("_set_device_count", &genie::set_device_count, py::arg("count"),
         "Set how many remote_accelerator devices exist (1..64). Call before the first backward().");

@@ -20,7 +20,8 @@ from torch.autograd import profiler as _profiler
 
 from . import backends, checks, context, memory, plan_cache
 from ._C import (_bind_nodes, _gc_untrack, _hit_run, _math_bits_on, _math_bits_restore,
-                 _record_ahead_reset, _state_apply, _state_word, _step_targets, _without_warning)
+                 _record_ahead_reset, _release_nodes, _state_apply, _state_word, _step_targets,
+                 _without_warning)
 from .config import config
 from .context import _steps
 from .device import real_device
@@ -155,9 +156,17 @@ def _reads_hits() -> bool:
 
 
 def _bind_ran(tape: Tape, kept: dict[int, Any], ran: Tape, index: int) -> None:
-    # the tape is dropped after this; its node list only read again to account a peak
-    _bind(tape, kept, release=ran.nodes is not tape.nodes or not memory.tracking())
+    # Both tapes are dropped after this. Their nodes are released here, as the bind releases
+    # the tape's, and not left to the drop: each node freed lowers the collector's young count,
+    # which its allocation never raised (csrc/gccount.h), so frees at the drop ate the count the
+    # program's own allocations built and delayed the collection of its garbage cycles
+    # (tests/unit/test_gc.py; with memory tracking on, never: the node list is kept to account
+    # the peak). ``ran``, a tape the passes made for this step, holds the same nodes.
+    keep = ran.nodes is tape.nodes and memory.tracking()
+    _bind(tape, kept, release=not keep)
     memory.after_run(ran, kept, index)
+    if keep or ran.nodes is not tape.nodes:
+        _release_nodes(ran.nodes)
 
 
 def _run_per_op(tape: Tape, dev: torch.device, states: list[int | None]

@@ -271,21 +271,46 @@ def _young_collections() -> int:
     return gc.get_stats()[0]["collections"]
 
 
+@pytest.fixture(params=[False, True], ids=["untracked_memory", "memory_tracking"])
+def memory_tracking(request: pytest.FixtureRequest):  # noqa: ANN201
+    """Memory tracking on or off for one test (on, the executor keeps a run's node list to
+    account the peak, and releases it after: in CI's order an earlier test had turned it on for
+    good, and then the program's garbage cycles were never collected, as below)."""
+    from genie import memory
+
+    was = memory._tracking[0]
+    memory._tracking[0] = request.param
+    yield request.param
+    memory._tracking[0] = was
+
+
 @pytest.mark.skipif(sys.version_info[:2] not in ((3, 11), (3, 12)),
                     reason="the young generation's count is kept on CPython 3.11 and 3.12")
-@pytest.mark.xfail(strict=False, reason=(
-    "known gap (session 48, after the consumer count, bc1895a): in the full suite's order (CI) "
-    "the program's garbage cycles made after the churn's first read were no longer collected "
-    "(55 of 60 alive against eager's 4, the young collections still counted); alone and after "
-    "its neighbouring files it passes; cause not found. The assertion says the collector's "
-    "state when it fails"))
-def test_recording_does_not_bring_the_collector_closer_but_the_programs_garbage_does() -> None:
+@pytest.mark.parametrize("step", ["chain", "cse", pytest.param("dropped", marks=pytest.mark.xfail(
+    strict=True, reason=(
+        "known gap (session 49): a program that drops its pending chains unread runs no young "
+        "collection. A dropped chain's node frees are compensated now (-620 -> -18 a 100-op "
+        "chain), but recording such a chain lowers the count by ~0.4 an op: the liveness "
+        "token, off the count from its allocation, lowers it when its tensor dies. Counting "
+        "the token (balanced) made recording raise the count by ~0.6 an op instead (dicts "
+        "taken fresh and given back to CPython's free list) and cost a GPT-2 generate 9.3 "
+        "young collections a call where eager runs 0.04 (79.4 against 68.7 ms a call)")))])
+def test_recording_does_not_bring_the_collector_closer_but_the_programs_garbage_does(
+        memory_tracking: bool, step: str) -> None:
     """Recording made ~10 collector-allocated objects per op that live until the value is read
     (untracked, but counted by CPython's young generation): a GPT-2 generate of ~7,000 ops ran
     ~83 young collections per call where eager ran none, and every ~25 calls a full collection
     over the whole heap (~300 ms). genie._C now takes an object it untracks at allocation off
     the count too (csrc/gccount.cpp), and only such an object: the program's own garbage cycles
-    are collected as often as without Genie."""
+    are collected as often as without Genie. Freeing those objects lowers the count again, so
+    every bulk free of a run's nodes puts it back (``_bind_nodes``, ``_release_nodes``): with
+    memory tracking on, the nodes were freed with the dropped tape, uncompensated, and each read
+    ate the count the program had built (55 of 60 of its cycles alive against eager's 4). The
+    ``cse`` step's reads run a tape the passes made (common subexpressions merged), which holds
+    the same nodes and was dropped after the bind the same way. The ``dropped`` step drops its
+    pending chain unread every 50 steps: the chain's nodes are freed with its last tensor, in a
+    bracket that puts the count back (``csrc/gccount.h: gc_count_frees_of``); see its mark for
+    what is left."""
     assert genie._C._gc_count_active(), "setup.py did not find the young generation's count"
     x = torch.randn(4, 4, device=DEV)
     y = x
@@ -315,8 +340,10 @@ def test_recording_does_not_bring_the_collector_closer_but_the_programs_garbage_
                 refs.append(weakref.ref(c))
             del c
             if with_genie:
-                z = torch.relu(z + 1)
-                if i % 500 == 499:
+                z = torch.relu(z + 1) if step != "cse" else torch.relu(z + 1) - (z + 1) + z
+                if step == "dropped" and i % 50 == 49:
+                    z = x  # the pending chain dropped unread
+                elif i % 500 == 499:
                     z.cpu()
         return _young_collections() - n0, refs
 
@@ -337,4 +364,6 @@ def test_recording_does_not_bring_the_collector_closer_but_the_programs_garbage_
              "count": gc.get_count(), "callbacks": len(gc.callbacks),
              "frozen": gc.get_freeze_count(), "tracking": memory._tracking[0],
              "gc_untrack": config.gc_untrack}
-    assert alive(refs) <= eager_alive, state
+    # cycles made since the last young collection wait for the next one: up to a threshold's
+    # worth (one in 100 has a reference here), with and without Genie
+    assert alive(refs) <= max(eager_alive, gc.get_threshold()[0] // 100 + 1), state
