@@ -93,55 +93,6 @@ void gc_untrack_new(PyObject* o, int before) {
   }
 }
 
-namespace {
-
-PyTypeObject* counted_type = nullptr;  // the type gc_count_frees_of took (genie.graph.Node)
-destructor node_dealloc = nullptr;     // and its own deallocator
-
-void counted_node_dealloc(PyObject* self) {
-  PyTypeObject* const t = counted_type;
-  if (Py_TYPE(self) != t) {
-    // a subclass's deallocation: CPython's subtype_dealloc has done the subclass's part and
-    // walks to the nearest base whose deallocator is not its own, which is now this one; go on
-    // to the one it found before
-    PyTypeObject* base = t->tp_base;
-    while (base->tp_dealloc == node_dealloc) {
-      base = base->tp_base;
-    }
-    base->tp_dealloc(self);
-    return;
-  }
-  const int young = young_count != nullptr ? *young_count : 0;
-  // The type's own deallocator, in place while it runs: CPython's subtype_dealloc finds the
-  // base deallocator it ends with by walking from the type past itself, and would find this
-  // one. The nodes freed inside (a dropped chain's, one after the other) are freed as before,
-  // in this bracket.
-  t->tp_dealloc = node_dealloc;
-  node_dealloc(self);
-  t->tp_dealloc = counted_node_dealloc;
-  if (young_count != nullptr && *young_count < young) {
-    *young_count = young;
-  }
-}
-
-}  // namespace
-
-bool gc_count_frees_of(PyTypeObject* type) {
-  if (type == counted_type) {
-    return true;
-  }
-  if (young_count == nullptr || counted_type != nullptr ||
-      !(type->tp_flags & Py_TPFLAGS_HEAPTYPE) || type->tp_dealloc == nullptr ||
-      type->tp_base == nullptr) {
-    return false;
-  }
-  counted_type = type;
-  Py_INCREF(type);  // kept while its deallocator is this module's
-  node_dealloc = type->tp_dealloc;
-  type->tp_dealloc = counted_node_dealloc;
-  return true;
-}
-
 void gc_young_at_least(int before) {
   if (young_count != nullptr && *young_count < before) {
     *young_count = before;

@@ -31,14 +31,4 @@ void gc_untrack_new(PyObject* o, int before);
 // never later).
 void gc_young_at_least(int before);
 
-// Make the free of a `type` instance (genie.graph.Node) leave the young count where it was
-// before, with everything it releases: a node's objects (its lists, Refs, weak references,
-// Storages, and the nodes of a pending graph dropped unread, freed one after the other) were
-// taken off the count at allocation (gc_untrack_new), and their frees would otherwise eat the
-// count the program's own allocations built (a program that dropped a 50-op chain unread every
-// 50 steps ran no young collection at all, and its garbage cycles stayed). A counted value freed
-// with them (a node a Python record made, a computed tensor) stays counted: a collection comes
-// sooner, never later. Idempotent; false where the count is not kept.
-bool gc_count_frees_of(PyTypeObject* type);
-
 }  // namespace genie

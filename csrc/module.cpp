@@ -285,15 +285,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether allocations genie._C keeps off the cyclic GC are off its young count too "
         "(csrc/gccount.cpp; false on a CPython whose count setup.py could not find).");
   m.def(
-      "_gc_count_frees_of",
-      [](const py::type& t) {
-        return genie::gc_count_frees_of(reinterpret_cast<PyTypeObject*>(t.ptr()));
-      },
-      py::arg("type"),
-      "Make the free of a `type` instance (genie.graph.Node) leave the collector's young "
-      "count where it was, with everything it releases (csrc/gccount.h); false where the "
-      "count is not kept.");
-  m.def(
       "_release_nodes",
       [](const py::list& nodes) {
         // as genie._C._bind_nodes releases them (last first), and the count after as before:

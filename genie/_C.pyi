@@ -45,11 +45,6 @@ def _gc_untrack_of_type(items: list[object], type: type) -> None:
 def _gc_untrack_node(node: object, leaves: object, ref_type: type) -> None:
     """Untrack a recorded node and its containers in one call (``genie.graph.untrack_node``)."""
 
-def _gc_count_frees_of(type: type) -> bool:
-    """Make the free of a ``type`` instance (``genie.graph.Node``) leave the collector's young
-    count where it was, with everything it releases (``csrc/gccount.h``); False where the count
-    is not kept."""
-
 def _release_nodes(nodes: list[object]) -> None:
     """Drop a run's bound nodes from ``nodes`` (each item becomes None, last first) without the
     frees lowering the collector's young count (``csrc/gccount.h``)."""

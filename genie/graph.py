@@ -36,8 +36,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from ._C import (_default_seq_len, _default_seq_note, _default_seq_of, _gc_count_frees_of,
-                 _gc_retrack_below, _gc_retrack_writers, _gc_track, _gc_untrack, _gc_untrack_node)
+from ._C import (_default_seq_len, _default_seq_note, _default_seq_of, _gc_retrack_below,
+                 _gc_retrack_writers, _gc_track, _gc_untrack, _gc_untrack_node)
 from .config import config
 
 _record_counter = itertools.count()
@@ -396,11 +396,6 @@ class Node:
     def __repr__(self) -> str:
         state = "done" if self.executed else "pending"
         return f"Node({self.uid}, {self.name}, {state})"
-
-
-# A node's free leaves the collector's young count where it was, with everything it releases:
-# its objects were taken off the count at allocation (csrc/gccount.h: gc_count_frees_of)
-_gc_count_frees_of(Node)
 
 
 class Alive:
