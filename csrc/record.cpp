@@ -60,6 +60,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -2430,6 +2431,12 @@ PyObject* record_dispatch(PyObject* /*module*/, PyObject* const* argv, Py_ssize_
   if (args == nullptr) {
     empty = py::reinterpret_steal<py::object>(PyTuple_New(0));
     args = empty.ptr();
+  }
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    // a dispatch mode declined this call (FakeTensorMode, AOTAutograd's modes: a LazyTensor is
+    // a subclass they do not know): the Python path decides (lazy_tensor._lift_under_modes)
+    return after_record(PyObject_CallFunctionObjArgs(
+        S.fallback, func, args, kwargs != nullptr ? kwargs : Py_None, nullptr));
   }
   return native_or_fallback(try_record, S.fallback, func, args, kwargs);
 }

@@ -349,6 +349,12 @@ def _graph_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any],
 
     if any(n.target is _FLASH for n in gm.graph.nodes):
         bump("flash_attention_calls")
+    n_inputs = len(example_inputs)
+    # torch.tensor(data, device=...) in the graph: its value an input of its own, passed by
+    # the caller on every call (uploaded once, here)
+    consts = graphs.constants_as_inputs(gm)
+    if consts:
+        example_inputs = [*example_inputs, *consts]
     reason = _refusal(gm, example_inputs)
     if reason is None:
         try:
@@ -363,12 +369,20 @@ def _graph_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any],
             logger.warning("genie: a compiled graph runs op by op on %s (%s)", DEVICE_TYPE,
                            reason)
         bump("graphs_op_by_op")
-        return make_boxed_func(gm.forward)
+        return make_boxed_func(_with_constants(gm.forward, consts))
     g.options = options
-    call = _caller(gm, g, writes)
-    if direct is not None and _no_runtime_wrapper(len(example_inputs)):
-        direct.append((call, example_inputs))
+    call = _with_constants(_caller(gm, g, writes), consts)
+    if direct is not None and _no_runtime_wrapper(n_inputs):
+        direct.append((call, example_inputs[:n_inputs]))
     return make_boxed_func(call)
+
+
+def _with_constants(fn: Any, consts: list[torch.Tensor]) -> Any:
+    """``fn`` called with the graph's constants (:func:`genie.graphs.constants_as_inputs`)
+    after the caller's inputs."""
+    if not consts:
+        return fn
+    return lambda *args: fn(*args, *consts)
 
 
 _warned: set[str] = set()

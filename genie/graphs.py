@@ -132,6 +132,55 @@ def input_views(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return views
 
 
+_LIFT_COPY = torch.ops.aten.lift_fresh_copy.default
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def constants_as_inputs(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """Each tensor constant of ``gm`` that the graph only copies to the device made an input
+    of its own, after the others, in place; their values on the device (uploads, made here),
+    in the order of those inputs. That is what ``torch.tensor(data, device=...)`` traces to
+    (``_to_copy(lift_fresh_copy(constant), device=...)``: transformers' ``DynamicCache`` makes
+    its first keys so): a graph holding it was refused (a constant is not data). The copies
+    stay in the graph, so its outputs never alias the constant. Any other constant stays, and
+    :func:`encode` refuses it."""
+    def device_copies(n: torch.fx.Node) -> torch.device | None:
+        devs = {w.kwargs.get("device") for u in n.users for w in u.users} \
+            if n.users and all(u.target is _LIFT_COPY and u.users for u in n.users) and \
+            all(w.target is _TO_COPY and not w.args[1:] for u in n.users for w in u.users) \
+            else set()
+        d = next(iter(devs)) if len(devs) == 1 else None
+        return d if isinstance(d, torch.device) and d.type == _DEVICE_TYPE else None
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not last:
+        return []
+    last_ph = last[-1]
+    values: list[torch.Tensor] = []
+    for n in list(gm.graph.nodes):
+        if n.op != "get_attr":
+            continue
+        v = getattr(gm, n.target, None) if "." not in n.target else None
+        d = device_copies(n) if type(v) is torch.Tensor and v.device.type == "cpu" else None
+        if d is None:
+            continue
+        with unset_fake_temporarily():
+            dv = v.to(d)  # an upload: resident with the compiled graph
+        with gm.graph.inserting_after(last_ph):
+            p = gm.graph.placeholder(f"{n.name}_input")
+        p.meta["val"] = dv
+        n.replace_all_uses_with(p)
+        gm.graph.erase_node(n)
+        delattr(gm, n.target)
+        last_ph = p
+        values.append(dv)
+    if values:
+        gm.recompile()
+    return values
+
+
 def caller_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """The nodes whose values the caller of a ``genie::graph`` node computes itself: host values
     (:func:`host_nodes`) and views of its device inputs (:func:`input_views`)."""

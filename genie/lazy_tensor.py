@@ -348,6 +348,10 @@ def materialize_one(t: Any, trigger: str) -> torch.Tensor:
 
 def _dispatch(func: Any, args: tuple, kwargs: dict | None) -> Any:
     """The Python record path of ``LazyTensor.__torch_dispatch__`` (the reference)."""
+    if func in _LIFTS:
+        lifted = _lift_under_modes(args, kwargs)
+        if lifted is not None:
+            return lifted
     if _profiler._is_profiler_enabled:  # a genie.record range, only under torch.profiler
         with _profiler.record_function("genie.record"):
             return record(func, args, kwargs or {})
@@ -488,6 +492,27 @@ def _host_value(x: torch.Tensor) -> torch.Tensor | None:
 
 
 _LIFTS = (aten.lift_fresh.default, aten.lift_fresh_copy.default)
+
+
+def _lift_under_modes(args: tuple, kwargs: dict | None) -> Any:
+    """``lift_fresh`` of a fresh upload that a dispatch mode declined, or None.
+    ``torch.tensor(data, device="remote_accelerator")`` builds its value on the device with the
+    Python key and the modes excluded (Genie records an upload of ``data``) and then lifts it
+    where the modes see it; a mode that does not know a tensor subclass (``FakeTensorMode`` in
+    Dynamo's fake run, the functionalization and proxy modes AOTAutograd traces with) declines
+    the LazyTensor, and the LazyTensor it got back mixed with their values: the trace failed on
+    the next op. As the modes see the same call on CUDA (a host constant lifted, then on the
+    device): the upload's host value lifted, then copied to the device, under the modes."""
+    if not _dispatch_modes() or len(args) != 1 or kwargs or type(args[0]) is not LazyTensor:
+        return None
+    t = args[0]
+    node = t._node
+    if node.op != _UPLOAD or node.executed or t._out != 0:
+        return None
+    return _to_copy(aten.lift_fresh_copy.default(node.leaves[0]), device=t.device)
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 def _index_put_masks(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

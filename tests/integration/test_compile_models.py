@@ -83,3 +83,24 @@ def test_gpt2_static_cache_greedy_tokens_equal_eager():
     assert torch.equal(got, want) and torch.equal(got2, want)
     s = genie.stats()
     assert s["graph_calls"] >= 16 and s.get("graphs_op_by_op", 0) == 0, s
+
+
+def test_gpt2_compiled_forward_with_its_default_cache_is_one_graph_with_eagers_logits():
+    """``torch.compile(model)`` called directly, as a new user calls it: transformers' default
+    ``DynamicCache`` starts its keys with ``torch.tensor([], device=...)``, a constant in the
+    graph (it was a LazyTensor among Dynamo's fake values: the trace failed)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(cfg).eval()
+    lazy = torch.compile(copy.deepcopy(ref).to(DEV))
+    ids = torch.randint(0, 500, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(ids).logits
+        for _ in range(2):
+            genie.reset_stats()
+            got = lazy(ids.to(DEV)).logits
+            s = genie.stats()
+            assert s["graph_calls"] == 1 and s.get("graphs_op_by_op", 0) == 0, s
+            torch.testing.assert_close(got.cpu(), want)

@@ -136,6 +136,23 @@ def test_compiled_attention_training_keeps_eagers_values(remote) -> None:
         torch.testing.assert_close(b.cpu(), a.detach())
 
 
+def test_graph_with_tensor_constants_runs_as_one_graph_through_the_server(remote) -> None:
+    """``torch.tensor(data, device=...)`` in a compiled function: the constant is an input of
+    its own, uploaded once, and the graph runs whole on the server with eager's values."""
+    def f(x):  # noqa: ANN001, ANN202
+        return torch.cat([torch.tensor([1.0, 2.0], device=x.device), x]) * \
+            torch.tensor(3.0, device=x.device)
+
+    cf = torch.compile(f)
+    for i in range(3):
+        x = torch.randn(4) + i
+        genie.reset_stats()
+        got = cf(x.to(DEV)).cpu()
+        s = genie.stats()
+        assert s["graph_calls"] == 1 and s.get("graphs_op_by_op", 0) == 0, s
+        torch.testing.assert_close(got, f(x))
+
+
 def test_graph_with_an_op_outside_the_servers_opset_is_refused(remote) -> None:
     g = torch.fx.Graph()
     x = g.placeholder("x")

@@ -1192,3 +1192,50 @@ def test_graph_mut_refuses_written_inputs_of_other_shapes_or_dtypes(fast_compile
         torch.ops.genie.graph_mut(key, [torch.zeros(3, device=device)],
                                   [torch.ones(3, device=device), torch.ones(3, device=device)],
                                   [])
+
+
+_DATA = [([1.0, 2.0, 3.0], {}), (5, {}), ([[1, 2], [3, 4]], {"dtype": torch.float64}), ([], {}),
+         ([True, False], {})]
+
+
+@pytest.mark.parametrize("data, kw", _DATA)
+@pytest.mark.parametrize("make", ["tensor", "as_tensor"])
+def test_tensor_constructor_under_fake_tensor_mode_gives_a_fake_as_on_cpu(data, kw, make):
+    """``torch.tensor(data, device=...)`` in a fake run (Dynamo's) is a FakeTensor on the device
+    with the metadata the CPU's fake has (it was a LazyTensor, which the fake mode declines)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    fn = getattr(torch, make)
+    with FakeTensorMode():
+        want = fn(data, **kw)
+        got = fn(data, device=DEV, **kw)
+    assert type(got) is FakeTensor and got.device == torch.device(DEV)
+    assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+    # outside the mode the same call is a LazyTensor with eager's values
+    real = fn(data, device=DEV, **kw)
+    assert type(real) is genie.LazyTensor
+    torch.testing.assert_close(real.cpu(), fn(data, **kw))
+
+
+def test_graph_with_tensor_constants_is_one_node_and_its_outputs_never_alias_them(
+        fast_compiler, caplog):
+    def f(x):
+        e = torch.tensor([1.0, 2.0, 3.0], device=x.device)
+        s = torch.tensor(5, device=x.device)
+        return torch.cat([e, x]) * 2 + s, e
+
+    cf = torch.compile(f)
+    x = torch.randn(3)
+    want = f(x)
+    with caplog.at_level(logging.WARNING, logger="genie"):
+        for _ in range(3):
+            genie.reset_stats()
+            got = cf(x.to(DEV))
+            s = genie.stats()
+            assert s["graph_calls"] == 1 and s.get("graphs_op_by_op", 0) == 0, s
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g.cpu(), w)
+                assert g.stride() == w.stride()
+            got[1].add_(100)  # the constant is copied for each call: the next one is unchanged
+    assert "runs op by op" not in caplog.text
+    assert _breaks() == 0
