@@ -346,6 +346,30 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
     return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
+# torch.accelerator's memory API on remote_accelerator: its device type's allocator
+# (csrc/allocator.cpp, a c10::DeviceAllocator) answers from these
+
+
+def _accelerator_stats(index: int) -> tuple[int, int, int, int]:
+    """``torch.accelerator.memory_stats(index)``: bytes allocated now and at the peak, reserved
+    now and at the peak, as :func:`memory_allocated` and :func:`max_memory_allocated` (which
+    starts peak tracking: torch asks for every figure at once) and their ``reserved`` pair."""
+    return (memory_allocated(index), max_memory_allocated(index), memory_reserved(index),
+            max_memory_reserved(index))
+
+
+def _accelerator_reset_peak(index: int) -> None:
+    reset_peak_memory_stats(index)
+
+
+def _accelerator_empty_cache(index: int) -> None:  # noqa: ARG001 - every device, as torch's
+    empty_cache()
+
+
+def _accelerator_memory_info(index: int) -> tuple[int, int]:
+    return mem_get_info(index)
+
+
 def get_device_name(device: Any = None) -> str:
     """Name of the real device behind ``remote_accelerator:N``."""
     i = _idx(device)

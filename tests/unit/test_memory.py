@@ -96,6 +96,36 @@ def test_bad_device_is_refused_like_cuda():
         ra.memory_allocated(7)
 
 
+def test_torch_accelerator_memory_api_gives_torch_remote_accelerators_figures():
+    """torch.accelerator's memory functions ask the device type's allocator (it must be a
+    c10::DeviceAllocator: Genie's was a plain one and torch's internal assert failed)."""
+    acc = torch.accelerator
+    assert acc.current_accelerator() == torch.device("remote_accelerator")
+    gc.collect()
+    acc.reset_peak_memory_stats()
+    start = acc.memory_allocated()
+    assert start == ra.memory_allocated() and acc.max_memory_allocated() == start
+    x = torch.randn(128, 128, device=DEV)
+    s = ((x * 2) + 1).sum()
+    s.item()
+    e = torch.randn(128, 128)
+    assert acc.memory_allocated() == ra.memory_allocated() == start + _nbytes(e, s.cpu())
+    assert acc.max_memory_allocated() == ra.max_memory_allocated() == start + 3 * _nbytes(e)
+    stats = acc.memory_stats()
+    assert stats["allocated_bytes.all.current"] == ra.memory_allocated()
+    assert stats["allocated_bytes.all.peak"] == ra.max_memory_allocated()
+    assert stats["reserved_bytes.all.current"] == acc.memory_reserved() == ra.memory_reserved()
+    acc.reset_peak_memory_stats()
+    assert acc.max_memory_allocated() == acc.memory_allocated()
+    acc.reset_accumulated_memory_stats()
+    acc.empty_cache()
+    free, total = acc.get_memory_info()
+    assert 0 < free <= total == ra.mem_get_info()[1]
+    del x, s
+    with pytest.raises(RuntimeError, match="Invalid device argument 7"):  # as CUDA's allocator
+        acc.memory_allocated(7)
+
+
 def test_native_accounting_counts_live_storages_once_and_follows_resizes() -> None:
     """genie._C._mem_hold (csrc/memory.cpp), on an index no run uses: distinct live storages,
     views once, a storage resized in place at its new size, the dead pruned, non-tensors skipped."""
