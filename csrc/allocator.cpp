@@ -169,9 +169,23 @@ struct Allocator final : public Base {
     memory_call("_accelerator_reset_peak", valid_index(device));
   }
 
-  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+  // (not `override`: torch versions differ in which of these DeviceAllocator declares; where it
+  // declares them pure, these define them)
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) {
     const auto v = memory_ints<2>("_accelerator_memory_info", valid_index(device));
     return {static_cast<size_t>(v[0]), static_cast<size_t>(v[1])};
+  }
+
+  // Device memory in bytes for torch.cuda-style raw allocations: Genie hands none out (as
+  // allocate above); freeing the null pointer it may have returned is a no-op.
+  void* raw_alloc(size_t nbytes) {
+    TORCH_CHECK(nbytes == 0, "Genie remote_accelerator has no raw device memory to hand out (",
+                nbytes, " bytes asked); device values are tensors on remote_accelerator.");
+    return nullptr;
+  }
+
+  void raw_delete(void* ptr) {
+    TORCH_CHECK(ptr == nullptr, "Genie remote_accelerator never handed out raw memory at ", ptr);
   }
 #endif
 };
