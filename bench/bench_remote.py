@@ -78,7 +78,9 @@ class _Server:
              *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
             preexec_fn=None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu})))
-        line = self.proc.stdout.readline()
+        line = "-"
+        while line and not line.startswith("genie-server: serving"):
+            line = self.proc.stdout.readline()
         m = re.search(r"tcp://[\d.]+:\d+", line)
         if m is None:
             self.proc.kill()

@@ -1166,6 +1166,11 @@ def main(argv: list[str] | None = None) -> int:
     logbudget.install(keyed=True)
     os.environ.pop("GENIE_SERVER", None)  # the workers run tapes themselves
     server = server_from_args(a)
+    # the banner waits for the process that starts session workers to import PyTorch and warm
+    # up (seconds; tens on a loaded machine): say so at once, on stderr (stdout's first line
+    # stays the banner that scripts read)
+    print(f"genie-server: starting on {server.device}: warming up the process that starts session "
+          "workers ...", file=sys.stderr, flush=True)
     server.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())
