@@ -437,6 +437,9 @@ class GraphData:
     options: dict[str, Any] = field(default_factory=dict)  # Inductor's, from torch.compile
     # the last call's shape class as a native check and its compiled entry (see _last)
     last: tuple[int, Any, Any] | None = None
+    # per device: the graph compiled with dynamic shapes, where it takes sizes (see _dynamic);
+    # False where that compilation failed or disagreed (each shape class then its own)
+    dynamic: dict[str, Any] = field(default_factory=dict)
     resolve: Callable[[str], Any] = aten_resolve  # a server's admits only its opset
     writes: bool = False  # whether it writes inputs ("m" kinds: genie::graph_mut only)
 
@@ -843,6 +846,26 @@ def _first_run(g: GraphData, device: torch.device, args: list[Any],
     n = len(want) - len(written)
     name = cb.compiler()
     reason = None
+    dyn, new = _dynamic(g, gm, device, name)
+    if dyn is not None:
+        # a graph that takes sizes: its dynamic compilation (made now, or by another shape
+        # class: Dynamo's guards recompile it where this class's shapes do not fit), checked
+        # on this class as any compilation
+        with waiting(f"compiling a graph of {g.ops} ops with {name} for {device}, dynamic "
+                     "shapes" if new else f"checking a graph of {g.ops} ops, compiled with "
+                     "dynamic shapes, on a new shape class"):
+            try:
+                reason, got = _disagreement(lambda *a: _probe(dyn, a, written, seen), args,
+                                            want, cb._agrees)
+            except Exception as e:  # noqa: BLE001 - any failure: this class compiles its own
+                reason = f"{type(e).__name__}: {str(e).strip()[:200]}"
+        if reason is None:
+            return _keep(g, sk, dyn, got, want, n, seen, written, args,
+                         None if new else "graph_shape_reuses")
+        g.dynamic[str(device)] = False
+        logger.info("genie: graph %s...: its dynamic-shape compilation is not used (%s); each "
+                    "shape class compiles its own", g.key[:12], reason)
+        reason = None
     try:
         with waiting(f"compiling a graph of {g.ops} ops with {name} for {device}"):
             if name == "inductor" and builder is not None:
@@ -865,27 +888,66 @@ def _first_run(g: GraphData, device: torch.device, args: list[Any],
     except Exception as e:  # a compiler failure: the graph runs op by op instead
         reason = f"{name} failed: {type(e).__name__}: {str(e).strip()[:200]}"
     if reason is None:
-        # outputs the compiler laid out otherwise than the graph's op-by-op run (whose strides
-        # the recorded node carries) are copied into that layout on every call
-        restride = tuple((k, b.stride()) for k, (a, b) in enumerate(zip(got[:n], want[:n]))
-                         if a.stride() != b.stride() and b.numel() > 1)
-        # outputs the compiled code returns as views of its inputs or of another output (where
-        # a buffer lives is fixed by the code, not by the values) are cloned on every call;
-        # restrided ones are copies already
-        copied = {k for k, _ in restride}
-        clone = tuple(k for k in seen["aliased"] if k not in copied)
-    if reason is None:
-        g.compiled[sk] = (fn, restride, clone)
-        bump("graph_verified")
-    else:
-        # op by op: the graph module's own code (the graph's ops called in order, as the oracle
-        # ran them, without the interpreter's per-node bookkeeping); its aliasing is the oracle's
-        g.compiled[sk] = (gm, (), _aliased(want[:n], args))
-        logger.warning("genie: compiled graph %s... runs op by op on %s (%s)", g.key[:12],
-                       device, reason)
+        return _keep(g, sk, fn, got, want, n, seen, written, args)
+    # op by op: the graph module's own code (the graph's ops called in order, as the oracle
+    # ran them, without the interpreter's per-node bookkeeping); its aliasing is the oracle's
+    g.compiled[sk] = (gm, (), _aliased(want[:n], args))
+    logger.warning("genie: compiled graph %s... runs op by op on %s (%s)", g.key[:12],
+                   device, reason)
     for i, v in zip(written, want[n:]):
         args[i].copy_(v)
     return want[:n]
+
+
+def _keep(g: GraphData, sk: tuple[Any, ...], fn: Callable[..., Any], got: list[torch.Tensor],
+          want: list[torch.Tensor], n: int, seen: dict[str, Any], written: tuple[int, ...],
+          args: list[Any], counter: str | None = None) -> list[torch.Tensor]:
+    """Keep ``fn``, which agreed with the oracle ``want`` on this shape class ``sk``; the
+    oracle's written inputs copied into ``args``. Returns the oracle's values."""
+    # outputs the compiler laid out otherwise than the graph's op-by-op run (whose strides
+    # the recorded node carries) are copied into that layout on every call
+    restride = tuple((k, b.stride()) for k, (a, b) in enumerate(zip(got[:n], want[:n]))
+                     if a.stride() != b.stride() and b.numel() > 1)
+    # outputs the compiled code returns as views of its inputs or of another output (where
+    # a buffer lives is fixed by the code, not by the values) are cloned on every call;
+    # restrided ones are copies already
+    copied = {k for k, _ in restride}
+    clone = tuple(k for k in seen["aliased"] if k not in copied)
+    g.compiled[sk] = (fn, restride, clone)
+    bump("graph_verified")
+    if counter is not None:
+        bump(counter)
+    for i, v in zip(written, want[n:]):
+        args[i].copy_(v)
+    return want[:n]
+
+
+#: Inductor with dynamic shapes over a decoded graph (compiled at its first call)
+_compile_dynamic = functools.partial(torch.compile, backend="inductor", dynamic=True,
+                                     fullgraph=True)
+
+
+def _dynamic(g: GraphData, gm: torch.fx.GraphModule, device: torch.device,
+             name: str) -> tuple[Callable[..., Any] | None, bool]:
+    """For a graph that takes sizes (Dynamo made some of its dimensions dynamic: a KV cache's
+    length, a prompt's), one Inductor compilation with dynamic shapes per device, made at its
+    first shape class's call and then checked on every new class, where compiling each class
+    on its own took seconds for each new length (a generate with transformers' default cache
+    compiled 8 graphs for 3 Dynamo graphs, 31 s against the CPU's 16 s). Dynamo's guards
+    recompile it where a class does not fit (a size of 0 or 1). None where the graph takes no
+    sizes, the compiler is not Inductor, Inductor's files are built elsewhere (a server's
+    sandboxed worker: :data:`builder`), or that compilation failed or disagreed before. The
+    second value: whether it is made now (it compiles at its first call)."""
+    if name != "inductor" or builder is not None or "i" not in g.kinds:
+        return None, False
+    k = str(device)
+    fn = g.dynamic.get(k)
+    if fn is None:
+        fn = g.dynamic[k] = _compile_dynamic(gm, options={**_INDUCTOR_DEFAULTS,
+                                                          **(g.options or {})})
+        bump("graph_compiles")
+        return fn, True
+    return (None if fn is False else fn), False
 
 
 def _probe(fn: Callable[..., Any], args: Any, written: tuple[int, ...],

@@ -1239,3 +1239,64 @@ def test_graph_with_tensor_constants_is_one_node_and_its_outputs_never_alias_the
             got[1].add_(100)  # the constant is copied for each call: the next one is unchanged
     assert "runs op by op" not in caplog.text
     assert _breaks() == 0
+
+
+def test_a_graph_taking_sizes_reuses_its_dynamic_compilation_checked_on_each_class(
+        fast_compiler, monkeypatch):
+    """A graph Dynamo made dynamic (it takes sizes) is compiled once with dynamic shapes and
+    reused for its later shape classes, each checked against the op-by-op run at its first
+    call; a class on which it disagrees compiles its own (and the dynamic one is not used
+    again). The dynamic compilation here is the graph module wrong on its third class."""
+    made = []
+
+    def dynamic(gm, options):
+        made.append(options)
+
+        def fn(*args):
+            out = gm(*args)
+            return [o + 1 for o in out] if any(a == 7 for a in args if type(a) is int) else out
+        return fn
+
+    per_class = []
+    monkeypatch.setattr(graphs, "_compile_dynamic", dynamic)
+    monkeypatch.setattr(graphs, "_compile",
+                        lambda gm, args, name, options: per_class.append(name) or [gm])
+    monkeypatch.setattr(compiled_backend, "compiler", lambda: "inductor")
+
+    def f(x, y):
+        return torch.cat([x, y]).sin() * 2
+
+    cf = torch.compile(f, dynamic=True)
+    genie.reset_stats()
+    for n in (3, 5, 7, 9, 5):
+        x, y = torch.randn(n), torch.randn(2)
+        torch.testing.assert_close(cf(x.to(DEV), y.to(DEV)).cpu(), f(x, y))
+    s = genie.stats()
+    assert len(made) == 1 and made[0]["size_asserts"] is False
+    # 3: made; 5: reused; 7: disagrees -> its own; 9: its own (dynamic not used again); 5: hit
+    assert per_class == ["inductor", "inductor"], per_class
+    assert s["graph_compiles"] == 3 and s["graph_shape_reuses"] == 1, s
+    assert s["graph_verified"] == 4 and s["graph_cache_hits"] == 1, s
+
+
+@pytest.mark.skipif(os.environ.get("GENIE_FULL_TESTS") != "1",
+                    reason="inductor compiles C++ (a minute here); GENIE_FULL_TESTS=1")
+def test_inductor_compiles_a_graph_taking_sizes_once_for_its_shape_classes():
+    before = compiled_backend.compiler()
+    torch._dynamo.reset()
+    compiled_backend.set_compiler("inductor")
+    try:
+        def f(x, y):
+            return torch.cat([x, y]).cos() * 3  # (graphs are cached by content)
+
+        cf = torch.compile(f, dynamic=True)
+        genie.reset_stats()
+        for n in (3, 5, 7, 9, 5):
+            x, y = torch.randn(n), torch.randn(2)
+            torch.testing.assert_close(cf(x.to(DEV), y.to(DEV)).cpu(), f(x, y))
+        s = genie.stats()
+        assert s["graph_compiles"] == 1 and s["graph_shape_reuses"] == 3, s
+        assert s["graph_verified"] == 4 and s["graph_cache_hits"] == 1, s
+    finally:
+        compiled_backend.set_compiler(before)
+        torch._dynamo.reset()
