@@ -15,6 +15,7 @@
 #include "bind.h"
 #include "memory.h"
 #include "match.h"
+#include "node.h"
 #include "device.h"
 #include "gccount.h"
 #include "generator.h"
@@ -280,6 +281,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Genie's native remote_accelerator (PrivateUse1) runtime.";
 
   genie::register_hooks();
+  genie::add_node_type(m);
   genie::gc_count_init();
   m.def("_gc_count_active", &genie::gc_count_active,
         "Whether allocations genie._C keeps off the cyclic GC are off its young count too "

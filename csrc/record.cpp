@@ -78,6 +78,7 @@
 
 #include "device.h"
 #include "gccount.h"
+#include "node.h"
 #include "record.h"
 #include "seq.h"
 #include "slots.h"
@@ -3756,9 +3757,10 @@ bool record_init(const py::dict& objs) {
   if (!PyDict_Check(s.counts) || !PyDict_Check(s.profiler)) {
     throw std::runtime_error("counts and profiler must be dicts");
   }
-  check_slots(s.node, {"op", "leaves", "spec", "metas", "out_spec", "_st", "writes",
-                       "_out", "values", "executed", "index", "rng", "graph", "_seq", "where",
-                       "n_consumers", "tags", "entry", "ctx", "_wref"});
+  if (!genie::is_node_type(s.node)) {  // genie._C.Node's fields, and none of the class's own
+    throw std::runtime_error(std::string(s.node->tp_name) +
+                             " has other slots than the native record path writes");
+  }
   check_slots(s.ref, {"node", "out"});
   check_slots(s.storage, {"pending_writes", "readers", "_prune_at", "role"});
   check_slots(s.alive, {});

@@ -11,9 +11,20 @@
 
 namespace genie {
 
-// The offset of slot `name` of the slotted class `t`; std::runtime_error if it is not one.
+// The offset of slot `name` of the slotted class `t` (or of a member of a native base, as
+// genie._C.Node's fields are genie.graph.Node's: found along the MRO); std::runtime_error if it is
+// not one.
 inline Py_ssize_t slot_offset(PyTypeObject* t, const char* name) {
-  PyObject* d = PyDict_GetItemString(t->tp_dict, name);  // borrowed
+  PyObject* d = nullptr;  // borrowed
+  PyObject* mro = t->tp_mro;
+  const Py_ssize_t n = mro != nullptr && PyTuple_Check(mro) ? PyTuple_GET_SIZE(mro) : 0;
+  for (Py_ssize_t i = 0; i < n && d == nullptr; ++i) {
+    d = PyDict_GetItemString(reinterpret_cast<PyTypeObject*>(PyTuple_GET_ITEM(mro, i))->tp_dict,
+                             name);
+  }
+  if (n == 0) {
+    d = PyDict_GetItemString(t->tp_dict, name);
+  }
   if (d == nullptr || Py_TYPE(d) != &PyMemberDescr_Type) {
     throw std::runtime_error(std::string(t->tp_name) + "." + name + " is not a slot");
   }

@@ -340,3 +340,30 @@ def _frames_of(values: object, names: dict[torch.dtype, str]
     value ``[names[dtype], shape, None]`` and a buffer of its elements; None when a value is
     not a contiguous CPU tensor with elements, without conj/neg bits, of a dtype in ``names``
     (framed one by one by ``genie.remote.protocol.tensor_frame``)."""
+
+class Node:
+    """A recorded op's fields as a native struct (csrc/node.cpp): ``genie.graph.Node`` subclasses
+    it with methods and properties only. An unset field raises AttributeError, as a slot did.
+    Freeing a pending node (a graph dropped unread) leaves the cyclic collector's young count
+    where it was, its outputs' liveness tokens given back."""
+
+    op: Any
+    leaves: list[Any] | None
+    spec: Any
+    metas: Any
+    out_spec: Any
+    _st: Any
+    writes: Any
+    _out: Any
+    values: Any
+    executed: bool
+    index: int
+    rng: tuple[int, int] | None
+    graph: Any
+    _seq: int | None
+    where: str | None
+    n_consumers: int
+    tags: dict[str, Any] | None
+    entry: Any
+    ctx: Any
+    _wref: Any

@@ -36,6 +36,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
+from ._C import Node as _NativeNode
 from ._C import (_default_seq_len, _default_seq_note, _default_seq_of, _gc_retrack_below,
                  _gc_retrack_writers, _gc_track, _gc_untrack, _gc_untrack_node)
 from .config import config
@@ -242,8 +243,13 @@ class Storage:
         self._prune_at = max(64, 2 * len(readers))
 
 
-class Node:
+class Node(_NativeNode):
     """One recorded op.
+
+    The fields are ``genie._C.Node``'s (csrc/node.cpp: a native struct, read and written by the
+    natives through its member offsets); this class adds only methods and properties. The
+    native type's deallocator keeps the cyclic collector's young count where it was when a node
+    is freed outside Genie's own code (a pending graph dropped unread), see csrc/node.cpp.
 
     Attributes:
         op: the ``torch._ops.OpOverload`` (or a Genie pseudo-op such as ``genie.upload``).
@@ -272,10 +278,13 @@ class Node:
             compares nodes by it (:mod:`genie.plan_cache`).
     """
 
-    __slots__ = (
+    __slots__ = ()  # the fields are the native base's (csrc/node.cpp): none of its own
+
+    # the native base's fields, in its order (copying: __getstate__)
+    _FIELDS = (
         "op", "leaves", "spec", "metas", "out_spec", "_st", "writes", "_out",
         "values", "executed", "index", "rng", "graph", "_seq", "where", "n_consumers",
-        "tags", "entry", "ctx", "_wref", "__weakref__",
+        "tags", "entry", "ctx", "_wref",
     )
 
     def __init__(self, op: Any, leaves: list[Any], spec: Any, metas: list[TensorMeta | None],
@@ -392,6 +401,11 @@ class Node:
         if self.leaves is None:
             return []
         return [x for x in self.leaves if type(x) is Ref]
+
+    def __getstate__(self) -> tuple[None, dict[str, Any]]:
+        """The set fields, as a slotted class's state (``copy.deepcopy`` of a LazyTensor copies
+        its node, as it did when the fields were slots)."""
+        return None, {f: getattr(self, f) for f in Node._FIELDS if hasattr(self, f)}
 
     def __repr__(self) -> str:
         state = "done" if self.executed else "pending"

@@ -286,16 +286,7 @@ def memory_tracking(request: pytest.FixtureRequest):  # noqa: ANN201
 
 @pytest.mark.skipif(sys.version_info[:2] not in ((3, 11), (3, 12)),
                     reason="the young generation's count is kept on CPython 3.11 and 3.12")
-@pytest.mark.parametrize("step", ["chain", "cse", pytest.param("dropped", marks=pytest.mark.xfail(
-    strict=True, reason=(
-        "known gap (session 49): a program that drops its pending chains unread runs no young "
-        "collection. The nodes of a dropped chain are freed with its last tensor, outside any "
-        "code of Genie's, and each free lowers the count their allocation never raised (a "
-        "100-op chain: -620); recording such a chain lowers it by ~0.4 an op too (the liveness "
-        "token). A bracket around Node's deallocation (its type's tp_dealloc swapped while it "
-        "ran) took a dropped chain to -18 but was not kept: CPython's subtype_dealloc reads "
-        "the type's slot again after weak-reference callbacks, which may let another thread "
-        "swap it back")))])
+@pytest.mark.parametrize("step", ["chain", "cse", "dropped"])
 def test_recording_does_not_bring_the_collector_closer_but_the_programs_garbage_does(
         memory_tracking: bool, step: str) -> None:
     """Recording made ~10 collector-allocated objects per op that live until the value is read
@@ -309,7 +300,10 @@ def test_recording_does_not_bring_the_collector_closer_but_the_programs_garbage_
     ate the count the program had built (55 of 60 of its cycles alive against eager's 4). The
     ``cse`` step's reads run a tape the passes made (common subexpressions merged), which holds
     the same nodes and was dropped after the bind the same way. The ``dropped`` step drops its
-    pending chain unread every 50 steps: see its mark."""
+    pending chain unread every 50 steps: its nodes are freed outside any code of Genie's, with
+    its last tensor, and each free lowered the count their allocation never raised (a 100-op
+    chain: -620, and its liveness tokens -100 more), so such a program ran no young collection;
+    the native node's deallocator now gives that back (csrc/node.cpp)."""
     assert genie._C._gc_count_active(), "setup.py did not find the young generation's count"
     x = torch.randn(4, 4, device=DEV)
     y = x
