@@ -360,3 +360,49 @@ def test_recording_does_not_bring_the_collector_closer_but_the_programs_garbage_
     # cycles made since the last young collection wait for the next one: up to a threshold's
     # worth (one in 100 has a reference here), with and without Genie
     assert alive(refs) <= max(eager_alive, gc.get_threshold()[0] // 100 + 1), state
+
+
+def test_node_is_the_native_type_with_methods_only() -> None:
+    """genie.graph.Node subclasses genie._C.Node (csrc/node.cpp) and adds no field: the natives
+    read the native struct's fields, and its deallocator is the one a node gets."""
+    assert issubclass(graph.Node, genie._C.Node) and graph.Node.__slots__ == ()
+    assert graph.Node.__basicsize__ == genie._C.Node.__basicsize__
+    y = torch.ones(3, device=DEV) * 2
+    n = y._node
+    assert type(n) is graph.Node and n._wref() is n and n.executed is False
+    m = graph.Node.__new__(graph.Node)
+    with pytest.raises(AttributeError):
+        m.leaves  # noqa: B018  (an unset field, as an unset slot)
+
+
+@pytest.mark.skipif(sys.version_info[:2] not in ((3, 11), (3, 12)),
+                    reason="the young generation's count is kept on CPython 3.11 and 3.12")
+def test_a_dropped_pending_chain_leaves_the_young_count_and_the_stack_alone() -> None:
+    """A pending chain dropped unread is freed with its last tensor, outside Genie's code. Its
+    nodes' frees lowered the count their allocation never raised (a 100-op chain: -620), so a
+    program that only dropped chains ran no young collection; a pending node's deallocator now
+    puts the count back and gives back its outputs' liveness tokens. The chain below it is
+    freed in a loop, so a long one neither recurses nor leaves frees to the trashcan (outside
+    the bracket)."""
+    assert genie._C._gc_count_active(), "setup.py did not find the young generation's count"
+    x = torch.randn(4, device=DEV)
+    x.cpu()
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        keep = [_Cyclic() for _ in range(300)]  # (a count well above 0: a drop could lower it)
+        for n_ops in (200, 100_000):
+            y = x
+            for _ in range(n_ops // 2):
+                y = torch.relu(y + 1.0)
+            first = weakref.ref(y._node)
+            before = gc.get_count()[0]
+            del y
+            assert first() is None
+            assert gc.get_count()[0] >= before, (n_ops, before, gc.get_count())
+        del keep
+    finally:
+        if was:
+            gc.enable()
+    gc.collect()
