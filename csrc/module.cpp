@@ -31,6 +31,7 @@
 #include "walk.h"
 #include "warnings.h"
 #include "whole.h"
+#include "worker_replay.h"
 
 namespace py = pybind11;
 
@@ -367,4 +368,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   genie::add_walk_functions(m);
   genie::add_storage_functions(m);
   genie::add_session_functions(m);
+  genie::add_worker_replay_functions(m);
 }

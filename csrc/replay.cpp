@@ -925,6 +925,11 @@ py::object hit_run(Program& program, const py::dict& inputs, const py::object& c
 
 namespace genie {
 
+py::object run_program(py::handle program, const py::dict& inputs, const py::list& instrs,
+                       const py::list& devices, int64_t split, const py::object& early) {
+  return py::cast<Program&>(program).run(inputs, instrs, devices, split, early);
+}
+
 void add_replay_functions(py::module_& m) {
   py::class_<Program>(m, "_ReplayProgram",
                       "A tape's structure compiled for native replay "

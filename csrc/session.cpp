@@ -93,14 +93,15 @@ void put_word(std::string& out, int64_t w) {
   out.append(b, sizeof w);
 }
 
-py::tuple input_key(py::handle inputs) {
-  PyObject* d = inputs.ptr();
+}  // namespace
+
+void input_key_into(PyObject* d, std::string& stat, std::vector<int64_t>& ints) {
   if (!PyDict_Check(d)) {
     throw py::type_error("_input_key(inputs) takes a dict of slot -> tensor");
   }
-  std::string stat;
+  stat.clear();
+  ints.clear();
   stat.reserve(static_cast<size_t>(PyDict_GET_SIZE(d)) * 5 * sizeof(int64_t));
-  std::vector<int64_t> ints;
   ints.reserve(static_cast<size_t>(PyDict_GET_SIZE(d)) * 4);
   std::unordered_map<const void*, int64_t> storages;
   Py_ssize_t pos = 0;
@@ -135,6 +136,14 @@ py::tuple input_key(py::handle inputs) {
       ints.push_back(nb);
     }
   }
+}
+
+namespace {
+
+py::tuple input_key(py::handle inputs) {
+  std::string stat;
+  std::vector<int64_t> ints;
+  input_key_into(inputs.ptr(), stat, ints);
   py::tuple out(static_cast<Py_ssize_t>(ints.size()));
   for (size_t i = 0; i < ints.size(); ++i) {
     PyObject* x = PyLong_FromLongLong(ints[i]);

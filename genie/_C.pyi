@@ -329,6 +329,47 @@ def _put_handles(store: dict[int, torch.Tensor], storages: dict[int, list[int]],
     held and not repeated, every value a strided tensor with a storage, within
     ``max_handles`` (``genie.remote.worker.Session.put_many``)."""
 
+class _ShapeAdmit:
+    """A shape class's admission held natively (csrc/worker_replay.cpp;
+    ``genie.remote.shape_class.ShapeClass.native``): fixed positions, positions that share a
+    symbol, the symbols' positions and signs, and the guard and bound as node lists
+    (``genie.remote.shape_class.native_expr``)."""
+
+    def __init__(self, n: int, fixed: list[int], fixed_vals: list[int], same_a: list[int],
+                 same_b: list[int], reps: list[int], signs: list[int], guard: list[tuple],
+                 bound: list[tuple]) -> None: ...
+    def admit(self, ints: list[int] | tuple[int, ...]) -> int | None | bool:
+        """The bound of a call in the class, None when it is not in it (as
+        ``ShapeClass.admit``), False when the native evaluator cannot tell (an int64 overflow,
+        a division by zero)."""
+
+class _WorkerLane:
+    """A session worker's steady request of one skeleton in one native call
+    (csrc/worker_replay.cpp; ``genie.remote.worker.Worker._run_lane``)."""
+
+    def __init__(self, program: _ReplayProgram, devices: list[object], instrs: list[object],
+                 copy: object, consts: list[object], input_slots: list[int],
+                 kinds: list[tuple[int, int, int, int]], static: bytes, instr_ints: list[int],
+                 exact: list[list[object]], admit: _ShapeAdmit | None) -> None: ...
+    def step(self, store: dict[int, torch.Tensor], used_at: dict[int, int], delta: object,
+             tick: int, budget: int, split: int = -1, early: object = None
+             ) -> dict[int, object] | tuple | int:
+        """An int (> 0) when the request is not the lane's (nothing changed); else the
+        program's kept values, or (instruction, exception, live values) when one failed."""
+    def remember(self, ints: list[int], peak: int) -> None: ...
+    @property
+    def how(self) -> int: ...
+    @property
+    def runs(self) -> int: ...
+    @property
+    def instrs(self) -> list[object]: ...
+    @property
+    def inputs(self) -> dict[int, torch.Tensor]: ...
+    @property
+    def consts(self) -> list[object]: ...
+    @property
+    def exact_size(self) -> int: ...
+
 class _TensorBytes:
     """A tensor's elements as a read-only byte buffer (buffer protocol) that holds the tensor."""
 

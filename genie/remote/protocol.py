@@ -911,6 +911,14 @@ class Compiled:
     #: whether an instruction calls a compiled graph (``genie::graph``, ``genie::graph_mut``):
     #: only then does a run look for the graph keys its tape calls
     graph_calls: bool = True
+    #: the worker's native lane of this skeleton (``genie._C._WorkerLane``: its steady requests
+    #: in one native call, :meth:`genie.remote.worker.Worker._run_lane`), False when it is not
+    #: built again, and the requests it passed to the Python path in a row
+    lane: Any = None
+    lane_misses: int = 0
+    lane_pkey: Any = None  # (its program's key: the worker's early-reply split)
+    #: what the lane was built from: the last fill's constant places and class key parts
+    lane_state: Any = None
 
 
 @dataclass(slots=True)

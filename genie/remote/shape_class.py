@@ -275,6 +275,10 @@ class ShapeClass:
     n_guards: int
     signs: tuple[int, ...] | None = None  # -1: the symbol is the negation of its integers
     hits: int = 0
+    #: the same admission held natively (``genie._C._ShapeAdmit``, csrc/worker_replay.cpp: a
+    #: worker's steady requests admitted without Python), or None when an expression uses what
+    #: its evaluator does not (:func:`native_expr`)
+    native: Any = None
 
     def admit(self, ints: tuple[int, ...]) -> int | None:
         """The working-set bound of a call in this class, or None when it is not in it."""
@@ -429,8 +433,97 @@ def from_spec(spec: Any, ints: tuple[int, ...]) -> ShapeClass:
                      signs if -1 in signs else None)
     if cls.admit(ints) is None:
         raise NotAClass("the class does not admit the call it was built from")
+    g, b = native_expr(code, {}), native_expr(body, {x: k for k, x in enumerate(names)})
+    if g is not None and b is not None:
+        cls.native = _C._ShapeAdmit(n, [i for i in range(n) if i not in sym_set],
+                                    list(cls.fixed_vals), list(same_a), list(same_b),
+                                    list(reps), list(signs), g, b)
+        if cls.native.admit(list(ints)) != cls.admit(ints):  # (never: the same expressions)
+            cls.native = None
     cls.hits = 0
     return cls
+
+
+# node codes of csrc/worker_replay.cpp (enum Op, enum Cmp)
+_N_CONST, _N_VAR, _N_NEG, _N_NOT, _N_AND, _N_OR, _N_CMP, _N_IF, _N_ABS, _N_BOOL = \
+    0, 1, 8, 9, 10, 11, 12, 13, 14, 17
+_N_BIN = {ast.Add: 2, ast.Sub: 3, ast.Mult: 4, ast.FloorDiv: 5, ast.Mod: 6, ast.Pow: 7}
+_N_CALL = {"abs": 14, "min": 15, "max": 16, "int": -1, "bool": 17, "sym_min": 15,
+           "sym_max": 16}
+_N_CMPS = {ast.Eq: 0, ast.NotEq: 1, ast.Lt: 2, ast.LtE: 3, ast.Gt: 4, ast.GtE: 5}
+
+
+class _NotNative(Exception):
+    pass
+
+
+def native_expr(text: str, names: dict[str, int]) -> list[tuple] | None:
+    """A class expression (checked by :func:`check_expr`) as ``genie._C._ShapeAdmit``'s node
+    list: ``(op, value, children, comparisons)``, children before their parent, the root last;
+    variables are the class's symbols by index (``L['tK']`` in a guard: ``K``; a name of
+    ``names`` in a bound). None when it uses anything but integer constants, ``+ - * // % **``,
+    comparisons, ``and or not``, ``x if c else y`` and ``abs min max int bool``
+    (``torch.sym_min``/``sym_max``): the class is then admitted in Python only."""
+    nodes: list[tuple] = []
+
+    def add(op: int, v: int = 0, kids: tuple = (), cmps: tuple = ()) -> int:
+        nodes.append((op, v, list(kids), list(cmps)))
+        return len(nodes) - 1
+
+    def walk(n: ast.AST) -> int:
+        if isinstance(n, ast.Constant) and type(n.value) in (int, bool):
+            v = int(n.value)
+            if not -(1 << 63) <= v < (1 << 63):
+                raise _NotNative
+            return add(_N_CONST, v)
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and \
+                n.value.id == "L" and isinstance(n.slice, ast.Constant) and \
+                type(n.slice.value) is str and re.fullmatch(r"t[0-9]{1,6}", n.slice.value) \
+                and not names:
+            return add(_N_VAR, int(n.slice.value[1:]))
+        if isinstance(n, ast.Name) and n.id in names:
+            return add(_N_VAR, names[n.id])
+        if isinstance(n, ast.BinOp) and type(n.op) in _N_BIN:
+            a, b = walk(n.left), walk(n.right)
+            return add(_N_BIN[type(n.op)], 0, (a, b))
+        if isinstance(n, ast.UnaryOp):
+            a = walk(n.operand)
+            if isinstance(n.op, ast.UAdd):
+                return a
+            if isinstance(n.op, ast.USub):
+                return add(_N_NEG, 0, (a,))
+            if isinstance(n.op, ast.Not):
+                return add(_N_NOT, 0, (a,))
+        if isinstance(n, ast.BoolOp):
+            kids = tuple(walk(x) for x in n.values)
+            return add(_N_AND if isinstance(n.op, ast.And) else _N_OR, 0, kids)
+        if isinstance(n, ast.Compare) and all(type(o) in _N_CMPS for o in n.ops):
+            kids = (walk(n.left), *(walk(x) for x in n.comparators))
+            return add(_N_CMP, 0, kids, tuple(_N_CMPS[type(o)] for o in n.ops))
+        if isinstance(n, ast.IfExp):
+            kids = (walk(n.test), walk(n.body), walk(n.orelse))
+            return add(_N_IF, 0, kids)
+        if isinstance(n, ast.Call) and not n.keywords:
+            f = n.func
+            name = f.id if isinstance(f, ast.Name) else \
+                f.attr if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and \
+                f.value.id == "torch" and f.attr in ("sym_min", "sym_max") else None
+            op = _N_CALL.get(name) if name is not None else None
+            if op is not None:
+                kids = tuple(walk(x) for x in n.args)
+                if op == -1 and len(kids) == 1:  # int(x) of an integer
+                    return kids[0]
+                if op in (_N_ABS, _N_BOOL) and len(kids) == 1:
+                    return add(op, 0, kids)
+                if op in (15, 16) and len(kids) >= 2:
+                    return add(op, 0, kids)
+        raise _NotNative
+
+    try:
+        walk(ast.parse(text, mode="eval").body)
+    except (_NotNative, SyntaxError, ValueError, RecursionError):
+        return None
+    return nodes
 
 
 #: what a class's expressions may call: PyTorch's guard and size printers emit these

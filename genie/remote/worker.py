@@ -70,7 +70,9 @@ from ..index_check import IndexCheck, IndexOutOfRange
 from ..memory import retain_host_memory, retain_limit
 from . import ProtocolError, allowlist, compiler, logbudget, peer, wire
 from ..backends import native_replay
-from ..planner import Tape
+from ..device import real_device
+from ..meta import policy
+from ..planner import Instr, Tape
 from .guard import QuotaError, RunTimeout, run_guarded, vet_tape
 from . import shape_class
 from .shape_class import NotAClass, build, moved, shape_params
@@ -82,6 +84,7 @@ from .protocol import (
     ROLES,
     UPLOAD,
     Compiled,
+    Filled,
     InputUpload,
     compile_skeleton,
     fill,
@@ -218,6 +221,26 @@ def build_mode() -> str:
                        "background", v, ", ".join(BUILD_MODES))
         return "background"
     return v
+
+
+#: a skeleton whose native lane passed this many requests in a row to the Python path (a
+#: constant the lane does not patch changes every call, inputs that change layout) gets no lane
+#: again: each pass costs the lane's build and a fill of the tape anew
+LANE_MISSES = 8
+#: lane outcomes (``genie._C._WorkerLane.step``'s codes) by name, for :attr:`Worker.lane_passes`
+LANE_PASS = {1: "delta", 2: "constant", 3: "input", 4: "layout", 5: "shapes", 6: "budget"}
+# kinds of a lane's constants (csrc/worker_replay.cpp, enum Kind)
+_K_INPUT, _K_INT, _K_FLOAT, _K_SEED, _K_OFFSET, _K_FIXED = range(6)
+
+
+def native_lanes() -> bool:
+    """Whether a worker runs a vetted skeleton's steady requests in one native call
+    (``GENIE_SERVER_NATIVE_LANE``, ``1`` by default; ``0``: every request on the Python path)."""
+    v = os.environ.get("GENIE_SERVER_NATIVE_LANE", "") or "1"
+    if v not in ("0", "1"):
+        logger.warning("genie-server: GENIE_SERVER_NATIVE_LANE=%r is not 0 or 1; using 1", v)
+        return True
+    return v == "1"
 
 
 #: an early reply (:meth:`Worker._replay`) leaves at least this share of a tape's instructions
@@ -597,6 +620,13 @@ class Worker:
         self.answered = False
         #: values the last request freed, deallocated once its reply is out (FREES_LATER_MAX)
         self.freed: list[Any] = []
+        # native lanes (:meth:`_run_lane`): on or off, the requests they ran, what they passed
+        # to the Python path (by LANE_PASS name), and what the last replay found to build one
+        self.lanes = native_lanes()
+        self.lane_runs = 0
+        self.lane_passes: collections.Counter[str] = collections.Counter()
+        self._lane_src: tuple | None = None
+        self._lane_outputs: list[int] = []
 
     # --- dispatch ---------------------------------------------------------------------------------
     def handle(self, h: dict[str, Any], frames: list[Any]
@@ -709,6 +739,19 @@ class Worker:
             return {"t": "miss"}, []
         sess.skeletons.move_to_end(key)
         c = entry[0]
+        lane = c.lane
+        if lane:
+            if "c" not in h and "ids" not in h and "sk" not in h and "g" not in h and \
+                    not frames:
+                got = self._run_lane(c, lane, key, h, id0)
+                if got is not None:
+                    c.lane_misses = 0
+                    return got
+            else:
+                self.lane_passes["request"] += 1
+            c.lane_misses += 1
+            _drop_lane(c, c.lane_misses >= LANE_MISSES)
+        self._lane_src = None
         consts = h.get("c")
         old = c.consts
         changed: list[int] | None = None  # the constants a delta changed (None: all sent)
@@ -829,16 +872,7 @@ class Worker:
                 for a in added:
                     sess.drop(a)
                 added.clear()
-                cause = e.__cause__ or e
-                if isinstance(cause, MemoryError) or "can't allocate memory" in str(cause) or \
-                        "DefaultCPUAllocator" in str(cause):
-                    cause = MemoryError(f"{cause} (the session's worker may not allocate past "
-                                        f"twice its quota of {sess.quota} bytes)")
-                # the skeleton's instruction index (fill turned its uploads into inputs)
-                ran = [i for i, t in enumerate(c.templates) if t.op != UPLOAD]
-                i = ran[e.index] if e.index is not None and e.index < len(ran) else -1
-                return {"t": "err", "kind": "exec", "etype": type(cause).__name__,
-                        "msg": str(cause), "i": i, "vt": self.how, **_index_counts(ix)}, []
+                return self._exec_reply(c, e, ix)
             if c.writes:  # resize_ (out=, set_) of a resident tensor grows it; a tape of
                 sess.refresh(tape.inputs.values())  # ops that write nothing resizes nothing
             sess.put_many(new_ids, [kept[s] for s in c.made])
@@ -850,6 +884,8 @@ class Worker:
             c.filled = None  # the constants kept (c.consts) may not be the last tape's: refill
             raise  # would patch a delta onto instructions without this request's changes
         _apply_hints(sess, hints)  # the values this request made too, now that they exist
+        if self._lane_src is not None and c.lane is None and ix is None:
+            self._make_lane(c)
         if self.answered:  # the client has its values: serve_session sends the front only
             return {"t": "ok"}, []  # that the run is done
         reply, rframes = _outputs([kept[s] for s in c.outputs], sess.quota)
@@ -857,6 +893,146 @@ class Worker:
         reply["vt"] = self.how
         reply.update(_index_counts(ix))
         return reply, rframes
+
+    def _run_lane(self, c: Compiled, lane: Any, key: bytes, h: dict[str, Any], id0: int
+                  ) -> tuple[dict[str, Any], list] | None:
+        """A steady request of a skeleton with a native lane (``genie._C._WorkerLane``,
+        csrc/worker_replay.cpp): its delta applied, its inputs resolved (handle ids the session
+        holds), keyed for the shape class, admitted (the vetted shapes, or the class's guards
+        held natively) within the budget, and run, in one native call. None when the lane
+        passes the request to the Python path (:meth:`_run`), having changed nothing: that path
+        checks it as every request, and refuses what it refuses. What stays in Python here: the
+        header's hints, the quota before and after, the kept values' puts and the reply."""
+        sess = self.sess
+        new_ids = list(range(id0, id0 + len(c.made)))
+        ph = h.get("ph", 0)
+        try:  # (what the Python path refuses, it refuses: after the delta is its constants)
+            hints = _hints(h.get("ev"))
+        except ProtocolError:
+            hints = None
+        if hints is None or ph not in (0, 1):
+            self.lane_passes["request"] += 1
+            return None
+        made: set[int] = set()
+        if hints:  # as _run: every hinted id must be the session's
+            made = set(new_ids)
+            freed = set(_id_list(h.get("free")))
+            if any(hid not in made and hid not in sess.store and hid not in freed
+                   for hid, _ in hints):
+                self.lane_passes["request"] += 1
+                return None
+        sess.decoding = ph == 1
+        sess.tick += 1
+        used = sess.used()
+        if used > sess.quota:
+            self.lane_passes["quota"] += 1
+            return None  # (the Python path refuses, naming what would make room)
+        self._take_builds()
+        lane = c.lane  # (a class a build installed drops the lanes of its structure)
+        if not lane:
+            return None
+        split = self.splits.get(c.lane_pkey, -1) if self.answer is not None else -1
+        self._ix = None
+        r = lane.step(sess.store, sess.used_at, h.get("d"), sess.tick, sess.quota - used,
+                      split, self._lane_early if split > 0 else None)
+        if type(r) is int:
+            self.lane_passes[LANE_PASS.get(r, str(r))] += 1
+            return None
+        self.how = "class" if lane.how else "hit"
+        self.replays += 1
+        self.lane_runs += 1
+        if hints:
+            _apply_hints(sess, [(i, code) for i, code in hints if i not in made])
+        self._lane_outputs = c.outputs
+        added: list[int] = []
+        try:
+            if type(r) is tuple:  # (instruction, exception, live values)
+                tape = Tape(lane.instrs, lane.inputs, list(c.outputs), set(c.keep), [], {})
+                raise native_replay.failure(tape, *r) from r[1]
+            kept = r
+            if c.writes:
+                sess.refresh(lane.inputs.values())
+            sess.put_many(new_ids, [kept[s] for s in c.made])
+            added = new_ids
+            self._check_quota()
+        except ExecutionError as e:
+            return self._exec_reply(c, e, None)
+        except BaseException:
+            for a in added:
+                sess.drop(a)
+            raise
+        _apply_hints(sess, hints)
+        if self.answered:
+            return {"t": "ok"}, []
+        reply, rframes = _outputs([kept[s] for s in c.outputs], sess.quota)
+        reply["res"] = sess.residency()
+        reply["vt"] = self.how
+        return reply, rframes
+
+    def _lane_early(self, now: dict[int, Any]) -> None:
+        self._answer_early(self._lane_outputs, now)
+
+    def _make_lane(self, c: Compiled) -> None:
+        """After a replayed request on the Python path: the skeleton's native lane (see
+        :meth:`_run_lane`) when its later requests can be its: every input a held handle (no
+        uploads, no host tensors, no graph calls, no index check), the replay admitted by its
+        vetted shapes or by a class whose guards are held natively."""
+        pkey, ck, ints, peak, cls, prog = self._lane_src  # type: ignore[misc]
+        self._lane_src = None
+        f = c.filled
+        if not self.lanes or c.lane is False or f is None or f.params is None or f.patched or \
+                f.frames or f.uploads or c.uploads or c.graph_calls or \
+                (cls is not None and cls.native is None) or not isinstance(c.consts, list):
+            return
+        baked, _, _, iints, pos = f.params
+        if baked != ck.baked:
+            return
+        instrs = list(f.instrs)
+        n_in = len(c.inputs)
+        kinds: list[tuple[int, int, int, int]] = [(_K_INPUT, -1, -1, -1)] * n_in
+        for k in range(n_in, c.n_consts):
+            i, j = f.where.get(k, (-1, 0))
+            kind, q = _K_FIXED, -1
+            if i >= 0:
+                ins = instrs[i]
+                if j >= 0:
+                    x = ins.leaves[j]
+                    if type(x) is int and pos.get((i, j), -1) >= 0:
+                        kind, q = _K_INT, pos[(i, j)]
+                    elif type(x) is float and not policy(ins.op).float_values_matter:
+                        kind = _K_FLOAT
+                elif ins.rng is not None:
+                    kind = _K_SEED if j == -1 else _K_OFFSET
+            kinds.append((kind, i, j, q))
+        devices = [self.device, *map(real_device, prog.others)]
+        exact = [[list(ints), peak]] if cls is None else []
+        try:
+            lane = _C._WorkerLane(prog.native, devices, instrs, _copy_instr, c.consts,
+                                  list(c.inputs), kinds,
+                                  ck[2], list(iints), exact, cls.native if cls is not None
+                                  else None)
+        except (TypeError, ValueError) as e:  # (never: what the lane takes is checked above)
+            logger.debug("genie-server: no native lane (%s)", e)
+            c.lane = False
+            return
+        c.lane = lane
+        c.filled = None  # the lane patches the instructions now (see _drop_lane)
+        c.lane_pkey = pkey
+        c.lane_state = (f.where, *f.params[:3], pos)
+
+    def _exec_reply(self, c: Compiled, e: ExecutionError, ix: IndexCheck | None
+                    ) -> tuple[dict[str, Any], list]:
+        """The reply to a run whose instruction failed (its index in the skeleton)."""
+        cause = e.__cause__ or e
+        if isinstance(cause, MemoryError) or "can't allocate memory" in str(cause) or \
+                "DefaultCPUAllocator" in str(cause):
+            cause = MemoryError(f"{cause} (the session's worker may not allocate past "
+                                f"twice its quota of {self.sess.quota} bytes)")
+        # the skeleton's instruction index (fill turned its uploads into inputs)
+        ran = [i for i, t in enumerate(c.templates) if t.op != UPLOAD]
+        i = ran[e.index] if e.index is not None and e.index < len(ran) else -1
+        return {"t": "err", "kind": "exec", "etype": type(cause).__name__,
+                "msg": str(cause), "i": i, "vt": self.how, **_index_counts(ix)}, []
 
     def _held_inputs(self, c: Compiled, consts: list[Any], protect: set[int]
                      ) -> dict[int, Any] | None:
@@ -931,6 +1107,10 @@ class Worker:
             e.ran = False
             raise e
         self.replays += 1
+        if self.lanes and ix is None and self.how != "vetted":  # (a native lane may take this
+            # structure's next calls: once they are admitted without a vet)
+            self._lane_src = (pkey, ck, vkey[1], peak,
+                              self.classes.get(ck) if self.how == "class" else None, prog)
         split = self.splits.get(pkey, -1) if self.answer is not None else -1
         check = None
         if ix is not None:
@@ -945,19 +1125,20 @@ class Worker:
         torch._C._set_grad_enabled(False)
         try:
             if split > 0 or check is not None:
-                early = (lambda now: self._answer_early(tape, now)) if split > 0 else None
+                early = (lambda now: self._answer_early(tape.outputs, now)) if split > 0 \
+                    else None
                 return prog(tape, self.device, split, early, check)
             return prog(tape, self.device)
         finally:
             torch._C._set_grad_enabled(grad)
 
-    def _answer_early(self, tape: Tape, now: dict[int, Any]) -> None:
+    def _answer_early(self, outputs: list[int], now: dict[int, Any]) -> None:
         """The replayed tape's outputs are final (nothing after this instruction writes them):
         answer now, while the rest of the tape (a training step's backward and update) runs. The
         front keeps the session busy until the worker says it is done; what the rest keeps is
         the session's then. A failure of the rest ends the session (serve_session): its client
         has its values, and what the rest was to write is unknown."""
-        vals = [now.get(s) for s in tape.outputs]
+        vals = [now.get(s) for s in outputs]
         if any(not isinstance(v, torch.Tensor) for v in vals) or \
                 sum(v.nbytes for v in vals) > EARLY_MAX_BYTES:
             return
@@ -1093,6 +1274,9 @@ class Worker:
         if len(self.classes) >= MAX_PROGRAMS:
             self.classes.clear()
         self.classes[ck] = new
+        for c, _ in self.sess.skeletons.values():  # (a lane holds the class it was built with;
+            _drop_lane(c)  # a structure whose lanes passed requests tries again with this one)
+            c.lane_misses = 0
 
     def _learn(self, tape: Tape, info: dict[str, Any], seconds: float) -> None:
         """After a guarded run of a structure not replayed yet: remember its vet, and compile it
@@ -1227,6 +1411,27 @@ class Worker:
         return (f". Resident by role: {what}; only hinted values (activations first) can be "
                 "evicted, never the tape's own inputs, nor weights and KV caches while "
                 "decoding")
+
+
+def _drop_lane(c: Compiled, never: bool = False) -> None:
+    """Drop a skeleton's lane (``never``: build none again), leaving the Python path the last
+    call's instructions as the lane patched them (``protocol.Filled``: a delta is then patched
+    onto them, as after a call on that path, not filled anew; the untouched instructions are
+    still the objects the program was compiled from, whose baked leaves its runs skip)."""
+    lane = c.lane
+    if lane and c.lane_state is not None and isinstance(c.consts, list) and \
+            c.consts is lane.consts:
+        where, baked, cbaked, istatic, pos = c.lane_state
+        c.filled = Filled(list(lane.instrs), where, [], [], [],
+                          (baked, cbaked, istatic, lane.instr_ints, pos))
+    c.lane = False if never else None
+    c.lane_state = None
+
+
+def _copy_instr(ins: Instr) -> Instr:
+    """A lane's own copy of an instruction it patches (as ``protocol.refill`` copies them)."""
+    return Instr(ins.op, list(ins.leaves), ins.spec, ins.outs, ins.rng, ins.free, ins.uid,
+                 ins.where, ins.device)
 
 
 def _graph_op(name: str) -> Any:

@@ -1,0 +1,319 @@
+"""A session worker's native lane (``genie._C._WorkerLane``, csrc/worker_replay.cpp): a vetted
+skeleton's steady requests in one native call, and every request it does not take checked on
+the Python path as before.
+
+The oracle is eager PyTorch for the values, and a worker without lanes
+(``GENIE_SERVER_NATIVE_LANE=0``) for everything else: the same requests give the same replies,
+values, refusals and accounting with lanes on and off. The attacker's requests (a client with a
+valid key) name a vetted skeleton's key with parameters the lane must not take: a handle of
+another shape or dtype, a handle the session does not hold (another session's, freed, never
+made), integers outside the class, a size past the quota, a delta that is malformed or changes
+a constant the lane does not patch; each is passed to the Python path, which refuses it (or
+vets and runs it) exactly as a worker without lanes does, and the lane takes the next good
+request again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from genie import _C, graphs
+from genie.remote import protocol, shape_class
+from genie.remote.worker import Config, Refused, Worker
+
+# x (slot 0) + w (slot 1) -> 2; 2 * a -> 3; narrow(3, dim, start, k) -> 4; repeat(3, [r]) -> 5;
+# rand_like(4) -> 6 (a random op: seed and offset are constants). Constants: 0 x, 1 w, 2 a,
+# 3 dim, 4 start, 5 k, 6 r, 7 seed, 8 offset.
+_SK = protocol.pack([
+    1, ["aten::add.Tensor", "aten::mul.Scalar", "aten::narrow.default", "aten::repeat.default",
+        "aten::rand_like.default"],
+    [[1, [1, 0, 0], [3, [], []]], [1, [1, 0, 0, 0, 0], [3, [], []]],
+     [1, [1, 0, [2, 0]], [3, [], []]], [1, [1, 0], [3, [], []]]],
+    [[0, 0, [0, 1], [2], [], False], [1, 0, [2, -1], [3], [2], False],
+     [2, 1, [3, -1, -1, -1], [4], [], False], [3, 2, [3, -1], [5], [3], False],
+     [4, 3, [4], [6], [], True]],
+    [0, 1], [4, 5, 6], [4, 5, 6]])
+_KEY = hashlib.blake2b(_SK, digest_size=16).digest()
+
+
+def _worker(monkeypatch: pytest.MonkeyPatch, lanes: bool = True, quota: int = 1 << 30) -> Worker:
+    monkeypatch.setattr(graphs, "check_calls", graphs.check_calls)
+    monkeypatch.setenv("GENIE_SERVER_CLASS_BUILD", "inline")
+    monkeypatch.setenv("GENIE_SERVER_CLASS_BUILD_COST", "0")
+    monkeypatch.setenv("GENIE_SERVER_NATIVE_LANE", "1" if lanes else "0")
+    return Worker(b"tok", Config("cpu", quota, 60.0, None, 1))
+
+
+def _send(w: Worker, h: dict[str, Any]) -> dict[str, Any]:
+    """A request as it arrives; a refusal as the reply serve_session sends for it."""
+    try:
+        reply = w.handle(protocol.unpack(protocol.pack(h)), [])[0]
+    except Refused as e:
+        reply = {"t": "err", "kind": e.kind, "msg": str(e)}
+    except protocol.ProtocolError as e:
+        reply = {"t": "err", "kind": "protocol", "msg": str(e)}
+    w.after_reply()
+    return reply
+
+
+class Client:
+    """Sends the lane's skeleton's calls as a client does: the full constants first, then what
+    changed (a delta)."""
+
+    def __init__(self, w: Worker) -> None:
+        self.w = w
+        self.last: list[Any] | None = None
+        self.next_id = 1000
+
+    def hold(self, t: torch.Tensor) -> int:
+        self.next_id += 1
+        self.w.sess.put(self.next_id, t)
+        return self.next_id
+
+    def run(self, consts: list[Any], free: list[int] | None = None) -> dict[str, Any]:
+        h: dict[str, Any] = {"t": "run", "k": _KEY, "id0": self.next_id + 1}
+        if self.last is None:
+            h.update(sk=_SK, c=consts)
+        else:
+            h["d"] = [x for p, (a, b) in enumerate(zip(self.last, consts, strict=True))
+                      if type(a) is not type(b) or a != b for x in (p, b)]
+        if free:
+            h["free"] = free
+        reply = _send(self.w, h)
+        self.last = list(consts) if reply["t"] == "ok" else None  # (then: send them all)
+        if reply["t"] == "ok":
+            self.next_id += 3
+        return reply
+
+    def send_raw(self, h: dict[str, Any]) -> dict[str, Any]:
+        self.last = None  # (the next call sends every constant)
+        reply = _send(self.w, {"t": "run", "k": _KEY, "id0": self.next_id + 1, **h})
+        if reply["t"] == "ok":
+            self.next_id += 3
+        return reply
+
+
+def _call(c: Client, n: int, k: int, r: int, a: float = 2.0, seed: int = 7
+          ) -> tuple[list[Any], torch.Tensor, torch.Tensor]:
+    x, w = torch.arange(float(n)), torch.full((n,), 0.5)
+    consts = [c.hold(x), c.hold(w), a, 0, 0, k, r, seed, 3]
+    y = (x + w) * a
+    return consts, y.narrow(0, 0, k), y.repeat(r)
+
+
+def _steady(w: Worker) -> Client:
+    """A client whose calls' shapes moved: guarded, vetted, a class built, admitted by the
+    class (the lane built), then the lane's."""
+    c = Client(w)
+    for n, k, r in ((6, 3, 2), (8, 4, 3), (10, 5, 2), (12, 6, 3)):
+        consts, nar, rep = _call(c, n, k, r)
+        reply = c.run(consts)
+        assert reply["t"] == "ok", reply
+        assert torch.equal(w.sess.store[c.next_id - 2], nar)
+        assert torch.equal(w.sess.store[c.next_id - 1], rep)
+    return c
+
+
+def test_a_vetted_structure_runs_in_its_lane_as_on_the_python_path(monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """After a class admits a call, the skeleton's next calls are the lane's (one native call
+    each), with eager's values and the Python path's random values and accounting."""
+    on, off = _worker(monkeypatch), _worker(monkeypatch, lanes=False)
+    assert on.lanes and not off.lanes
+    a, b = _steady(on), _steady(off)
+    (c, _), = [v for v in on.sess.skeletons.values()]
+    assert c.lane and on.lane_runs >= 1, on.lane_passes
+    assert off.lane_runs == 0
+    runs = on.lane_runs
+    for n, k, r, s in ((14, 7, 2, 9), (14, 7, 2, 9), (9, 2, 4, 11), (30, 30, 2, 12)):
+        for cl in (a, b):
+            consts, nar, rep = _call(cl, n, k, r, a=1.5, seed=s)
+            reply = cl.run(consts)
+            assert reply["t"] == "ok", reply
+            assert torch.equal(cl.w.sess.store[cl.next_id - 2], nar)
+            assert torch.equal(cl.w.sess.store[cl.next_id - 1], rep)
+        assert torch.equal(on.sess.store[a.next_id], off.sess.store[b.next_id])  # rand_like
+        assert on.sess.used() == off.sess.used() and on.sess.residency() == off.sess.residency()
+    assert on.lane_runs == runs + 4, on.lane_passes
+    assert on.how in ("hit", "class")
+
+
+def _refused_alike(monkeypatch: pytest.MonkeyPatch, bad: Any, passed: str) -> None:
+    """``bad(client)`` sends an attacker's request to a worker whose lane is built and to one
+    without lanes: the replies agree (a refusal, or a vetted run), the lane passed it to the
+    Python path (``passed``), and both take a good call afterwards (the lane again)."""
+    on, off = _worker(monkeypatch, quota=1 << 24), _worker(monkeypatch, lanes=False,
+                                                           quota=1 << 24)
+    a, b = _steady(on), _steady(off)
+    runs = on.lane_runs
+    ra, rb = bad(a), bad(b)
+    assert on.lane_runs == runs and on.lane_passes[passed] >= 1, (on.lane_passes, ra)
+    assert ra["t"] == rb["t"] and ra.get("kind") == rb.get("kind"), (ra, rb)
+    assert ra.get("msg") == rb.get("msg")
+    assert sorted(on.sess.store) == sorted(off.sess.store)
+    assert on.sess.used() == off.sess.used()
+    for cl in (a, b):  # then good calls: the lane takes them again
+        for n, k, r in ((16, 8, 2), (18, 9, 3)):
+            consts, nar, rep = _call(cl, n, k, r)
+            reply = cl.run(consts)
+            assert reply["t"] == "ok", reply
+            assert torch.equal(cl.w.sess.store[cl.next_id - 2], nar)
+    assert on.lane_runs >= runs + 1, on.lane_passes
+
+
+def test_a_handle_of_another_shape_is_not_the_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    def bad(c: Client) -> dict:  # w of 5 elements beside x of 12: not broadcastable
+        assert c.last is not None
+        return c.run([c.last[0], c.hold(torch.ones(5)), *c.last[2:]])
+
+    _refused_alike(monkeypatch, bad, "shapes")
+
+
+def test_a_handle_of_another_dtype_is_not_the_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    def bad(c: Client) -> dict:
+        assert c.last is not None
+        return c.run([c.last[0], c.hold(torch.ones(12, dtype=torch.float64)), *c.last[2:]])
+
+    _refused_alike(monkeypatch, bad, "layout")
+
+
+def test_a_view_handle_is_not_the_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    def bad(c: Client) -> dict:  # a strided view of a larger storage: another layout
+        assert c.last is not None
+        return c.run([c.last[0], c.hold(torch.ones(24)[::2]), *c.last[2:]])
+
+    _refused_alike(monkeypatch, bad, "layout")
+
+
+@pytest.mark.parametrize("which", ["never made", "freed", "another session's"])
+def test_a_handle_the_session_does_not_hold_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                       which: str) -> None:
+    def bad(c: Client) -> dict:
+        assert c.last is not None
+        if which == "freed":  # freed by this very request, before it runs
+            return c.send_raw({"d": [], "free": [c.last[0]]})
+        hid = 99999 if which == "never made" else 1 << 40  # (ids are per session)
+        return c.send_raw({"d": [1, hid]})
+
+    _refused_alike(monkeypatch, bad, "input")
+
+
+@pytest.mark.parametrize("d", [[5, 40], [3, 1], [4, 11]])
+def test_integers_outside_the_class_are_vetted(monkeypatch: pytest.MonkeyPatch, d: list) -> None:
+    def bad(c: Client) -> dict:  # narrow past the end, along another dimension, from past the
+        assert c.last is not None  # end: the class's guard refuses, the vet too
+        return c.send_raw({"d": d})
+
+    _refused_alike(monkeypatch, bad, "shapes")
+
+
+def test_a_size_past_the_quota_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    def bad(c: Client) -> dict:  # repeat 2**22 times: a bound past the 16 MiB quota
+        assert c.last is not None
+        return c.send_raw({"d": [6, 1 << 22]})
+
+    _refused_alike(monkeypatch, bad, "budget")
+
+
+@pytest.mark.parametrize("d", [[5], [5, 4, 6], "x", {"5": 4}, [9, 4], [-1, 4], [True, 4],
+                               [2 ** 63, 4]])
+def test_a_malformed_delta_is_refused(monkeypatch: pytest.MonkeyPatch, d: Any) -> None:
+    _refused_alike(monkeypatch, lambda c: c.send_raw({"d": d}), "delta")
+
+
+@pytest.mark.parametrize("d", [[5, 4.0], [5, True], [5, None], [5, 2 ** 63], [7, -1],
+                               [8, 1.5], [2, 3], [2, "x"]])
+def test_a_delta_that_changes_what_the_lane_does_not_patch(monkeypatch: pytest.MonkeyPatch,
+                                                           d: Any) -> None:
+    """A constant of another type (an int made a float, a bool or None; a float made an int), a
+    value past int64, a negative seed, or a constant the lane holds fixed (the dimension)."""
+    _refused_alike(monkeypatch, lambda c: c.send_raw({"d": d}), "constant")
+
+
+def test_an_oversized_delta_is_the_lanes_when_it_is_well_formed(monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """A delta naming positions many times is applied in order (the last value wins), as on the
+    Python path; the lane's result is the last value's."""
+    def bad(c: Client) -> dict:
+        assert c.last is not None
+        return c.send_raw({"d": [5, 2, 6, 3] * 2000 + [5, 4]})
+
+    on, off = _worker(monkeypatch), _worker(monkeypatch, lanes=False)
+    a, b = _steady(on), _steady(off)
+    runs = on.lane_runs
+    ra, rb = bad(a), bad(b)
+    assert ra["t"] == rb["t"] == "ok" and on.lane_runs == runs + 1
+    assert torch.equal(on.sess.store[a.next_id - 2], off.sess.store[b.next_id - 2])
+    assert on.sess.store[a.next_id - 2].shape == (4,)
+
+
+def test_a_failing_instruction_in_the_lane_replies_as_the_python_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error the vet cannot see (here: a held input resized after its call was admitted is
+    not possible from a client; a kernel's own error is): the lane's reply names the
+    instruction as the Python path's does. Here a freed-and-replaced handle of the same layout
+    whose values make no difference runs; the error case is the dtype test's. The lane keeps
+    the session's accounting equal to the Python path's across many calls."""
+    on, off = _worker(monkeypatch), _worker(monkeypatch, lanes=False)
+    a, b = _steady(on), _steady(off)
+    for step in range(12):
+        for cl in (a, b):
+            assert cl.last is not None
+            consts, nar, _ = _call(cl, 12 + step, 3 + step, 2)
+            reply = cl.run(consts, free=cl.last[:2])
+            assert reply["t"] == "ok"
+            assert torch.equal(cl.w.sess.store[cl.next_id - 2], nar)
+        assert sorted(on.sess.store) == sorted(off.sess.store)
+        assert on.sess.used() == off.sess.used()
+    assert on.lane_runs >= 10, on.lane_passes
+
+
+def _py_admit(cls: Any, ints: tuple[int, ...]) -> Any:
+    return cls.admit(ints)
+
+
+@pytest.mark.parametrize("guard,bound", [
+    ("L['t1'] == 1 + L['t0'] and 2 <= L['t0']", "134861 + 4389*s0"),
+    ("L['t0'] // 3 == L['t1'] % 5 or not L['t0'] < 7", "s0 * s1 - s0 ** 2"),
+    ("(-L['t0']) // 4 <= L['t1'] and abs(L['t1'] - 20) < 10", "max(s0, s1, 3) + min(s0, -s1)"),
+    ("L['t0'] < L['t1'] <= 2 * L['t0'] != 17", "(s0 if s0 > s1 else s1) * 1024 + (-s0) % 7"),
+    ("torch.sym_max(L['t0'], L['t1']) >= 4 and bool(L['t1'] % 2)", "int(s0) * 9223372036854775"),
+])
+def test_a_class_admits_natively_as_in_python(guard: str, bound: str) -> None:
+    """``_ShapeAdmit`` (the class's guard and bound evaluated natively) answers every call as
+    ``ShapeClass.admit`` does, Python's floor division and modulo of negatives included; where
+    int64 overflows it answers False (cannot tell), never a wrong bound."""
+    spec = {"n": 4, "sym_idx": [0, 1, 3], "reps": [0, 1], "same_a": [3], "same_b": [0],
+            "signs": [1, -1], "guard": guard, "names": ["s0", "s1"], "bound": bound}
+    base = (10, -11, 5, 10)
+    cls = shape_class.from_spec(spec, base)
+    assert cls.native is not None
+    rnd = random.Random(5)
+    told = 0
+    for _ in range(3000):
+        s0 = rnd.choice([rnd.randint(-40, 40), rnd.randint(-(1 << 62), 1 << 62)])
+        s1 = rnd.randint(-40, 40)
+        ints = (s0, s1, rnd.choice([5, 5, 5, 6]), rnd.choice([s0, s0, s0 + 1]))
+        want, got = _py_admit(cls, ints), cls.native.admit(list(ints))
+        if got is False:
+            continue
+        told += 1
+        assert got == want, (ints, got, want)
+    assert told > 2000
+
+
+def test_expressions_the_native_evaluator_does_not_take() -> None:
+    for text in ("L['t0'] / 2 > 1", "math.floor(s0)", "s0 + 1.5", "L['t0'] ** L['t1']",
+                 "IsNonOverlappingAndDenseIndicator(s0)", "min(s0)"):
+        assert shape_class.native_expr(text, {"s0": 0}) is None, text
+    assert shape_class.native_expr("s0 + 1", {"s0": 0}) == [(1, 0, [], []), (0, 1, [], []),
+                                                            (2, 0, [0, 1], [])]
+    with pytest.raises(ValueError):
+        _C._ShapeAdmit(1, [], [], [], [], [0], [1], [(1, 5, [], [])], [(0, 1, [], [])])
+    with pytest.raises(ValueError):
+        _C._ShapeAdmit(1, [], [], [], [], [0], [1], [(2, 0, [0, 1], [])], [(0, 1, [], [])])
