@@ -919,6 +919,7 @@ class Compiled:
     lane_pkey: Any = None  # (its program's key: the worker's early-reply split)
     #: what the lane was built from: the last fill's constant places and class key parts
     lane_state: Any = None
+    lane_kinds: Any = None  # (the fill's constant places, int places, what each is)
 
 
 @dataclass(slots=True)

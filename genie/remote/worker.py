@@ -933,6 +933,7 @@ class Worker:
             return None
         split = self.splits.get(c.lane_pkey, -1) if self.answer is not None else -1
         self._ix = None
+        self._lane_outputs = c.outputs
         r = lane.step(sess.store, sess.used_at, h.get("d"), sess.tick, sess.quota - used,
                       split, self._lane_early if split > 0 else None)
         if type(r) is int:
@@ -943,7 +944,6 @@ class Worker:
         self.lane_runs += 1
         if hints:
             _apply_hints(sess, [(i, code) for i, code in hints if i not in made])
-        self._lane_outputs = c.outputs
         added: list[int] = []
         try:
             if type(r) is tuple:  # (instruction, exception, live values)
@@ -989,21 +989,26 @@ class Worker:
             return
         instrs = list(f.instrs)
         n_in = len(c.inputs)
-        kinds: list[tuple[int, int, int, int]] = [(_K_INPUT, -1, -1, -1)] * n_in
-        for k in range(n_in, c.n_consts):
-            i, j = f.where.get(k, (-1, 0))
-            kind, q = _K_FIXED, -1
-            if i >= 0:
-                ins = instrs[i]
-                if j >= 0:
-                    x = ins.leaves[j]
-                    if type(x) is int and pos.get((i, j), -1) >= 0:
-                        kind, q = _K_INT, pos[(i, j)]
-                    elif type(x) is float and not policy(ins.op).float_values_matter:
-                        kind = _K_FLOAT
-                elif ins.rng is not None:
-                    kind = _K_SEED if j == -1 else _K_OFFSET
-            kinds.append((kind, i, j, q))
+        known = c.lane_kinds  # (what the constants are, per fill and class key: a pass
+        if known is not None and known[0] is f.where and known[1] is pos:  # patches)
+            kinds = known[2]
+        else:
+            kinds = [(_K_INPUT, -1, -1, -1)] * n_in
+            for k in range(n_in, c.n_consts):
+                i, j = f.where.get(k, (-1, 0))
+                kind, q = _K_FIXED, -1
+                if i >= 0:
+                    ins = instrs[i]
+                    if j >= 0:
+                        x = ins.leaves[j]
+                        if type(x) is int and pos.get((i, j), -1) >= 0:
+                            kind, q = _K_INT, pos[(i, j)]
+                        elif type(x) is float and not policy(ins.op).float_values_matter:
+                            kind = _K_FLOAT
+                    elif ins.rng is not None:
+                        kind = _K_SEED if j == -1 else _K_OFFSET
+                kinds.append((kind, i, j, q))
+            c.lane_kinds = (f.where, pos, kinds)
         devices = [self.device, *map(real_device, prog.others)]
         exact = [[list(ints), peak]] if cls is None else []
         try:
