@@ -477,8 +477,8 @@ _lock = threading.Lock()
 
 #: where Inductor cannot write its files itself (a server's sandboxed worker): a callable that has
 #: them built for a graph and its arguments' shape class before the compile here loads them
-#: (:mod:`genie.remote.compiler`)
-builder: Callable[[GraphData, list[Any]], None] | None = None
+#: (:mod:`genie.remote.compiler`); ``dynamic=True``: its compilation with dynamic shapes
+builder: Callable[..., None] | None = None
 
 
 #: whether genie::graph_mut's kernel checks the written inputs of every call
@@ -846,7 +846,7 @@ def _first_run(g: GraphData, device: torch.device, args: list[Any],
     n = len(want) - len(written)
     name = cb.compiler()
     reason = None
-    dyn, new = _dynamic(g, gm, device, name)
+    dyn, new = _dynamic(g, gm, device, name, args)
     if dyn is not None:
         # a graph that takes sizes: its dynamic compilation (made now, or by another shape
         # class: Dynamo's guards recompile it where this class's shapes do not fit), checked
@@ -927,24 +927,34 @@ _compile_dynamic = functools.partial(torch.compile, backend="inductor", dynamic=
                                      fullgraph=True)
 
 
-def _dynamic(g: GraphData, gm: torch.fx.GraphModule, device: torch.device,
-             name: str) -> tuple[Callable[..., Any] | None, bool]:
+def _dynamic(g: GraphData, gm: torch.fx.GraphModule, device: torch.device, name: str,
+             args: list[Any]) -> tuple[Callable[..., Any] | None, bool]:
     """For a graph that takes sizes (Dynamo made some of its dimensions dynamic: a KV cache's
     length, a prompt's), one Inductor compilation with dynamic shapes per device, made at its
     first shape class's call and then checked on every new class, where compiling each class
     on its own took seconds for each new length (a generate with transformers' default cache
     compiled 8 graphs for 3 Dynamo graphs, 31 s against the CPU's 16 s). Dynamo's guards
-    recompile it where a class does not fit (a size of 0 or 1). None where the graph takes no
-    sizes, the compiler is not Inductor, Inductor's files are built elsewhere (a server's
-    sandboxed worker: :data:`builder`), or that compilation failed or disagreed before. The
-    second value: whether it is made now (it compiles at its first call)."""
-    if name != "inductor" or builder is not None or "i" not in g.kinds:
+    recompile it where a class does not fit (a size of 0 or 1). Where Inductor's files are
+    built elsewhere (a server's sandboxed worker: :data:`builder`), the builder compiles it
+    first, so the compilation here finds them. None where the graph takes no sizes, the
+    compiler is not Inductor, or that compilation failed or disagreed before. The second
+    value: whether it is made now (it compiles at its first call)."""
+    if name != "inductor" or "i" not in g.kinds:
         return None, False
     k = str(device)
     fn = g.dynamic.get(k)
     if fn is None:
-        fn = g.dynamic[k] = _compile_dynamic(gm, options={**_INDUCTOR_DEFAULTS,
-                                                          **(g.options or {})})
+        if builder is not None:
+            try:
+                builder(g, args, dynamic=True)
+            except Exception as e:  # noqa: BLE001 - each shape class compiles its own
+                g.dynamic[k] = False
+                logger.info("genie: graph %s...: no dynamic-shape compilation (%s)", g.key[:12],
+                            e)
+                return None, False
+        fn = g.dynamic[k] = _compile_dynamic(gm, options=dict(_INDUCTOR_DEFAULTS)
+                                             if builder is not None else
+                                             {**_INDUCTOR_DEFAULTS, **(g.options or {})})
         bump("graph_compiles")
         return fn, True
     return (None if fn is False else fn), False

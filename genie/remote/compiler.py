@@ -8,7 +8,10 @@ first run of a graph for a shape class, the worker sends the helper the graph's 
 shape class (each input's shape, strides and dtype, or an int); the helper decodes the graph
 again through the server's resolver (only admitted ATen ops), checks the shape class, compiles
 the graph with Inductor on zero-filled inputs of those shapes (no session's data, no kernel run)
-and answers ``{"ok": true}`` or ``{"error": "..."}``. The worker then compiles the same graph
+and answers ``{"ok": true}`` or ``{"error": "..."}``. A graph that takes sizes is asked for once
+with ``"dyn": true``: compiled with dynamic shapes from that class (Dynamo compiles at the first
+call, so that compiled code runs once, on the zeros), which the worker then reuses for the
+graph's later shape classes (:func:`genie.graphs._dynamic`). The worker then compiles the same graph
 itself: Inductor finds its source and library on disk and only loads them. Should anything still
 need writing there, the worker's compile fails with ``File too large`` and the graph runs op by
 op with a warning, as before (never a wrong value: the first run is checked against the
@@ -60,11 +63,15 @@ class Helper:
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock, self.pid = sock, pid
 
-    def build(self, g: graphs.GraphData, args: list[Any]) -> None:
-        """Have the helper compile ``g`` for ``args``' shape class (raises if it could not)."""
+    def build(self, g: graphs.GraphData, args: list[Any], dynamic: bool = False) -> None:
+        """Have the helper compile ``g`` for ``args``' shape class (raises if it could not);
+        ``dynamic``: with dynamic shapes, from that class (:func:`genie.graphs._dynamic`)."""
         shape_class = [[list(a.shape), list(a.stride()), str(a.dtype).removeprefix("torch.")]
                        if isinstance(a, torch.Tensor) else a for a in args]
-        _send(self.sock, {"g": g.data, "in": shape_class})
+        req: dict[str, Any] = {"g": g.data, "in": shape_class}
+        if dynamic:
+            req["dyn"] = True
+        _send(self.sock, req)
         reply = _recv(self.sock, MAX_REQUEST)
         if not isinstance(reply, dict) or reply.get("ok") is not True:
             err = reply.get("error") if isinstance(reply, dict) else None
@@ -147,9 +154,11 @@ def _serve(sock: socket.socket, resolve: Callable[[str], Any], device: torch.dev
 def build(req: Any, resolve: Callable[[str], Any], device: torch.device,
           max_bytes: int) -> None:
     """Check one request and compile its graph with Inductor (the files land on disk)."""
-    if not (isinstance(req, dict) and set(req) == {"g", "in"} and isinstance(req["g"], bytes)
-            and isinstance(req["in"], list)):
-        raise ValueError("a compile request is {'g': graph data (bytes), 'in': shape class}")
+    if not (isinstance(req, dict) and set(req) - {"dyn"} == {"g", "in"}
+            and isinstance(req["g"], bytes) and isinstance(req["in"], list)
+            and req.get("dyn", True) is True):
+        raise ValueError("a compile request is {'g': graph data (bytes), 'in': shape class} "
+                         "and, for dynamic shapes, 'dyn': true")
     g = graphs.register(req["g"], resolve=resolve)  # the server's resolver: admitted ops only
     shape_class = req["in"]
     if len(shape_class) != len(g.kinds):
@@ -178,7 +187,16 @@ def build(req: Any, resolve: Callable[[str], Any], device: torch.device,
         args.append(torch.zeros(extent, dtype=dtype, device=device).as_strided(shape, stride))
     try:
         with torch.no_grad():
-            graphs._compile(g.module(device), args, "inductor", {})
+            if req.get("dyn"):
+                # Dynamo compiles at the first call: the compiled code runs once, on the zeros
+                # (the worker checks its own first run against the op-by-op oracle)
+                if "i" not in g.kinds:
+                    raise ValueError("a dynamic-shape compilation of a graph that takes no "
+                                     "sizes")
+                graphs._compile_dynamic(g.module(device),
+                                        options=dict(graphs._INDUCTOR_DEFAULTS))(*args)
+            else:
+                graphs._compile(g.module(device), args, "inductor", {})
     finally:
         graphs.forget(g.key)  # the helper keeps files, not graphs
 

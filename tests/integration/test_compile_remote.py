@@ -192,6 +192,9 @@ def _mul_graph() -> bytes:
     ({"in": [[[4], [1], "float32"]]}, "a compile request is"),
     ("graph", "takes 1 inputs, the request gives 2"),
     ("in", "expected \\[shape, strides, dtype name\\]"),
+    ("dyn 1", "a compile request is"),  # "dyn" is true or absent
+    ("dyn false", "a compile request is"),
+    ("dyn static", "a graph that takes no sizes"),  # nothing to compile dynamically
 ])
 def test_compile_helper_refuses_malformed_requests(req, match) -> None:
     from genie.remote import compiler, worker
@@ -201,6 +204,9 @@ def test_compile_helper_refuses_malformed_requests(req, match) -> None:
         req = {"g": data, "in": [[[4], [1], "float32"], 3]}
     elif req == "in":
         req = {"g": data, "in": [[[4], [1], "torch.storage"]]}
+    elif isinstance(req, str) and req.startswith("dyn"):
+        req = {"g": data, "in": [[[4], [1], "float32"]],
+               "dyn": {"dyn 1": 1, "dyn false": False, "dyn static": True}[req]}
     with pytest.raises(Exception, match=match):
         compiler.build(req, worker._graph_op, torch.device("cpu"), 1 << 20)
 
@@ -295,6 +301,42 @@ def test_server_compiles_graphs_with_inductor_despite_its_sandbox(tmp_path) -> N
     log = s.proc.stdout.read()
     assert code == 0
     assert "runs op by op" not in log and "File too large" not in log, log[-3000:]
+
+
+@pytest.mark.skipif(os.environ.get("GENIE_FULL_TESTS") != "1",
+                    reason="inductor compiles C++ (a minute here); GENIE_FULL_TESTS=1")
+def test_server_compiles_a_graph_taking_sizes_once_for_its_shape_classes(tmp_path) -> None:
+    """A graph Dynamo made dynamic: the helper compiles it with dynamic shapes once, the worker
+    loads it and reuses it for the later shape classes (each checked against the op-by-op run),
+    so no class runs op by op and none needs files the worker cannot write."""
+    before = os.environ.get("GENIE_COMPILER")
+    os.environ["GENIE_COMPILER"] = "inductor"
+    try:
+        s = ServerProc(tmp_path, "--quota", "64MiB", drain=False, log_level="INFO")
+    finally:
+        if before is None:
+            os.environ.pop("GENIE_COMPILER")
+        else:
+            os.environ["GENIE_COMPILER"] = before
+    torch._dynamo.reset()
+
+    def f(x, y):  # noqa: ANN001, ANN202
+        return torch.cat([x, y]).tanh() * 5
+
+    genie.connect(s.address, key_file=str(s.key_file), timeout=600)
+    try:
+        cf = torch.compile(f, dynamic=True)
+        for n in (3, 5, 7, 9, 5):
+            x, y = torch.randn(n), torch.randn(2)
+            torch.testing.assert_close(cf(x.to(DEV), y.to(DEV)).cpu(), f(x, y))
+    finally:
+        genie.disconnect()
+        code = s.stop()
+    log = s.proc.stdout.read()
+    assert code == 0
+    for bad in ("runs op by op", "File too large", "no dynamic-shape compilation",
+                "is not used"):
+        assert bad not in log, log[-3000:]
 
 
 # --- genie::graph_mut through a server: a graph that writes its inputs in place -----------------
