@@ -212,6 +212,19 @@ def test_integers_outside_the_class_are_vetted(monkeypatch: pytest.MonkeyPatch, 
     _refused_alike(monkeypatch, bad, "shapes")
 
 
+def test_a_passed_request_patches_the_lanes_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request the lane passes is patched on the Python path from the instructions the lane
+    ran last (``worker._drop_lane`` hands them back as the skeleton's ``Filled``), not filled
+    anew (a tape filled anew holds none of the objects the program was compiled from, so its
+    every run patches every baked leaf)."""
+    w = _worker(monkeypatch)
+    c = _steady(w)
+    refills, passes = w.refills, w.lane_passes["shapes"]
+    reply = c.send_raw({"d": [5, 40]})  # narrow past the end: passed, patched, vetted, refused
+    assert reply["t"] == "err" and w.lane_passes["shapes"] == passes + 1
+    assert w.refills == refills + 1
+
+
 def test_a_size_past_the_quota_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     def bad(c: Client) -> dict:  # repeat 2**22 times: a bound past the 16 MiB quota
         assert c.last is not None
