@@ -31,6 +31,7 @@
 #include "walk.h"
 #include "warnings.h"
 #include "whole.h"
+#include "wire.h"
 #include "worker_replay.h"
 
 namespace py = pybind11;
@@ -369,4 +370,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   genie::add_storage_functions(m);
   genie::add_session_functions(m);
   genie::add_worker_replay_functions(m);
+  genie::add_wire_functions(m);
 }

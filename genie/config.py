@@ -62,6 +62,9 @@ class Config:
     # Bind a run's values to its nodes and collect a step's targets natively (csrc/bind.cpp; 0:
     # the Python loops, the reference).
     native_bind: bool = _flag("GENIE_NATIVE_BIND", "1") != "0"
+    # Find a plan-cache hit's wire constants that are the last call's natively (csrc/wire.cpp;
+    # 0: genie.remote.protocol.encode_tape's Python loop, the reference).
+    native_wire: bool = _flag("GENIE_NATIVE_WIRE", "1") != "0"
     # torch's per-op lookup of registered __torch_dispatch__ rules natively (genie.lazy_tensor;
     # 0: torch's own Python function). Read once at import.
     native_dispatch_rule: bool = _flag("GENIE_NATIVE_DISPATCH_RULE", "1") != "0"

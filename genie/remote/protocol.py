@@ -47,6 +47,7 @@ import optree
 import torch
 
 from .. import _C, graphs
+from ..config import config as _config
 from ..graph import TensorMeta, same_const
 from ..memory import fresh_bytes
 from ..meta import policy
@@ -497,7 +498,6 @@ def encode_tape(tape: Tape, input_const: Any, hoist: bool = False) -> Encoded:
     are resident (its second call): :attr:`Encoded.hoisted`, :attr:`Encoded.order`.
     """
     frames: list[Any] = []
-    inputs = sorted(tape.inputs)
     plan = tape.plan
     # a tape instantiated from a plan (genie.plan_cache) has the plan's structure: its encoding
     # is the plan's (the plan-cache match checked every op, tree, wiring and kind of constant),
@@ -527,8 +527,13 @@ def encode_tape(tape: Tape, input_const: Any, hoist: bool = False) -> Encoded:
         starts = pw.starts
         seen = pw.seen
         gets = pw.gets
-        for w in itertools.compress(range(len(where)),
-                                    map(operator.is_not, map(src.__getitem__, pw.at), pw.own)):
+        # the entries whose source is not the plan's own object; natively, those whose values
+        # are the last call's are placed at once and only the others come back (csrc/wire.cpp)
+        todo = _wire_same(src, pw.at, pw.own, gets, seen, starts, part) \
+            if _config.native_wire else \
+            itertools.compress(range(len(where)),
+                               map(operator.is_not, map(src.__getitem__, pw.at), pw.own))
+        for w in todo:
             i, js = where[w]
             ins = src[i]
             last = seen[w]
@@ -560,6 +565,7 @@ def encode_tape(tape: Tape, input_const: Any, hoist: bool = False) -> Encoded:
         consts += part
         return Encoded(wire.key, wire.skeleton, consts, frames, wire.order, wire.hoisted)
     instrs = tape.instrs
+    inputs = sorted(tape.inputs)
     shape = (hoist, _structure(tape, inputs))
     with _encoded_lock:  # clients of several servers may encode at once (threads)
         memo: _Wire | None = _encoded.get(shape)
@@ -730,6 +736,9 @@ class _PlanWire:
     #: per entry, what reads the values at its leaves from an instruction's (or node's) leaves
     gets: list[Any]
 
+
+#: the native loop over a plan's wire (csrc/wire.cpp; GENIE_NATIVE_WIRE=0: the Python loop)
+_wire_same = _C._wire_same
 
 #: ``_PlanWire.seen`` of an entry encoded every call: a random op, a host tensor, or constants
 #: that changed twice (an optimizer's step-dependent floats, a length that grows every token)

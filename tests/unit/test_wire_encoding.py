@@ -3,7 +3,9 @@ the instructions the hit rebuilt (``genie.remote.protocol._PlanWire``), read fro
 without building its instructions (``Plan.replay_source``), and the client finds its
 kept values' nodes from the plan (``genie.remote.client._kept_at``). Both must give exactly what
 encoding and searching the tape from scratch gives, every step: floats that move (parameters),
-host tensors (frames), random ops (their seed and offset), several plans of one structure."""
+host tensors (frames), random ops (their seed and offset), several plans of one structure; with
+the entries whose values are the last call's found natively (``genie._C._wire_same``) and by the
+Python loop (``GENIE_NATIVE_WIRE=0``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import pytest
 import torch
 
 import genie
-from genie import plan_cache
+from genie import _C, plan_cache
+from genie.config import config
 from genie.planner import PendingSlots, Tape
 
 protocol = pytest.importorskip("genie.remote.protocol")
@@ -49,7 +52,9 @@ def _step(w: torch.Tensor, step: int, scale: float) -> torch.Tensor:
     return ((w @ x) * scale + r * (step + 0.5)).sum(), x
 
 
-def test_steady_steps_encode_as_from_scratch():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_steady_steps_encode_as_from_scratch(monkeypatch, native):
+    monkeypatch.setattr(config, "native_wire", native)
     plan_cache.clear()
     torch.manual_seed(0)
     w = torch.randn(4, 4).to(DEV)
@@ -95,12 +100,14 @@ def _same_consts(a: list, b: list) -> bool:
                                     for x, y in zip(a, b, strict=True))
 
 
-def test_a_moving_shape_reencodes_only_constants_that_changed(monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_moving_shape_reencodes_only_constants_that_changed(monkeypatch, native):
     """A shape-generic plan rebuilds every instruction whose shapes moved (a KV cache growing
     by a token), though most of their constants are the last call's: those are taken from the
     last encoding (``_PlanWire.seen``), the others encoded again, exactly (a float that turns
     from ``0.0`` to ``-0.0`` is a change, though ``==`` says it is not); an entry whose
     constants changed twice is encoded every call without comparing (a length that grows)."""
+    monkeypatch.setattr(config, "native_wire", native)
     plan_cache.clear()
     torch.manual_seed(0)
     w = torch.randn(4).to(DEV)
@@ -134,3 +141,39 @@ def test_a_moving_shape_reencodes_only_constants_that_changed(monkeypatch):
     # the view's constants (-1, 1) never change: taken from the last encoding every step
     assert steps and steady <= rebuilt - steps, (steady, rebuilt, steps)
     assert protocol._MOVES in pw.seen  # the narrow's length
+
+
+def test_wire_same_takes_only_entries_whose_values_are_the_last_calls():
+    """``genie._C._wire_same`` places an entry's last constants only where it is a 4-tuple
+    without floats whose values compare equal now (``==``, as the Python loop: ``(2, 3)`` equals
+    ``(2, 3)`` made anew); the others (own instruction: skipped; first sight, encoded every
+    call, floats, values that moved) are handed back in order; bad columns are refused."""
+    import operator
+
+    class Src:
+        def __init__(self, leaves):
+            self.leaves = leaves
+
+    own = Src([0, 1])
+    src = [own, Src([5, (2, 3)]), Src([7, 8]), Src([1.5]), Src([9]), Src([4, 4])]
+    at = [0, 1, 2, 3, 4, 5]
+    owns = [own, None, None, None, None, None]
+    gets = [operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(0, 1),
+            operator.itemgetter(0), operator.itemgetter(0), operator.itemgetter(0, 1)]
+    c23 = ["c23"]
+    seen = [None, ((2, 3), c23, None, 0), ((7, 9), ["x", "y"], None, 0), (1.5, ["f"], -1, 0),
+            protocol._MOVES, ((4, 4), ["a", "b"], None, 1)]
+    starts = [0, 1, 2, 4, 5, 6]
+    part = list(range(8))
+    slow = _C._wire_same(src, at, owns, gets, seen, starts, part)
+    assert slow == [2, 3, 4]  # moved, floats, every call
+    assert part == [0, "c23", 2, 3, 4, 5, "a", "b"] and part[1] is c23[0]
+    with pytest.raises(ValueError):
+        _C._wire_same(src, at, owns[:-1], gets, seen, starts, part)
+    with pytest.raises(IndexError):
+        _C._wire_same(src, [0, 1, 2, 3, 4, 99], owns, gets, seen, starts, part)
+    with pytest.raises(IndexError):  # constants past the end of the part
+        _C._wire_same(src, at, owns, gets, seen, [0, 1, 2, 4, 5, 7], part)
+    with pytest.raises(AttributeError):  # a source without leaves: as the Python loop
+        _C._wire_same([own, object()], [0, 1], [own, None], gets[:2],
+                      [None, ((2, 3), c23, None, 0)], [0, 1], part)

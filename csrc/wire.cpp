@@ -1,0 +1,113 @@
+// A remote client's encoding of a plan-cache hit (genie.remote.protocol.encode_tape, the plan's
+// wire, `_PlanWire`): the entries of constants whose values are the last call's, natively.
+//
+// Per entry w of a plan's wire (an instruction index `at[w]` whose constants sit at some of its
+// leaves), a steady step re-encodes only the entries whose source (`src[at[w]]`: the plan's
+// instruction, or this step's node where it is not the plan's own, Plan.replay_source) is not the
+// plan's own object (`own[w]`). Of those, most hold the values of the last call (a GPT-2 4x128
+// token: ~33 of ~37, the nodes of a growing KV cache whose other constants stay): their
+// constants are the last call's objects, placed into `part` as they are. That check, one Python
+// iteration of ~2 µs each on the caches a client wakes to after its wait on the server, is this
+// loop; what it cannot take (a first sight, constants that moved, floats compared as constants,
+// an entry encoded every call) it hands back to the Python loop, which stays the reference
+// (GENIE_NATIVE_WIRE=0 runs it for every entry; tests/unit/test_wire_encoding.py compares both).
+//
+// `seen[w]`: None (first sight), () (encoded every call) or (values at its leaves last call, their
+// constants, float positions or None, changed before): an entry is taken here only when it is a
+// 4-tuple whose float positions are None and whose values compare equal (Python's ==, no
+// identity shortcut) to `gets[w](src[at[w]].leaves)`.
+#include <Python.h>
+
+#include <pybind11/pybind11.h>
+
+#include "wire.h"
+
+namespace py = pybind11;
+
+namespace genie {
+namespace {
+
+PyObject* checked(PyObject* o) {
+  if (o == nullptr) {
+    throw py::error_already_set();
+  }
+  return o;
+}
+
+py::list wire_same(const py::list& src, const py::list& at, const py::list& own,
+                   const py::list& gets, const py::list& seen, const py::list& starts,
+                   const py::list& part) {
+  static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
+  const Py_ssize_t n = PyList_GET_SIZE(at.ptr());
+  if (PyList_GET_SIZE(own.ptr()) != n || PyList_GET_SIZE(gets.ptr()) != n ||
+      PyList_GET_SIZE(seen.ptr()) != n || PyList_GET_SIZE(starts.ptr()) != n) {
+    throw py::value_error("genie._C._wire_same: the wire's columns differ in length");
+  }
+  const Py_ssize_t n_src = PyList_GET_SIZE(src.ptr());
+  const Py_ssize_t n_part = PyList_GET_SIZE(part.ptr());
+  py::list slow;
+  for (Py_ssize_t w = 0; w < n; ++w) {
+    const Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(at.ptr(), w));
+    if (i == -1 && PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    if (i < 0 || i >= n_src) {
+      throw py::index_error("genie._C._wire_same: an entry's instruction is out of range");
+    }
+    PyObject* x = PyList_GET_ITEM(src.ptr(), i);
+    if (x == PyList_GET_ITEM(own.ptr(), w)) {
+      continue;  // the plan's own instruction: its constants are the plan's (already in part)
+    }
+    // (held: the calls below run Python code)
+    const py::object x_ref = py::reinterpret_borrow<py::object>(x);
+    const py::object last_ref = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(seen.ptr(), w));
+    PyObject* last = last_ref.ptr();
+    bool fast = PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 4 &&
+                PyTuple_GET_ITEM(last, 2) == Py_None &&
+                PyList_CheckExact(PyTuple_GET_ITEM(last, 1));
+    if (fast) {
+      py::object leaves =
+          py::reinterpret_steal<py::object>(checked(PyObject_GetAttr(x, leaves_name)));
+      py::object now = py::reinterpret_steal<py::object>(
+          checked(PyObject_CallOneArg(PyList_GET_ITEM(gets.ptr(), w), leaves.ptr())));
+      py::object eq = py::reinterpret_steal<py::object>(
+          checked(PyObject_RichCompare(PyTuple_GET_ITEM(last, 0), now.ptr(), Py_EQ)));
+      const int same = PyObject_IsTrue(eq.ptr());
+      if (same < 0) {
+        throw py::error_already_set();
+      }
+      fast = same == 1;
+    }
+    if (!fast) {
+      slow.append(py::int_(w));
+      continue;
+    }
+    PyObject* vals = PyTuple_GET_ITEM(last, 1);  // this call's constants are the last call's
+    const Py_ssize_t start = PyLong_AsSsize_t(PyList_GET_ITEM(starts.ptr(), w));
+    if (start == -1 && PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    const Py_ssize_t k = PyList_GET_SIZE(vals);
+    if (start < 0 || start + k > n_part) {
+      throw py::index_error("genie._C._wire_same: an entry's constants are out of range");
+    }
+    for (Py_ssize_t j = 0; j < k; ++j) {
+      PyObject* v = PyList_GET_ITEM(vals, j);
+      Py_INCREF(v);
+      PyList_SetItem(part.ptr(), start + j, v);  // (steals v, drops the old item)
+    }
+  }
+  return slow;
+}
+
+}  // namespace
+
+void add_wire_functions(py::module_& m) {
+  m.def("_wire_same", &wire_same, py::arg("src"), py::arg("at"), py::arg("own"), py::arg("gets"),
+        py::arg("seen"), py::arg("starts"), py::arg("part"),
+        "genie.remote.protocol.encode_tape's loop over a plan's wire: place into `part` the "
+        "constants of the entries whose values are the last call's; returns the other entries "
+        "whose source is not the plan's own (for the Python loop), in order.");
+}
+
+}  // namespace genie
