@@ -100,6 +100,45 @@ py::list wire_same(const py::list& src, const py::list& at, const py::list& own,
   return slow;
 }
 
+// genie.remote.protocol.const_delta: `[pos, value, ...]` for the positions where `cur` differs
+// from `old` (the same object: the same; two ints: ==; else `same_const`), None when the lists
+// differ in length or sending all is cheaper.
+py::object const_delta(const py::list& old, const py::list& cur, const py::object& same_const) {
+  const Py_ssize_t n = PyList_GET_SIZE(cur.ptr());
+  if (PyList_GET_SIZE(old.ptr()) != n) {
+    return py::none();
+  }
+  py::list d;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* a = PyList_GET_ITEM(old.ptr(), i);
+    PyObject* b = PyList_GET_ITEM(cur.ptr(), i);
+    if (a == b) {
+      continue;
+    }
+    const py::object a_ref = py::reinterpret_borrow<py::object>(a);  // (same_const runs Python)
+    const py::object b_ref = py::reinterpret_borrow<py::object>(b);
+    int same;
+    if (PyLong_CheckExact(a) && PyLong_CheckExact(b)) {
+      same = PyObject_RichCompareBool(a, b, Py_EQ);
+    } else {
+      py::object r = py::reinterpret_steal<py::object>(
+          checked(PyObject_CallFunctionObjArgs(same_const.ptr(), a, b, nullptr)));
+      same = PyObject_IsTrue(r.ptr());
+    }
+    if (same < 0) {
+      throw py::error_already_set();
+    }
+    if (!same) {
+      d.append(py::int_(i));
+      d.append(b_ref);
+    }
+  }
+  if (PyList_GET_SIZE(d.ptr()) >= n) {
+    return py::none();
+  }
+  return std::move(d);
+}
+
 }  // namespace
 
 void add_wire_functions(py::module_& m) {
@@ -108,6 +147,10 @@ void add_wire_functions(py::module_& m) {
         "genie.remote.protocol.encode_tape's loop over a plan's wire: place into `part` the "
         "constants of the entries whose values are the last call's; returns the other entries "
         "whose source is not the plan's own (for the Python loop), in order.");
+  m.def("_const_delta", &const_delta, py::arg("old"), py::arg("new"), py::arg("same_const"),
+        "genie.remote.protocol.const_delta: [pos, value, ...] where `new` differs from `old` "
+        "(same object, ints by ==, else `same_const`), or None (lengths differ, or all is "
+        "cheaper).");
 }
 
 }  // namespace genie

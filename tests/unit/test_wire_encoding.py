@@ -177,3 +177,36 @@ def test_wire_same_takes_only_entries_whose_values_are_the_last_calls():
     with pytest.raises(AttributeError):  # a source without leaves: as the Python loop
         _C._wire_same([own, object()], [0, 1], [own, None], gets[:2],
                       [None, ((2, 3), c23, None, 0)], [0, 1], part)
+
+
+def test_const_delta_native_is_the_python_loop(monkeypatch):
+    """``genie._C._const_delta`` gives what the Python loop gives (``GENIE_NATIVE_WIRE=0``) on
+    constants of every kind a request holds: ints (big ones too), bools against ints, floats
+    (``-0.0``, NaN), strings, lists, the same objects, values whose ``==`` raises."""
+    import random
+
+    class Raises:
+        def __eq__(self, other):
+            raise RuntimeError("no ==")
+
+    rng = random.Random(0)
+    r = Raises()
+    pool = [0, 1, True, False, 2**40, 2**40 + 1, -5, 0.0, -0.0, float("nan"), 1.5, "a", "b",
+            None, [1, 2], [1, 2.0], (3,), r, Raises()]
+    for _ in range(300):
+        n = rng.randrange(0, 12)
+        old = [rng.choice(pool) for _ in range(n)]
+        new = [x if rng.random() < 0.5 else rng.choice(pool) for x in old]
+        if rng.random() < 0.1:
+            new.append(1)
+        # equal big ints that are different objects
+        old += [int("7" * 25)]
+        new += [int("7" * 25)]
+        monkeypatch.setattr(config, "native_wire", True)
+        got = protocol.const_delta(old, new)
+        monkeypatch.setattr(config, "native_wire", False)
+        want = protocol.const_delta(old, new)
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert got[0::2] == want[0::2]
+            assert all(a is b for a, b in zip(got[1::2], want[1::2], strict=True))
