@@ -80,6 +80,17 @@ def _bind_nodes(nodes: list[object], outs: list[tuple[int | None, ...]], kept: d
     pruned; ``untrack``: the new value lists are made off the cyclic GC). Returns how many
     pending-write entries it removed."""
 
+def _wire_same(src: list[object], at: list[int], own: list[object], gets: list[object],
+               seen: list[object], starts: list[int], part: list[object]) -> list[int]:
+    """``genie.remote.protocol.encode_tape``'s loop over a plan's wire (csrc/wire.cpp): places
+    into ``part`` the last call's constants of the entries whose values are the last call's;
+    returns the other entries whose source is not the plan's own, in order."""
+
+def _const_delta(old: list[object], new: list[object],
+                 same_const: object) -> list[object] | None:
+    """``genie.remote.protocol.const_delta`` (csrc/wire.cpp): ``[pos, value, ...]`` where
+    ``new`` differs from ``old``, or None."""
+
 def _step_targets(targets: list[tuple[object, int]], opts: list[object],
                   index: int) -> list[tuple[object, int]]:
     """``targets`` followed by the pending ``(node, output)`` of each tensor the steps of the
