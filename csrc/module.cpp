@@ -24,6 +24,7 @@
 #include "seq.h"
 #include "slice.h"
 #include "storage.h"
+#include "read.h"
 #include "replay.h"
 #include "session.h"
 #include "shape_rules.h"
@@ -371,4 +372,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   genie::add_session_functions(m);
   genie::add_worker_replay_functions(m);
   genie::add_wire_functions(m);
+  genie::add_read_functions(m);
 }

@@ -930,6 +930,15 @@ py::object run_program(py::handle program, const py::dict& inputs, const py::lis
   return py::cast<Program&>(program).run(inputs, instrs, devices, split, early);
 }
 
+py::object hit_run_object(const py::handle& program, const py::dict& inputs,
+                          const py::object& consts, const py::list& tmpl, const py::object& at,
+                          const py::list& found, const py::list& stale, const py::list& devices,
+                          const py::list& outs, int64_t prune_at, bool untrack, int64_t hold,
+                          const py::list& want) {
+  return hit_run(program.cast<Program&>(), inputs, consts, tmpl, at, found, stale, devices, outs,
+                 prune_at, untrack, hold, want);
+}
+
 void add_replay_functions(py::module_& m) {
   py::class_<Program>(m, "_ReplayProgram",
                       "A tape's structure compiled for native replay "

@@ -8,6 +8,8 @@ namespace genie {
 
 // Adds _slice_init, _slice_nodes, _instantiate and _rebuild_instrs to the genie._C module.
 void add_slice_functions(pybind11::module_& m);
+// genie._C._inputs_differ (csrc/read.cpp calls it)
+pybind11::object inputs_differ(const pybind11::dict& inputs, const pybind11::dict& pin);
 
 // TensorMeta == TensorMeta (its dataclass __eq__) and genie.plan_cache.same_kind, natively, for
 // the other native paths (match.cpp): 1 or 0; -1 when either is not exactly a TensorMeta or the

@@ -74,6 +74,9 @@ class Config:
     # Slice a materialization's graph and match the slice against cached plans natively
     # (csrc/slice.cpp; 0: planner.slice_nodes and plan_cache.instantiate in Python, the reference).
     native_slice: bool = _flag("GENIE_NATIVE_SLICE", "1") != "0"
+    # Take the steady embedded read (the fused hit path's: lookup, run and bind) in one native
+    # call (csrc/read.cpp; 0: genie.executor's Python steps, the reference).
+    native_read: bool = _flag("GENIE_NATIVE_READ", "1") != "0"
     # Record the common case of an op natively (csrc/record.cpp); 0: every op takes the Python
     # path, the reference (genie.lazy_tensor.record).
     native_record: bool = _flag("GENIE_NATIVE_RECORD", "1") != "0"

@@ -11,6 +11,8 @@ op; others compile it or send it to a server.
 
 from __future__ import annotations
 
+import functools
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -19,11 +21,14 @@ import torch
 from torch.autograd import profiler as _profiler
 
 from . import backends, checks, context, memory, plan_cache
-from ._C import (_bind_nodes, _gc_untrack, _hit_run, _math_bits_on, _math_bits_restore,
+from ._C import (_bind_nodes, _gc_untrack, _hit_run, _math_bits_on, _math_bits_restore, _read,
                  _record_ahead_reset, _release_nodes, _state_apply, _state_word, _step_targets,
                  _without_warning)
 from .config import config
 from .context import _steps
+from . import device as _device
+from . import graph as _graph
+from . import stats as _stats
 from .device import real_device
 from .errors import DeviceError, ExecutionError
 from .graph import Node, pending_total
@@ -482,24 +487,58 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
         outs = [node.values[out] for node, out in targets]
     if outs is None:
         n = len(targets)
-        if _steps.pending:
-            targets = with_step(targets, index)
-        if not _profiler._is_profiler_enabled:  # as below, without the no-op phase contexts
-            tape = plan_cache.plan(targets, backends.shape_generic(), _fusing())
-            if type(tape) is tuple:  # a column-match hit, its tape not made
-                outs = _run_hit(*tape, targets, n, index)
-            else:
-                outs = run_tape(_requested(tape, n), index)
+        if _read_native[0] and not _profiler._is_profiler_enabled and _fusing():
+            outs = _read_fast(targets, n, index)
         else:
-            with phase("plan"):
-                tape = _requested(plan_cache.plan(targets, backends.shape_generic()), n)
-            with phase("execute"):
-                outs = run_tape(tape, index)
-        del outs[n:]
+            if _steps.pending:
+                targets = with_step(targets, index)
+            if not _profiler._is_profiler_enabled:  # as below, without the no-op phase contexts
+                tape = plan_cache.plan(targets, backends.shape_generic(), _fusing())
+                if type(tape) is tuple:  # a column-match hit, its tape not made
+                    outs = _run_hit(*tape, targets, n, index)
+                else:
+                    outs = run_tape(_requested(tape, n), index)
+            else:
+                with phase("plan"):
+                    tape = _requested(plan_cache.plan(targets, backends.shape_generic()), n)
+                with phase("execute"):
+                    outs = run_tape(tape, index)
+            del outs[n:]
     if not _profiler._is_profiler_enabled:
         return backends.fetch(outs)  # handles of values resident on a server -> real tensors
     with phase("transfer"):
         return backends.fetch(outs)
+
+
+def _read_fast(targets: list[tuple[Node, int]], n: int, index: int) -> list[Any]:
+    """:func:`run_targets`' read of pending values on the fused path's terms (:func:`_fusing`,
+    no profiler): ``genie._C._read`` (csrc/read.cpp) takes the steady read (the step's extra
+    targets, the column-match lookup, the hit's parameters, the fused run and bind) in one call
+    and hands back where this Python code goes on otherwise: a miss (``plan_cache.plan`` skips
+    what it did), a hit it does not run fused (:func:`_run_hit`), a failing kernel
+    (:func:`_hit_failed`), or a run whose values the CPU accounting does not hold here
+    (``memory.after_run``). The values of the first ``n`` targets."""
+    r = _read(targets if type(targets) is list else list(targets), n, index, _READ_CTX)
+    if type(r) is list:
+        return r
+    kind, targets, found = r[0], r[1], r[2]
+    if kind == 0:  # no column-match hit: slice, look up, or build (found: (span, key[, tried]))
+        tape = plan_cache.plan(targets, backends.shape_generic(), True, found)
+        if type(tape) is tuple:
+            outs = _run_hit(*tape, targets, n, index)
+        else:
+            outs = run_tape(_requested(tape, n), index)
+    elif kind == 1:
+        outs = _run_hit(*found, targets, n, index)
+    elif kind == 2:
+        _hit_failed(*found, targets, n, index, r[3])
+    else:
+        plan, _, generic, p = found
+        vals, _, _, kept = r[3]
+        memory.after_run(None, kept, index, _fused(plan, p[1]).high_water)
+        return vals
+    del outs[n:]
+    return outs
 
 
 # --- the fused hit path --------------------------------------------------------------------------
@@ -515,10 +554,14 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
 # every such hit) computed once from the tape the general path would run.
 
 _fuse = [False]  # the settings allow it (config: native bind and replay, no index checks)
+#: ``genie._C._read`` takes a read the fused path may take (:func:`_read_fast`); off
+#: (``config.native_read``, ``GENIE_NATIVE_READ=0``): the Python path, its reference
+_read_native = [False]
 
 
 def _fuse_config(c: Any) -> None:
     _fuse[0] = c.native_bind and c.native_replay in ("1", "always") and c.index_check == "0"
+    _read_native[0] = c.native_read
 
 
 config.on_change(_fuse_config)
@@ -608,10 +651,7 @@ def _run_hit(plan: Any, r: Any, generic: bool, p: tuple[list[int], bool],
                    [_device_for(index)], plan.flat[15], _PRUNE_AT, config.gc_untrack,
                    index if memory.held_here(index) else -1, plan.outputs[:n])
     if len(out) == 3:  # (failing instruction, its exception, live values): as run_tape
-        tape = _requested(plan_cache.hit_tape(plan, r, targets, generic, p, False), n)
-        err = native_replay.failure(tape if f.script is None else f.script.apply(tape), *out)
-        err.__cause__ = out[1]
-        _failed(tape, err, index)
+        _hit_failed(plan, r, generic, p, targets, n, index, out)
     vals, bound, held, kept = out
     _counts["native_replays"] += 1
     _counts["fused_hits"] += 1
@@ -624,6 +664,18 @@ def _run_hit(plan: Any, r: Any, generic: bool, p: tuple[list[int], bool],
     else:
         memory.held(index, held)
     return vals
+
+
+def _hit_failed(plan: Any, r: Any, generic: bool, p: tuple[list[int], bool],
+                targets: list[tuple[Node, int]], n: int, index: int, out: tuple) -> NoReturn:
+    """Raise the failure ``out`` (``genie._C._hit_run``'s: the failing instruction, its
+    exception, the live values) of a fused hit's run as :func:`run_tape` raises it, once the
+    nodes that ran are bound."""
+    f = _fused(plan, p[1])
+    tape = _requested(plan_cache.hit_tape(plan, r, targets, generic, p, False), n)
+    err = native_replay.failure(tape if f.script is None else f.script.apply(tape), *out)
+    err.__cause__ = out[1]
+    _failed(tape, err, index)
 
 
 def _high_water(f: _Fused, plan: Any, r: Any, targets: list[tuple[Node, int]], generic: bool,
@@ -704,3 +756,8 @@ def _ready(n: Node, out: int) -> torch.Tensor | None:
     if n.executed and n.values is not None and not n.storage(out).pending_writes:
         return n.values[out]
     return None
+
+
+#: the modules ``genie._C._read`` reads and updates by name, by position (csrc/read.cpp's Ctx)
+_READ_CTX = (plan_cache, _stats, _graph, context, config, pipeline, memory, _device, backends,
+             sys.modules[__name__], functools.partial)

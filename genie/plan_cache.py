@@ -408,8 +408,8 @@ def clear() -> None:
 
 
 @gc_paused
-def plan(targets: list[tuple[Node, int]], generic: bool = True, found: bool = False
-         ) -> Tape | tuple[Plan, Any, bool, Any]:
+def plan(targets: list[tuple[Node, int]], generic: bool = True, found: bool = False,
+         known: tuple[Any, ...] | None = None) -> Tape | tuple[Plan, Any, bool, Any]:
     """A :class:`~genie.planner.Tape` for ``targets``: a cached plan's when the structure
     matches one (a hit), else a freshly built one, whose plan is cached (a miss).
 
@@ -417,14 +417,21 @@ def plan(targets: list[tuple[Node, int]], generic: bool = True, found: bool = Fa
     :func:`genie.backends.shape_generic`), so a plan that differs only in shapes is a hit too
     (when :func:`shape_generic` is on). ``found``: a hit the column match finds comes back as
     ``(plan, the match, generic, its params)`` instead, its tape not made: the executor's fused
-    hit path runs it from that, or makes the tape with :func:`hit_tape`.
+    hit path runs it from that, or makes the tape with :func:`hit_tape`. ``known``: ``(span,
+    key)`` of a lookup ``genie._C._read`` made (csrc/read.cpp) whose column match found no hit;
+    ``(span, key, False)`` where it left the match to this function (the Python match).
     """
     generic = generic and _generic
-    span = _cache.span(targets) if targets else -1
-    # the requested ops' key, once: a training step's targets hold every parameter, gradient
-    # and optimizer state it updates (33 for a 4-layer MLP's AdamW step)
-    key = _target_key(targets) if _enabled and targets else None
-    if key is not None and not _cache.writes_last(targets, key):
+    if known is not None:
+        span, key = known[0], known[1]
+        tried = len(known) == 2
+    else:
+        span = _cache.span(targets) if targets else -1
+        # the requested ops' key, once: a training step's targets hold every parameter, gradient
+        # and optimizer state it updates (33 for a 4-layer MLP's AdamW step)
+        key = _target_key(targets) if _enabled and targets else None
+        tried = False
+    if key is not None and not tried and not _cache.writes_last(targets, key):
         tape = _cache.match(targets, generic, span, key, found)
         if tape is not None:
             _counts["plan_cache_hits"] += 1
@@ -924,6 +931,12 @@ def _walk_writes(plan: Plan, found: list[Any], targets: list[tuple[Node, int]], 
                     return False
             k += 1
     return True
+
+
+def _entryless_at(plan: Plan, generic: bool, i: int, n: Node) -> int:
+    """:func:`_entryless`, its arguments in the order ``functools.partial(_entryless_at, plan,
+    generic)`` passes them (csrc/read.cpp's match)."""
+    return _entryless(plan, i, n, generic)
 
 
 def _entryless(plan: Plan, i: int, n: Node, generic: bool) -> int:

@@ -175,6 +175,9 @@ def test_a_run_frees_its_intermediates_while_binding(monkeypatch, tracking: bool
     from genie.config import config
 
     monkeypatch.setattr(config, "native_bind", True)
+    # the Python path's calls of _bind_nodes and _hit_run are observed (csrc/read.cpp calls the
+    # same functions natively: test_native_read's frees test)
+    monkeypatch.setattr(config, "native_read", False)
     monkeypatch.setattr(memory, "_tracking", [tracking])
     server = bool(os.environ.get("GENIE_SERVER"))
     if fuse and (server or not executor._fuse[0]):

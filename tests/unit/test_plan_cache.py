@@ -11,6 +11,7 @@ import torch
 
 import genie
 from genie import plan_cache
+from genie.config import config
 from genie.graph import Node, live_nodes
 from genie.lazy_tensor import LazyTensor
 
@@ -212,8 +213,16 @@ def _column_only(monkeypatch):
         yield
 
 
+def _python_read(monkeypatch) -> None:
+    """Reads take the Python path, whose :func:`plan_cache.match` (and what it calls) a test
+    observes: the native read (csrc/read.cpp) makes the same calls natively
+    (tests/unit/test_native_read.py holds the two paths equal)."""
+    monkeypatch.setattr(config, "native_read", False)
+
+
 def _column_hits(monkeypatch) -> list[bool]:
     """What each :func:`plan_cache.match` call answered (True: a tape)."""
+    _python_read(monkeypatch)
     seen: list[bool] = []
     real = plan_cache.match
     monkeypatch.setattr(plan_cache, "match", lambda *a, **k: seen.append(
@@ -811,6 +820,7 @@ def test_native_match_core_agrees_with_python(monkeypatch) -> None:
             outcomes.append("writes " + outcomes[-1])
         return got
 
+    _python_read(monkeypatch)
     monkeypatch.setattr(plan_cache, "match", both)
     rebuilds = []
     native_rebuild = plan_cache._rebuild_instrs
@@ -862,6 +872,7 @@ def test_plans_for_the_same_requested_ops_are_tried_at_their_span_first(monkeypa
             failed.append(1)
         return tape
 
+    _python_read(monkeypatch)
     monkeypatch.setattr(plan_cache, "match", counting)
     x, rx = torch.arange(6.0, device=D), torch.arange(6.0)
     genie.materialize(x)

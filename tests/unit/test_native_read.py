@@ -1,0 +1,243 @@
+"""The steady read in one native call (genie._C._read, csrc/read.cpp; genie.executor._read_fast):
+a read the fused path may take goes from its pending targets to its bound values without the
+Python steps between them, and the Python path (GENIE_NATIVE_READ=0, config.native_read) stays
+its reference: the same values, the same nodes bound, the same counters, the same errors."""
+
+import threading
+import traceback
+import weakref
+
+import pytest
+import torch
+
+import genie
+from genie import executor, plan_cache
+from genie.config import config
+
+from test_fused_hit import _failing_reads, _growing, _peaks, _uploading
+
+D = "remote_accelerator"
+_OFF = "the settings turn the fused path off (GENIE_NATIVE_BIND/REPLAY, index checks)"
+_KEYS = ("plan_cache_hits", "plan_cache_generic_hits", "plan_cache_misses", "nodes_executed",
+         "values_freed", "native_replays", "fused_hits", "passes_waiting", "uploads",
+         "materializations", "step_tapes")
+
+
+@pytest.fixture(autouse=True)
+def _fused_only(monkeypatch):
+    """Each test starts with no memory tracking (as test_fused_hit) and the fused path on."""
+    from genie import memory
+
+    if not executor._fuse[0]:
+        pytest.skip(_OFF)
+    monkeypatch.setattr(memory, "_tracking", [False])
+
+
+class _PythonSteps:
+    """Counts the Python steps a read takes between its lookup and its bind: the lookup
+    (plan_cache.plan), the fused hit in Python (executor._run_hit) and a tape's run."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        for mod, name in ((plan_cache, "plan"), (executor, "_run_hit"), (executor, "run_tape")):
+            real = getattr(mod, name)
+            monkeypatch.setattr(mod, name, self._counted(real))
+
+    def _counted(self, real):
+        def f(*a, **k):
+            self.calls += 1
+            return real(*a, **k)
+        return f
+
+
+def _adamw(dev, steps=12, probe=None):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)).to(dev)
+    x, t = torch.randn(4, 8).to(dev), torch.randn(4, 8).to(dev)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses, calls = [], []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(m(x), t)
+        loss.backward()
+        opt.step()
+        before = probe.calls if probe is not None else 0
+        losses.append(loss.item())
+        calls.append((probe.calls if probe is not None else 0) - before)
+    return losses, [p.detach().cpu() for p in m.parameters()], calls
+
+
+def test_a_steady_training_step_is_one_native_call(monkeypatch):
+    plan_cache.clear()
+    probe = _PythonSteps(monkeypatch)
+    before = genie.stats().get("fused_hits", 0)
+    losses, params, calls = _adamw(D, steps=16, probe=probe)
+    fused = genie.stats().get("fused_hits", 0) - before
+    assert fused >= 4, calls
+    # the steady steps' reads take no Python step (the first ones miss, verify or time passes)
+    assert calls[-3:] == [0, 0, 0], calls
+    want_losses, want_params, _ = _adamw("cpu", steps=16)
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    for p, q in zip(params, want_params, strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def _both(monkeypatch, run):
+    """``run()`` with the native read and with the Python path: (what it returned, counters)."""
+    seen = {}
+    for on in (False, True):
+        monkeypatch.setattr(config, "native_read", on)
+        assert executor._read_native[0] is on
+        plan_cache.clear()
+        genie.reset_stats()
+        got = run()
+        s = genie.stats()
+        seen[on] = (got, {k: s.get(k, 0) for k in _KEYS})
+    return seen
+
+
+def test_the_native_read_binds_and_counts_as_the_python_path(monkeypatch):
+    def run():
+        torch.manual_seed(0)
+        w = torch.randn(6, 6, device=D)
+        genie.materialize(w)
+        vals, states = [], []
+        for step in range(8):
+            lr = 0.5 / (step + 1)  # a float parameter that changes every step
+            mid = (w * lr).exp()  # held: bound with its value
+            y = (mid @ w + torch.rand(6, 6, device=D)).sum()  # rng: a new (seed, offset) a step
+            vals.append(y.item())
+            states.append((mid._node.executed, mid._node.values[0] is not None,
+                           y._node.executed, len(mid._node.leaves or ())))
+            w.add_(mid, alpha=-0.01)  # a pending write, run by the next read
+        return vals, states, w.cpu()
+
+    seen = _both(monkeypatch, run)
+    assert seen[True][1]["fused_hits"] >= 4
+    assert seen[True][0][0] == seen[False][0][0]  # bit-equal
+    assert seen[True][0][1] == seen[False][0][1]
+    assert torch.equal(seen[True][0][2], seen[False][0][2])
+    assert seen[True][1] == seen[False][1]
+
+
+def test_a_training_step_counts_as_the_python_path(monkeypatch):
+    seen = _both(monkeypatch, lambda: _adamw(D, steps=16)[:2])
+    assert seen[True][1]["step_tapes"] == 16 and seen[True][1]["fused_hits"] >= 4
+    assert seen[True][0][0] == seen[False][0][0]
+    for p, q in zip(seen[True][0][1], seen[False][0][1], strict=True):
+        assert torch.equal(p, q)
+    assert seen[True][1] == seen[False][1]
+
+
+@pytest.mark.parametrize("read", [_growing, _uploading], ids=["other-shapes", "host-tensor"])
+def test_hits_of_other_shapes_and_host_tensors(monkeypatch, read):
+    def run():
+        w = torch.ones(4, device=D)
+        genie.materialize(w)
+        return [read(step, w).item() for step in range(8)]
+
+    seen = _both(monkeypatch, run)
+    assert seen[True][1]["fused_hits"] >= 4
+    assert seen[True][0] == seen[False][0]
+    assert seen[True][1] == seen[False][1]
+
+
+def test_a_kernel_failing_in_a_native_read_raises_as_the_python_path(monkeypatch):
+    """A kernel that fails during a read the native call runs: the same error, raised from
+    genie's materialization (not from a backend), the op before it bound, the rest pending."""
+    seen = {}
+    for on in (False, True):
+        monkeypatch.setattr(config, "native_read", on)
+        plan_cache.clear()
+        runs = []
+        before = genie.stats().get("fused_hits", 0)
+        e, a, y = _failing_reads(runs)
+        fused = genie.stats().get("fused_hits", 0) - before
+        frames = traceback.extract_tb(e.__traceback__)
+        assert frames[-1].filename.endswith("executor.py")
+        assert not any("/backends/" in f.filename for f in frames)
+        assert a._node.executed and torch.equal(a._node.values[0], torch.arange(5.0) * 3)
+        assert not y._node.executed and not y._node.leaves[0].node.executed
+        torch.testing.assert_close(a.cpu(), torch.arange(5.0) * 3)
+        with pytest.raises(IndexError):
+            y.cpu()
+        seen[on] = (type(e), str(e), e.op, e.index, type(e.__cause__), str(e.__cause__), fused)
+    assert seen[True] == seen[False]
+    assert seen[True][-1] >= 3  # the reads before the failing one ran fused
+
+
+def test_memory_tracking_peaks_as_the_python_path(monkeypatch):
+    from genie import memory
+
+    monkeypatch.setattr(memory, "_tracking", [True])
+    seen = _both(monkeypatch, _peaks)
+    assert seen[True][1]["fused_hits"] >= 3
+    assert seen[True][0] == seen[False][0]
+    assert seen[True][1] == seen[False][1]
+
+
+@pytest.mark.parametrize("tracking", [False, True])
+def test_a_native_read_frees_its_intermediates(monkeypatch, tracking):
+    """As test_materialize's: an intermediate no tensor holds is freed by the read's bind, and
+    the values are eager's, with memory tracking on or off."""
+    from genie import memory
+
+    monkeypatch.setattr(memory, "_tracking", [tracking])
+    plan_cache.clear()
+    probe = _PythonSteps(monkeypatch)
+    x = torch.randn(4, device=D)
+    genie.materialize(x)
+    native = 0
+    for _ in range(6):
+        mid = (x + 1) * 2  # x + 1: an intermediate no tensor holds
+        gone = weakref.ref(mid._node.leaves[0].node)
+        z = mid.relu()
+        before = probe.calls
+        torch.testing.assert_close(z.cpu(), ((x.cpu() + 1) * 2).relu(), rtol=0, atol=0)
+        native += probe.calls == before
+        assert gone() is None and mid._node.executed and mid._node.values[0] is not None
+    assert native >= 2
+
+
+def test_the_profiler_takes_the_python_path(monkeypatch):
+    plan_cache.clear()
+    w = torch.ones(4, device=D)
+    for step in range(6):
+        (w * (step + 1.5)).sum().item()
+    probe = _PythonSteps(monkeypatch)
+    with torch.profiler.profile():
+        got = (w * 7.5).sum().item()
+    assert got == 30.0 and probe.calls >= 1
+
+
+def test_reads_while_another_thread_records(monkeypatch):
+    """Reads on the native path while another thread records and reads its own values: each
+    thread's values are eager's (a step's pending effects are per thread)."""
+    plan_cache.clear()
+    stop = threading.Event()
+    errors = []
+
+    def other():
+        try:
+            v = torch.arange(16.0, device=D)
+            k = 0
+            while not stop.is_set():
+                k += 1
+                got = ((v + k) * 0.5).sum().item()
+                if got != ((torch.arange(16.0) + k) * 0.5).sum().item():
+                    errors.append((k, got))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        losses, params, _ = _adamw(D, steps=16)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors
+    want_losses, want_params, _ = _adamw("cpu", steps=16)
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    for p, q in zip(params, want_params, strict=True):
+        torch.testing.assert_close(p, q)
