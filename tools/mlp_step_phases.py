@@ -4,8 +4,9 @@ Usage: ``PYTHONPATH=. .venv/bin/python tools/mlp_step_phases.py [width] [batch] 
 (defaults 256 32 300: the ``mlp256`` row of bench/bench_models.py). The eager and genie steps
 alternate, so both see the same machine load; medians per phase:
 ``zero_grad``, forward, ``backward()``, ``opt.step()``, ``loss.item()`` (genie's one
-materialization, split into the plan lookup and the fused hit's one native call (replay and
-bind), or the general path's replay and bind), and then the GC's collections per generation
+materialization: the steady read's one native call, lookup, replay and bind, ``genie._C._read``;
+or, where it hands the read back, the plan lookup and the fused hit's native call (replay and
+bind) or the general path's replay and bind), and then the GC's collections per generation
 with their time over as many genie steps (CPython's collection counts depend on allocations,
 not on load: docs/benchmarks.md, issue 11).
 """
@@ -41,9 +42,11 @@ def timed(label: str, fn):  # noqa: ANN001, ANN201
     return w
 
 
-# the read's pieces, wrapped where the executor looks them up (module attributes): the lookup,
-# and then either the fused hit (one native call: replay and bind) or the general path's replay
-# and bind; a piece the steps never reach prints no row
+# the read's pieces, wrapped where the executor looks them up (module attributes): the steady
+# read's one native call (csrc/read.cpp); the lookup, and then either the fused hit (one native
+# call: replay and bind) or the general path's replay and bind; a piece the steps never reach
+# prints no row
+ex._read = timed("g.read", ex._read)
 plan_cache.plan = timed("g.plan", plan_cache.plan)
 ex._hit_run = timed("g.fused", ex._hit_run)
 pipeline.run = timed("g.replay", pipeline.run)
