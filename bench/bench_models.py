@@ -170,7 +170,9 @@ def _host_us(row, ops: float, genie_fn: Callable[[], object] | None = None,
 _PARTS = (("lookup", plan_cache, "plan"), ("bind", executor, "_bind"),
           ("replay", pipeline, "run"), ("teardown", memory, "after_run"),
           # a fused hit's replay, bind and teardown in one native call (docs/engine.md)
-          ("fused replay+bind", executor, "_hit_run"))
+          ("fused replay+bind", executor, "_hit_run"),
+          # the steady read in one native call: lookup, fused replay, bind (csrc/read.cpp)
+          ("native read", executor, "_read"))
 
 
 def _split(fn: Callable[[], object], ops: float) -> str:
@@ -181,8 +183,8 @@ def _split(fn: Callable[[], object], ops: float) -> str:
     (genie.context's module call against nn.Module's own, each call paired with one without: the
     meaning of each node; the optimizer hooks stay, so a training step runs the same work),
     and the materializations: plan lookup, bind, replay (the kernels included: eager's compute),
-    teardown, a fused hit's replay and bind (``executor._hit_run``) and the rest of
-    ``run_targets``."""
+    teardown, a fused hit's replay and bind (``executor._hit_run``), the steady read's one native
+    call (``executor._read``: lookup, fused replay and bind) and the rest of ``run_targets``."""
     acc: dict[str, int] = {}
     saved = []
 

@@ -255,6 +255,7 @@ def split(row: str, rounds: int) -> None:
     timed(pipeline, "run", "replay")
     timed(executor, "_bind", "bind")
     timed(memory, "after_run", "after_run")
+    timed(executor, "_read", "native read")  # lookup, fused replay and bind (csrc/read.cpp)
     for _ in range(4):
         g_step()
         e_step()

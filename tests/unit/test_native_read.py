@@ -96,6 +96,14 @@ def _both(monkeypatch, run):
     return seen
 
 
+def _timed_passes_aside(seen):
+    """Leave out the counters a training step's first runs set by timing (the passes' gate
+    times the optimized tape against the plain one: which one a step ran, and so how many nodes
+    ran and values were freed, follows the machine's load on either path)."""
+    for k in ("nodes_executed", "values_freed"):
+        del seen[True][1][k], seen[False][1][k]
+
+
 def test_the_native_read_binds_and_counts_as_the_python_path(monkeypatch):
     def run():
         torch.manual_seed(0)
@@ -126,6 +134,7 @@ def test_a_training_step_counts_as_the_python_path(monkeypatch):
     assert seen[True][0][0] == seen[False][0][0]
     for p, q in zip(seen[True][0][1], seen[False][0][1], strict=True):
         assert torch.equal(p, q)
+    _timed_passes_aside(seen)
     assert seen[True][1] == seen[False][1]
 
 
@@ -173,10 +182,7 @@ def test_memory_tracking_peaks_as_the_python_path(monkeypatch):
     seen = _both(monkeypatch, _peaks)
     assert seen[True][1]["fused_hits"] >= 3
     assert seen[True][0] == seen[False][0]
-    # (nodes_executed and values_freed of this program differ by a few from run to run on
-    # either path: its first steps' passes; the rest are equal)
-    for k in ("nodes_executed", "values_freed"):
-        del seen[True][1][k], seen[False][1][k]
+    _timed_passes_aside(seen)
     assert seen[True][1] == seen[False][1]
 
 

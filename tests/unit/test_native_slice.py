@@ -76,6 +76,7 @@ class _Both:
         # every lookup slices (the column match, which now takes training steps too, would
         # leave these two with the programs' first steps only)
         monkeypatch.setattr(plan_cache.PlanCache, "match", lambda *a, **k: None)
+        monkeypatch.setattr(config, "native_read", False)  # (its column match is native)
 
     def slice(self, targets):
         got = _C._slice_nodes(targets)
