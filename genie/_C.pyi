@@ -283,6 +283,13 @@ def _hit_run(program: _ReplayProgram, inputs: dict[int, object], consts: dict[in
     -1, kept)``, or the program's ``(index, exception, live)`` for a failing instruction
     (nothing bound)."""
 
+def _read(targets: list[tuple[object, int]], n: int, index: int, ctx: tuple) -> list | tuple:
+    """``genie.executor.run_targets``' steady read in one call (csrc/read.cpp; ``ctx``:
+    ``genie.executor._READ_CTX``): the values of the first ``n`` targets, or where the Python
+    path goes on: ``(0, targets, (span, key[, False]))`` no column-match hit, ``(1, targets,
+    found)`` a hit not run fused, ``(2, targets, found, failure)`` a failing kernel, ``(3,
+    targets, found, hit_run's answer)`` a run ``memory.after_run`` accounts."""
+
 def _state_word() -> int:
     """The global state an op's result depends on, as one int (csrc/state.cpp): part of every
     meta-cache key."""
