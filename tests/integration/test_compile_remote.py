@@ -271,11 +271,8 @@ def test_compile_helper_refuses_ops_outside_the_opset_and_answers_over_its_socke
     b.close()
 
 
-@pytest.mark.skipif(os.environ.get("GENIE_FULL_TESTS") != "1",
-                    reason="inductor compiles C++ (a minute here); GENIE_FULL_TESTS=1")
-def test_server_compiles_graphs_with_inductor_despite_its_sandbox(tmp_path) -> None:
-    """A worker cannot write files; its helper builds Inductor's, the worker loads them: the
-    graph runs compiled (no 'runs op by op' warning in the server's log) with eager's values."""
+def _inductor_server(tmp_path: Path) -> ServerProc:
+    """A server whose workers compile graphs with Inductor, its log kept (INFO); Dynamo reset."""
     before = os.environ.get("GENIE_COMPILER")
     os.environ["GENIE_COMPILER"] = "inductor"
     try:
@@ -286,6 +283,15 @@ def test_server_compiles_graphs_with_inductor_despite_its_sandbox(tmp_path) -> N
         else:
             os.environ["GENIE_COMPILER"] = before
     torch._dynamo.reset()
+    return s
+
+
+@pytest.mark.skipif(os.environ.get("GENIE_FULL_TESTS") != "1",
+                    reason="inductor compiles C++ (a minute here); GENIE_FULL_TESTS=1")
+def test_server_compiles_graphs_with_inductor_despite_its_sandbox(tmp_path) -> None:
+    """A worker cannot write files; its helper builds Inductor's, the worker loads them: the
+    graph runs compiled (no 'runs op by op' warning in the server's log) with eager's values."""
+    s = _inductor_server(tmp_path)
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
     genie.connect(s.address, key_file=str(s.key_file), timeout=600)
@@ -309,16 +315,7 @@ def test_server_compiles_a_graph_taking_sizes_once_for_its_shape_classes(tmp_pat
     """A graph Dynamo made dynamic: the helper compiles it with dynamic shapes once, the worker
     loads it and reuses it for the later shape classes (each checked against the op-by-op run),
     so no class runs op by op and none needs files the worker cannot write."""
-    before = os.environ.get("GENIE_COMPILER")
-    os.environ["GENIE_COMPILER"] = "inductor"
-    try:
-        s = ServerProc(tmp_path, "--quota", "64MiB", drain=False, log_level="INFO")
-    finally:
-        if before is None:
-            os.environ.pop("GENIE_COMPILER")
-        else:
-            os.environ["GENIE_COMPILER"] = before
-    torch._dynamo.reset()
+    s = _inductor_server(tmp_path)
 
     def f(x, y):  # noqa: ANN001, ANN202
         return torch.cat([x, y]).tanh() * 5
