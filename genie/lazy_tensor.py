@@ -430,8 +430,10 @@ def record(func: Any, args: tuple, kwargs: dict) -> Any:
         return _record_inplace_view(func, pol, args, kwargs, leaves, spec, index)
     if pol.random and func in checks.NORMAL_STD:  # a check of std's values, as eager's (a sync)
         checks.check_normal_std(args, kwargs)
-    if pol.portable is not None:  # a CUDA-only fused op: record its decomposition (genie.portable)
-        return pol.portable(*args, **kwargs)
+    if pol.portable is not None:  # a CUDA-only kernel: record its decomposition (genie.portable)
+        out = pol.portable(*args, **kwargs)
+        if out is not NotImplemented:  # NotImplemented: this call's dtypes have a kernel
+            return out
     try:
         return _record(func, pol, args, kwargs, leaves, spec, index, current_graph(), where=where)
     except checks.MaskNeedsData:  # index_put with a mask: see genie.checks

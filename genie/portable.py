@@ -1,4 +1,4 @@
-"""Portable implementations of ops that only have a fused CUDA kernel.
+"""Portable implementations of ops (or dtypes of ops) that only have a CUDA kernel.
 
 PyTorch's composite RNN code (``aten::lstm``, ``aten::gru``) picks its fused cell kernels
 (``_thnn_fused_lstm_cell`` and friends) for every non-CPU device, ``PrivateUse1`` included. Those
@@ -11,6 +11,9 @@ backward op, which is decomposed the same way), so gradients follow eager CUDA's
 
 The decompositions reproduce the CUDA kernels' arithmetic and their workspace layouts
 (``aten/src/ATen/native/cuda/RNN.cu``), so the fused forward and backward ops stay consistent.
+Libraries also pick dtypes only CUDA's kernels take when the device is not the CPU (``histc`` of
+integers): a portable kernel returns ``NotImplemented`` for the calls whose dtypes every device
+runs, and those record the op itself.
 
 Registry: :func:`register` (refuses duplicates); :func:`portable_kernel` looks an op up.
 """
@@ -106,3 +109,41 @@ def _gru_cell_backward(grad_hy: torch.Tensor, workspace: torch.Tensor,
         return (grad_input_gates, grad_hidden_gates, ghx, grad_input_gates.sum(0),
                 grad_hidden_gates.sum(0))
     return grad_input_gates, grad_hidden_gates, ghx, None, None
+
+
+_C_TYPE = {torch.uint8: "uint8_t", torch.int8: "int8_t", torch.int16: "int16_t",
+           torch.int32: "int32_t", torch.int64: "int64_t"}
+_HISTC_INTEGRAL = frozenset(_C_TYPE)
+
+
+@register(aten.histc.default)
+def _histc(x: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0) -> Any:  # noqa: A002
+    """``histc`` of an integral tensor, which CUDA computes and the CPU has no kernel for
+    (``"histogram_cpu" not implemented for 'Int'``). Libraries call it on any non-CPU device:
+    transformers' mixture-of-experts layers count tokens per expert with
+    ``histc(ids.int(), ...)`` everywhere but on ``cpu``/``mps``. Recorded as CUDA's arithmetic
+    (``SummaryOps.cu``): the bounds converted to the input's type, the data's own extremes when
+    they are equal, widened by one when those are equal too; a value ``v`` in ``[min, max]``
+    counts in bin ``(v - min) * bins // (max - min)`` (integer arithmetic; ``max`` in the last
+    bin), in the input's dtype. Floating inputs record ``histc`` itself."""
+    if x.dtype not in _HISTC_INTEGRAL:
+        return NotImplemented
+    # the meta kernel's checks (bins > 0, max > min), with eager's messages, at the call
+    aten.histc.default(torch.empty(x.shape, dtype=x.dtype, device="meta"), bins, min, max)
+    lo, hi = int(min), int(max)
+    info = torch.iinfo(x.dtype)
+    for bound in (lo, hi):  # c10's checked Scalar conversion, as CUDA's kernel takes its bounds
+        if not info.min <= bound <= info.max:
+            raise RuntimeError(f"value cannot be converted to type {_C_TYPE[x.dtype]} without "
+                               "overflow")
+    v = x.reshape(-1).long()
+    if lo == hi and v.numel() > 0:  # a sync, as CUDA's kernel reads the extremes back too
+        lo, hi = int(v.min().item()), int(v.max().item())
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    counted = (v >= lo) & (v <= hi)
+    b = torch.div((v - lo) * bins, hi - lo, rounding_mode="floor").clamp_(0, bins - 1)
+    b = torch.where(counted, b, bins)  # outside [min, max]: one bin past the end, dropped
+    out = torch.zeros(bins + 1, dtype=x.dtype, device=x.device)
+    out.scatter_add_(0, b, torch.ones_like(b, dtype=x.dtype))
+    return out[:bins].clone()

@@ -7,7 +7,7 @@ program then runs on both. Eager CPU is the oracle:
 - forward (eval mode, ``no_grad``): every output tensor equal within float32 tolerance;
 - one training step (train mode, dropout p=0, loss, ``backward()``, ``AdamW.step()``): the loss,
   every gradient, every updated parameter and every buffer (BatchNorm running statistics);
-- greedy ``generate()`` of 8 new tokens (GPT-2, Llama): the same tokens.
+- greedy ``generate()`` of 8 new tokens (GPT-2, Llama, Mixtral): the same tokens.
 
 Each device-side run reports ``genie.stats()`` counters (forced materializations, nodes executed)
 through the ``counts`` fixture (tests/integration/conftest.py): printed with ``-s`` and in the
@@ -63,6 +63,18 @@ def _llama(attn: str) -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)  # grouped-query attention, RoPE, RMSNorm, SiLU
 
 
+def _mixtral(attn: str) -> nn.Module:
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+        initializer_range=0.2, bos_token_id=1, eos_token_id=0, pad_token_id=0,
+        attn_implementation=attn)
+    # mixture of experts: tokens sorted by expert, counted with an integral histc (a kernel only
+    # CUDA has: genie.portable records CUDA's arithmetic), grouped matmuls over the groups
+    return transformers.MixtralForCausalLM(cfg)
+
+
 def _transformer_encoder() -> nn.Module:
     layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
     return nn.TransformerEncoder(layer, 2)
@@ -107,7 +119,7 @@ class Case:
     forward_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
-_HF = {"gpt2": _gpt2, "bert": _bert, "llama": _llama}
+_HF = {"gpt2": _gpt2, "bert": _bert, "llama": _llama, "mixtral": _mixtral}
 CASES: dict[str, Case] = {
     f"{name}-{attn}": Case(lambda b=build, a=attn: b(a), _token_inputs, _lm_loss,
                            (("use_cache", False),) if name != "bert" else ())
@@ -246,7 +258,7 @@ def test_module_to_keeps_parameter_objects() -> None:
     y.sum().backward()
 
 
-@pytest.mark.parametrize("name", ["gpt2-eager", "gpt2-sdpa", "llama-sdpa"])
+@pytest.mark.parametrize("name", ["gpt2-eager", "gpt2-sdpa", "llama-sdpa", "mixtral-sdpa"])
 def test_greedy_generate_equals_eager(name: str, counts: Any) -> None:
     model, dmodel = _pair(CASES[name])
     model.eval()
