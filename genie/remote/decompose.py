@@ -60,8 +60,64 @@ def _table() -> dict[Any, Any]:
     return dict(core_aten_decompositions())  # to aten ops (the full table also emits prims)
 
 
+def _grouped_bounds(offs: torch.Tensor, n: int) -> torch.Tensor:
+    """``(G, n)``: whether position ``i < n`` lies in group ``g``, ``[offs[g-1], offs[g])`` (the
+    CPU kernel's slices: clamped to ``[0, n]``, empty where an end precedes its start)."""
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    pos = torch.arange(n, device=offs.device)
+    return (pos >= starts.unsqueeze(1)) & (pos < ends.unsqueeze(1))
+
+
+def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> Any:
+    """``aten._grouped_mm`` (a mixture of experts' matmuls: transformers' MoE layers on any
+    non-CPU device, and their backward) in served ops, without reading ``offs`` on the host.
+
+    Every group's product is computed for every row (or column, or contraction slice) and each
+    result takes the one of its group (``where``, so an inf or NaN of another group never
+    leaks), in the CPU kernel's layouts: 2-D x 3-D (rows of ``mat_a`` grouped), 3-D x 2-D
+    (columns of ``mat_b`` grouped), 2-D x 2-D (the contraction grouped: ``(G, M, N)``), 3-D x
+    3-D (``bmm``). Rows past ``offs[-1]`` come out zero (the kernels leave them unwritten). The
+    cost is G times the grouped kernel's arithmetic and a ``(G, M, N)`` intermediate: correct
+    for any tape, slow for wide expert layers; a server that reviews ``_grouped_mm`` into its
+    opset runs the kernel itself."""
+    if bias is not None or (out_dtype is not None and out_dtype != mat_a.dtype):
+        return NotImplemented  # eager refuses both (checked at the call)
+    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+    if not a2 and not b2:
+        res = torch.bmm(mat_a, mat_b)
+        size = res.shape
+    elif a2 and not b2:  # (M, K) x (G, K, N) -> (M, N)
+        member = _grouped_bounds(offs, mat_a.shape[0]).unsqueeze(-1)  # (G, M, 1)
+        res = torch.where(member, torch.matmul(mat_a.unsqueeze(0), mat_b), 0).sum(0)
+        size = res.shape
+    elif b2 and not a2:  # (G, M, K) x (K, N) -> (M, N)
+        member = _grouped_bounds(offs, mat_b.shape[1]).unsqueeze(1)  # (G, 1, N)
+        res = torch.where(member, torch.matmul(mat_a, mat_b), 0).sum(0)
+        size = res.shape
+    else:  # (M, K) x (K, N) -> (G, M, N): out[g] = a[:, K_g] @ b[K_g, :]
+        member = _grouped_bounds(offs, mat_a.shape[1])  # (G, K)
+        a = torch.where(member.unsqueeze(1), mat_a.unsqueeze(0), 0)  # (G, M, K)
+        b = torch.where(member.unsqueeze(2), mat_b.unsqueeze(0), 0)  # (G, K, N)
+        res = torch.bmm(a, b)
+        size = res.shape
+    # the kernel's output layout: the last dim's stride padded to 16 bytes
+    align = 16 // res.element_size()
+    padded = (size[-1] + align - 1) // align * align
+    if padded == size[-1]:
+        return res.contiguous()
+    stride = (padded, 1) if len(size) == 2 else (size[1] * padded, padded, 1)
+    out = torch.empty_strided(size, stride, dtype=res.dtype, device=res.device)
+    return out.copy_(res)
+
+
+#: Genie's own decompositions, for ops torch has none for
+_OWN = {torch.ops.aten._grouped_mm.default: _grouped_mm}
+
+
 def _decomposition(op: torch._ops.OpOverload) -> Any:
-    fn = _table().get(op)
+    fn = _OWN.get(op) or _table().get(op)
     if fn is None and torch._C._dispatch_has_kernel_for_dispatch_key(
             op.name(), "CompositeImplicitAutograd"):
         fn = op.decompose

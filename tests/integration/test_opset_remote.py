@@ -72,3 +72,27 @@ def test_the_server_refuses_an_op_outside_its_opset(server: ServerProc) -> None:
     err(r, "protocol", "softshrink", "opset")
     s.alive()
     s.close()
+
+
+def _experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
+    """A mixture of experts as transformers' MoE layers run it on a non-CPU device: tokens sorted
+    by expert, counted with an integral ``histc``, one grouped matmul, and its backward."""
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    order = torch.argsort(ids, stable=True)
+    hist_in = ids.float() if ids.device.type == "cpu" else ids.int()  # as transformers does
+    counts = torch.histc(hist_in, bins=w.shape[0], min=0, max=w.shape[0] - 1)
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    h = torch._grouped_mm(xr[order], wr, offs)
+    loss = h.tanh().pow(2).sum()
+    gx, gw = torch.autograd.grad(loss, (xr, wr))
+    return [h.detach(), loss.detach(), gx, gw]
+
+
+def test_a_mixture_of_experts_runs_decomposed_with_eagers_values(remote) -> None:
+    torch.manual_seed(0)
+    x, w, ids = torch.randn(10, 8), torch.randn(4, 8, 12) * 0.3, torch.randint(0, 4, (10,))
+    want = _experts(x, w, ids)
+    got = [t.cpu() for t in _experts(x.to(DEV), w.to(DEV), ids.to(DEV))]
+    for wv, g in zip(want, got, strict=True):
+        assert g.shape == wv.shape and g.dtype == wv.dtype
+        torch.testing.assert_close(g, wv, rtol=1e-5, atol=1e-5)

@@ -119,3 +119,49 @@ def test_nothing_changes_for_a_tape_of_served_ops() -> None:
     v = (x @ x).relu().sum()
     tape = build_tape([(v._node, v._out)])
     assert for_server(tape) is tape.instrs  # no copy, no trace
+
+
+GROUPED = {  # (mat_a, mat_b, offs): the layouts a mixture of experts and its backward use
+    "2d_x_3d": (lambda: torch.randn(10, 8), lambda: torch.randn(3, 8, 12), [3, 7, 10]),
+    "2d_x_3d_empty_group_and_end_past_rows": (lambda: torch.randn(10, 8),
+                                              lambda: torch.randn(3, 8, 12), [3, 3, 20]),
+    # mat_b column-major with 6 columns: the output's rows are padded to 16 bytes (stride 8)
+    "2d_x_3d_padded_output": (lambda: torch.randn(10, 8),
+                              lambda: torch.randn(3, 6, 8).transpose(1, 2), [4, 8, 10]),
+    "3d_x_2d": (lambda: torch.randn(3, 6, 8), lambda: torch.randn(8, 12), [4, 4, 12]),
+    "2d_x_2d": (lambda: torch.randn(8, 10).t().contiguous().t(), lambda: torch.randn(10, 12),
+                [3, 7, 10]),
+    "3d_x_3d": (lambda: torch.randn(3, 6, 8), lambda: torch.randn(3, 8, 12), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GROUPED))
+def test_grouped_mm_is_decomposed_with_eagers_values_and_layout(name: str) -> None:
+    """``_grouped_mm`` (transformers' MoE layers on any non-CPU device) has no torch
+    decomposition: Genie's own computes every group's product and selects, never reading the
+    offsets on the host. Compared with the CPU kernel, values and strides."""
+    torch.manual_seed(0)
+    make_a, make_b, offs = GROUPED[name]
+    a, b = make_a(), make_b()
+    o = None if offs is None else torch.tensor(offs, dtype=torch.int32)
+    if name == "2d_x_3d":  # an inf in one expert never reaches the rows of another
+        b[1, 0, 0] = float("inf")
+    want = torch._grouped_mm(a, b, o)
+    got = torch._grouped_mm(a.to(D), b.to(D), None if o is None else o.to(D))
+    tape, exp = _expanded([got])
+    assert any(not served(i.op) for i in tape.instrs)
+    assert all(served(i.op) for i in exp.instrs)
+    out = run_instrs(exp, torch.device("cpu"))[exp.outputs[0]]
+    assert out.shape == want.shape and out.dtype == want.dtype and out.stride() == want.stride()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_mm_rows_past_the_last_offset_are_zero() -> None:
+    """The kernels leave them unwritten (eager's values there are whatever memory held)."""
+    a, b = torch.randn(10, 8), torch.randn(3, 8, 12)
+    o = torch.tensor([3, 7, 9], dtype=torch.int32)
+    got = torch._grouped_mm(a.to(D), b.to(D), o.to(D))
+    _, exp = _expanded([got])
+    out = run_instrs(exp, torch.device("cpu"))[exp.outputs[0]]
+    torch.testing.assert_close(out[:9], torch._grouped_mm(a, b, o)[:9], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[9:], torch.zeros(1, 12))
