@@ -28,6 +28,7 @@
 
 #include "bind.h"
 #include "gccount.h"
+#include "node.h"
 #include "slots.h"
 
 namespace py = pybind11;
@@ -40,7 +41,7 @@ struct NodeSlots {
   PyTypeObject* node = nullptr;
   PyTypeObject* storage = nullptr;
   PyTypeObject* meta = nullptr;  // genie.graph.TensorMeta
-  Py_ssize_t values = 0, executed = 0, leaves = 0, consumers = 0, writes = 0, storages = 0;
+  Py_ssize_t values = 0, executed = 0, consumers = 0, writes = 0, storages = 0;
   Py_ssize_t readers = 0, pending = 0;
   Py_ssize_t outputs = 0, wref = 0, index = 0, metas = 0;
   Py_ssize_t meta_index = 0;
@@ -55,7 +56,6 @@ const NodeSlots& node_slots() {
     r.meta = reinterpret_cast<PyTypeObject*>(py::object(graph.attr("TensorMeta")).release().ptr());
     r.values = genie::slot_offset(r.node, "values");
     r.executed = genie::slot_offset(r.node, "executed");
-    r.leaves = genie::slot_offset(r.node, "leaves");
     r.consumers = genie::slot_offset(r.node, "n_consumers");
     r.writes = genie::slot_offset(r.node, "writes");
     r.storages = genie::slot_offset(r.node, "_st");
@@ -136,7 +136,7 @@ void prefetch_node(PyObject* node, int stage, const NodeSlots& ns) {
   if (stage == 0) {  // (its type is not read: that would wait for the line)
     const char* b = reinterpret_cast<const char*>(node);
     prefetch(b - kGCHead);
-    for (int at = 0; at < 192; at += 64) {
+    for (size_t at = 0; at < sizeof(genie::NodeObject) + 64; at += 64) {  // and its first leaves
       prefetch(b + at);
     }
     return;
@@ -144,9 +144,13 @@ void prefetch_node(PyObject* node, int stage, const NodeSlots& ns) {
   if (Py_TYPE(node) != ns.node) {
     return;
   }
-  static constexpr Py_ssize_t NodeSlots::*kLists[] = {&NodeSlots::leaves, &NodeSlots::storages,
-                                                      &NodeSlots::outputs};
+  static constexpr Py_ssize_t NodeSlots::*kLists[] = {&NodeSlots::storages, &NodeSlots::outputs};
   if (stage == 1) {
+    // the leaves (producer nodes, constants): their reference counts drop when it is released
+    const Py_ssize_t k = std::min<Py_ssize_t>(genie::node_n_leaves(node), 16);
+    for (Py_ssize_t p = 0; p < k; ++p) {
+      prefetch(genie::node_leaf_array(node)[p]);
+    }
     for (Py_ssize_t NodeSlots::*f : kLists) {
       PyObject* c = genie::slot_value(node, ns.*f);
       prefetch_object(c);
@@ -320,7 +324,7 @@ int64_t bind_nodes(const py::list& nodes, const py::list& outs, const py::dict& 
     if (fast) {
       set_slot(node, ns.values, vals.ptr());
       set_slot(node, ns.executed, Py_True);
-      set_slot(node, ns.leaves, Py_None);  // graph truncation: what only this node held goes
+      genie::node_release_leaves(node);  // graph truncation: what only this node held goes
       set_slot(node, ns.consumers, no_consumers.ptr());
     } else {
       set_attr(node, values_name, vals.ptr());

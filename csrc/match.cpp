@@ -38,6 +38,7 @@
 
 #include "match.h"
 #include "slice.h"
+#include "node.h"
 #include "slots.h"
 
 namespace py = pybind11;
@@ -50,7 +51,7 @@ struct State {
   PyTypeObject* ref = nullptr;
   PyTypeObject* alive = nullptr;
   PyTypeObject* storage = nullptr;
-  Py_ssize_t n_leaves = 0, n_entry = 0, n_executed = 0, n_index = 0, n_where = 0,
+  Py_ssize_t n_entry = 0, n_executed = 0, n_index = 0, n_where = 0,
              n_storages = 0, n_consumers = 0, n_outputs = 0, n_values = 0, n_metas = 0;
   Py_ssize_t r_node = 0, r_out = 0;
   Py_ssize_t st_pending = 0, st_readers = 0;
@@ -78,6 +79,15 @@ inline PyObject* item(PyObject* l, Py_ssize_t i) {
     return nullptr;
   }
   return PyList_GET_ITEM(l, i);
+}
+
+// Leaf `p` of node `n` (is_node): the producer node of a lazy input, `*out` its output number;
+// nullptr for a constant, out of range, or released.
+inline PyObject* input_at(PyObject* n, Py_ssize_t p, Py_ssize_t* out) {
+  int32_t o = -1;
+  PyObject* x = genie::node_leaf(n, p, &o);
+  *out = o;
+  return o >= 0 ? x : nullptr;
 }
 
 // Output `k`'s item of a node's `_st` or `_out` (slots.h per_output), or nullptr.
@@ -393,7 +403,6 @@ void match_init(py::object node, py::object ref, py::object alive, py::object st
   S.ref = type(ref);
   S.alive = type(alive);
   S.storage = type(storage);
-  S.n_leaves = genie::slot_offset(S.node, "leaves");
   S.n_entry = genie::slot_offset(S.node, "entry");
   S.n_executed = genie::slot_offset(S.node, "executed");
   S.n_index = genie::slot_offset(S.node, "index");
@@ -560,11 +569,11 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       later = true;
     }
     for (; m < ne && ei[m] == i; ++m) {  // the walk
-      PyObject* x = item(slot(n, S.n_leaves), ep[m]);
-      if (x == nullptr || Py_TYPE(x) != S.ref || ej[m] < 0 || ej[m] >= i) {
+      Py_ssize_t xo = -1;
+      PyObject* xn = input_at(n, ep[m], &xo);
+      if (xn == nullptr || ej[m] < 0 || ej[m] >= i) {
         return miss;
       }
-      PyObject* xn = slot(x, S.r_node);
       if (found[ej[m]] == nullptr) {
         prefetch(xn, 3);  // the pass reaches it soon: the producer comes before its consumer
       }
@@ -574,7 +583,6 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       }
       at = xn;
       if (!later) {
-        const Py_ssize_t xo = as_index(slot(x, S.r_out));
         bool fine = true;
         if (xo != ek[m] || (check_pending && (written_before(xn, xo, n, fine) || !fine))) {
           later = true;  // a write recorded before a read of the slice: the slice holds it
@@ -585,13 +593,13 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       if (later || !is_node(n)) {
         continue;
       }
-      PyObject* x = item(slot(n, S.n_leaves), wp[k]);
-      PyObject* xn = x != nullptr && Py_TYPE(x) == S.ref ? slot(x, S.r_node) : nullptr;
+      Py_ssize_t xo = -1;
+      PyObject* xn = input_at(n, wp[k], &xo);
       if (!is_node(xn)) {
         later = true;
         continue;
       }
-      PyObject* st = out_item(slot(xn, S.n_storages), as_index(slot(x, S.r_out)));
+      PyObject* st = out_item(slot(xn, S.n_storages), xo);
       PyObject* pw = pending_list(st);
       const Py_ssize_t b = wstart[k], len = wstart[k + 1] - b;
       if (pw == nullptr || Py_SIZE(pw) < len || !take(pw, wpos.data() + b, len, i)) {
@@ -655,8 +663,9 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       if (later || n == nullptr) {
         continue;
       }
-      PyObject* x = item(slot(n, S.n_leaves), fp[f]);
-      if (x == nullptr) {
+      int32_t xo = -1;
+      PyObject* x = is_node(n) ? genie::node_leaf(n, fp[f], &xo) : nullptr;
+      if (x == nullptr || xo >= 0) {
         later = true;
       } else if (!genie::constants_same(x, PyList_GET_ITEM(fv, f))) {
         changed_at.push_back(static_cast<Py_ssize_t>(f));
@@ -816,17 +825,13 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       if (i < 0 || i >= nn) {
         continue;
       }
-      PyObject* x = item(slot(found[i], S.n_leaves), p);
-      if (x == nullptr || Py_TYPE(x) != S.ref) {
-        continue;
-      }
-      PyObject* xn = slot(x, S.r_node);
-      PyObject* xo = slot(x, S.r_out);
-      if (!is_node(xn) || xo == nullptr || !PyLong_CheckExact(xo)) {
+      Py_ssize_t xo = -1;
+      PyObject* xn = is_node(found[i]) ? input_at(found[i], p, &xo) : nullptr;
+      if (!is_node(xn)) {
         continue;
       }
       prefetch(xn, 3);
-      at.emplace_back(xn, PyLong_AsSsize_t(xo));
+      at.emplace_back(xn, xo);
     }
     for (const auto& [xn, out] : at) {
       PyObject* values = slot(xn, S.n_values);
@@ -850,8 +855,8 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
     }
   }
   // genie.plan_cache._bind_input(xn, out, y, pin, islots, inputs, generic): true when bound
-  auto bind = [&](PyObject* xn, PyObject* xo, PyObject* y) -> bool {
-    const Py_ssize_t out = as_index(xo);
+  std::vector<py::object> outs_made;  // the ints of the inputs' output numbers, held
+  auto bind = [&](PyObject* xn, Py_ssize_t out, PyObject* y) -> bool {
     const auto known = islots.find({xn, out});
     if (known != islots.end()) {
       return as_index(known->second) == as_index(y);
@@ -903,7 +908,8 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       throw py::error_already_set();
     }
     islots.emplace(std::make_pair(xn, out), y);
-    islot_list.insert(islot_list.end(), {xn, xo, y});
+    outs_made.push_back(py::int_(out));  // (held until the result holds it)
+    islot_list.insert(islot_list.end(), {xn, outs_made.back().ptr(), y});
     return true;
   };
   for (Py_ssize_t g = 0; g < ng; ++g) {
@@ -913,25 +919,25 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
     PyObject* gp = PyTuple_GET_ITEM(grp, 2);
     const Py_ssize_t len = PyList_GET_SIZE(gi);
     PyObject* xn = nullptr;
-    PyObject* xo = nullptr;
+    Py_ssize_t xo = -1;
     for (Py_ssize_t q = 0; q < len; ++q) {
       PyObject* n = found[as_index(PyList_GET_ITEM(gi, q))];
-      PyObject* x = item(slot(n, S.n_leaves), as_index(PyList_GET_ITEM(gp, q)));
-      if (x == nullptr || Py_TYPE(x) != S.ref) {
+      Py_ssize_t o = -1;
+      PyObject* x = is_node(n) ? input_at(n, as_index(PyList_GET_ITEM(gp, q)), &o) : nullptr;
+      if (x == nullptr) {
         return miss;
       }
       if (q == 0) {
-        xn = slot(x, S.r_node);
-        xo = slot(x, S.r_out);
-      } else if (slot(x, S.r_node) != xn ||
-                 as_index(slot(x, S.r_out)) != as_index(xo)) {
+        xn = x;
+        xo = o;
+      } else if (x != xn || o != xo) {
         return miss;
       }
     }
     if (xn == nullptr || !is_node(xn)) {
       return miss;
     }
-    const Py_ssize_t out = as_index(xo);
+    const Py_ssize_t out = xo;
     if (check_pending) {  // a write recorded before one of the reads: the slice holds it
       bool ok = true;
       for (Py_ssize_t q = 0; q < len && ok; ++q) {
@@ -943,15 +949,13 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
         return miss;
       }
     }
-    if (!bind(xn, xo, y)) {
+    if (!bind(xn, out, y)) {
       return miss;
     }
   }
-  std::vector<py::object> outs_made;  // the ints of requested values' outputs, held
   for (Py_ssize_t t = 0; t < nt; ++t) {  // requested values that ran (a plan that writes)
     if (tpos[t] < 0) {
-      outs_made.push_back(py::int_(tg[t].second));
-      if (!bind(tg[t].first, outs_made.back().ptr(), PyList_GET_ITEM(want_out.ptr(), t))) {
+      if (!bind(tg[t].first, tg[t].second, PyList_GET_ITEM(want_out.ptr(), t))) {
         return miss;
       }
     }

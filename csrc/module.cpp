@@ -178,24 +178,24 @@ PyObject* get_attr(PyObject* o, PyObject* name) {
   return r;
 }
 
-// Track again every untracked node on `stack` and below it (its containers, its inputs through
-// their Refs), stopping at tracked nodes, whose inputs are tracked already.
+// The producer nodes of node `n`'s lazy inputs (its leaves, csrc/node.h) onto `stack`.
+void push_inputs(PyObject* n, std::vector<py::object>& stack) {
+  const Py_ssize_t k = genie::node_n_leaves(n);
+  for (Py_ssize_t p = 0; p < k; ++p) {
+    int32_t out = -1;
+    PyObject* x = genie::node_leaf(n, p, &out);
+    if (out >= 0) {
+      stack.push_back(py::reinterpret_borrow<py::object>(x));
+    }
+  }
+}
+
+// Track again every untracked node on `stack` and below it (its containers, its inputs), stopping
+// at tracked nodes, whose inputs are tracked already.
 void retrack_walk(std::vector<py::object>& stack, PyObject* ref_t) {
-  static PyObject* const node_name = PyUnicode_InternFromString("node");
-  static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
   static PyObject* const names[] = {
       PyUnicode_InternFromString("_st"), PyUnicode_InternFromString("_out"),
       PyUnicode_InternFromString("_wref")};
-  auto push_refs = [&](PyObject* list) {
-    const Py_ssize_t n = PyList_GET_SIZE(list);
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* x = PyList_GET_ITEM(list, i);
-      if (reinterpret_cast<PyObject*>(Py_TYPE(x)) == ref_t) {
-        track(x);
-        stack.push_back(py::reinterpret_steal<py::object>(get_attr(x, node_name)));
-      }
-    }
-  };
   while (!stack.empty()) {
     py::object n = std::move(stack.back());
     stack.pop_back();
@@ -213,21 +213,22 @@ void retrack_walk(std::vector<py::object>& stack, PyObject* ref_t) {
         }
       }
     }
-    auto below = py::reinterpret_steal<py::object>(get_attr(n.ptr(), leaves_name));
-    if (PyList_Check(below.ptr())) {
-      track(below.ptr());
-      push_refs(below.ptr());
+    if (genie::is_node_type(Py_TYPE(n.ptr()))) {
+      push_inputs(n.ptr(), stack);
     }
   }
 }
 
 // genie.graph.retrack_below: track again every untracked node reachable from the Refs in
-// `leaves`, with its containers, stopping at tracked nodes (whose inputs are tracked already).
+// `leaves` (or from the inputs of `leaves`, a node: the native record path's new writer), with
+// its containers, stopping at tracked nodes (whose inputs are tracked already).
 void retrack_below(const py::handle& leaves, const py::handle& ref_type) {
   static PyObject* const node_name = PyUnicode_InternFromString("node");
   PyObject* const ref_t = ref_type.ptr();
   std::vector<py::object> stack;  // owned references: nothing is freed during the walk
-  if (PyList_Check(leaves.ptr())) {
+  if (genie::is_node_type(Py_TYPE(leaves.ptr()))) {
+    push_inputs(leaves.ptr(), stack);
+  } else if (PyList_Check(leaves.ptr())) {
     const Py_ssize_t n = PyList_GET_SIZE(leaves.ptr());
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* x = PyList_GET_ITEM(leaves.ptr(), i);

@@ -1,21 +1,29 @@
-// genie._C.Node: the recorded node's fields as a native struct (docs/node-layout.md, step 4a).
+// genie._C.Node: the recorded node's fields as a native struct (docs/node-layout.md, step 4).
 // genie.graph.Node is a Python subclass of it with no fields of its own (its methods and
-// properties); the natives read and write the fields below through the member table's offsets
-// (slots.h slot_offset), which are the struct's.
+// properties); the natives read and write the object fields below through the member table's
+// offsets (slots.h slot_offset), which are the struct's, and the arguments through the inline
+// accessors here.
 #pragma once
 
 #include <Python.h>
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+
 namespace genie {
 
-// One recorded op. Every field is an object reference, NULL until set (reading an unset one from
+// One recorded op. Every object field is a reference, NULL until set (reading an unset one from
 // Python raises AttributeError, as an unset slot did); the names are genie.graph.Node's.
+//
+// The arguments (step 4b) are inline, after the struct: a var-sized object whose `cap` items
+// are the leaves, followed by `cap` 32-bit output numbers. A lazy input is its producer node
+// (a strong reference) with the output number it reads; any other leaf (a constant, a MetaArg,
+// a host tensor) is the object with output number -1. There is no Ref and no argument list: the
+// Python property `leaves` materializes a list of fresh Refs on each read.
 struct NodeObject {
-  PyObject_HEAD
+  PyObject_VAR_HEAD  // ob_size: the items allocated after the struct (leaves and output numbers)
   PyObject* op;
-  PyObject* leaves;
   PyObject* spec;
   PyObject* metas;
   PyObject* out_spec;
@@ -35,13 +43,62 @@ struct NodeObject {
   PyObject* ctx;
   PyObject* wref;  // "_wref": the node's own weak reference (reader lists hold it)
   PyObject* weaklist;
+  int32_t n_leaves;  // the arguments set; kLeavesReleased (leaves None), kLeavesUnset
+  int32_t cap;       // room for this many leaves after the struct
 };
+
+constexpr int32_t kLeavesReleased = -1;  // `leaves` is None: the node ran (graph truncation)
+constexpr int32_t kLeavesUnset = -2;     // never set (a node made by __new__ alone)
 
 // The type genie._C.Node (a static type: its deallocator never changes).
 extern PyTypeObject NodeType;
 
 // Whether `t` is genie._C.Node or a subclass that adds no field (genie.graph.Node).
 bool is_node_type(PyTypeObject* t);
+
+// The leaf array of node `n` (its `cap` items), and the output number of each.
+inline PyObject** node_leaf_array(PyObject* n) {
+  return reinterpret_cast<PyObject**>(reinterpret_cast<char*>(n) + sizeof(NodeObject));
+}
+inline int32_t* node_out_array(PyObject* n) {
+  return reinterpret_cast<int32_t*>(node_leaf_array(n) +
+                                    reinterpret_cast<NodeObject*>(n)->cap);
+}
+
+// How many leaves node `n` holds: -1 when released (or never set).
+inline Py_ssize_t node_n_leaves(PyObject* n) {
+  const int32_t k = reinterpret_cast<NodeObject*>(n)->n_leaves;
+  return k >= 0 ? k : -1;
+}
+
+// Leaf `p` of node `n`, borrowed: the producer node of a lazy input (`*out` its output number),
+// or the constant (`*out` -1). nullptr when `p` is out of range or the leaves were released.
+inline PyObject* node_leaf(PyObject* n, Py_ssize_t p, int32_t* out) {
+  if (p < 0 || p >= reinterpret_cast<NodeObject*>(n)->n_leaves) {
+    return nullptr;
+  }
+  *out = node_out_array(n)[p];
+  return node_leaf_array(n)[p];
+}
+
+// A new node of type `t` (genie._C.Node or genie.graph.Node) with room for `n` leaves, none set
+// (n_leaves is `n`; the caller sets each with node_init_leaf). Every object field is NULL.
+// `tracked` false: never put on the GC's lists, and off the young count (as record.cpp's
+// new_object).
+PyObject* node_new_sized(PyTypeObject* t, Py_ssize_t n, bool tracked);
+
+// Sets leaf `p` (< n_leaves) of a node from node_new_sized: steals `x`; `out` -1 for a constant.
+inline void node_init_leaf(PyObject* n, Py_ssize_t p, PyObject* x, int32_t out) {
+  node_leaf_array(n)[p] = x;
+  node_out_array(n)[p] = out;
+}
+
+// Drops node `n`'s leaves (`leaves = None`: graph truncation once it ran).
+void node_release_leaves(PyObject* n);
+
+// `n.leaves`: a new list (fresh Refs for the lazy inputs), None once released; nullptr with an
+// AttributeError when never set.
+PyObject* node_leaves_list(PyObject* n);
 
 // Adds Node to the genie._C module.
 void add_node_type(pybind11::module_& m);

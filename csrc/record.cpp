@@ -179,7 +179,7 @@ inline PyObject* new_ref(PyObject* o) {
 }
 
 struct NodeSlots {
-  Py_ssize_t op, leaves, spec, metas, out_spec, storages, writes, outputs, values, executed, index,
+  Py_ssize_t op, spec, metas, out_spec, storages, writes, outputs, values, executed, index,
       rng, graph, seq, where, consumers, tags, entry, ctx, wref;
 };
 
@@ -1211,26 +1211,26 @@ void learn(PyObject* func, const OpInfo& info, PyObject* args, PyObject* kwargs,
   }
   PyObject* n = node.ptr();
   PyObject* entry = slot(n, S.n.entry);
-  PyObject* rec = slot(n, S.n.leaves);
-  if (entry == nullptr || Py_TYPE(entry) != S.meta_entry || rec == nullptr ||
-      !PyList_CheckExact(rec) || PyList_GET_SIZE(rec) != static_cast<Py_ssize_t>(call.leaves.size())) {
+  if (entry == nullptr || Py_TYPE(entry) != S.meta_entry ||
+      genie::node_n_leaves(n) != static_cast<Py_ssize_t>(call.leaves.size())) {
     return;
   }
   // The node must be the one recorded from exactly these arguments.
   size_t li = 0;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rec); ++i) {
-    PyObject* r = PyList_GET_ITEM(rec, i);
+  for (Py_ssize_t i = 0; i < genie::node_n_leaves(n); ++i) {
+    int32_t out = -1;
+    PyObject* r = genie::node_leaf(n, i, &out);
     if (li < call.lazies.size() && call.lazies[li].leaf == i) {
       const Lazy& l = call.lazies[li++];
-      if (Py_TYPE(r) == S.ref) {
-        if (slot(r, S.ref_node) != l.node || slot(r, S.ref_out) != l.out) {
+      if (out >= 0) {
+        if (r != l.node || out != l.out_i) {
           return;
         }
       } else if (!(i == 0 && info.metadata_only && Py_TYPE(r) == S.meta_arg &&
                    slot(r, S.ma_meta) == l.meta)) {
         return;
       }
-    } else if (r != call.leaves[i]) {
+    } else if (out >= 0 || r != call.leaves[i]) {
       return;
     }
   }
@@ -1694,6 +1694,14 @@ PyObject* new_object(PyTypeObject* t, bool tracked) {
   return o;
 }
 
+// An instance as new_object(t, false) makes it, off the GC's lists but left on the young count.
+PyObject* new_counted_untracked(PyTypeObject* t) {
+  PyObject* o = checked(_PyObject_GC_New(t));  // (never tracked)
+  std::memset(reinterpret_cast<char*>(o) + sizeof(PyObject), 0,
+              static_cast<size_t>(t->tp_basicsize) - sizeof(PyObject));
+  return o;
+}
+
 // A GC container (list, weak reference) that `make` makes, as CPython makes it tracked:
 // untracked right away, while its neighbours on the GC list are still in cache, and off the
 // young count if its allocation counted (csrc/gccount.cpp; a list from the free list did not).
@@ -1882,7 +1890,14 @@ py::object bound_wrapper(const Out& o, PyObject* node, PyObject* out, PyObject* 
 PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untracked,
                    PyObject* base) {
   py::object k = py::reinterpret_steal<py::object>(checked(PyLong_FromSsize_t(o.k)));
-  py::object a = py::reinterpret_steal<py::object>(new_object(S.alive, !gc_untrack));
+  // The liveness token: off the collector's lists, but counted by the young generation, as the
+  // Python path's (graph.track) and eager's own objects are: it dies with its tensor, often
+  // while recording (an intermediate), and its free lowers the count, which an allocation taken
+  // off the count made an unpaid debit on the program's own count (one per dead intermediate:
+  // test_gc's churn ran fewer young collections than eager once the argument lists, which had
+  // drained CPython's list free list, were gone: node-layout step 4b).
+  py::object a = py::reinterpret_steal<py::object>(
+      gc_untrack ? new_counted_untracked(S.alive) : new_object(S.alive, true));
   py::object t = bound_wrapper(o, node, k.ptr(), a.ptr(), gc_untrack, base);
   PyObject*& outputs = slot(node, S.n.outputs);
   PyObject* w = fresh([&] { return PyWeakref_NewRef(a.ptr(), nullptr); }, !node_untracked);
@@ -2016,32 +2031,35 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   const bool deferred = gc_untrack && flags.gc_defer_writes && !writes.empty();
   const bool untracked = gc_untrack && (writes.empty() || deferred);
   const bool tracked = !untracked;
+  // The node, with its arguments inline (csrc/node.h: a lazy input is its producer node and
+  // output number; no Ref, no argument list).
   const Py_ssize_t n_leaves = static_cast<Py_ssize_t>(call.leaves.size());
-  py::object rec = py::reinterpret_steal<py::object>(fresh([&] { return PyList_New(n_leaves); }, tracked));
+  py::object node = py::reinterpret_steal<py::object>(genie::node_new_sized(S.node, n_leaves, tracked));
+  PyObject* n = node.ptr();
   {
     size_t li = 0;
     for (Py_ssize_t i = 0; i < n_leaves; ++i) {
       PyObject* x;
+      int32_t out = -1;
       if (li < call.lazies.size() && call.lazies[li].leaf == i) {
         const Lazy& l = call.lazies[li++];
         if (i == 0 && info.metadata_only) {
           x = new_object(S.meta_arg, true);  // untrack_node leaves a MetaArg tracked
           init_slot(x, S.ma_meta, new_ref(l.meta));
         } else {
-          x = new_object(S.ref, tracked);
-          init_slot(x, S.ref_node, new_ref(l.node));
-          init_slot(x, S.ref_out, new_ref(l.out));
+          x = new_ref(l.node);
+          out = static_cast<int32_t>(l.out_i);
         }
       } else {
         x = new_ref(call.leaves[i]);
       }
-      PyList_SET_ITEM(rec.ptr(), i, x);
+      genie::node_init_leaf(n, i, x, out);
     }
   }
   if (!untracked && gc_untrack) {
     // graph.retrack_below: a writer may close a cycle, so what it reaches goes back on the lists
     py::object r = py::reinterpret_steal<py::object>(
-        checked(PyObject_CallFunctionObjArgs(S.retrack_below, rec.ptr(), S.ref, nullptr)));
+        checked(PyObject_CallFunctionObjArgs(S.retrack_below, n, S.ref, nullptr)));
   }
   const Py_ssize_t n_out = PyList_GET_SIZE(e.metas);
   // each output's storage: a single output's inline (genie.graph.Node._st), else a list
@@ -2069,15 +2087,12 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   }
 
   // Node.__init__
-  py::object node = py::reinterpret_steal<py::object>(new_object(S.node, tracked));
-  PyObject* n = node.ptr();
   PyObject* outputs = one ? new_ref(Py_None) : fresh([&] { return PyList_New(n_out); }, tracked);
   for (Py_ssize_t k = 0; k < n_out && !one; ++k) {
     PyList_SET_ITEM(outputs, k, new_ref(Py_None));
   }
   init_slot(n, S.n.outputs, outputs);
   init_slot(n, S.n.op, new_ref(func));
-  init_slot(n, S.n.leaves, new_ref(rec.ptr()));
   init_slot(n, S.n.spec, new_ref(e.spec));
   init_slot(n, S.n.metas, new_ref(e.metas));
   init_slot(n, S.n.out_spec, new_ref(e.out_spec));
@@ -3770,7 +3785,6 @@ bool record_init(const py::dict& objs) {
   NodeSlots& n = s.n;
   PyTypeObject* t = s.node;
   n.op = slot_offset(t, "op");
-  n.leaves = slot_offset(t, "leaves");
   n.spec = slot_offset(t, "spec");
   n.metas = slot_offset(t, "metas");
   n.out_spec = slot_offset(t, "out_spec");

@@ -57,6 +57,7 @@
 
 #include "bind.h"
 #include "memory.h"
+#include "node.h"
 #include "state.h"
 
 namespace py = pybind11;
@@ -241,11 +242,26 @@ uint64_t seed_from(uint64_t seed, uint64_t offset) {
   return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFFULL;
 }
 
-// leaves[p] of an instruction's leaf list (a list, or any sequence), as a new reference.
+// leaves[p] of an instruction's leaf list (a list, or any sequence), or of a recorded node
+// (Plan.replay_source puts the nodes in place of stale instructions: their leaves are inline,
+// csrc/node.h, read without making the list), as a new reference.
 py::object leaf_at(const py::object& leaves, int64_t p) {
   PyObject* l = leaves.ptr();
   if (PyList_Check(l) && p >= 0 && p < PyList_GET_SIZE(l)) {
     return py::reinterpret_borrow<py::object>(PyList_GET_ITEM(l, p));
+  }
+  if (genie::is_node_type(Py_TYPE(l))) {
+    int32_t out = -1;
+    PyObject* x = genie::node_leaf(l, p, &out);
+    if (x != nullptr && out < 0) {
+      return py::reinterpret_borrow<py::object>(x);
+    }
+    static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
+    py::object list = py::reinterpret_steal<py::object>(PyObject_GetAttr(l, leaves_name));
+    if (!list) {
+      throw py::error_already_set();
+    }
+    return leaf_at(list, p);  // (a lazy input's Ref, or the IndexError of a released node)
   }
   PyObject* r = PySequence_GetItem(l, p);
   if (r == nullptr) {
@@ -425,8 +441,10 @@ class Program {
       try {
         py::object leaves;  // the step's leaves of this instruction, when it reads any
         if (s.reads_leaves) {
-          leaves = py::reinterpret_steal<py::object>(
-              get_attr(PyList_GET_ITEM(instrs.ptr(), i), leaves_name));
+          PyObject* src = PyList_GET_ITEM(instrs.ptr(), i);
+          leaves = genie::is_node_type(Py_TYPE(src))
+                       ? py::reinterpret_borrow<py::object>(src)  // read in place (leaf_at)
+                       : py::reinterpret_steal<py::object>(get_attr(src, leaves_name));
         }
         results.clear();
         if (s.upload) {

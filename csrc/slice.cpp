@@ -35,6 +35,7 @@
 
 #include "slice.h"
 #include "seq.h"
+#include "node.h"
 #include "slots.h"
 
 namespace py = pybind11;
@@ -208,7 +209,6 @@ void slice_init(const py::dict& objs) {
     S.pending_slots = objs["PendingSlots"].cast<py::object>().release().ptr();
     PyTypeObject* t = S.node;
     S.n_op = slot_offset(t, "op");
-    S.n_leaves = slot_offset(t, "leaves");
     S.n_spec = slot_offset(t, "spec");
     S.n_metas = slot_offset(t, "metas");
     S.n_storages = slot_offset(t, "_st");
@@ -286,6 +286,21 @@ inline PyObject* as_node(PyObject* o) {
     throw Unsupported();
   }
   return o;
+}
+
+// How many leaves node `n` (as_node) holds, -1 once released (`leaves` None).
+inline Py_ssize_t leaf_count(PyObject* n) {
+  return genie::node_n_leaves(n);
+}
+
+// Leaf `p` of node `n` (as_node), borrowed: the producer node of a lazy input (`*out` its output
+// number) or the constant (`*out` -1); Unsupported when out of range (Python raises IndexError).
+inline PyObject* leaf_of(PyObject* n, Py_ssize_t p, int32_t* out) {
+  PyObject* x = genie::node_leaf(n, p, out);
+  if (x == nullptr) {
+    throw Unsupported();
+  }
+  return x;
 }
 
 inline int64_t as_int(PyObject* o) {
@@ -536,18 +551,16 @@ py::object slice_nodes(const py::list& targets) {
       PyObject* n = stack.back();
       stack.pop_back();
       const int64_t at = index_of(n);
-      PyObject* leaves = get(n, S.n_leaves);
-      if (leaves != Py_None) {
-        as_list(leaves);
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(leaves); ++i) {
-          PyObject* x = PyList_GET_ITEM(leaves, i);
-          if (Py_TYPE(x) != S.ref) {
-            continue;
-          }
-          PyObject* xn = as_node(get(x, S.r_node));
-          need(xn);
-          need_storage(out_of(get(xn, S.n_storages), as_int(get(x, S.r_out))), at);
+      const Py_ssize_t nl = leaf_count(n);
+      for (Py_ssize_t i = 0; i < nl; ++i) {
+        int32_t xo = -1;
+        PyObject* xn = leaf_of(n, i, &xo);
+        if (xo < 0) {
+          continue;
         }
+        as_node(xn);
+        need(xn);
+        need_storage(out_of(get(xn, S.n_storages), xo), at);
       }
       PyObject* writes = get(n, S.n_writes);
       if (PyTuple_CheckExact(writes) || PyList_CheckExact(writes)) {
@@ -619,14 +632,10 @@ bool has_pending_consumer(PyObject* n, IndexSet& in_run) {
       if (c == Py_None || executed(as_node(c)) || in_run.find(index_of(c)) != nullptr) {
         continue;
       }
-      PyObject* leaves = get(c, S.n_leaves);
-      if (leaves == Py_None) {
-        continue;
-      }
-      const Py_ssize_t m = size_of(leaves);
+      const Py_ssize_t m = leaf_count(c);
       for (Py_ssize_t p = 0; p < m; ++p) {
-        PyObject* x = item(leaves, p);
-        if (Py_TYPE(x) == S.ref && get(x, S.r_node) == n) {
+        int32_t xo = -1;
+        if (leaf_of(c, p, &xo) == n && xo >= 0) {
           return true;
         }
       }
@@ -710,21 +719,22 @@ bool same_node(PyObject* n, PyObject* t, PyObject* meta, PyObject* spec, bool ge
       }
     }
   }
-  PyObject* leaves = get(n, S.n_leaves);
+  as_node(n);
   PyObject* tl = get(t, S.i_leaves);
-  if (leaves == Py_None) {
+  const Py_ssize_t m = leaf_count(n);
+  if (m < 0) {
     return false;
   }
-  const Py_ssize_t m = size_of(leaves);
   if (m != size_of(tl)) {
     return false;
   }
   for (Py_ssize_t i = 0; i < m; ++i) {
-    PyObject* x = item(leaves, i);
+    int32_t xo = -1;
+    PyObject* x = leaf_of(n, i, &xo);
     PyObject* y = item(tl, i);
     PyTypeObject* tx = Py_TYPE(x);
     PyTypeObject* ty = Py_TYPE(y);
-    if (tx == S.ref) {
+    if (xo >= 0) {
       if (ty != S.slot) {
         return false;
       }
@@ -756,18 +766,28 @@ bool same_node(PyObject* n, PyObject* t, PyObject* meta, PyObject* spec, bool ge
   return true;
 }
 
-// genie.plan_cache._leaves_of.
-PyObject* leaves_of(PyObject* leaves, PyObject* tl, bool shaped) {
-  const Py_ssize_t m = size_of(leaves);
+// genie.plan_cache._leaves_of, of node `n`'s leaves (as_node; as many as the template's `tl`).
+PyObject* leaves_of(PyObject* n, PyObject* tl, bool shaped) {
+  const Py_ssize_t m = leaf_count(n);
+  if (m < 0 || m != size_of(tl)) {
+    throw Unsupported();
+  }
   PyObject* out = PyList_New(m);
   if (out == nullptr) {
     raise();
   }
   for (Py_ssize_t i = 0; i < m; ++i) {
-    PyObject* x = item(leaves, i);
+    int32_t xo = -1;
+    PyObject* x = genie::node_leaf(n, i, &xo);
     PyObject* y = item(tl, i);
     PyObject* v;
-    if (shaped) {
+    if (x == nullptr) {
+      Py_DECREF(out);
+      throw Unsupported();
+    }
+    if (xo >= 0) {
+      v = y;  // a lazy input: the template's Slot (a Ref is neither a tensor nor a float)
+    } else if (shaped) {
       v = Py_TYPE(y) == S.slot ? y : x;
     } else {
       v = (is_tensor(x) || PyFloat_Check(x)) ? x : y;
@@ -999,29 +1019,37 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
         }
         shaped = differs = true;
       }
-      // Hold the argument lists: the comparisons below may run Python code.
-      py::object leaves_o = py::reinterpret_borrow<py::object>(get(n, S.n_leaves));
+      // Hold the template's argument list and each leaf: the comparisons below may run Python
+      // code.
       py::object tl_o = py::reinterpret_borrow<py::object>(get(t, S.i_leaves));
-      PyObject* leaves = leaves_o.ptr();
       PyObject* tl = tl_o.ptr();
-      if (leaves == Py_None || size_of(leaves) != size_of(tl)) {
+      if (leaf_count(n) < 0 || leaf_count(n) != size_of(tl)) {
         return py::none();
       }
       bool params = false;
-      const Py_ssize_t m = size_of(leaves);
+      const Py_ssize_t m = leaf_count(n);
       for (Py_ssize_t p = 0; p < m; ++p) {
-        PyObject* x = item(leaves, p);
+        int32_t lo = -1;
+        if (p >= leaf_count(n)) {  // (released by code the comparisons ran)
+          return py::none();
+        }
+        py::object x_o = py::reinterpret_borrow<py::object>(leaf_of(n, p, &lo));
+        PyObject* x = x_o.ptr();
         PyObject* y = item(tl, p);
         PyTypeObject* tx = Py_TYPE(x);
         PyTypeObject* ty = Py_TYPE(y);
-        if (tx == S.ref) {
+        if (lo >= 0) {
           if (ty != S.slot) {
             return py::none();
           }
-          PyObject* xn = as_node(get(x, S.r_node));
-          PyObject* xo = get(x, S.r_out);
+          PyObject* xn = as_node(x);
+          py::object xo_o = py::reinterpret_steal<py::object>(PyLong_FromLong(lo));
+          if (!xo_o) {
+            raise();
+          }
+          PyObject* xo = xo_o.ptr();
           PyObject* yid = get(y, S.sl_id);
-          const int64_t out = as_int(xo);
+          const int64_t out = lo;
           const int64_t sid = as_int(yid);
           const int64_t key = out_key(index_of(xn), out);
           const int64_t* it = slots.find(key);
@@ -1097,7 +1125,7 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
         }
       }
       if (params || shaped || rng != Py_None) {
-        PyObject* ins = new_instr(n, t, leaves_of(leaves, tl, shaped));
+        PyObject* ins = new_instr(n, t, leaves_of(n, tl, shaped));
         PyList_SetItem(instrs.ptr(), i, ins);  // steals ins, releases the template's reference
       }
     }
@@ -1262,13 +1290,11 @@ py::object rebuild_instrs(const py::list& instrs, const py::list& found, const p
       if (Py_TYPE(n) != S.node || Py_TYPE(t) != S.instr) {
         throw Unsupported();
       }
-      PyObject* leaves = get(n, S.n_leaves);
       PyObject* tl = get(t, S.i_leaves);
-      if (leaves == nullptr || tl == nullptr || !PyList_CheckExact(leaves) ||
-          !PyList_CheckExact(tl) || PyList_GET_SIZE(leaves) != PyList_GET_SIZE(tl)) {
+      if (tl == nullptr || !PyList_CheckExact(tl) || leaf_count(n) != PyList_GET_SIZE(tl)) {
         throw Unsupported();
       }
-      made.emplace_back(i, new_instr(n, t, leaves_of(leaves, tl, shaped)));
+      made.emplace_back(i, new_instr(n, t, leaves_of(n, tl, shaped)));
     }
   } catch (const Unsupported&) {
     for (auto& [i, ins] : made) {

@@ -407,7 +407,14 @@ class Node:
     where it was, its outputs' liveness tokens given back."""
 
     op: Any
+    # The arguments are inline (a lazy input is its producer node and output number): ``leaves``
+    # makes a new list of fresh Refs on each read (None once the node ran; assign None to
+    # release), ``leaf``/``n_leaves``/``refs`` read them without the list.
     leaves: list[Any] | None
+    @property
+    def n_leaves(self) -> int: ...
+    def leaf(self, p: int, /) -> Any: ...
+    def refs(self) -> list[tuple[Node, int]]: ...
     spec: Any
     metas: Any
     out_spec: Any

@@ -24,6 +24,7 @@ This module is the bottom of the core: it imports nothing from Genie, and every 
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import gc
 import itertools
@@ -254,6 +255,9 @@ class Node(_NativeNode):
     Attributes:
         op: the ``torch._ops.OpOverload`` (or a Genie pseudo-op such as ``genie.upload``).
         leaves / spec: the flattened ``(args, kwargs)`` tree; lazy inputs are :class:`Ref`.
+            The arguments are inline in the native node (a lazy input is its producer node and
+            output number), so ``leaves`` is a new list of fresh Refs on each read (None once
+            the node ran); :meth:`leaf`, ``n_leaves`` and :meth:`refs` read them without it.
         metas: one :class:`TensorMeta` per tensor output (None for non-tensor outputs).
         out_spec: tree spec to rebuild the op's return value from its flat outputs.
         storages: the :class:`Storage` of each tensor output (a property: a single output's is
@@ -391,21 +395,24 @@ class Node(_NativeNode):
                 continue
             for w in st.readers:
                 c = w()
-                if c is not None and c not in found and not c.executed and c.leaves and \
-                        any(type(x) is Ref and x.node is self for x in c.leaves):
+                if c is not None and c not in found and not c.executed and \
+                        any(x is self for x, _ in c.refs()):
                     found[c] = w
         return tuple(found.values())
 
     def inputs(self) -> list[Ref]:
         """Lazy inputs of this node (empty once it has run and released them)."""
-        if self.leaves is None:
-            return []
-        return [x for x in self.leaves if type(x) is Ref]
+        return [Ref(n, k) for n, k in self.refs()]
 
     def __getstate__(self) -> tuple[None, dict[str, Any]]:
         """The set fields, as a slotted class's state (``copy.deepcopy`` of a LazyTensor copies
         its node, as it did when the fields were slots)."""
         return None, {f: getattr(self, f) for f in Node._FIELDS if hasattr(self, f)}
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        """As a slotted class's, but made with room for its leaves (the native node's arguments
+        are inline and sized when it is made, csrc/node.h)."""
+        return copyreg.__newobj__, (type(self), None, [None] * self.n_leaves), self.__getstate__()
 
     def __repr__(self) -> str:
         state = "done" if self.executed else "pending"
@@ -448,8 +455,8 @@ def track(t: Any, node: Node, out: int) -> None:
 # /tmp script in the issue 11 note). Objects the collector can never need to see are therefore
 # taken off its lists at record time. Invariants:
 #
-# - Only a node that cannot close a reference cycle is untracked: Node -> Ref -> Node edges go to
-#   older nodes, and Storage -> Node edges exist only in ``Storage.pending_writes``. So a cycle
+# - Only a node that cannot close a reference cycle is untracked: Node -> Node edges (a node's
+#   inline arguments, csrc/node.h) go to older nodes, and Storage -> Node edges exist only in ``Storage.pending_writes``. So a cycle
 #   needs a write: storage -> writer -> (inputs ...) -> a node whose ``storages`` hold that storage.
 #   Capture-graph nodes, nodes created outside ``record`` and, with ``gc_defer_writes=0``,
 #   writers stay tracked.
@@ -555,8 +562,7 @@ def live_nodes() -> int:
         if id(n) in seen:
             continue
         seen.add(id(n))
-        if n.leaves:
-            stack += [x.node for x in n.leaves if type(x) is Ref]
+        stack += [x for x, _ in n.refs()]
         for s in n.storages:
             if s is not None:
                 stack += s.pending_writes

@@ -486,10 +486,10 @@ def _host_value(x: torch.Tensor) -> torch.Tensor | None:
         if n.storage(o).pending_writes:
             break
         if n.op is _UPLOAD:
-            return n.leaves[0] if n.leaves else None
-        if n.op not in _LIFTS or type(n.leaves[0]) is not Ref:
+            return n.leaf(0) if n.n_leaves else None
+        if n.op not in _LIFTS or not n.n_leaves or type(x := n.leaf(0)) is not Ref:
             break
-        n, o = n.leaves[0].node, n.leaves[0].out  # a list index: an upload, then lift_fresh
+        n, o = x.node, x.out  # a list index: an upload, then lift_fresh
     return executor.host_value(x._node, x._out)
 
 

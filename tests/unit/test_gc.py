@@ -42,8 +42,7 @@ def test_plain_ops_untracked_writers_tracked(defer: bool) -> None:
     for _ in range(3):  # the first time through the Python path, then the native one
         a = torch.ones(3, device=DEV)
         b = a * 2
-        assert not gc.is_tracked(b._node)
-        assert not gc.is_tracked(b._node.leaves)
+        assert not gc.is_tracked(b._node)  # (its arguments are inline: no list, no Ref)
         b.add_(1)
         w = b._node.storages[b._out].pending_writes[-1]
         if defer:  # untracked until it stays pending: a full collection, or many writers
@@ -188,15 +187,17 @@ def test_consumer_count_and_reader_list_made_at_the_first_read(native: bool) -> 
 
 def test_a_recorded_value_leaves_one_tracked_object() -> None:
     """Per recorded op, only the LazyTensor itself stays under the collector: its node (with
-    lists, Refs, weak references), its output storage (with its two lists), its liveness token
-    and its instance dict are untracked."""
+    its weak references; its arguments are inline, no list and no Refs), its output storage
+    (with its two lists), its liveness token and its instance dict are untracked."""
     a = torch.ones(4, device=DEV)
     for _ in range(3):  # the first time through the Python path, then (by default) the native one
         x = a * 2
         y = x * 0.5
     n, s = y._node, y._node.storages[y._out]
     assert n._st is s and n._out is n.outputs[0]  # one output's: inline, no lists
-    objs = {"node": n, "leaves": n.leaves, "ref": n.leaves[0], "output": n._out,
+    # the leaves are a list made on each read (csrc/node.h): the node holds its producer
+    assert n.leaves is not n.leaves and n.refs() == [(x._node, x._out)]
+    objs = {"node": n, "output": n._out,
             "wref": n._wref, "storage": s,
             "pending_writes": s.pending_writes, "readers": s.readers,
             "token": n.outputs[0](), "dict": y.__dict__, "input storage": x._node.storages[0]}
