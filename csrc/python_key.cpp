@@ -526,7 +526,19 @@ struct DetachVTable final : PyInterpreterVTable {
 
   std::string name() const override { return base->name(); }
   void incref(PyObject* o) const override { base->incref(o); }
-  void decref(PyObject* o) const override { base->decref(o); }
+  // torch's decref takes the GIL (pybind11's gil_scoped_acquire: ~190 instructions) even where
+  // the caller holds it, as a recording thread does whenever a TensorImpl drops its last C++
+  // reference (~250 times an MLP 4 x 256 training step); the same Py_DECREF, without the lookups.
+  void decref(PyObject* o) const override {
+    if (Py_IsInitialized()) {
+      PyThreadState* mine = PyGILState_GetThisThreadState();
+      if (mine != nullptr && mine == py::detail::get_thread_state_unchecked()) {
+        Py_DECREF(o);
+        return;
+      }
+    }
+    base->decref(o);
+  }
   bool try_incref(const c10::impl::PyObjectSlot& s) const override { return base->try_incref(s); }
   size_t refcnt(PyObject* o) const override { return base->refcnt(o); }
   void dispatch(const c10::OperatorHandle& op, torch::jit::Stack* stack) const override {
