@@ -156,7 +156,8 @@ def install_hooks() -> None:
     from torch._dynamo.variables.builder import VariableBuilder
 
     for trace_numpy in (False, True):  # the table is cached per value of config.trace_numpy
-        VariableBuilder._type_dispatch_impl(trace_numpy)[LazyTensor] = VariableBuilder.wrap_tensor
+        VariableBuilder._type_dispatch_impl(trace_numpy)[LazyTensor] = _wrap_lazy
+    _guards_as_on_the_cpu()
     _module_calls_as_torch()
     register_interface_for_device(DEVICE_TYPE, _device_interface())
     if "genie" not in _BACKENDS:
@@ -173,6 +174,74 @@ def install_hooks() -> None:
             context.reinstall()  # fx tracing put torch's Module.__call__ back
 
     wrapper.__call__ = __call__
+
+
+def _wrap_lazy(self: Any, value: LazyTensor) -> Any:
+    """``VariableBuilder.wrap_tensor`` for a LazyTensor, without the ``TYPE_MATCH`` guard Dynamo
+    adds for a tensor subclass where the ``TENSOR_MATCH`` guard it installs too starts with the
+    same exact-type test (see :func:`_guards_as_on_the_cpu`)."""
+    from torch._dynamo.source import GradSource, is_from_optimizer_source
+
+    src = self.get_source()
+    # an optimizer's grad is guarded NOT_NONE_MATCH instead of TENSOR_MATCH: its type guard stays
+    self._genie_no_type_match = not (isinstance(src, GradSource)
+                                     and is_from_optimizer_source(src))
+    try:
+        return type(self).wrap_tensor(self, value)
+    finally:
+        self._genie_no_type_match = False
+
+
+def _guards_as_on_the_cpu() -> None:
+    """A device tensor guarded as Dynamo guards the same tensor on the CPU or CUDA.
+
+    Two guards Dynamo adds only because a LazyTensor is a tensor subclass, and a parameter on
+    the device a LazyTensor flagged ``_is_param`` (``nn.Parameter`` of a subclass), not an exact
+    ``nn.Parameter``:
+
+    - ``TYPE_MATCH`` on every device tensor, besides ``TENSOR_MATCH``, whose check starts with
+      the same exact-type test (``TensorCheck``'s Python type): dropped where
+      :func:`_wrap_lazy` wraps a LazyTensor (not an optimizer's grad, guarded ``NOT_NONE_MATCH``);
+    - each parameter among the tensors of the ``NO_TENSOR_ALIASING`` guard: Dynamo leaves an
+      exact ``nn.Parameter`` out of it (``config.skip_no_tensor_aliasing_guards_on_parameters``),
+      so for GPT-2's compiled forward (transformers' ``Conv1D`` weights, not a builtin module's)
+      the guard checked 47 tensors a call on the device against none on the CPU; a parameter
+      is now left out as on the CPU.
+
+    Every other value's guards are Dynamo's own."""
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo.guards import GuardBuilder
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    install = VariableBuilder.install_guards
+    if getattr(install, "_genie", False):
+        return
+
+    @functools.wraps(install)
+    def install_guards(self: Any, *guards: Any) -> Any:
+        if getattr(self, "_genie_no_type_match", False):
+            guards = tuple(g for g in guards if g is not GuardBuilder.TYPE_MATCH)
+        return install(self, *guards)
+
+    tensor_match = GuardBuilder.TENSOR_MATCH
+
+    @functools.wraps(tensor_match)
+    def TENSOR_MATCH(self: Any, guard: Any, value: Any = None) -> None:  # noqa: N802 (Dynamo's)
+        names = getattr(self, "no_tensor_aliasing_names", None)
+        n = len(names) if type(names) is list else -1
+        tensor_match(self, guard, value)
+        if n < 0 or len(names) != n + 1 or not dynamo_config.skip_no_tensor_aliasing_guards_on_parameters:
+            return
+        v = value() if callable(value) else value  # (a TensorWeakRef)
+        if v is None:
+            v = self.get(guard)
+        if type(v) is LazyTensor and getattr(v, "_is_param", False):
+            del names[n:]
+            del self.no_tensor_aliasing_guard_managers[n:]
+
+    install_guards._genie = True  # type: ignore[attr-defined]
+    VariableBuilder.install_guards = install_guards
+    GuardBuilder.TENSOR_MATCH = TENSOR_MATCH
 
 
 def _module_calls_as_torch() -> None:

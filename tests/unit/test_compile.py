@@ -406,6 +406,59 @@ def test_submodule_calls_are_guarded_as_without_genie():
     assert set(lazy) == set(plain)  # (a LazyTensor input's source: its type guarded too)
 
 
+def test_device_tensors_get_the_guards_cpu_tensors_get(fast_compiler):
+    """A compiled function's guards on the device are the CPU's: no ``TYPE_MATCH`` besides each
+    tensor's ``TENSOR_MATCH`` (which checks the exact type itself), and a parameter (on the
+    device a LazyTensor flagged ``_is_param``) left out of the ``NO_TENSOR_ALIASING`` guard as
+    Dynamo leaves out an exact ``nn.Parameter``. Before, each device tensor had both type
+    guards, and GPT-2's forward checked 47 tensors for aliasing every call (none on the CPU).
+    The inputs' aliasing is still guarded: the same tensor passed twice recompiles."""
+    import re
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from genie import context
+
+    class Affine(torch.nn.Module):  # not a builtin module: Dynamo guards its parameters' aliasing
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4))
+            self.b = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return x * self.w + self.b
+
+    def affine_minus_thrice(m, x, y):
+        return m(x) - y * 3
+
+    def guards(dev):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = Affine().to(dev)
+        x, y = torch.randn(2, 4).to(dev), torch.randn(2, 4).to(dev)
+        (context.activate if dev == DEV else context.deactivate)()
+        try:
+            f = torch.compile(affine_minus_thrice)
+            out = f(m, x, y).cpu()
+            (e,) = _debug_get_cache_entry_list(affine_minus_thrice.__code__)
+            text = str(e.guard_manager)
+            f(m, x, x)  # aliased inputs: a guard fails, it recompiles
+            n = len(_debug_get_cache_entry_list(affine_minus_thrice.__code__))
+        finally:
+            (context.activate if was else context.deactivate)()
+        aliasing = re.findall(r"check_no_aliasing\(([^)]*)\)", text)
+        return out, n, aliasing, {k: len(re.findall(rf"\b{k}\b", text))
+                                  for k in ("TYPE_MATCH", "TENSOR_MATCH", "ID_MATCH")}
+
+    was = context._active
+    out_cpu, n_cpu, aliasing_cpu, kinds_cpu = guards("cpu")
+    out_dev, n_dev, aliasing_dev, kinds_dev = guards(DEV)
+    torch.testing.assert_close(out_dev, out_cpu, rtol=0, atol=0)
+    assert kinds_dev == kinds_cpu and kinds_cpu["TENSOR_MATCH"] == 4
+    assert aliasing_dev == aliasing_cpu == ["L['x'], L['y']"], (aliasing_dev, aliasing_cpu)
+    assert n_dev == n_cpu == 2
+
+
 @pytest.mark.parametrize("compiles", [True, False], ids=["compiled", "compiler fails"])
 def test_graph_outputs_never_alias_its_inputs_or_each_other(fast_compiler, compiles):
     """A compiled graph that returns a view of its input and one tensor twice: each call's outputs
