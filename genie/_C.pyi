@@ -393,6 +393,18 @@ class _TensorBytes:
 
     def __len__(self) -> int: ...
 
+def _send_early(fd: int, used: int, res: list[int], pb: list[int], rid: object, st: float,
+                vt: str, values: list[torch.Tensor], names: dict[torch.dtype, str]
+                ) -> bool | None:
+    """A run's early answer (``genie.remote.worker.Worker._answer_early``) written whole to the
+    worker's channel ``fd`` as the Python path writes it: the EARLY status (``used``, ``res``,
+    ``pb``), the header ``{"t": "ok", "o": metas, "vt": vt, "er": 1, "rid": rid, "st": st}``
+    and each value's elements. True; None, having written nothing, when a value is not what
+    :func:`_frames_of` frames or is over 1 MiB, or an argument is not of its type (``rid`` an
+    exact int of int64): the caller answers by the Python path. OSError as ``sendmsg``'s."""
+    ...
+
+
 def _frames_of(values: object, names: dict[torch.dtype, str]
                ) -> tuple[list[list[object]], list[_TensorBytes]] | None:
     """A reply's tensors as wire frames in one pass (``genie.remote.worker._outputs``): per

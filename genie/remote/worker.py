@@ -78,6 +78,7 @@ from . import shape_class
 from .shape_class import NotAClass, build, moved, shape_params
 from .wire import DONE, EARLY, MAX_PARTS, REPLY, Channel, channel_limit, status
 from .protocol import (
+    _DTYPE_NAME,
     ALIGN,
     DECODE_PINNED,
     MAX_HINTS,
@@ -617,6 +618,8 @@ class Worker:
         self.early = early_replies()
         self.splits: dict[Any, int] = {}
         self.answer: Any = None
+        #: the early answer of ``vals`` written natively (serve_session): True when sent
+        self.answer_native: Any = None
         self.answered = False
         #: values the last request freed, deallocated once its reply is out (FREES_LATER_MAX)
         self.freed: list[Any] = []
@@ -1144,8 +1147,17 @@ class Worker:
         the session's then. A failure of the rest ends the session (serve_session): its client
         has its values, and what the rest was to write is unknown."""
         vals = [now.get(s) for s in outputs]
-        if any(not isinstance(v, torch.Tensor) for v in vals) or \
-                sum(v.nbytes for v in vals) > EARLY_MAX_BYTES:
+        if any(not isinstance(v, torch.Tensor) for v in vals):
+            return
+        nbytes = sum(v.nbytes for v in vals)
+        if nbytes > EARLY_MAX_BYTES:
+            return
+        # written whole by one native call where it can be (no index counts to add; what
+        # _outputs refuses for the quota goes its way): the values' bytes are in the socket
+        # before it returns, so they need no copy
+        if self.answer_native is not None and self._ix is None and nbytes <= self.sess.quota \
+                and self.answer_native(vals, self.how):
+            self.answered = True
             return
         # copies: the values go out while the rest runs (and may free or reuse their memory)
         reply, frames = _outputs([v.clone(memory_format=torch.preserve_format) for v in vals],
@@ -1547,8 +1559,14 @@ def serve_session(fd: int, token: bytes, cfg: Config, retains: bool = False) -> 
         chan.send([status(EARLY, sess.used(), sess.residency(), sess.peer_bytes), pack(reply),
                    *rframes])
 
+    def answer_native(vals: list[torch.Tensor], how: str) -> bool:
+        return _C._send_early(chan.fileno(), sess.used(), sess.residency(), sess.peer_bytes,
+                              h.get("rid", -1), round(time.monotonic() - t0, 6), how, vals,
+                              _DTYPE_NAME) is not None
+
     if w.early:
         w.answer = answer
+        w.answer_native = answer_native
     try:
         while True:
             parts = chan.recv()
