@@ -437,10 +437,29 @@ PyObject* node_new_sized(PyTypeObject* t, Py_ssize_t n, bool tracked) {
 }
 
 void node_release_leaves(PyObject* n) {
-  std::vector<PyObject*> old;  // (dropped after the node no longer names them)
-  take_leaves(n, old);
-  for (PyObject* o : old) {
-    Py_DECREF(o);
+  auto* node = reinterpret_cast<NodeObject*>(n);
+  const int32_t k = node->n_leaves;
+  if (k <= 0) {
+    node->n_leaves = k == kLeavesUnset ? kLeavesUnset : kLeavesReleased;
+    return;
+  }
+  // Dropped after the node no longer names them (a free they trigger may read it): bind
+  // releases every node of a run, so the common case takes no heap allocation.
+  PyObject* small[16];
+  std::vector<PyObject*> many;
+  PyObject** old = small;
+  if (k > 16) {
+    many.resize(static_cast<size_t>(k));
+    old = many.data();
+  }
+  PyObject** leaf = node_leaf_array(n);
+  for (int32_t p = 0; p < k; ++p) {
+    old[p] = leaf[p];
+    leaf[p] = nullptr;
+  }
+  node->n_leaves = kLeavesReleased;
+  for (int32_t p = 0; p < k; ++p) {
+    Py_XDECREF(old[p]);
   }
 }
 

@@ -20,12 +20,33 @@
 
 #include <pybind11/pybind11.h>
 
+#include "node.h"
 #include "wire.h"
 
 namespace py = pybind11;
 
 namespace genie {
 namespace {
+
+// A recorded node's leaves for gets[w], which reads constant positions only: a list of its
+// inline leaves with each lazy input's producer node in place of the Ref that `leaves` would make
+// (csrc/node.h); nullptr with an error where the node ran (no leaves).
+PyObject* constant_leaves(PyObject* n) {
+  const Py_ssize_t k = node_n_leaves(n);
+  if (k < 0) {
+    PyErr_SetString(PyExc_ValueError, "genie._C._wire_same: a source node has run (no leaves)");
+    return nullptr;
+  }
+  PyObject* r = PyList_New(k);
+  if (r == nullptr) {
+    return nullptr;
+  }
+  for (Py_ssize_t p = 0; p < k; ++p) {
+    int32_t out = -1;
+    PyList_SET_ITEM(r, p, Py_NewRef(node_leaf(n, p, &out)));
+  }
+  return r;
+}
 
 PyObject* checked(PyObject* o) {
   if (o == nullptr) {
@@ -66,8 +87,9 @@ py::list wire_same(const py::list& src, const py::list& at, const py::list& own,
                 PyTuple_GET_ITEM(last, 2) == Py_None &&
                 PyList_CheckExact(PyTuple_GET_ITEM(last, 1));
     if (fast) {
-      py::object leaves =
-          py::reinterpret_steal<py::object>(checked(PyObject_GetAttr(x, leaves_name)));
+      py::object leaves = py::reinterpret_steal<py::object>(
+          is_node_type(Py_TYPE(x)) ? checked(constant_leaves(x))
+                                   : checked(PyObject_GetAttr(x, leaves_name)));
       py::object now = py::reinterpret_steal<py::object>(
           checked(PyObject_CallOneArg(PyList_GET_ITEM(gets.ptr(), w), leaves.ptr())));
       py::object eq = py::reinterpret_steal<py::object>(

@@ -577,10 +577,11 @@ def _write_sites(plan: Plan, nodes: list[Node], targets: list[tuple[Node, int]]
         if not reach[i]:
             return None  # reached only as a reader before a write: the slice finds it
         n = nodes[i]
-        read = {id(x.node.storage(x.out)) for x in n.leaves or () if type(x) is Ref}
+        lv = n.leaves or ()  # (a new list on each read: read once)
+        read = {id(x.node.storage(x.out)) for x in lv if type(x) is Ref}
         if any(id(w) not in read for w in n.writes):
             return None  # a write the sites do not see (not through an argument reference)
-        for p, x in enumerate(n.leaves or ()):
+        for p, x in enumerate(lv):
             if type(x) is not Ref:
                 continue
             if x.node.index in pos:
@@ -613,7 +614,7 @@ def _writes_exact(plan: Plan, found: list[Any], targets: list[tuple[Node, int]])
             upto[s] = max(upto.get(s, -1), pw[-1].index)
     for k, (i, p) in enumerate(zip(wi, wp, strict=True)):
         n = found[i]
-        x = n.leaves[p]
+        x = n.leaf(p)
         if type(x) is not Ref:
             return False
         s = x.node.storage(x.out)
@@ -785,7 +786,7 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
     try:
         if wsite is None:
             for i, p, j in zip(ei, ep, ej):
-                x = found[i].leaves[p]
+                x = found[i].leaf(p)
                 add(x)
                 found[j] = x.node
         elif not _walk_writes(plan, found, targets, add):
@@ -919,14 +920,14 @@ def _walk_writes(plan: Plan, found: list[Any], targets: list[tuple[Node, int]], 
     ne, nw = len(ei), len(wi)
     for i in range(len(found) - 1, -1, -1):
         while m < ne and ei[m] == i:
-            x = found[i].leaves[ep[m]]
+            x = found[i].leaf(ep[m])
             add(x)
             found[ej[m]] = x.node
             m += 1
         while k < nw and wi[k] == i:
             e = wpos[wstart[k]:wstart[k + 1]]
             if e:
-                x = found[i].leaves[wp[k]]
+                x = found[i].leaf(wp[k])
                 if type(x) is not Ref or not take(x.node.storage(x.out).pending_writes, e):
                     return False
             k += 1

@@ -285,10 +285,11 @@ def build_tape(targets: list[tuple[Node, int]], nodes: list[Node] | None = None,
         return s
 
     for i, n in enumerate(nodes):
-        if n.leaves is None:
+        nl = n.leaves  # (a new list on each read: read once)
+        if nl is None:
             leaves: list[Any] = []
         else:
-            leaves = [Slot(slot_of(x.node, x.out, i)) if type(x) is Ref else x for x in n.leaves]
+            leaves = [Slot(slot_of(x.node, x.out, i)) if type(x) is Ref else x for x in nl]
         outs = []
         for k, m in enumerate(n.metas):
             if m is None:
