@@ -127,8 +127,6 @@ void node_dealloc(PyObject* self) {
   if (n->weaklist != nullptr) {
     PyObject_ClearWeakRefs(self);
   }
-  // (record.cpp now leaves the tokens on the count, so this counts more than their frees took:
-  // a dropped chain brings the next collection sooner, never later)
   d.credit += bound_outputs(n->out);
   take_leaves(self, d.later);  // (the references move to `later`)
   node_clear(self);

@@ -1694,14 +1694,6 @@ PyObject* new_object(PyTypeObject* t, bool tracked) {
   return o;
 }
 
-// An instance as new_object(t, false) makes it, off the GC's lists but left on the young count.
-PyObject* new_counted_untracked(PyTypeObject* t) {
-  PyObject* o = checked(_PyObject_GC_New(t));  // (never tracked)
-  std::memset(reinterpret_cast<char*>(o) + sizeof(PyObject), 0,
-              static_cast<size_t>(t->tp_basicsize) - sizeof(PyObject));
-  return o;
-}
-
 // A GC container (list, weak reference) that `make` makes, as CPython makes it tracked:
 // untracked right away, while its neighbours on the GC list are still in cache, and off the
 // young count if its allocation counted (csrc/gccount.cpp; a list from the free list did not).
@@ -1890,14 +1882,7 @@ py::object bound_wrapper(const Out& o, PyObject* node, PyObject* out, PyObject* 
 PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untracked,
                    PyObject* base) {
   py::object k = py::reinterpret_steal<py::object>(checked(PyLong_FromSsize_t(o.k)));
-  // The liveness token: off the collector's lists, but counted by the young generation, as the
-  // Python path's (graph.track) and eager's own objects are: it dies with its tensor, often
-  // while recording (an intermediate), and its free lowers the count, which an allocation taken
-  // off the count made an unpaid debit on the program's own count (one per dead intermediate:
-  // test_gc's churn ran fewer young collections than eager once the argument lists, which had
-  // drained CPython's list free list, were gone: node-layout step 4b).
-  py::object a = py::reinterpret_steal<py::object>(
-      gc_untrack ? new_counted_untracked(S.alive) : new_object(S.alive, true));
+  py::object a = py::reinterpret_steal<py::object>(new_object(S.alive, !gc_untrack));
   py::object t = bound_wrapper(o, node, k.ptr(), a.ptr(), gc_untrack, base);
   PyObject*& outputs = slot(node, S.n.outputs);
   PyObject* w = fresh([&] { return PyWeakref_NewRef(a.ptr(), nullptr); }, !node_untracked);
