@@ -442,6 +442,27 @@ py::object put_handles(py::handle store, py::handle storages, py::handle used_at
   return py::int_(delta);
 }
 
+// The name `nd` (dtype -> name) gives a value the wire frames as its bytes (a contiguous,
+// non-empty CPU tensor without math bits, of a named dtype, at most `max_bytes`), borrowed; or
+// nullptr where it is not one (a Python error raised where the lookup itself failed).
+PyObject* frame_name(PyObject* v, PyObject* nd, int64_t max_bytes) {
+  if (!THPVariable_Check(v)) {
+    return nullptr;
+  }
+  const at::Tensor& t = THPVariable_Unpack(v);
+  if (t.layout() != c10::kStrided || !t.has_storage() || !t.device().is_cpu() ||
+      t.numel() == 0 || t.is_conj() || t.is_neg() || !t.is_contiguous() ||
+      static_cast<int64_t>(t.nbytes()) > max_bytes) {
+    return nullptr;
+  }
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
+  PyObject* name = PyDict_GetItemWithError(nd, dtype);
+  if (name == nullptr && PyErr_Occurred()) {
+    raise();
+  }
+  return name;
+}
+
 // A tensor's elements as a read-only byte buffer (Python's buffer protocol) that keeps it alive.
 struct TensorBytes {
   at::Tensor t;
@@ -461,22 +482,11 @@ py::object frames_of(py::handle values, py::handle names) {
   py::list bufs(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* v = PyList_GET_ITEM(vals.ptr(), i);
-    if (!THPVariable_Check(v)) {
+    PyObject* name = frame_name(v, nd, INT64_MAX);  // borrowed
+    if (name == nullptr) {
       return py::none();
     }
     const at::Tensor& t = THPVariable_Unpack(v);
-    if (t.layout() != c10::kStrided || !t.has_storage() || !t.device().is_cpu() ||
-        t.numel() == 0 || t.is_conj() || t.is_neg() || !t.is_contiguous()) {
-      return py::none();
-    }
-    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
-    PyObject* name = PyDict_GetItemWithError(nd, dtype);  // borrowed
-    if (name == nullptr) {
-      if (PyErr_Occurred()) {
-        raise();
-      }
-      return py::none();
-    }
     const c10::IntArrayRef sizes = t.sizes();
     py::list shape(sizes.size());
     for (size_t d = 0; d < sizes.size(); ++d) {
@@ -611,23 +621,11 @@ py::object send_early(int fd, py::handle used, py::handle res, py::handle pb, py
   mp_array(head, static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* v = PyList_GET_ITEM(values.ptr(), i);
-    if (!THPVariable_Check(v)) {
+    PyObject* name = frame_name(v, nd, kChunk);  // borrowed
+    if (name == nullptr) {
       return py::none();
     }
     const at::Tensor& t = THPVariable_Unpack(v);
-    if (t.layout() != c10::kStrided || !t.has_storage() || !t.device().is_cpu() ||
-        t.numel() == 0 || t.is_conj() || t.is_neg() || !t.is_contiguous() ||
-        static_cast<int64_t>(t.nbytes()) > kChunk) {
-      return py::none();
-    }
-    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
-    PyObject* name = PyDict_GetItemWithError(nd, dtype);  // borrowed
-    if (name == nullptr) {
-      if (PyErr_Occurred()) {
-        raise();
-      }
-      return py::none();
-    }
     Py_ssize_t nn = 0;
     const char* np = PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, &nn) : nullptr;
     if (np == nullptr) {
