@@ -289,7 +289,7 @@ def memory_tracking(request: pytest.FixtureRequest):  # noqa: ANN201
                     reason="the young generation's count is kept on CPython 3.11 and 3.12")
 @pytest.mark.parametrize("step", ["chain", "cse", "dropped"])
 def test_recording_does_not_bring_the_collector_closer_but_the_programs_garbage_does(
-        memory_tracking: bool, step: str) -> None:
+        memory_tracking: bool, step: str, request: pytest.FixtureRequest) -> None:
     """Recording made ~10 collector-allocated objects per op that live until the value is read
     (untracked, but counted by CPython's young generation): a GPT-2 generate of ~7,000 ops ran
     ~83 young collections per call where eager ran none, and every ~25 calls a full collection
@@ -306,6 +306,15 @@ def test_recording_does_not_bring_the_collector_closer_but_the_programs_garbage_
     chain: -620, and its liveness tokens -100 more), so such a program ran no young collection;
     the native node's deallocator now gives that back (csrc/node.cpp)."""
     assert genie._C._gc_count_active(), "setup.py did not find the young generation's count"
+    if memory_tracking and step == "cse":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "known gap (session 51): the native record path's liveness token is taken off the "
+            "young count at allocation and lowers it when its tensor dies, one per dead "
+            "intermediate; the argument list each recorded op took from CPython's list free "
+            "list used to offset that by chance, and since the arguments are inline "
+            "(docs/node-layout.md step 4b) this churn runs 7 young collections against eager's "
+            "8. Counting the token instead cost GPT-2 generate ~6 young collections a call "
+            "where eager runs 0.04. Node-layout step 5 (a native token) is where to settle it.")))
     x = torch.randn(4, 4, device=DEV)
     y = x
     for _ in range(10):
@@ -347,14 +356,7 @@ def test_recording_does_not_bring_the_collector_closer_but_the_programs_garbage_
     eager_runs, refs = churn(False)
     eager_alive = alive(refs)
     genie_runs, refs = churn(True)
-    # (one fewer allowed: the native record path's liveness token is taken off the count at
-    # allocation and lowers it when its tensor dies, one per dead intermediate, which the
-    # argument list each recorded op took from CPython's list free list used to offset by
-    # chance; since the arguments are inline, docs/node-layout.md step 4b, the `cse` step with
-    # memory tracking runs 7 against eager's 8. Counting the token instead cost GPT-2
-    # generate ~6 young collections a call where eager runs 0.04; step 5's native token is
-    # where to settle it. The cycles-alive bound below is the program's garbage itself.)
-    assert eager_runs >= 5 and genie_runs >= eager_runs - 1, (eager_runs, genie_runs)
+    assert eager_runs >= 5 and genie_runs >= eager_runs, (eager_runs, genie_runs)
     # (the last ones wait for the next collection, as without Genie: freeing a run's recorded
     # objects, which were never counted, must not lower the count the program's own built)
     from genie import memory
