@@ -64,6 +64,13 @@
 // None, having written nothing, when a value is not what _frames_of frames or is over 1 MiB
 // (the Python path splits it), or `rid` is not an exact int of int64, `vt` not a str, the
 // counts not ints: the caller answers by the Python path.
+//
+// _send_reply(fd, used, res, pb, rid, st, vt, values, names) -> True | None: a run's reply
+// (a lane's, genie.remote.worker.Worker._run_lane, after its puts and quota check) written the
+// same way: the REPLY status and the header {"t": "ok", "o": metas, "res": res, "vt": vt,
+// "rid": rid, "st": st}, as serve_session's Python path writes it, the values' bytes in the
+// socket before it returns (the session's frees and the next request may reuse their memory).
+// None, having written nothing, for what _send_early leaves to Python.
 #include "session.h"
 
 #include <Python.h>
@@ -589,11 +596,15 @@ bool two_i64(PyObject* x, int64_t* a, int64_t* b) {
 constexpr int64_t kChunk = 1 << 20;  // genie.remote.protocol.CHUNK: larger frames are split
 constexpr Py_ssize_t kMaxValues = 256;  // (the message's buffers stay well within IOV_MAX)
 
-py::object send_early(int fd, py::handle used, py::handle res, py::handle pb, py::handle rid,
-                      py::handle st, py::handle vt, py::handle values, py::handle names) {
+// The early answer (`early`) or a run's reply, written whole to the channel `fd` (see the
+// file's head: _send_early, _send_reply).
+py::object send_answer(bool early, int fd, py::handle used, py::handle res, py::handle pb,
+                       py::handle rid, py::handle st, py::handle vt, py::handle values,
+                       py::handle names) {
   PyObject* nd = names.ptr();
   if (!PyDict_Check(nd)) {
-    throw py::type_error("_send_early: names must be a dict of dtype -> name");
+    throw py::type_error(early ? "_send_early: names must be a dict of dtype -> name"
+                               : "_send_reply: names must be a dict of dtype -> name");
   }
   int64_t u = 0, r0 = 0, r1 = 0, p0 = 0, p1 = 0, id = 0;
   if (!exact_i64(used.ptr(), &u) || !two_i64(res.ptr(), &r0, &r1) ||
@@ -642,18 +653,27 @@ py::object send_early(int fd, py::handle used, py::handle res, py::handle pb, py
     head.push_back(static_cast<char>(0xc0));
     ts.push_back(t);
   }
+  if (!early) {  // a reply carries the session's residency (an early answer: the next one's)
+    mp_str(head, "res", 3);
+    mp_array(head, 2);
+    mp_int(head, r0);
+    mp_int(head, r1);
+  }
   mp_str(head, "vt", 2);
   mp_str(head, vt_p, static_cast<size_t>(vt_n));
-  mp_str(head, "er", 2);
-  mp_int(head, 1);
+  if (early) {
+    mp_str(head, "er", 2);
+    mp_int(head, 1);
+  }
   mp_str(head, "rid", 3);
   mp_int(head, id);
   mp_str(head, "st", 2);
   mp_double(head, PyFloat_AS_DOUBLE(st.ptr()));
-  // the status part (genie.remote.wire.STATUS, "<BBqqqqq"): tag 0, EARLY (1), the counts
+  // the status part (genie.remote.wire.STATUS, "<BBqqqqq"): tag 0, EARLY (1) or REPLY (0),
+  // the counts
   char status[42];
   status[0] = 0;
-  status[1] = 1;
+  status[1] = early ? 1 : 0;
   const int64_t counts[5] = {u, r0, r1, p0, p1};
   for (int k = 0; k < 5; ++k) {
     for (int b = 0; b < 8; ++b) {  // little-endian whatever the host
@@ -747,12 +767,27 @@ void add_session_functions(py::module_& m) {
                                {static_cast<py::ssize_t>(b.t.nbytes())}, {1}, true);
       })
       .def("__len__", [](const TensorBytes& b) { return b.t.nbytes(); });
-  m.def("_send_early", &send_early, py::arg("fd"), py::arg("used"), py::arg("res"),
+  m.def("_send_early",
+        [](int fd, py::handle used, py::handle res, py::handle pb, py::handle rid, py::handle st,
+           py::handle vt, py::handle values, py::handle names) {
+          return send_answer(true, fd, used, res, pb, rid, st, vt, values, names);
+        },
+        py::arg("fd"), py::arg("used"), py::arg("res"),
         py::arg("pb"), py::arg("rid"), py::arg("st"), py::arg("vt"), py::arg("values"),
         py::arg("names"),
         "A run's early answer written whole to the channel `fd` as the Python path writes it "
         "(status, header, frames); True, or None having written nothing when it cannot "
         "(csrc/session.cpp).");
+  m.def("_send_reply",
+        [](int fd, py::handle used, py::handle res, py::handle pb, py::handle rid, py::handle st,
+           py::handle vt, py::handle values, py::handle names) {
+          return send_answer(false, fd, used, res, pb, rid, st, vt, values, names);
+        },
+        py::arg("fd"), py::arg("used"), py::arg("res"), py::arg("pb"), py::arg("rid"),
+        py::arg("st"), py::arg("vt"), py::arg("values"), py::arg("names"),
+        "A run's reply (a lane's: genie.remote.worker.Worker._run_lane) written whole to the "
+        "channel `fd` as the Python path writes it (REPLY status, header with the residency, "
+        "frames); True, or None having written nothing when it cannot (csrc/session.cpp).");
   m.def("_frames_of", &frames_of, py::arg("values"), py::arg("names"),
         "A reply's tensors as wire frames: (metas [name, shape, None], read-only buffers), or "
         "None when one is not a contiguous CPU tensor with elements, without conj/neg bits, "

@@ -405,6 +405,17 @@ def _send_early(fd: int, used: int, res: list[int], pb: list[int], rid: object, 
     ...
 
 
+def _send_reply(fd: int, used: int, res: list[int], pb: list[int], rid: object, st: float,
+                vt: str, values: list[torch.Tensor], names: dict[torch.dtype, str]
+                ) -> bool | None:
+    """A run's reply (a lane's, ``genie.remote.worker.Worker._run_lane``) written whole to the
+    worker's channel ``fd`` as ``serve_session``'s Python path writes it: the REPLY status
+    (``used``, ``res``, ``pb``), the header ``{"t": "ok", "o": metas, "res": res, "vt": vt,
+    "rid": rid, "st": st}`` and each value's elements. True; None, having written nothing, for
+    what ``_send_early`` leaves to the Python path."""
+    ...
+
+
 def _frames_of(values: object, names: dict[torch.dtype, str]
                ) -> tuple[list[list[object]], list[_TensorBytes]] | None:
     """A reply's tensors as wire frames in one pass (``genie.remote.worker._outputs``): per

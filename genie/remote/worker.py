@@ -244,6 +244,20 @@ def native_lanes() -> bool:
     return v == "1"
 
 
+def native_replies() -> bool:
+    """Whether a lane's reply is written in one native call (``genie._C._send_reply``:
+    ``GENIE_SERVER_NATIVE_REPLY``, ``1`` by default; ``0``: by serve_session's Python path)."""
+    v = os.environ.get("GENIE_SERVER_NATIVE_REPLY", "") or "1"
+    if v not in ("0", "1"):
+        logger.warning("genie-server: GENIE_SERVER_NATIVE_REPLY=%r is not 0 or 1; using 1", v)
+        return True
+    return v == "1"
+
+
+#: what :meth:`Worker.handle` returns for a reply already written (``Worker.reply_native``)
+SENT: dict[str, Any] = {"t": "sent"}
+
+
 #: an early reply (:meth:`Worker._replay`) leaves at least this share of a tape's instructions
 #: to run after it (less is not worth a second message to the front)
 EARLY_MIN_TAIL = 0.2
@@ -621,6 +635,10 @@ class Worker:
         #: the early answer of ``vals`` written natively (serve_session): True when sent
         self.answer_native: Any = None
         self.answered = False
+        #: a lane's reply of ``vals`` written natively (serve_session): True when sent, and
+        #: then :data:`SENT` is what the request returns; the replies it wrote
+        self.reply_native: Any = None
+        self.native_replies = 0
         #: values the last request freed, deallocated once its reply is out (FREES_LATER_MAX)
         self.freed: list[Any] = []
         # native lanes (:meth:`_run_lane`): on or off, the requests they ran, what they passed
@@ -967,7 +985,15 @@ class Worker:
         _apply_hints(sess, hints)
         if self.answered:
             return {"t": "ok"}, []
-        reply, rframes = _outputs([kept[s] for s in c.outputs], sess.quota)
+        vals = [kept[s] for s in c.outputs]
+        # written whole by one native call where it can be (what _outputs refuses for the
+        # quota goes its way): the values' bytes are in the socket before it returns
+        if self.reply_native is not None and \
+                sum(v.nbytes for v in vals if isinstance(v, torch.Tensor)) <= sess.quota and \
+                self.reply_native(vals, self.how):
+            self.native_replies += 1
+            return SENT, []
+        reply, rframes = _outputs(vals, sess.quota)
         reply["res"] = sess.residency()
         reply["vt"] = self.how
         return reply, rframes
@@ -1564,9 +1590,16 @@ def serve_session(fd: int, token: bytes, cfg: Config, retains: bool = False) -> 
                               h.get("rid", -1), round(time.monotonic() - t0, 6), how, vals,
                               _DTYPE_NAME) is not None
 
+    def reply_native(vals: list[torch.Tensor], how: str) -> bool:
+        return _C._send_reply(chan.fileno(), sess.used(), sess.residency(), sess.peer_bytes,
+                              h.get("rid", -1), round(time.monotonic() - t0, 6), how, vals,
+                              _DTYPE_NAME) is not None
+
     if w.early:
         w.answer = answer
         w.answer_native = answer_native
+    if native_replies():
+        w.reply_native = reply_native
     try:
         while True:
             parts = chan.recv()
@@ -1589,6 +1622,9 @@ def serve_session(fd: int, token: bytes, cfg: Config, retains: bool = False) -> 
                 logger.exception("genie-server: request failed")
                 reply, rframes = {"t": "err", "kind": "internal",
                                   "msg": f"{type(e).__name__}: {e}"}, []
+            if reply is SENT:  # (a lane's reply, written natively)
+                w.after_reply()
+                continue
             if reply.get("t") == "err":
                 logger.info("genie-server: request %s failed (%s): %s",
                             h.get("t") if isinstance(h, dict) else "?", reply.get("kind"),

@@ -1,8 +1,9 @@
 """A worker's reply frames (``genie.remote.protocol.tensor_frames``): one native pass
 (``genie._C._frames_of``) for contiguous CPU tensors, ``tensor_frame`` one by one otherwise;
 either way the metadata and bytes ``tensor_frame`` gives, and a buffer that holds its tensor.
-A run's early answer written natively (``genie._C._send_early``) is what the front reads of
-the Python path's, and one it cannot write it leaves to that path having written nothing.
+A run's early answer written natively (``genie._C._send_early``), and a lane's reply
+(``genie._C._send_reply``), is what the front reads of the Python path's, and one it cannot
+write it leaves to that path having written nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from genie.remote.protocol import (
     tensor_frames,
     unpack,
 )
-from genie.remote.wire import EARLY, Channel, read_status, status
+from genie.remote.wire import EARLY, REPLY, Channel, read_status, status
 
 DENSE = [
     torch.arange(12, dtype=torch.float32).view(3, 4),
@@ -100,6 +101,20 @@ def _python_early(sock: socket.socket, used: int, res: list[int], pb: list[int],
     Channel(sock, 16, 1 << 30).send([status(EARLY, used, res, pb), pack(reply), *frames])
 
 
+def _python_reply(sock: socket.socket, used: int, res: list[int], pb: list[int], rid: Any,
+                  st: float, vt: str, vals: list[torch.Tensor]) -> None:
+    """A lane's reply as serve_session's Python path writes it (worker.py: _run_lane's
+    _outputs, then the loop's rid, st, split_frames and status)."""
+    metas, frames = tensor_frames(vals)
+    reply = {"t": "ok", "o": metas, "res": res, "vt": vt, "rid": rid, "st": st}
+    Channel(sock, 16, 1 << 30).send([status(REPLY, used, res, pb), pack(reply), *frames])
+
+
+#: the native writer, the Python path it stands for, and the status the front reads of both
+WRITERS = {"early": (_C._send_early, _python_early, {"early": 1}),
+           "reply": (_C._send_reply, _python_reply, {})}
+
+
 def _read_one(ch: Channel) -> list[bytes]:
     got: list[list[bytes]] = []
     while not got:
@@ -118,21 +133,24 @@ ANSWERS = [
 ]
 
 
+@pytest.mark.parametrize("which", sorted(WRITERS))
 @pytest.mark.parametrize("k", range(len(ANSWERS)))
-def test_a_native_early_answer_is_the_python_paths(k: int) -> None:
-    """The front reads the native answer as the Python path's: the same status, header (its
-    map decoded) and frames, written whole however much the socket takes at once."""
+def test_a_native_answer_is_the_python_paths(k: int, which: str) -> None:
+    """The front reads the native answer (early, or a lane's reply) as the Python path's: the
+    same status, header (its map decoded) and frames, written whole however much the socket
+    takes at once."""
     vals, rid, vt = ANSWERS[k]
+    write, python, what = WRITERS[which]
     used, res, pb, st = 123_456, [7, 98_765], [0, 1 << 33], 0.000125
     got = []
     for native in (True, False):
         a, b = socket.socketpair()
         front = Channel(b, 1 << 10, 1 << 30)
         if native:
-            th = threading.Thread(target=lambda: got.append(_C._send_early(
+            th = threading.Thread(target=lambda: got.append(write(
                 a.fileno(), used, res, pb, rid, st, vt, vals, _DTYPE_NAME)))
         else:
-            th = threading.Thread(target=_python_early, args=(a, used, res, pb, rid, st, vt, vals))
+            th = threading.Thread(target=python, args=(a, used, res, pb, rid, st, vt, vals))
         th.start()
         msg = _read_one(front)
         th.join()
@@ -143,8 +161,9 @@ def test_a_native_early_answer_is_the_python_paths(k: int) -> None:
     (ok, native), python = got[:2], got[2]
     assert ok is True
     assert read_status(native[0]) == read_status(python[0]) == \
-        {"u": used, "res": res, "pb": pb, "early": 1}
+        {"u": used, "res": res, "pb": pb, **what}
     assert unpack(native[1]) == unpack(python[1])
+    assert native[1] == python[1]  # (msgpack's bytes too: the same map, the same order)
     assert native[2:] == python[2:] and len(native) == 2 + len(vals)
 
 
@@ -169,26 +188,32 @@ BAD = [  # (what differs from a good call, its arguments): each answered by the 
 ]
 
 
+@pytest.mark.parametrize("which", sorted(WRITERS))
 @pytest.mark.parametrize("why, change", BAD, ids=[b[0] for b in BAD])
-def test_a_native_early_answer_it_cannot_write_writes_nothing(why: str, change: dict) -> None:
+def test_a_native_answer_it_cannot_write_writes_nothing(why: str, change: dict, which: str
+                                                        ) -> None:
+    """Whatever a request's header made of ``rid`` (a client's value), and any value or count
+    the native writer does not take, it leaves to the Python path having written nothing."""
+    write = WRITERS[which][0]
     a, b = socket.socketpair()
     args = dict(fd=a.fileno(), used=1, res=[1, 4], pb=[0, 0], rid=3, st=0.5, vt="hit",
                 values=[torch.ones(2)], names=_DTYPE_NAME)
-    assert _C._send_early(**args) is True  # (the good call it differs from)
+    assert write(**args) is True  # (the good call it differs from)
     Channel(b, 16, 1 << 30).take()
     args.update(change)
-    assert _C._send_early(**args) is None, why
+    assert write(**args) is None, why
     assert not select.select([b], [], [], 0)[0], why
     a.close()
     b.close()
 
 
-def test_a_native_early_answer_to_a_closed_channel_raises_as_the_python_path() -> None:
+@pytest.mark.parametrize("which", sorted(WRITERS))
+def test_a_native_answer_to_a_closed_channel_raises_as_the_python_path(which: str) -> None:
     a, b = socket.socketpair()
     b.close()
     with pytest.raises(BrokenPipeError):
-        _C._send_early(a.fileno(), 1, [1, 4], [0, 0], 3, 0.5, "hit", [torch.ones(2)],
-                       _DTYPE_NAME)
+        WRITERS[which][0](a.fileno(), 1, [1, 4], [0, 0], 3, 0.5, "hit", [torch.ones(2)],
+                          _DTYPE_NAME)
     with pytest.raises(BrokenPipeError):
         Channel(a, 16, 1 << 30).send([b"x"])
     a.close()

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+import select
+import socket
 from typing import Any
 
 import pytest
@@ -24,7 +26,9 @@ import torch
 
 from genie import _C, graphs
 from genie.remote import protocol, shape_class
-from genie.remote.worker import Config, Refused, Worker
+from genie.remote.protocol import _DTYPE_NAME
+from genie.remote.wire import REPLY, Channel, read_status, status
+from genie.remote.worker import SENT, Config, Refused, Worker
 
 # x (slot 0) + w (slot 1) -> 2; 2 * a -> 3; narrow(3, dim, start, k) -> 4; repeat(3, [r]) -> 5;
 # rand_like(4) -> 6 (a random op: seed and offset are constants). Constants: 0 x, 1 w, 2 a,
@@ -53,6 +57,8 @@ def _send(w: Worker, h: dict[str, Any]) -> dict[str, Any]:
     """A request as it arrives; a refusal as the reply serve_session sends for it."""
     try:
         reply = w.handle(protocol.unpack(protocol.pack(h)), [])[0]
+        if reply is SENT:  # written natively (w.reply_native: the test's front reads it)
+            reply = {"t": "ok", "sent": 1}
     except Refused as e:
         reply = {"t": "err", "kind": e.kind, "msg": str(e)}
     except protocol.ProtocolError as e:
@@ -141,6 +147,73 @@ def test_a_vetted_structure_runs_in_its_lane_as_on_the_python_path(monkeypatch: 
         assert on.sess.used() == off.sess.used() and on.sess.residency() == off.sess.residency()
     assert on.lane_runs == runs + 4, on.lane_passes
     assert on.how in ("hit", "class")
+
+
+def _front(w: Worker, rid: int, st: float) -> tuple[Channel, list[Any]]:
+    """``w``'s lane replies written natively (``genie._C._send_reply``, as serve_session sets
+    it) to a socket the returned channel (the front's end) reads; the list: what each call of
+    the writer returned."""
+    a, b = socket.socketpair()
+    wrote: list[Any] = []
+
+    def native(vals: list[torch.Tensor], how: str) -> bool:
+        sess = w.sess
+        wrote.append(_C._send_reply(a.fileno(), sess.used(), sess.residency(), sess.peer_bytes,
+                                    rid, st, how, vals, _DTYPE_NAME))
+        return wrote[-1] is not None
+
+    w.reply_native = native
+    w._test_socks = (a, b)  # (held while the channel is read)
+    return Channel(b, 1 << 10, 1 << 30), wrote
+
+
+def test_a_lanes_reply_written_natively_is_the_python_paths(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """serve_session writes a lane's reply in one native call: the front reads the status,
+    header and frames that serve_session's Python path writes for the same request (a worker
+    whose lane replies go that path), with eager's values; a reply the writer does not take (a
+    ``rid`` past int64) goes that path having written nothing."""
+    on, py = _worker(monkeypatch), _worker(monkeypatch)
+    a, b = _steady(on), _steady(py)
+    front, wrote = _front(on, 77, 0.5)
+    for n, k, r, s in ((14, 7, 2, 9), (9, 2, 4, 11), (30, 30, 2, 12)):
+        replies = []
+        for cl in (a, b):
+            consts, nar, rep = _call(cl, n, k, r, a=1.5, seed=s)
+            replies.append(cl.run(consts))
+            assert torch.equal(cl.w.sess.store[cl.next_id - 2], nar)
+            assert torch.equal(cl.w.sess.store[cl.next_id - 1], rep)
+        got, want = replies
+        assert got == {"t": "ok", "sent": 1} and wrote[-1] is True, got
+        assert want["t"] == "ok" and "sent" not in want, want
+        msgs: list[Any] = []
+        while not msgs:
+            msgs = front.take()
+        (msg,) = msgs
+        # as serve_session's Python path writes `want`: its rid and st, its status
+        assert read_status(msg[0]) == read_status(status(REPLY, py.sess.used(),
+                                                         py.sess.residency(),
+                                                         py.sess.peer_bytes))
+        head = protocol.unpack(msg[1])
+        assert head == {**want, "rid": 77, "st": 0.5}, (head, want)
+        assert msg[1] == protocol.pack({**want, "rid": 77, "st": 0.5})
+        outs = [protocol.frame_tensor(f, protocol.FrameRef(0, protocol.dtype_of(m[0]),
+                                                             tuple(m[1]), None), copy=True)
+                for f, m in zip(msg[2:], head["o"], strict=True)]
+        assert len(outs) == 3
+        assert torch.equal(outs[0], on.sess.store[a.next_id - 2])
+        assert torch.equal(outs[1], on.sess.store[a.next_id - 1])
+        assert torch.equal(outs[2], py.sess.store[b.next_id])  # rand_like: the same stream
+        assert on.sess.used() == py.sess.used() and on.sess.residency() == py.sess.residency()
+    assert on.native_replies == 3 and py.native_replies == 0
+    runs = on.lane_runs
+    front, wrote = _front(on, 1 << 63, 0.5)  # (a rid the native writer does not take)
+    consts, nar, rep = _call(a, 16, 5, 3)
+    got = a.run(consts)
+    assert wrote == [None] and got["t"] == "ok" and "sent" not in got, got
+    assert on.lane_runs == runs + 1 and on.native_replies == 3
+    assert not select.select([front.sock], [], [], 0)[0]  # (nothing written)
+    assert [o[1] for o in got["o"]] == [[5], [48], [5]]
 
 
 def _refused_alike(monkeypatch: pytest.MonkeyPatch, bad: Any, passed: str) -> None:
