@@ -71,6 +71,12 @@
 // "rid": rid, "st": st}, as serve_session's Python path writes it, the values' bytes in the
 // socket before it returns (the session's frees and the next request may reuse their memory).
 // None, having written nothing, for what _send_early leaves to Python.
+//
+// _channel_write(fd, parts, block) -> (written, total) | None: one genie.remote.wire.Channel
+// message (part count, lengths, then the parts' bytes) written from the parts' own buffers with
+// one sendmsg, as Channel._frame frames it: the front's post (non-blocking: what the socket did
+// not take, the caller keeps for its flush) and a worker's send (`block`: all of it). None,
+// having written nothing, when `parts` is not a list of 1 to 511 flat buffers.
 #include "session.h"
 
 #include <Python.h>
@@ -596,6 +602,54 @@ bool two_i64(PyObject* x, int64_t* a, int64_t* b) {
 constexpr int64_t kChunk = 1 << 20;  // genie.remote.protocol.CHUNK: larger frames are split
 constexpr Py_ssize_t kMaxValues = 256;  // (the message's buffers stay well within IOV_MAX)
 
+// sendmsg of iov[k...] until all is written or (nonblocking) the socket takes no more; the
+// bytes written. OSError raised (with the GIL) as Python's sendmsg raises it.
+size_t write_iov(int fd, std::vector<iovec>& iov, bool block) {
+  size_t written = 0;
+  size_t k = 0;
+  int err = 0;
+  {
+    py::gil_scoped_release off;  // (the parts' buffers are held by the caller)
+    while (k < iov.size()) {
+      msghdr msg{};
+      msg.msg_iov = iov.data() + k;
+      msg.msg_iovlen = iov.size() - k;
+      const ssize_t w = sendmsg(fd, &msg, MSG_NOSIGNAL | (block ? 0 : MSG_DONTWAIT));
+      if (w < 0) {
+        if (errno == EINTR) {
+          continue;
+        }
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          if (!block) {
+            break;
+          }
+          pollfd pf{fd, POLLOUT, 0};
+          poll(&pf, 1, -1);
+          continue;
+        }
+        err = errno;
+        break;
+      }
+      written += static_cast<size_t>(w);
+      size_t left = static_cast<size_t>(w);
+      while (k < iov.size() && left >= iov[k].iov_len) {
+        left -= iov[k].iov_len;
+        ++k;
+      }
+      if (left) {
+        iov[k].iov_base = static_cast<char*>(iov[k].iov_base) + left;
+        iov[k].iov_len -= left;
+      }
+    }
+  }
+  if (err) {
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    raise();
+  }
+  return written;
+}
+
 // The early answer (`early`) or a run's reply, written whole to the channel `fd` (see the
 // file's head: _send_early, _send_reply).
 py::object send_answer(bool early, int fd, py::handle used, py::handle res, py::handle pb,
@@ -702,42 +756,65 @@ py::object send_answer(bool early, int fd, py::handle used, py::handle res, py::
   for (const at::Tensor& t : ts) {
     iov.push_back({t.data_ptr(), t.nbytes()});
   }
-  {
-    py::gil_scoped_release off;  // (the values are held by `values` and `ts`)
-    size_t k = 0;
-    while (k < iov.size()) {
-      msghdr msg{};
-      msg.msg_iov = iov.data() + k;
-      msg.msg_iovlen = iov.size() - k;
-      const ssize_t w = sendmsg(fd, &msg, MSG_NOSIGNAL);
-      if (w < 0) {
-        if (errno == EINTR) {
-          continue;
-        }
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {  // (a non-blocking socket: wait for room)
-          pollfd pf{fd, POLLOUT, 0};
-          poll(&pf, 1, -1);
-          continue;
-        }
-        const int err = errno;
-        py::gil_scoped_acquire on;
-        errno = err;
-        PyErr_SetFromErrno(PyExc_OSError);
-        raise();
-      }
-      size_t left = static_cast<size_t>(w);  // what the socket took: skip it
-      while (k < iov.size() && left >= iov[k].iov_len) {
-        left -= iov[k].iov_len;
-        ++k;
-      }
-      if (left) {
-        iov[k].iov_base = static_cast<char*>(iov[k].iov_base) + left;
-        iov[k].iov_len -= left;
-      }
-    }
-  }
+  write_iov(fd, iov, true);  // (the values are held by `values` and `ts`)
   return py::bool_(true);
 }
+
+// --- the front <-> worker channel's messages, natively (genie.remote.wire.Channel) ------------
+
+constexpr Py_ssize_t kIovParts = 512;  // genie.remote.wire._IOV: parts one sendmsg passes
+
+// Buffers held for one write: each part's bytes (PyBUF_SIMPLE: flat, contiguous), released on
+// destruction.
+struct Held {
+  std::vector<Py_buffer> bufs;
+  ~Held() {
+    for (Py_buffer& b : bufs) {
+      PyBuffer_Release(&b);
+    }
+  }
+};
+
+py::object channel_write(int fd, py::handle parts, bool block) {
+  if (!PyList_CheckExact(parts.ptr())) {
+    return py::none();
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(parts.ptr());
+  if (n < 1 || n > kIovParts - 1) {
+    return py::none();
+  }
+  Held held;
+  held.bufs.reserve(static_cast<size_t>(n));
+  std::string head;
+  head.reserve(4 + 8 * static_cast<size_t>(n));
+  auto le = [&head](uint64_t x, int bytes) {
+    for (int b = 0; b < bytes; ++b) {
+      head.push_back(static_cast<char>((x >> (8 * b)) & 0xff));
+    }
+  };
+  le(static_cast<uint64_t>(n), 4);
+  uint64_t total = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(PyList_GET_ITEM(parts.ptr(), i), &b, PyBUF_SIMPLE) != 0) {
+      PyErr_Clear();  // (not a flat buffer: the Python path frames it)
+      return py::none();
+    }
+    held.bufs.push_back(b);
+    le(static_cast<uint64_t>(b.len), 8);
+    total += static_cast<uint64_t>(b.len);
+  }
+  std::vector<iovec> iov;
+  iov.reserve(static_cast<size_t>(n) + 1);
+  iov.push_back({head.data(), head.size()});
+  for (Py_buffer& b : held.bufs) {
+    iov.push_back({b.buf, static_cast<size_t>(b.len)});
+  }
+  total += head.size();
+  const size_t written = write_iov(fd, iov, block);
+  return py::make_tuple(py::int_(written), py::int_(total));
+}
+
 }  // namespace
 
 void add_session_functions(py::module_& m) {
@@ -788,6 +865,11 @@ void add_session_functions(py::module_& m) {
         "A run's reply (a lane's: genie.remote.worker.Worker._run_lane) written whole to the "
         "channel `fd` as the Python path writes it (REPLY status, header with the residency, "
         "frames); True, or None having written nothing when it cannot (csrc/session.cpp).");
+  m.def("_channel_write", &channel_write, py::arg("fd"), py::arg("parts"), py::arg("block"),
+        "One genie.remote.wire.Channel message of `parts` (a list of flat buffers) written to "
+        "`fd` with one sendmsg: (bytes written, bytes of the message); `block`: until all is "
+        "written. None, having written nothing, when `parts` is not a list of 1 to 511 flat "
+        "buffers (csrc/session.cpp).");
   m.def("_frames_of", &frames_of, py::arg("values"), py::arg("names"),
         "A reply's tensors as wire frames: (metas [name, shape, None], read-only buffers), or "
         "None when one is not a contiguous CPU tensor with elements, without conj/neg bits, "

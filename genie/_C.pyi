@@ -416,6 +416,14 @@ def _send_reply(fd: int, used: int, res: list[int], pb: list[int], rid: object, 
     ...
 
 
+def _channel_write(fd: int, parts: list[object], block: bool) -> tuple[int, int] | None:
+    """One ``genie.remote.wire.Channel`` message of ``parts`` written to ``fd`` with one
+    ``sendmsg`` from the parts' own buffers: ``(bytes written, bytes of the message)``;
+    ``block``: until all is written (else what the socket takes now). None, having written
+    nothing, when ``parts`` is not a list of 1 to 511 flat buffers. OSError as ``sendmsg``'s."""
+    ...
+
+
 def _frames_of(values: object, names: dict[torch.dtype, str]
                ) -> tuple[list[list[object]], list[_TensorBytes]] | None:
     """A reply's tensors as wire frames in one pass (``genie.remote.worker._outputs``): per

@@ -1,7 +1,8 @@
 """The front <-> session worker channel (``genie.remote.wire.Channel``): messages cross whole
 however the stream cuts them, the front's side never blocks, and what a lying worker declares
 is refused before it costs memory (the front kills a worker whose message the channel refuses:
-tests/integration/test_isolation.py)."""
+tests/integration/test_isolation.py). Every test runs with the native writer (``genie._C.
+_channel_write``) and with the Python path it stands for."""
 
 from __future__ import annotations
 
@@ -14,8 +15,17 @@ import threading
 
 import pytest
 
-from genie.remote import ProtocolError
+import torch
+
+from genie import _C
+from genie.remote import ProtocolError, wire
 from genie.remote.wire import Channel
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def _path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(wire, "NATIVE", request.param == "native")
+    return request.param
 
 
 def _raw(parts: list[bytes]) -> bytes:
@@ -94,6 +104,8 @@ def test_a_worker_gone_while_the_front_writes_costs_nothing() -> None:
     (struct.pack("<I", 17), "17 parts"),
     (struct.pack("<IQQ", 2, 10, (1 << 30) - 9), "1073741825 bytes"),
     (struct.pack("<IQ", 1, 1 << 62), "4611686018427387904 bytes"),
+    (struct.pack("<IQQ", 2, 1 << 63, 1 << 63), "18446744073709551616 bytes"),  # (sum past u64)
+    (struct.pack("<IQQQ", 3, 5, (1 << 64) - 1, 7), " bytes"),
 ])
 def test_a_message_past_its_bounds_is_refused_from_its_head(head: bytes, why: str) -> None:
     """The counts come first and are checked before anything is allocated for the parts (the
@@ -142,3 +154,41 @@ def test_ready_says_whether_a_message_waits() -> None:
     b.close()
     assert ch.ready(0)
     a.close()
+
+
+PARTS = [  # what the front and a worker send: bytes, views, a reply's tensor buffers
+    [b"status"],
+    [b"h", b"", b"x" * 300],
+    [bytearray(b"abc"), memoryview(b"0123456789")[2:7], b"end"],
+    [memoryview(torch.arange(6, dtype=torch.float32).numpy()), b"t"],  # a view of format 'f'
+    [b"a", memoryview(bytes(range(200))).cast("B", (10, 20))],  # 2-d: the Python path casts
+    [b"p"] * 600,  # more parts than one native sendmsg takes: the Python path
+]
+
+
+@pytest.mark.parametrize("k", range(len(PARTS)))
+def test_a_message_is_written_as_the_python_path_writes_it(k: int) -> None:
+    """send and post write the bytes of ``Channel._frame``, whichever path writes them, and the
+    other end reads the parts back."""
+    parts = PARTS[k]
+    want = b"".join(bytes(memoryview(p).cast("B")) if not isinstance(p, bytes) else p
+                    for p in Channel._frame(parts)[0])
+    for post in (False, True):
+        a, b = socket.socketpair()
+        ch = Channel(a, 1 << 10, 1 << 30)
+        assert ch.post(parts) if post else ch.send(parts) is None
+        a.close()
+        got = b""
+        while chunk := b.recv(1 << 20):
+            got += chunk
+        b.close()
+        assert got == want
+
+
+def test_what_the_native_writer_does_not_take_it_leaves_unwritten() -> None:
+    a, b = socket.socketpair()
+    for parts in ([], (b"x",), [b"x", 3], [b"x", memoryview(bytes(8))[::2]], [b"p"] * 600):
+        assert _C._channel_write(a.fileno(), parts, False) is None, parts
+    assert not select.select([b], [], [], 0)[0]
+    a.close()
+    b.close()
