@@ -34,6 +34,9 @@
 #include <utility>
 #include <vector>
 
+#include <Python.h>
+#include <structmember.h>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -74,14 +77,15 @@ enum class Src : int {
   Device = 5,     // the instruction's real device
 };
 
-struct Patch {
+struct Patch {  // (what every run reads first: one cache line up to `type`)
   Src src;
   int32_t arg;   // stack position
   int32_t elem;  // -1: the argument itself; else an element of its list
-  int64_t a;     // Slot*: register; Leaf, MetaStep: leaf position
-  c10::TypePtr type;          // Leaf: the type to convert to
-  std::optional<int32_t> n;   // Leaf of a fixed-size list argument (int[2] takes one int)
   bool baked = false;         // Leaf: the template holds the compiled instruction's value
+  int64_t a;     // Slot*: register; Leaf, MetaStep: leaf position
+  std::optional<int32_t> n;   // Leaf of a fixed-size list argument (int[2] takes one int)
+  c10::TypeKind kind = c10::TypeKind::AnyType;  // Leaf: type->kind()
+  c10::TypePtr type;          // Leaf: the type to convert to
   std::vector<int64_t> shape, stride;  // Meta
   at::ScalarType dtype = at::kFloat;   // Meta
 };
@@ -132,33 +136,46 @@ struct Placeholder {
 // genie::graph calls run directly (Program::call_direct), for genie.stats() (graph_cache_hits).
 int64_t direct_graph_calls = 0;
 
+// The fields every run reads come first (Program::run prefetches them a few instructions ahead:
+// a step's data is cold by the time it runs again, after a step's recording on the host).
 struct Step {
   bool upload = false;
-  std::optional<c10::OperatorHandle> op;
-  std::vector<c10::IValue> stack;  // the argument template
-  std::vector<Patch> patches;      // by (arg, elem)
-  bool reads_leaves = false;       // a Leaf or MetaStep patch (or an upload)
+  bool reads_leaves = false;       // a Leaf or MetaStep patch (or an upload, a random op)
+  // a leaf patch that is not baked (see Patch::baked), a MetaStep patch, an upload or a random
+  // op: the step's leaves are read even when its instruction is the template's own (`source`)
+  bool reads_step_leaves = false;
   bool rng = false;
   bool numbers_as_tensors = false;
   // add/sub/mul/div.Tensor: `other` may be a Python float made a wrapped-number tensor (double);
   // see cast_scalar. The cache holds that tensor cast once for the last (tensor, dtype) seen.
   bool binary_scalar = false;
-  mutable at::Tensor scalar_src, scalar_cast;
+  int64_t device = 0;  // index into run's devices: 0 the run's device
+  // The argument template. A position a patch fills whole holds None here, not the placeholder
+  // the template was built with: copying it per run touches no placeholder's reference count.
+  std::vector<c10::IValue> stack;
+  std::vector<Patch> patches;      // by (arg, elem)
+  std::vector<int64_t> outs;  // -1: an output not kept in a slot
+  std::vector<int64_t> frees;
+  std::optional<c10::OperatorHandle> op;
   // The instruction the template was built from (held, so that its address stays its own): a
   // step whose tape has this very object here has the baked leaves' values in the template
   // already (a plan's shared instruction; only rebuilt ones carry another step's values).
   py::object source;
-  int64_t device = 0;  // index into run's devices: 0 the run's device
-  std::vector<int64_t> outs;  // -1: an output not kept in a slot
-  std::vector<int64_t> frees;
   // genie::graph / genie::graph_mut: the compiled callable of the shape class its inputs had
   // (see Program::call_direct), learned from `learn` after a dispatched call.
   py::object learn;           // learn(*args) -> None or (callable, ((arg, elem), ...)); or null
+  mutable at::Tensor scalar_src, scalar_cast;
   mutable py::object direct;  // the callable, called with the graph's placeholders; or null
   mutable std::vector<std::pair<int32_t, int32_t>> order;  // each placeholder's (arg, elem)
   mutable std::vector<Placeholder> shape_class;            // what `direct` was learned for
   mutable int learns = 0;
 };
+
+// The bytes of a Step that every run reads (up to and including `source`).
+inline size_t step_hot_bytes(const Step& s) {
+  return static_cast<size_t>(reinterpret_cast<const char*>(&s.source + 1) -
+                             reinterpret_cast<const char*>(&s));
+}
 
 // opAllowsNumbersAsTensors of torch/csrc/jit/python/init.cpp: what OpOverload.__call__ sets
 // around its argument conversion.
@@ -296,6 +313,105 @@ c10::Device device_of(PyObject* o) {
   return reinterpret_cast<THPDevice*>(o)->device;
 }
 
+// toIValue(x, type) where the answer is plain: a Python int (not a bool) for an int or SymInt
+// argument, a Python float for a float argument, the argument itself (no fixed-size list). False
+// for anything else (and an int beyond int64: toIValue raises its error).
+inline bool leaf_number(PyObject* x, c10::TypeKind kind, c10::IValue& v) {
+  if ((kind == c10::TypeKind::IntType || kind == c10::TypeKind::SymIntType) &&
+      PyLong_CheckExact(x)) {
+    int overflow = 0;
+    const long long k = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (overflow != 0 || (k == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      return false;
+    }
+    v = static_cast<int64_t>(k);
+    return true;
+  }
+  if (kind == c10::TypeKind::FloatType && PyFloat_CheckExact(x)) {
+    v = PyFloat_AS_DOUBLE(x);
+    return true;
+  }
+  return false;
+}
+
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+// The `bytes` from `p` on, a cache line each.
+inline void prefetch_lines(const void* p, size_t bytes) {
+  const char* b = static_cast<const char*>(p);
+  for (size_t at = 0; at < bytes; at += 64) {
+    prefetch(b + at);
+  }
+}
+
+// What run reads an instruction's per-step leaves from: genie.planner.Instr's `leaves` slot
+// read in place (a member of its __slots__, found once per type), or a node (the leaves inline,
+// leaf_at); anything else through getattr.
+struct LeafReader {
+  PyTypeObject* instr = nullptr;  // the last Instr type seen, and its `leaves` slot's offset
+  Py_ssize_t offset = -1;
+  PyTypeObject* node = nullptr;   // the last type seen that is_node_type accepted
+
+  bool is_node(PyObject* o) {
+    PyTypeObject* t = Py_TYPE(o);
+    if (t == node) {
+      return true;
+    }
+    if (t == instr || !genie::is_node_type(t)) {
+      return false;
+    }
+    node = t;
+    return true;
+  }
+
+  // The slot's value (borrowed) when `o` is of an Instr type with a `leaves` member; nullptr if
+  // not (or unset: getattr then raises its AttributeError).
+  PyObject* slot(PyObject* o, PyObject* name) {
+    PyTypeObject* t = Py_TYPE(o);
+    if (t != instr) {
+      PyObject* d = _PyType_Lookup(t, name);  // borrowed
+      if (d == nullptr || Py_TYPE(d) != &PyMemberDescr_Type) {
+        return nullptr;
+      }
+      const PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+      if (m->type != T_OBJECT_EX || (m->flags & READONLY) != 0) {
+        return nullptr;
+      }
+      instr = t;
+      offset = m->offset;
+    }
+    return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + offset);
+  }
+
+  // A new reference to the leaves of `src` (itself when a node: read in place by leaf_at).
+  py::object leaves(PyObject* src, PyObject* name) {
+    if (is_node(src)) {
+      return py::reinterpret_borrow<py::object>(src);
+    }
+    if (PyObject* v = slot(src, name)) {
+      return py::reinterpret_borrow<py::object>(v);
+    }
+    return py::reinterpret_steal<py::object>(get_attr(src, name));
+  }
+
+  // The cache lines reading instruction `src`'s leaves touches: the object's own (stage 0), then
+  // an Instr's leaf list and its item array (stage 1, once the object's line is in).
+  void prefetch_instr(PyObject* src, int stage) {
+    if (stage == 0) {
+      prefetch_lines(src, 256);  // (a node's first leaves follow its fields)
+      return;
+    }
+    if (Py_TYPE(src) == instr) {
+      PyObject* l = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(src) + offset);
+      if (l != nullptr && PyList_CheckExact(l)) {
+        prefetch(l);
+        prefetch(reinterpret_cast<PyListObject*>(l)->ob_item);
+      }
+    }
+  }
+};
+
 class Program {
  public:
   Program(int64_t registers, std::vector<int64_t> keep)
@@ -305,6 +421,7 @@ class Program {
     Step s;
     s.upload = true;
     s.reads_leaves = true;
+    s.reads_step_leaves = true;
     s.device = device;
     s.outs = {out};
     s.frees = std::move(frees);
@@ -348,8 +465,13 @@ class Program {
     });
     s.rng = rng;
     s.reads_leaves = rng;
+    s.reads_step_leaves = rng;
     for (const Patch& p : s.patches) {
       s.reads_leaves |= p.src == Src::Leaf || p.src == Src::MetaStep;
+      s.reads_step_leaves |= (p.src == Src::Leaf && !p.baked) || p.src == Src::MetaStep;
+      if (p.elem < 0 && !(p.src == Src::Leaf && p.baked)) {
+        s.stack[p.arg] = c10::IValue();  // filled by every run (see Step::stack)
+      }
     }
     s.device = device;
     s.outs = std::move(outs);
@@ -421,7 +543,31 @@ class Program {
     // instructions). Storage sharing, which Genie's write semantics rest on, is the kernels'.
     c10::impl::ExcludeDispatchKeyGuard below_autograd(
         c10::autograd_dispatch_keyset_with_ADInplaceOrView);
-    for (size_t i = 0; i < steps_.size(); ++i) {
+    LeafReader reader;
+    // Prefetch distances (a step's data is cold: the host recorded a step since it last ran):
+    // instruction i + 2's Step and instruction object, i + 1's template, patches, outputs, frees
+    // and leaf list (each stage reads what the one before fetched).
+    constexpr size_t kAhead0 = 2, kAhead1 = 1;
+    const size_t ns = steps_.size();
+    for (size_t q = 0; q < ns && q < kAhead0; ++q) {
+      prefetch_lines(&steps_[q], step_hot_bytes(steps_[q]));
+      reader.prefetch_instr(PyList_GET_ITEM(instrs.ptr(), q), 0);
+    }
+    for (size_t i = 0; i < ns; ++i) {
+      if (i + kAhead0 < ns) {
+        prefetch_lines(&steps_[i + kAhead0], step_hot_bytes(steps_[i + kAhead0]));
+        reader.prefetch_instr(PyList_GET_ITEM(instrs.ptr(), i + kAhead0), 0);
+      }
+      if (i + kAhead1 < ns) {
+        const Step& t = steps_[i + kAhead1];
+        prefetch_lines(t.stack.data(), t.stack.size() * sizeof(c10::IValue));
+        prefetch_lines(t.patches.data(), t.patches.size() * sizeof(Patch));
+        prefetch(t.outs.data());
+        prefetch(t.frees.data());
+        if (t.reads_leaves) {
+          reader.prefetch_instr(PyList_GET_ITEM(instrs.ptr(), i + kAhead1), 1);
+        }
+      }
       const Step& s = steps_[i];
       const c10::Device& dev = devs.at(s.device);
       if (!checked.empty() && checked[i]) {
@@ -439,12 +585,11 @@ class Program {
         }
       }
       try {
+        PyObject* src = PyList_GET_ITEM(instrs.ptr(), i);
+        const bool same = !s.upload && s.source.ptr() == src;
         py::object leaves;  // the step's leaves of this instruction, when it reads any
-        if (s.reads_leaves) {
-          PyObject* src = PyList_GET_ITEM(instrs.ptr(), i);
-          leaves = genie::is_node_type(Py_TYPE(src))
-                       ? py::reinterpret_borrow<py::object>(src)  // read in place (leaf_at)
-                       : py::reinterpret_steal<py::object>(get_attr(src, leaves_name));
+        if (s.reads_step_leaves || (s.reads_leaves && !same)) {
+          leaves = reader.leaves(src, leaves_name);
         }
         results.clear();
         if (s.upload) {
@@ -454,8 +599,6 @@ class Program {
                                        /*non_blocking=*/false, /*copy=*/dev.is_cpu()));
         } else {
           stack = s.stack;
-          const bool same = !s.source.is_none() &&
-                            PyList_GET_ITEM(instrs.ptr(), i) == s.source.ptr();
           patch(s, stack, regs, leaves, dev, same, meta_name, shape_name, stride_name,
                 dtype_name);
           if (s.binary_scalar) {
@@ -596,6 +739,7 @@ class Program {
       case Src::Leaf:
         p.a = py::cast<int64_t>(t[1]);
         p.type = type;
+        p.kind = type->kind();
         p.n = n;
         p.baked = t.size() > 2 && py::cast<bool>(t[2]);
         break;
@@ -662,8 +806,12 @@ class Program {
           v = at::alias(regs[p.a].toTensor());
           break;
         case Src::Leaf: {
+          py::object x = leaf_at(leaves, p.a);
+          if (!p.n && leaf_number(x.ptr(), p.kind, v)) {
+            break;
+          }
           torch::jit::ToIValueAllowNumbersAsTensors allow(s.numbers_as_tensors);
-          v = torch::jit::toIValue(leaf_at(leaves, p.a), p.type, p.n);
+          v = torch::jit::toIValue(x, p.type, p.n);
           break;
         }
         case Src::Meta:
@@ -930,7 +1078,8 @@ py::object hit_run(Program& program, const py::dict& inputs, const py::object& c
   const int64_t bound = genie::bind_nodes(found, outs, kept, prune_at, untrack, true);
   int64_t held = -1;
   if (hold >= 0) {
-    PyObject* values = PyObject_CallMethod(kept.ptr(), "values", nullptr);
+    static PyObject* const values_name = PyUnicode_InternFromString("values");
+    PyObject* values = PyObject_CallMethodNoArgs(kept.ptr(), values_name);
     if (values == nullptr) {
       throw py::error_already_set();
     }
