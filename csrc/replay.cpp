@@ -567,6 +567,16 @@ class Program {
         if (t.reads_leaves) {
           reader.prefetch_instr(PyList_GET_ITEM(instrs.ptr(), i + kAhead1), 1);
         }
+        // its tensor arguments computed before this instruction (inputs, weights): the kernel
+        // reads their TensorImpls first thing (sizes, strides, storage)
+        for (const Patch& p : t.patches) {
+          if (p.src == Src::Slot || p.src == Src::SlotAlias) {
+            const c10::IValue& r = regs[p.a];
+            if (r.isTensor()) {
+              prefetch_lines(r.unsafeToTensorImpl(), sizeof(c10::TensorImpl));
+            }
+          }
+        }
       }
       const Step& s = steps_[i];
       const c10::Device& dev = devs.at(s.device);
