@@ -78,7 +78,8 @@ const NodeSlots& node_slots() {
 // free). The loop asks for them a few nodes ahead, so the misses overlap: per decode step,
 // binding 405-490 -> 380 us and the teardown when the tape is dropped 300-350 -> 250-270 (medians
 // of 60 steps, three runs each, load ~3). A variant that prefetched only each object's first
-// line, without reading its type, saved nothing.
+// line, without reading its type, saved nothing; reading the type waited for the line, though
+// (see prefetch_blind: the GC header and two lines, unread, one stage before anything reads them).
 // CPython's GC header before a tracked object (two words; PyGC_Head is internal in 3.11).
 constexpr size_t kGCHead = 2 * sizeof(void*);
 
