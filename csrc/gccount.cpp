@@ -99,4 +99,10 @@ void gc_young_at_least(int before) {
   }
 }
 
+void gc_young_credit(int k) {
+  if (young_count != nullptr && k > 0) {
+    *young_count += k;
+  }
+}
+
 }  // namespace genie

@@ -31,4 +31,8 @@ void gc_untrack_new(PyObject* o, int before);
 // never later).
 void gc_young_at_least(int before);
 
+// The count up by `k`: frees that lowered it outside any bracket above and are known only later
+// (the liveness tokens of a pending node dropped unread: csrc/node.cpp).
+void gc_young_credit(int k);
+
 }  // namespace genie

@@ -49,9 +49,10 @@ struct State {
   bool ready = false;
   PyTypeObject* node = nullptr;
   PyTypeObject* ref = nullptr;
+  PyTypeObject* alive = nullptr;
   PyTypeObject* storage = nullptr;
   Py_ssize_t n_entry = 0, n_executed = 0, n_index = 0, n_where = 0,
-             n_storages = 0, n_consumers = 0, n_values = 0, n_metas = 0;
+             n_storages = 0, n_consumers = 0, n_outputs = 0, n_values = 0, n_metas = 0;
   Py_ssize_t r_node = 0, r_out = 0;
   Py_ssize_t st_pending = 0, st_readers = 0;
   PyObject* held_after = nullptr;
@@ -89,7 +90,7 @@ inline PyObject* input_at(PyObject* n, Py_ssize_t p, Py_ssize_t* out) {
   return o >= 0 ? x : nullptr;
 }
 
-// Output `k`'s item of a node's `_st` (slots.h per_output), or nullptr.
+// Output `k`'s item of a node's `_st` or `_out` (slots.h per_output), or nullptr.
 inline PyObject* out_item(PyObject* v, Py_ssize_t k) {
   return v == nullptr ? nullptr : genie::per_output(v, k);
 }
@@ -389,7 +390,7 @@ struct PairHash {
 
 namespace genie {
 
-void match_init(py::object node, py::object ref, py::object storage,
+void match_init(py::object node, py::object ref, py::object alive, py::object storage,
                 py::object held_after, py::object same_kind) {
   auto type = [](py::object t) {
     if (!PyType_Check(t.ptr())) {
@@ -400,6 +401,7 @@ void match_init(py::object node, py::object ref, py::object storage,
   };
   S.node = type(node);
   S.ref = type(ref);
+  S.alive = type(alive);
   S.storage = type(storage);
   S.n_entry = genie::slot_offset(S.node, "entry");
   S.n_executed = genie::slot_offset(S.node, "executed");
@@ -407,6 +409,7 @@ void match_init(py::object node, py::object ref, py::object storage,
   S.n_where = genie::slot_offset(S.node, "where");
   S.n_storages = genie::slot_offset(S.node, "_st");
   S.n_consumers = genie::slot_offset(S.node, "n_consumers");
+  S.n_outputs = genie::slot_offset(S.node, "_out");
   S.n_values = genie::slot_offset(S.node, "values");
   S.n_metas = genie::slot_offset(S.node, "metas");
   S.r_node = genie::slot_offset(S.ref, "node");
@@ -674,11 +677,11 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
         continue;
       }
       PyObject* cons = slot(n, S.n_consumers);  // a count (genie.graph.Node.n_consumers)
-      PyObject* r = genie::node_output_ref(n, hk[h]);  // (capture graphs: the tensor's)
+      PyObject* r = out_item(slot(n, S.n_outputs), hk[h]);
       py::object keep;
       if (cons == nullptr || !PyLong_CheckExact(cons) || r == nullptr) {
         later = true;
-      } else if (PyLong_AsSsize_t(cons) != hn[h] || genie::node_held(n, hk[h]) ||
+      } else if (PyLong_AsSsize_t(cons) != hn[h] ||
                  (r != Py_None && held_by(r, keep) != Py_None)) {
         must_free.push_back({n, hk[h], hn[h]});  // (a capture graph's tensor: still this node's?)
       }
@@ -688,9 +691,11 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       if (later || n == nullptr) {
         continue;
       }
-      if (genie::node_output_ref(n, ok[o]) == nullptr) {
+      PyObject* r = out_item(slot(n, S.n_outputs), ok[o]);
+      py::object keep;
+      if (r == nullptr) {
         later = true;
-      } else if (!genie::node_held(n, ok[o])) {  // no liveness token: ask held_after
+      } else if (r == Py_None || Py_TYPE(held_by(r, keep)) != S.alive) {
         must_keep.emplace_back(n, ok[o], -1);
       }
     }

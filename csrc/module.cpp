@@ -91,9 +91,8 @@ void untrack_of_type(const py::list& items, const py::handle& type) {
 //
 // Also each output Storage with no pending write, with its two lists: a Storage reaches a node
 // only through `pending_writes`, and the write path (Storage.add_writer) tracks the storage and
-// that list again when it appends. With genie.graph.track untracking the tensor's instance dict
-// (its liveness token is no collector object), what stays tracked per recorded op is the
-// LazyTensor object itself.
+// that list again when it appends. With genie.graph.track untracking the liveness token and the
+// tensor's instance dict, what stays tracked per recorded op is the LazyTensor object itself.
 PyTypeObject* graph_type(const char* name) {
   py::object t = py::module_::import("genie.graph").attr(name);
   return reinterpret_cast<PyTypeObject*>(t.release().ptr());  // kept for the process

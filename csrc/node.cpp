@@ -23,7 +23,6 @@
 #include <climits>
 #include <cstddef>
 #include <cstring>
-#include <utility>
 #include <vector>
 
 #include "gccount.h"
@@ -79,9 +78,25 @@ void take_leaves(PyObject* n, std::vector<PyObject*>& to) {
 // returned: outside the bracket).
 struct Dropping {
   int depth = 0;
+  int credit = 0;  // liveness tokens of the nodes freed (see node_dealloc)
   std::vector<PyObject*> later;
 };
 thread_local Dropping dropping;
+
+// The weak references in a node's `_out` (one per output bound to a tensor).
+int bound_outputs(PyObject* out) {
+  if (out == nullptr) {
+    return 0;
+  }
+  if (PyList_CheckExact(out)) {
+    int k = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(out); ++i) {
+      k += PyWeakref_CheckRefExact(PyList_GET_ITEM(out, i)) ? 1 : 0;
+    }
+    return k;
+  }
+  return PyWeakref_CheckRefExact(out) ? 1 : 0;
+}
 
 void node_dealloc(PyObject* self) {
   PyObject_GC_UnTrack(self);
@@ -100,11 +115,11 @@ void node_dealloc(PyObject* self) {
     return;
   }
   // A pending node freed: a graph dropped unread (or a run's, inside bind's own bracket). What
-  // it holds was taken off the young count at allocation (the node, its Storages and their
-  // lists, weak references), so the frees below leave the count where it was (its outputs'
-  // liveness tokens are no collector objects: they never moved it). Otherwise a program that
-  // only drops pending graphs would never run a young collection (tests/unit/test_gc.py,
-  // docs/engine.md "The garbage collector").
+  // it holds was taken off the young count at allocation (the node, its lists, Refs, Storages,
+  // weak references), so the frees below leave the count where it was; and each output's
+  // liveness token (also off the count from its allocation) lowered it when its tensor died,
+  // which is given back too. Otherwise a program that only drops pending graphs would never run
+  // a young collection (tests/unit/test_gc.py, docs/engine.md "The garbage collector").
   Dropping& d = dropping;
   const bool outer = d.depth == 0;
   const int before = outer ? gc_young() : 0;
@@ -112,6 +127,7 @@ void node_dealloc(PyObject* self) {
   if (n->weaklist != nullptr) {
     PyObject_ClearWeakRefs(self);
   }
+  d.credit += bound_outputs(n->out);
   take_leaves(self, d.later);  // (the references move to `later`)
   node_clear(self);
   Py_TYPE(self)->tp_free(self);
@@ -124,7 +140,10 @@ void node_dealloc(PyObject* self) {
   }
   --d.depth;
   if (outer) {
+    const int credit = d.credit;
+    d.credit = 0;
     gc_young_at_least(before);
+    gc_young_credit(credit);
   }
 }
 
@@ -138,8 +157,7 @@ PyMemberDef node_members[] = {
     GENIE_MEMBER("out_spec", out_spec, "The tree spec that rebuilds the op's return value.")
     GENIE_MEMBER("_st", st, "A single output's Storage, or a list of one per output.")
     GENIE_MEMBER("writes", writes, "The storages this node mutates.")
-    GENIE_MEMBER("_out", out, "Capture graphs: a weak reference to the output's tensor, or a "
-                 "list of one per output; None on the default graph (tokens, held(k)).")
+    GENIE_MEMBER("_out", out, "A single output's liveness weak reference, or a list.")
     GENIE_MEMBER("values", values, "The real values after execution (None before).")
     GENIE_MEMBER("executed", executed, "Whether the node ran.")
     GENIE_MEMBER("index", index, "Process-wide record order.")
@@ -303,10 +321,6 @@ PyObject* n_leaves_get(PyObject* self, void*) {
   return PyLong_FromSsize_t(std::max<Py_ssize_t>(node_n_leaves(self), 0));
 }
 
-PyObject* n_outputs_get(PyObject* self, void*) {
-  return PyLong_FromLong(reinterpret_cast<NodeObject*>(self)->n_out);
-}
-
 PyGetSetDef node_getset[] = {
     {"leaves", leaves_get, leaves_set,
      "The flattened arguments, a new list on each read (lazy inputs are fresh Refs); None once "
@@ -314,8 +328,6 @@ PyGetSetDef node_getset[] = {
      nullptr},
     {"n_leaves", n_leaves_get, nullptr, "How many leaves the node holds (0 once released).",
      nullptr},
-    {"n_outputs", n_outputs_get, nullptr,
-     "How many outputs the node was made with (each with a liveness count).", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -361,52 +373,28 @@ PyObject* node_refs_method(PyObject* self, PyObject*) {
   return r;
 }
 
-PyObject* node_held_method(PyObject* self, PyObject* arg) {
-  const Py_ssize_t k = PyLong_AsSsize_t(arg);
-  if (k == -1 && PyErr_Occurred()) {
-    return nullptr;
-  }
-  const int32_t n_out = reinterpret_cast<NodeObject*>(self)->n_out;
-  if (k < 0 || k >= n_out) {
-    PyErr_Format(PyExc_IndexError, "output %zd of a node with %d outputs", k,
-                 static_cast<int>(n_out));
-    return nullptr;
-  }
-  return PyBool_FromLong(node_held(self, k));
-}
-
 PyMethodDef node_methods[] = {
     {"leaf", node_leaf_method, METH_O,
      "leaf(p): leaves[p] without making the list (a fresh Ref for a lazy input)."},
     {"refs", node_refs_method, METH_NOARGS,
      "refs(): [(node, out)] of the lazy inputs, in argument order (no Ref made)."},
-    {"held", node_held_method, METH_O,
-     "held(k): whether a LazyTensor of the default graph holds output k (one of its liveness "
-     "tokens, genie._C.Alive, is alive). Capture graphs follow their tensors with output(k)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
-// Argument `i` of a call, or keyword `name` (borrowed; nullptr when not given).
-PyObject* argument(PyObject* args, PyObject* kwds, Py_ssize_t i, const char* name) {
-  if (args != nullptr && PyTuple_Check(args) && PyTuple_GET_SIZE(args) > i) {
-    return PyTuple_GET_ITEM(args, i);
-  }
-  return kwds != nullptr && PyDict_Check(kwds) ? PyDict_GetItemString(kwds, name) : nullptr;
-}
-
-// The length of `v` when it is a list or tuple, else 0.
-Py_ssize_t sequence_size(PyObject* v) {
-  return v != nullptr && (PyList_Check(v) || PyTuple_Check(v)) ? Py_SIZE(v) : 0;
-}
-
-// Node(op, leaves, spec, metas, ...) (genie.graph.Node's constructor) or Node.__new__(Node, op,
-// leaves, spec, metas): made with room for `leaves` (a list or tuple), which __init__ then sets,
-// and for one liveness count per item of `metas`; otherwise with none.
+// Node(op, leaves, ...) (genie.graph.Node's constructor) or Node.__new__(Node, op, leaves): made
+// with room for `leaves` (a list or tuple), which __init__ then sets; otherwise with none.
 PyObject* node_tp_new(PyTypeObject* t, PyObject* args, PyObject* kwds) {
-  const Py_ssize_t k = sequence_size(argument(args, kwds, 1, "leaves"));
-  const Py_ssize_t n_out = sequence_size(argument(args, kwds, 3, "metas"));
+  PyObject* leaves = nullptr;
+  if (args != nullptr && PyTuple_Check(args) && PyTuple_GET_SIZE(args) >= 2) {
+    leaves = PyTuple_GET_ITEM(args, 1);
+  } else if (kwds != nullptr && PyDict_Check(kwds)) {
+    leaves = PyDict_GetItemString(kwds, "leaves");
+  }
+  const Py_ssize_t k = leaves != nullptr && (PyList_Check(leaves) || PyTuple_Check(leaves))
+                           ? Py_SIZE(leaves)
+                           : 0;
   try {
-    PyObject* n = node_new_sized(t, k, n_out, true);
+    PyObject* n = node_new_sized(t, k, true);
     reinterpret_cast<NodeObject*>(n)->n_leaves = kLeavesUnset;
     return n;
   } catch (pybind11::error_already_set& e) {
@@ -415,87 +403,15 @@ PyObject* node_tp_new(PyTypeObject* t, PyObject* args, PyObject* kwds) {
   }
 }
 
-// genie._C.Alive(node, out): what genie.graph.track gives a LazyTensor of the default graph.
-PyObject* alive_tp_new(PyTypeObject*, PyObject* args, PyObject* kwds) {
-  static const char* kw[] = {"node", "out", nullptr};
-  PyObject* n = nullptr;
-  Py_ssize_t k = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "On:Alive", const_cast<char**>(kw), &n, &k)) {
-    return nullptr;
-  }
-  if (!is_node_type(Py_TYPE(n))) {
-    PyErr_Format(PyExc_TypeError, "Alive(node, out): node must be a genie.graph.Node, not %s",
-                 Py_TYPE(n)->tp_name);
-    return nullptr;
-  }
-  return alive_new(n, k);
-}
-
-void alive_dealloc(PyObject* self) {
-  auto* a = reinterpret_cast<AliveObject*>(self);
-  PyObject* n = a->node;
-  --node_live_array(n)[a->out];
-  PyObject_Free(self);
-  Py_DECREF(n);  // last: it may free the node (a pending chain dropped with its last tensor)
-}
-
-PyObject* alive_reduce(PyObject* self, PyObject*) {
-  auto* a = reinterpret_cast<AliveObject*>(self);
-  return Py_BuildValue("(O(On))", reinterpret_cast<PyObject*>(&AliveType), a->node, a->out);
-}
-
-PyObject* alive_repr(PyObject* self) {
-  auto* a = reinterpret_cast<AliveObject*>(self);
-  return PyUnicode_FromFormat("<liveness token of output %zd of %R>", a->out, a->node);
-}
-
-PyMemberDef alive_members[] = {
-    {"node", T_OBJECT, offsetof(AliveObject, node), READONLY, "The node whose output it holds."},
-    {"out", T_PYSSIZET, offsetof(AliveObject, out), READONLY, "The output it holds."},
-    {nullptr, 0, 0, 0, nullptr},
-};
-
-PyMethodDef alive_methods[] = {
-    {"__reduce__", alive_reduce, METH_NOARGS,
-     "A copy is another token of the same output (copy.deepcopy of a LazyTensor: of the copied "
-     "node's)."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
 }  // namespace
 
-PyObject* alive_new(PyObject* n, Py_ssize_t k) {
-  auto* node = reinterpret_cast<NodeObject*>(n);
-  if (k < 0 || k >= node->n_out) {
-    PyErr_Format(PyExc_ValueError,
-                 "a liveness token of output %zd of a node made with %d outputs (a node has "
-                 "one liveness count per item of the metas it was made with)",
-                 k, static_cast<int>(node->n_out));
-    return nullptr;
-  }
-  uint32_t& count = node_live_array(n)[k];
-  if (count == UINT32_MAX) {
-    PyErr_SetString(PyExc_OverflowError, "2**32 - 1 liveness tokens of one output");
-    return nullptr;
-  }
-  auto* a = PyObject_New(AliveObject, &AliveType);
-  if (a == nullptr) {
-    return nullptr;
-  }
-  a->node = Py_NewRef(n);
-  a->out = k;
-  ++count;
-  return reinterpret_cast<PyObject*>(a);
-}
-
-PyObject* node_new_sized(PyTypeObject* t, Py_ssize_t n, Py_ssize_t n_out, bool tracked) {
-  if (n < 0 || n > INT32_MAX / 4 || n_out < 0 || n_out > INT32_MAX / 4) {
-    PyErr_Format(PyExc_ValueError, "a node with %zd leaves and %zd outputs", n, n_out);
+PyObject* node_new_sized(PyTypeObject* t, Py_ssize_t n, bool tracked) {
+  if (n < 0 || n > INT32_MAX / 2) {
+    PyErr_Format(PyExc_ValueError, "a node with %zd leaves", n);
     throw pybind11::error_already_set();
   }
-  // the leaves, then their 32-bit output numbers and the outputs' 32-bit liveness counts, in
-  // pointer-sized items
-  const Py_ssize_t items = n + (n + n_out + 1) / 2;
+  // the leaves, then their 32-bit output numbers, in pointer-sized items
+  const Py_ssize_t items = n + (n + 1) / 2;
   PyObject* o;
   if (tracked) {
     o = t->tp_alloc(t, items);
@@ -515,7 +431,6 @@ PyObject* node_new_sized(PyTypeObject* t, Py_ssize_t n, Py_ssize_t n_out, bool t
   auto* node = reinterpret_cast<NodeObject*>(o);
   node->cap = static_cast<int32_t>(n);
   node->n_leaves = static_cast<int32_t>(n);
-  node->n_out = static_cast<int32_t>(n_out);
   return o;
 }
 
@@ -590,37 +505,19 @@ PyTypeObject NodeType = [] {
   return t;
 }();
 
-PyTypeObject AliveType = [] {
-  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
-  t.tp_name = "genie._C.Alive";
-  t.tp_basicsize = sizeof(AliveObject);
-  t.tp_dealloc = alive_dealloc;
-  t.tp_repr = alive_repr;
-  t.tp_flags = Py_TPFLAGS_DEFAULT;  // no collector object: no cycle goes through a token
-  t.tp_doc =
-      "Alive(node, out): the liveness token of a LazyTensor of the default graph. The tensor "
-      "holds it; it holds the node and counts in node.held(out) until it dies.";
-  t.tp_members = alive_members;
-  t.tp_methods = alive_methods;
-  t.tp_new = alive_tp_new;
-  return t;
-}();
-
 bool is_node_type(PyTypeObject* t) {
   return PyType_IsSubtype(t, &NodeType) && t->tp_basicsize == NodeType.tp_basicsize &&
          t->tp_weaklistoffset == NodeType.tp_weaklistoffset && t->tp_dictoffset == 0;
 }
 
 void add_node_type(pybind11::module_& m) {
-  for (auto [t, name] : {std::pair{&NodeType, "Node"}, std::pair{&AliveType, "Alive"}}) {
-    if (PyType_Ready(t) < 0) {
-      throw pybind11::error_already_set();
-    }
-    Py_INCREF(t);
-    if (PyModule_AddObject(m.ptr(), name, reinterpret_cast<PyObject*>(t)) < 0) {
-      Py_DECREF(t);
-      throw pybind11::error_already_set();
-    }
+  if (PyType_Ready(&NodeType) < 0) {
+    throw pybind11::error_already_set();
+  }
+  Py_INCREF(&NodeType);
+  if (PyModule_AddObject(m.ptr(), "Node", reinterpret_cast<PyObject*>(&NodeType)) < 0) {
+    Py_DECREF(&NodeType);
+    throw pybind11::error_already_set();
   }
 }
 

@@ -21,12 +21,6 @@ namespace genie {
 // (a strong reference) with the output number it reads; any other leaf (a constant, a MetaArg,
 // a host tensor) is the object with output number -1. There is no Ref and no argument list: the
 // Python property `leaves` materializes a list of fresh Refs on each read.
-//
-// Output liveness (step 5) follows the output numbers: one 32-bit count per output (`n_out`),
-// the liveness tokens (genie._C.Alive, below) of that output alive now. A LazyTensor holds its
-// output's token; the token holds the node and lowers the count when it dies. The node never
-// refers to a token, so there is no cycle, and nothing here is allocated per output. `_out`
-// holds weak references only in capture graphs (to the tensors themselves, for export).
 struct NodeObject {
   PyObject_VAR_HEAD  // ob_size: the items allocated after the struct (leaves and output numbers)
   PyObject* op;
@@ -35,8 +29,7 @@ struct NodeObject {
   PyObject* out_spec;
   PyObject* st;  // "_st": a single output's Storage, else a list (slots.h per_output)
   PyObject* writes;
-  PyObject* out;  // "_out": capture graphs: a weak reference to the output's tensor, else a
-                  // list (None on the default graph: its liveness is the counts below)
+  PyObject* out;  // "_out": a single output's liveness weak reference, else a list
   PyObject* values;
   PyObject* executed;
   PyObject* index;
@@ -52,7 +45,6 @@ struct NodeObject {
   PyObject* weaklist;
   int32_t n_leaves;  // the arguments set; kLeavesReleased (leaves None), kLeavesUnset
   int32_t cap;       // room for this many leaves after the struct
-  int32_t n_out;     // outputs: a liveness count each after the leaves' output numbers
 };
 
 constexpr int32_t kLeavesReleased = -1;  // `leaves` is None: the node ran (graph truncation)
@@ -60,17 +52,6 @@ constexpr int32_t kLeavesUnset = -2;     // never set (a node made by __new__ al
 
 // The type genie._C.Node (a static type: its deallocator never changes).
 extern PyTypeObject NodeType;
-
-// The type genie._C.Alive: a LazyTensor's liveness token, {node (strong), output}; not a
-// collector object (it can close no cycle: nothing it reaches refers to it), so neither its
-// allocation nor its free moves the young generation's count.
-extern PyTypeObject AliveType;
-
-struct AliveObject {
-  PyObject_HEAD
-  PyObject* node;  // a strong reference
-  Py_ssize_t out;
-};
 
 // Whether `t` is genie._C.Node or a subclass that adds no field (genie.graph.Node).
 bool is_node_type(PyTypeObject* t);
@@ -83,36 +64,6 @@ inline int32_t* node_out_array(PyObject* n) {
   return reinterpret_cast<int32_t*>(node_leaf_array(n) +
                                     reinterpret_cast<NodeObject*>(n)->cap);
 }
-
-// The liveness counts of node `n`'s outputs (`n_out` of them).
-inline uint32_t* node_live_array(PyObject* n) {
-  return reinterpret_cast<uint32_t*>(node_out_array(n) + reinterpret_cast<NodeObject*>(n)->cap);
-}
-
-// Whether a liveness token of output `k` of node `n` is alive (a LazyTensor of the default graph
-// holds that output): false for an output out of range.
-inline bool node_held(PyObject* n, Py_ssize_t k) {
-  return k >= 0 && k < reinterpret_cast<NodeObject*>(n)->n_out && node_live_array(n)[k] != 0;
-}
-
-// Output `k`'s weak reference to its tensor in a capture graph (`_out`), borrowed: Py_None where
-// there is none (the default graph's outputs have tokens instead); nullptr when `_out` is unset or
-// `k` is not an output.
-inline PyObject* node_output_ref(PyObject* n, Py_ssize_t k) {
-  auto* node = reinterpret_cast<NodeObject*>(n);
-  PyObject* v = node->out;
-  if (v == nullptr || k < 0) {
-    return nullptr;
-  }
-  if (PyList_CheckExact(v)) {
-    return k < PyList_GET_SIZE(v) ? PyList_GET_ITEM(v, k) : nullptr;
-  }
-  return k == 0 ? v : k < node->n_out ? Py_None : nullptr;
-}
-
-// A new liveness token of output `k` of node `n` (its count raised): nullptr with ValueError
-// where `n` has no output `k`.
-PyObject* alive_new(PyObject* n, Py_ssize_t k);
 
 // How many leaves node `n` holds: -1 when released (or never set).
 inline Py_ssize_t node_n_leaves(PyObject* n) {
@@ -131,10 +82,10 @@ inline PyObject* node_leaf(PyObject* n, Py_ssize_t p, int32_t* out) {
 }
 
 // A new node of type `t` (genie._C.Node or genie.graph.Node) with room for `n` leaves, none set
-// (n_leaves is `n`; the caller sets each with node_init_leaf), and `n_out` outputs, none held.
-// Every object field is NULL. `tracked` false: never put on the GC's lists, and off the young
-// count (as record.cpp's new_object).
-PyObject* node_new_sized(PyTypeObject* t, Py_ssize_t n, Py_ssize_t n_out, bool tracked);
+// (n_leaves is `n`; the caller sets each with node_init_leaf). Every object field is NULL.
+// `tracked` false: never put on the GC's lists, and off the young count (as record.cpp's
+// new_object).
+PyObject* node_new_sized(PyTypeObject* t, Py_ssize_t n, bool tracked);
 
 // Sets leaf `p` (< n_leaves) of a node from node_new_sized: steals `x`; `out` -1 for a constant.
 inline void node_init_leaf(PyObject* n, Py_ssize_t p, PyObject* x, int32_t out) {
@@ -149,7 +100,7 @@ void node_release_leaves(PyObject* n);
 // AttributeError when never set.
 PyObject* node_leaves_list(PyObject* n);
 
-// Adds Node and Alive to the genie._C module.
+// Adds Node to the genie._C module.
 void add_node_type(pybind11::module_& m);
 
 }  // namespace genie

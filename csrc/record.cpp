@@ -30,14 +30,13 @@
 // one Python would use; both caches are cleared together (genie.meta.MetaCache calls
 // _record_clear).
 //
-// Objects: the Node, Storages and MetaArgs are allocated as object.__new__ does and their
-// __slots__ written directly (offsets from the member descriptors, found by name at init), so no
-// Python __init__ runs; _record_init refuses classes whose slots differ from the ones written
-// here. The liveness tokens are genie._C.Alive (csrc/node.h). What genie.graph.untrack_node and
-// graph.track would take off the cyclic GC at the end is made untracked from the start. The
-// output tensor is made as torch's _make_wrapper_subclass makes it and wrapped with
-// THPVariable_Wrap(tensor, LazyTensor) (torch >= 2.13; older torch builds this file without the
-// fast path: every op takes Python's).
+// Objects: the Node, Refs, Storages, MetaArgs and liveness tokens are allocated as
+// object.__new__ does and their __slots__ written directly (offsets from the member descriptors,
+// found by name at init), so no Python __init__ runs; _record_init refuses classes whose slots
+// differ from the ones written here. What genie.graph.untrack_node and graph.track would take
+// off the cyclic GC at the end is made untracked from the start. The output tensor is made as
+// torch's _make_wrapper_subclass makes it and wrapped with THPVariable_Wrap(tensor, LazyTensor)
+// (torch >= 2.13; older torch builds this file without the fast path: every op takes Python's).
 //
 // Per op, no dict update and no thread-local lookup: ops_recorded/meta_cache_hits are counted
 // here and added to genie.stats when read (stats.sync); the config flags are mirrored on change
@@ -189,6 +188,7 @@ struct State {
   PyTypeObject* node = nullptr;
   PyTypeObject* ref = nullptr;
   PyTypeObject* storage = nullptr;
+  PyTypeObject* alive = nullptr;
   PyTypeObject* meta_arg = nullptr;
   PyTypeObject* tensor_meta = nullptr;
   PyTypeObject* meta_entry = nullptr;
@@ -1725,16 +1725,12 @@ PyObject* list_slot(PyObject* owner, Py_ssize_t off) {
   if (PyList_CheckExact(v)) {
     return v;
   }
-  // the shared empty tuple (the common case): an empty list, without PySequence_List's copy;
-  // untracked with an untracked owner, and then off the young count where its allocation
-  // counted (a storage's reader list lives until its readers run: one per recorded op in a
-  // chain, freed inside bind's bracket, so a counted one would bring the collector closer)
-  PyObject* list = fresh(
-      [&] {
-        return PyTuple_CheckExact(v) && PyTuple_GET_SIZE(v) == 0 ? PyList_New(0)
-                                                                 : PySequence_List(v);
-      },
-      PyObject_GC_IsTracked(owner));
+  // the shared empty tuple (the common case): an empty list, without PySequence_List's copy
+  PyObject* list = checked(PyTuple_CheckExact(v) && PyTuple_GET_SIZE(v) == 0 ? PyList_New(0)
+                                                                              : PySequence_List(v));
+  if (!PyObject_GC_IsTracked(owner)) {
+    untrack(list);
+  }
   slot(owner, off) = list;
   Py_DECREF(v);
   return list;
@@ -1762,7 +1758,10 @@ void add_reader(PyObject* storage, PyObject* wref) {
   if (PyList_GET_SIZE(readers) < prune_at) {
     return;
   }
-  PyObject* kept = fresh([] { return PyList_New(0); }, PyObject_GC_IsTracked(storage));
+  PyObject* kept = checked(PyList_New(0));
+  if (!PyObject_GC_IsTracked(storage)) {
+    untrack(kept);
+  }
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(readers); ++i) {
     PyObject* w = PyList_GET_ITEM(readers, i);
     PyObject* n = PyWeakref_GetObject(w);  // borrowed
@@ -1858,6 +1857,9 @@ PyObject* make_wrapper(const Out& o, PyObject* base) {
 #endif
 }
 
+// LazyTensor(node, k, meta) and graph.track(t, node, k), for the default graph. `gc_untrack`:
+// track() takes the liveness token and the tensor's dict off the GC; `node_untracked`: so does
+// untrack_node the weak reference in node.outputs.
 // The wrapper of `o` bound to output `out` of `node` with liveness token `alive`: t._node, t._out,
 // t._alive, the instance dict as `setattr` fills it (LazyTensor has no descriptors of these
 // names), in that order. `gc_untrack`: the dict goes off the GC (it holds the node, which never
@@ -1877,13 +1879,21 @@ py::object bound_wrapper(const Out& o, PyObject* node, PyObject* out, PyObject* 
   return t;
 }
 
-// LazyTensor(node, k, meta) and graph.track(t, node, k), for the default graph: the tensor holds
-// a liveness token of output k (genie._C.Alive, csrc/node.h: no weak reference, nothing on the
-// collector). `gc_untrack`: the tensor's dict goes off the GC, as track() takes it off.
-PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, PyObject* base) {
+PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untracked,
+                   PyObject* base) {
   py::object k = py::reinterpret_steal<py::object>(checked(PyLong_FromSsize_t(o.k)));
-  py::object a = py::reinterpret_steal<py::object>(checked(genie::alive_new(node, o.k)));
-  return bound_wrapper(o, node, k.ptr(), a.ptr(), gc_untrack, base).release().ptr();
+  py::object a = py::reinterpret_steal<py::object>(new_object(S.alive, !gc_untrack));
+  py::object t = bound_wrapper(o, node, k.ptr(), a.ptr(), gc_untrack, base);
+  PyObject*& outputs = slot(node, S.n.outputs);
+  PyObject* w = fresh([&] { return PyWeakref_NewRef(a.ptr(), nullptr); }, !node_untracked);
+  if (PyList_CheckExact(outputs)) {
+    PyObject* old = PyList_GET_ITEM(outputs, o.k);
+    PyList_SET_ITEM(outputs, o.k, w);
+    Py_DECREF(old);
+  } else {  // a single output's, inline (genie.graph.Node._out)
+    Py_SETREF(outputs, w);
+  }
+  return t.release().ptr();
 }
 
 // The ctx a Node takes at creation (genie.graph.Node.__init__).
@@ -2009,9 +2019,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   // The node, with its arguments inline (csrc/node.h: a lazy input is its producer node and
   // output number; no Ref, no argument list).
   const Py_ssize_t n_leaves = static_cast<Py_ssize_t>(call.leaves.size());
-  const Py_ssize_t n_out = PyList_GET_SIZE(e.metas);
-  py::object node = py::reinterpret_steal<py::object>(
-      genie::node_new_sized(S.node, n_leaves, n_out, tracked));
+  py::object node = py::reinterpret_steal<py::object>(genie::node_new_sized(S.node, n_leaves, tracked));
   PyObject* n = node.ptr();
   {
     size_t li = 0;
@@ -2038,6 +2046,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
     py::object r = py::reinterpret_steal<py::object>(
         checked(PyObject_CallFunctionObjArgs(S.retrack_below, n, S.ref, nullptr)));
   }
+  const Py_ssize_t n_out = PyList_GET_SIZE(e.metas);
   // each output's storage: a single output's inline (genie.graph.Node._st), else a list
   const bool one = n_out == 1;
   py::object storages = py::reinterpret_steal<py::object>(
@@ -2062,8 +2071,12 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
     PyTuple_SET_ITEM(write_tuple.ptr(), static_cast<Py_ssize_t>(i), new_ref(writes[i].ptr()));
   }
 
-  // Node.__init__ (the outputs' liveness is the node's counts: `_out` stays None)
-  init_slot(n, S.n.outputs, new_ref(Py_None));
+  // Node.__init__
+  PyObject* outputs = one ? new_ref(Py_None) : fresh([&] { return PyList_New(n_out); }, tracked);
+  for (Py_ssize_t k = 0; k < n_out && !one; ++k) {
+    PyList_SET_ITEM(outputs, k, new_ref(Py_None));
+  }
+  init_slot(n, S.n.outputs, outputs);
   init_slot(n, S.n.op, new_ref(func));
   init_slot(n, S.n.spec, new_ref(e.spec));
   init_slot(n, S.n.metas, new_ref(e.metas));
@@ -2150,7 +2163,7 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   auto output = [&](size_t j) {
     const Out& o = e.outs[j];
     return o.kind == Kind::kWrite ? new_ref(sources[j])
-                                  : new_lazy(n, o, gc_untrack, sources[j]);
+                                  : new_lazy(n, o, gc_untrack, untracked, sources[j]);
   };
   if (n_out == 1 && e.single && e.outs.size() == 1) {
     return output(0);  // the common case: the one tensor itself, no list of flat outputs
@@ -2197,14 +2210,15 @@ PyObject* detach_alias(PyObject* args, PyObject* kwargs) {
     return kNotHandled;
   }
   const Py_ssize_t k = PyLong_AsSsize_t(out.ptr());
+  PyObject* outputs = slot(node.ptr(), S.n.outputs);
   PyObject* metas = slot(node.ptr(), S.n.metas);
-  if (k < 0 || !PyList_CheckExact(metas) || k >= PyList_GET_SIZE(metas)) {
+  PyObject* w = outputs == nullptr ? nullptr : genie::per_output(outputs, k);
+  if (k < 0 || w == nullptr || !PyList_CheckExact(metas) || k >= PyList_GET_SIZE(metas)) {
     PyErr_Clear();
     return kNotHandled;
   }
-  const auto* token = reinterpret_cast<const genie::AliveObject*>(alive.ptr());
-  if (Py_TYPE(alive.ptr()) != &genie::AliveType || token->node != node.ptr() || token->out != k) {
-    return kNotHandled;  // x's token is not of x's output
+  if (!PyWeakref_CheckRefExact(w) || PyWeakref_GET_OBJECT(w) != alive.ptr()) {
+    return kNotHandled;  // the node does not follow x's token
   }
   Out o;
   if (!decode_meta(PyList_GET_ITEM(metas, k), o)) {
@@ -3712,6 +3726,7 @@ bool record_init(const py::dict& objs) {
   s.node = type_of(objs, "Node");
   s.ref = type_of(objs, "Ref");
   s.storage = type_of(objs, "Storage");
+  s.alive = type_of(objs, "Alive");
   s.meta_arg = type_of(objs, "MetaArg");
   s.tensor_meta = type_of(objs, "TensorMeta");
   s.meta_entry = type_of(objs, "MetaEntry");
@@ -3752,6 +3767,7 @@ bool record_init(const py::dict& objs) {
   }
   check_slots(s.ref, {"node", "out"});
   check_slots(s.storage, {"pending_writes", "readers", "_prune_at", "role"});
+  check_slots(s.alive, {});
   check_slots(s.meta_arg, {"meta"});
   check_slots(s.tensor_meta, {"shape", "stride", "offset", "dtype", "index", "conj", "neg"});
   check_slots(s.meta_entry, {"metas", "out_spec", "consts", "plan", "spec", "klass", "state"});

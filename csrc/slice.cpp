@@ -161,6 +161,7 @@ struct State {
   PyTypeObject* node = nullptr;
   PyTypeObject* ref = nullptr;
   PyTypeObject* storage = nullptr;
+  PyTypeObject* alive = nullptr;
   PyTypeObject* tensor_meta = nullptr;
   PyTypeObject* meta_arg = nullptr;
   PyTypeObject* slot = nullptr;
@@ -170,7 +171,7 @@ struct State {
   PyObject* pending_slots = nullptr;
   // Node
   Py_ssize_t n_op = 0, n_leaves = 0, n_spec = 0, n_metas = 0, n_storages = 0, n_writes = 0,
-             n_values = 0, n_executed = 0, n_index = 0, n_rng = 0, n_seq = 0,
+             n_outputs = 0, n_values = 0, n_executed = 0, n_index = 0, n_rng = 0, n_seq = 0,
              n_where = 0, n_consumers = 0;
   Py_ssize_t r_node = 0, r_out = 0;            // Ref
   Py_ssize_t st_pending = 0, st_readers = 0;   // Storage
@@ -199,6 +200,7 @@ void slice_init(const py::dict& objs) {
     S.node = type_of(objs, "Node");
     S.ref = type_of(objs, "Ref");
     S.storage = type_of(objs, "Storage");
+    S.alive = type_of(objs, "Alive");
     S.tensor_meta = type_of(objs, "TensorMeta");
     S.meta_arg = type_of(objs, "MetaArg");
     S.slot = type_of(objs, "Slot");
@@ -211,6 +213,7 @@ void slice_init(const py::dict& objs) {
     S.n_metas = slot_offset(t, "metas");
     S.n_storages = slot_offset(t, "_st");
     S.n_writes = slot_offset(t, "writes");
+    S.n_outputs = slot_offset(t, "_out");
     S.n_values = slot_offset(t, "values");
     S.n_executed = slot_offset(t, "executed");
     S.n_index = slot_offset(t, "index");
@@ -362,7 +365,7 @@ inline Py_ssize_t size_of(PyObject* seq) {
   throw Unsupported();
 }
 
-// Output `k`'s item of a node's `_st` (slots.h per_output), borrowed; Unsupported when
+// Output `k`'s item of a node's `_st` or `_out` (slots.h per_output), borrowed; Unsupported when
 // out of range.
 inline PyObject* out_of(PyObject* v, Py_ssize_t k) {
   PyObject* r = genie::per_output(v, k);
@@ -645,16 +648,13 @@ bool has_pending_consumer(PyObject* n, IndexSet& in_run) {
 // or -1 when not counted).
 bool held_after(PyObject* n, Py_ssize_t k, IndexSet& in_run, Py_ssize_t inside) {
   static PyObject* const node_name = PyUnicode_InternFromString("_node");
-  if (genie::node_held(as_node(n), k)) {
-    return true;  // a live tensor's liveness token (the default graph)
-  }
-  PyObject* r = genie::node_output_ref(n, k);  // a capture graph's: its tensor, if still n's
-  if (r == nullptr) {
-    throw Unsupported();
-  }
+  PyObject* r = out_of(get(n, S.n_outputs), k);
   if (r != Py_None) {
     PyObject* t = deref(r);
     if (t != Py_None) {
+      if (Py_TYPE(t) == S.alive) {
+        return true;
+      }
       py::object keep = py::reinterpret_borrow<py::object>(t);
       PyObject* tn = PyObject_GetAttr(t, node_name);  // getattr(t, "_node", None)
       if (tn == nullptr) {
@@ -1115,9 +1115,10 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
         const int64_t sv = as_int(s);
         *slots.insert(sk, sv).first = sv;
         // Which values the program still holds decides the frees: must be the plan's.
+        PyObject* r = out_of(get(n, S.n_outputs), k);
         // (the plan's references to the node from inside the slice, which are this slice's
         // once it matches; if it does not, the tape is None anyway)
-        const bool held = genie::node_held(as_node(n), k) ||
+        const bool held = (r != Py_None && Py_TYPE(deref(r)) == S.alive) ||
                           held_after(n, k, in_run, as_int(item(item(pguide, i), 3)));
         if (held != contains(keep, s) && !contains(want_out, s)) {
           return py::none();

@@ -96,7 +96,7 @@ def _step_targets(targets: list[tuple[object, int]], opts: list[object],
     """``targets`` followed by the pending ``(node, output)`` of each tensor the steps of the
     optimizers ``opts`` write on device ``index``, each once (``genie.executor.with_step``)."""
 
-def _match_init(node: type, ref: type, storage: type, held_after: object,
+def _match_init(node: type, ref: type, alive: type, storage: type, held_after: object,
                 same_kind: object) -> None:
     """The classes and Python rules ``_match_core`` uses (genie.plan_cache calls it once)."""
 
@@ -111,7 +111,7 @@ def _match_core(flat: tuple, entries: list[object], klasses: list[object],
 
 def _slice_init(objects: dict[str, object]) -> None:
     """Give the native slice and instantiate the classes they read and make (``genie.planner``:
-    Node, Ref, Storage, TensorMeta, MetaArg, Slot, Instr, Tape, PendingSlots;
+    Node, Ref, Storage, Alive, TensorMeta, MetaArg, Slot, Instr, Tape, PendingSlots;
     ``genie.plan_cache``: HostMeta). RuntimeError for an Instr whose slots differ."""
 
 def _slice_nodes(targets: list[tuple[object, int]]) -> list[object]:
@@ -435,7 +435,7 @@ class Node:
     """A recorded op's fields as a native struct (csrc/node.cpp): ``genie.graph.Node`` subclasses
     it with methods and properties only. An unset field raises AttributeError, as a slot did.
     Freeing a pending node (a graph dropped unread) leaves the cyclic collector's young count
-    where it was."""
+    where it was, its outputs' liveness tokens given back."""
 
     op: Any
     # The arguments are inline (a lazy input is its producer node and output number): ``leaves``
@@ -446,10 +446,6 @@ class Node:
     def n_leaves(self) -> int: ...
     def leaf(self, p: int, /) -> Any: ...
     def refs(self) -> list[tuple[Node, int]]: ...
-    # Each output's liveness: a count of its tokens alive (``Alive``), no weak reference.
-    @property
-    def n_outputs(self) -> int: ...
-    def held(self, k: int, /) -> bool: ...
     spec: Any
     metas: Any
     out_spec: Any
@@ -468,15 +464,3 @@ class Node:
     entry: Any
     ctx: Any
     _wref: Any
-
-class Alive:
-    """``Alive(node, out)``: the liveness token of a LazyTensor of the default graph (csrc/node.h).
-    The tensor holds it; it holds the node and counts in ``node.held(out)`` until it dies. Not a
-    collector object: it closes no cycle (nothing it reaches refers to it), so it never moves
-    the young generation's count."""
-
-    def __init__(self, node: Node, out: int) -> None: ...
-    @property
-    def node(self) -> Node: ...
-    @property
-    def out(self) -> int: ...

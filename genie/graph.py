@@ -37,7 +37,6 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from ._C import Alive
 from ._C import Node as _NativeNode
 from ._C import (_default_seq_len, _default_seq_note, _default_seq_of, _gc_retrack_below,
                  _gc_retrack_writers, _gc_track, _gc_untrack, _gc_untrack_node)
@@ -264,10 +263,8 @@ class Node(_NativeNode):
         storages: the :class:`Storage` of each tensor output (a property: a single output's is
             held inline, as ``_st``; :meth:`storage` reads one without making a list).
         writes: storages this node mutates.
-        held(k): whether a LazyTensor of the default graph holds output ``k``: each such tensor
-            holds a liveness token (:class:`Alive`) that the node counts (no weak reference).
-        outputs: capture graphs only: weak references to the LazyTensors that hold each output
-            (as ``storages``: ``_out``, :meth:`output`); None on the default graph.
+        outputs: weak references to the LazyTensors that hold each output (as ``storages``:
+            ``_out``, :meth:`output`).
         n_consumers: how many argument references recorded nodes made to an output while this
             node was pending (dead and executed consumers still count); 0 once it ran. The
             consumers themselves are found through the output storages' readers
@@ -306,9 +303,8 @@ class Node(_NativeNode):
         one = len(metas) == 1
         self._st: Storage | None | list[Storage | None] = storages[0] if one else storages
         self.writes = writes
-        # capture graphs' weak references to their tensors (set_output); the default graph's
-        # outputs are followed by tokens the node counts (held)
-        self._out: weakref.ref[Any] | None | list[weakref.ref[Any] | None] = None
+        self._out: weakref.ref[Any] | None | list[weakref.ref[Any] | None] = \
+            None if one else [None] * len(metas)
         self.values: list[torch.Tensor | None] | tuple[None, ...] | None = None
         self.executed = False
         self.index = next(_record_counter)
@@ -362,27 +358,26 @@ class Node(_NativeNode):
 
     @property
     def outputs(self) -> list[weakref.ref[Any] | None]:
-        """Capture graphs: the weak reference that follows each output's tensor (None until
-        bound; always None on the default graph, whose liveness is :meth:`held`)."""
-        return [self.output(k) for k in range(self.n_outputs)]
+        """The weak reference that follows each output's tensor (None until bound; a new list
+        for a single output)."""
+        o = self._out
+        return o if type(o) is list else [o]
 
     def output(self, k: int) -> weakref.ref[Any] | None:
-        """Capture graphs: the weak reference that follows output ``k``'s tensor (None until
-        one is bound, and on the default graph)."""
-        if not 0 <= k < self.n_outputs:
-            raise IndexError(f"{self} has {self.n_outputs} outputs, not {k + 1}")
+        """The weak reference that follows output ``k``'s tensor (None until one is bound)."""
         o = self._out
-        return o[k] if type(o) is list else o if k == 0 else None
+        if type(o) is list:
+            return o[k]
+        if k != 0:
+            raise IndexError(f"{self} has one output, not {k + 1}")
+        return o
 
     def set_output(self, k: int, r: weakref.ref[Any] | None) -> None:
-        """Capture graphs: output ``k`` follows the tensor ``r`` refers to."""
-        if not 0 <= k < self.n_outputs:
-            raise IndexError(f"{self} has {self.n_outputs} outputs, not {k + 1}")
         o = self._out
-        if type(o) is not list and self.n_outputs > 1:
-            self._out = o = [o] + [None] * (self.n_outputs - 1)
         if type(o) is list:
             o[k] = r
+        elif k != 0:
+            raise IndexError(f"{self} has one output, not {k + 1}")
         else:
             self._out = r
 
@@ -415,36 +410,39 @@ class Node(_NativeNode):
         return None, {f: getattr(self, f) for f in Node._FIELDS if hasattr(self, f)}
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        """As a slotted class's, but made with room for its leaves and its outputs' liveness
-        counts (inline in the native node, sized when it is made, csrc/node.h; a copied tensor's
-        token counts in the copied node)."""
-        return copyreg.__newobj__, (type(self), None, [None] * self.n_leaves, None,
-                                    [None] * self.n_outputs), self.__getstate__()
+        """As a slotted class's, but made with room for its leaves (the native node's arguments
+        are inline and sized when it is made, csrc/node.h)."""
+        return copyreg.__newobj__, (type(self), None, [None] * self.n_leaves), self.__getstate__()
 
     def __repr__(self) -> str:
         state = "done" if self.executed else "pending"
         return f"Node({self.uid}, {self.name}, {state})"
 
 
-def track(t: Any, node: Node, out: int) -> None:
-    """Make ``node`` follow the liveness of the LazyTensor ``t`` (bound to its output ``out``).
+class Alive:
+    """Liveness token of one LazyTensor: the tensor holds it, its node's ``outputs`` weakly.
 
-    On the default graph ``t`` holds a liveness token, :class:`Alive` (``genie._C.Alive``,
-    csrc/node.h), that holds the node and counts in ``node.held(out)`` until it dies: no weak
-    reference, so that tensors carry none and ``torch.utils.swap_tensors`` (used by
-    ``nn.Module.to``) accepts them, and nothing on the collector (the token is no collector
-    object). A tensor rebound to another node takes a new token, and its old one dies with it.
-    Capture graphs keep a weak reference to the tensor itself (``node.output(out)``, for export).
+    Nodes of the default graph track their output tensors through this token, not through a
+    weak reference to the tensor itself, so that tensors carry no weak references and
+    ``torch.utils.swap_tensors`` (used by ``nn.Module.to``) accepts them. A tensor rebound to
+    another node gets a new token, so the old node no longer counts it.
     """
+
+    __slots__ = ("__weakref__",)
+
+
+def track(t: Any, node: Node, out: int) -> None:
+    """Make ``node.output(out)`` follow the liveness of the LazyTensor ``t`` (bound to it)."""
     if node.graph.keep_nodes:
         node.set_output(out, weakref.ref(t))
     else:
-        t._alive = Alive(node, out)
+        a = t._alive = Alive()
+        node.set_output(out, weakref.ref(a))
         if config.gc_untrack:
-            # The dict closes no cycle: it holds the node and the token, and neither refers to
-            # the tensor. CPython tracks the dict again by itself when a GC-capable value is
-            # stored in it (`t.attr = obj`).
-            _gc_untrack(t.__dict__)
+            # Neither can close a cycle: the token holds nothing, and the tensor's dict holds the
+            # node, which never holds the tensor (outputs are weak). CPython tracks the dict again
+            # by itself when a GC-capable value is stored in it (`t.attr = obj`).
+            _gc_untrack(a, t.__dict__)
 
 
 # --- the cyclic garbage collector ---------------------------------------------------------------

@@ -36,7 +36,7 @@ from .config import config
 from .device import DEVICE_TYPE, real_device
 from .errors import UnsupportedOpError
 from .executor import real_dispatch
-from .graph import (DEFAULT_GRAPH, Graph, MetaArg, Node, Ref, Storage, TensorMeta,
+from .graph import (DEFAULT_GRAPH, Alive, Graph, MetaArg, Node, Ref, Storage, TensorMeta,
                     _record_counter, defer_writer, pending_total, retrack_below, track,
                     untrack_node)
 from .graph import current as graph_current
@@ -1149,9 +1149,10 @@ def _detach_alias(x: LazyTensor) -> LazyTensor | None:
     if alive is None or node.graph is not DEFAULT_GRAPH or current_graph() is not DEFAULT_GRAPH:
         return None
     out = x._out
+    w = node.output(out)
     meta = node.metas[out]
-    if alive.node is not node or alive.out != out or meta.conj or meta.neg:
-        return None  # x's token is not of x's output
+    if w is None or w() is not alive or meta.conj or meta.neg:
+        return None
     r = _wrapper(LazyTensor, meta, x)
     r._node = node
     r._out = out
@@ -1223,7 +1224,7 @@ def _install_native_record() -> bool:
     path (torch older than 2.13): the Python path stays.
     """
     objects = dict(
-        LazyTensor=LazyTensor, Node=Node, Ref=Ref, Storage=Storage, MetaArg=MetaArg,
+        LazyTensor=LazyTensor, Node=Node, Ref=Ref, Storage=Storage, Alive=Alive, MetaArg=MetaArg,
         TensorMeta=TensorMeta, MetaEntry=MetaEntry, Graph=Graph, fallback=_dispatch,
         entry_for=entry_for,
         counts=_counts, profiler=vars(_profiler), tls=_tls,

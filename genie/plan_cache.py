@@ -64,7 +64,7 @@ import torch
 from ._C import _instantiate as _native_instantiate
 from ._C import _inputs_differ, _match_core, _match_init, _rebuild_instrs, _slice_init
 from .config import config
-from .graph import MetaArg, Node, Ref, Storage, TensorMeta, gc_paused, pending_total
+from .graph import Alive, MetaArg, Node, Ref, Storage, TensorMeta, gc_paused, pending_total
 from .graph import same_const as _same_const
 from .meta import states_seen
 from .planner import (Instr, PendingSlots, Slot, Tape, build_tape, held_after,
@@ -472,11 +472,10 @@ def _target_key(targets: list[tuple[Node, int]]) -> tuple[Any, ...]:
     return tuple([(getattr(n.op, "_name", n.op), out) for n, out in targets])  # as _opname
 
 
-(_index, _entry, _rng, _leaves, _node, _out, _storages, _pending, _consumers, _executed,
- _where) = (
+(_index, _entry, _rng, _leaves, _node, _out, _storages, _pending, _outputs, _consumers,
+ _executed, _where) = (
     attrgetter(a) for a in ("index", "entry", "rng", "leaves", "node", "out", "storages",
-                            "pending_writes", "n_consumers", "executed", "where"))
-_held, _output = Node.held, Node.output
+                            "pending_writes", "outputs", "n_consumers", "executed", "where"))
 
 
 def _flatten(plan: Plan) -> tuple[Any, ...]:
@@ -844,19 +843,19 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
         fx = list(map(getitem, map(_leaves, map(get, fi)), fp))
         if not all(map(is_, fx, fv)):
             changed = [k for k, same in enumerate(map(_same_const, fx, fv)) if not same]
-    # outputs that must not be held: no live tensor holds them (a liveness token; in a capture
-    # graph a weak reference to the tensor, held if that tensor is still this node's)
-    freed = list(map(get, hi))
-    if any(map(_held, freed, hk)) or \
-            not all(map(is_, map(call, filter(None, map(_output, freed, hk))), repeat(None))):
+    # outputs that must not be held: no live tensor refers to them (weak references; one that
+    # refers to a tensor, as in a capture graph, is held if that tensor is still this node's)
+    if not all(map(is_, map(call, filter(None, map(getitem, map(_outputs, map(get, hi)), hk))),
+                   repeat(None))):
         in_run = set(idx)
-        for n, k in zip(freed, hk, strict=True):
-            r = n.output(k)
-            if (n.held(k) or (r is not None and r() is not None)) and held_after(n, k, in_run):
+        for i, k in zip(hi, hk, strict=True):
+            r = found[i].output(k)
+            if r is not None and r() is not None and held_after(found[i], k, in_run):
                 return None
     in_run = None
     for i, k in other:  # outputs that must be held: by a live tensor, or a pending consumer
-        if not found[i].held(k):
+        r = found[i].output(k)
+        if r is None or type(r()) is not Alive:
             if in_run is None:
                 in_run = set(idx)
             if not held_after(found[i], k, in_run):
@@ -1146,9 +1145,11 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node],
             if s is not None:
                 slots[(idx, k)] = s
                 # Which values the program still holds decides the frees: must be the plan's.
+                r = n.output(k)
                 # (guide[i][3]: the plan's references to the node from inside the slice, which
                 # are this slice's once it matches; if it does not, the tape is None anyway)
-                held = n.held(k) or held_after(n, k, in_run, guide[i][3])
+                held = (r is not None and type(r()) is Alive) or \
+                    held_after(n, k, in_run, guide[i][3])
                 if held is not (s in keep) and s not in want_out:
                     return None
             k += 1
@@ -1223,4 +1224,4 @@ def structure_key(plan: Plan) -> str:
     return h.hexdigest()
 
 
-_match_init(Node, Ref, Storage, held_after, same_kind)
+_match_init(Node, Ref, Alive, Storage, held_after, same_kind)

@@ -187,33 +187,27 @@ def test_consumer_count_and_reader_list_made_at_the_first_read(native: bool) -> 
 
 def test_a_recorded_value_leaves_one_tracked_object() -> None:
     """Per recorded op, only the LazyTensor itself stays under the collector: its node (with
-    its weak reference; its arguments are inline, no list and no Refs), its output storage
-    (with its two lists) and its instance dict are untracked, and its liveness token is no
-    collector object at all (it holds the node, which counts it: no weak reference per output)."""
+    its weak references; its arguments are inline, no list and no Refs), its output storage
+    (with its two lists), its liveness token and its instance dict are untracked."""
     a = torch.ones(4, device=DEV)
     for _ in range(3):  # the first time through the Python path, then (by default) the native one
         x = a * 2
         y = x * 0.5
     n, s = y._node, y._node.storages[y._out]
-    assert n._st is s and n._out is None  # one output's storage inline; liveness: a count
+    assert n._st is s and n._out is n.outputs[0]  # one output's: inline, no lists
     # the leaves are a list made on each read (csrc/node.h): the node holds its producer
     assert n.leaves is not n.leaves and n.refs() == [(x._node, x._out)]
-    objs = {"node": n, "wref": n._wref, "storage": s,
+    objs = {"node": n, "output": n._out,
+            "wref": n._wref, "storage": s,
             "pending_writes": s.pending_writes, "readers": s.readers,
-            "dict": y.__dict__, "input storage": x._node.storages[0]}
+            "token": n.outputs[0](), "dict": y.__dict__, "input storage": x._node.storages[0]}
     assert {k for k, o in objs.items() if gc.is_tracked(o)} == set()
     assert gc.is_tracked(y)
-    token = y._alive
-    assert type(token) is genie._C.Alive and not gc.is_tracked(token)
-    assert token.node is n and token.out == 0 and n.held(0) and n.outputs == [None]
     for _ in range(3):
         vals, idx = y.max(dim=0)
-    m = idx._node  # two outputs: a list of storages, untracked too; a count each
-    assert type(m._st) is list and m._out is None and m.n_outputs == 2
-    assert (idx._alive.node, idx._alive.out) == (m, 1) and m.held(0) and m.held(1)
-    assert not [o for o in (m, m._st, *m._st) if gc.is_tracked(o)]
-    del vals
-    assert m.held(1) and not m.held(0)
+    m = idx._node  # two outputs: lists of storages and weak references, untracked too
+    assert type(m._st) is list and type(m._out) is list and m.outputs[1]() is idx._alive
+    assert not [o for o in (m, m._st, m._out, *m._st, *m._out) if gc.is_tracked(o)]
 
 
 def test_a_write_tracks_its_storage_again_and_user_attributes_track_the_dict(defer: bool) -> None:
@@ -295,7 +289,7 @@ def memory_tracking(request: pytest.FixtureRequest):  # noqa: ANN201
                     reason="the young generation's count is kept on CPython 3.11 and 3.12")
 @pytest.mark.parametrize("step", ["chain", "cse", "dropped"])
 def test_recording_does_not_bring_the_collector_closer_but_the_programs_garbage_does(
-        memory_tracking: bool, step: str) -> None:
+        memory_tracking: bool, step: str, request: pytest.FixtureRequest) -> None:
     """Recording made ~10 collector-allocated objects per op that live until the value is read
     (untracked, but counted by CPython's young generation): a GPT-2 generate of ~7,000 ops ran
     ~83 young collections per call where eager ran none, and every ~25 calls a full collection
@@ -310,11 +304,17 @@ def test_recording_does_not_bring_the_collector_closer_but_the_programs_garbage_
     pending chain unread every 50 steps: its nodes are freed outside any code of Genie's, with
     its last tensor, and each free lowered the count their allocation never raised (a 100-op
     chain: -620, and its liveness tokens -100 more), so such a program ran no young collection;
-    the native node's deallocator now gives that back (csrc/node.cpp). The liveness tokens are
-    no collector objects since node-layout step 5: neither counted nor lowering the count (while
-    each dead intermediate's token lowered it, the ``cse`` step with memory tracking ran 7 young
-    collections against eager's 8)."""
+    the native node's deallocator now gives that back (csrc/node.cpp)."""
     assert genie._C._gc_count_active(), "setup.py did not find the young generation's count"
+    if memory_tracking and step == "cse":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "known gap (session 51): the native record path's liveness token is taken off the "
+            "young count at allocation and lowers it when its tensor dies, one per dead "
+            "intermediate; the argument list each recorded op took from CPython's list free "
+            "list used to offset that by chance, and since the arguments are inline "
+            "(docs/node-layout.md step 4b) this churn runs 7 young collections against eager's "
+            "8. Counting the token instead cost GPT-2 generate ~6 young collections a call "
+            "where eager runs 0.04. Node-layout step 5 (a native token) is where to settle it.")))
     x = torch.randn(4, 4, device=DEV)
     y = x
     for _ in range(10):
@@ -391,10 +391,9 @@ def test_a_dropped_pending_chain_leaves_the_young_count_and_the_stack_alone() ->
     """A pending chain dropped unread is freed with its last tensor, outside Genie's code. Its
     nodes' frees lowered the count their allocation never raised (a 100-op chain: -620), so a
     program that only dropped chains ran no young collection; a pending node's deallocator now
-    puts the count back (its outputs' liveness tokens never moved it). The chain below it is
+    puts the count back and gives back its outputs' liveness tokens. The chain below it is
     freed in a loop, so a long one neither recurses nor leaves frees to the trashcan (outside
-    the bracket). The last tensor itself was counted at its allocation and lowers the count
-    when freed, as eager's last tensor does: the drop moves the count no lower than eager's."""
+    the bracket)."""
     assert genie._C._gc_count_active(), "setup.py did not find the young generation's count"
     x = torch.randn(4, device=DEV)
     x.cpu()
@@ -403,24 +402,15 @@ def test_a_dropped_pending_chain_leaves_the_young_count_and_the_stack_alone() ->
     gc.disable()
     try:
         keep = [_Cyclic() for _ in range(300)]  # (a count well above 0: a drop could lower it)
-        e = torch.randn(4)
-        for _ in range(100):
-            e = torch.relu(e + 1.0)
-        gc.get_count()  # (a 3-tuple for the free list: the reads below allocate none)
-        before = gc.get_count()[0]
-        del e
-        eager_drop = gc.get_count()[0] - before  # (-1: the tensor)
         for n_ops in (200, 100_000):
             y = x
             for _ in range(n_ops // 2):
                 y = torch.relu(y + 1.0)
             first = weakref.ref(y._node)
-            gc.get_count()
             before = gc.get_count()[0]
             del y
             assert first() is None
-            drop = gc.get_count()[0] - before
-            assert drop >= eager_drop, (n_ops, before, drop, eager_drop)
+            assert gc.get_count()[0] >= before, (n_ops, before, gc.get_count())
         del keep
     finally:
         if was:

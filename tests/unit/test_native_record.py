@@ -128,7 +128,6 @@ def describe(results: list[Any], start: int) -> list[Any]:
             writes=[storage_id(s) for s in n.writes],
             outputs=[None if w is None else type(w()).__name__ for w in n.outputs],
             outputs_tracked=[w is not None and gc.is_tracked(w) for w in n.outputs],
-            held=[n.held(k) for k in range(n.n_outputs)], n_outputs=n.n_outputs,
             values=None if n.values is None else [None if v is None else _const(v)
                                                   for v in n.values],
             executed=n.executed, index=n.index - base.index, rng=n.rng,
@@ -149,8 +148,7 @@ def describe(results: list[Any], start: int) -> list[Any]:
                 dtype=t.dtype, device=t.device, requires_grad=t.requires_grad,
                 conj=t.is_conj(), neg=t.is_neg(), keys=str(torch._C._dispatch_keys(t)),
                 nbytes=t.untyped_storage().nbytes(), dict_tracked=gc.is_tracked(vars(t)),
-                alive=(type(t._alive).__name__, t._alive.node is t._node, t._alive.out == t._out)
-                if hasattr(t, "_alive") else None))
+                alive_tracked=gc.is_tracked(t._alive) if hasattr(t, "_alive") else None))
         else:
             out.append(_const(t))
     return out
@@ -579,7 +577,7 @@ def test_init_refuses_classes_with_unknown_slots() -> None:
 
     with pytest.raises(RuntimeError, match="other slots"):
         _C._record_init(dict(
-            LazyTensor=LazyTensor, Node=Wider, Ref=Ref, Storage=Storage,
+            LazyTensor=LazyTensor, Node=Wider, Ref=Ref, Storage=Storage, Alive=lt.Alive,
             MetaArg=MetaArg, TensorMeta=lt.TensorMeta, MetaEntry=lt.MetaEntry, Graph=lt.Graph,
             fallback=lt._dispatch, counts=lt._counts, profiler=vars(lt._profiler), tls=lt._tls,
             current=lt.graph_current, default_graph=DEFAULT_GRAPH, counter=lt._record_counter,
