@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
-import operator
 import sys
 from typing import Any
 
@@ -48,7 +47,7 @@ from ._C import _graph_refs as graph_refs
 from ._C import _record_graph as record_graph
 from .config import logger
 from .device import DEVICE_TYPE
-from .graph import Ref
+from .graph import Ref, tuple_getter
 from .lazy_tensor import LazyTensor
 from .stats import bump
 
@@ -501,17 +500,6 @@ def _writer(t: LazyTensor) -> Any:
     return w[-1] if w else None
 
 
-def _picker(idx: list[int]) -> Any:
-    """``args -> tuple(args[i] for i in idx)`` in one C call (``operator.itemgetter``, which
-    returns the item itself for one index)."""
-    if not idx:
-        return lambda args: ()
-    if len(idx) == 1:
-        i = idx[0]
-        return lambda args: (args[i],)
-    return operator.itemgetter(*idx)
-
-
 def _caller(gm: torch.fx.GraphModule, g: Any,
             writes: list[tuple[int, torch.fx.Node]]) -> Any:
     """``args -> outputs`` recording one ``genie::graph`` node; outputs that are inputs are
@@ -567,9 +555,9 @@ def _caller(gm: torch.fx.GraphModule, g: Any,
 
     # the call's arguments of each kind, as tuples, in one C call each (a list comprehension
     # over a decode step's 67 inputs cost ~2 µs a call of cold bytecode)
-    pick_t = _picker(t_idx)
-    pick_i = _picker(i_idx)
-    pick_w = _picker(w_idx)
+    pick_t = tuple_getter(t_idx)
+    pick_i = tuple_getter(i_idx)
+    pick_w = tuple_getter(w_idx)
 
     def call(*args: Any) -> list[Any]:
         tensors = args if all_tensors else pick_t(args)

@@ -29,9 +29,10 @@ import functools
 import gc
 import itertools
 import math
+import operator
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -615,6 +616,18 @@ class _DefaultGraph(Graph):
 
     def __len__(self) -> int:
         return _default_seq_len()
+
+
+def tuple_getter(idx: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
+    """``f(seq) -> tuple(seq[i] for i in idx)`` in one C call (``operator.itemgetter``, which
+    returns the item itself for one index): the per-call picks of a compiled graph's caller
+    (genie.dynamo) and of a shape class's key (genie.remote.shape_class)."""
+    if not idx:
+        return lambda _: ()
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda s: (s[i],)
+    return operator.itemgetter(*idx)
 
 
 def short_op_name(op: Any) -> str:

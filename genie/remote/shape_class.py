@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -58,6 +57,7 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from .. import _C
 from ..meta import policy
+from ..graph import tuple_getter
 from ..planner import Instr, MetaArg, Slot, Tape
 from ..shape_rules import contiguous_strides
 from .guard import META, UPLOAD, _const_key, _has_device_arg, _meta_arg_nbytes, _NoKey, _short, \
@@ -249,16 +249,6 @@ def _value_leaves(ins: Instr) -> frozenset[int]:
     return got
 
 
-def _getter(idx: tuple[int, ...]) -> Callable[[tuple], tuple]:
-    """``f(ints) -> tuple(ints[i] for i in idx)``, at C speed."""
-    if not idx:
-        return lambda _: ()
-    if len(idx) == 1:
-        i = idx[0]
-        return lambda s: (s[i],)
-    return operator.itemgetter(*idx)
-
-
 @dataclass(slots=True)
 class ShapeClass:
     """A structure's calls that one symbolic vet covers: fixed integers, guards, a bound."""
@@ -427,9 +417,9 @@ def from_spec(spec: Any, ints: tuple[int, ...]) -> ShapeClass:
     bound_fn = eval(compile(f"lambda {', '.join(names)}: {body}", "<genie shape class bound>",
                             "eval"), dict(SYMPY_INTERP))
     sym_set = set(sym_idx)
-    fixed = _getter(tuple(i for i in range(n) if i not in sym_set))
-    cls = ShapeClass(n, sym_idx, fixed, fixed(ints), _getter(reps), _getter(same_a),
-                     _getter(same_b), guard, bound_fn, code.count(" and ") + 1,
+    fixed = tuple_getter(tuple(i for i in range(n) if i not in sym_set))
+    cls = ShapeClass(n, sym_idx, fixed, fixed(ints), tuple_getter(reps), tuple_getter(same_a),
+                     tuple_getter(same_b), guard, bound_fn, code.count(" and ") + 1,
                      signs if -1 in signs else None)
     if cls.admit(ints) is None:
         raise NotAClass("the class does not admit the call it was built from")
