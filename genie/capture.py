@@ -122,7 +122,8 @@ class Recorder(Graph):
         g = self.owner()
         if g is not None:
             g.nodes.append(node)
-            g.leaves.append(node.leaves)
+            # (a value run at once, as an op with no meta kernel is, is adopted with no leaves)
+            g.leaves.append(node.leaves if node.n_leaves else [])
             g.scopes.append(_tls.state.scope if g.semantics_on else None)
 
 

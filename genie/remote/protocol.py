@@ -1099,6 +1099,8 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
                     v = frame_tensor(frames[v.index], v, copy=t.op != UPLOAD)
                 elif tv is MetaArg:
                     meta_arg_nbytes(v.meta)  # refuses negative strides
+                    if t.op in _DTYPE_ONLY:  # x.new_ones(size) reads x's dtype alone
+                        v = MetaArg(TensorMeta((), (), 0, v.meta.dtype, 0))
                 elif tv is InputUpload:
                     raise ProtocolError("an input upload used as a constant")
                 leaves.append(v)
@@ -1121,6 +1123,17 @@ def fill(c: Compiled, consts: list[Any], frames: list[Any], inputs: dict[int, An
     # (with ``upload``, each upload is an input: a refill reads it anew, as every call's)
     c.filled = Filled(instrs, where, at_frames, ups) if upload is not None else None
     return Tape(instrs, inputs, list(c.outputs), set(c.keep), [], {})
+
+
+#: ops whose metadata-only first argument gives only its dtype (``new_*``: the result's shape is
+#: the size argument's). The server takes it as a 0-dim value of that dtype, so a call's
+#: structure does not move with that tensor's shape (transformers' decode step calls
+#: ``attention_mask.new_ones(...)`` on a mask one longer each token: a shape class serves it),
+#: and the scratch value it makes for it is one element, not the whole tensor.
+_DTYPE_ONLY = frozenset(
+    op for packet in (torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided,
+                      torch.ops.aten.new_zeros, torch.ops.aten.new_ones, torch.ops.aten.new_full)
+    for op in (getattr(packet, name) for name in packet.overloads()))
 
 
 #: constant types a patch may change in place (others fill the tape anew)

@@ -735,10 +735,18 @@ def _run(tape: Tape, it: Any, memo: bool = True) -> Any:
     effects: dict[Any, _SymEffect] = {}
     for ins in tape.instrs:
         op = ins.op
-        if op == UPLOAD:
-            raise NotAClass("an upload instruction")
+        if op == UPLOAD:  # the call's host data (transformers' `torch.tensor(0.0, device=...)`
+            # in each step's mask): a fresh dense value of the metadata the class's key fixes,
+            # as the concrete vet makes and counts it (the host data too, as a host constant)
+            x = ins.leaves[0]
+            m = torch.empty_like(_leaf(None, x), device=META)
+            fixed += m.untyped_storage().nbytes()
+            if isinstance(x, torch.Tensor):
+                fixed += x.untyped_storage().nbytes()
+            env[ins.outs[0]] = run.value(m)
+            continue
         pol = policy(op)
-        if pol.inplace_view or pol.dynamic:
+        if pol.inplace_view or pol.dynamic and op is not _INDEX:
             raise NotAClass(f"{op} changes metadata in place or depends on data")
         vals: list[Any] = []
         for x in ins.leaves:
@@ -753,6 +761,8 @@ def _run(tape: Tape, it: Any, memo: bool = True) -> Any:
                 elif isinstance(x, torch.Tensor):
                     fixed += x.untyped_storage().nbytes()
                 vals.append(x)
+        if op is _INDEX and any(_dtype(v) in (torch.bool, torch.uint8) for v in vals[1:]):
+            raise NotAClass(f"{op} with a mask depends on data")  # (integer indices do not)
         key = _key(op, ins.spec, vals) if memo else None
         eff = effects.get(key) if key is not None else None
         if eff is None:
@@ -774,6 +784,16 @@ def _run(tape: Tape, it: Any, memo: bool = True) -> Any:
         return fixed
     return sympy.Add(sympy.Integer(fixed), *(c * e for e, c in terms.items()))
 
+
+
+_INDEX = torch.ops.aten.index.Tensor  # data-dependent only when an index is a mask
+
+
+def _dtype(v: Any) -> torch.dtype | None:
+    """The dtype of a symbolic run's tensor value (None for other leaves)."""
+    if type(v) is _SV:
+        return v.meta[3]
+    return v.dtype if isinstance(v, torch.Tensor) else None
 
 
 def _static(vals: list[Any]) -> bool:

@@ -316,6 +316,38 @@ def test_a_replayed_structures_inputs_are_each_checked(sess: Session) -> None:
 
 
 
+def test_a_step_that_uploads_indexes_and_calls_new_ones_is_served_by_a_class(server) -> None:
+    """What transformers < 5.24's decode step does (the GPU machine's 5.17, session 53): it
+    uploads ``torch.tensor(0.0, device=...)`` each step, calls ``attention_mask.new_ones(...)``
+    on a mask one longer each token and indexes with an integer tensor. Each of these once made
+    every step's structure a new one or refused its class, so every step was vetted; now a class
+    serves the steps after the first few, with eager's values."""
+    import genie
+
+    genie.connect(server.address, key_file=str(server.key_file), timeout=60)
+    counters = ("server_vets", "server_shape_class_hits")
+    try:
+        h, want_h = torch.zeros(1, 2).to(DEV), torch.zeros(1, 2)
+        seen = []
+        for k in range(10):
+            before = genie.stats()
+            outs = []
+            for hh, dev in ((h, DEV), (want_h, "cpu")):
+                hh = torch.cat([hh, torch.ones(1, 1, device=dev) * float(k)], 1)
+                m = hh.new_ones(1, hh.shape[1])  # a metadata-only argument that grows
+                idx = torch.arange(hh.shape[1] - 1, -1, -1, device=dev)  # reversed: integers
+                c = torch.tensor(0.0, device=dev)  # an upload, every step
+                outs.append((hh, torch.where(hh[:, idx] > 2, c, hh * m * 0.5)))
+            (h, got), (want_h, want) = outs
+            assert torch.equal(got.cpu(), want), k
+            after = genie.stats()
+            seen.append(tuple(after.get(n, 0) - before.get(n, 0) for n in counters))
+    finally:
+        genie.disconnect()
+    assert all(v == 0 for v, _ in seen[4:]), seen  # no concrete vet once the class exists
+    assert sum(c for _, c in seen[4:]) >= 6, seen
+
+
 def test_generate_with_a_new_prompt_length_each_call_is_vetted_in_its_first_calls_only(
         server) -> None:
     """GPT-2 greedy ``generate`` through the server, a prompt length never seen every call

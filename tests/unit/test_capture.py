@@ -398,6 +398,24 @@ def test_to_fx_transformer_encoder(grad: bool):
     _fx_equals_eager(enc, torch.randn(2, 5, 16), grad=grad)
 
 
+def test_an_op_without_a_meta_kernel_runs_at_once_in_a_capture_and_exports_its_value():
+    """An op with no meta kernel (``geqrf``; torch 2.11's ``_transformer_encoder_layer_fwd``,
+    which ``nn.TransformerEncoder``'s inference fast path calls) runs when called, in a capture
+    too: its value joins the capture's graph (with no arguments) and the FX export holds it."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key("aten::geqrf", "Meta"):
+        pytest.skip("this torch has a meta kernel for geqrf: nothing runs at once")
+    torch.manual_seed(0)
+    x = torch.randn(4, 4)
+    want = torch.geqrf(x)[0] * 2
+    genie.reset_stats()
+    with genie.capture() as g:
+        a, _ = torch.geqrf(x.to(DEV))
+        y = a * 2
+    assert genie.stats().get("materializations.no_meta_kernel") == 1
+    torch.testing.assert_close(y.cpu(), want, rtol=0, atol=0)
+    torch.testing.assert_close(g.to_fx(y)(*g.example_inputs()), want, rtol=0, atol=0)
+
+
 def test_to_fx_lstm():
     torch.manual_seed(0)
     _fx_equals_eager(nn.LSTM(8, 16, batch_first=True), torch.randn(2, 5, 8), out=lambda o: o[0])

@@ -62,11 +62,13 @@ def test_compiled_training_step_equals_eager():
 # --- torch.compile on the device: one genie::graph node per compiled-graph call ---------------
 
 import copy  # noqa: E402
+import traceback  # noqa: E402
 
 import pytest  # noqa: E402
 
 from genie import graphs  # noqa: E402
 from genie.backends import compiled as compiled_backend  # noqa: E402
+from genie.lazy_tensor import LazyTensor  # noqa: E402
 
 
 @pytest.fixture
@@ -180,7 +182,13 @@ def test_requires_grad_guard_and_gradients_equal_eager(fast_compiler):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
-def test_training_20_steps_adamw_losses_equal_eager(fast_compiler):
+def test_training_20_steps_adamw_losses_equal_eager(fast_compiler, monkeypatch):
+    # where a step printed a device tensor, if one does (a CUDA run materialized 18 of 20 steps
+    # for a repr, session 53: the stack names the caller)
+    reprs = []
+    lazy_repr = LazyTensor.__repr__
+    monkeypatch.setattr(LazyTensor, "__repr__", lambda t, **k: reprs.append(
+        "".join(traceback.format_stack(limit=10)[:-1])) or lazy_repr(t, **k))
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
                               torch.nn.Linear(16, 1))
@@ -202,8 +210,9 @@ def test_training_20_steps_adamw_losses_equal_eager(fast_compiler):
         losses_r.append(step(ref, opt_r, x, y).item())
         losses_l.append(cstep(lazy, opt_l, x.to(DEV), y.to(DEV)))
     s = genie.stats()  # 20 steps, nothing ran yet (else: what forced a run, and how often)
-    assert s.get("materializations", 0) == 0, {k: v for k, v in s.items()
-                                               if k.startswith(("materializations", "host_"))}
+    assert s.get("materializations", 0) == 0, ({k: v for k, v in s.items()
+                                                if k.startswith(("materializations", "host_"))},
+                                               reprs[:1])
     torch.testing.assert_close(torch.stack([v.cpu() for v in losses_l]), torch.tensor(losses_r))
     for a, b in zip(ref.parameters(), lazy.parameters(), strict=True):
         torch.testing.assert_close(b.cpu(), a.detach())
@@ -615,8 +624,11 @@ def test_a_graph_with_no_output_records_later_calls_from_its_cached_entry(fast_c
     assert cached[-3:] == [1, 1, 1], cached
     if isinstance(opts[0], torch.optim.AdamW):
         assert not any(native[-3:])  # (its host inputs: record_known)
+    # (eager on the CPU: a CUDA backward cannot run beside genie, pytorch#161129; six steps of
+    # CUDA's kernels against the CPU's drift further than one op's float32 tolerance)
+    tol = {} if genie.device.real_device(0).type == "cpu" else {"rtol": 1e-3, "atol": 1e-4}
     for a, b in zip(ref.parameters(), dev_model.parameters(), strict=True):
-        torch.testing.assert_close(b.cpu(), a)
+        torch.testing.assert_close(b.cpu(), a, **tol)
 
 
 def _write_cache(x, y, cache, i):

@@ -151,6 +151,7 @@ def test_hits_of_other_shapes_and_host_tensors(monkeypatch, read):
     assert seen[True][1] == seen[False][1]
 
 
+@pytest.mark.kernel_error  # an out-of-range index only the data shows, on the device
 def test_a_kernel_failing_in_a_native_read_raises_as_the_python_path(monkeypatch):
     """A kernel that fails during a read the native call runs: the same error, raised from
     genie's materialization (not from a backend), the op before it bound, the rest pending."""

@@ -614,3 +614,24 @@ def test_the_zygotes_warm_up_builds_a_class_of_an_attention_block() -> None:
     bad = list(i9)
     bad[cls.sym_idx[0] - 1] += 1  # a fixed integer next to the token count moved
     assert cls.admit(tuple(bad)) is None
+
+
+def test_a_tape_that_uploads_host_data_is_a_class_whose_bound_covers_the_vet() -> None:
+    """A step that uploads host data every call (transformers < 5.24's decode mask makes
+    ``torch.tensor(0.0, device=...)`` each step) is a class: the upload is a fresh value of the
+    metadata the class's key fixes, counted with its host data as the concrete vet counts them,
+    so the class's bound for another size is at least that vet's peak."""
+    from genie.planner import build_tape
+
+    def tape(n: int) -> Tape:
+        x = torch.zeros(n, device="remote_accelerator")
+        c = torch.tensor(0.5, device="remote_accelerator")  # an upload instruction
+        return build_tape([(((x + 1) * c)._node, 0)])
+
+    ts = [tape(n) for n in (3, 4, 9)]
+    assert "genie.upload" in [str(i.op) for i in ts[0].instrs]
+    (k3, i3), (k4, i4), (k9, i9) = (shape_params(b"k", t) for t in ts)
+    assert k3 == k4 == k9
+    cls = build(ts[1], i4, moved(i3, i4), i3)
+    bound = cls.admit(i9)
+    assert bound is not None and bound >= vet_tape(ts[2], 1 << 30).peak

@@ -1,6 +1,8 @@
 """A training step is one tape (issue 31): the loop people write, ``loss.item()`` each step,
 runs forward, backward and update together, so ``recompute`` keeps it within a memory budget.
-Eager on the real device is the oracle for losses and gradients (the same kernels: bit-equal).
+Eager on the real device is the oracle for losses and gradients (the same kernels: bit-equal);
+where that device is CUDA, eager on the CPU, to float32's tolerance (a CUDA backward cannot run
+in a process where the device is registered: pytorch#161129, docs/semantics.md).
 
 A budget is the device's (absolute), and ``recompute`` keeps a tape that it would lower by less
 than 5% of the device's peak: on CUDA the process also holds cuBLAS's workspace (32 MiB on
@@ -13,12 +15,16 @@ import torch
 
 import genie
 from genie import passes, plan_cache
-from genie.device import real_device
 from genie.passes import pipeline
 
+from eager_oracle import AUTOGRAD, EXACT, assert_equal_eager
+
 D = "remote_accelerator"
-R = real_device(0)  # eager's device: the oracle
-SCALE = 1 if R.type == "cpu" else 16  # batch multiplier (see the module doc)
+R = AUTOGRAD  # eager's device: the oracle
+SCALE = 1 if EXACT else 16  # batch multiplier (see the module doc)
+# a recomputed step's peak against half the unoptimized one: CUDA's allocator rounds each
+# block up (512 bytes, 2 MiB segments), so a peak of the toy loops lands a few % higher there
+SLACK = 1.1 if EXACT else 1.15
 
 
 pytestmark = pytest.mark.usefixtures("fresh_passes")
@@ -117,12 +123,10 @@ def test_standard_loop_equals_eager_and_fits_the_budget():
     passes.set_memory_budget(_budget(got0[3]))
     got1 = _loop(D, 4, batch=1024 * SCALE)
     for got in (got0, got1):
-        assert got[0] == want[0]  # losses bit-equal to eager
-        for a, b in zip(got[1] + got[2], want[1] + want[2], strict=True):
-            assert torch.equal(a, b)  # gradients and updated parameters too
+        assert_equal_eager(got[0] + got[1] + got[2], want[0] + want[1] + want[2])
     # step 1 is the plan's miss (run as recorded), step 2 its verification (the unoptimized
     # tape runs for real); from then on the optimized plan
-    assert max(got1[3][2:]) <= half * 1.1, (got0[3], half, got1[3])
+    assert max(got1[3][2:]) <= half * SLACK, (got0[3], half, got1[3])
     rep = [r for r in passes.report() if "recompute" in r.passes]
     assert rep and rep[0].peak_after < rep[0].peak_before
 
@@ -141,7 +145,7 @@ def test_dropout_is_recomputed_with_the_values_it_had():
     assert got1[0] == got0[0]
     assert all(torch.equal(a, b) for a, b in zip(got1[1] + got1[2], got0[1] + got0[2],
                                                   strict=True))
-    assert max(got1[3][2:]) <= half * 1.1, (got0[3], half, got1[3])
+    assert max(got1[3][2:]) <= half * SLACK, (got0[3], half, got1[3])
     scripts = [p.artifacts["passes"] for p in plan_cache.cache().plans()
                if isinstance(p.artifacts.get("passes"), pipeline.Script)]
 
@@ -175,7 +179,7 @@ def _gpt2_loop(device, steps, batch=4):
 def test_gpt2_standard_loop_fits_half_its_peak():
     """Checkpoints at the blocks' boundaries (``recompute``'s cuts: the residual stream), each
     block recomputed in its backward, the empty KV cache's upload read where it was made:
-    a GPT-2 AdamW step within half its unoptimized peak (+10%), bit-equal to eager."""
+    a GPT-2 AdamW step within half its unoptimized peak (+10%; +15% on CUDA), equal to eager."""
     want = _gpt2_loop(R, 4, batch=4 * SCALE)
     passes.set_passes([])
     got0 = _gpt2_loop(D, 4, batch=4 * SCALE)
@@ -185,21 +189,17 @@ def test_gpt2_standard_loop_fits_half_its_peak():
     passes.set_memory_budget(_budget(got0[3]))
     got1 = _gpt2_loop(D, 4, batch=4 * SCALE)
     for got in (got0, got1):
-        assert got[0] == want[0]
-        for a, b in zip(got[1] + got[2], want[1] + want[2], strict=True):
-            assert torch.equal(a, b)
+        assert_equal_eager(got[0] + got[1] + got[2], want[0] + want[1] + want[2])
     # steps 1-2: AdamW's first step (its state made) and the steady step's miss; step 3 the
     # steady plan's verification run; step 4 the optimized plan
-    assert got1[3][3] <= half * 1.1, (got0[3], half, got1[3])
+    assert got1[3][3] <= half * SLACK, (got0[3], half, got1[3])
 
 
 def test_adamw_loop_equals_eager():
     opt = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
     want = _loop(R, 3, depth=2, batch=64, opt_cls=opt)
     got = _loop(D, 3, depth=2, batch=64, opt_cls=opt)
-    assert got[0] == want[0]
-    assert all(torch.equal(a, b) for a, b in zip(got[1] + got[2], want[1] + want[2],
-                                                  strict=True))
+    assert_equal_eager(got[0] + got[1] + got[2], want[0] + want[1] + want[2])
 
 
 def test_a_trigger_that_runs_nothing_leaves_the_step_for_the_next_one():
