@@ -46,6 +46,8 @@ from .profiling import phase
 from .shape_rules import KW_RULES, RULES
 from .stats import _counts, _syncs, bump
 
+_compile_id = torch._guards.CompileContext.current_compile_id  # not None inside a Dynamo compile
+
 _state_word = _C._state_word
 _note_reads = _C._note_reads
 
@@ -200,6 +202,11 @@ class LazyTensor(torch.Tensor):
 
     # --- materialization triggers that Tensor does not route through an ATen op -----------------
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
+        if _compile_id() is not None:
+            # Dynamo building its guards (torch 2.11's ID_MATCH puts a repr of the guarded value
+            # in a hint): what the tensor is, without running the program for its values
+            return (f"tensor(..., size={tuple(self.shape)}, dtype={self.dtype}, "
+                    f"device='{self.device}')")
         real = materialize_one(self, "repr")
         body = repr(real.detach().cpu())
         suffix = f", device='{self.device}'"

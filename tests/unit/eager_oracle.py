@@ -13,7 +13,7 @@ from genie.device import real_device
 
 EXACT = real_device(0).type == "cpu"
 AUTOGRAD = real_device(0) if EXACT else torch.device("cpu")  # the oracle's device
-RTOL, ATOL = 1e-4, 1e-5  # CUDA's kernels against the CPU's, over a few training steps
+RTOL, ATOL = 1e-4, 1e-4  # CUDA's kernels against the CPU's, over a few training steps
 
 
 def assert_equal_eager(got, want) -> None:

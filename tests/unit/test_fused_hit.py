@@ -11,6 +11,7 @@ import torch
 
 import genie
 from genie import executor, passes, plan_cache
+from genie.device import real_device
 from genie.passes import pipeline
 
 D = "remote_accelerator"
@@ -213,6 +214,18 @@ def test_a_settled_edit_script_runs_fused(fused, monkeypatch):
         passes.set_passes(None)
 
 
+def assert_same_peaks(got, want):
+    """``_peaks`` of two runs: values equal, and the memory figures too; on CUDA they are the
+    caching allocator's own (not Genie's accounting), which a fused and a general run of one
+    step can leave one 512-byte block apart."""
+    if real_device(0).type == "cpu":
+        assert got == want
+        return
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert all(abs(a - b) <= 512 for g, w in zip(got, want, strict=True)
+               for a, b in zip(g[2:], w[2:], strict=True)), (got, want)
+
+
 def _peaks(steps=16):
     """A training step's loss and the device's peak after each step, from a peak reset before
     the first: the peak counts the values alive inside each run (memory tracking on)."""
@@ -252,7 +265,7 @@ def test_memory_tracking_keeps_the_fused_path_with_the_general_paths_peaks(monke
         before = genie.stats().get("fused_hits", 0)
         seen[on] = (_peaks(), genie.stats().get("fused_hits", 0) - before)
     assert seen[False][1] == 0 and seen[True][1] >= 3, (seen[False][1], seen[True][1])
-    assert seen[True][0] == seen[False][0]
+    assert_same_peaks(seen[True][0], seen[False][0])
     assert seen[True][0][-1][2] >= seen[True][0][-1][3] + (16 << 10)  # a run's transients
 
 
