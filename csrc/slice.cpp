@@ -596,11 +596,25 @@ py::object slice_nodes(const py::list& targets) {
 using SlotMap = FlatMap<int64_t>;  // out_key(node index, output) -> slot
 using IndexSet = FlatMap<char>;    // node indices
 
+// A run's node indices as the column match has them: increasing (genie::held_after_sorted).
+struct SortedRun {
+  const std::vector<Py_ssize_t>& at;
+};
+
+inline bool in(IndexSet& run, int64_t index) {
+  return run.find(index) != nullptr;
+}
+
+inline bool in(const SortedRun& run, int64_t index) {
+  return std::binary_search(run.at.begin(), run.at.end(), static_cast<Py_ssize_t>(index));
+}
+
 // Whether a pending node outside `in_run` reads an output of `n` (genie.planner.
 // _has_pending_consumer): nodes keep only a count of their consumers, and every pending consumer
 // is among the readers of the storage it reads, so the pending readers whose arguments name `n`
 // are its pending consumers.
-bool has_pending_consumer(PyObject* n, IndexSet& in_run) {
+template <class Run>
+bool has_pending_consumer(PyObject* n, Run& in_run) {
   PyObject* count = get(n, S.n_consumers);
   if (!PyLong_CheckExact(count)) {
     throw Unsupported();
@@ -629,7 +643,7 @@ bool has_pending_consumer(PyObject* n, IndexSet& in_run) {
     const Py_ssize_t nr = size_of(readers.ptr());
     for (Py_ssize_t i = 0; i < nr; ++i) {
       PyObject* c = deref(item(readers.ptr(), i));
-      if (c == Py_None || executed(as_node(c)) || in_run.find(index_of(c)) != nullptr) {
+      if (c == Py_None || executed(as_node(c)) || in(in_run, index_of(c))) {
         continue;
       }
       const Py_ssize_t m = leaf_count(c);
@@ -646,7 +660,8 @@ bool has_pending_consumer(PyObject* n, IndexSet& in_run) {
 
 // genie.planner.held_after (in_run: the run's node indices; inside: the run's references to `n`,
 // or -1 when not counted).
-bool held_after(PyObject* n, Py_ssize_t k, IndexSet& in_run, Py_ssize_t inside) {
+template <class Run>
+bool held_after(PyObject* n, Py_ssize_t k, Run& in_run, Py_ssize_t inside) {
   static PyObject* const node_name = PyUnicode_InternFromString("_node");
   PyObject* r = out_of(get(n, S.n_outputs), k);
   if (r != Py_None) {
@@ -1328,6 +1343,19 @@ int tensor_meta_eq(PyObject* a, PyObject* b) {
   }
   try {
     return meta_eq(a, b) ? 1 : 0;
+  } catch (const Unsupported&) {
+    return -1;
+  }
+}
+
+int held_after_sorted(PyObject* n, Py_ssize_t k, const std::vector<Py_ssize_t>& run,
+                      Py_ssize_t inside) {
+  if (!S.graph_ready || Py_TYPE(n) != S.node) {
+    return -1;
+  }
+  const SortedRun r{run};
+  try {
+    return held_after(n, k, r, inside) ? 1 : 0;
   } catch (const Unsupported&) {
     return -1;
   }

@@ -2,6 +2,8 @@
 // (slice.cpp).
 #pragma once
 
+#include <vector>
+
 #include <pybind11/pybind11.h>
 
 namespace genie {
@@ -18,5 +20,10 @@ int tensor_meta_eq(PyObject* a, PyObject* b);
 // genie.graph.same_const natively (floats by bits: -0.0 is not 0.0, NaN is NaN).
 bool constants_same(PyObject* a, PyObject* b);
 int tensor_meta_same_kind(PyObject* a, PyObject* b);
+// genie.planner.held_after natively for the column match (match.cpp), the run given as its node
+// indices in increasing order (the found nodes' record order): 1 or 0; -1 when an object is not
+// of the type the native slice reads (the caller asks Python). A Python error propagates.
+int held_after_sorted(PyObject* n, Py_ssize_t k, const std::vector<Py_ssize_t>& run,
+                      Py_ssize_t inside);
 
 }  // namespace genie
