@@ -446,6 +446,22 @@ def track(t: Any, node: Node, out: int) -> None:
             _gc_untrack(a, t.__dict__)
 
 
+def share(t: Any, src: Any) -> None:
+    """Make ``t``, rebound to ``src``'s value (``t.data = src``, ``t.set_(src)``), keep that
+    value alive as ``src`` does: both hold ``src``'s token, so its node counts the output alive
+    while either tensor lives (a token of ``t``'s own would replace ``src``'s in the node, and
+    the value would be freed by the next run once ``t`` dies, ``src`` still holding it)."""
+    node, out = src._node, src._out
+    tok = src.__dict__.get("_alive")
+    r = node.output(out)
+    if tok is None or r is None or r() is not tok:  # (src does not follow the value: a capture's
+        track(t, node, out)                          # weak reference to the tensor, a stale one)
+        return
+    t._alive = tok
+    if config.gc_untrack:
+        _gc_untrack(t.__dict__)
+
+
 # --- the cyclic garbage collector ---------------------------------------------------------------
 #
 # Recording allocates about ten small GC-tracked objects per op (the node, its argument, storage

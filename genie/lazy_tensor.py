@@ -37,8 +37,8 @@ from .device import DEVICE_TYPE, real_device
 from .errors import UnsupportedOpError
 from .executor import real_dispatch
 from .graph import (DEFAULT_GRAPH, Alive, Graph, MetaArg, Node, Ref, Storage, TensorMeta,
-                    _record_counter, defer_writer, pending_total, retrack_below, track,
-                    untrack_node)
+                    _record_counter, defer_writer, pending_total, retrack_below, share,
+                    track, untrack_node)
 from .graph import current as graph_current
 from .meta import (MetaEntry, WarnedEntry, disable_modes, eager_error, infer, meta_cache,
                    meta_tensor, policy, static_shape)
@@ -178,7 +178,7 @@ class LazyTensor(torch.Tensor):
                 f"move the new value to {self.device} first (new.to('{self.device}')).")
         _TENSOR_DATA.__set__(self, new)
         self._node, self._out = new._node, new._out
-        track(self, new._node, new._out)
+        share(self, new)
 
     def __format__(self, format_spec: str) -> str:
         # as torch.Tensor.__format__: a 0-dim tensor formats as its Python number (f"{loss:.4f}")
@@ -900,7 +900,7 @@ def _rebind(target: LazyTensor, v: LazyTensor) -> LazyTensor:
     from torch.utils._mode_utils import no_dispatch
 
     target._node, target._out = v._node, v._out
-    track(target, v._node, v._out)
+    share(target, v)
     with no_dispatch():
         meta_in_tls = torch._C._meta_in_tls_dispatch_include()
         torch._C._set_meta_in_tls_dispatch_include(True)

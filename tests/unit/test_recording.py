@@ -145,12 +145,10 @@ def test_detach_keeps_the_value_after_the_original_dies(record_path):
     torch.testing.assert_close((dy * 2).cpu(), a.exp() * 2)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-    "p.data = v binds p to v's value, but the node follows only the last tensor bound to it "
-    "(a weak reference to one liveness token): after del p the next run frees v's value and "
-    "v.cpu() raises. A count per output (docs/node-layout.md, step 5, built and reverted in "
-    "session 52 for its young-count drift) holds it while either tensor lives."))
 def test_a_value_two_tensors_hold_outlives_either(record_path):
+    """``p.data = v`` binds p to v's value: both hold v's liveness token (graph.share), so the
+    value lives while either does (a token of p's own made the next run free it after
+    ``del p``)."""
     a = torch.randn(4)
     v = a.to(D) * 2
     p = torch.zeros(4, device=D)
@@ -158,6 +156,12 @@ def test_a_value_two_tensors_hold_outlives_either(record_path):
     del p
     torch.testing.assert_close((v + 1).cpu(), a * 2 + 1)  # runs v's node
     torch.testing.assert_close(v.cpu(), a * 2)
+    p = torch.zeros(4, device=D)  # and the other way round: the new value's tensor dies first
+    v = a.to(D) * 3
+    p.data = v
+    del v
+    torch.testing.assert_close((p + 1).cpu(), a * 3 + 1)
+    torch.testing.assert_close(p.cpu(), a * 3)
 
 
 def test_detach_of_a_conj_view_and_in_capture_records_the_op(record_path):
