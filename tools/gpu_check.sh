@@ -24,6 +24,7 @@ stamp() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 stamp "machine"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c "import torch; print('torch', torch.__version__, '| cuda', torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))"
+  $PY -c "import transformers, sympy; print('transformers', transformers.__version__, '| sympy', sympy.__version__)"
   nproc; } 2>&1 | tee "$OUT/machine.txt"
 
 if compgen -G ".whl/*.whl" >/dev/null; then  # into the interpreter's own environment, so the
@@ -33,6 +34,9 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 stamp "build"
+# the H200 image's CXX (/opt/gcc/bin/g++) links libstdc++ statically, which setup.py refuses
+# after a whole build (~50 s of device time): take the system g++ first where there is one
+if [[ -z "${CXX:-}" ]] && command -v g++ >/dev/null; then export CXX=g++; fi
 build() { TORCH_DEVICE_BACKEND_AUTOLOAD=0 MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace -q \
     >>"$OUT/build.log" 2>&1; }
 if ! build; then
