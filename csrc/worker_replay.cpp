@@ -20,9 +20,12 @@
 //   len(input_slots) constants (the tape's inputs, handle ids); kinds: per constant
 //   (kind, instruction, leaf, position): kInput, kInt (an int leaf, `position` among the
 //   instructions' integers of the class key), kFloat (a float leaf whose value decides no
-//   size), kSeed / kOffset (a random op's seed / offset), kFixed (anything else: a delta may
-//   name it only with the value it has, of type None, bool, int, float or str); static: the inputs' static key (genie._C._input_key's bytes)
-//   of the class key; instr_ints: the instructions' integers of the last call; exact: a list of
+//   size), kWrittenBool (a bool leaf that is a value argument whole, written only into an
+//   output: shape_class's value leaves, e.g. HF's stopping criteria `full((batch,), is_done)`,
+//   True at a generate's last step; a program reads it per step), kSeed / kOffset (a random
+//   op's seed / offset), kFixed (anything else: a delta may name it only with the value it has, of type
+//   None, bool, int, float or str); static: the inputs' static key (genie._C._input_key's
+//   bytes) of the class key; instr_ints: the instructions' integers of the last call; exact: a list of
 //   [ints, peak] of vetted calls; admit: a _ShapeAdmit or None.
 //
 // step(store, used_at, delta, tick, budget, split, early) -> dict | tuple | int
@@ -387,7 +390,9 @@ class ShapeAdmit {
 
 // --- the lane -----------------------------------------------------------------------------------
 
-enum Kind : int { kInput = 0, kInt = 1, kFloat = 2, kSeed = 3, kOffset = 4, kFixed = 5 };
+enum Kind : int {
+  kInput = 0, kInt = 1, kFloat = 2, kSeed = 3, kOffset = 4, kFixed = 5, kWrittenBool = 6
+};
 
 struct ConstKind {
   int kind = kFixed;
@@ -456,9 +461,10 @@ class Lane {
       k.leaf = py::cast<int64_t>(t[2]);
       k.pos = py::cast<int64_t>(t[3]);
       const bool leafy = k.kind == kInt || k.kind == kFloat || k.kind == kSeed ||
-                         k.kind == kOffset;
-      if (k.kind < kInput || k.kind > kFixed || (leafy && (k.instr < 0 || k.instr >= ni)) ||
-          ((k.kind == kInt || k.kind == kFloat) && k.leaf < 0) ||
+                         k.kind == kOffset || k.kind == kWrittenBool;
+      if (k.kind < kInput || k.kind > kWrittenBool ||
+          (leafy && (k.instr < 0 || k.instr >= ni)) ||
+          ((k.kind == kInt || k.kind == kFloat || k.kind == kWrittenBool) && k.leaf < 0) ||
           (k.kind == kInt &&
            (k.pos < 0 || k.pos >= static_cast<int64_t>(instr_ints_.size())))) {
         throw py::value_error("_WorkerLane: a malformed constant kind");
@@ -530,6 +536,11 @@ class Lane {
           break;
         case kFloat:
           if (!PyFloat_CheckExact(v)) {
+            return py::int_(2);
+          }
+          break;
+        case kWrittenBool:
+          if (!PyBool_Check(v)) {
             return py::int_(2);
           }
           break;
@@ -640,7 +651,7 @@ class Lane {
         ins = PyList_GET_ITEM(instrs_.ptr(), static_cast<Py_ssize_t>(c.instr));
         own_[static_cast<size_t>(c.instr)] = 1;
       }
-      if (c.kind == kInt || c.kind == kFloat) {
+      if (c.kind == kInt || c.kind == kFloat || c.kind == kWrittenBool) {
         py::object leaves = py::reinterpret_steal<py::object>(PyObject_GetAttr(ins, leaves_name));
         if (!leaves || !PyList_Check(leaves.ptr()) ||
             c.leaf >= PyList_GET_SIZE(leaves.ptr())) {

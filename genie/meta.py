@@ -22,6 +22,7 @@ statistics), from torch's own ``SchemaInfo`` and :data:`UNMARKED_WRITES` (see
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -177,6 +178,50 @@ def _unmarked_writes(op: Any, schema: Any) -> tuple[tuple[int, ...], int]:
 
 def _argument(i: int) -> Any:
     return torch._C._SchemaArgument(torch._C._SchemaArgType.input, i)
+
+
+#: ``Scalar`` arguments whose value is only written into an output (``full``'s ``fill_value``,
+#: ``masked_fill``'s ``value``): their type can decide an output's dtype, their value never
+#: decides metadata nor what a meta kernel checks
+_VALUE_ARGS = frozenset({"fill_value", "value"})
+VALUE_LEAVES_NONE: frozenset[int] = frozenset()
+_value_leaves_of: dict[tuple[Any, Any], frozenset[int]] = {}
+
+
+def value_leaves(ins: Any) -> frozenset[int]:
+    """The leaves of ``ins`` that are a :data:`_VALUE_ARGS` argument whole: a bool there is
+    keyed by its type in a class key, so that a call differing only in it (HF's stopping
+    criteria fill ``full((batch,), is_done)``, ``True`` at a generate's last step) is of the
+    class of its other steps (genie.remote.shape_class); a native program reads it per step, as
+    a float (``native_replay.compile_tape``), so that a server's native lane patches it
+    (csrc/worker_replay.cpp, ``kWrittenBool``)."""
+    op = ins.op
+    try:
+        named = op._genie_value_args  # (cached on the op, as meta.policy is: ~0.1 µs a look)
+    except AttributeError:
+        schema = getattr(op, "_schema", None)
+        named = () if schema is None else tuple(
+            (p, a.name) for p, a in enumerate(schema.arguments)
+            if a.name in _VALUE_ARGS and isinstance(a.type, torch._C.NumberType))
+        with contextlib.suppress(AttributeError):
+            op._genie_value_args = named
+    if not named:
+        return VALUE_LEAVES_NONE
+    k = (op, ins.spec)
+    got = _value_leaves_of.get(k)
+    if got is None:
+        tree = optree.tree_unflatten(ins.spec, list(range(ins.spec.num_leaves)))
+        args, kwargs = tree if type(tree) is tuple and len(tree) == 2 else ((), {})
+        found = set()
+        for p, name in named:
+            x = args[p] if p < len(args) else kwargs.get(name)
+            if type(x) is int:  # (the leaf's index: the argument is one leaf)
+                found.add(x)
+        got = frozenset(found)
+        if len(_value_leaves_of) >= 4096:
+            _value_leaves_of.clear()
+        _value_leaves_of[k] = got
+    return got
 
 
 def policy(op: Any) -> OpPolicy:

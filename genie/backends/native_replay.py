@@ -56,7 +56,7 @@ from .. import _C, graphs
 from ..config import config, logger
 from ..device import real_device
 from ..errors import ExecutionError
-from ..meta import policy
+from ..meta import policy, value_leaves
 from ..planner import MetaArg, Slot, Tape, raw_instrs
 from ..stats import _counts, _syncs, bump
 
@@ -190,6 +190,7 @@ def compile_tape(tape: Tape, generic: bool = False) -> Program:
         values: list[Any] = []
         marks: list[int] = []
         patches: list[tuple[Any, ...]] = []
+        vals = value_leaves(ins)  # (a bool there: a per-step parameter, as a float)
         for p, x in enumerate(ins.leaves):
             t = type(x)
             patch: tuple[Any, ...] | None = None
@@ -205,7 +206,8 @@ def compile_tape(tape: Tape, generic: bool = False) -> Program:
                 value = _PLACEHOLDER
             elif isinstance(x, torch.Tensor):  # a host tensor: a per-step parameter
                 patch, value = (_LEAF, p), _PLACEHOLDER
-            elif t is float or (generic and t is int):  # per-step parameters, as codegen's
+            elif t is float or (generic and t is int) or (t is bool and p in vals):
+                # per-step parameters, as codegen's
                 patch = (_LEAF, p, True)  # baked: a step running this very Instr skips it
             marks.append(-1 if patch is None else len(patches))
             if patch is not None:

@@ -39,7 +39,6 @@ would have failed any check the symbolic run went through.
 from __future__ import annotations
 
 import ast
-import contextlib
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -56,7 +55,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._sympy.printers import PythonPrinter
 
 from .. import _C
-from ..meta import policy
+from ..meta import VALUE_LEAVES_NONE as _NONE, policy, value_leaves as _value_leaves
 from ..graph import tuple_getter
 from ..planner import Instr, MetaArg, Slot, Tape
 from ..shape_rules import contiguous_strides
@@ -96,8 +95,8 @@ class ClassKey:
     def __init__(self, parts: tuple, baked: tuple | None = None) -> None:
         self.parts = parts
         self._hash = hash(parts)
-        #: the constants a native program of the call bakes, with the values the class key
-        #: holds by type only (:func:`_value_leaves`): part of a program's key, not the class's
+        #: the constants of the call's instructions, with the values the class key holds by
+        #: type only (:func:`_value_leaves`, which a native program reads per step)
         self.baked = parts[1] if baked is None else baked
 
     def __hash__(self) -> int:
@@ -205,48 +204,6 @@ def _instr_params(tape: Tape, filled: Any
         filled.params = (*out, where)
         filled.patched.clear()
     return out
-
-
-#: ``Scalar`` arguments whose value is only written into an output (``full``'s ``fill_value``,
-#: ``masked_fill``'s ``value``): their type can decide an output's dtype, their value never
-#: decides metadata nor what a meta kernel checks
-_VALUE_ARGS = frozenset({"fill_value", "value"})
-_NONE: frozenset[int] = frozenset()
-_value_leaves_of: dict[tuple[Any, Any], frozenset[int]] = {}
-
-
-def _value_leaves(ins: Instr) -> frozenset[int]:
-    """The leaves of ``ins`` that are a :data:`_VALUE_ARGS` argument whole: a bool there is
-    keyed by its type in a class key, so that a call differing only in it (HF's stopping
-    criteria fill ``full((batch,), is_done)``, ``True`` at a generate's last step) is of the
-    class of its other steps; a native program still bakes its value (``ClassKey.baked``)."""
-    op = ins.op
-    try:
-        named = op._genie_value_args  # (cached on the op, as meta.policy is: ~0.1 µs a look)
-    except AttributeError:
-        schema = getattr(op, "_schema", None)
-        named = () if schema is None else tuple(
-            (p, a.name) for p, a in enumerate(schema.arguments)
-            if a.name in _VALUE_ARGS and isinstance(a.type, torch._C.NumberType))
-        with contextlib.suppress(AttributeError):
-            op._genie_value_args = named
-    if not named:
-        return _NONE
-    k = (op, ins.spec)
-    got = _value_leaves_of.get(k)
-    if got is None:
-        tree = optree.tree_unflatten(ins.spec, list(range(ins.spec.num_leaves)))
-        args, kwargs = tree if type(tree) is tuple and len(tree) == 2 else ((), {})
-        found = set()
-        for p, name in named:
-            x = args[p] if p < len(args) else kwargs.get(name)
-            if type(x) is int:  # (the leaf's index: the argument is one leaf)
-                found.add(x)
-        got = frozenset(found)
-        if len(_value_leaves_of) >= 4096:
-            _value_leaves_of.clear()
-        _value_leaves_of[k] = got
-    return got
 
 
 @dataclass(slots=True)

@@ -231,7 +231,7 @@ LANE_MISSES = 8
 #: lane outcomes (``genie._C._WorkerLane.step``'s codes) by name, for :attr:`Worker.lane_passes`
 LANE_PASS = {1: "delta", 2: "constant", 3: "input", 4: "layout", 5: "shapes", 6: "budget"}
 # kinds of a lane's constants (csrc/worker_replay.cpp, enum Kind)
-_K_INPUT, _K_INT, _K_FLOAT, _K_SEED, _K_OFFSET, _K_FIXED = range(6)
+_K_INPUT, _K_INT, _K_FLOAT, _K_SEED, _K_OFFSET, _K_FIXED, _K_BOOL = range(7)
 
 
 def native_lanes() -> bool:
@@ -925,7 +925,7 @@ class Worker:
         checks it as every request, and refuses what it refuses. What stays in Python here: the
         header's hints, the quota before and after, the kept values' puts and the reply."""
         sess = self.sess
-        new_ids = list(range(id0, id0 + len(c.made)))
+        end = id0 + len(c.made)
         ph = h.get("ph", 0)
         try:  # (what the Python path refuses, it refuses: after the delta is its constants)
             hints = _hints(h.get("ev"))
@@ -934,12 +934,10 @@ class Worker:
         if hints is None or ph not in (0, 1):
             self.lane_passes["request"] += 1
             return None
-        made: set[int] = set()
-        if hints:  # as _run: every hinted id must be the session's
-            made = set(new_ids)
-            freed = set(_id_list(h.get("free")))
-            if any(hid not in made and hid not in sess.store and hid not in freed
-                   for hid, _ in hints):
+        if hints:  # as _run: every hinted id must be the session's (held, made or freed)
+            store = sess.store
+            other = [hid for hid, _ in hints if hid not in store and not id0 <= hid < end]
+            if other and not set(_id_list(h.get("free"))).issuperset(other):
                 self.lane_passes["request"] += 1
                 return None
         sess.decoding = ph == 1
@@ -963,8 +961,9 @@ class Worker:
         self.how = "class" if lane.how else "hit"
         self.replays += 1
         self.lane_runs += 1
-        if hints:
-            _apply_hints(sess, [(i, code) for i, code in hints if i not in made])
+        if hints:  # the held values' now, the made values' once they are put
+            _apply_hints(sess, [(i, code) for i, code in hints if not id0 <= i < end])
+        new_ids = list(range(id0, end))
         added: list[int] = []
         try:
             if type(r) is tuple:  # (instruction, exception, live values)
@@ -982,7 +981,8 @@ class Worker:
             for a in added:
                 sess.drop(a)
             raise
-        _apply_hints(sess, hints)
+        if hints:
+            _apply_hints(sess, [(i, code) for i, code in hints if id0 <= i < end])
         if self.answered:
             return {"t": "ok"}, []
         vals = [kept[s] for s in c.outputs]
@@ -1034,6 +1034,9 @@ class Worker:
                             kind, q = _K_INT, pos[(i, j)]
                         elif type(x) is float and not policy(ins.op).float_values_matter:
                             kind = _K_FLOAT
+                        elif type(x) is bool and pos.get((i, j), 0) < 0:
+                            kind = _K_BOOL  # (a value argument's bool: the class keys its
+                            # type, the program reads it per step; HF's is_done)
                     elif ins.rng is not None:
                         kind = _K_SEED if j == -1 else _K_OFFSET
                 kinds.append((kind, i, j, q))
@@ -1106,7 +1109,9 @@ class Worker:
         if got is None:
             return None
         ck, ints = got
-        pkey = (key, ck.baked)  # (the constants its native program bakes)
+        # the constants its native program bakes: the class key's (a written bool by its type:
+        # the program reads its value per step, native_replay.compile_tape)
+        pkey = (key, ck[1])
         prog = self.programs.get(pkey)
         if prog is None:
             self._guarded = (pkey, ck, ints)
@@ -1465,7 +1470,14 @@ def _drop_lane(c: Compiled, never: bool = False) -> None:
     if lane and c.lane_state is not None and isinstance(c.consts, list) and \
             c.consts is lane.consts:
         where, baked, cbaked, istatic, pos = c.lane_state
-        c.filled = Filled(list(lane.instrs), where, [], [], [],
+        instrs = list(lane.instrs)
+        flips = [(-1 - p, instrs[i].leaves[j]) for (i, j), p in pos.items() if p < 0]
+        if flips:  # (the value bools the lane patched: a program's key holds their values)
+            bl = list(baked)
+            for k, x in flips:
+                bl[k] = (bool, x)
+            baked = type(baked)(bl)
+        c.filled = Filled(instrs, where, [], [], [],
                           (baked, cbaked, istatic, lane.instr_ints, pos))
     c.lane = False if never else None
     c.lane_state = None
@@ -1514,6 +1526,9 @@ def _apply_hints(sess: Session, hints: list[tuple[int, int]]) -> None:
                 sess.roles[hid] = code
 
 
+_INT_ONLY = {int}
+
+
 def _hints(ev: Any) -> list[tuple[int, int]]:
     """Residency hints ``[hid, role code, ...]`` as pairs; ProtocolError when malformed."""
     if ev is None:
@@ -1521,7 +1536,13 @@ def _hints(ev: Any) -> list[tuple[int, int]]:
     if not isinstance(ev, list) or len(ev) % 2 or len(ev) > 2 * MAX_HINTS:
         raise ProtocolError(f"residency hints ('ev') must be a flat list of at most {MAX_HINTS} "
                             "[handle id, role code] pairs")
-    out = []
+    if not ev:
+        return []
+    ids, codes = ev[0::2], ev[1::2]  # (every item an int: ids >= 0, codes of ROLES, in C loops)
+    if set(map(type, ev)) == _INT_ONLY and min(ids) >= 0 and min(codes) >= 0 and \
+            max(codes) < len(ROLES):
+        return list(zip(ids, codes))
+    out = []  # (one by one: the first bad pair named)
     for i in range(0, len(ev), 2):
         hid, code = ev[i], ev[i + 1]
         if type(hid) is not int or hid < 0 or type(code) is not int or \

@@ -116,9 +116,9 @@ def test_a_call_that_differs_in_a_written_bool_is_of_the_class_with_its_own_valu
         sess: Session) -> None:
     """``x.view(2, k) * full((2, k), flag)``: a call whose ``flag`` differs (a generate's last
     step fills ``full((batch,), is_done)`` with ``True``) is admitted by the class its other
-    calls made once its own program ran (guarded: the program bakes the value), with its own
-    values; and a call of the class's key that its guards refuse meets the view's refusal,
-    either flag."""
+    calls made, and runs their program (which reads the value per step) with its own values;
+    and a call of the class's key that its guards refuse meets the view's refusal, either
+    flag."""
     def view_fill(hid: int, a: int, b: int, flag: bool) -> dict | None:
         return sess.run(["aten::view.default", "aten::full.default", "aten::mul.Tensor"],
                         [[0, 0, [0, -1, -1], [1], [], False], [1, 1, [-1, -1, -1], [2], [], False],
@@ -132,7 +132,7 @@ def test_a_call_that_differs_in_a_written_bool_is_of_the_class_with_its_own_valu
         assert r and r["t"] == "ok", r
         seen.append(r["vt"])
         assert torch.equal(_reply_tensor(sess, r), x.view(2, k) * flag), (k, flag)
-    assert seen == ["guarded", "vetted", "guarded", "class", "class", "class"], seen
+    assert seen == ["guarded", "vetted", "class", "class", "class", "class"], seen
     for flag in (False, True):  # 2 x 7 = 14 elements of a 12-element value
         r = view_fill(_resident(sess, torch.arange(12.0)), 2, 7, flag)
         err(r, "exec", "invalid for input of size 12")

@@ -403,3 +403,78 @@ def test_expressions_the_native_evaluator_does_not_take() -> None:
         _C._ShapeAdmit(1, [], [], [], [], [0], [1], [(1, 5, [], [])], [(0, 1, [], [])])
     with pytest.raises(ValueError):
         _C._ShapeAdmit(1, [], [], [], [], [0], [1], [(2, 0, [0, 1], [])], [(0, 1, [], [])])
+
+
+# view(x, [a, k]) -> 1; full([a, k], flag) -> 2 (``fill_value``: a value argument's bool);
+# mul(1, 2) -> 3. Constants: 0 x, 1 a, 2 k, 3 a, 4 k, 5 flag.
+_FULL_SK = protocol.pack([
+    protocol.PROTOCOL_VERSION, ["aten::view.default", "aten::full.default", "aten::mul.Tensor"],
+    [[1, [1, 0, [2, 0, 0]], [3, [], []]], [1, [1, [2, 0, 0], 0], [3, [], []]],
+     [1, [1, 0, 0], [3, [], []]]],
+    [[0, 0, [0, -1, -1], [1], [], False], [1, 1, [-1, -1, -1], [2], [], False],
+     [2, 2, [1, 2], [3], [1, 2], False]],
+    [0], [3], [3]])
+_FULL_KEY = hashlib.blake2b(_FULL_SK, digest_size=16).digest()
+
+
+def _fill_calls(w: Worker, calls: list[tuple[int, Any]], raw: dict[int, Any] | None = None
+                ) -> list[dict[str, Any]]:
+    """``x.view(2, k) * full((2, k), flag)`` per ``(k, flag)`` as Genie's client sends it (the
+    constants, then deltas); ``raw[i]``: call ``i``'s flag sent as this value instead (an
+    attacker's delta). Each reply checked against eager where it is ok."""
+    last: list[Any] | None = None
+    nid = 1000
+    replies = []
+    for i, (k, flag) in enumerate(calls):
+        nid += 1
+        x = torch.arange(1.0, 2.0 * k + 1)
+        w.sess.put(nid, x)
+        consts = [nid, 2, k, 2, k, raw[i] if raw and i in raw else flag]
+        h: dict[str, Any] = {"t": "run", "k": _FULL_KEY, "id0": nid + 1}
+        if last is None:
+            h.update(sk=_FULL_SK, c=consts)
+        else:
+            h["d"] = [v for p, (a, b) in enumerate(zip(last, consts, strict=True))
+                      if type(a) is not type(b) or a != b for v in (p, b)]
+        reply = _send(w, h)
+        replies.append(reply)
+        last = consts if reply["t"] == "ok" else None
+        nid += 1
+        if reply["t"] == "ok":
+            want = x.view(2, k) * torch.full((2, k), consts[5])
+            assert torch.equal(w.sess.store[nid], want) and \
+                w.sess.store[nid].dtype == want.dtype, (k, consts[5])
+    return replies
+
+
+def test_a_written_bool_that_flips_is_the_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF's stopping criteria fill ``full((batch,), is_done)``: ``False`` at a generate's steps,
+    ``True`` at its last. The class keys that bool by its type, and the program reads it per
+    step, so the lane patches it (``kWrittenBool``): a flip is the lane's, not a pass to the Python
+    path (two per generate before), with eager's values and the Python path's replies."""
+    calls = [(3, False), (4, False), (5, False), (6, False), (7, True), (8, False), (8, True),
+             (9, True), (10, False)]
+    on, off = _worker(monkeypatch), _worker(monkeypatch, lanes=False)
+    ra, rb = _fill_calls(on, calls), _fill_calls(off, calls)
+    assert [r["t"] for r in ra] == ["ok"] * len(calls)
+    assert [r.get("vt") for r in ra] == [r.get("vt") for r in rb]
+    assert on.lane_runs == 6 and not on.lane_passes, on.lane_passes  # (from the 4th call)
+    (c, _), = on.sess.skeletons.values()
+    assert c.lane
+
+
+@pytest.mark.parametrize("bad", [1, 0, 1.0, None, "x", [True]])
+def test_a_written_bool_made_another_type_is_not_the_lanes(monkeypatch: pytest.MonkeyPatch,
+                                                          bad: Any) -> None:
+    """An attacker's delta gives the lane's bool another type (an int, a float, None, a string,
+    a list): the lane passes it to the Python path, whose reply (a run keyed anew, or a
+    refusal) is a worker's without lanes; the next calls are the lane's again."""
+    calls = [(3, False), (4, False), (5, False), (6, True), (7, False), (8, False), (9, True),
+             (10, False), (11, True)]
+    on, off = _worker(monkeypatch), _worker(monkeypatch, lanes=False)
+    ra, rb = _fill_calls(on, calls, {5: bad}), _fill_calls(off, calls, {5: bad})
+    assert [(r["t"], r.get("kind"), r.get("msg")) for r in ra] == \
+        [(r["t"], r.get("kind"), r.get("msg")) for r in rb], (ra[5], rb[5])
+    assert on.lane_passes["constant"] == 1, on.lane_passes
+    assert on.lane_runs >= 2 + (ra[5]["t"] != "ok"), on.lane_passes
+    assert sorted(on.sess.store) == sorted(off.sess.store)
