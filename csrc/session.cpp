@@ -89,7 +89,6 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -123,6 +122,47 @@ void put_word(std::string& out, int64_t w) {
   out.append(b, sizeof w);
 }
 
+// The storages of one call's inputs, each numbered by its first input: an open-addressing table
+// reused by every call of the thread (a decode step's ~170 inputs are keyed every request; a
+// node-based map cost an allocation and a free per input).
+class StorageNumbers {
+ public:
+  void reset(size_t count) {
+    size_t cap = 64;
+    shift_ = 58;
+    while (cap < 2 * count) {
+      cap <<= 1;
+      --shift_;
+    }
+    keys_.assign(cap, nullptr);
+    nums_.assign(cap, -1);
+    n_ = 0;
+  }
+  // The number of storage `p` (a new one when it is first seen) and whether it is new.
+  std::pair<int64_t, bool> number(const void* p) {
+    const size_t mask = keys_.size() - 1;
+    size_t i = static_cast<size_t>(
+        (static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)) * 0x9E3779B97F4A7C15ULL) >>
+        shift_);
+    for (;; i = (i + 1) & mask) {
+      if (nums_[i] < 0) {
+        keys_[i] = p;
+        nums_[i] = n_;
+        return {n_++, true};
+      }
+      if (keys_[i] == p) {
+        return {nums_[i], false};
+      }
+    }
+  }
+
+ private:
+  std::vector<const void*> keys_;
+  std::vector<int64_t> nums_;  // -1: an empty place
+  int64_t n_ = 0;
+  int shift_ = 58;  // 64 - log2(capacity)
+};
+
 }  // namespace
 
 void input_key_into(PyObject* d, std::string& stat, std::vector<int64_t>& ints) {
@@ -133,7 +173,9 @@ void input_key_into(PyObject* d, std::string& stat, std::vector<int64_t>& ints) 
   ints.clear();
   stat.reserve(static_cast<size_t>(PyDict_GET_SIZE(d)) * 5 * sizeof(int64_t));
   ints.reserve(static_cast<size_t>(PyDict_GET_SIZE(d)) * 4);
-  std::unordered_map<const void*, int64_t> storages;
+  // (at most one storage per input: the table stays at most half full)
+  thread_local StorageNumbers storages;
+  storages.reset(static_cast<size_t>(PyDict_GET_SIZE(d)));
   Py_ssize_t pos = 0;
   PyObject* k = nullptr;
   PyObject* v = nullptr;
@@ -148,8 +190,7 @@ void input_key_into(PyObject* d, std::string& stat, std::vector<int64_t>& ints) 
     const at::Tensor& t = strided_tensor(v, "_input_key");
     const c10::Storage& st = t.storage();
     const int64_t nb = static_cast<int64_t>(st.nbytes());
-    const auto [at, fresh] =
-        storages.try_emplace(st.unsafeGetStorageImpl(), static_cast<int64_t>(storages.size()));
+    const auto [num, fresh] = storages.number(st.unsafeGetStorageImpl());
     const bool dense = fresh && nb == t.numel() * static_cast<int64_t>(t.element_size()) &&
                        t.storage_offset() == 0 && t.is_contiguous();
     const c10::IntArrayRef sizes = t.sizes();
@@ -157,7 +198,7 @@ void input_key_into(PyObject* d, std::string& stat, std::vector<int64_t>& ints) 
     put_word(stat, static_cast<int64_t>(sizes.size()));
     put_word(stat, static_cast<int64_t>(t.scalar_type()));
     put_word(stat, (t.is_conj() ? 1 : 0) | (t.is_neg() ? 2 : 0) | (dense ? 4 : 0));
-    put_word(stat, at->second);
+    put_word(stat, num);
     ints.insert(ints.end(), sizes.begin(), sizes.end());
     if (!dense) {
       const c10::IntArrayRef strides = t.strides();

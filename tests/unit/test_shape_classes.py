@@ -206,6 +206,27 @@ def test_inputs_are_keyed_natively_as_the_python_reference_keys_them() -> None:
         _C._input_key({0: torch.zeros(3).to_sparse()})
 
 
+def test_many_inputs_are_keyed_natively_as_the_python_reference_keys_them() -> None:
+    """A decode step's ~170 inputs, and more: storages numbered by their first input in a table
+    that grows with the call (shared storages far apart, views before their bases, a call with
+    fewer inputs after a larger one) as the reference numbers them."""
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 31, 32, 33, 170, 700, 40):
+        bases = [torch.zeros(8) for _ in range(max(1, n // 3))]
+        inputs = {}
+        for s in range(n):
+            b = bases[int(torch.randint(len(bases), (1,), generator=gen))]
+            k = int(torch.randint(3, (1,), generator=gen))
+            inputs[5 * s + 1] = b if k == 0 else b[1:] if k == 1 else b.view(2, 4)
+        static, ints = _C._input_key(inputs)
+        ref = _input_key_reference(inputs)
+        assert ints == ref[1], n
+        want = [r[6] for r in ref[0]]  # the storages' numbers, as the static part's 5th word
+        got = [int.from_bytes(static[40 * i + 32:40 * i + 40], "little", signed=True)
+               for i in range(n)]
+        assert got == want, n
+
+
 def test_storages_grown_recounts_as_the_python_reference() -> None:
     """genie._C._storages_grown: entries keyed by UntypedStorage._cdata take the bytes their
     storage holds now; the change is returned; storages without an entry are skipped."""
