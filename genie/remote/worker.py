@@ -893,6 +893,7 @@ class Worker:
                 for a in added:
                     sess.drop(a)
                 added.clear()
+                _lane_back(c, False)
                 return self._exec_reply(c, e, ix)
             if c.writes:  # resize_ (out=, set_) of a resident tensor grows it; a tape of
                 sess.refresh(tape.inputs.values())  # ops that write nothing resizes nothing
@@ -903,8 +904,10 @@ class Worker:
             for a in added:
                 sess.drop(a)
             c.filled = None  # the constants kept (c.consts) may not be the last tape's: refill
-            raise  # would patch a delta onto instructions without this request's changes
+            _lane_back(c, False)  # would patch a delta onto instructions without this
+            raise  # request's changes
         _apply_hints(sess, hints)  # the values this request made too, now that they exist
+        _lane_back(c, self._lane_src is not None and ix is None)
         if self._lane_src is not None and c.lane is None and ix is None:
             self._make_lane(c)
         if self.answered:  # the client has its values: serve_session sends the front only
@@ -1051,6 +1054,7 @@ class Worker:
         except (TypeError, ValueError) as e:  # (never: what the lane takes is checked above)
             logger.debug("genie-server: no native lane (%s)", e)
             c.lane = False
+            c.lane_misses = 0  # (none again: see _lane_back)
             return
         c.lane = lane
         c.filled = None  # the lane patches the instructions now (see _drop_lane)
@@ -1481,6 +1485,18 @@ def _drop_lane(c: Compiled, never: bool = False) -> None:
                           (baked, cbaked, istatic, lane.instr_ints, pos))
     c.lane = False if never else None
     c.lane_state = None
+
+
+def _lane_back(c: Compiled, admitted: bool) -> None:
+    """A lane that passed :data:`LANE_MISSES` requests in a row (none built since: see
+    :func:`_drop_lane`) is built again once as many requests in a row ran on the Python path
+    admitted without a vet (``admitted``): its calls came back within its class (a generate's
+    short prompts after long ones its class did not admit). Any other request starts the count
+    again."""
+    if c.lane is False and c.lane_misses > 0:
+        c.lane_misses = c.lane_misses - 1 if admitted else LANE_MISSES
+        if c.lane_misses == 0:
+            c.lane = None
 
 
 def _copy_instr(ins: Instr) -> Instr:

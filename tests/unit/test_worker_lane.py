@@ -478,3 +478,48 @@ def test_a_written_bool_made_another_type_is_not_the_lanes(monkeypatch: pytest.M
     assert on.lane_passes["constant"] == 1, on.lane_passes
     assert on.lane_runs >= 2 + (ra[5]["t"] != "ok"), on.lane_passes
     assert sorted(on.sess.store) == sorted(off.sess.store)
+
+
+def test_a_lane_that_passed_many_requests_comes_back_with_its_calls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lane that passed 8 requests in a row (calls its class does not admit: a generate's
+    long warm-up prompts, vetted one by one once no wider class is built) is none while such
+    calls come; once 8 calls in a row ran on the Python path admitted without a vet (short
+    prompts again, within the class), the lane is built again and takes the next ones, with
+    eager's values. A vet among them starts the count again."""
+    w = _worker(monkeypatch)
+    c = _steady(w)
+    w.build_mode = "off"  # (no wider class arrives: the lane's only way back is its calls)
+
+    (sk, _), = w.sess.skeletons.values()
+
+    def bad() -> None:  # narrow past the end: passed by the lane (if any), vetted, refused
+        assert c.last is not None
+        consts = [*c.last[:5], 40, *c.last[6:]]
+        assert c.run(consts)["t"] == "err"
+        c.last = consts  # (the worker keeps a refused request's constants: deltas go on them)
+
+    def good(n: int) -> None:
+        consts, nar, rep = _call(c, n, n // 2, 2)
+        reply = c.run(consts)
+        assert reply["t"] == "ok" and reply["vt"] in ("class", "hit"), reply
+        assert torch.equal(w.sess.store[c.next_id - 2], nar)
+        assert torch.equal(w.sess.store[c.next_id - 1], rep)
+
+    runs = w.lane_runs
+    bad()
+    for _ in range(7):  # each lane built (after a good call) passes its first request
+        good(14)
+        assert sk.lane
+        bad()
+    assert sk.lane is False and w.lane_runs == runs and w.lane_passes["shapes"] == 8
+    for n in range(14, 28, 2):  # 7 admitted by the class on the Python path
+        good(n)
+    assert sk.lane is False and w.lane_runs == runs
+    bad()  # a vet: the count starts again
+    for n in range(14, 30, 2):  # 8 more: the 8th builds the lane
+        good(n)
+    assert sk.lane and w.lane_runs == runs
+    for n in range(30, 36, 2):  # the lane's
+        good(n)
+    assert w.lane_runs == runs + 3, w.lane_passes
