@@ -744,6 +744,41 @@ def _run(tape: Tape, it: Any, memo: bool = True) -> Any:
 
 
 _INDEX = torch.ops.aten.index.Tensor  # data-dependent only when an index is a mask
+_MATMUL = torch.ops.aten.matmul.default
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``aten.matmul``'s output in the fake mode, from its inputs' symbolic sizes: a fresh
+    contiguous tensor of the broadcast batch and the two outer sizes, with eager's checks as
+    guards. torch 2.11's composite matmul reads plain sizes (``size()``), which specializes
+    every symbol it touches: a GPT-2 step's class built there admitted only the call it was
+    built from."""
+    da, db = a.dim(), b.dim()
+    torch._check(da > 0 and db > 0, lambda: "both arguments to matmul need to be at least 1D")
+    torch._check(a.dtype == b.dtype, lambda: "expected both matmul operands to have the same "
+                 f"dtype, but got {a.dtype} and {b.dtype}")
+    ka, kb = a.shape[-1], b.shape[-2] if db > 1 else b.shape[0]
+    torch._check(ka == kb, lambda: f"matmul: size mismatch, {tuple(a.shape)} @ {tuple(b.shape)}")
+    batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])) if da > 2 or db > 2 \
+        else ()
+    shape = (*batch, *((a.shape[-2],) if da > 1 else ()), *((b.shape[-1],) if db > 1 else ()))
+    return torch.empty(shape, dtype=a.dtype, device=a.device)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``aten.linear``'s output in the fake mode (torch 2.11's runs its composite matmul, which
+    cannot take symbolic sizes there): ``x @ w.T`` plus a bias that broadcasts to it."""
+    torch._check(w.dim() == 2, lambda: f"linear: a 2-D weight, got {w.dim()}-D")
+    out = _matmul(x, w.t())
+    if b is not None:
+        torch._check(b.dtype == x.dtype, lambda: f"linear: bias of {b.dtype}, input {x.dtype}")
+        torch._check(tuple(torch.broadcast_shapes(b.shape, out.shape)) == tuple(out.shape),
+                     lambda: f"linear: a bias of {tuple(b.shape)} for {tuple(out.shape)}")
+    return out
+
+
+#: ops whose fake run Genie computes itself in the symbolic run (``_outputs``)
+_OWN = {_MATMUL: _matmul, torch.ops.aten.linear.default: _linear}
 
 
 def _dtype(v: Any) -> torch.dtype | None:
@@ -833,7 +868,8 @@ def _outputs(run: _Run, ins: Instr, vals: list[Any], leaves: list[Any], fake: bo
     args, kwargs = optree.tree_unflatten(ins.spec, leaves)
     if _has_device_arg(op):
         args, kwargs = _with_meta_device(op, args, kwargs)
-    out = op(*args, **kwargs)
+    own = _OWN.get(op) if fake and not kwargs else None
+    out = own(*args) if own is not None else op(*args, **kwargs)
     for sid, n in sizes.items():  # resize_, out= growth: not a class (the ledger tracks it)
         if not _same(n, _storage_bytes(leaves, sid)):
             raise NotAClass(f"{op} resizes a storage")

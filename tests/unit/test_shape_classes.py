@@ -656,3 +656,32 @@ def test_a_tape_that_uploads_host_data_is_a_class_whose_bound_covers_the_vet() -
     cls = build(ts[1], i4, moved(i3, i4), i3)
     bound = cls.admit(i9)
     assert bound is not None and bound >= vet_tape(ts[2], 1 << 30).peak
+
+
+def test_matmul_and_linear_sizes_stay_symbols_and_the_bound_covers_the_vet() -> None:
+    """``matmul`` and ``linear`` (kept whole) have their outputs computed from symbolic sizes in
+    the class's run (torch 2.11's composite matmul read plain sizes: the symbol became the
+    built call's value, so a GPT-2 step's class admitted no other step). Over a sweep of
+    sizes each call the class admits passes the concrete vet under the class's bound."""
+    import torch.nn.functional as F  # noqa: N812
+
+    from genie.planner import build_tape
+
+    d = "remote_accelerator"
+
+    def tape(n: int) -> Tape:
+        x = torch.zeros(2, n, 8, device=d)
+        y = F.linear(x, torch.zeros(4, 8, device=d), torch.zeros(4, device=d))  # (2, n, 4)
+        z = y @ y.transpose(-1, -2)  # batched: (2, n, n)
+        v = (z @ torch.zeros(n, device=d)) @ torch.zeros(n, 3, device=d)  # 3-D @ 1-D, 1-D @ 2-D
+        return build_tape([(((z.sum() + v.sum()) * 2)._node, 0)])
+
+    (_, i3), (k4, i4) = shape_params(b"k", tape(3)), shape_params(b"k", tape(4))
+    cls = build(tape(4), i4, moved(i3, i4), i3)
+    assert cls.sym_idx
+    for n in (2, 5, 9, 17):
+        t = tape(n)
+        k, ints = shape_params(b"k", t)
+        assert k == k4
+        bound = cls.admit(ints)
+        assert bound is not None and bound >= vet_tape(t, 1 << 30).peak, n
