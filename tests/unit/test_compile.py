@@ -639,11 +639,12 @@ def test_a_graph_with_no_output_records_later_calls_from_its_cached_entry(fast_c
     assert cached[-3:] == [1, 1, 1], cached
     if isinstance(opts[0], torch.optim.AdamW):
         assert not any(native[-3:])  # (its host inputs: record_known)
-    # (eager on the CPU: a CUDA backward cannot run beside genie, pytorch#161129; six steps of
-    # CUDA's kernels against the CPU's drift further than one op's float32 tolerance)
-    tol = {} if genie.device.real_device(0).type == "cpu" else {"rtol": 1e-3, "atol": 1e-4}
+    # six steps of a compiled update (AOTAutograd's decomposition of the step) against eager's
+    # foreach kernels, on the CPU (a CUDA backward cannot run beside genie: pytorch#161129):
+    # another order of float32 operations, further apart than one op's tolerance (torch 2.11 on
+    # the CPU: 1.1e-5; CUDA: 4.8e-5)
     for a, b in zip(ref.parameters(), dev_model.parameters(), strict=True):
-        torch.testing.assert_close(b.cpu(), a, **tol)
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-4)
 
 
 def _write_cache(x, y, cache, i):
