@@ -348,6 +348,25 @@ def test_a_step_that_uploads_indexes_and_calls_new_ones_is_served_by_a_class(ser
     assert sum(c for _, c in seen[4:]) >= 6, seen
 
 
+def test_new_ones_of_a_huge_metadata_argument_costs_the_server_nothing(server) -> None:
+    """An attacker's ``new_ones`` whose metadata-only argument claims 2**40 elements (a pending
+    ``empty`` never sent: only its metadata travels) under a 64 MiB quota: the server takes it as
+    a 0-dim value of its dtype (``protocol.fill``), makes no scratch tensor of that size, answers
+    eager's value, and the session goes on."""
+    import genie
+
+    genie.connect(server.address, key_file=str(server.key_file), timeout=60)
+    try:
+        for dtype in (torch.float32, torch.int64):
+            huge = torch.empty(1 << 40, dtype=dtype, device=DEV)  # recorded, never run
+            got = huge.new_ones(3, 2).cpu()
+            want = torch.empty(1, dtype=dtype).new_ones(3, 2)
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        assert torch.equal((torch.ones(4, device=DEV) * 3).cpu(), torch.full((4,), 3.0))
+    finally:
+        genie.disconnect()
+
+
 def test_generate_with_a_new_prompt_length_each_call_is_vetted_in_its_first_calls_only(
         server) -> None:
     """GPT-2 greedy ``generate`` through the server, a prompt length never seen every call
