@@ -858,6 +858,27 @@ py::object channel_write(int fd, py::handle parts, bool block) {
 
 }  // namespace
 
+int64_t session_drop_handles(py::handle store, py::handle storages, py::handle roles,
+                             py::handle used_at, py::handle ids) {
+  return drop_handles(store, storages, roles, used_at, ids);
+}
+
+py::object session_put_handles(py::handle store, py::handle storages, py::handle used_at,
+                               py::handle ids, py::handle values, py::handle tick,
+                               int64_t max_handles) {
+  return put_handles(store, storages, used_at, ids, values, tick, max_handles);
+}
+
+int64_t session_storages_grown(py::handle values, py::handle storages) {
+  return storages_grown(values, storages);
+}
+
+py::object session_send_reply(int fd, py::handle used, py::handle res, py::handle pb,
+                              py::handle rid, py::handle st, py::handle vt, py::handle values,
+                              py::handle names) {
+  return send_answer(false, fd, used, res, pb, rid, st, vt, values, names);
+}
+
 void add_session_functions(py::module_& m) {
   m.def("_input_key", &input_key, py::arg("inputs"),
         "A tape's inputs keyed for its shape class: (static bytes, ints) (csrc/session.cpp; "

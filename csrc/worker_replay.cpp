@@ -42,6 +42,25 @@
 //   (instruction, exception, live values) when an instruction failed. `how` then says how the
 //   call was admitted (0 vetted shapes, 1 the class) and `inputs` holds its {slot: tensor}.
 //
+// serve(sess, h, freed, made, outputs, writes, split, early, fd, t0, names, limits) -> None |
+//   int | (stage, result): a steady run request whole (Worker._serve): what Worker.handle,
+//   _run and _run_lane do for it in Python, from its decoded header to its reply, for the
+//   requests the Python path would give this lane (no constants, ids, skeleton, graphs or
+//   chunked frames; `id0` an exact int >= 0; `free` a list or absent; `ph` 0 or 1; `ev` pairs of
+//   exact ints, handle ids >= 0 and role codes < limits[1], at most limits[0] pairs, each id
+//   held, freed by the request or among its new ids). None, having changed nothing, for any
+//   other request: the Python path runs it from the start and refuses what it refuses.
+//   Otherwise the request's frees are dropped (`freed` takes their values when they are at most
+//   min(limits[4], quota / 8) bytes, deallocated after the reply), the session's tick and
+//   decoding set, and: an int when the lane passes it (8: the session is over its quota before
+//   the program, or one of step's codes; the Python path continues from its lane's pass); else
+//   the program ran: (0, result) when the rest is the Python path's after a step (a failed
+//   instruction, a refresh, a put it refuses, a quota it passes: nothing of the puts is left);
+//   (1, result) with the kept values put under id0.., the hints applied and the reply left to
+//   Python (an early split, no `fd`, a value _send_reply does not write); (2, None): the reply
+//   written to `fd` (_send_reply's message, `st` the seconds since `t0` on CLOCK_MONOTONIC).
+//   limits: (max hints, role codes, max handles, bytes a handle costs, frees kept for later).
+//
 // _ShapeAdmit(n, fixed, fixed_vals, same_a, same_b, reps, signs, guard, bound): a
 //   shape_class.ShapeClass's admission held natively. `fixed`, `same_a`, `same_b`, `reps`:
 //   positions among a call's n integers; the symbols' values are ints[reps[k]] * signs[k];
@@ -55,6 +74,8 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <cmath>
+#include <ctime>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -63,6 +84,7 @@
 #include <vector>
 
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <pybind11/stl.h>
 
 #include "replay.h"
@@ -689,6 +711,262 @@ class Lane {
     return run_program(program_, inputs, instrs_, devices_, split, early);
   }
 
+  // serve(sess, h, freed, made, outputs, writes, split, early, fd, t0, names, limits): a
+  // steady run request of this lane's skeleton whole, from its header to its reply (see the
+  // file's head, "serve").
+  py::object serve(const py::handle& sess, const py::handle& h, const py::handle& freed,
+                   const py::handle& made, const py::handle& outputs, bool writes,
+                   int64_t split, const py::object& early, int fd, double t0,
+                   const py::handle& names, const std::vector<int64_t>& limits) {
+    static PyObject* const k_c = PyUnicode_InternFromString("c");
+    static PyObject* const k_ids = PyUnicode_InternFromString("ids");
+    static PyObject* const k_sk = PyUnicode_InternFromString("sk");
+    static PyObject* const k_g = PyUnicode_InternFromString("g");
+    static PyObject* const k_fc = PyUnicode_InternFromString("fc");
+    static PyObject* const k_id0 = PyUnicode_InternFromString("id0");
+    static PyObject* const k_free = PyUnicode_InternFromString("free");
+    static PyObject* const k_ev = PyUnicode_InternFromString("ev");
+    static PyObject* const k_ph = PyUnicode_InternFromString("ph");
+    static PyObject* const k_d = PyUnicode_InternFromString("d");
+    static PyObject* const k_rid = PyUnicode_InternFromString("rid");
+    static PyObject* const a_store = PyUnicode_InternFromString("store");
+    static PyObject* const a_storages = PyUnicode_InternFromString("storages");
+    static PyObject* const a_roles = PyUnicode_InternFromString("roles");
+    static PyObject* const a_used_at = PyUnicode_InternFromString("used_at");
+    static PyObject* const a_nbytes = PyUnicode_InternFromString("nbytes");
+    static PyObject* const a_skel = PyUnicode_InternFromString("skel_bytes");
+    static PyObject* const a_quota = PyUnicode_InternFromString("quota");
+    static PyObject* const a_tick = PyUnicode_InternFromString("tick");
+    static PyObject* const a_decoding = PyUnicode_InternFromString("decoding");
+    static PyObject* const a_pb = PyUnicode_InternFromString("peer_bytes");
+    if (limits.size() != 5) {
+      throw py::value_error("_WorkerLane.serve: limits are (max hints, roles, max handles, "
+                            "handle cost, frees kept for later)");
+    }
+    const int64_t max_hints = limits[0], n_roles = limits[1], max_handles = limits[2],
+                  handle_cost = limits[3], later_max = limits[4];
+    PyObject* hd = h.ptr();
+    if (!PyDict_Check(hd) || !PyList_Check(made.ptr()) || !PyList_Check(outputs.ptr()) ||
+        !PyList_Check(freed.ptr())) {
+      throw py::type_error("_WorkerLane.serve: a header dict, slot lists and a list of frees");
+    }
+    auto item = [hd](PyObject* k) -> PyObject* {  // borrowed, nullptr when absent
+      PyObject* v = PyDict_GetItemWithError(hd, k);
+      if (v == nullptr && PyErr_Occurred()) {
+        raise();
+      }
+      return v;
+    };
+    // 1. the request is the lane's as the Python path would find it, else nothing changes
+    // (None: that path runs it from the start, refusing what it refuses)
+    for (PyObject* k : {k_c, k_ids, k_sk, k_g, k_fc}) {
+      if (item(k) != nullptr) {
+        return py::none();
+      }
+    }
+    int64_t id0 = 0;
+    PyObject* id0_o = item(k_id0);
+    const int64_t n_made = PyList_GET_SIZE(made.ptr());
+    if (id0_o == nullptr || !exact_int(id0_o, id0) || id0 < 0 ||
+        id0 > INT64_MAX - n_made) {
+      return py::none();
+    }
+    const int64_t end = id0 + n_made;
+    PyObject* free_o = item(k_free);
+    if (free_o != nullptr && free_o != Py_None && !PyList_Check(free_o)) {
+      return py::none();
+    }
+    PyObject* ph = item(k_ph);
+    int64_t phv = 0;
+    if (ph != nullptr && (!exact_int(ph, phv) || (phv != 0 && phv != 1))) {
+      return py::none();
+    }
+    // the hints: pairs of exact ints, handle ids >= 0 and role codes, at most max_hints
+    hints_.clear();
+    PyObject* ev = item(k_ev);
+    if (ev != nullptr && ev != Py_None) {
+      if (!PyList_Check(ev) || PyList_GET_SIZE(ev) % 2 != 0 ||
+          PyList_GET_SIZE(ev) > 2 * max_hints) {
+        return py::none();
+      }
+      const Py_ssize_t n = PyList_GET_SIZE(ev);
+      for (Py_ssize_t i = 0; i < n; i += 2) {
+        int64_t hid = 0, code = 0;
+        if (!exact_int(PyList_GET_ITEM(ev, i), hid) || hid < 0 ||
+            !exact_int(PyList_GET_ITEM(ev, i + 1), code) || code < 0 || code >= n_roles) {
+          return py::none();
+        }
+        hints_.emplace_back(hid, code);
+      }
+    }
+    py::object store = attr(sess, a_store);
+    py::object storages = attr(sess, a_storages);
+    py::object roles = attr(sess, a_roles);
+    py::object used_at = attr(sess, a_used_at);
+    PyObject* sd = store.ptr();
+    PyObject* rd = roles.ptr();
+    if (!PyDict_Check(sd) || !PyDict_Check(rd)) {
+      throw py::type_error("_WorkerLane.serve: the session's maps must be dicts");
+    }
+    // the frees' ids (exact ints, as worker._id_list): a hint may name one of them
+    frees_.clear();
+    const Py_ssize_t nf = free_o != nullptr && free_o != Py_None ? PyList_GET_SIZE(free_o) : 0;
+    for (Py_ssize_t i = 0; i < nf; ++i) {
+      int64_t x = 0;
+      if (exact_int(PyList_GET_ITEM(free_o, i), x)) {
+        frees_.push_back(x);
+      }
+    }
+    std::sort(frees_.begin(), frees_.end());
+    for (const auto& [hid, code] : hints_) {  // every hinted id the session's (Worker._run)
+      if (hid >= id0 && hid < end) {
+        continue;
+      }
+      py::object k = py::reinterpret_steal<py::object>(PyLong_FromLongLong(hid));
+      const int held = PyDict_Contains(sd, k.ptr());
+      if (held < 0) {
+        raise();
+      }
+      if (!held && !std::binary_search(frees_.begin(), frees_.end(), hid)) {
+        return py::none();
+      }
+    }
+    // 2. the request is the lane's up to the program (its frees, as Worker.handle drops them)
+    int64_t quota = int_attr(sess, a_quota);
+    int64_t nbytes = int_attr(sess, a_nbytes);
+    if (nf > 0) {
+      std::vector<py::object> held;
+      for (Py_ssize_t i = 0; i < nf; ++i) {
+        PyObject* hid = PyList_GET_ITEM(free_o, i);
+        if (!PyLong_CheckExact(hid)) {
+          continue;
+        }
+        PyObject* v = PyDict_GetItemWithError(sd, hid);
+        if (v == nullptr) {
+          if (PyErr_Occurred()) {
+            raise();
+          }
+          continue;
+        }
+        held.push_back(py::reinterpret_borrow<py::object>(v));
+      }
+      const int64_t delta =
+          session_drop_handles(store, storages, roles, used_at, py::handle(free_o));
+      nbytes += delta;
+      set_int(sess, a_nbytes, nbytes);
+      if (-delta <= std::min(later_max, quota / 8)) {  // (deallocated once the reply is out)
+        for (const py::object& v : held) {
+          if (PyList_Append(freed.ptr(), v.ptr()) < 0) {
+            raise();
+          }
+        }
+      }
+    }
+    if (PyObject_SetAttr(sess.ptr(), a_decoding, phv == 1 ? Py_True : Py_False) < 0) {
+      raise();
+    }
+    py::object tick = py::reinterpret_steal<py::object>(
+        PyLong_FromLongLong(int_attr(sess, a_tick) + 1));
+    if (PyObject_SetAttr(sess.ptr(), a_tick, tick.ptr()) < 0) {
+      raise();
+    }
+    const int64_t skel = int_attr(sess, a_skel);
+    int64_t used = nbytes + skel + handle_cost * static_cast<int64_t>(PyDict_GET_SIZE(sd));
+    if (used > quota) {
+      return py::int_(kQuota);
+    }
+    PyObject* d = item(k_d);
+    py::object r = step(store, used_at, d != nullptr ? py::handle(d) : py::handle(Py_None), tick,
+                        quota - used, split, early);
+    if (PyLong_CheckExact(r.ptr())) {
+      return r;
+    }
+    // 3. the program ran: what Worker._run_lane does after it (any case but the plain one goes
+    // back to it, at a point where doing a step again changes nothing: stage 0)
+    auto back = [&r](int stage) { return py::make_tuple(stage, r); };
+    PyObject* kept = r.ptr();
+    if (!PyDict_Check(kept)) {
+      return back(0);  // (an instruction failed: the failure's reply)
+    }
+    for (const auto& [hid, code] : hints_) {  // the held values' hints now
+      if (!(hid >= id0 && hid < end)) {
+        hint(sd, rd, hid, code);
+      }
+    }
+    if (writes) {  // resize_ of a resident value grows it (Session.refresh)
+      nbytes += session_storages_grown(inputs_.attr("values")(), storages);
+      set_int(sess, a_nbytes, nbytes);
+    }
+    py::list ids(n_made), vals(n_made);
+    for (int64_t i = 0; i < n_made; ++i) {
+      PyObject* v = PyDict_GetItemWithError(kept, PyList_GET_ITEM(made.ptr(), i));
+      if (v == nullptr) {
+        if (PyErr_Occurred()) {
+          raise();
+        }
+        return back(0);
+      }
+      PyList_SET_ITEM(ids.ptr(), i, PyLong_FromLongLong(id0 + i));
+      Py_INCREF(v);
+      PyList_SET_ITEM(vals.ptr(), i, v);
+    }
+    py::object put = session_put_handles(store, storages, used_at, ids, vals, tick, max_handles);
+    if (put.is_none()) {
+      return back(0);  // (nothing put: Session.put_many refuses it, naming the value)
+    }
+    nbytes += py::cast<int64_t>(put);
+    set_int(sess, a_nbytes, nbytes);
+    used = nbytes + skel + handle_cost * static_cast<int64_t>(PyDict_GET_SIZE(sd));
+    if (used > quota) {  // put back as it was: the Python path refuses it, naming what it holds
+      nbytes += session_drop_handles(store, storages, roles, used_at, ids);
+      set_int(sess, a_nbytes, nbytes);
+      return back(0);
+    }
+    for (const auto& [hid, code] : hints_) {  // the made values' hints, now that they exist
+      if (hid >= id0 && hid < end) {
+        hint(sd, rd, hid, code);
+      }
+    }
+    if (split > 0 || fd < 0) {
+      return back(1);  // (an early answer may have been sent: the Python path replies)
+    }
+    const Py_ssize_t no = PyList_GET_SIZE(outputs.ptr());
+    py::list out(no);
+    int64_t out_bytes = 0;
+    for (Py_ssize_t i = 0; i < no; ++i) {
+      PyObject* v = PyDict_GetItemWithError(kept, PyList_GET_ITEM(outputs.ptr(), i));
+      if (v == nullptr) {
+        if (PyErr_Occurred()) {
+          raise();
+        }
+        return back(1);
+      }
+      if (THPVariable_Check(v)) {
+        out_bytes += static_cast<int64_t>(THPVariable_Unpack(v).nbytes());
+      }
+      Py_INCREF(v);
+      PyList_SET_ITEM(out.ptr(), i, v);
+    }
+    if (out_bytes > quota) {
+      return back(1);  // (the Python path refuses it for the quota)
+    }
+    PyObject* rid_p = item(k_rid);
+    py::object rid = rid_p != nullptr ? py::reinterpret_borrow<py::object>(rid_p) : py::int_(-1);
+    timespec now{};
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    const double st = std::round((static_cast<double>(now.tv_sec) + now.tv_nsec * 1e-9 - t0) *
+                                 1e6) / 1e6;
+    py::object sent = session_send_reply(
+        fd, py::int_(used),
+        py::make_tuple(static_cast<int64_t>(PyDict_GET_SIZE(sd)), nbytes), attr(sess, a_pb),
+        rid,
+        py::float_(st), py::str(how_ ? "class" : "hit"), out, names);
+    if (sent.is_none()) {
+      return back(1);
+    }
+    return py::make_tuple(2, py::none());
+  }
+
   int how() const { return how_; }
   int64_t runs() const { return runs_; }
   py::list instrs() const { return instrs_; }
@@ -714,8 +992,56 @@ class Lane {
   int how_ = 0;
   int64_t runs_ = 0;
   py::dict inputs_;
+  static constexpr int kQuota = 8;  // (worker.LANE_PASS: over the quota before the program)
+
+  static py::object attr(const py::handle& o, PyObject* name) {
+    PyObject* v = PyObject_GetAttr(o.ptr(), name);
+    if (v == nullptr) {
+      raise();
+    }
+    return py::reinterpret_steal<py::object>(v);
+  }
+  static int64_t int_attr(const py::handle& o, PyObject* name) {
+    py::object v = attr(o, name);
+    int64_t x = 0;
+    if (!exact_int(v.ptr(), x)) {
+      throw py::type_error("_WorkerLane.serve: a session's count is not an int");
+    }
+    return x;
+  }
+  static void set_int(const py::handle& o, PyObject* name, int64_t x) {
+    py::object v = py::reinterpret_steal<py::object>(PyLong_FromLongLong(x));
+    if (!v || PyObject_SetAttr(o.ptr(), name, v.ptr()) < 0) {
+      raise();
+    }
+  }
+  // worker._apply_hints of one hint: a held value's role, only ever more evictable
+  static void hint(PyObject* sd, PyObject* rd, int64_t hid, int64_t code) {
+    py::object k = py::reinterpret_steal<py::object>(PyLong_FromLongLong(hid));
+    const int held = PyDict_Contains(sd, k.ptr());
+    if (held < 0) {
+      raise();
+    }
+    if (!held) {
+      return;
+    }
+    PyObject* old = PyDict_GetItemWithError(rd, k.ptr());
+    int64_t o = 0;
+    if (old == nullptr && PyErr_Occurred()) {
+      raise();
+    }
+    if (old == nullptr || (exact_int(old, o) && code < o)) {
+      py::object c = py::reinterpret_steal<py::object>(PyLong_FromLongLong(code));
+      if (PyDict_SetItem(rd, k.ptr(), c.ptr()) < 0) {
+        raise();
+      }
+    }
+  }
+
   // scratch, reused per step
   std::vector<int64_t> ints_, all_;
+  std::vector<std::pair<int64_t, int64_t>> hints_;
+  std::vector<int64_t> frees_;
   std::vector<PyObject*> in_ids_;
   std::string stat_;
 };
@@ -745,6 +1071,9 @@ void add_worker_replay_functions(py::module_& m) {
       .def("step", &Lane::step, py::arg("store"), py::arg("used_at"), py::arg("delta"),
            py::arg("tick"), py::arg("budget"), py::arg("split") = -1,
            py::arg("early") = py::none())
+      .def("serve", &Lane::serve, py::arg("sess"), py::arg("h"), py::arg("freed"),
+           py::arg("made"), py::arg("outputs"), py::arg("writes"), py::arg("split"),
+           py::arg("early"), py::arg("fd"), py::arg("t0"), py::arg("names"), py::arg("limits"))
       .def("remember", &Lane::remember, py::arg("ints"), py::arg("peak"))
       .def_property_readonly("how", &Lane::how)
       .def_property_readonly("runs", &Lane::runs)

@@ -374,6 +374,13 @@ class _WorkerLane:
              ) -> dict[int, object] | tuple | int:
         """An int (> 0) when the request is not the lane's (nothing changed); else the
         program's kept values, or (instruction, exception, live values) when one failed."""
+    def serve(self, sess: object, h: dict[str, object], freed: list[object], made: list[int],
+              outputs: list[int], writes: bool, split: int, early: object, fd: int, t0: float,
+              names: dict[object, str], limits: list[int]) -> tuple[int, object] | int | None:
+        """A steady run request whole, from its header to its reply (worker.Worker._serve):
+        None when it is not the lane's (nothing changed); an int when the lane passed it (its
+        frees dropped); else (stage, result): 0 the Python path's after a step, 1 the kept
+        values put and the reply Python's, 2 the reply written to ``fd``."""
     def remember(self, ints: list[int], peak: int) -> None: ...
     @property
     def how(self) -> int: ...

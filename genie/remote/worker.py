@@ -229,7 +229,8 @@ def build_mode() -> str:
 #: again: each pass costs the lane's build and a fill of the tape anew
 LANE_MISSES = 8
 #: lane outcomes (``genie._C._WorkerLane.step``'s codes) by name, for :attr:`Worker.lane_passes`
-LANE_PASS = {1: "delta", 2: "constant", 3: "input", 4: "layout", 5: "shapes", 6: "budget"}
+LANE_PASS = {1: "delta", 2: "constant", 3: "input", 4: "layout", 5: "shapes", 6: "budget",
+             8: "quota"}
 # kinds of a lane's constants (csrc/worker_replay.cpp, enum Kind)
 _K_INPUT, _K_INT, _K_FLOAT, _K_SEED, _K_OFFSET, _K_FIXED, _K_BOOL = range(7)
 
@@ -240,6 +241,17 @@ def native_lanes() -> bool:
     v = os.environ.get("GENIE_SERVER_NATIVE_LANE", "") or "1"
     if v not in ("0", "1"):
         logger.warning("genie-server: GENIE_SERVER_NATIVE_LANE=%r is not 0 or 1; using 1", v)
+        return True
+    return v == "1"
+
+
+def native_serve() -> bool:
+    """Whether a lane's steady request is served whole natively, from its decoded header to its
+    reply (``genie._C._WorkerLane.serve``: ``GENIE_SERVER_NATIVE_SERVE``, ``1`` by default;
+    ``0``: :meth:`Worker._run_lane`'s Python around the lane's step, the reference)."""
+    v = os.environ.get("GENIE_SERVER_NATIVE_SERVE", "") or "1"
+    if v not in ("0", "1"):
+        logger.warning("genie-server: GENIE_SERVER_NATIVE_SERVE=%r is not 0 or 1; using 1", v)
         return True
     return v == "1"
 
@@ -639,6 +651,13 @@ class Worker:
         #: then :data:`SENT` is what the request returns; the replies it wrote
         self.reply_native: Any = None
         self.native_replies = 0
+        # a lane's steady request whole in one native call (:meth:`_serve`): on or off, the
+        # channel it writes replies to (-1: none, the reply is Python's) and when the request
+        # arrived (serve_session's clock, for the reply's ``st``)
+        self.serve_native = native_serve()
+        self.served = 0  # (the lane requests it served)
+        self.reply_fd = -1
+        self.t0 = 0.0
         #: values the last request freed, deallocated once its reply is out (FREES_LATER_MAX)
         self.freed: list[Any] = []
         # native lanes (:meth:`_run_lane`): on or off, the requests they ran, what they passed
@@ -654,6 +673,10 @@ class Worker:
                ) -> tuple[dict[str, Any], list[Any], dict[str, Any] | None]:
         """``(reply, reply frames, send)``: ``send`` is a peer transfer for the front to make."""
         kind = h.get("t")
+        if kind == "run" and self.serve_native and not frames:
+            got = self._serve(h)
+            if got is not None:
+                return got
         sess = self.sess
         if self.freed:  # (a request that found no after_reply: a peer send's)
             self.freed.clear()
@@ -743,7 +766,59 @@ class Worker:
         return {"t": "ok", "pb": nb}  # the bytes taken, nothing of the session's residency
 
     # --- tapes --------------------------------------------------------------------------------
-    def _run(self, h: dict[str, Any], frames: list[Any]) -> tuple[dict[str, Any], list]:
+    def _serve(self, h: dict[str, Any]
+               ) -> tuple[dict[str, Any], list[Any], dict[str, Any] | None] | None:
+        """A steady run request of a skeleton with a lane, whole in one native call
+        (``_WorkerLane.serve``, csrc/worker_replay.cpp): what :meth:`handle`, :meth:`_run` and
+        :meth:`_run_lane` do for it, from the decoded header to the reply written to the front's
+        channel, with the same checks. None, having changed nothing, when the request is not
+        one the lane takes as sent (:meth:`handle` then runs it as any request)."""
+        key = h.get("k")
+        sess = self.sess
+        entry = sess.skeletons.get(key) if type(key) is bytes else None
+        if entry is None or not entry[0].lane:
+            return None
+        c = entry[0]
+        self._take_builds()
+        lane = c.lane  # (a class a build installed drops the lanes of its structure)
+        if not lane:
+            return None
+        split = self.splits.get(c.lane_pkey, -1) if self.answer is not None else -1
+        if self.freed:
+            self.freed.clear()
+        self._ix = None
+        self._lane_outputs = c.outputs
+        r = lane.serve(sess, h, self.freed, c.made, c.outputs, c.writes, split,
+                       self._lane_early if split > 0 else None, self.reply_fd, self.t0,
+                       _DTYPE_NAME, _SERVE_LIMITS)
+        if r is None:
+            return None
+        sess.skeletons.move_to_end(key)
+        if type(r) is int:  # the lane passed it (its frees dropped): the Python path runs it
+            self.lane_passes[LANE_PASS.get(r, str(r))] += 1
+            reply, rframes = self._run(h, [], passed=True)
+            return reply, rframes, None
+        c.lane_misses = 0
+        self.how = "class" if lane.how else "hit"
+        self.replays += 1
+        self.lane_runs += 1
+        self.served += 1
+        stage, kept = r
+        if stage == 2:
+            self.native_replies += 1
+            return SENT, [], None
+        id0 = h["id0"]
+        if stage == 0:
+            reply, rframes = self._lane_post(c, lane, kept, _hints(h.get("ev")), id0,
+                                             id0 + len(c.made))
+        else:
+            reply, rframes = self._lane_reply(kept, c.outputs)
+        return reply, rframes, None
+
+    def _run(self, h: dict[str, Any], frames: list[Any], passed: bool = False
+             ) -> tuple[dict[str, Any], list]:
+        """A run request on the Python path (``passed``: its lane ran it as far as a pass, in
+        :meth:`_serve`, which counted the pass)."""
         sess = self.sess
         started = time.monotonic()
         key = h.get("k")
@@ -761,14 +836,14 @@ class Worker:
         sess.skeletons.move_to_end(key)
         c = entry[0]
         lane = c.lane
-        if lane:
-            if "c" not in h and "ids" not in h and "sk" not in h and "g" not in h and \
-                    not frames:
+        if lane or passed:
+            if not passed and "c" not in h and "ids" not in h and "sk" not in h and \
+                    "g" not in h and not frames:
                 got = self._run_lane(c, lane, key, h, id0)
                 if got is not None:
                     c.lane_misses = 0
                     return got
-            else:
+            elif not passed:
                 self.lane_passes["request"] += 1
             c.lane_misses += 1
             _drop_lane(c, c.lane_misses >= LANE_MISSES)
@@ -964,6 +1039,14 @@ class Worker:
         self.how = "class" if lane.how else "hit"
         self.replays += 1
         self.lane_runs += 1
+        return self._lane_post(c, lane, r, hints, id0, end)
+
+    def _lane_post(self, c: Compiled, lane: Any, r: Any, hints: list[tuple[int, int]],
+                   id0: int, end: int) -> tuple[dict[str, Any], list]:
+        """A lane's request after its program ran (``r``: its kept values, or the failed
+        instruction's (instruction, exception, live values)): the hints, the puts of the kept
+        values under ``id0``.., the quota and the reply."""
+        sess = self.sess
         if hints:  # the held values' now, the made values' once they are put
             _apply_hints(sess, [(i, code) for i, code in hints if not id0 <= i < end])
         new_ids = list(range(id0, end))
@@ -986,9 +1069,16 @@ class Worker:
             raise
         if hints:
             _apply_hints(sess, [(i, code) for i, code in hints if id0 <= i < end])
+        return self._lane_reply(kept, c.outputs)
+
+    def _lane_reply(self, kept: dict[int, Any], outputs: list[int]
+                    ) -> tuple[dict[str, Any], list]:
+        """A lane request's reply, its kept values put: nothing more when an early answer sent
+        the values; else written natively where it can be (:data:`SENT`), or the reply."""
+        sess = self.sess
         if self.answered:
             return {"t": "ok"}, []
-        vals = [kept[s] for s in c.outputs]
+        vals = [kept[s] for s in outputs]
         # written whole by one native call where it can be (what _outputs refuses for the
         # quota goes its way): the values' bytes are in the socket before it returns
         if self.reply_native is not None and \
@@ -1543,6 +1633,8 @@ def _apply_hints(sess: Session, hints: list[tuple[int, int]]) -> None:
 
 
 _INT_ONLY = {int}
+#: what a lane's native request checks against (``_WorkerLane.serve``'s ``limits``)
+_SERVE_LIMITS = [MAX_HINTS, len(ROLES), MAX_HANDLES, HANDLE_COST, FREES_LATER_MAX]
 
 
 def _hints(ev: Any) -> list[tuple[int, int]]:
@@ -1637,12 +1729,13 @@ def serve_session(fd: int, token: bytes, cfg: Config, retains: bool = False) -> 
         w.answer_native = answer_native
     if native_replies():
         w.reply_native = reply_native
+        w.reply_fd = chan.fileno()
     try:
         while True:
             parts = chan.recv()
             if parts is None:
                 return  # the front's goodbye
-            t0 = time.monotonic()
+            w.t0 = t0 = time.monotonic()
             send = None
             h = None
             w.answered = False

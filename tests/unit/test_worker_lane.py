@@ -19,6 +19,7 @@ import hashlib
 import random
 import select
 import socket
+import time
 from typing import Any
 
 import pytest
@@ -523,3 +524,248 @@ def test_a_lane_that_passed_many_requests_comes_back_with_its_calls(
     for n in range(30, 36, 2):  # the lane's
         good(n)
     assert w.lane_runs == runs + 3, w.lane_passes
+
+
+# --- a lane's steady request whole in one native call (_WorkerLane.serve, Worker._serve) -----
+
+def _serving(monkeypatch: pytest.MonkeyPatch, on: bool, quota: int = 1 << 30) -> Worker:
+    """A worker with lanes whose steady requests are served natively whole (``on``), or with
+    the Python around the lane's step (``GENIE_SERVER_NATIVE_SERVE=0``, the reference)."""
+    monkeypatch.setenv("GENIE_SERVER_NATIVE_SERVE", "1" if on else "0")
+    w = _worker(monkeypatch, quota=quota)
+    assert w.serve_native is on and w.lanes
+    return w
+
+
+def _same_session(on: Worker, py: Worker) -> None:
+    """Two workers' sessions hold the same values under the same ids, with the same accounting,
+    roles, last uses and decoding flag."""
+    s, t = on.sess, py.sess
+    assert sorted(s.store) == sorted(t.store)
+    for hid in s.store:
+        assert torch.equal(s.store[hid], t.store[hid]), hid
+    assert s.used() == t.used() and s.residency() == t.residency() and s.nbytes == t.nbytes
+    assert s.roles == t.roles
+    assert s.used_at == t.used_at and s.tick == t.tick and s.decoding == t.decoding
+    assert sorted(s.storages.values()) == sorted(t.storages.values())
+    assert on.lane_runs == py.lane_runs and on.lane_passes == py.lane_passes
+
+
+def test_a_steady_request_served_natively_is_the_python_paths(monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """A lane's steady requests with frees, residency hints (on held, freed and new values) and
+    a decode flag, served whole natively: the replies, eager's values, the accounting, the roles
+    and last uses of the Python around the lane's step; the frees' values wait for the reply."""
+    on, py = _serving(monkeypatch, True), _serving(monkeypatch, False)
+    a, b = _steady(on), _steady(py)
+    _same_session(on, py)
+    served = on.served
+    for n, k, r, s in ((14, 7, 2, 9), (9, 2, 4, 11), (30, 30, 2, 12), (14, 7, 2, 9)):
+        replies = []
+        for cl in (a, b):
+            assert cl.last is not None
+            old = cl.last[:2]
+            consts, nar, rep = _call(cl, n, k, r, a=1.5, seed=s)
+            nid = cl.next_id + 1
+            h = {"d": [x for p, (u, v) in enumerate(zip(cl.last, consts, strict=True))
+                       if type(u) is not type(v) or u != v for x in (p, v)],
+                 "free": [*old, nid - 4, 1 << 40, "x"], "ph": 1, "rid": 5,
+                 "ev": [consts[0], 3, nid, 1, nid + 2, 0, old[0], 2, consts[1], 4, consts[1], 1]}
+            replies.append(_send(cl.w, {"t": "run", "k": _KEY, "id0": nid, **h}))
+            cl.last = consts
+            cl.next_id += 3
+            assert torch.equal(cl.w.sess.store[nid], nar)
+            assert torch.equal(cl.w.sess.store[nid + 1], rep)
+        got, want = replies
+        assert got == want and got["t"] == "ok", (got, want)
+        _same_session(on, py)
+        assert on.sess.roles[a.next_id - 2] == 1 and on.sess.roles[a.last[1]] == 1
+    assert on.served == served + 4 and py.served == 0
+    assert on.lane_runs == py.lane_runs and on.lane_passes == py.lane_passes
+
+
+def test_a_steady_reply_written_natively_is_the_python_paths(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """Served natively with the front's channel (``reply_fd``): the status, header and frames
+    serve_session's Python path writes for the same request, its ``st`` the seconds since the
+    request's ``t0``."""
+    on, py = _serving(monkeypatch, True), _serving(monkeypatch, False)
+    a, b = _steady(on), _steady(py)
+    front, _ = _front(py, 77, 0.5)  # (py's replies: written by _send_reply from Python)
+    s0, s1 = socket.socketpair()
+    on.reply_fd = s0.fileno()
+    theirs = Channel(s1, 1 << 10, 1 << 30)
+    for n, k, r, s in ((14, 7, 2, 9), (9, 2, 4, 11)):
+        on.t0 = time.monotonic() - 0.25
+        for cl in (a, b):
+            consts, _, _ = _call(cl, n, k, r, a=1.5, seed=s)
+            got = cl.send_raw({"d": [p for i, x in enumerate(consts) for p in (i, x)],
+                               "rid": 77})
+            assert got == {"t": "ok", "sent": 1}, got
+        msgs = []
+        for ch in (theirs, front):
+            m: list[Any] = []
+            while not m:
+                m = ch.take()
+            msgs.append(m[0])
+        mine, ref = msgs
+        assert read_status(mine[0]) == read_status(ref[0])
+        head, want = protocol.unpack(mine[1]), protocol.unpack(ref[1])
+        assert 0.25 <= head.pop("st") < 60 and want.pop("st") == 0.5
+        assert head == want and head["rid"] == 77
+        for x, y in zip(mine[2:], ref[2:], strict=True):
+            assert bytes(x) == bytes(y)
+        _same_session(on, py)
+    assert on.native_replies == 2 and on.served >= 2
+    s0.close()
+
+
+def _bad_alike(monkeypatch: pytest.MonkeyPatch, h: Any, served: bool = False,
+               quota: int = 1 << 30) -> None:
+    """An attacker's steady request (a valid key and session, a field ``h`` malformed, of
+    another type or naming what is not the session's) to a worker that serves lane requests
+    natively and to one with the Python around the lane's step: the same reply (a refusal, a
+    pass to the Python path, or a run), the same session after it, and good calls after."""
+    on, py = _serving(monkeypatch, True, quota), _serving(monkeypatch, False, quota)
+    a, b = _steady(on), _steady(py)
+    count = on.served
+    replies = []
+    for cl in (a, b):
+        assert cl.last is not None
+        fields = h(cl) if callable(h) else h
+        replies.append(cl.send_raw({"d": [], **fields}))
+    ra, rb = replies
+    assert ra == rb, (ra, rb)
+    assert on.served == count + served, (on.served, ra)
+    _same_session(on, py)
+    for cl in (a, b):
+        for n, k, r in ((16, 8, 2), (18, 9, 3)):
+            consts, nar, _ = _call(cl, n, k, r)
+            reply = cl.run(consts)
+            assert reply["t"] == "ok", reply
+            assert torch.equal(cl.w.sess.store[cl.next_id - 2], nar)
+    _same_session(on, py)
+    assert on.served > count + served  # (the lane serves the good calls again)
+
+
+_MAX_HINTS = protocol.MAX_HINTS
+
+
+class _TooManyHints:
+    """One more hint than a request may carry, each on a value the session holds."""
+
+    def __call__(self, c: Client) -> dict:
+        assert c.last is not None
+        return {"ev": [c.last[0], 0] * (_MAX_HINTS + 1)}
+
+    def __repr__(self) -> str:
+        return "too many hints"
+
+
+@pytest.mark.parametrize("h", [
+    {"id0": -1}, {"id0": True}, {"id0": 1.5}, {"id0": 2 ** 63 - 2}, {"id0": 2 ** 64 - 1},
+    {"id0": None}, {"free": 5}, {"free": {"1": 2}}, {"free": "abc"}, {"ev": [1, 2, 3]},
+    {"ev": "xy"}, {"ev": {"1": 2}}, {"ev": [0, 0] * (_MAX_HINTS + 1)}, {"ph": 2}, {"ph": -1},
+    _TooManyHints(),
+    {"ph": "1"}, {"ph": None}, {"ph": 1.0}, {"ph": True}, {"ph": 2 ** 64 - 1}, {"fc": [1]},
+    {"fc": None}, {"c": None}, {"ids": [1, 2, 3]}, {"ids": 5}, {"sk": 5}, {"g": []},
+    {"d": None}, {"d": "x"}, {"k": b"short"}, {"k": [1]},
+], ids=repr)
+def test_a_malformed_steady_field_is_the_python_paths(monkeypatch: pytest.MonkeyPatch,
+                                                      h: Any) -> None:
+    """Each field a steady request's native path reads, malformed or of another type: the
+    Python path's reply (refused, or run there), the same session after it."""
+    _bad_alike(monkeypatch, h)
+
+
+@pytest.mark.parametrize("rid", ["x", 2 ** 63, None, 1.5], ids=repr)
+def test_a_steady_request_with_an_odd_rid_is_served_with_the_python_reply(
+        monkeypatch: pytest.MonkeyPatch, rid: Any) -> None:
+    """A ``rid`` the native reply does not write: the request is the lane's, its reply
+    Python's (as serve_session echoes it)."""
+    _bad_alike(monkeypatch, {"rid": rid}, served=True)
+
+
+@pytest.mark.parametrize("which", ["negative id", "bool id", "float code", "code past ROLES",
+                                   "negative code", "bool code", "id past int64",
+                                   "another session's", "never made", "past the new ids"])
+def test_a_malformed_or_foreign_hint_is_refused_as_on_the_python_path(
+        monkeypatch: pytest.MonkeyPatch, which: str) -> None:
+    """A residency hint the Python path refuses (malformed, or naming a handle the session
+    neither holds, frees nor makes in this request: another session's) is refused alike, and
+    no hint of the request is applied."""
+    def fields(c: Client) -> dict:
+        assert c.last is not None
+        held = c.last[0]
+        ev = {"negative id": [-3, 0], "bool id": [True, 0], "float code": [held, 1.0],
+              "code past ROLES": [held, 99], "negative code": [held, -1],
+              "bool code": [held, True], "id past int64": [1 << 63, 0],
+              "another session's": [1 << 40, 0], "never made": [99999, 1],
+              "past the new ids": [c.next_id + 4, 0]}[which]
+        return {"ev": [held, 0, *ev]}
+
+    _bad_alike(monkeypatch, fields)
+
+
+@pytest.mark.parametrize("free", [[True], [-1], [1 << 63], [None, "x", 1.5], [1 << 40],
+                                  [99999, 99999]], ids=repr)
+def test_frees_of_what_the_session_does_not_hold_drop_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                               free: list) -> None:
+    """Frees naming another session's handles, ids never made or not ids at all drop nothing of
+    the session's; the request is the lane's."""
+    _bad_alike(monkeypatch, {"free": free}, served=True)
+
+
+def test_a_hint_on_a_value_the_request_frees_is_the_lanes(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """A hint racing its value's free (the Python path admits it) is served, the value freed."""
+    def fields(c: Client) -> dict:
+        assert c.last is not None
+        x = c.hold(torch.ones(3))
+        return {"free": [x], "ev": [x, 0]}
+
+    _bad_alike(monkeypatch, fields, served=True)
+
+
+def test_a_session_over_its_quota_is_refused_as_on_the_python_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session over its quota before the program (the lane passes it: refused naming what
+    to free), near it (a working set past what is left: passed), or whose kept values pass it
+    after the program (nothing of them left put): each replies as the Python path does."""
+    quota = 1 << 22
+    after = 0
+    for room in (-1, 0, 1 << 16, 8192, 6144, 4096, 3072, 2048, 1024, 512):
+        def fields(c: Client, room: int = room) -> dict:
+            left = quota - c.w.sess.used() - 1024 - room  # (a handle costs 1024 bytes)
+            c.hold(torch.ones(left, dtype=torch.uint8))
+            return {}
+
+        on, py = _serving(monkeypatch, True, quota), _serving(monkeypatch, False, quota)
+        a, b = _steady(on), _steady(py)
+        runs = on.lane_runs
+        ra, rb = (cl.send_raw({"d": [], **fields(cl)}) for cl in (a, b))
+        assert ra == rb, (room, ra, rb)
+        _same_session(on, py)
+        if on.lane_runs > runs and ra["t"] == "err":
+            assert ra["kind"] == "quota", ra
+            after += 1
+    assert after >= 1  # (some room let the program run and its puts pass the quota)
+
+
+def test_a_put_past_the_handle_limit_is_refused_as_on_the_python_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kept values past the session's handle limit: refused, nothing of them put."""
+    from genie.remote import worker as W
+
+    def fields(c: Client) -> dict:
+        limit = len(c.w.sess.store) + 2  # (the request keeps 3 values)
+        monkeypatch.setattr(W, "MAX_HANDLES", limit)
+        monkeypatch.setattr(W, "_SERVE_LIMITS", [*W._SERVE_LIMITS[:2], limit,
+                                                 *W._SERVE_LIMITS[3:]])
+        return {}
+
+    on, py = _serving(monkeypatch, True), _serving(monkeypatch, False)
+    a, b = _steady(on), _steady(py)
+    ra, rb = (cl.send_raw({"d": [], **fields(cl)}) for cl in (a, b))
+    assert ra == rb and ra["t"] == "err" and ra["kind"] == "quota", (ra, rb)
+    _same_session(on, py)
