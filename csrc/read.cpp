@@ -26,9 +26,14 @@
 
 #include <pybind11/pybind11.h>
 
+#include <ATen/ops/_local_scalar_dense.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
+
 #include "bind.h"
 #include "match.h"
 #include "read.h"
+#include "record.h"
 #include "replay.h"
 #include "slice.h"
 #include "state.h"
@@ -51,6 +56,8 @@ enum Ctx : Py_ssize_t {
   kBackends,   // genie.backends: _registry
   kExecutor,   // genie.executor: _PRUNE_AT
   kPartial,    // functools.partial
+  kChecks,     // genie.checks: DOF_PENDING (the .item() path)
+  kModes,      // genie.modes: _pre_state, _pre_slots (the .item() path)
   kCtxSize
 };
 
@@ -103,15 +110,6 @@ struct Names {
   PyObject* native_slice = intern("native_slice");
   PyObject* gc_untrack = intern("gc_untrack");
   PyObject* move_to_end = intern("move_to_end");
-  // counters
-  PyObject* c_hits = intern("plan_cache_hits");
-  PyObject* c_generic = intern("plan_cache_generic_hits");
-  PyObject* c_waiting = intern("passes_waiting");
-  PyObject* c_replays = intern("native_replays");
-  PyObject* c_fused = intern("fused_hits");
-  PyObject* c_freed = intern("values_freed");
-  PyObject* c_executed = intern("nodes_executed");
-  PyObject* c_step = intern("step_tapes");
   // module attributes
   PyObject* m_counts = intern("_counts");
   PyObject* m_pending_total = intern("pending_total");
@@ -126,6 +124,28 @@ struct Names {
   PyObject* m_prune_at = intern("_PRUNE_AT");
   PyObject* m_params = intern("params");
   PyObject* m_entryless = intern("_entryless_at");
+  // the .item() path (item_steady)
+  PyObject* m_remote_served = intern("remote_served");
+  PyObject* m_before_plan = intern("before_plan");
+  PyObject* m_order = intern("_order");
+  PyObject* m_fuse = intern("_fuse");
+  PyObject* m_read_native = intern("_read_native");
+  PyObject* m_read_on = intern("_read_on");
+  PyObject* m_dof_pending = intern("DOF_PENDING");
+  PyObject* m_pre_state = intern("_pre_state");
+  PyObject* m_pre_slots = intern("_pre_slots");
+  PyObject* m_item_of = intern("_item_of");
+  PyObject* schema_check_mode = intern("_schema_check_mode");
+  PyObject* node_ = intern("_node");
+  PyObject* out_ = intern("_out");
+  PyObject* executed = intern("executed");
+  PyObject* metas = intern("metas");
+  PyObject* eager_str = intern("eager");
+  PyObject* counts[11] = {
+      intern("plan_cache_hits"), intern("plan_cache_generic_hits"), intern("passes_waiting"),
+      intern("native_replays"), intern("fused_hits"), intern("values_freed"),
+      intern("nodes_executed"), intern("step_tapes"), intern("materializations"),
+      intern("materializations.item"), intern("forced_materializations")};
 };
 
 const Names& names() {
@@ -157,17 +177,44 @@ int64_t as_int(PyObject* o) {
   return v;
 }
 
-// counts[name] += n (genie.stats.bump)
-void bump(PyObject* counts, PyObject* name, int64_t n) {
-  PyObject* v = PyDict_GetItemWithError(counts, name);
-  if (v == nullptr && PyErr_Occurred()) {
-    throw py::error_already_set();
+// The counters this file moves, kept here and added to genie.stats._counts when they are read
+// (read_sync_counts, one of genie.stats._syncs): a dict update per counter and read cost ~500
+// instructions each, five or more per read. Names::counts, in this order.
+enum Count : int {
+  cHits,       // plan_cache_hits
+  cGeneric,    // plan_cache_generic_hits
+  cWaiting,    // passes_waiting
+  cReplays,    // native_replays
+  cFused,      // fused_hits
+  cFreed,      // values_freed
+  cExecuted,   // nodes_executed
+  cStep,       // step_tapes
+  cMat,        // materializations
+  cMatItem,    // materializations.item
+  cForced,     // forced_materializations
+  kCounts
+};
+int64_t counted[kCounts] = {};
+
+// counts[name] += n (genie.stats.bump), for a count this file keeps
+inline void bump(Count c, int64_t n = 1) {
+  counted[c] += n;
+}
+
+// a module's attribute, from its dict (what getattr finds there, for ~50 instructions instead
+// of ~200: the module type's lookup first); any other object's, or a name the dict lacks (the
+// error getattr raises), through getattr
+py::object mattr(PyObject* m, PyObject* name) {
+  if (PyModule_CheckExact(m)) {
+    PyObject* v = PyDict_GetItemWithError(PyModule_GetDict(m), name);  // borrowed
+    if (v != nullptr) {
+      return py::reinterpret_borrow<py::object>(v);
+    }
+    if (PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
   }
-  const int64_t now = v == nullptr ? 0 : as_int(v);
-  py::object nv = py::reinterpret_steal<py::object>(PyLong_FromLongLong(now + n));
-  if (!nv || PyDict_SetItem(counts, name, nv.ptr()) < 0) {
-    throw py::error_already_set();
-  }
+  return attr(m, name);
 }
 
 // plan_cache.PlanCache.span
@@ -380,15 +427,13 @@ py::object read_steady(py::list targets, int64_t n, int64_t index, const py::tup
     throw py::type_error("genie._C._read: the context must be genie.executor._READ_CTX");
   }
   auto C = [&](Ctx k) { return PyTuple_GET_ITEM(ctx.ptr(), k); };
-  auto M = [&](Ctx k, PyObject* name) { return attr(C(k), name); };
+  auto M = [&](Ctx k, PyObject* name) { return mattr(C(k), name); };
   auto first = [](const py::object& l) {  // a one-item list's item (genie's mutable flags)
     if (!PyList_Check(l.ptr()) || PyList_GET_SIZE(l.ptr()) < 1) {
       throw py::type_error("genie._C._read: a flag list is not a list of one");
     }
     return PyList_GET_ITEM(l.ptr(), 0);
   };
-  py::object counts_ref = M(kStats, s.m_counts);
-  PyObject* counts = counts_ref.ptr();
   py::object steps = M(kContext, s.m_steps);
 
   // with_step: the steps this thread recorded since the last trigger (context.take_steps)
@@ -419,15 +464,15 @@ py::object read_steady(py::list targets, int64_t n, int64_t index, const py::tup
     const Py_ssize_t before = PyList_GET_SIZE(targets.ptr());
     targets = genie::step_targets(targets, opts, index);
     if (PyList_GET_SIZE(targets.ptr()) > before) {
-      bump(counts, s.c_step, 1);
+      bump(cStep);
     }
   }
 
   // plan_cache.plan's lookup by the requested ops
   PyObject* pc = C(kPlanCache);
-  py::object cache = attr(pc, s.cache);
+  py::object cache = mattr(pc, s.cache);
   const int64_t span = span_of(cache.ptr(), targets);
-  const bool enabled = truth(attr(pc, s.enabled).ptr());
+  const bool enabled = truth(mattr(pc, s.enabled).ptr());
   if (!enabled) {
     return carry_on(0, targets, py::make_tuple(span, py::none()));
   }
@@ -483,7 +528,7 @@ py::object read_steady(py::list targets, int64_t n, int64_t index, const py::tup
     generic = truth(sg);
     Py_DECREF(sg);
   }
-  generic = generic && truth(attr(pc, s.generic).ptr());
+  generic = generic && truth(mattr(pc, s.generic).ptr());
   py::object pt = M(kGraph, s.m_pending_total);
   const bool pend = truth(first(pt));
 
@@ -503,7 +548,7 @@ py::object read_steady(py::list targets, int64_t n, int64_t index, const py::tup
     order = front;
   }
   const bool native_slice = truth(attr(config, s.native_slice).ptr());
-  py::object entryless = attr(pc, s.m_entryless), py_params = attr(pc, s.m_params);
+  py::object entryless = mattr(pc, s.m_entryless), py_params = mattr(pc, s.m_params);
   py::object plan, r, p;
   for (const py::handle cand : order) {
     r = core(cand.ptr(), targets, generic, pend, C(kPartial), entryless.ptr());
@@ -521,7 +566,7 @@ py::object read_steady(py::list targets, int64_t n, int64_t index, const py::tup
     return miss();
   }
   note_match(cache.ptr(), plans, plan.ptr(), span);
-  bump(counts, s.c_hits, 1);
+  bump(cHits);
   py::tuple found = py::make_tuple(plan, r, py::bool_(generic), p);
   auto general = [&] { return carry_on(1, targets, found); };
 
@@ -579,10 +624,10 @@ py::object read_steady(py::list targets, int64_t n, int64_t index, const py::tup
   const int64_t hold = (!tracking && cpu != Py_None && cpu == dev) ? index : -1;  // held_here
 
   if (differs) {
-    bump(counts, s.c_generic, 1);
+    bump(cGeneric);
   }
   if (truth(attr(f.ptr(), s.waiting).ptr())) {
-    bump(counts, s.c_waiting, 1);
+    bump(cWaiting);
   }
   PyObject* shaped = PyTuple_GET_ITEM(r.ptr(), 1);
   py::object rngs = attr(plan.ptr(), s.rngs);
@@ -625,13 +670,13 @@ py::object read_steady(py::list targets, int64_t n, int64_t index, const py::tup
   if (PyTuple_GET_SIZE(out.ptr()) == 3) {
     return carry_on(2, targets, found, out);
   }
-  bump(counts, s.c_replays, 1);
-  bump(counts, s.c_fused, 1);
+  bump(cReplays);
+  bump(cFused);
   const int64_t freed = as_int(attr(program.ptr(), s.freed).ptr());
   if (freed) {
-    bump(counts, s.c_freed, freed);
+    bump(cFreed, freed);
   }
-  bump(counts, s.c_executed, PyList_GET_SIZE(tmpl.ptr()));
+  bump(cExecuted, PyList_GET_SIZE(tmpl.ptr()));
   const int64_t bound = as_int(PyTuple_GET_ITEM(out.ptr(), 1));
   py::object left = py::reinterpret_steal<py::object>(
       PyLong_FromLongLong(as_int(first(pt)) - bound));
@@ -663,14 +708,232 @@ py::object read_steady(py::list targets, int64_t n, int64_t index, const py::tup
   return carry_on(3, targets, found, out);
 }
 
+// genie.stats' sync for this file's counts (one of genie.stats._syncs)
+void read_sync_counts(const py::object& stats) {
+  const Names& s = names();
+  py::object counts = mattr(stats.ptr(), s.m_counts);
+  for (int c = 0; c < kCounts; ++c) {
+    const int64_t n = counted[c];
+    if (n == 0) {
+      continue;
+    }
+    counted[c] = 0;
+    PyObject* v = PyDict_GetItemWithError(counts.ptr(), s.counts[c]);
+    if (v == nullptr && PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    py::object nv = py::reinterpret_steal<py::object>(
+        PyLong_FromLongLong((v == nullptr ? 0 : as_int(v)) + n));
+    if (!nv || PyDict_SetItem(counts.ptr(), s.counts[c], nv.ptr()) < 0) {
+      throw py::error_already_set();
+    }
+  }
+}
+
+// --- .item() on the steady path ------------------------------------------------------------------
+//
+// genie.lazy_tensor._item_now for the embedded steady case, from the record path (csrc/record.cpp's
+// try_record, before the op's facts): .item() / bool() / int() of a pending LazyTensor whose read
+// genie.executor.run_targets would send to _read_fast (no server, nothing sent ahead to settle,
+// the eager backend alone, the fused path's settings, no dispatch mode, no pending data-dependent
+// check), with the same counts, the same read (read_steady, then executor._read_on where it hands
+// back) and the same scalar (the real tensor's _local_scalar_dense where lazy_tensor._plain holds,
+// else lazy_tensor._item_of). Saves the Python frames between the kernel and the read (~30k
+// instructions per .item()). Anything else: not taken (the Python path, before any effect).
+
+struct ItemCtx {
+  PyObject* op = nullptr;      // aten._local_scalar_dense.default
+  PyObject* lazy = nullptr;    // genie.lazy_tensor.LazyTensor
+  PyObject* tensor = nullptr;  // torch.Tensor
+  PyObject* ctx = nullptr;     // genie.executor._READ_CTX
+  PyObject* module = nullptr;  // genie.lazy_tensor (its _item_of)
+};
+ItemCtx item_ctx;  // strong references, never released (set once per process)
+
+void read_item_init(py::object op, py::object lazy, py::object tensor, py::tuple ctx,
+                    py::object module) {
+  if (PyTuple_GET_SIZE(ctx.ptr()) != kCtxSize) {
+    throw py::type_error("genie._C._read_item_init: the context must be genie.executor._READ_CTX");
+  }
+  for (PyObject** o : {&item_ctx.op, &item_ctx.lazy, &item_ctx.tensor, &item_ctx.ctx,
+                       &item_ctx.module}) {
+    Py_CLEAR(*o);
+  }
+  item_ctx.op = op.release().ptr();
+  item_ctx.lazy = lazy.release().ptr();
+  item_ctx.tensor = tensor.release().ptr();
+  item_ctx.ctx = ctx.release().ptr();
+  item_ctx.module = module.release().ptr();
+}
+
+// Whether a server runs the tapes of remote_accelerator:`index` (device.remote_served, set once
+// genie.backends.remote is imported): a read there is lazy_tensor._item_now's host read or a
+// round trip, the Python path's
+bool served(PyObject* ctx, int64_t index) {
+  py::object f = mattr(PyTuple_GET_ITEM(ctx, kDevice), names().m_remote_served);
+  if (f.is_none()) {
+    return false;
+  }
+  py::object i = py::reinterpret_steal<py::object>(PyLong_FromLongLong(index));
+  py::object r = py::reinterpret_steal<py::object>(PyObject_CallOneArg(f.ptr(), i.ptr()));
+  if (!r) {
+    throw py::error_already_set();
+  }
+  return truth(r.ptr());
+}
+
+// executor._fusing() and run_targets' other tests for _read_fast, and backends.fetch passing the
+// values through (the eager backend alone), from the modules' current objects
+bool read_fast_allowed(PyObject* ctx) {
+  const Names& s = names();
+  auto C = [&](Ctx k) { return PyTuple_GET_ITEM(ctx, k); };
+  auto flag = [](const py::object& l) {  // a one-item list's item is True
+    return PyList_Check(l.ptr()) && PyList_GET_SIZE(l.ptr()) == 1 &&
+           PyList_GET_ITEM(l.ptr(), 0) == Py_True;
+  };
+  if (!mattr(C(kBackends), s.m_before_plan).is_none() ||
+      !flag(mattr(C(kExecutor), s.m_read_native)) || !flag(mattr(C(kExecutor), s.m_fuse))) {
+    return false;
+  }
+  py::object order = mattr(C(kBackends), s.m_order);
+  if (!PyList_CheckExact(order.ptr()) || PyList_GET_SIZE(order.ptr()) != 1) {
+    return false;
+  }
+  PyObject* first = PyList_GET_ITEM(order.ptr(), 0);
+  if (first != s.eager_str &&
+      (!PyUnicode_CheckExact(first) || PyUnicode_Compare(first, s.eager_str) != 0)) {
+    return false;
+  }
+  py::object dof = mattr(C(kChecks), s.m_dof_pending);
+  if (!PyList_CheckExact(dof.ptr()) || PyList_GET_SIZE(dof.ptr()) != 0) {
+    return false;
+  }
+  // modes.disable_modes() is _NO_MODES: no mode on the dispatch stack nor the pre-dispatch one
+  if (c10::impl::TorchDispatchModeTLS::stack_len() != 0) {
+    return false;
+  }
+  py::object slots = mattr(C(kModes), s.m_pre_slots);
+  if (!PyList_CheckExact(slots.ptr())) {
+    return false;  // (this torch's pre-dispatch stack is read another way: the Python path)
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(slots.ptr()); ++i) {
+    if (PyList_GET_ITEM(slots.ptr(), i) != Py_None) {
+      return false;
+    }
+  }
+  return attr(mattr(C(kModes), s.m_pre_state).ptr(), s.schema_check_mode).is_none();
+}
+
+// lazy_tensor._plain(real) and _item._op(real), for the dtypes whose Scalar is a Python float,
+// int or bool as torch answers them; None where that does not hold (lazy_tensor._item_of then)
+py::object plain_item(PyObject* real) {
+  if (reinterpret_cast<PyObject*>(Py_TYPE(real)) != item_ctx.tensor ||
+      c10::impl::TorchDispatchModeTLS::stack_len() != 0) {
+    return py::none();
+  }
+  const at::Tensor& t = THPVariable_Unpack(real);
+  if (t.is_neg() || t.is_conj() || t._is_zerotensor() || !t.is_cpu()) {
+    return py::none();  // (a CUDA read waits for the device: torch's op, without the GIL)
+  }
+  switch (t.scalar_type()) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
+    case at::kLong: case at::kInt: case at::kShort: case at::kChar: case at::kByte:
+    case at::kBool:
+      break;
+    default:
+      return py::none();
+  }
+  c10::Scalar v;
+  try {
+    v = at::_local_scalar_dense(t);
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    throw py::error_already_set();
+  }
+  PyObject* r = v.isFloatingPoint() ? PyFloat_FromDouble(v.toDouble())
+                : v.isBoolean()     ? PyBool_FromLong(v.toBool() ? 1 : 0)
+                                    : PyLong_FromLongLong(v.toLong());
+  if (r == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(r);
+}
+
 }  // namespace
 
 namespace genie {
+
+PyObject* item_steady(PyObject* func, PyObject* args, PyObject* kwargs) {
+  if (func != item_ctx.op || item_ctx.op == nullptr || kwargs != nullptr ||
+      PyTuple_GET_SIZE(args) != 1) {
+    return nullptr;
+  }
+  PyObject* x = PyTuple_GET_ITEM(args, 0);
+  if (reinterpret_cast<PyObject*>(Py_TYPE(x)) != item_ctx.lazy) {
+    return nullptr;
+  }
+  const Names& s = names();
+  PyObject* ctx = item_ctx.ctx;
+  if (!read_fast_allowed(ctx)) {
+    return nullptr;
+  }
+  py::object node = attr(x, s.node_);
+  py::object out = attr(x, s.out_);
+  if (attr(node.ptr(), s.executed).ptr() != Py_False) {
+    return nullptr;  // its value may be ready (run_targets' test): the Python path
+  }
+  py::object metas = attr(node.ptr(), s.metas);
+  py::object meta =
+      py::reinterpret_steal<py::object>(PyObject_GetItem(metas.ptr(), out.ptr()));
+  if (!meta) {
+    throw py::error_already_set();
+  }
+  const int64_t index = as_int(attr(meta.ptr(), s.index).ptr());
+  if (served(ctx, index)) {
+    return nullptr;
+  }
+  // lazy_tensor._item_now: counted before the read (a read that raises has counted it)
+  bump(cMat);
+  bump(cMatItem);
+  record_ahead_restart();  // run_targets: a read
+  py::list targets;
+  targets.append(py::make_tuple(node, out));
+  py::object r = read_steady(targets, 1, index, py::reinterpret_borrow<py::tuple>(ctx));
+  if (!PyList_CheckExact(r.ptr())) {  // where _read_fast goes on in Python
+    py::object on = mattr(PyTuple_GET_ITEM(ctx, kExecutor), s.m_read_on);
+    r = py::reinterpret_steal<py::object>(PyObject_CallFunction(
+        on.ptr(), "OnL", r.ptr(), static_cast<Py_ssize_t>(1), static_cast<long long>(index)));
+    if (!r) {
+      throw py::error_already_set();
+    }
+    if (!PyList_Check(r.ptr()) || PyList_GET_SIZE(r.ptr()) < 1) {
+      throw py::type_error("genie._C: executor._read_on must return the values' list");
+    }
+  }
+  PyObject* real = PyList_GET_ITEM(r.ptr(), 0);
+  py::object v = plain_item(real);
+  if (v.is_none()) {
+    py::object of = mattr(item_ctx.module, s.m_item_of);
+    v = py::reinterpret_steal<py::object>(PyObject_CallOneArg(of.ptr(), real));
+    if (!v) {
+      throw py::error_already_set();
+    }
+  }
+  bump(cForced);
+  return v.release().ptr();
+}
+
 
 void add_read_functions(py::module_& m) {
   m.def("_read", &read_steady, py::arg("targets"), py::arg("n"), py::arg("index"), py::arg("ctx"),
         "genie.executor.run_targets' steady read in one call (csrc/read.cpp): the values, or "
         "where the Python path goes on.");
+  m.def("_read_sync_counts", &read_sync_counts, py::arg("stats"),
+        "Add the counts csrc/read.cpp kept since the last call to genie.stats._counts.");
+  m.def("_read_item_init", &read_item_init, py::arg("op"), py::arg("lazy"), py::arg("tensor"),
+        py::arg("ctx"), py::arg("module"),
+        "Set up .item()'s steady path (csrc/read.cpp's item_steady): the op, LazyTensor, "
+        "torch.Tensor, genie.executor._READ_CTX and genie.lazy_tensor.");
 }
 
 }  // namespace genie

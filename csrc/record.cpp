@@ -79,6 +79,7 @@
 #include "device.h"
 #include "gccount.h"
 #include "node.h"
+#include "read.h"
 #include "record.h"
 #include "seq.h"
 #include "slots.h"
@@ -2271,6 +2272,11 @@ PyObject* try_record(PyObject* func, PyObject* args, PyObject* kwargs) {
     reasons[kArgs]++;
     return kNotHandled;
   }
+  // .item() of a pending value on the steady embedded path: read here (csrc/read.cpp)
+  if (PyObject* r = genie::item_steady(func, args, kwargs)) {
+    reasons[kHandled]++;
+    return r;
+  }
   // detach before the op's facts: a detach that detach_alias takes never reaches the fallback,
   // so its policy (which records it: not random, dynamic, a copy or an in-place view) is never
   // cached, and op_info's failed lookup costs an AttributeError each time (16 detaches per MLP
@@ -3865,6 +3871,10 @@ void record_reset_stats() {
 } // namespace
 
 namespace genie {
+
+void record_ahead_restart() {
+  record_ahead_reset();
+}
 
 PyObject* record_call(PyObject* func, PyObject* args, PyObject* kwargs) {
   if (!S.ready) {

@@ -21,6 +21,9 @@ PyObject* record_factory_call(PyObject* func, PyObject* args, PyObject* kwargs);
 // genie.lazy_tensor.LazyTensor once _record_init has run, else nullptr.
 PyTypeObject* lazy_type();
 
+// A read starts (executor.run_targets): what is sent ahead counts from here (_record_ahead_reset).
+void record_ahead_restart();
+
 // aten.detach.default (borrowed) once _record_init has run, else nullptr.
 PyObject* detach_op();
 

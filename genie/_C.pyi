@@ -290,6 +290,16 @@ def _read(targets: list[tuple[object, int]], n: int, index: int, ctx: tuple) -> 
     found)`` a hit not run fused, ``(2, targets, found, failure)`` a failing kernel, ``(3,
     targets, found, hit_run's answer)`` a run ``memory.after_run`` accounts."""
 
+def _read_sync_counts(stats: object) -> None:
+    """Add the counts csrc/read.cpp kept since the last call (``plan_cache_hits``,
+    ``fused_hits``, ``materializations.item``, ...) to ``stats._counts`` (one of
+    ``genie.stats._syncs``)."""
+
+def _read_item_init(op: object, lazy: type, tensor: type, ctx: tuple, module: object) -> None:
+    """Set up ``.item()``'s steady path (csrc/read.cpp's ``item_steady``, taken from the record
+    path): ``aten._local_scalar_dense.default``, ``LazyTensor``, ``torch.Tensor``,
+    ``genie.executor._READ_CTX`` and ``genie.lazy_tensor`` (its ``_item_of``)."""
+
 def _state_word() -> int:
     """The global state an op's result depends on, as one int (csrc/state.cpp): part of every
     meta-cache key."""

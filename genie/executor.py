@@ -22,8 +22,8 @@ from torch.autograd import profiler as _profiler
 
 from . import backends, checks, context, memory, plan_cache
 from ._C import (_bind_nodes, _gc_untrack, _hit_run, _math_bits_on, _math_bits_restore, _read,
-                 _record_ahead_reset, _release_nodes, _state_apply, _state_word, _step_targets,
-                 _without_warning)
+                 _read_sync_counts, _record_ahead_reset, _release_nodes, _state_apply, _state_word,
+                 _step_targets, _without_warning)
 from .config import config
 from .context import _steps
 from . import device as _device
@@ -33,6 +33,7 @@ from .device import real_device
 from .errors import DeviceError, ExecutionError
 from .graph import Node, pending_total
 from .meta import policy
+from . import modes as _modes
 from .modes import _NO_MODES, disable_modes
 from .passes import pipeline
 from .planner import PendingSlots, Slot, Tape, build_tape, raw_instrs, value_slice
@@ -521,6 +522,12 @@ def _read_fast(targets: list[tuple[Node, int]], n: int, index: int) -> list[Any]
     r = _read(targets if type(targets) is list else list(targets), n, index, _READ_CTX)
     if type(r) is list:
         return r
+    return _read_on(r, n, index)
+
+
+def _read_on(r: tuple, n: int, index: int) -> list[Any]:
+    """Where :func:`_read_fast` goes on after ``genie._C._read`` handed back ``r`` (its tuple
+    answer; also csrc/read.cpp's ``.item()`` path): the values of the first ``n`` targets."""
     kind, targets, found = r[0], r[1], r[2]
     if kind == 0:  # no column-match hit: slice, look up, or build (found: (span, key[, tried]))
         tape = plan_cache.plan(targets, backends.shape_generic(), True, found)
@@ -760,4 +767,6 @@ def _ready(n: Node, out: int) -> torch.Tensor | None:
 
 #: the modules ``genie._C._read`` reads and updates by name, by position (csrc/read.cpp's Ctx)
 _READ_CTX = (plan_cache, _stats, _graph, context, config, pipeline, memory, _device, backends,
-             sys.modules[__name__], functools.partial)
+             sys.modules[__name__], functools.partial, checks, _modes)
+# the counts genie._C._read keeps natively (csrc/read.cpp), added to genie.stats when read
+_stats._syncs.append(functools.partial(_read_sync_counts, _stats))

@@ -1201,13 +1201,18 @@ def _item_now(x: LazyTensor) -> Any:
     _counts["materializations.item"] += 1
     node = x._node
     real = executor.run_targets([(node, x._out)], node.metas[x._out].index)[0]
-    if _plain(real):
-        out = _item._op(real)  # (the C++ op itself: OpOverload.__call__ is only a frame to it)
-    else:
-        with disable_modes(), torch.no_grad(), real_dispatch():
-            out = _item(real)
+    out = _item_of(real)
     _counts["forced_materializations"] += 1
     return out
+
+
+def _item_of(real: torch.Tensor) -> Any:
+    """``_local_scalar_dense`` of the real value ``real`` (:func:`_item_now`'s, and csrc/read.cpp's
+    where it does not read the scalar itself)."""
+    if _plain(real):
+        return _item._op(real)  # (the C++ op itself: OpOverload.__call__ is only a frame to it)
+    with disable_modes(), torch.no_grad(), real_dispatch():
+        return _item(real)
 
 
 def adopt(real: torch.Tensor, index: int) -> LazyTensor:
@@ -1246,6 +1251,9 @@ def _install_native_record() -> bool:
         meta_cache_dict=meta_cache._d)
     if not _C._record_init(objects):
         return False
+    # .item() of a pending value on the steady embedded path, read natively (csrc/read.cpp's
+    # item_steady: _item_now's counts, read and scalar, without its Python frames)
+    _C._read_item_init(_item, LazyTensor, torch.Tensor, executor._READ_CTX, sys.modules[__name__])
     config.on_change(_C._record_config)
     _syncs.append(_C._record_sync_counts)
     # A staticmethod: torch calls it on LazyTensors only, and no method object is bound per op.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import genie
-from genie import executor, plan_cache
+from genie import executor, lazy_tensor, plan_cache
 from genie.config import config
 
 from test_fused_hit import _failing_reads, _growing, _peaks, _uploading, assert_same_peaks
@@ -20,7 +20,7 @@ D = "remote_accelerator"
 _OFF = "the settings turn the fused path off (GENIE_NATIVE_BIND/REPLAY, index checks)"
 _KEYS = ("plan_cache_hits", "plan_cache_generic_hits", "plan_cache_misses", "nodes_executed",
          "values_freed", "native_replays", "fused_hits", "passes_waiting", "uploads",
-         "materializations", "step_tapes")
+         "materializations", "step_tapes", "materializations.item", "forced_materializations")
 
 
 @pytest.fixture(autouse=True)
@@ -252,3 +252,99 @@ def test_reads_while_another_thread_records(monkeypatch):
     assert losses == pytest.approx(want_losses, rel=1e-5)
     for p, q in zip(params, want_params, strict=True):
         torch.testing.assert_close(p, q)
+
+
+# --- .item() on the steady path (csrc/read.cpp's item_steady) ----------------------------------
+
+def _scalars(dev, dtype, probe=None, steps=8):
+    """Steady ``.item()``, ``bool()``, ``int()`` and ``float()`` reads of ``dtype`` values on
+    ``dev``: each number with its type. ``probe``: a dict whose ``"n"`` counts the Python
+    path's reads; the number of them that each step's ``.item()`` and ``bool()`` (both of a
+    pending value) took is appended to its ``"steps"``."""
+    torch.manual_seed(0)
+    w = (torch.rand(6) * 4).to(dtype).to(dev)
+    if dev == D:
+        genie.materialize(w)
+    got = []
+    for step in range(steps):
+        s = (w * (step + 1)).sum() if dtype is not torch.bool else (w ^ (step % 2 == 0)).any()
+        before = probe["n"] if probe else 0
+        a, b = s.item(), bool(s.real != 3 if s.is_complex() else s != 3)
+        if probe:
+            probe["steps"].append(probe["n"] - before)
+        for v in (a, b, int(s.real if s.is_complex() else s)):  # (int: of a value read above)
+            got.append((type(v), v))
+        if not s.is_complex():
+            got.append((float, float(s)))
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int64, torch.int32, torch.uint8, torch.bool,
+                                   torch.complex64], ids=str)
+def test_steady_item_reads_take_no_python_step_and_answer_as_eager(monkeypatch, dtype):
+    """``.item()`` of a pending value: read natively from the record path once its plan is
+    steady (no ``lazy_tensor._item_now``), the same numbers and types as eager and as the
+    Python path (``GENIE_NATIVE_READ=0``), the same counters."""
+    probes = {False: {"n": 0, "steps": []}, True: {"n": 0, "steps": []}}
+    item_now = lazy_tensor._item_now
+
+    def counted(x):
+        probes[config.native_read]["n"] += 1
+        return item_now(x)
+
+    monkeypatch.setattr(lazy_tensor, "_item_now", counted)
+    seen = _both(monkeypatch, lambda: _scalars(D, dtype, probes[config.native_read]))
+    want = _scalars("cpu", dtype)
+    assert seen[True][0] == want and seen[False][0] == want
+    assert seen[True][1] == seen[False][1]
+    assert probes[False]["steps"] == [2] * 8  # the Python path: every read
+    assert probes[False]["n"] == seen[False][1]["materializations.item"]
+    # the first steps miss and build their plans (the Python path); the steady ones are native
+    assert probes[True]["steps"][-3:] == [0, 0, 0], probes[True]
+
+
+@pytest.mark.kernel_error  # an out-of-range index only the data shows, on the device
+def test_a_failing_item_read_raises_as_the_python_path(monkeypatch):
+    """A kernel that fails in a steady ``.item()`` read: the same error, raised from genie's
+    materialization (executor.py), after the same reads."""
+    seen = {}
+    for on in (False, True):
+        monkeypatch.setattr(config, "native_read", on)
+        plan_cache.clear()
+        genie.reset_stats()
+        x = torch.arange(5.0, device=D)
+        genie.materialize(x)
+        got = []
+        for k in range(8):
+            i = torch.tensor([k], device=D)
+            genie.materialize(i)
+            try:
+                got.append((x.index_select(0, i) * 2).sum().item())
+            except Exception as e:  # noqa: BLE001 - compared between the paths below
+                frames = traceback.extract_tb(e.__traceback__)
+                assert frames[-1].filename.endswith("executor.py")
+                seen[on] = (got, type(e), str(e), type(e.__cause__),
+                            genie.stats().get("materializations.item"))
+                break
+    assert seen[True] == seen[False]
+    assert seen[True][0] == [0.0, 2.0, 4.0, 6.0, 8.0] and seen[True][-1] == 6
+
+
+def test_item_reads_under_the_profiler_or_the_python_record_path_take_the_python_path(
+        monkeypatch):
+    calls = []
+    item_now = lazy_tensor._item_now
+    monkeypatch.setattr(lazy_tensor, "_item_now", lambda x: calls.append(1) or item_now(x))
+    plan_cache.clear()
+    w = torch.ones(4, device=D)
+    for step in range(6):
+        (w * (step + 1.5)).sum().item()
+    calls.clear()
+    assert (w * 2.5).sum().item() == 10.0 and calls == []  # steady: native
+    with torch.profiler.profile():
+        assert (w * 3.5).sum().item() == 14.0
+    assert len(calls) == 1
+    monkeypatch.setattr(config, "native_record", False)  # GENIE_NATIVE_RECORD=0
+    assert (w * 4.5).sum().item() == 18.0
+    assert len(calls) == 2
