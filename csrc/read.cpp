@@ -28,6 +28,7 @@
 
 #include <ATen/ops/_local_scalar_dense.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Device.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "bind.h"
@@ -124,7 +125,7 @@ struct Names {
   PyObject* m_prune_at = intern("_PRUNE_AT");
   PyObject* m_params = intern("params");
   PyObject* m_entryless = intern("_entryless_at");
-  // the .item() path (item_steady)
+  // the .item() and .cpu() paths (read_op_steady)
   PyObject* m_remote_served = intern("remote_served");
   PyObject* m_before_plan = intern("before_plan");
   PyObject* m_order = intern("_order");
@@ -141,11 +142,13 @@ struct Names {
   PyObject* executed = intern("executed");
   PyObject* metas = intern("metas");
   PyObject* eager_str = intern("eager");
-  PyObject* counts[11] = {
+  PyObject* device_ = intern("device");
+  PyObject* counts[12] = {
       intern("plan_cache_hits"), intern("plan_cache_generic_hits"), intern("passes_waiting"),
       intern("native_replays"), intern("fused_hits"), intern("values_freed"),
       intern("nodes_executed"), intern("step_tapes"), intern("materializations"),
-      intern("materializations.item"), intern("forced_materializations")};
+      intern("materializations.item"), intern("forced_materializations"),
+      intern("materializations.cpu")};
 };
 
 const Names& names() {
@@ -192,6 +195,7 @@ enum Count : int {
   cMat,        // materializations
   cMatItem,    // materializations.item
   cForced,     // forced_materializations
+  cMatCpu,     // materializations.cpu
   kCounts
 };
 int64_t counted[kCounts] = {};
@@ -730,19 +734,23 @@ void read_sync_counts(const py::object& stats) {
   }
 }
 
-// --- .item() on the steady path ------------------------------------------------------------------
+// --- .item() and .cpu() on the steady path -------------------------------------------------------
 //
-// genie.lazy_tensor._item_now for the embedded steady case, from the record path (csrc/record.cpp's
-// try_record, before the op's facts): .item() / bool() / int() of a pending LazyTensor whose read
-// genie.executor.run_targets would send to _read_fast (no server, nothing sent ahead to settle,
-// the eager backend alone, the fused path's settings, no dispatch mode, no pending data-dependent
-// check), with the same counts, the same read (read_steady, then executor._read_on where it hands
-// back) and the same scalar (the real tensor's _local_scalar_dense where lazy_tensor._plain holds,
-// else lazy_tensor._item_of). Saves the Python frames between the kernel and the read (~30k
-// instructions per .item()). Anything else: not taken (the Python path, before any effect).
+// genie.lazy_tensor._item_now and _transfer's download for the embedded steady case, from the
+// record path (csrc/record.cpp's try_record, before the op's facts): .item() / bool() / int(), or
+// a _to_copy to a CPU device (.cpu(), .to("cpu"), print's), of a pending LazyTensor whose read
+// genie.executor.run_targets would send to _read_fast (no server for its device, nothing sent
+// ahead to settle, the eager backend alone, the fused path's settings, no dispatch mode, no
+// pending data-dependent check), with the same counts, the same read (read_steady, then
+// executor._read_on where it hands back) and the same answer: the real tensor's
+// _local_scalar_dense where lazy_tensor._plain holds (else lazy_tensor._item_of), or the op on
+// the real tensor with the math-bit keys on. Saves the Python frames between the kernel and the
+// read (~30k instructions per .item(), ~90k per .cpu()). Anything else: not taken (the Python
+// path, before any effect).
 
 struct ItemCtx {
-  PyObject* op = nullptr;      // aten._local_scalar_dense.default
+  PyObject* op = nullptr;       // aten._local_scalar_dense.default
+  PyObject* to_copy = nullptr;  // aten._to_copy.default
   PyObject* lazy = nullptr;    // genie.lazy_tensor.LazyTensor
   PyObject* tensor = nullptr;  // torch.Tensor
   PyObject* ctx = nullptr;     // genie.executor._READ_CTX
@@ -750,16 +758,17 @@ struct ItemCtx {
 };
 ItemCtx item_ctx;  // strong references, never released (set once per process)
 
-void read_item_init(py::object op, py::object lazy, py::object tensor, py::tuple ctx,
-                    py::object module) {
+void read_item_init(py::object op, py::object to_copy, py::object lazy, py::object tensor,
+                    py::tuple ctx, py::object module) {
   if (PyTuple_GET_SIZE(ctx.ptr()) != kCtxSize) {
     throw py::type_error("genie._C._read_item_init: the context must be genie.executor._READ_CTX");
   }
-  for (PyObject** o : {&item_ctx.op, &item_ctx.lazy, &item_ctx.tensor, &item_ctx.ctx,
-                       &item_ctx.module}) {
+  for (PyObject** o : {&item_ctx.op, &item_ctx.to_copy, &item_ctx.lazy, &item_ctx.tensor,
+                       &item_ctx.ctx, &item_ctx.module}) {
     Py_CLEAR(*o);
   }
   item_ctx.op = op.release().ptr();
+  item_ctx.to_copy = to_copy.release().ptr();
   item_ctx.lazy = lazy.release().ptr();
   item_ctx.tensor = tensor.release().ptr();
   item_ctx.ctx = ctx.release().ptr();
@@ -859,20 +868,40 @@ py::object plain_item(PyObject* real) {
   return py::reinterpret_steal<py::object>(r);
 }
 
+// _to_copy's keyword arguments of a copy to the host (.cpu(), .to("cpu"): device= a CPU device;
+// lazy_tensor._transfer's download)
+bool to_host(PyObject* kwargs) {
+  if (kwargs == nullptr || !PyDict_CheckExact(kwargs)) {
+    return false;
+  }
+  PyObject* dev = PyDict_GetItemWithError(kwargs, names().device_);
+  if (dev == nullptr) {
+    if (PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    return false;
+  }
+  return THPDevice_Check(dev) && reinterpret_cast<THPDevice*>(dev)->device.is_cpu();
+}
+
 }  // namespace
 
 namespace genie {
 
-PyObject* item_steady(PyObject* func, PyObject* args, PyObject* kwargs) {
-  if (func != item_ctx.op || item_ctx.op == nullptr || kwargs != nullptr ||
+PyObject* read_op_steady(PyObject* func, PyObject* args, PyObject* kwargs) {
+  if (item_ctx.op == nullptr || (func != item_ctx.op && func != item_ctx.to_copy) ||
       PyTuple_GET_SIZE(args) != 1) {
+    return nullptr;
+  }
+  const bool item = func == item_ctx.op;
+  const Names& s = names();
+  if (item ? kwargs != nullptr : !to_host(kwargs)) {
     return nullptr;
   }
   PyObject* x = PyTuple_GET_ITEM(args, 0);
   if (reinterpret_cast<PyObject*>(Py_TYPE(x)) != item_ctx.lazy) {
     return nullptr;
   }
-  const Names& s = names();
   PyObject* ctx = item_ctx.ctx;
   if (!read_fast_allowed(ctx)) {
     return nullptr;
@@ -892,9 +921,10 @@ PyObject* item_steady(PyObject* func, PyObject* args, PyObject* kwargs) {
   if (served(ctx, index)) {
     return nullptr;
   }
-  // lazy_tensor._item_now: counted before the read (a read that raises has counted it)
+  // lazy_tensor._item_now, materialize(x, trigger="cpu"): counted before the read (a read that
+  // raises has counted it)
   bump(cMat);
-  bump(cMatItem);
+  bump(item ? cMatItem : cMatCpu);
   record_ahead_restart();  // run_targets: a read
   py::list targets;
   targets.append(py::make_tuple(node, out));
@@ -911,6 +941,21 @@ PyObject* item_steady(PyObject* func, PyObject* args, PyObject* kwargs) {
     }
   }
   PyObject* real = PyList_GET_ITEM(r.ptr(), 0);
+  if (!item) {
+    // lazy_tensor._transfer: the host copy of the value, the op called on it with the math-bit
+    // keys on (executor.real_dispatch). (_own_download's mark is a server's: none here.)
+    py::object a = py::reinterpret_steal<py::object>(PyTuple_Pack(1, real));
+    if (!a) {
+      throw py::error_already_set();
+    }
+    const long mask = genie::math_bits_on();
+    PyObject* copy = PyObject_Call(func, a.ptr(), kwargs);
+    genie::math_bits_restore(mask);
+    if (copy == nullptr) {
+      throw py::error_already_set();
+    }
+    return copy;
+  }
   py::object v = plain_item(real);
   if (v.is_none()) {
     py::object of = mattr(item_ctx.module, s.m_item_of);
@@ -930,10 +975,10 @@ void add_read_functions(py::module_& m) {
         "where the Python path goes on.");
   m.def("_read_sync_counts", &read_sync_counts, py::arg("stats"),
         "Add the counts csrc/read.cpp kept since the last call to genie.stats._counts.");
-  m.def("_read_item_init", &read_item_init, py::arg("op"), py::arg("lazy"), py::arg("tensor"),
-        py::arg("ctx"), py::arg("module"),
-        "Set up .item()'s steady path (csrc/read.cpp's item_steady): the op, LazyTensor, "
-        "torch.Tensor, genie.executor._READ_CTX and genie.lazy_tensor.");
+  m.def("_read_item_init", &read_item_init, py::arg("op"), py::arg("to_copy"), py::arg("lazy"),
+        py::arg("tensor"), py::arg("ctx"), py::arg("module"),
+        "Set up the steady reads of .item() and .cpu() (csrc/read.cpp's read_op_steady): the "
+        "ops, LazyTensor, torch.Tensor, genie.executor._READ_CTX and genie.lazy_tensor.");
 }
 
 }  // namespace genie

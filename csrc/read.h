@@ -7,10 +7,11 @@ namespace genie {
 
 void add_read_functions(pybind11::module_& m);
 
-// .item() of a pending LazyTensor on the steady embedded path (read.cpp's item_steady), for the
-// record path (record.cpp's try_record): the Python number (a new reference), or nullptr without
+// .item() or .cpu() of a pending LazyTensor on the steady embedded path (read.cpp's
+// read_op_steady), for the record path (record.cpp's try_record): the Python number or the host
+// tensor (a new reference), or nullptr without
 // an error where it does not apply (nothing done: the record path goes on); raises
 // (py::error_already_set) as the read would.
-PyObject* item_steady(PyObject* func, PyObject* args, PyObject* kwargs);
+PyObject* read_op_steady(PyObject* func, PyObject* args, PyObject* kwargs);
 
 }  // namespace genie

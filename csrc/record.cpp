@@ -2272,8 +2272,8 @@ PyObject* try_record(PyObject* func, PyObject* args, PyObject* kwargs) {
     reasons[kArgs]++;
     return kNotHandled;
   }
-  // .item() of a pending value on the steady embedded path: read here (csrc/read.cpp)
-  if (PyObject* r = genie::item_steady(func, args, kwargs)) {
+  // .item() and .cpu() of a pending value on the steady embedded path: read here (csrc/read.cpp)
+  if (PyObject* r = genie::read_op_steady(func, args, kwargs)) {
     reasons[kHandled]++;
     return r;
   }

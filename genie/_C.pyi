@@ -295,10 +295,12 @@ def _read_sync_counts(stats: object) -> None:
     ``fused_hits``, ``materializations.item``, ...) to ``stats._counts`` (one of
     ``genie.stats._syncs``)."""
 
-def _read_item_init(op: object, lazy: type, tensor: type, ctx: tuple, module: object) -> None:
-    """Set up ``.item()``'s steady path (csrc/read.cpp's ``item_steady``, taken from the record
-    path): ``aten._local_scalar_dense.default``, ``LazyTensor``, ``torch.Tensor``,
-    ``genie.executor._READ_CTX`` and ``genie.lazy_tensor`` (its ``_item_of``)."""
+def _read_item_init(op: object, to_copy: object, lazy: type, tensor: type, ctx: tuple,
+                    module: object) -> None:
+    """Set up the steady reads of ``.item()`` and ``.cpu()`` (csrc/read.cpp's
+    ``read_op_steady``, taken from the record path): ``aten._local_scalar_dense.default``,
+    ``aten._to_copy.default``, ``LazyTensor``, ``torch.Tensor``, ``genie.executor._READ_CTX``
+    and ``genie.lazy_tensor`` (its ``_item_of``)."""
 
 def _state_word() -> int:
     """The global state an op's result depends on, as one int (csrc/state.cpp): part of every

@@ -1251,9 +1251,11 @@ def _install_native_record() -> bool:
         meta_cache_dict=meta_cache._d)
     if not _C._record_init(objects):
         return False
-    # .item() of a pending value on the steady embedded path, read natively (csrc/read.cpp's
-    # item_steady: _item_now's counts, read and scalar, without its Python frames)
-    _C._read_item_init(_item, LazyTensor, torch.Tensor, executor._READ_CTX, sys.modules[__name__])
+    # .item() and .cpu() of a pending value on the steady embedded path, read natively
+    # (csrc/read.cpp's read_op_steady: _item_now's and _transfer's counts, read and answer,
+    # without their Python frames)
+    _C._read_item_init(_item, _to_copy, LazyTensor, torch.Tensor, executor._READ_CTX,
+                       sys.modules[__name__])
     config.on_change(_C._record_config)
     _syncs.append(_C._record_sync_counts)
     # A staticmethod: torch calls it on LazyTensors only, and no method object is bound per op.

@@ -20,7 +20,8 @@ D = "remote_accelerator"
 _OFF = "the settings turn the fused path off (GENIE_NATIVE_BIND/REPLAY, index checks)"
 _KEYS = ("plan_cache_hits", "plan_cache_generic_hits", "plan_cache_misses", "nodes_executed",
          "values_freed", "native_replays", "fused_hits", "passes_waiting", "uploads",
-         "materializations", "step_tapes", "materializations.item", "forced_materializations")
+         "materializations", "step_tapes", "materializations.item", "forced_materializations",
+         "materializations.cpu")
 
 
 @pytest.fixture(autouse=True)
@@ -348,3 +349,67 @@ def test_item_reads_under_the_profiler_or_the_python_record_path_take_the_python
     monkeypatch.setattr(config, "native_record", False)  # GENIE_NATIVE_RECORD=0
     assert (w * 4.5).sum().item() == 18.0
     assert len(calls) == 2
+
+
+def _downloads(dev, probe=None, steps=8):
+    """Steady ``.cpu()``, ``.to("cpu", dtype)`` and ``.tolist()`` reads on ``dev``, a conjugate
+    and a negative view's among them, each then written to (a download is the host's own
+    copy): what they held. ``probe`` as :func:`_scalars`' (``lazy_tensor._transfer``'s
+    calls, per step)."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 4).to(dev)
+    z = torch.randn(3, dtype=torch.complex64).to(dev)
+    if dev == D:
+        genie.materialize(w, z)
+    got = []
+    for step in range(steps):
+        before = probe["n"] if probe else 0
+        a = (w * (step + 1)).relu().cpu()
+        b = (w + step).t().to("cpu", torch.float64)
+        c = (z * (step + 1)).conj().cpu()
+        d = (z + step).imag.neg().cpu()
+        e = (w - step).sum(0).tolist()
+        if probe:
+            probe["steps"].append(probe["n"] - before)
+        for t in (a, b, c, d):
+            got.append((t.device.type, t.dtype, t.shape, t.stride(), t.is_conj(), t.clone()))
+            t.zero_()  # the host's own copy: the device value keeps its own
+        got.append(e)
+    got.append(w.cpu())
+    return got
+
+
+def test_steady_downloads_take_no_python_step_and_answer_as_eager(monkeypatch):
+    """``.cpu()`` of a pending value: read natively from the record path once its plan is
+    steady (no ``lazy_tensor._transfer``), the same tensors as eager and as the Python path,
+    the same counters."""
+    probes = {False: {"n": 0, "steps": []}, True: {"n": 0, "steps": []}}
+    transfer = lazy_tensor._transfer
+
+    def counted(*a):
+        probes[config.native_read]["n"] += 1
+        return transfer(*a)
+
+    monkeypatch.setattr(lazy_tensor, "_transfer", counted)
+    seen = _both(monkeypatch, lambda: _downloads(D, probes[config.native_read]))
+    want = _downloads("cpu")
+
+    def same(a, b, bits=True):  # (eager's .cpu() of a CPU tensor is the tensor: its conj bit)
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            if isinstance(x, tuple):
+                assert x[:4] == y[:4] and torch.equal(x[5], y[5]), (x, y)
+                assert x[4] == y[4] or not bits
+            elif isinstance(x, torch.Tensor):
+                assert torch.equal(x, y)
+            else:
+                assert x == y
+
+    same(seen[True][0], want, bits=False)
+    same(seen[False][0], want, bits=False)
+    same(seen[True][0], seen[False][0])
+    assert seen[True][1] == seen[False][1]
+    assert seen[True][1]["materializations.cpu"] == 8 * 5 + 1
+    assert probes[False]["steps"] == [5] * 8  # the Python path: every download
+    # the first steps miss and build their plans (the Python path); the steady ones are native
+    assert probes[True]["steps"][-3:] == [0, 0, 0], probes[True]
