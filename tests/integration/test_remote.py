@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracle import assert_close_to_eager
 
 import genie
 from genie.device import real_device
@@ -49,12 +50,7 @@ EXACT_TRAINING = SERVER_DEVICE == "cpu"
 def assert_training_equals_eager(got: list, want: list) -> None:
     """Losses (floats) or parameters (CPU tensors) of a loop on the server against eager's on
     the CPU."""
-    for a, b in zip(got, want, strict=True):
-        if isinstance(b, torch.Tensor):
-            torch.testing.assert_close(a, b, **({"rtol": 0, "atol": 0} if EXACT_TRAINING
-                                                else {"rtol": 1e-4, "atol": 1e-5}))
-        else:
-            assert a == b if EXACT_TRAINING else a == pytest.approx(b, rel=1e-4, abs=1e-5)
+    assert_close_to_eager(got, want, exact=EXACT_TRAINING, rtol=1e-4, atol=1e-5)
 
 
 def ends_with_this_process() -> None:

@@ -6,8 +6,8 @@ CUDA tensors cannot run in a process where the ``remote_accelerator`` device is 
 backward's nodes: pytorch/pytorch#161129, docs/semantics.md), so where the real device is CUDA
 an oracle with a backward runs on the CPU, compared to float32's tolerance."""
 
-import pytest
 import torch
+from oracle import assert_close_to_eager
 
 from genie.device import real_device
 
@@ -16,14 +16,6 @@ AUTOGRAD = real_device(0) if EXACT else torch.device("cpu")  # the oracle's devi
 RTOL, ATOL = 1e-4, 1e-4  # CUDA's kernels against the CPU's, over a few training steps
 
 
-def assert_equal_eager(got, want) -> None:
+def assert_equal_eager(got: list, want: list) -> None:
     """``got`` and ``want``: equal-length lists of floats or tensors (on the CPU)."""
-    assert len(got) == len(want)
-    for a, b in zip(got, want, strict=True):
-        if isinstance(b, torch.Tensor):
-            if EXACT:
-                assert torch.equal(a, b)
-            else:
-                torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
-        else:
-            assert a == b if EXACT else a == pytest.approx(b, rel=RTOL, abs=ATOL)
+    assert_close_to_eager(got, want, exact=EXACT, rtol=RTOL, atol=ATOL)
