@@ -13,6 +13,7 @@
 #include <torch/csrc/Generator.h>
 
 #include "bind.h"
+#include "client_run.h"
 #include "memory.h"
 #include "match.h"
 #include "node.h"
@@ -374,4 +375,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   genie::add_worker_replay_functions(m);
   genie::add_wire_functions(m);
   genie::add_read_functions(m);
+  genie::add_client_functions(m);
 }

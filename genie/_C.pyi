@@ -86,6 +86,15 @@ def _wire_same(src: list[object], at: list[int], own: list[object], gets: list[o
     into ``part`` the last call's constants of the entries whose values are the last call's;
     returns the other entries whose source is not the plan's own, in order."""
 
+def _client_reply(parts: list[object], rid: int, into: list[object],
+                  limit: int) -> tuple[dict[str, object], int] | None:
+    """A steady run's reply read natively (csrc/client_run.cpp, ``Client._receive``): its header
+    (less ``o``) and the bytes received, each output set as ``into[k].host``; None (nothing set)
+    for anything but the plain case, which the Python path reads."""
+
+def _client_reply_init(dtypes: dict[str, object], copy_max: int) -> None:
+    """The wire dtypes by name and ``ZERO_COPY_MIN`` for :func:`_client_reply`."""
+
 def _const_delta(old: list[object], new: list[object],
                  same_const: object) -> list[object] | None:
     """``genie.remote.protocol.const_delta`` (csrc/wire.cpp): ``[pos, value, ...]`` where

@@ -52,7 +52,8 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .. import graphs, progress
+from .. import _C, graphs, progress
+from ..config import config as _config
 from ..errors import ExecutionError, GenieError
 from ..graph import TensorMeta
 from ..planner import PendingSlots, Tape, raw_instrs
@@ -73,7 +74,10 @@ from .decompose import for_server
 from .lineage import FreeEntry, Lineage, PeerEntry, PutEntry, RunEntry, host_sources
 from .peer import describe, session_id, ticket
 from .protocol import (
+    _DTYPES,
     ALIGN,
+    MAX_HEADER_BYTES,
+    WIRE_DTYPES,
     EXT_INPUT,
     PROTOCOL_VERSION,
     FrameRef,
@@ -113,6 +117,13 @@ LOAD_EVERY = 0.25
 #: frames at least this large become the downloaded tensor's memory (no copy); smaller ones are
 #: copied (they may sit unaligned inside the message struct)
 ZERO_COPY_MIN = 1 << 16
+
+#: a steady run's reply read natively (csrc/client_run.cpp, :meth:`Client._receive`): its
+#: header and outputs in one call, or None for the Python path (GENIE_CLIENT_NATIVE=0: always)
+_client_reply = _C._client_reply
+_C._client_reply_init({k: v for k, v in _DTYPES.items() if v in WIRE_DTYPES}, ZERO_COPY_MIN)
+#: ``frames`` of a reply whose outputs were read with its header (:func:`_client_reply`)
+_READ: list[Any] = []
 
 
 #: the dtypes a one-element download is read as a number (:func:`_host_tensor`): the format,
@@ -436,8 +447,7 @@ class Client:
 
     def _receive(self, sent: _Sent) -> tuple[dict[str, Any], list[zmq.Frame]]:
         """The answer to the request ``sent`` (raised as an error when it is one)."""
-        rid, what, head, size = sent.rid, sent.what, sent.head, sent.size
-        up, sent_at = sent.up, sent.sent_at
+        rid, what = sent.rid, sent.what
         deadline = time.monotonic() + self.timeout
         while True:
             left = deadline - time.monotonic()
@@ -452,6 +462,17 @@ class Client:
             if self._sock not in events:
                 continue
             parts = recv_parts(self._sock, 0)
+            into = sent.into
+            if into is not None and _config.client_native:
+                # a booked run's plain reply: its header checked and outputs read in one call
+                # (None: anything else, read below as ever)
+                fast = _client_reply(parts, rid, into, MAX_HEADER_BYTES)
+                if fast is not None:
+                    h, got = fast
+                    bump("bytes_received", got)
+                    bump("client_native_replies")
+                    self._took(h, sent, got)
+                    return h, _READ
             got = sum(len(p.buffer) for p in parts)
             bump("bytes_received", got)
             try:
@@ -465,45 +486,51 @@ class Client:
             if kind == "busy":
                 deadline = time.monotonic() + self.timeout
                 continue
-            self._last_activity = time.monotonic()
-            # durations span request to reply, the server's work included: lower bounds on rate
-            # (reported only when large: not called for the others, read after every wait)
-            if up is not None:
-                transfer_done("upload", size, self.address, up, "request to reply")
-            if got >= progress.LARGE:
-                transfer_done("download", got, self.address, sent_at, "request to reply")
-            st = h.get("st")
-            moved = head + size + got
-            # the link's figures: a bulk transfer's rate, every one; the latency of small ones
-            # from every LATENCY_SAMPLE_EVERY-th (a steady loop sends one a step, the cost
-            # model's lock and lookups ~10 us each right after the wait)
-            if (type(st) is float or type(st) is int) and (
-                    moved >= LARGE_BYTES or (moved < SMALL_BYTES and
-                                             rid % LATENCY_SAMPLE_EVERY == 0)):
-                model().observe_transfer(moved, time.perf_counter() - sent_at - st, CLIENT,
-                                         self.address)
-            ix = h.get("ix")  # index arguments the server checked (genie.index_check)
-            if isinstance(ix, list) and len(ix) == 3 and all(type(v) is int for v in ix):
-                bump("server_index_checks", ix[0])
-                bump("server_index_check_syncs", ix[1])
-                bump("server_index_check_refusals", ix[2])
-            vt = h.get("vt")  # how the server vetted a run (genie.remote.shape_class)
-            if vt in _VETTED_AS:
-                bump(_VETTED_AS[vt])
-            if h.get("er") == 1:  # answered before the rest of its tape ran (worker.py)
-                bump("server_early_replies")
-                self._unsynced = True
-            res = h.get("res")
-            if isinstance(res, list) and len(res) == 2:
-                self.resident = (res[0], res[1])
-                _counts["resident_tensors"] = res[0]
-                _counts["resident_bytes"] = res[1]
+            self._took(h, sent, got)
             if kind == "err":
                 raise self._error(h)
             try:
                 return h, join_frames(parts[1:], h.get("fc"))
             except ProtocolError as e:
                 raise self._fail(e.at(self.address)) from None
+
+    def _took(self, h: dict[str, Any], sent: _Sent, got: int) -> None:
+        """What an answer ``h`` (``got`` bytes) to the request ``sent`` tells besides its
+        values: the link's figures, the server's counters, residency."""
+        rid, head, size, up, sent_at = sent.rid, sent.head, sent.size, sent.up, sent.sent_at
+        self._last_activity = time.monotonic()
+        # durations span request to reply, the server's work included: lower bounds on rate
+        # (reported only when large: not called for the others, read after every wait)
+        if up is not None:
+            transfer_done("upload", size, self.address, up, "request to reply")
+        if got >= progress.LARGE:
+            transfer_done("download", got, self.address, sent_at, "request to reply")
+        st = h.get("st")
+        moved = head + size + got
+        # the link's figures: a bulk transfer's rate, every one; the latency of small ones
+        # from every LATENCY_SAMPLE_EVERY-th (a steady loop sends one a step, the cost
+        # model's lock and lookups ~10 us each right after the wait)
+        if (type(st) is float or type(st) is int) and (
+                moved >= LARGE_BYTES or (moved < SMALL_BYTES and
+                                         rid % LATENCY_SAMPLE_EVERY == 0)):
+            model().observe_transfer(moved, time.perf_counter() - sent_at - st, CLIENT,
+                                     self.address)
+        ix = h.get("ix")  # index arguments the server checked (genie.index_check)
+        if isinstance(ix, list) and len(ix) == 3 and all(type(v) is int for v in ix):
+            bump("server_index_checks", ix[0])
+            bump("server_index_check_syncs", ix[1])
+            bump("server_index_check_refusals", ix[2])
+        vt = h.get("vt")  # how the server vetted a run (genie.remote.shape_class)
+        if vt in _VETTED_AS:
+            bump(_VETTED_AS[vt])
+        if h.get("er") == 1:  # answered before the rest of its tape ran (worker.py)
+            bump("server_early_replies")
+            self._unsynced = True
+        res = h.get("res")
+        if isinstance(res, list) and len(res) == 2:
+            self.resident = (res[0], res[1])
+            _counts["resident_tensors"] = res[0]
+            _counts["resident_bytes"] = res[1]
 
     def _lost_note(self) -> str:
         n, b = self.resident
@@ -660,6 +687,8 @@ class Client:
             early = ahead or not restored
             if early:
                 kept = self._book(r)
+                if sent is not None:  # its answer may be read natively (_client_reply)
+                    sent.into = [kept[s] for s in tape.outputs]
             if ahead and sent is not None:
                 # sent ahead: the answer before the next request (the caller binds the tape's
                 # nodes once it is answered)
@@ -811,7 +840,7 @@ class Client:
         for s, (t, _) in uploads.items():
             if s in inputs:
                 self._register_upload(t, r.remote_inputs[s])
-        if tape.outputs or frames:
+        if frames is not _READ and (tape.outputs or frames):
             self._read_outputs(h, frames, [kept[s] for s in tape.outputs])
         return kept
 
@@ -1217,7 +1246,7 @@ class Client:
                 t = _host_tensor(getattr(f, "buffer", f), m)
             except ProtocolError as e:  # a reply the decoder refuses: name this server
                 raise self._fail(e.at(self.address)) from None
-            except (TypeError, IndexError) as e:
+            except (TypeError, IndexError, ValueError) as e:  # (strides of another rank: zip's)
                 raise self._fail(ProtocolError(f"bad output metadata {m!r:.80} ({e})",
                                                server=self.address)) from None
             if into is not None:
@@ -1493,12 +1522,14 @@ def _retire(ctx: zmq.Context) -> None:
 class _Sent:
     """A request on its way (:meth:`Client._send`): what :meth:`Client._receive` needs."""
 
-    __slots__ = ("rid", "what", "head", "size", "up", "sent_at")
+    __slots__ = ("rid", "what", "head", "size", "up", "sent_at", "into")
 
     def __init__(self, rid: int, what: str, head: int, size: int, up: Any, sent_at: float
                  ) -> None:
         self.rid, self.what, self.head, self.size = rid, what, head, size
         self.up, self.sent_at = up, sent_at
+        # a booked run's output handles: its reply may be read natively (_client_reply)
+        self.into: list[Handle] | None = None
 
 
 class _Run:
