@@ -33,7 +33,7 @@
 
 #include <pybind11/pybind11.h>
 
-#include <ATen/ops/empty_strided.h>
+#include <ATen/EmptyTensor.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -462,7 +462,8 @@ py::object client_reply(const py::list& parts, int64_t rid, const py::list& into
         s *= std::max<int64_t>(o.shape[i], 1);
       }
     }
-    at::Tensor t = at::empty_strided(o.shape, stride, at::TensorOptions().dtype(o.dtype));
+    // (the CPU allocator's tensor as eager's empty_strided makes it, without the dispatcher)
+    at::Tensor t = at::detail::empty_strided_cpu(o.shape, stride, o.dtype);
     std::memcpy(t.data_ptr(), fv.buf, static_cast<size_t>(nbytes));
     made.push_back(std::move(t));
   }

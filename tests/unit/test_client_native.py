@@ -38,6 +38,12 @@ def _bits(t: torch.Tensor) -> bytes:
     return bytes(flat.view(torch.uint8).tolist()) if t.numel() else b""
 
 
+def _storage(t: torch.Tensor) -> bytes:
+    """A tensor's storage as it is in memory (a bool's byte not read as its truth)."""
+    n = t.untyped_storage().nbytes()
+    return bytes(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), 0, (n,)).tolist())
+
+
 def _frame(t: torch.Tensor) -> bytes:
     """A tensor's frame as a server sends it: its storage span's bytes, laid out as its
     strides say (a dense tensor's)."""
@@ -77,8 +83,8 @@ def _outcome(native: bool, messages: list[list[bytes]], n_out: int) -> tuple:
         if frames is not client._READ and (n_out or frames):
             c._read_outputs(h, frames, into)
         h = {k: v for k, v in h.items() if k != "o"}
-        outs = [(t.dtype, tuple(t.shape), t.stride(), _bits(t), getattr(t, "_genie_own", None))
-                for t in (x.host for x in into)]
+        outs = [(t.dtype, tuple(t.shape), t.stride(), _bits(t), getattr(t, "_genie_own", None),
+                 t.storage_offset(), _storage(t)) for t in (x.host for x in into)]
         got = ("ok", h, outs, c.resident, c._unsynced)
     except Exception as e:  # noqa: BLE001 - the error is the outcome compared
         got = ("raised", type(e).__name__, str(e))
@@ -131,7 +137,7 @@ def test_plain_replies_are_read_natively_as_python_reads_them(case):
     outs = _PLAIN[case]
     got, took = _both([_reply(outs)], len(outs))
     assert took and got[0] == "ok"
-    for (dt, shape, stride, bits, own), want in zip(got[2], outs, strict=True):
+    for (dt, shape, stride, bits, own, _, _), want in zip(got[2], outs, strict=True):
         assert (dt, shape, stride) == (want.dtype, tuple(want.shape), want.stride())
         assert bits == _bits(want) and own is True
     # without strides: contiguous tensors of the same values
@@ -231,6 +237,8 @@ _MALFORMED = {
     "duplicate o": [_raw_map([(_p("t"), _p("ok")), (_p("rid"), _p(RID)),
                               (_p("o"), _p([_meta(_F)])), (_p("o"), _p([["int64", [1], None]]))]),
                     _frame(_F)],
+    "duplicate st": [_raw_map([(_p("t"), _p("ok")), (_p("rid"), _p(RID)), (_p("st"), _p(0.5)),
+                               (_p("o"), _p([_meta(_F)])), (_p("st"), _p(3))]), _frame(_F)],
     "vt not utf-8": [_raw_map([(_p("t"), _p("ok")), (_p("rid"), _p(RID)),
                                (_p("o"), _p([_meta(_F)])), (_p("vt"), b"\xa2\xff\xfe")]),
                      _frame(_F)],
