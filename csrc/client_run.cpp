@@ -294,7 +294,8 @@ bool key_is(const char* s, size_t n, const char* k) {
 // outputs read into `into`'s handles: (the header without "o", the bytes received), or None
 // where the Python path must read it (see above). Raises only what Python itself raises (no
 // memory, a handle refusing `host`).
-py::object client_reply(const py::list& parts, int64_t rid, const py::list& into, Py_ssize_t limit) {
+py::object client_reply(const py::list& parts, int64_t rid, const py::list& into,
+                        Py_ssize_t limit) {
   if (g_dtypes.empty()) {
     throw std::runtime_error("genie._C._client_reply: _client_reply_init was not called");
   }
