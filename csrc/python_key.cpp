@@ -28,6 +28,7 @@
 
 #include <Python.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -58,6 +59,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/PythonFallbackKernel.h>
 #include <ATen/core/stack.h>
+#include <c10/util/SmallVector.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/PyInterpreterHooks.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
@@ -100,6 +102,9 @@ torch::Library* factory_library = nullptr;
 // How parseIValuesToPyArgsKwargs converts an argument: by its schema type for the enums stored
 // as ints, else by the value.
 enum ArgKind : uint8_t { kValue, kDtype, kLayout, kMemoryFormat };
+static_assert(kValue == genie::kStackValue && kDtype == genie::kStackDtype &&
+                  kLayout == genie::kStackLayout && kMemoryFormat == genie::kStackMemoryFormat,
+              "record_stack reads the kinds as python_key.cpp's");
 
 struct OpArgs {
   PyObject* func = nullptr;  // torch.ops.<ns>.<name>.<overload> (static lifetime)
@@ -107,6 +112,7 @@ struct OpArgs {
   std::vector<ArgKind> kinds;
   std::vector<PyObject*> names;  // interned argument names
   size_t kwarg_only_start = 0;
+  std::vector<size_t> kw_sorted;  // the keyword-only positions by name (as flatten sorts a dict)
   bool tensor_return = false;  // exactly one return, a Tensor
 };
 
@@ -173,6 +179,12 @@ const OpArgs& args_of(const c10::OperatorHandle& op) {
     }
     a->names.push_back(name);
   }
+  for (size_t i = a->kwarg_only_start; i < arguments.size(); ++i) {
+    a->kw_sorted.push_back(i);
+  }
+  std::sort(a->kw_sorted.begin(), a->kw_sorted.end(), [&](size_t x, size_t y) {
+    return PyUnicode_Compare(a->names[x], a->names[y]) < 0;
+  });
   const auto& returns = schema->returns();
   a->tensor_return =
       returns.size() == 1 && returns[0].real_type()->kind() == c10::TypeKind::TensorType;
@@ -398,6 +410,45 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
   }
   if (rule > 0) {
     return delegate(op, ks, stack);
+  }
+
+  // A learned entry's call recorded from the IValues themselves (record.cpp's record_stack): the
+  // positional and keyword-only arguments python_args would give; what it declines takes the
+  // Python arguments below.
+  if (genie::stack_record_on()) {
+    size_t positional = a.kwarg_only_start;
+    while (positional > 0 && is_default(schema, values, positional - 1)) {
+      --positional;
+    }
+    // the keyword-only arguments python_args would put in kwargs, in flatten's (name) order
+    c10::SmallVector<size_t, 4> kw;
+    c10::SmallVector<PyObject*, 4> kw_names;
+    for (size_t i : a.kw_sorted) {
+      if (!is_default(schema, values, i)) {
+        kw.push_back(i);
+        kw_names.push_back(a.names[i]);
+      }
+    }
+    {
+      std::pair<py::object, py::object> check;  // stack_record_check: python_args, to compare
+      if (genie::stack_record_check()) {
+        check = python_args(schema, a, values, false);
+      }
+      PyObject* r = genie::record_stack(a.func, values, positional, kw.data(), kw.size(),
+                                        kw_names.data(),
+                                        reinterpret_cast<const uint8_t*>(a.kinds.data()),
+                                        check.first.ptr(), check.second.ptr());
+      if (r != genie::kStackDeclined) {
+        py::object out = py::reinterpret_steal<py::object>(r);
+        if (!out) {
+          throw python_error();
+        }
+        torch::jit::drop(*stack, n);
+        ++n_recorded;
+        push_outputs(op, a, out, lazy, stack);
+        return;
+      }
+    }
   }
 
   auto [args, kwargs] = python_args(schema, a, values, false);

@@ -888,6 +888,10 @@ bool to_host(PyObject* kwargs) {
 
 namespace genie {
 
+bool read_op_is(PyObject* func) {
+  return item_ctx.op != nullptr && (func == item_ctx.op || func == item_ctx.to_copy);
+}
+
 PyObject* read_op_steady(PyObject* func, PyObject* args, PyObject* kwargs) {
   if (item_ctx.op == nullptr || (func != item_ctx.op && func != item_ctx.to_copy) ||
       PyTuple_GET_SIZE(args) != 1) {

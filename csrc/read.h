@@ -14,4 +14,8 @@ void add_read_functions(pybind11::module_& m);
 // (py::error_already_set) as the read would.
 PyObject* read_op_steady(PyObject* func, PyObject* args, PyObject* kwargs);
 
+// Whether `func` is one of read_op_steady's ops (.item()'s, .cpu()'s _to_copy): the record path
+// from the IValue stack (record.cpp's record_stack) leaves those to try_record.
+bool read_op_is(PyObject* func);
+
 }  // namespace genie

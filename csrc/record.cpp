@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -57,6 +58,7 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/TensorImpl.h>
@@ -69,6 +71,7 @@
 #include <torch/csrc/MemoryFormat.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/tensor_memoryformats.h>
 
 #if __has_include(<torch/headeronly/version.h>)
 #include <torch/headeronly/version.h>
@@ -235,6 +238,8 @@ struct Flags {
   bool gc_untrack = true;
   bool gc_defer_writes = true;
   bool native_record_miss = true;
+  bool stack_record = true;         // config.stack_record: record_stack takes what it can
+  bool stack_record_check = false;  // config.stack_record_check: each such call checked
   bool generic_meta = true;  // config.generic_meta and config.shape_rules
 };
 
@@ -700,6 +705,7 @@ struct Call {
   c10::SmallVector<PyObject*, 16> leaves;  // borrowed
   c10::SmallVector<Lazy, 8> lazies;
   c10::SmallVector<PyObject*, 4> interned;  // owned: interned strs whose addresses are in words
+  c10::SmallVector<PyObject*, 8> owned;  // the leaves record_stack made from IValues
   Words words;
   bool nan = false;  // a NaN float key: never learned (Python keys compare NaNs by identity)
   Reason reason = kArgs;  // why flatten refused the call
@@ -711,6 +717,9 @@ struct Call {
     }
     for (PyObject* s : interned) {
       Py_DECREF(s);
+    }
+    for (PyObject* o : owned) {
+      Py_DECREF(o);
     }
   }
 };
@@ -1981,6 +1990,11 @@ PyObject* next_seq(PyObject* index) {
 // lazy_tensor._record for a learned entry: one Node, its Refs and outputs; nullptr without an
 // error for a call whose aliased arguments are not what the entry needs (the fallback takes it).
 // `hit`: the entry was found here, a meta-cache hit (a miss was counted by entry_for).
+PyObject* record_made(PyObject* func, const OpInfo& info, Call& call, const Entry& e,
+                      PyObject* graph, bool gc_untrack, bool hit,
+                      const c10::SmallVector<PyObject*, 4>& sources,
+                      const c10::SmallVector<py::object, 4>& writes);
+
 PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObject* kwargs,
                      Call& call, const Entry& e, PyObject* graph, bool gc_untrack, bool hit) {
   // Everything that can send the call to the fallback comes before the first side effect.
@@ -1996,6 +2010,16 @@ PyObject* record_hit(PyObject* func, const OpInfo& info, PyObject* args, PyObjec
   if (!info.writes.empty() && !write_storages(info, args, kwargs, &call, writes)) {
     return nullptr;
   }
+  return record_made(func, info, call, e, graph, gc_untrack, hit, sources, writes);
+}
+
+// record_hit once the aliased argument of each output (`sources`, borrowed) and the storages
+// written are known: nullptr without an error where an aliased argument has no storage (nothing
+// done yet), else the outputs.
+PyObject* record_made(PyObject* func, const OpInfo& info, Call& call, const Entry& e,
+                      PyObject* graph, bool gc_untrack, bool hit,
+                      const c10::SmallVector<PyObject*, 4>& sources,
+                      const c10::SmallVector<py::object, 4>& writes) {
   c10::SmallVector<py::object, 4> aliased;  // the storage of each aliased output
   for (size_t j = 0; j < e.outs.size(); ++j) {
     if (sources[j] != nullptr) {
@@ -2406,6 +2430,410 @@ PyObject* native_or_fallback(PyObject* (*native)(PyObject*, PyObject*, PyObject*
   }
   return after_record(PyObject_CallFunctionObjArgs(
       fallback, func, args, kwargs != nullptr ? kwargs : Py_None, nullptr));
+}
+
+// --- recording from the IValue stack (csrc/python_key.cpp's kernel) ----------------------------
+//
+// The Python-key kernel used to convert every call's IValues into an args tuple (a Python object
+// per argument) for record_call, whose flatten() walked them again into the call's key words and
+// leaves. record_stack fills the same Call from the IValues directly: the words flatten() would
+// write for the args tuple and kwargs dict python_args makes (positional arguments up to the last
+// that is not its default; keyword-only ones that are not their default, by name), the
+// LazyTensor arguments by their Python objects (the tensors' PyObject slots), and a Python object
+// only for each constant leaf the node keeps (ints, floats, bools: made per call, small ints and
+// None are CPython's singletons; dtypes, layouts and memory formats torch's). It takes a call only
+// where try_record would record it from a learned entry with no write: the same preconditions
+// (flags, profiler, no capture block, the op's policy cached and allowed), no read or detach op
+// (try_record's own paths), arguments of the types above or lists of ints or of LazyTensors (no
+// str, device, optional-tensor list or other argument type), an entry found
+// for the exact words, no output written and every viewed output's source a LazyTensor argument.
+// Anything else is declined before any side effect (kStackDeclined), and the kernel takes
+// python_args + record_call as before, which then counts the call's reason. A miss is declined
+// too: entry_for, learning and shape-generic entries take the args tuple.
+// config.stack_record_check (GENIE_STACK_RECORD_CHECK=1, in tests) flattens the args tuple too
+// for every call built here and raises where words, leaves or aliased sources differ.
+
+char stack_declined_tag;
+PyObject* const kStackDeclined = reinterpret_cast<PyObject*>(&stack_declined_tag);
+uint64_t n_stack = 0;           // calls record_stack recorded
+uint64_t n_stack_declined = 0;  // calls it declined
+// Why record_stack declined its last call, and (with stack_record_check on) the declines by op
+// and reason: _stack_record_declines() (coverage measurements).
+const char* stack_why = "";
+std::map<std::pair<PyObject*, std::string>, uint64_t>& stack_declines =
+    *new std::map<std::pair<PyObject*, std::string>, uint64_t>();
+
+// v.push_back(x) where the caller reserved the room: SmallVector's push_back is an out-of-line
+// call (~14 instructions) for its growth path.
+template <class V, class T>
+inline void put(V& v, T x) {
+  v.data()[v.size()] = x;
+  v.set_size(v.size() + 1);
+}
+
+// Appends one leaf (word pair and a Python object) for the IValue `v` of schema kind `kind`, as
+// to_python then flatten's leaf() would; false: declined.
+bool stack_leaf(const c10::IValue& v, uint8_t kind, const OpInfo& info, Call& call,
+                int64_t& index) {
+  PyObject* x = nullptr;  // a new reference
+  if (v.isNone()) {
+    put(call.words, kNone);
+    put(call.words, 0);
+    put(call.leaves, Py_None);
+    return true;
+  }
+  if (kind != genie::kStackValue) {
+    if (!v.isInt()) {
+      stack_why = "an enum argument not an int";
+      return false;
+    }
+    if (kind == genie::kStackDtype) {
+      x = reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<c10::ScalarType>(v.toInt())));
+      put(call.words, kDtype);
+    } else if (kind == genie::kStackLayout) {
+      x = reinterpret_cast<PyObject*>(torch::getTHPLayout(static_cast<c10::Layout>(v.toInt())));
+      put(call.words, kSingleton);
+    } else {
+      x = torch::utils::getTHPMemoryFormat(static_cast<c10::MemoryFormat>(v.toInt()));
+      put(call.words, kSingleton);
+    }
+    put(call.words, reinterpret_cast<uint64_t>(x));
+    put(call.leaves, x);  // torch's singletons, alive for the process
+    return true;
+  }
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) {  // toPyObject's None
+      put(call.words, kNone);
+      put(call.words, 0);
+      put(call.leaves, Py_None);
+      return true;
+    }
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    if (impl->is_wrapped_number()) {
+      // python_key.cpp's wrapped_number: the number of a 0-dim CPU tensor with no Python object
+      if (!t.device().is_cpu() || impl->pyobj_slot()->load_pyobj() != nullptr) {
+        stack_why = "a wrapped number with a Python object";
+        return false;
+      }
+      switch (t.scalar_type()) {
+        case at::ScalarType::Double: {
+          const double d = *t.const_data_ptr<double>();
+          x = checked(PyFloat_FromDouble(d));
+          put(call.owned, x);
+          put(call.words, kFloat);
+          if (info.float_values_matter) {
+            uint64_t bits;
+            std::memcpy(&bits, &d, sizeof bits);
+            put(call.words, bits);
+            call.nan = call.nan || std::isnan(d);
+          } else {
+            put(call.words, 0);
+          }
+          break;
+        }
+        case at::ScalarType::Long:
+          x = checked(PyLong_FromLongLong(*t.const_data_ptr<int64_t>()));
+          put(call.owned, x);
+          put(call.words, kInt);
+          put(call.words, static_cast<uint64_t>(*t.const_data_ptr<int64_t>()));
+          break;
+        case at::ScalarType::Bool: {
+          const bool b = *t.const_data_ptr<bool>();
+          put(call.words, kBool);
+          put(call.words, b ? 1 : 0);
+          x = b ? Py_True : Py_False;
+          break;
+        }
+        default:
+          stack_why = "a wrapped number of another dtype";
+          return false;
+      }
+      put(call.leaves, x);
+      return true;
+    }
+    x = impl->pyobj_slot()->load_pyobj();
+    if (x == nullptr || Py_TYPE(x) != S.lazy) {
+      stack_why = "a tensor not a LazyTensor";
+      return false;
+    }
+    Py_INCREF(x);
+    put(call.owned, x);
+    PyObject* node;
+    PyObject* out;
+    if (!lazy_attrs(x, &node, &out)) {
+      stack_why = "a LazyTensor without _node/_out";
+      return false;
+    }
+    call.lazies.push_back(Lazy{x, node, out, 0, nullptr,
+                               static_cast<Py_ssize_t>(call.leaves.size())});
+    if (Py_TYPE(node) != S.node || !PyLong_CheckExact(out)) {
+      return false;
+    }
+    Lazy& l = call.lazies.back();
+    l.out_i = PyLong_AsSsize_t(out);
+    PyObject* metas = slot(node, S.n.metas);
+    if (metas == nullptr || !PyList_CheckExact(metas) || l.out_i < 0 ||
+        l.out_i >= PyList_GET_SIZE(metas)) {
+      PyErr_Clear();
+      return false;
+    }
+    l.meta = PyList_GET_ITEM(metas, l.out_i);
+    if (Py_TYPE(l.meta) != S.tensor_meta) {
+      return false;
+    }
+    PyObject* idx = slot(l.meta, S.tm_index);
+    const int64_t i = idx != nullptr ? PyLong_AsLongLong(idx) : -2;
+    if (i < 0) {
+      PyErr_Clear();
+      return false;
+    }
+    if (index < 0) {
+      index = i;
+    } else if (i != index) {
+      stack_why = "LazyTensors on several devices";
+      return false;
+    }
+    put(call.words, kLazy);
+    put(call.words, reinterpret_cast<uint64_t>(l.meta));
+    put(call.leaves, x);
+    return true;
+  }
+  if (v.isInt()) {
+    const int64_t i = v.toInt();
+    x = checked(PyLong_FromLongLong(i));
+    put(call.owned, x);
+    put(call.words, kInt);
+    put(call.words, static_cast<uint64_t>(i));
+  } else if (v.isBool()) {
+    x = v.toBool() ? Py_True : Py_False;
+    put(call.words, kBool);
+    put(call.words, v.toBool() ? 1 : 0);
+  } else if (v.isDouble()) {
+    const double d = v.toDouble();
+    x = checked(PyFloat_FromDouble(d));
+    put(call.owned, x);
+    put(call.words, kFloat);
+    if (info.float_values_matter) {
+      uint64_t bits;
+      std::memcpy(&bits, &d, sizeof bits);
+      put(call.words, bits);
+      call.nan = call.nan || std::isnan(d);
+    } else {
+      put(call.words, 0);
+    }
+  } else {
+    // str, device, lists of other things, generators, symbolic ints, ...
+    stack_why = v.isTensorList() || v.isOptionalTensorList() ? "a tensor list"
+                : v.isString()                               ? "a str"
+                : v.isDevice()                               ? "a device"
+                : v.isList()                                 ? "another list"
+                                                             : "another argument type";
+    return false;
+  }
+  put(call.leaves, x);
+  return true;
+}
+
+// Whether two Calls flattened the same call: equal words, the same leaves (LazyTensors and
+// singletons by identity, numbers by type and value, floats by bits) and LazyTensor readings.
+bool same_call(const Call& a, const Call& b, std::string& why) {
+  if (a.words.size() != b.words.size() ||
+      std::memcmp(a.words.data(), b.words.data(), a.words.size() * sizeof(uint64_t)) != 0) {
+    why = "the key words differ";
+    return false;
+  }
+  if (a.leaves.size() != b.leaves.size() || a.lazies.size() != b.lazies.size()) {
+    why = "the number of leaves or LazyTensors differs";
+    return false;
+  }
+  for (size_t i = 0; i < a.leaves.size(); ++i) {
+    PyObject* x = a.leaves[i];
+    PyObject* y = b.leaves[i];
+    if (x == y) {
+      continue;
+    }
+    if (Py_TYPE(x) != Py_TYPE(y)) {
+      why = "leaf " + std::to_string(i) + " is a " + Py_TYPE(x)->tp_name + ", flatten's a " +
+            Py_TYPE(y)->tp_name;
+      return false;
+    }
+    if (PyFloat_CheckExact(x)) {
+      const double u = PyFloat_AS_DOUBLE(x), w = PyFloat_AS_DOUBLE(y);
+      if (std::memcmp(&u, &w, sizeof u) != 0) {
+        why = "float leaf " + std::to_string(i) + " differs";
+        return false;
+      }
+      continue;
+    }
+    if (PyLong_CheckExact(x)) {
+      const int eq = PyObject_RichCompareBool(x, y, Py_EQ);
+      if (eq != 1) {
+        PyErr_Clear();
+        why = "int leaf " + std::to_string(i) + " differs";
+        return false;
+      }
+      continue;
+    }
+    why = std::string("leaf ") + std::to_string(i) + " (" + Py_TYPE(x)->tp_name +
+          ") is another object than flatten's";
+    return false;
+  }
+  for (size_t i = 0; i < a.lazies.size(); ++i) {
+    const Lazy& l = a.lazies[i];
+    const Lazy& m = b.lazies[i];
+    if (l.tensor != m.tensor || l.node != m.node || l.out_i != m.out_i || l.meta != m.meta ||
+        l.leaf != m.leaf) {
+      why = "LazyTensor " + std::to_string(i) + " is read differently";
+      return false;
+    }
+  }
+  return true;
+}
+
+[[noreturn]] void stack_check_failed(PyObject* func, const std::string& why) {
+  py::object name = py::reinterpret_steal<py::object>(PyObject_Str(func));
+  PyErr_Clear();
+  throw std::logic_error("genie: the record from the IValue stack of " +
+                         (name ? py::str(name).cast<std::string>() : std::string("an op")) +
+                         " differs from flatten()'s of its Python arguments: " + why +
+                         " (GENIE_STACK_RECORD_CHECK; GENIE_STACK_RECORD=0 takes the Python "
+                         "arguments' path)");
+}
+
+// One argument (a leaf, or a list of ints or of tensors: a list header and its elements).
+bool stack_arg(const c10::IValue& v, uint8_t kind, const OpInfo& info, Call& call,
+               int64_t& index) {
+  if (kind == genie::kStackValue && (v.isIntList() || v.isTensorList())) {
+    // view's sizes, permute's dims; cat's and stack's tensors
+    const auto items = v.toListRef();
+    put(call.words, static_cast<uint64_t>(kList));
+    put(call.words, static_cast<uint64_t>(items.size()));
+    for (const c10::IValue& item : items) {
+      if (!stack_leaf(item, genie::kStackValue, info, call, index)) {
+        return false;
+      }
+    }
+    return true;
+  }
+  return stack_leaf(v, kind, info, call, index);
+}
+
+PyObject* try_record_stack(PyObject* func, const c10::IValue* values, size_t positional,
+                           const size_t* kw, size_t n_kw, PyObject* const* kw_names,
+                           const uint8_t* kinds, PyObject* check_args, PyObject* check_kwargs) {
+  if (!S.ready || !flags.native_record || !flags.meta_cache || flags.record_source ||
+      !flags.stack_record || dict_get(S.profiler, names->profiler_enabled) != Py_False ||
+      func == S.detach || genie::read_op_is(func)) {
+    stack_why = "off, profiler, detach or a read";
+    return kStackDeclined;
+  }
+  const OpInfo* info = op_info(func);
+  if (info == nullptr || !info->ok || !info->writes.empty() ||
+      PyList_GET_SIZE(this_thread().graphs) != 0) {
+    stack_why = info == nullptr ? "op policy not cached" : !info->ok ? "op policy"
+                : !info->writes.empty() ? "writes" : "capture";
+    return kStackDeclined;
+  }
+  Call call;
+  size_t n_words = 3 + (n_kw > 0 ? 2 + 2 * n_kw : 0), n_leaves = 0;  // room for put()
+  auto room = [&](const c10::IValue& v) {
+    const size_t k = v.isList() ? v.toListRef().size() : 1;
+    n_words += 2 + 2 * k;
+    n_leaves += k;
+  };
+  for (size_t i = 0; i < positional; ++i) {
+    room(values[i]);
+  }
+  for (size_t j = 0; j < n_kw; ++j) {
+    room(values[kw[j]]);
+  }
+  call.words.reserve(n_words);
+  call.leaves.reserve(n_leaves);
+  call.owned.reserve(n_leaves);
+  put(call.words, reinterpret_cast<uint64_t>(func));
+  put(call.words, static_cast<uint64_t>(kState));
+  put(call.words, genie::state_word());
+  int64_t index = -1;
+  for (size_t i = 0; i < positional; ++i) {
+    if (!stack_arg(values[i], kinds[i], *info, call, index)) {
+      return kStackDeclined;
+    }
+  }
+  if (n_kw > 0) {  // as flatten walks a kwargs dict: its size, then by name, each name and value
+    put(call.words, static_cast<uint64_t>(kDict));
+    put(call.words, static_cast<uint64_t>(n_kw));
+    for (size_t j = 0; j < n_kw; ++j) {
+      put(call.words, static_cast<uint64_t>(kKey));
+      put(call.words, reinterpret_cast<uint64_t>(kw_names[j]));  // interned
+      if (!stack_arg(values[kw[j]], kinds[kw[j]], *info, call, index)) {
+        return kStackDeclined;
+      }
+    }
+  }
+  if (call.lazies.empty()) {
+    stack_why = "no LazyTensor";
+    return kStackDeclined;
+  }
+  if (check_args != nullptr) {
+    Call ref;
+    if (!flatten(check_args, check_kwargs, *info, func, ref)) {
+      PyErr_Clear();
+      stack_check_failed(func, "flatten() refuses the call");
+    }
+    std::string why;
+    if (!same_call(call, ref, why)) {
+      stack_check_failed(func, why);
+    }
+  }
+  std::shared_ptr<Entry> e = entries.find(hash_words(call.words), call.words);
+  if (!e || e->python_only) {
+    stack_why = !e ? "no learned entry (a miss)" : "entry python_only";
+    return kStackDeclined;
+  }
+  c10::SmallVector<PyObject*, 4> sources;  // borrowed: the aliased argument of each output
+  for (const Out& o : e->outs) {
+    PyObject* src = nullptr;
+    if (o.kind == Kind::kWrite) {
+      stack_why = "a written output";
+      return kStackDeclined;
+    }
+    if (o.kind == Kind::kView) {
+      if (o.pos < 0 || static_cast<size_t>(o.pos) >= positional || !values[o.pos].isTensor()) {
+        stack_why = "a view of no tensor argument";
+        return kStackDeclined;
+      }
+      for (const Lazy& l : call.lazies) {
+        if (reinterpret_cast<PyObject*>(
+                values[o.pos].unsafeToTensorImpl()->pyobj_slot()->load_pyobj()) == l.tensor) {
+          src = l.tensor;
+          break;
+        }
+      }
+      if (src == nullptr) {
+        stack_why = "a view of no LazyTensor argument";
+        return kStackDeclined;
+      }
+    }
+    if (check_args != nullptr &&
+        src != (o.kind == Kind::kFresh ? nullptr
+                                       : alias_source(*info, check_args, check_kwargs, o))) {
+      stack_check_failed(func, "an output's aliased argument differs");
+    }
+    sources.push_back(src);
+  }
+  const c10::SmallVector<py::object, 4> writes;
+  PyObject* r = record_made(func, *info, call, *e, S.default_graph, flags.gc_untrack, true,
+                            sources, writes);
+  if (r == nullptr) {
+    if (PyErr_Occurred()) {
+      return nullptr;
+    }
+    stack_why = "an aliased argument without a storage";
+    return kStackDeclined;  // nothing done: the Python arguments' path decides
+  }
+  reasons[kHandled]++;
+  return r;
 }
 
 // LazyTensor.__torch_dispatch__(func, types, args=(), kwargs=None), as a staticmethod: torch
@@ -3845,6 +4273,8 @@ void record_config(const py::object& config) {
   flags.gc_untrack = config.attr("gc_untrack").cast<bool>();
   flags.gc_defer_writes = config.attr("gc_defer_writes").cast<bool>();
   flags.native_record_miss = config.attr("native_record_miss").cast<bool>();
+  flags.stack_record = config.attr("stack_record").cast<bool>();
+  flags.stack_record_check = config.attr("stack_record_check").cast<bool>();
   flags.generic_meta = config.attr("generic_meta").cast<bool>() &&
                        config.attr("shape_rules").cast<bool>();
 }
@@ -3882,6 +4312,41 @@ PyObject* record_call(PyObject* func, PyObject* args, PyObject* kwargs) {
     return nullptr;
   }
   return native_or_fallback(try_record, S.fallback, func, args, kwargs);
+}
+
+PyObject* const kStackDeclined = ::kStackDeclined;
+
+PyObject* record_stack(PyObject* func, const c10::IValue* values, size_t positional,
+                       const size_t* kw, size_t n_kw, PyObject* const* kw_names,
+                       const uint8_t* kinds, PyObject* check_args, PyObject* check_kwargs) {
+  PyObject* r = guarded([&] {
+    return try_record_stack(func, values, positional, kw, n_kw, kw_names, kinds, check_args,
+                            check_kwargs);
+  });
+  if (r == kStackDeclined) {
+    n_stack_declined++;
+    if (flags.stack_record_check) {
+      stack_declines[{func, stack_why}]++;
+    }
+    return r;
+  }
+  n_stack++;
+  return after_record(r);
+}
+
+void stack_record_declined(PyObject* func, const char* why) {
+  n_stack_declined++;
+  if (flags.stack_record_check) {
+    stack_declines[{func, why}]++;
+  }
+}
+
+bool stack_record_on() {
+  return S.ready && flags.stack_record;
+}
+
+bool stack_record_check() {
+  return flags.stack_record_check;
 }
 
 PyObject* record_factory_call(PyObject* func, PyObject* args, PyObject* kwargs) {
@@ -3947,6 +4412,16 @@ void add_record_functions(py::module_& m) {
         "genie.backends.remote sends what it depends on to the server ahead.");
   m.def("_record_ahead_reset", &record_ahead_reset,
         "Start _record_ahead's count again (the program read a value).");
+  m.def("_stack_record_stats", []() { return py::make_tuple(n_stack, n_stack_declined); },
+        "(calls the Python-key kernel recorded from the IValue stack, calls it declined to the "
+        "Python arguments' path): csrc/record.cpp's record_stack.");
+  m.def("_stack_record_declines", []() {
+    py::list r;
+    for (const auto& [k, n] : stack_declines) {
+      r.append(py::make_tuple(py::handle(k.first), k.second, n));
+    }
+    return r;
+  }, "[(op, why, calls)]: the calls record_stack declined while stack_record_check was on.");
   m.attr("_record_native") = true;
   m.attr("_record_wrap") = GENIE_WRAP_NATIVE ? "native" : "python";
 }

@@ -255,6 +255,10 @@ def _record_stats() -> dict[str, int]:
 def _record_reset_stats() -> None:
     """Zero the counts of :func:`_record_stats`."""
 
+def _stack_record_stats() -> tuple[int, int]:
+    """(calls the Python-key kernel recorded from the IValue stack, calls it declined to the
+    Python arguments' path): ``csrc/record.cpp``'s ``record_stack`` (cumulative)."""
+
 
 class _ReplayProgram:
     """A tape's structure compiled for native replay (``csrc/replay.cpp``; built and run by

@@ -3,7 +3,8 @@
 ``GENIE_DEVICE``, ``GENIE_DEVICE_COUNT``, ``GENIE_META_CACHE``, ``GENIE_RECORD_SOURCE``,
 ``GENIE_GC_UNTRACK``, ``GENIE_NATIVE_RECORD``, ``GENIE_NATIVE_RECORD_MISS``, ``GENIE_GENERIC_META``, ``GENIE_NATIVE_BIND``,
 ``GENIE_NATIVE_MATCH``, ``GENIE_NATIVE_SLICE``, ``GENIE_NATIVE_REPLAY``, ``GENIE_FOREACH``,
-``GENIE_NATIVE_DISPATCH_RULE``, ``GENIE_PYTHON_KEY``, ``GENIE_WHOLE_OPS``, ``GENIE_INDEX_CHECK``,
+``GENIE_NATIVE_DISPATCH_RULE``, ``GENIE_PYTHON_KEY``, ``GENIE_STACK_RECORD``,
+``GENIE_STACK_RECORD_CHECK``, ``GENIE_WHOLE_OPS``, ``GENIE_INDEX_CHECK``,
 ``GENIE_CALLER_BACKWARD``, ``GENIE_CPU_RETAIN`` and ``GENIE_DEBUG`` live here; the engine and
 remote modules read their own (``GENIE_BACKENDS``, ``GENIE_PLAN_CACHE``, ``GENIE_COMPILER``,
 ``GENIE_SERVER``, ...). docs/env.md is the one table of all of them, with meanings and defaults.
@@ -95,6 +96,13 @@ class Config:
     # (csrc/python_key.cpp), without PyTorch's Python fallback and its round trip into
     # __torch_dispatch__; 0: PyTorch's fallback calls LazyTensor.__torch_dispatch__ (the reference).
     python_key: bool = _flag("GENIE_PYTHON_KEY", "1") != "0"
+    # That kernel records a call of a learned meta-cache entry from the dispatcher's IValues
+    # directly (csrc/record.cpp, record_stack: no args tuple, no Python object per argument);
+    # 0: every call's arguments become Python ones first and take record_call (the reference).
+    stack_record: bool = _flag("GENIE_STACK_RECORD", "1") != "0"
+    # Check every call record_stack takes against flatten() of its Python arguments (the key
+    # words, leaves and aliased arguments; a difference raises). For tests: costs a conversion.
+    stack_record_check: bool = _flag("GENIE_STACK_RECORD_CHECK", "0") == "1"
     # Run a repeated plan's tape as a native program (csrc/replay.cpp): "1" from a plan's
     # second use, "always" every tape, "0" never (generated Python or the interpreter).
     native_replay: str = _flag("GENIE_NATIVE_REPLAY", "1").lower() or "1"
