@@ -35,6 +35,7 @@
 #include "whole.h"
 #include "wire.h"
 #include "worker_replay.h"
+#include "wrapper.h"
 
 namespace py = pybind11;
 
@@ -376,4 +377,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   genie::add_wire_functions(m);
   genie::add_read_functions(m);
   genie::add_client_functions(m);
+  genie::add_wrapper_functions(m);
 }

@@ -34,6 +34,7 @@
 #include "bind.h"
 #include "match.h"
 #include "read.h"
+#include "wrapper.h"
 #include "record.h"
 #include "replay.h"
 #include "slice.h"
@@ -897,6 +898,7 @@ PyObject* read_op_steady(PyObject* func, PyObject* args, PyObject* kwargs) {
       PyTuple_GET_SIZE(args) != 1) {
     return nullptr;
   }
+  genie::release_pending();  // outputs whose wrappers died without the GIL (csrc/wrapper.cpp)
   const bool item = func == item_ctx.op;
   const Names& s = names();
   if (item ? kwargs != nullptr : !to_host(kwargs)) {

@@ -84,6 +84,7 @@
 #include "node.h"
 #include "read.h"
 #include "record.h"
+#include "wrapper.h"
 #include "seq.h"
 #include "slots.h"
 #include "state.h"
@@ -648,6 +649,13 @@ void clear_entries() {
 // A LazyTensor's attribute (its _node, _out), new reference or nullptr: read from its instance
 // dict (materialized by graph.track), as generic attribute lookup finds it there.
 PyObject* lazy_attr(PyObject* t, PyObject* name) {
+  if (genie::LazyImpl* impl = genie::lazy_impl_of(t)) {  // the native path's wrappers
+    PyObject* v = name == names->node ? impl->node : name == names->out ? impl->out
+                  : name == names->alive ? impl->alive : nullptr;
+    if (v != nullptr) {
+      return new_ref(v);
+    }
+  }
 #if PY_VERSION_HEX < 0x030D0000
   PyObject** dp = _PyObject_GetDictPtr(t);
   PyObject* v = dp != nullptr && *dp != nullptr ? PyDict_GetItemWithError(*dp, name) : nullptr;
@@ -666,6 +674,13 @@ PyObject* lazy_attr(PyObject* t, PyObject* name) {
 // lazy_attr(t, "_node") and lazy_attr(t, "_out") from one look at the dict (new references);
 // false, with neither set, where either is missing.
 bool lazy_attrs(PyObject* t, PyObject** node, PyObject** out) {
+  if (genie::LazyImpl* impl = genie::lazy_impl_of(t)) {  // the native path's wrappers
+    if (impl->node != nullptr && impl->out != nullptr) {
+      *node = new_ref(impl->node);
+      *out = new_ref(impl->out);
+      return true;
+    }
+  }
 #if PY_VERSION_HEX < 0x030D0000
   PyObject** dp = _PyObject_GetDictPtr(t);
   PyObject* d = dp != nullptr ? *dp : nullptr;
@@ -1811,19 +1826,19 @@ PyObject* make_wrapper(const Out& o, PyObject* base) {
   const caffe2::TypeMeta dtype = c10::scalarTypeToTypeMeta(o.dtype);
   at::Tensor t;
   if (base == nullptr) {
-    t = at::detail::make_tensor<c10::TensorImpl>(genie::fake_storage(o.nbytes, o.index), keys,
+    t = at::detail::make_tensor<genie::LazyImpl>(genie::fake_storage(o.nbytes, o.index), keys,
                                                  dtype);
   } else if (c10::InferenceMode::is_enabled() && !THPVariable_Unpack(base).is_inference()) {
     // An alias of a normal tensor taken in inference mode is a normal tensor, as eager's views
     // (which take their base's keys): autograd's view tracking gives it the base's version
     // counter, which an inference tensor cannot take.
-    t = at::detail::make_tensor<c10::TensorImpl>(
+    t = at::detail::make_tensor<genie::LazyImpl>(
         c10::TensorImpl::VIEW, c10::Storage(THPVariable_Unpack(base).storage()),
         keys | c10::getAutocastRelatedKeySetFromBackend(c10::BackendComponent::PrivateUse1Bit) |
             c10::getAutogradRelatedKeySetFromBackend(c10::BackendComponent::PrivateUse1Bit),
         dtype);
   } else {
-    t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(THPVariable_Unpack(base).storage()),
+    t = at::detail::make_tensor<genie::LazyImpl>(c10::Storage(THPVariable_Unpack(base).storage()),
                                                  keys, dtype);
   }
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
@@ -1877,6 +1892,10 @@ PyObject* make_wrapper(const Out& o, PyObject* base) {
 py::object bound_wrapper(const Out& o, PyObject* node, PyObject* out, PyObject* alive,
                          bool gc_untrack, PyObject* base) {
   py::object t = py::reinterpret_steal<py::object>(make_wrapper(o, base));
+  if (genie::LazyImpl* impl = genie::lazy_impl(THPVariable_Unpack(t.ptr()).unsafeGetTensorImpl())) {
+    genie::lazy_impl_bind(impl, node, out, alive);  // no instance dict (csrc/wrapper.cpp)
+    return t;
+  }
   py::object d = py::reinterpret_steal<py::object>(checked(PyObject_GenericGetDict(t.ptr(), nullptr)));
   if (PyDict_SetItem(d.ptr(), names->node, node) < 0 ||
       PyDict_SetItem(d.ptr(), names->out, out) < 0 ||
@@ -3984,7 +4003,10 @@ bool graph_leaves(PyObject* args, Call& call, GraphEntry& g) {
     PyObject** dp = _PyObject_GetDictPtr(x);
     PyObject* d = dp != nullptr ? *dp : nullptr;
     const LastInput* c = j < g.last.size() ? &g.last[j] : nullptr;
+    // (a wrapper whose impl holds its record is read from there, as cheaply: csrc/wrapper.cpp;
+    // its dict, if any, does not change when the record does)
     const bool hit = d != nullptr && c != nullptr && c->tensor == x && c->dict == d &&
+                     genie::lazy_impl_of(x) == nullptr &&
                      c->version == reinterpret_cast<PyDictObject*>(d)->ma_version_tag;
     same.push_back(hit ? 1 : 0);
     if (!hit && d != nullptr) {
@@ -4019,7 +4041,8 @@ bool graph_leaves(PyObject* args, Call& call, GraphEntry& g) {
         }
 #if PY_VERSION_HEX < 0x030C0000
         PyObject** dp = _PyObject_GetDictPtr(x);
-        if (j < g.last.size() && dp != nullptr && *dp != nullptr) {
+        if (j < g.last.size() && dp != nullptr && *dp != nullptr &&
+            genie::lazy_impl_of(x) == nullptr) {
           g.last[j] = LastInput{x, *dp, reinterpret_cast<PyDictObject*>(*dp)->ma_version_tag,
                                 node, out};
         }

@@ -23,7 +23,7 @@ from torch.autograd import profiler as _profiler
 from . import backends, checks, context, memory, plan_cache
 from ._C import (_bind_nodes, _gc_untrack, _hit_run, _math_bits_on, _math_bits_restore, _read,
                  _read_sync_counts, _record_ahead_reset, _release_nodes, _state_apply, _state_word,
-                 _step_targets, _without_warning)
+                 _step_targets, _without_warning, _wrapper_release)
 from .config import config
 from .context import _steps
 from . import device as _device
@@ -478,6 +478,7 @@ def run_targets(targets: list[tuple[Node, int]], index: int) -> list[Any]:
     hold stay on the device for later use. Public entry point: :func:`genie.materialize`.
     """
     _record_ahead_reset()  # a read: a piece sent ahead (backends.remote) counts from here
+    _wrapper_release()  # outputs whose wrappers died without the GIL: dead before it plans
     if backends.before_plan is not None:  # and what was sent ahead is bound first
         backends.before_plan()
     outs = None

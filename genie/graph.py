@@ -40,7 +40,8 @@ import torch
 
 from ._C import Node as _NativeNode
 from ._C import (_default_seq_len, _default_seq_note, _default_seq_of, _gc_retrack_below,
-                 _gc_retrack_writers, _gc_track, _gc_untrack, _gc_untrack_node)
+                 _gc_retrack_writers, _gc_track, _gc_untrack, _gc_untrack_node,
+                 _wrapper_in_impl, _wrapper_release)
 from .config import config
 
 _record_counter = itertools.count()
@@ -442,8 +443,12 @@ def track(t: Any, node: Node, out: int) -> None:
         if config.gc_untrack:
             # Neither can close a cycle: the token holds nothing, and the tensor's dict holds the
             # node, which never holds the tensor (outputs are weak). CPython tracks the dict again
-            # by itself when a GC-capable value is stored in it (`t.attr = obj`).
-            _gc_untrack(a, t.__dict__)
+            # by itself when a GC-capable value is stored in it (`t.attr = obj`). A wrapper whose
+            # impl holds its record (csrc/wrapper.cpp) has no dict to untrack.
+            if _wrapper_in_impl(t):
+                _gc_untrack(a)
+            else:
+                _gc_untrack(a, t.__dict__)
 
 
 def share(t: Any, src: Any) -> None:
@@ -452,13 +457,13 @@ def share(t: Any, src: Any) -> None:
     while either tensor lives (a token of ``t``'s own would replace ``src``'s in the node, and
     the value would be freed by the next run once ``t`` dies, ``src`` still holding it)."""
     node, out = src._node, src._out
-    tok = src.__dict__.get("_alive")
+    tok = getattr(src, "_alive", None)
     r = node.output(out)
     if tok is None or r is None or r() is not tok:  # (src does not follow the value: a capture's
         track(t, node, out)                          # weak reference to the tensor, a stale one)
         return
     t._alive = tok
-    if config.gc_untrack:
+    if config.gc_untrack and not _wrapper_in_impl(t):
         _gc_untrack(t.__dict__)
 
 
@@ -557,14 +562,18 @@ def live_nodes() -> int:
     """How many nodes are alive in the process, GC-tracked or not (tests and benchmarks).
 
     Untracked nodes do not appear in ``gc.get_objects()``; they are found from the tracked
-    objects that refer to them (tensors, through their untracked dicts; tracked nodes, storages)
+    objects that refer to them (tensors, through their impls or untracked dicts; tracked nodes,
+    storages)
     and through inputs and pending writes. Slow (a pass over the whole heap): never on a hot path.
     """
+    _wrapper_release()
     stack: list[Node] = []
     for o in gc.get_objects():
         if type(o) is Node:
             stack.append(o)
             continue
+        if _wrapper_in_impl(o):  # a LazyTensor whose impl holds its record (csrc/wrapper.cpp)
+            stack.append(o._node)
         for r in gc.get_referents(o):
             t = type(r)
             if t is Node:

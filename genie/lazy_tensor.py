@@ -236,8 +236,8 @@ class LazyTensor(torch.Tensor):
             new.requires_grad_()
         if self.grad is not None:
             new.grad = self.grad.__deepcopy__(memo)
-        own = new.__dict__  # the clone's record: node, output, liveness
-        state = {k: v for k, v in self.__dict__.items() if k not in own}
+        own = new.__dict__  # the clone's own attributes (its record is its impl's or in here)
+        state = {k: v for k, v in self.__dict__.items() if k not in own and k not in _RECORD}
         if state:  # hooks, the user's attributes
             own.update(copy.deepcopy(state, memo))
         memo[id(self)] = new
@@ -299,6 +299,14 @@ class LazyTensor(torch.Tensor):
         cpu = self.detach().cpu()
         return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
                 (cpu, self.dtype, str(self.device), self.requires_grad))
+
+
+_RECORD = ("_node", "_out", "_alive")
+
+# A wrapper's record (`_node`, `_out`, `_alive`): data descriptors that read the tensor's impl for
+# the native record path's wrappers (no instance dict), the instance dict for the others
+# (csrc/wrapper.cpp).
+_C._install_wrapper_fields(LazyTensor)
 
 
 # --- materialization ------------------------------------------------------------------------
@@ -1152,7 +1160,7 @@ def _detach_alias(x: LazyTensor) -> LazyTensor | None:
     Aliasing is unchanged: both tensors share the node's storage, whose writes both see.
     """
     node = x._node
-    alive = x.__dict__.get("_alive")
+    alive = getattr(x, "_alive", None)
     if alive is None or node.graph is not DEFAULT_GRAPH or current_graph() is not DEFAULT_GRAPH:
         return None
     out = x._out
@@ -1164,7 +1172,7 @@ def _detach_alias(x: LazyTensor) -> LazyTensor | None:
     r._node = node
     r._out = out
     r._alive = alive
-    if config.gc_untrack:
+    if config.gc_untrack and not _C._wrapper_in_impl(r):
         _C._gc_untrack(r.__dict__)  # as graph.track: the dict holds the node, never the tensor
     return r
 

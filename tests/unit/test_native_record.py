@@ -30,7 +30,7 @@ from genie import _C, plan_cache
 from genie.config import config
 from genie.device import real_device
 from genie.graph import DEFAULT_GRAPH, MetaArg, Node, Ref, Storage, TensorMeta, _record_counter
-from genie.lazy_tensor import LazyTensor
+from genie.lazy_tensor import _RECORD, LazyTensor
 from genie.meta import meta_cache
 
 D = "remote_accelerator"
@@ -144,7 +144,11 @@ def describe(results: list[Any], start: int) -> list[Any]:
     for t in results:
         if isinstance(t, LazyTensor):
             out.append(dict(
-                type=type(t), node=node_id(t._node), out=t._out, attrs=list(vars(t)),
+                type=type(t), node=node_id(t._node), out=t._out,
+                # the record (`_node`, `_out`, `_alive`) is the impl's on the native path
+                # (csrc/wrapper.cpp), the dict's on the Python one: compared as attributes
+                attrs=[k for k in vars(t) if k not in _RECORD],
+                record=[hasattr(t, k) for k in _RECORD],
                 shape=tuple(t.shape), stride=t.stride(), offset=t.storage_offset(),
                 dtype=t.dtype, device=t.device, requires_grad=t.requires_grad,
                 conj=t.is_conj(), neg=t.is_neg(), keys=str(torch._C._dispatch_keys(t)),

@@ -1,0 +1,145 @@
+"""A LazyTensor's record (`_node`, `_out`, `_alive`) held by its impl (csrc/wrapper.cpp).
+
+The native record path makes each output's wrapper with a ``LazyImpl`` that holds the three
+references; the Python path (and torch builds without the native wrapper) keeps them in the
+instance dict. Both are read through the same descriptors, so every reader sees one record.
+Eager PyTorch is the oracle for the values; the record's own invariants (liveness, rebinding,
+swaps, copies) are checked directly.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+
+import pytest
+import torch
+
+import genie
+from genie import _C
+from genie.config import config
+from genie.lazy_tensor import _RECORD, LazyTensor
+
+DEV = "remote_accelerator"
+
+pytestmark = pytest.mark.skipif(not getattr(_C, "_record_native", False) or
+                                _C._record_wrap != "native",
+                                reason="the native wrapper needs torch >= 2.13")
+
+
+def _steady(f):
+    """f() after two calls: the first records through Python, the later ones natively."""
+    for _ in range(2):
+        f()
+    return f()
+
+
+def test_a_natively_recorded_output_keeps_its_record_in_its_impl() -> None:
+    a = torch.randn(4, 6)
+    x = a.to(DEV)
+    y = _steady(lambda: (x * 2).view(-1))
+    assert _C._wrapper_in_impl(y)
+    assert not any(k in vars(y) for k in _RECORD)
+    n, k = y._node, y._out
+    assert type(n).__name__ == "Node" and k == 0
+    assert n.output(k)() is y._alive  # the node follows the token the impl holds
+    torch.testing.assert_close(y.cpu(), (a * 2).view(-1))
+
+
+def test_the_python_path_keeps_its_record_in_the_dict_and_reads_the_same() -> None:
+    x = torch.randn(3, device=DEV)
+    saved = config.native_record
+    config.native_record = False
+    try:
+        y = x + 1
+    finally:
+        config.native_record = saved
+    assert not _C._wrapper_in_impl(y)
+    assert all(k in vars(y) for k in _RECORD)
+    assert y._node is vars(y)["_node"] and y._out == vars(y)["_out"]
+
+
+def test_an_output_dies_with_its_wrapper() -> None:
+    x = torch.randn(5, device=DEV)
+    y = _steady(lambda: x * 3)
+    n, k = y._node, y._out
+    w = n.output(k)
+    assert w() is not None
+    del y
+    # torch drops a wrapper's impl without the GIL: its record is released by the next read
+    # (or the next wrapper bound), before that read decides which values are alive
+    genie.materialize(x + 0)
+    assert w() is None, "the node still counts a dead wrapper's output alive"
+
+
+def test_the_record_is_released_on_a_thread_without_the_gil() -> None:
+    """A wrapper's last reference dropped by C++ on another thread (here: a tensor list a
+    thread frees after the Python object is gone): the impl takes the GIL to release its
+    record, and the node is freed."""
+    x = torch.randn(5, device=DEV)
+    y = _steady(lambda: x * 3)
+    r = __import__("weakref").ref(y._node)
+    holder = [y]
+    del y
+
+    def drop() -> None:
+        holder.clear()
+
+    t = threading.Thread(target=drop)
+    t.start()
+    t.join()
+    _C._wrapper_release()
+    gc.collect()
+    assert r() is None
+
+
+def test_user_attributes_live_beside_the_record() -> None:
+    x = torch.randn(2, 3, device=DEV)
+    y = _steady(lambda: x.t())
+    y.note = "kept"
+    assert vars(y) == {"note": "kept"} and y._node is not None
+    c = copy.deepcopy(y)
+    assert c.note == "kept" and c._node is not y._node
+    torch.testing.assert_close(c.cpu(), y.cpu())
+
+
+def test_rebinding_a_wrapper_replaces_its_record() -> None:
+    a, b = torch.randn(4), torch.randn(4)
+    p = torch.nn.Parameter(a.to(DEV))
+    q = _steady(lambda: b.to(DEV) * 1)
+    p.data = q
+    assert p._node is q._node and p._out == q._out
+    torch.testing.assert_close(p.cpu(), b)
+
+
+def test_module_to_swaps_a_parameter_with_its_record() -> None:
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    m = copy.deepcopy(ref)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    w = m.weight
+    m.to(DEV)
+    assert m.weight is w  # swapped in place (swap_tensors), as .to("cuda") keeps it
+    assert isinstance(m.weight, LazyTensor) and m.weight._node is not None
+    x = torch.randn(2, 4)
+    for mod, xin in ((ref, x), (m, x.to(DEV))):
+        loss = mod(xin).square().sum()
+        loss.backward()
+    torch.testing.assert_close(m.weight.grad.cpu(), ref.weight.grad)
+    opt.step()
+    torch.testing.assert_close(m.weight.cpu(), ref.weight - 0.1 * ref.weight.grad)
+
+
+def test_deleting_a_field_twice_raises_attribute_error() -> None:
+    x = torch.randn(2, device=DEV)
+    y = _steady(lambda: x + 1)
+    keep = y._alive
+    del y._alive
+    with pytest.raises(AttributeError):
+        y._alive
+    with pytest.raises(AttributeError):
+        del y._alive
+    y._alive = keep
+    assert y._node.output(y._out)() is y._alive
+    assert not hasattr(torch.zeros(1), "_node")
+    torch.testing.assert_close(y.cpu(), x.cpu() + 1)
