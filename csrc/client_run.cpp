@@ -184,22 +184,31 @@ struct Reader {
     p += n;
     return true;
   }
-  bool array(size_t& n) {
+  // A container's header: the fix form (`fix`: 0x90 an array, 0x80 a map, 16 counts), the 16-bit
+  // form `t16` and, where `t32` is not 0, the 32-bit one; false (no error) for another tag.
+  bool header(size_t& n, uint8_t fix, uint8_t t16, uint8_t t32) {
     if (!need(1)) {
       return false;
     }
     const uint8_t t = *p;
-    if (t >= 0x90 && t <= 0x9f) {
+    if (t >= fix && t <= fix + 0x0f) {
       n = t & 0x0f;
       ++p;
-    } else if (t == 0xdc || t == 0xdd) {
-      const int k = t == 0xdc ? 2 : 4;
-      ++p;
-      if (!need(k)) {
-        return false;
-      }
-      n = be(k);
-    } else {
+      return true;
+    }
+    if (t != t16 && (t32 == 0 || t != t32)) {
+      return false;
+    }
+    const int k = t == t16 ? 2 : 4;
+    ++p;
+    if (!need(k)) {
+      return false;
+    }
+    n = be(k);
+    return true;
+  }
+  bool array(size_t& n) {
+    if (!header(n, 0x90, 0xdc, 0xdd)) {
       return false;
     }
     // every element is at least one byte: a count past the bytes left is malformed
@@ -209,23 +218,7 @@ struct Reader {
     return ok;
   }
   bool map(size_t& n) {
-    if (!need(1)) {
-      return false;
-    }
-    const uint8_t t = *p;
-    if (t >= 0x80 && t <= 0x8f) {
-      n = t & 0x0f;
-      ++p;
-    } else if (t == 0xde) {
-      ++p;
-      if (!need(2)) {
-        return false;
-      }
-      n = be(2);
-    } else {
-      return false;
-    }
-    return true;
+    return header(n, 0x80, 0xde, 0);
   }
   bool ints(std::vector<int64_t>& out) {
     size_t n = 0;

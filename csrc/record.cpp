@@ -747,6 +747,44 @@ PyObject* interned(Call& call, PyObject* s) {
   return s;
 }
 
+// A LazyTensor leaf `x` of a call, its node and output number read (new references, which the
+// Lazy record takes): the record, at the next leaf's position, with its output's metadata, and
+// its device index checked against the call's (`index`, -1 before the first). kNo: not a call
+// these paths take (an error PyLong_AsSsize_t set for an output number past Py_ssize_t stays
+// set: flatten's caller reports it); kDevices: LazyTensors on several devices. flatten and
+// record_stack both read their LazyTensors with it.
+enum class LeafRead { kOk, kNo, kDevices };
+LeafRead read_lazy_leaf(PyObject* x, PyObject* node, PyObject* out, Call& call, int64_t& index) {
+  call.lazies.push_back(Lazy{x, node, out, 0, nullptr,
+                             static_cast<Py_ssize_t>(call.leaves.size())});
+  if (Py_TYPE(node) != S.node || !PyLong_CheckExact(out)) {
+    return LeafRead::kNo;
+  }
+  Lazy& l = call.lazies.back();
+  l.out_i = PyLong_AsSsize_t(out);
+  PyObject* metas = slot(node, S.n.metas);
+  if (metas == nullptr || !PyList_CheckExact(metas) || l.out_i < 0 ||
+      l.out_i >= PyList_GET_SIZE(metas)) {
+    return LeafRead::kNo;
+  }
+  l.meta = PyList_GET_ITEM(metas, l.out_i);
+  if (Py_TYPE(l.meta) != S.tensor_meta) {
+    return LeafRead::kNo;
+  }
+  PyObject* idx = slot(l.meta, S.tm_index);
+  const int64_t i = idx != nullptr ? PyLong_AsLongLong(idx) : -2;
+  if (i < 0) {
+    PyErr_Clear();
+    return LeafRead::kNo;
+  }
+  if (index < 0) {
+    index = i;
+  } else if (i != index) {
+    return LeafRead::kDevices;
+  }
+  return LeafRead::kOk;
+}
+
 // Fills call.leaves/words/lazies from the positional args; false: not a call this path takes
 // (`factory`: a call with no LazyTensor argument at all, the others at least one).
 // May leave a Python error set (then returns false and the caller reports it).
@@ -764,34 +802,14 @@ bool flatten(PyObject* args, PyObject* kwargs, const OpInfo& info, PyObject* fun
       if (!lazy_attrs(x, &node, &out)) {
         return false;
       }
-      call.lazies.push_back(Lazy{x, node, out, 0, nullptr,
-                                 static_cast<Py_ssize_t>(call.leaves.size())});
-      if (Py_TYPE(node) != S.node || !PyLong_CheckExact(out)) {
+      const LeafRead r = read_lazy_leaf(x, node, out, call, index);
+      if (r != LeafRead::kOk) {
+        if (r == LeafRead::kDevices) {
+          call.reason = kDevices;
+        }
         return false;
       }
-      Lazy& l = call.lazies.back();
-      l.out_i = PyLong_AsSsize_t(out);
-      PyObject* metas = slot(node, S.n.metas);
-      if (metas == nullptr || !PyList_CheckExact(metas) || l.out_i < 0 ||
-          l.out_i >= PyList_GET_SIZE(metas)) {
-        return false;
-      }
-      l.meta = PyList_GET_ITEM(metas, l.out_i);
-      if (Py_TYPE(l.meta) != S.tensor_meta) {
-        return false;
-      }
-      PyObject* idx = slot(l.meta, S.tm_index);
-      const int64_t i = idx != nullptr ? PyLong_AsLongLong(idx) : -2;
-      if (i < 0) {
-        PyErr_Clear();
-        return false;
-      }
-      if (index < 0) {
-        index = i;
-      } else if (i != index) {
-        call.reason = kDevices;
-        return false;
-      }
+      const Lazy& l = call.lazies.back();
       call.words.push_back(kLazy);
       call.words.push_back(reinterpret_cast<uint64_t>(l.meta));
     } else if (t == &PyLong_Type) {
@@ -2584,35 +2602,15 @@ bool stack_leaf(const c10::IValue& v, uint8_t kind, const OpInfo& info, Call& ca
       stack_why = "a LazyTensor without _node/_out";
       return false;
     }
-    call.lazies.push_back(Lazy{x, node, out, 0, nullptr,
-                               static_cast<Py_ssize_t>(call.leaves.size())});
-    if (Py_TYPE(node) != S.node || !PyLong_CheckExact(out)) {
+    const LeafRead r = read_lazy_leaf(x, node, out, call, index);
+    if (r != LeafRead::kOk) {
+      PyErr_Clear();  // (an output number past Py_ssize_t: the Python arguments' path decides)
+      if (r == LeafRead::kDevices) {
+        stack_why = "LazyTensors on several devices";
+      }
       return false;
     }
-    Lazy& l = call.lazies.back();
-    l.out_i = PyLong_AsSsize_t(out);
-    PyObject* metas = slot(node, S.n.metas);
-    if (metas == nullptr || !PyList_CheckExact(metas) || l.out_i < 0 ||
-        l.out_i >= PyList_GET_SIZE(metas)) {
-      PyErr_Clear();
-      return false;
-    }
-    l.meta = PyList_GET_ITEM(metas, l.out_i);
-    if (Py_TYPE(l.meta) != S.tensor_meta) {
-      return false;
-    }
-    PyObject* idx = slot(l.meta, S.tm_index);
-    const int64_t i = idx != nullptr ? PyLong_AsLongLong(idx) : -2;
-    if (i < 0) {
-      PyErr_Clear();
-      return false;
-    }
-    if (index < 0) {
-      index = i;
-    } else if (i != index) {
-      stack_why = "LazyTensors on several devices";
-      return false;
-    }
+    const Lazy& l = call.lazies.back();
     put(call.words, kLazy);
     put(call.words, reinterpret_cast<uint64_t>(l.meta));
     put(call.leaves, x);
