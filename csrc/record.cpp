@@ -2510,6 +2510,23 @@ inline void put(V& v, T x) {
 
 // Appends one leaf (word pair and a Python object) for the IValue `v` of schema kind `kind`, as
 // to_python then flatten's leaf() would; false: declined.
+// A float leaf (a Python float, owned by the call) and its key words: its bits where float values
+// can change the output's metadata, else nothing of its value (as flatten keys a float).
+PyObject* stack_float(double d, const OpInfo& info, Call& call) {
+  PyObject* x = checked(PyFloat_FromDouble(d));
+  put(call.owned, x);
+  put(call.words, kFloat);
+  if (info.float_values_matter) {
+    uint64_t bits;
+    std::memcpy(&bits, &d, sizeof bits);
+    put(call.words, bits);
+    call.nan = call.nan || std::isnan(d);
+  } else {
+    put(call.words, 0);
+  }
+  return x;
+}
+
 bool stack_leaf(const c10::IValue& v, uint8_t kind, const OpInfo& info, Call& call,
                 int64_t& index) {
   PyObject* x = nullptr;  // a new reference
@@ -2555,18 +2572,7 @@ bool stack_leaf(const c10::IValue& v, uint8_t kind, const OpInfo& info, Call& ca
       }
       switch (t.scalar_type()) {
         case at::ScalarType::Double: {
-          const double d = *t.const_data_ptr<double>();
-          x = checked(PyFloat_FromDouble(d));
-          put(call.owned, x);
-          put(call.words, kFloat);
-          if (info.float_values_matter) {
-            uint64_t bits;
-            std::memcpy(&bits, &d, sizeof bits);
-            put(call.words, bits);
-            call.nan = call.nan || std::isnan(d);
-          } else {
-            put(call.words, 0);
-          }
+          x = stack_float(*t.const_data_ptr<double>(), info, call);
           break;
         }
         case at::ScalarType::Long:
@@ -2627,18 +2633,7 @@ bool stack_leaf(const c10::IValue& v, uint8_t kind, const OpInfo& info, Call& ca
     put(call.words, kBool);
     put(call.words, v.toBool() ? 1 : 0);
   } else if (v.isDouble()) {
-    const double d = v.toDouble();
-    x = checked(PyFloat_FromDouble(d));
-    put(call.owned, x);
-    put(call.words, kFloat);
-    if (info.float_values_matter) {
-      uint64_t bits;
-      std::memcpy(&bits, &d, sizeof bits);
-      put(call.words, bits);
-      call.nan = call.nan || std::isnan(d);
-    } else {
-      put(call.words, 0);
-    }
+    x = stack_float(v.toDouble(), info, call);
   } else {
     // str, device, lists of other things, generators, symbolic ints, ...
     stack_why = v.isTensorList() || v.isOptionalTensorList() ? "a tensor list"
