@@ -240,6 +240,37 @@ void add_wrapper_functions(py::module_& m) {
   m.def("_wrapper_release", &release_pending,
         "Release the records of wrappers whose impl was destroyed without the GIL (the "
         "executor calls it before it reads which values are alive).");
+  m.def(
+      "_wrapper_drop_without_gil",
+      [](py::handle t) {
+        // Tests only: an impl holding `t`'s record destroyed with the GIL released, as an impl
+        // whose wrapper went while it was shared would be; returns the references it queued.
+        LazyImpl* src = lazy_impl_of(t.ptr());
+        if (src == nullptr || src->node == nullptr) {
+          throw py::type_error("_wrapper_drop_without_gil: a LazyTensor whose impl holds its record");
+        }
+        c10::intrusive_ptr<LazyImpl> impl = c10::make_intrusive<LazyImpl>(
+            c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), caffe2::TypeMeta::Make<float>(),
+            std::optional<c10::Device>(c10::Device(c10::DeviceType::PrivateUse1, 0)));
+        Py_INCREF(src->node);
+        Py_INCREF(src->out);
+        Py_INCREF(src->alive);
+        impl->node = src->node;
+        impl->out = src->out;
+        impl->alive = src->alive;
+        size_t before = 0;
+        {
+          std::lock_guard<std::mutex> lock(pending_mu);
+          before = pending->size();
+        }
+        {
+          py::gil_scoped_release no_gil;
+          impl.reset();
+        }
+        std::lock_guard<std::mutex> lock(pending_mu);
+        return pending->size() - before;
+      },
+      py::arg("tensor"), "Tests only: see csrc/wrapper.cpp.");
   m.def("_wrapper_in_impl", [](py::handle t) { return lazy_impl_of(t.ptr()) != nullptr; },
         py::arg("tensor"),
         "Whether the tensor's record (`_node`, `_out`, `_alive`) is held by its impl (a wrapper "

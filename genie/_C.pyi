@@ -260,6 +260,22 @@ def _stack_record_stats() -> tuple[int, int]:
     Python arguments' path): ``csrc/record.cpp``'s ``record_stack`` (cumulative)."""
 
 
+def _install_wrapper_fields(cls: type) -> bool:
+    """Give ``cls`` (``LazyTensor``) the ``_node``, ``_out`` and ``_alive`` descriptors that read a
+    wrapper's record from its impl (``csrc/wrapper.cpp``) or its instance dict, and the finalizer
+    that releases an impl-held record when the wrapper goes."""
+
+def _wrapper_in_impl(tensor: object) -> bool:
+    """Whether the tensor's record is held by its impl (a wrapper of the native record path)."""
+
+def _wrapper_release() -> None:
+    """Release the records of impls destroyed without the GIL (queued by their destructor)."""
+
+def _wrapper_drop_without_gil(tensor: object) -> int:
+    """Tests only: an impl holding ``tensor``'s record destroyed with the GIL released; returns
+    the references it queued for :func:`_wrapper_release`."""
+
+
 class _ReplayProgram:
     """A tape's structure compiled for native replay (``csrc/replay.cpp``; built and run by
     ``genie.backends.native_replay``)."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -72,25 +74,31 @@ def test_an_output_dies_with_its_wrapper() -> None:
     assert w() is None, "the node still counts a dead wrapper's output alive"
 
 
-def test_the_record_is_released_on_a_thread_without_the_gil() -> None:
-    """A wrapper's last reference dropped by C++ on another thread (here: a tensor list a
-    thread frees after the Python object is gone): the impl takes the GIL to release its
-    record, and the node is freed."""
+def test_the_record_is_released_when_another_thread_drops_the_wrapper() -> None:
     x = torch.randn(5, device=DEV)
     y = _steady(lambda: x * 3)
-    r = __import__("weakref").ref(y._node)
+    r = weakref.ref(y._node)
     holder = [y]
     del y
-
-    def drop() -> None:
-        holder.clear()
-
-    t = threading.Thread(target=drop)
+    t = threading.Thread(target=holder.clear)
     t.start()
     t.join()
-    _C._wrapper_release()
     gc.collect()
     assert r() is None
+
+
+def test_an_impl_destroyed_without_the_gil_queues_its_record_for_the_next_read() -> None:
+    """An impl that outlives its wrapper and dies on a thread without the GIL cannot touch
+    Python objects: its references wait for the next thread that holds the GIL (a read)."""
+    x = torch.randn(5, device=DEV)
+    y = _steady(lambda: x * 3)
+    n, base = y._node, sys.getrefcount(y._node)
+    assert _C._wrapper_drop_without_gil(y) == 3  # node, output number, token queued
+    assert sys.getrefcount(n) == base + 1  # still held by the queue
+    torch.testing.assert_close(y.cpu(), x.cpu() * 3)  # a read releases the queue first
+    assert sys.getrefcount(n) == base
+    with pytest.raises(TypeError):
+        _C._wrapper_drop_without_gil(torch.zeros(1))
 
 
 def test_user_attributes_live_beside_the_record() -> None:
