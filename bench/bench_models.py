@@ -302,7 +302,8 @@ GRAPHED = "eager, CUDA graph"
 STATIC_LEN = 1024
 
 
-def _decode_graphed(model, dev: torch.device, capture: bool = True) -> Callable[[], object]:
+def _decode_graphed(model, dev: torch.device, capture: bool = True,
+                    sync: Callable[[torch.Tensor], object] | None = None) -> Callable[[], object]:
     """Eager at its fastest on CUDA, for the decode row: the decode step as a CUDA graph. A
     transformers ``StaticCache`` (its position a device tensor, so one captured step serves
     every position), the token and its position in static tensors, one step captured with
@@ -311,7 +312,8 @@ def _decode_graphed(model, dev: torch.device, capture: bool = True) -> Callable[
     and one ``replay``. The same tokens as
     :func:`_decode_run`. Attention runs over the whole static cache each step (masked), as
     transformers' static-cache ``generate`` does. ``capture=False`` runs the step uncaptured
-    (the check on the CPU: :func:`test_decode_graphed_equals_dynamic`)."""
+    (the check on the CPU: :func:`test_decode_graphed_equals_dynamic`, and the static-cache
+    row's eager and genie variants, each step's logits read by ``sync``)."""
     from transformers import StaticCache
 
     kw = _cache_kw(model)
@@ -375,7 +377,10 @@ def _decode_graphed(model, dev: torch.device, capture: bool = True) -> Callable[
             mask[..., state["p"]] = 0.0
             replay()
             state["p"] += 1
-            _device_sync()
+            if sync is None:
+                _device_sync()
+            else:
+                sync(out["logits"])
         return out["logits"]
 
     return run
@@ -421,6 +426,36 @@ def test_gpt2_decode(benchmark, ratios, workloads) -> None:
     workloads.interleave(benchmark, row, variants, rounds=_rounds(7), per=DECODE_STEPS,
                          before=_pure(variants))
     _host_us(row, ops, variants["genie"], DECODE_STEPS)
+
+
+def test_gpt2_decode_static(benchmark, ratios, workloads) -> None:
+    """The decode row's step with a static KV cache, as a user writes it for CUDA graphs (the
+    token, position and mask column written into static tensors each step), run plainly: eager
+    launches every op; genie replays the steady step's window as one CUDA graph by itself on
+    CUDA (genie.backends.cuda_graphs); on CUDA also eager replaying the step as a graph the user
+    captured (:data:`GRAPHED`)."""
+    benchmark.group = f"models: GPT-2 12 x 768 decode, static KV cache, {DECODE_STEPS} steps"
+    row = ratios.row(SUITE, f"GPT-2 12x768 vocab 1000: decode step after a {PROMPT}-token prompt, "
+                     f"static KV cache ({STATIC_LEN}), no_grad, logits materialized",
+                     unit="ms/step", scale=1e3, ratios=[("genie", "eager")])
+    dev = _eager_device()
+    model = _gpt2(12, 768, 12).to(dev)
+    variants = {"eager": _decode_graphed(model, dev, capture=False, sync=_sync("eager", workloads)),
+                "genie": _decode_graphed(_gpt2(12, 768, 12).to(workloads.dev),
+                                         torch.device(workloads.dev), capture=False,
+                                         sync=_sync("genie", workloads))}
+    if dev.type == "cuda":
+        variants[GRAPHED] = _decode_graphed(model, dev)
+        row.ratios += [("genie", GRAPHED), ("eager", GRAPHED)]
+    for fn in variants.values():  # warm: genie's plan, program and graph
+        for _ in range(3):
+            fn()
+    before = genie.stats()
+    workloads.interleave(benchmark, row, variants, rounds=_rounds(7), per=DECODE_STEPS)
+    after = genie.stats()
+    got = {k: after.get(k, 0) - before.get(k, 0) for k in
+           ("cuda_graph_replays", "cuda_graph_misses", "cuda_graph_captures", "native_replays")}
+    row.notes.append("genie: " + ", ".join(f"{k} {v}" for k, v in got.items()))
 
 
 # --- GPT-2 12 x 768 first calls: what a new user waits for --------------------------------------

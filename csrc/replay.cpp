@@ -496,11 +496,33 @@ class Program {
   // defined then (a server's index check: genie/index_check.py, arguments checked on the device
   // before a kernel that would assert on them); an exception it raises is the failure of
   // instruction `i` (instructions [0, i) ran).
+  //
+  // A program with a graph hook (genie/backends/cuda_graphs.py: a steady plan's window replayed
+  // as a CUDA graph) hands a plain run (no `split`, `early` or `check`) to the hook, which runs
+  // it through `run_plain` and its window's programs.
   py::object run(const py::dict& inputs, const py::list& instrs, const py::list& devices,
                  int64_t split = -1, const py::object& early = py::none(),
                  const py::object& check = py::none(),
                  const std::vector<int64_t>& check_at = {},
                  const std::vector<int64_t>& check_slots = {}) {
+    if (graph_hook_ && split < 0 && early.is_none() && check.is_none()) {
+      // (the program passed, not held by the hook: no reference cycle through C++)
+      return graph_hook_(py::cast(this, py::return_value_policy::reference), inputs, instrs,
+                         devices);
+    }
+    return run_plain(inputs, instrs, devices, split, early, check, check_at, check_slots);
+  }
+
+  // The hook run calls as hook(program, inputs, instrs, devices) (or None: removes it).
+  void set_graph_hook(py::object hook) {
+    graph_hook_ = hook.is_none() ? py::object() : std::move(hook);
+  }
+
+  py::object run_plain(const py::dict& inputs, const py::list& instrs, const py::list& devices,
+                       int64_t split = -1, const py::object& early = py::none(),
+                       const py::object& check = py::none(),
+                       const std::vector<int64_t>& check_at = {},
+                       const std::vector<int64_t>& check_slots = {}) {
     static PyObject* const leaves_name = PyUnicode_InternFromString("leaves");
     static PyObject* const rng_name = PyUnicode_InternFromString("rng");
     static PyObject* const meta_name = PyUnicode_InternFromString("meta");
@@ -996,6 +1018,7 @@ class Program {
   std::vector<int64_t> keep_;
   std::vector<Step> steps_;
   int64_t freed_ = 0;
+  py::object graph_hook_;  // see run
 };
 
 // Sets the math-bit keys on and grad mode off for a run, and back when it ends (as
@@ -1131,6 +1154,11 @@ void add_replay_functions(py::module_& m) {
            py::arg("split") = -1, py::arg("early") = py::none(),
            py::arg("check") = py::none(), py::arg("check_at") = std::vector<int64_t>{},
            py::arg("check_slots") = std::vector<int64_t>{})
+      .def("run_plain", &Program::run_plain, py::arg("inputs"), py::arg("instrs"),
+           py::arg("devices"), py::arg("split") = -1, py::arg("early") = py::none(),
+           py::arg("check") = py::none(), py::arg("check_at") = std::vector<int64_t>{},
+           py::arg("check_slots") = std::vector<int64_t>{})
+      .def("set_graph_hook", &Program::set_graph_hook, py::arg("hook"))
       .def("direct_last", &Program::direct_last, py::arg("learn"))
       .def_property_readonly("freed", &Program::freed)
       .def("__len__", &Program::size);

@@ -297,7 +297,13 @@ class _ReplayProgram:
         """Run with the step's inputs and instructions on ``devices`` (0: the run's device).
         Returns ``{slot: value}`` of the kept slots, or ``(index, exception, live)`` of the
         instruction that raised, ``live`` the values computed before it still alive
-        (``{slot: value}``)."""
+        (``{slot: value}``). With a graph hook set, a plain run is the hook's
+        (``genie.backends.cuda_graphs``)."""
+    def run_plain(self, inputs: dict[int, object], instrs: list, devices: list[object]) -> object:
+        """``run`` without the graph hook."""
+    def set_graph_hook(self, hook: object) -> None:
+        """``hook(program, inputs, instrs, devices)`` runs every plain run from now on (None:
+        removed)."""
     def __len__(self) -> int: ...
 
 def _hit_run(program: _ReplayProgram, inputs: dict[int, object], consts: dict[int, object] | None,

@@ -106,6 +106,10 @@ class Config:
     # Run a repeated plan's tape as a native program (csrc/replay.cpp): "1" from a plan's
     # second use, "always" every tape, "0" never (generated Python or the interpreter).
     native_replay: str = _flag("GENIE_NATIVE_REPLAY", "1").lower() or "1"
+    # Replay a steady native program's longest window without per-step parameters as one CUDA
+    # graph (genie/backends/cuda_graphs.py): "1" on CUDA devices, "0" never, "emulate" the same
+    # bookkeeping on any device with the window run again in place of a graph's replay (tests).
+    cuda_graphs: str = _flag("GENIE_CUDA_GRAPHS", "1").lower() or "1"
     # Record matmul and linear as one node where autograd does not need their decomposition
     # (csrc/whole.cpp, genie.meta.WHOLE); 0: always their decomposition, as eager's autograd key
     # runs it (the reference).

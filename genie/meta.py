@@ -224,6 +224,13 @@ def value_leaves(ins: Any) -> frozenset[int]:
     return got
 
 
+#: views whose schemas do not say so (their output shares the first argument's storage)
+UNANNOTATED_VIEWS = frozenset((torch.ops.aten._unsafe_view.default,
+                               torch.ops.aten.unsafe_split.Tensor,
+                               torch.ops.aten.unsafe_split_with_sizes.default,
+                               torch.ops.aten.unsafe_chunk.default))
+
+
 def policy(op: Any) -> OpPolicy:
     """The (cached) :class:`OpPolicy` of an ``OpOverload``.
 

@@ -53,10 +53,11 @@ import optree
 import torch
 
 from .. import _C, graphs
+from . import cuda_graphs
 from ..config import config, logger
 from ..device import real_device
 from ..errors import ExecutionError
-from ..meta import policy, value_leaves
+from ..meta import UNANNOTATED_VIEWS, policy, value_leaves
 from ..planner import MetaArg, Slot, Tape, raw_instrs
 from ..stats import _counts, _syncs, bump
 
@@ -143,7 +144,7 @@ def for_tape(tape: Tape) -> Program | None:
         return None
     plan = tape.plan
     if plan is None:
-        return _compile_or_none(tape, tape.generic) if m == "always" else None
+        return _compile_or_none(tape, tape.generic, False) if m == "always" else None
     name = "native_generic" if tape.generic else "native"
     p = plan.artifacts.get(name)
     if p is None:
@@ -154,9 +155,9 @@ def for_tape(tape: Tape) -> Program | None:
     return p if p is not False else None  # (not ``p or None``: that calls len(p) per run)
 
 
-def _compile_or_none(tape: Tape, generic: bool) -> Program | None:
+def _compile_or_none(tape: Tape, generic: bool, cuda_graph: bool = True) -> Program | None:
     try:
-        p = compile_tape(tape, generic)
+        p = compile_tape(tape, generic, cuda_graph)
     except Exception as e:  # noqa: BLE001 - anything not compilable runs as before
         logger.debug("genie: plan not replayed natively (%s)", e)
         bump("native_replay_refused")
@@ -165,10 +166,13 @@ def _compile_or_none(tape: Tape, generic: bool) -> Program | None:
     return p
 
 
-def compile_tape(tape: Tape, generic: bool = False) -> Program:
+def compile_tape(tape: Tape, generic: bool = False, cuda_graph: bool = True) -> Program:
     """Compile ``tape``'s structure (see the module docstring); ``generic``: ints and MetaArgs
-    are read from each step's instructions too. Raises when an instruction cannot be mapped."""
+    are read from each step's instructions too. Raises when an instruction cannot be mapped.
+    ``cuda_graph``: its steady runs may replay as a CUDA graph (:mod:`.cuda_graphs`)."""
     others: list[int] = []
+    leafy: list[tuple[int, int]] = []  # the per-step leaves: (instruction, leaf position)
+    uploads: list[int] = []
     top = max([*tape.inputs, *tape.keep,
                *(s for ins in tape.instrs for s in ins.outs if s is not None)], default=-1)
     native = _C._ReplayProgram(top + 1, sorted(tape.keep))
@@ -183,6 +187,7 @@ def compile_tape(tape: Tape, generic: bool = False) -> Program:
         if ins.op == UPLOAD:
             out = ins.outs[0] if ins.outs and ins.outs[0] is not None else -1
             native.add_upload(out, k, frees)
+            uploads.append(i)
             continue
         op = ins.op
         if not isinstance(op, torch._ops.OpOverload):
@@ -212,6 +217,8 @@ def compile_tape(tape: Tape, generic: bool = False) -> Program:
             marks.append(-1 if patch is None else len(patches))
             if patch is not None:
                 patches.append(patch)
+                if patch[0] == _LEAF or patch[0] == _META_STEP:
+                    leafy.append((i, p))
             values.append(value)
         if ins.leaves and policy(op).inplace_view:
             # eager.run_instr applies an in-place view op to a fresh alias of its first leaf
@@ -226,6 +233,8 @@ def compile_tape(tape: Tape, generic: bool = False) -> Program:
                       k, ins.rng is not None, ins)
         if (op is graphs.GRAPH_OP or op is graphs.GRAPH_MUT_OP) and ins.rng is None:
             native.direct_last(graphs.direct)  # the compiled code called without the dispatcher
+    if cuda_graph and not others:
+        cuda_graphs.install(native, tape, leafy, uploads, generic, compile_tape)
     return Program(native, others)
 
 
@@ -281,7 +290,7 @@ def early_split(tape: Tape) -> int:
                 continue
             ret = rets[0] if len(rets) == 1 else rets[k]  # (a list return: each element)
             src = roots(arg(ret[1])) if ret is not None else \
-                roots(args[0]) if op in _UNANNOTATED_VIEWS and args else []
+                roots(args[0]) if op in UNANNOTATED_VIEWS and args else []
             if src:
                 root[o] = src[0]
                 for r in src[1:]:  # (an output of several storages: none in ATen's schemas)
@@ -293,10 +302,3 @@ def early_split(tape: Tape) -> int:
     if not outs or any(r is None for r in outs):
         return n
     return max(last.get(r, -1) for r in outs) + 1
-
-
-#: views whose schemas do not say so
-_UNANNOTATED_VIEWS = frozenset((torch.ops.aten._unsafe_view.default,
-                                torch.ops.aten.unsafe_split.Tensor,
-                                torch.ops.aten.unsafe_split_with_sizes.default,
-                                torch.ops.aten.unsafe_chunk.default))
