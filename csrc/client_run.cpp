@@ -27,6 +27,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <iterator>
 #include <string>
 #include <utility>
 #include <vector>
@@ -34,6 +36,7 @@
 #include <pybind11/pybind11.h>
 
 #include <ATen/EmptyTensor.h>
+#include <c10/core/ScalarType.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -516,6 +519,407 @@ void client_reply_init(const py::dict& dtypes, int64_t copy_max) {
   g_copy_max = copy_max;
 }
 
+
+// --- genie._C._client_book: a steady run's handles and residency records ---------------------
+//
+// Client._book of a plan's tape (its kept slots' rows known: _kept_rows) with nothing uploaded
+// or put back, residency not recording: per kept slot the tape makes, a Handle (the server's id
+// id0 + place), and for a dense value a Resident hinted next time (Residency.ran: `live`, a weak
+// reference to the handle; `pending`, it and its node's). The Python path builds each with its
+// __init__ (~2 µs a slot, 18 a GPT-2 token); here the objects are allocated and their slots set
+// through the classes' own member descriptors. Declined (None, having changed nothing but the
+// `sized` cache, which the Python path fills alike): a row that is not four ints, a node index
+// or output out of range, a released node, a kept input that is not a Handle of this client.
+
+struct Classes {
+  PyTypeObject* handle = nullptr;
+  PyTypeObject* resident = nullptr;
+  // member descriptors, in the order of kHandleSlots / kResidentSlots
+  std::vector<PyObject*> hs;
+  std::vector<PyObject*> rs;
+  Py_ssize_t sized_memory = 0;  // genie.remote.residency.SIZED_MEMORY
+};
+Classes g_cls;
+const char* const kHandleSlots[] = {"id", "client", "meta", "host", "res"};
+const char* const kResidentSlots[] = {"role",   "nbytes", "storage", "epoch", "source",
+                                      "recipe", "slot",   "evicted", "pins"};
+
+// the descriptors of `names` (each a member descriptor of `tp`, named in its __slots__, which
+// names nothing else but __weakref__: a slot added in Python fails here, at import, not later)
+std::vector<PyObject*> slot_descriptors(PyTypeObject* tp, const char* const* names, size_t n) {
+  py::object t = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(tp));
+  py::tuple declared = py::tuple(t.attr("__slots__"));
+  size_t own = 0;
+  for (auto x : declared) {
+    if (x.cast<std::string>() != "__weakref__") {
+      ++own;
+    }
+  }
+  if (own != n || tp->tp_new != PyBaseObject_Type.tp_new || tp->tp_itemsize != 0) {
+    throw py::type_error(std::string("genie._C._client_book_init: ") + tp->tp_name +
+                         " has other slots or a __new__ than this build's native booking knows");
+  }
+  std::vector<PyObject*> out;
+  py::dict d = t.attr("__dict__");
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* x = PyDict_GetItemString(d.ptr(), names[i]);
+    if (x == nullptr || !Py_IS_TYPE(x, &PyMemberDescr_Type)) {
+      throw py::type_error(std::string("genie._C._client_book_init: ") + tp->tp_name +
+                           " has no slot " + names[i]);
+    }
+    Py_INCREF(x);
+    out.push_back(x);
+  }
+  return out;
+}
+
+void client_book_init(const py::object& handle, const py::object& resident,
+                      Py_ssize_t sized_memory) {
+  if (!PyType_Check(handle.ptr()) || !PyType_Check(resident.ptr())) {
+    throw py::type_error("genie._C._client_book_init: takes the Handle and Resident classes");
+  }
+  Classes c;
+  c.handle = reinterpret_cast<PyTypeObject*>(handle.ptr());
+  c.resident = reinterpret_cast<PyTypeObject*>(resident.ptr());
+  c.hs = slot_descriptors(c.handle, kHandleSlots, std::size(kHandleSlots));
+  c.rs = slot_descriptors(c.resident, kResidentSlots, std::size(kResidentSlots));
+  c.sized_memory = sized_memory;
+  Py_INCREF(handle.ptr());
+  Py_INCREF(resident.ptr());
+  g_cls = std::move(c);  // (the previous classes and descriptors, if any, stay referenced)
+}
+
+// a new instance of `tp` with `vals` set through `descs` (none set: an allocation failure)
+py::object make_slotted(PyTypeObject* tp, const std::vector<PyObject*>& descs,
+                        std::initializer_list<PyObject*> vals) {
+  py::object o = py::reinterpret_steal<py::object>(tp->tp_alloc(tp, 0));
+  if (!o) {
+    throw py::error_already_set();
+  }
+  size_t i = 0;
+  for (PyObject* v : vals) {
+    if (Py_TYPE(descs[i])->tp_descr_set(descs[i], o.ptr(), v) != 0) {
+      throw py::error_already_set();
+    }
+    ++i;
+  }
+  return o;
+}
+
+// an exact int within int64
+bool small_int(PyObject* x, int64_t& v) {
+  if (!PyLong_CheckExact(x)) {
+    return false;
+  }
+  int over = 0;
+  v = PyLong_AsLongLongAndOverflow(x, &over);
+  return over == 0;
+}
+
+// a tuple of exact ints within int64
+bool int_tuple(PyObject* x, std::vector<int64_t>& out) {
+  if (!PyTuple_CheckExact(x)) {
+    return false;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(x);
+  out.resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!small_int(PyTuple_GET_ITEM(x, i), out[static_cast<size_t>(i)])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// genie.remote.residency.dense and _nbytes of a plain TensorMeta `m` (exact ints and tuples of
+// them, a torch dtype, conj and neg False), in one: `nbytes` its bytes when dense, -1 - bytes
+// when not. False: not a plain one, or a product past int64 (Residency.size_of then sizes it)
+bool native_size(PyObject* m, int64_t& nbytes) {
+  static PyObject* n_offset = PyUnicode_InternFromString("offset");
+  static PyObject* n_conj = PyUnicode_InternFromString("conj");
+  static PyObject* n_neg = PyUnicode_InternFromString("neg");
+  static PyObject* n_shape = PyUnicode_InternFromString("shape");
+  static PyObject* n_stride = PyUnicode_InternFromString("stride");
+  static PyObject* n_dtype = PyUnicode_InternFromString("dtype");
+  auto get = [m](PyObject* name) {
+    py::object v = py::reinterpret_steal<py::object>(PyObject_GetAttr(m, name));
+    if (!v) {
+      PyErr_Clear();
+    }
+    return v;
+  };
+  py::object offset = get(n_offset), conj = get(n_conj), neg = get(n_neg), shape = get(n_shape),
+             stride = get(n_stride), dtype = get(n_dtype);
+  int64_t off = 0;
+  thread_local std::vector<int64_t> sh, st;
+  if (!offset || !conj || !neg || !shape || !stride || !dtype || conj.ptr() != Py_False ||
+      neg.ptr() != Py_False || !small_int(offset.ptr(), off) || !int_tuple(shape.ptr(), sh) ||
+      !int_tuple(stride.ptr(), st) || !THPDtype_Check(dtype.ptr())) {
+    return false;
+  }
+  const at::ScalarType type = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+  int64_t n = 0;
+  try {
+    n = static_cast<int64_t>(c10::elementSize(type));  // (torch.dtype.itemsize)
+  } catch (const std::exception&) {
+    return false;
+  }
+  for (int64_t x : sh) {
+    if (__builtin_mul_overflow(n, x, &n)) {
+      return false;
+    }
+  }
+  // dense: offset 0 and strides that tile the elements exactly (a permutation of contiguous
+  // strides), read as dense() reads them (zip: the shorter of shape and stride)
+  bool is_dense = off == 0;
+  if (is_dense) {
+    const size_t k = std::min(sh.size(), st.size());
+    int64_t expect = 1;
+    bool broke = false;
+    for (size_t i = 0; i < k; ++i) {
+      const int64_t z = sh[sh.size() - 1 - i], s = st[st.size() - 1 - i];
+      if (z != 1) {
+        if (s != expect || z == 0) {
+          broke = true;
+          break;
+        }
+        if (__builtin_mul_overflow(expect, z, &expect)) {
+          return false;
+        }
+      }
+    }
+    if (broke) {
+      std::vector<std::pair<int64_t, int64_t>> dims;
+      for (size_t i = 0; i < k; ++i) {
+        if (sh[i] != 1) {
+          dims.emplace_back(st[i], sh[i]);
+        }
+      }
+      std::sort(dims.begin(), dims.end());
+      expect = 1;
+      for (const auto& [s, z] : dims) {
+        if (s != expect) {
+          is_dense = false;
+          break;
+        }
+        if (__builtin_mul_overflow(expect, z, &expect)) {
+          return false;
+        }
+      }
+    }
+  }
+  nbytes = is_dense ? n : -1 - n;
+  return n >= 0;
+}
+
+struct BookRow {
+  PyObject* slot;  // the row's slot (a borrowed int of `rows`)
+  PyObject* node;  // nullptr: a kept input (`value` its handle)
+  PyObject* value;  // the input's handle, or the node's meta (None: no tensor)
+  int64_t out = 0;
+  int64_t place = 0;
+  int64_t nbytes = -1;  // a dense value's bytes (-1: not hinted)
+};
+
+py::object client_book(const py::list& rows, const py::list& nodes, const py::dict& inputs,
+                       const py::object& id0_obj, const py::object& client, const py::dict& sized,
+                       const py::dict& live, const py::list& pending, const py::object& size_of) {
+  if (g_cls.handle == nullptr) {
+    throw py::type_error("genie._C._client_book: _client_book_init was not called");
+  }
+  static PyObject* metas_name = PyUnicode_InternFromString("metas");
+  if (!PyLong_CheckExact(id0_obj.ptr())) {
+    return py::none();
+  }
+  int over0 = 0;
+  const int64_t id0 = PyLong_AsLongLongAndOverflow(id0_obj.ptr(), &over0);
+  if (over0 != 0) {
+    return py::none();
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(rows.ptr());
+  std::vector<BookRow> got;
+  got.reserve(static_cast<size_t>(n));
+  // what the rows name, held (size_of runs Python, which may drop a node's or a list's)
+  std::vector<py::object> hold;
+  hold.reserve(3 * static_cast<size_t>(n));
+  // 1. everything read and checked; nothing changed but the `sized` cache
+  for (Py_ssize_t r = 0; r < n; ++r) {
+    PyObject* row = PyList_GET_ITEM(rows.ptr(), r);
+    if (!PyTuple_CheckExact(row) || PyTuple_GET_SIZE(row) != 4) {
+      return py::none();
+    }
+    int64_t f[4];
+    for (int q = 0; q < 4; ++q) {
+      PyObject* x = PyTuple_GET_ITEM(row, q);
+      if (!PyLong_CheckExact(x)) {
+        return py::none();
+      }
+      int over = 0;
+      f[q] = PyLong_AsLongLongAndOverflow(x, &over);
+      if (over != 0) {
+        return py::none();
+      }
+    }
+    hold.push_back(py::reinterpret_borrow<py::object>(row));
+    BookRow b{PyTuple_GET_ITEM(row, 0), nullptr, nullptr, f[2], f[3], -1};
+    if (f[1] < 0) {  // a kept input: its own handle
+      PyObject* v = PyDict_GetItemWithError(inputs.ptr(), b.slot);
+      if (v == nullptr) {
+        if (PyErr_Occurred()) {
+          throw py::error_already_set();
+        }
+        return py::none();
+      }
+      if (Py_TYPE(v) != g_cls.handle) {
+        return py::none();
+      }
+      PyObject* cd = g_cls.hs[1];  // its `client` slot
+      py::object c = py::reinterpret_steal<py::object>(
+          Py_TYPE(cd)->tp_descr_get(cd, v, reinterpret_cast<PyObject*>(g_cls.handle)));
+      if (!c) {  // (unset)
+        PyErr_Clear();
+        return py::none();
+      }
+      if (c.ptr() != client.ptr()) {
+        return py::none();
+      }
+      b.value = v;
+      got.push_back(b);
+      continue;
+    }
+    int64_t sum = 0;
+    if (f[1] >= PyList_GET_SIZE(nodes.ptr()) || f[2] < 0 || f[3] < 0 ||
+        __builtin_add_overflow(id0, f[3], &sum)) {
+      return py::none();
+    }
+    PyObject* node = PyList_GET_ITEM(nodes.ptr(), f[1]);
+    if (node == Py_None) {
+      return py::none();
+    }
+    py::object metas = py::reinterpret_steal<py::object>(PyObject_GetAttr(node, metas_name));
+    if (!metas) {
+      PyErr_Clear();
+      return py::none();
+    }
+    if (!PyList_CheckExact(metas.ptr()) && !PyTuple_CheckExact(metas.ptr())) {
+      return py::none();
+    }
+    const Py_ssize_t nm = PySequence_Fast_GET_SIZE(metas.ptr());
+    if (f[2] >= nm) {
+      return py::none();
+    }
+    PyObject* m = PySequence_Fast_ITEMS(metas.ptr())[f[2]];
+    hold.push_back(py::reinterpret_borrow<py::object>(node));
+    hold.push_back(py::reinterpret_borrow<py::object>(m));
+    b.node = node;
+    b.value = m;
+    got.push_back(b);
+  }
+  // (dense, bytes) of each value by its metadata object, as Residency.ran reads them once the
+  // handles are made (an error of a row above comes first, as on the Python path)
+  for (BookRow& b : got) {
+    if (b.node == nullptr || b.value == Py_None) {
+      continue;
+    }
+    PyObject* m = b.value;
+    py::object key = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(m));
+    PyObject* e = PyDict_GetItemWithError(sized.ptr(), key.ptr());
+    if (e == nullptr && PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    py::object entry;
+    if (e != nullptr && PyTuple_CheckExact(e) && PyTuple_GET_SIZE(e) == 3 &&
+        PyTuple_GET_ITEM(e, 0) == m) {
+      entry = py::reinterpret_borrow<py::object>(e);
+    } else if (native_size(m, b.nbytes)) {
+      // (Residency.size_of's entry, made here)
+      if (PyDict_GET_SIZE(sized.ptr()) >= g_cls.sized_memory) {
+        PyDict_Clear(sized.ptr());
+      }
+      py::object nb = py::reinterpret_steal<py::object>(
+          PyLong_FromLongLong(b.nbytes < 0 ? -b.nbytes - 1 : b.nbytes));
+      if (!nb) {
+        throw py::error_already_set();
+      }
+      py::tuple t = py::make_tuple(py::reinterpret_borrow<py::object>(m),
+                                   py::bool_(b.nbytes >= 0), nb);
+      if (PyDict_SetItem(sized.ptr(), key.ptr(), t.ptr()) != 0) {
+        throw py::error_already_set();
+      }
+      if (b.nbytes < 0) {
+        b.nbytes = -1;  // not dense: not hinted
+      }
+      continue;
+    } else {
+      entry = size_of(py::reinterpret_borrow<py::object>(m));
+      if (!PyTuple_CheckExact(entry.ptr()) || PyTuple_GET_SIZE(entry.ptr()) != 3) {
+        throw py::type_error("genie._C._client_book: size_of returns (meta, dense, nbytes)");
+      }
+    }
+    PyObject* dense = PyTuple_GET_ITEM(entry.ptr(), 1);
+    if (dense == Py_True) {
+      PyObject* nb = PyTuple_GET_ITEM(entry.ptr(), 2);
+      int over = 0;
+      b.nbytes = PyLong_CheckExact(nb) ? PyLong_AsLongLongAndOverflow(nb, &over) : -1;
+      if (b.nbytes < 0 || over != 0) {
+        return py::none();
+      }
+    } else if (dense != Py_False) {
+      return py::none();
+    }
+  }
+  // 2. the handles and records made, as the Python path makes them
+  py::dict kept;
+  // (Residency.ran clears what the last run left to hint first)
+  if (PyList_SetSlice(pending.ptr(), 0, PyList_GET_SIZE(pending.ptr()), nullptr) != 0) {
+    throw py::error_already_set();
+  }
+  for (const BookRow& b : got) {
+    if (b.node == nullptr) {
+      if (PyDict_SetItem(kept.ptr(), b.slot, b.value) != 0) {
+        throw py::error_already_set();
+      }
+      continue;
+    }
+    py::object hid = py::reinterpret_steal<py::object>(PyLong_FromLongLong(id0 + b.place));
+    // (id0 + place checked in 1.)
+    if (!hid) {
+      throw py::error_already_set();
+    }
+    py::object h = make_slotted(g_cls.handle, g_cls.hs,
+                                {hid.ptr(), client.ptr(), b.value, Py_None, Py_None});
+    if (PyDict_SetItem(kept.ptr(), b.slot, h.ptr()) != 0) {
+      throw py::error_already_set();
+    }
+    if (b.nbytes < 0) {
+      continue;
+    }
+    py::object nb = py::reinterpret_steal<py::object>(PyLong_FromLongLong(b.nbytes));
+    py::object minus1 = py::reinterpret_steal<py::object>(PyLong_FromLong(-1));
+    py::object zero = py::reinterpret_steal<py::object>(PyLong_FromLong(0));
+    py::object pins = py::reinterpret_steal<py::object>(PyList_New(0));
+    if (!nb || !minus1 || !zero || !pins) {
+      throw py::error_already_set();
+    }
+    py::object res = make_slotted(g_cls.resident, g_cls.rs,
+                                  {Py_None, nb.ptr(), Py_None, zero.ptr(), Py_None, Py_None,
+                                   minus1.ptr(), Py_None, pins.ptr()});
+    if (Py_TYPE(g_cls.hs[4])->tp_descr_set(g_cls.hs[4], h.ptr(), res.ptr()) != 0) {
+      throw py::error_already_set();
+    }
+    py::object wh = py::reinterpret_steal<py::object>(PyWeakref_NewRef(h.ptr(), nullptr));
+    py::object wn = py::reinterpret_steal<py::object>(PyWeakref_NewRef(b.node, nullptr));
+    if (!wh || !wn || PyDict_SetItem(live.ptr(), hid.ptr(), wh.ptr()) != 0) {
+      throw py::error_already_set();
+    }
+    py::object k = py::reinterpret_steal<py::object>(PyLong_FromLongLong(b.out));
+    if (!k || PyList_Append(pending.ptr(), py::make_tuple(wh, wn, k).ptr()) != 0) {
+      throw py::error_already_set();
+    }
+  }
+  return kept;
+}
+
 }  // namespace
 
 void add_client_functions(py::module_& m) {
@@ -526,6 +930,15 @@ void add_client_functions(py::module_& m) {
         "(csrc/client_run.cpp).");
   m.def("_client_reply_init", &client_reply_init, py::arg("dtypes"), py::arg("copy_max"),
         "The wire dtypes by name and ZERO_COPY_MIN for _client_reply (set once at import).");
+  m.def("_client_book", &client_book, py::arg("rows"), py::arg("nodes"), py::arg("inputs"),
+        py::arg("id0"), py::arg("client"), py::arg("sized"), py::arg("live"), py::arg("pending"),
+        py::arg("size_of"),
+        "A steady run's kept handles and residency records made natively (Client._book of a "
+        "plan's tape): the kept dict, or None for the Python path (csrc/client_run.cpp).");
+  m.def("_client_book_init", &client_book_init, py::arg("handle"), py::arg("resident"),
+        py::arg("sized_memory"),
+        "The Handle and Resident classes and residency's SIZED_MEMORY for _client_book (set "
+        "once at import).");
 }
 
 }  // namespace genie

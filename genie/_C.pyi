@@ -95,6 +95,18 @@ def _client_reply(parts: list[object], rid: int, into: list[object],
 def _client_reply_init(dtypes: dict[str, object], copy_max: int) -> None:
     """The wire dtypes by name and ``ZERO_COPY_MIN`` for :func:`_client_reply`."""
 
+def _client_book(rows: list[tuple[int, int, int, int]], nodes: list[object],
+                 inputs: dict[int, object], id0: int, client: object,
+                 sized: dict[int, tuple[object, bool, int]], live: dict[int, object],
+                 pending: list[object], size_of: object) -> dict[int, object] | None:
+    """A steady run booked natively (csrc/client_run.cpp, ``Client._book`` of a plan's tape):
+    a handle for every kept slot (``rows``: ``_kept_rows``), residency records as
+    ``Residency.ran`` makes them; None (nothing changed but the ``sized`` cache) for anything
+    but the plain case, which the Python path books."""
+
+def _client_book_init(handle: type, resident: type, sized_memory: int) -> None:
+    """The ``Handle`` and ``Resident`` classes and ``SIZED_MEMORY`` for :func:`_client_book`."""
+
 def _const_delta(old: list[object], new: list[object],
                  same_const: object) -> list[object] | None:
     """``genie.remote.protocol.const_delta`` (csrc/wire.cpp): ``[pos, value, ...]`` where

@@ -78,8 +78,9 @@ class Config:
     # Take the steady embedded read (the fused hit path's: lookup, run and bind) in one native
     # call (csrc/read.cpp; 0: genie.executor's Python steps, the reference).
     native_read: bool = _flag("GENIE_NATIVE_READ", "1") != "0"
-    # Read a remote client's steady run reply (header checks, outputs into host tensors) in one
-    # native call (csrc/client_run.cpp; 0: genie.remote.client's Python steps, the reference).
+    # Read a remote client's steady run reply (header checks, outputs into host tensors) and
+    # book its handles and residency records, each in one native call (csrc/client_run.cpp; 0:
+    # genie.remote.client's Python steps, the reference).
     client_native: bool = _flag("GENIE_CLIENT_NATIVE", "1") != "0"
     # Record the common case of an op natively (csrc/record.cpp); 0: every op takes the Python
     # path, the reference (genie.lazy_tensor.record).

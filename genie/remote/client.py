@@ -94,7 +94,7 @@ from .protocol import (
     unpack,
 )
 from .handle import Handle
-from .residency import Residency, Resident, dense
+from .residency import SIZED_MEMORY, Residency, Resident, dense
 from .wire import NOBLOCK, recv_parts, send_parts
 
 logger = logging.getLogger("genie.remote")
@@ -122,6 +122,10 @@ ZERO_COPY_MIN = 1 << 16
 #: header and outputs in one call, or None for the Python path (GENIE_CLIENT_NATIVE=0: always)
 _client_reply = _C._client_reply
 _C._client_reply_init({k: v for k, v in _DTYPES.items() if v in WIRE_DTYPES}, ZERO_COPY_MIN)
+#: a steady run's handles and residency records made in one call, or None for the Python path
+#: (Client._book; GENIE_CLIENT_NATIVE=0: always)
+_client_book = _C._client_book
+_C._client_book_init(Handle, Resident, SIZED_MEMORY)
 #: ``frames`` of a reply whose outputs were read with its header (:func:`_client_reply`)
 _READ: list[Any] = []
 
@@ -709,11 +713,26 @@ class Client:
         """Book run ``r`` before its answer: a handle for every kept slot, residency (a failed
         run is unbooked: :meth:`_unbook`)."""
         tape = r.tape
-        r.kept = kept = self._kept(r, fresh=True)
+        res = self.res
         if r.base is not None and (self._runs + 1) % FLOP_SAMPLE_EVERY == 0:
             r.work = self._work_of(r)
-        self.res.ran(tape, kept, r.owners,
-                     [r.remote_inputs[s] for s in r.uploads if s in tape.inputs], r.restored)
+        # a plan's tape that uploads and puts back nothing, residency not recording: booked in
+        # one native call (None: declined, having changed nothing; booked below as ever)
+        if _config.client_native and not r.uploads and not r.restored and not res.recording:
+            rows = _kept_rows(tape, r.enc.order)
+            if rows is not None:
+                kept = _client_book(rows, tape.nodes, tape.inputs, r.id0, self, res._sized,
+                                    res.live, res.pending, res.size_of)
+                if kept is not None:
+                    bump("client_native_books")
+                    r.kept = kept
+                    r.remote_inputs = {}  # (no upload reads them)
+                    r.owners = {}
+                    res.pruned()
+                    return kept
+        r.kept = kept = self._kept(r, fresh=True)
+        res.ran(tape, kept, r.owners,
+                [r.remote_inputs[s] for s in r.uploads if s in tape.inputs], r.restored)
         return kept
 
     def _unbook(self, r: _Run) -> None:

@@ -223,9 +223,7 @@ class Residency:
             # shapes are the same: dense and size read once per object)
             got = sized.get(id(m))
             if got is None or got[0] is not m:
-                if len(sized) >= SIZED_MEMORY:
-                    sized.clear()
-                got = sized[id(m)] = (m, dense(m), _nbytes(m))  # (m held: its id is its own)
+                got = self.size_of(m)
             if not got[1]:
                 continue  # a re-upload would not reproduce its layout: never hinted
             r = h.res = Resident(None, got[2])
@@ -251,6 +249,20 @@ class Residency:
                 h.res = Resident("input", _nbytes(h.meta))
                 self.note(h)
                 pending.append((weakref.ref(h), None, 0))
+        self.pruned()
+
+    def size_of(self, m: Any) -> tuple[Any, bool, int]:
+        """``(m, dense(m), bytes)`` of a value's metadata ``m``, kept by its id for the next
+        step's values that share it (:meth:`ran`, ``genie._C._client_book``)."""
+        sized = self._sized
+        if len(sized) >= SIZED_MEMORY:
+            sized.clear()
+        got = sized[id(m)] = (m, dense(m), _nbytes(m))  # (m held: its id is its own)
+        return got
+
+    def pruned(self) -> None:
+        """Drop the dead entries of :attr:`live` once it has doubled."""
+        live = self.live
         if len(live) > self._prune_at:
             self.live = {i: w for i, w in live.items() if w() is not None}
             self._prune_at = max(PRUNE_LIVE, 2 * len(self.live))
