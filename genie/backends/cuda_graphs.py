@@ -52,10 +52,12 @@ from typing import Any
 import optree
 import torch
 
+from .. import graphs
 from ..config import config, logger
 from ..device import real_device
 from ..graph import MetaArg
 from ..meta import UNANNOTATED_VIEWS, policy
+from ..passes.budget import memory_budget
 from ..planner import Slot
 from ..stats import bump
 
@@ -250,6 +252,9 @@ class _Runner:
 
     def _plan(self) -> None:
         """Choose the window and split the program around it (state: capture), or turn off."""
+        if memory_budget() is not None:
+            self.off("a memory budget is set (a graph holds its window's memory)")
+            return
         n = len(self.instrs)
         bad = set(self.varying)
         for i, ins in enumerate(self.instrs):
@@ -265,6 +270,7 @@ class _Runner:
             op = ins.op
             if ins.rng is not None or ins.device != self.index or \
                     not isinstance(op, torch._ops.OpOverload) or \
+                    op is graphs.GRAPH_OP or op is graphs.GRAPH_MUT_OP or \
                     torch.Tag.data_dependent_output in op.tags or \
                     torch.Tag.dynamic_output_shape in op.tags:
                 bad.add(i)

@@ -13,6 +13,7 @@ import torch
 import genie
 from genie import executor, lazy_tensor, plan_cache
 from genie.config import config
+from genie.device import real_device
 
 from test_fused_hit import _failing_reads, _growing, _peaks, _uploading, assert_same_peaks
 
@@ -296,7 +297,7 @@ def test_steady_item_reads_take_no_python_step_and_answer_as_eager(monkeypatch, 
 
     monkeypatch.setattr(lazy_tensor, "_item_now", counted)
     seen = _both(monkeypatch, lambda: _scalars(D, dtype, probes[config.native_read]))
-    want = _scalars("cpu", dtype)
+    want = _scalars(str(real_device(0)), dtype)  # eager on the real device: the same kernels
     assert seen[True][0] == want and seen[False][0] == want
     assert seen[True][1] == seen[False][1]
     assert probes[False]["steps"] == [2] * 8  # the Python path: every read
