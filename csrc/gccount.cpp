@@ -105,4 +105,10 @@ void gc_young_credit(int k) {
   }
 }
 
+void gc_young_debit(int k) {
+  if (young_count != nullptr && k > 0) {
+    *young_count = *young_count > k ? *young_count - k : 0;
+  }
+}
+
 }  // namespace genie

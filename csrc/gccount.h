@@ -35,4 +35,10 @@ void gc_young_at_least(int before);
 // (the liveness tokens of a pending node dropped unread: csrc/node.cpp).
 void gc_young_credit(int k);
 
+// The count down by `k` (not below 0), as CPython lowers it at each free of a collector-allocated
+// object: where Genie frees no such object but once did (a liveness token and its weak reference
+// per output, before the count per output: csrc/wrapper.cpp, csrc/node.cpp), so that the
+// collector runs when it ran before (docs/node-layout.md section 7, step 2b).
+void gc_young_debit(int k);
+
 }  // namespace genie

@@ -49,7 +49,6 @@ struct State {
   bool ready = false;
   PyTypeObject* node = nullptr;
   PyTypeObject* ref = nullptr;
-  PyTypeObject* alive = nullptr;
   PyTypeObject* storage = nullptr;
   Py_ssize_t n_entry = 0, n_executed = 0, n_index = 0, n_where = 0,
              n_storages = 0, n_consumers = 0, n_outputs = 0, n_values = 0, n_metas = 0;
@@ -253,6 +252,16 @@ PyObject* held_by(PyObject* r, py::object& keep) {
   return keep.ptr();
 }
 
+// Whether output item `r` (a node's `_out`, per output) may be held by a live tensor: a positive
+// count (node.h out_counted), or a capture graph's weak reference whose tensor lives (it may since
+// be another node's: held_after decides).
+bool maybe_held(PyObject* r, py::object& keep) {
+  if (genie::out_counted(r)) {
+    return true;
+  }
+  return r != Py_None && !PyLong_CheckExact(r) && held_by(r, keep) != Py_None;
+}
+
 // A meta-cache entry's shape class (genie.meta.MetaEntry.klass): a new reference, nullptr when it
 // has none. Read by offset from MetaEntry's slot (an attribute lookup walks the class's MRO).
 PyObject* klass_of(PyObject* e) {
@@ -390,7 +399,7 @@ struct PairHash {
 
 namespace genie {
 
-void match_init(py::object node, py::object ref, py::object alive, py::object storage,
+void match_init(py::object node, py::object ref, py::object storage,
                 py::object held_after, py::object same_kind) {
   auto type = [](py::object t) {
     if (!PyType_Check(t.ptr())) {
@@ -401,7 +410,6 @@ void match_init(py::object node, py::object ref, py::object alive, py::object st
   };
   S.node = type(node);
   S.ref = type(ref);
-  S.alive = type(alive);
   S.storage = type(storage);
   S.n_entry = genie::slot_offset(S.node, "entry");
   S.n_executed = genie::slot_offset(S.node, "executed");
@@ -682,7 +690,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       if (cons == nullptr || !PyLong_CheckExact(cons) || r == nullptr) {
         later = true;
       } else if (PyLong_AsSsize_t(cons) != hn[h] ||
-                 (r != Py_None && held_by(r, keep) != Py_None)) {
+                 maybe_held(r, keep)) {
         must_free.push_back({n, hk[h], hn[h]});  // (a capture graph's tensor: still this node's?)
       }
     }
@@ -695,7 +703,7 @@ py::object match_core(py::tuple flat, py::list entries, py::list klasses, py::ob
       py::object keep;
       if (r == nullptr) {
         later = true;
-      } else if (r == Py_None || Py_TYPE(held_by(r, keep)) != S.alive) {
+      } else if (!genie::out_counted(r)) {
         must_keep.emplace_back(n, ok[o], -1);
       }
     }

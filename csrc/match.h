@@ -5,9 +5,8 @@
 
 namespace genie {
 
-void match_init(pybind11::object node, pybind11::object ref, pybind11::object alive,
-                pybind11::object storage, pybind11::object held_after,
-                pybind11::object same_kind);
+void match_init(pybind11::object node, pybind11::object ref, pybind11::object storage,
+                pybind11::object held_after, pybind11::object same_kind);
 
 pybind11::object match_core(pybind11::tuple flat, pybind11::list entries, pybind11::list klasses,
                             pybind11::object wheres, pybind11::dict produced,

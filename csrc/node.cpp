@@ -83,7 +83,8 @@ struct Dropping {
 };
 thread_local Dropping dropping;
 
-// The weak references in a node's `_out` (one per output bound to a tensor).
+// The weak references in a node's `_out` (a capture graph's, one per output bound to a tensor;
+// the default graph's outputs hold counts: node.h out_count_add, counted_outputs).
 int bound_outputs(PyObject* out) {
   if (out == nullptr) {
     return 0;
@@ -110,6 +111,7 @@ void node_dealloc(PyObject* self) {
     if (n->weaklist != nullptr) {
       PyObject_ClearWeakRefs(self);
     }
+    gc_young_debit(counted_outputs(n->out));  // (the weak references its outputs once held)
     node_clear(self);
     Py_TYPE(self)->tp_free(self);
     return;
@@ -118,8 +120,10 @@ void node_dealloc(PyObject* self) {
   // it holds was taken off the young count at allocation (the node, its lists, Refs, Storages,
   // weak references), so the frees below leave the count where it was; and each output's
   // liveness token (also off the count from its allocation) lowered it when its tensor died,
-  // which is given back too. Otherwise a program that only drops pending graphs would never run
-  // a young collection (tests/unit/test_gc.py, docs/engine.md "The garbage collector").
+  // which is given back too (the default graph's outputs hold counts, whose last holder's release
+  // lowers it as the token's free did: csrc/wrapper.cpp). Otherwise a program that only drops
+  // pending graphs would never run a young collection (tests/unit/test_gc.py, docs/engine.md
+  // "The garbage collector").
   Dropping& d = dropping;
   const bool outer = d.depth == 0;
   const int before = outer ? gc_young() : 0;
@@ -127,7 +131,7 @@ void node_dealloc(PyObject* self) {
   if (n->weaklist != nullptr) {
     PyObject_ClearWeakRefs(self);
   }
-  d.credit += bound_outputs(n->out);
+  d.credit += bound_outputs(n->out) + counted_outputs(n->out);
   take_leaves(self, d.later);  // (the references move to `later`)
   node_clear(self);
   Py_TYPE(self)->tp_free(self);
@@ -157,7 +161,7 @@ PyMemberDef node_members[] = {
     GENIE_MEMBER("out_spec", out_spec, "The tree spec that rebuilds the op's return value.")
     GENIE_MEMBER("_st", st, "A single output's Storage, or a list of one per output.")
     GENIE_MEMBER("writes", writes, "The storages this node mutates.")
-    GENIE_MEMBER("_out", out, "A single output's liveness weak reference, or a list.")
+    GENIE_MEMBER("_out", out, "A single output's liveness (a count of live holders; a capture graph's weak reference to its tensor), or a list.")
     GENIE_MEMBER("values", values, "The real values after execution (None before).")
     GENIE_MEMBER("executed", executed, "Whether the node ran.")
     GENIE_MEMBER("index", index, "Process-wide record order.")
@@ -504,6 +508,60 @@ PyTypeObject NodeType = [] {
   t.tp_free = PyObject_GC_Del;
   return t;
 }();
+
+Py_ssize_t out_count_add(PyObject* n, Py_ssize_t k, Py_ssize_t d) {
+  static PyTypeObject* seen = nullptr;  // genie.graph.Node, once checked
+  PyTypeObject* t = Py_TYPE(n);
+  if (t != seen) {
+    if (!is_node_type(t)) {
+      return -1;
+    }
+    seen = t;
+  }
+  PyObject* o = reinterpret_cast<NodeObject*>(n)->out;
+  PyObject** at = nullptr;
+  if (o != nullptr && PyList_CheckExact(o)) {
+    if (k < 0 || k >= PyList_GET_SIZE(o)) {
+      return -1;
+    }
+    at = &reinterpret_cast<PyListObject*>(o)->ob_item[k];
+  } else if (k == 0) {
+    at = &reinterpret_cast<NodeObject*>(n)->out;
+  } else {
+    return -1;
+  }
+  PyObject* old = *at;
+  Py_ssize_t c = 0;
+  if (old != nullptr && old != Py_None) {
+    if (!PyLong_CheckExact(old)) {
+      return -1;  // a capture graph's weak reference
+    }
+    c = PyLong_AsSsize_t(old);
+  }
+  c = c + d < 0 ? 0 : c + d;
+  PyObject* v = PyLong_FromSsize_t(c);  // (small ints: CPython's singletons)
+  if (v == nullptr) {
+    PyErr_Clear();
+    return -1;
+  }
+  *at = v;
+  Py_XDECREF(old);
+  return c;
+}
+
+int counted_outputs(PyObject* out) {
+  if (out == nullptr) {
+    return 0;
+  }
+  if (PyList_CheckExact(out)) {
+    int k = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(out); ++i) {
+      k += PyLong_CheckExact(PyList_GET_ITEM(out, i)) ? 1 : 0;
+    }
+    return k;
+  }
+  return PyLong_CheckExact(out) ? 1 : 0;
+}
 
 bool is_node_type(PyTypeObject* t) {
   return PyType_IsSubtype(t, &NodeType) && t->tp_basicsize == NodeType.tp_basicsize &&

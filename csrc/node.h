@@ -29,7 +29,7 @@ struct NodeObject {
   PyObject* out_spec;
   PyObject* st;  // "_st": a single output's Storage, else a list (slots.h per_output)
   PyObject* writes;
-  PyObject* out;  // "_out": a single output's liveness weak reference, else a list
+  PyObject* out;  // "_out": a single output's liveness (out_count_add), else a list
   PyObject* values;
   PyObject* executed;
   PyObject* index;
@@ -99,6 +99,29 @@ void node_release_leaves(PyObject* n);
 // `n.leaves`: a new list (fresh Refs for the lazy inputs), None once released; nullptr with an
 // AttributeError when never set.
 PyObject* node_leaves_list(PyObject* n);
+
+// An output's liveness, node `n`'s `_out` item for it (docs/node-layout.md section 7, step 2b).
+// On the default graph, the count (a Python int; None until a tensor is bound) of what holds the
+// output for a live tensor: each LazyImpl whose record is (n, k) (csrc/wrapper.cpp) and each
+// liveness token genie._C.Alive(n, k) (the instance dict of a wrapper the Python path made). On a
+// capture graph (keep_nodes), a weak reference to the tensor itself (genie.graph.track), which may
+// since have been rebound to another node: readers check its `_node` (genie.planner.held_after).
+//
+// Adds `d` to output `k`'s count, with the GIL, and returns the new count; nothing (-1) where `n`
+// is not a node, `k` is not one of its outputs or the item is not a count (a capture graph's weak
+// reference): the same test on the way up and down, so a holder's +1 and -1 always pair. Raises
+// nothing.
+Py_ssize_t out_count_add(PyObject* n, Py_ssize_t k, Py_ssize_t d);
+
+// How many of a node's `_out` items are counts (outputs of the default graph a tensor was bound
+// to): each stands for the weak reference a bound output held before the counts, whose free
+// lowered the collector's young count (csrc/node.cpp node_dealloc keeps that).
+int counted_outputs(PyObject* out);
+
+// Whether an output's `_out` item is a positive count (a live holder on the default graph).
+inline bool out_counted(PyObject* r) {
+  return r != nullptr && PyLong_CheckExact(r) && Py_SIZE(r) > 0;  // (CPython 3.11: the sign)
+}
 
 // Adds Node to the genie._C module.
 void add_node_type(pybind11::module_& m);

@@ -193,7 +193,6 @@ struct State {
   PyTypeObject* node = nullptr;
   PyTypeObject* ref = nullptr;
   PyTypeObject* storage = nullptr;
-  PyTypeObject* alive = nullptr;
   PyTypeObject* meta_arg = nullptr;
   PyTypeObject* tensor_meta = nullptr;
   PyTypeObject* meta_entry = nullptr;
@@ -650,8 +649,7 @@ void clear_entries() {
 // dict (materialized by graph.track), as generic attribute lookup finds it there.
 PyObject* lazy_attr(PyObject* t, PyObject* name) {
   if (genie::LazyImpl* impl = genie::lazy_impl_of(t)) {  // the native path's wrappers
-    PyObject* v = name == names->node ? impl->node : name == names->out ? impl->out
-                  : name == names->alive ? impl->alive : nullptr;
+    PyObject* v = name == names->node ? impl->node : name == names->out ? impl->out : nullptr;
     if (v != nullptr) {
       return new_ref(v);
     }
@@ -1900,24 +1898,23 @@ PyObject* make_wrapper(const Out& o, PyObject* base) {
 #endif
 }
 
-// LazyTensor(node, k, meta) and graph.track(t, node, k), for the default graph. `gc_untrack`:
-// track() takes the liveness token and the tensor's dict off the GC; `node_untracked`: so does
-// untrack_node the weak reference in node.outputs.
-// The wrapper of `o` bound to output `out` of `node` with liveness token `alive`: t._node, t._out,
-// t._alive, the instance dict as `setattr` fills it (LazyTensor has no descriptors of these
-// names), in that order. `gc_untrack`: the dict goes off the GC (it holds the node, which never
-// holds the tensor).
-py::object bound_wrapper(const Out& o, PyObject* node, PyObject* out, PyObject* alive,
-                         bool gc_untrack, PyObject* base) {
+// The wrapper of `o` bound to output `out` of `node`, one more holder of its count (node.h
+// out_count_add): the record in its impl (csrc/wrapper.cpp), or, where torch made no LazyImpl,
+// t._node, t._out and a liveness token t._alive in its instance dict, as `setattr` fills it, in
+// that order. `gc_untrack`: the dict and the token go off the GC (the dict holds the node and
+// the token, which never hold the tensor).
+py::object bound_wrapper(const Out& o, PyObject* node, PyObject* out, bool gc_untrack,
+                         PyObject* base) {
   py::object t = py::reinterpret_steal<py::object>(make_wrapper(o, base));
   if (genie::LazyImpl* impl = genie::lazy_impl(THPVariable_Unpack(t.ptr()).unsafeGetTensorImpl())) {
-    genie::lazy_impl_bind(impl, node, out, alive);  // no instance dict (csrc/wrapper.cpp)
+    genie::lazy_impl_bind(impl, node, out);  // no instance dict, no token (csrc/wrapper.cpp)
     return t;
   }
+  py::object a = py::reinterpret_steal<py::object>(checked(genie::new_alive(node, out, !gc_untrack)));
   py::object d = py::reinterpret_steal<py::object>(checked(PyObject_GenericGetDict(t.ptr(), nullptr)));
   if (PyDict_SetItem(d.ptr(), names->node, node) < 0 ||
       PyDict_SetItem(d.ptr(), names->out, out) < 0 ||
-      PyDict_SetItem(d.ptr(), names->alive, alive) < 0) {
+      PyDict_SetItem(d.ptr(), names->alive, a.ptr()) < 0) {
     throw py::error_already_set();
   }
   if (gc_untrack) {
@@ -1926,21 +1923,11 @@ py::object bound_wrapper(const Out& o, PyObject* node, PyObject* out, PyObject* 
   return t;
 }
 
-PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, bool node_untracked,
-                   PyObject* base) {
+// LazyTensor(node, k, meta) and graph.track(t, node, k), for the default graph. `gc_untrack`:
+// track() takes the tensor's dict (and token) off the GC.
+PyObject* new_lazy(PyObject* node, const Out& o, bool gc_untrack, PyObject* base) {
   py::object k = py::reinterpret_steal<py::object>(checked(PyLong_FromSsize_t(o.k)));
-  py::object a = py::reinterpret_steal<py::object>(new_object(S.alive, !gc_untrack));
-  py::object t = bound_wrapper(o, node, k.ptr(), a.ptr(), gc_untrack, base);
-  PyObject*& outputs = slot(node, S.n.outputs);
-  PyObject* w = fresh([&] { return PyWeakref_NewRef(a.ptr(), nullptr); }, !node_untracked);
-  if (PyList_CheckExact(outputs)) {
-    PyObject* old = PyList_GET_ITEM(outputs, o.k);
-    PyList_SET_ITEM(outputs, o.k, w);
-    Py_DECREF(old);
-  } else {  // a single output's, inline (genie.graph.Node._out)
-    Py_SETREF(outputs, w);
-  }
-  return t.release().ptr();
+  return bound_wrapper(o, node, k.ptr(), gc_untrack, base).release().ptr();
 }
 
 // The ctx a Node takes at creation (genie.graph.Node.__init__).
@@ -2225,7 +2212,7 @@ PyObject* record_made(PyObject* func, const OpInfo& info, Call& call, const Entr
   auto output = [&](size_t j) {
     const Out& o = e.outs[j];
     return o.kind == Kind::kWrite ? new_ref(sources[j])
-                                  : new_lazy(n, o, gc_untrack, untracked, sources[j]);
+                                  : new_lazy(n, o, gc_untrack, sources[j]);
   };
   if (n_out == 1 && e.single && e.outs.size() == 1) {
     return output(0);  // the common case: the one tensor itself, no list of flat outputs
@@ -2254,7 +2241,8 @@ PyObject* const kNotHandled = reinterpret_cast<PyObject*>(&not_handled_tag);
 
 
 // lazy_tensor._detach_alias: detach(x) of a LazyTensor of the default graph is a new wrapper of
-// x's very value (x's node, output, metadata and liveness token), with no node of its own;
+// x's very value (x's node, output and metadata, one more holder of the output's count), with no
+// node of its own;
 // kNotHandled where that does not apply (the Python path then decides).
 PyObject* detach_alias(PyObject* args, PyObject* kwargs) {
   if (kwargs != nullptr || PyTuple_GET_SIZE(args) != 1) {
@@ -2266,27 +2254,24 @@ PyObject* detach_alias(PyObject* args, PyObject* kwargs) {
   }
   py::object node = py::reinterpret_steal<py::object>(lazy_attr(x, names->node));
   py::object out = py::reinterpret_steal<py::object>(lazy_attr(x, names->out));
-  py::object alive = py::reinterpret_steal<py::object>(lazy_attr(x, names->alive));
-  if (!node || !out || !alive || Py_TYPE(node.ptr()) != S.node ||
+  if (!node || !out || Py_TYPE(node.ptr()) != S.node ||
       slot(node.ptr(), S.n.graph) != S.default_graph || !PyLong_CheckExact(out.ptr())) {
     return kNotHandled;
   }
   const Py_ssize_t k = PyLong_AsSsize_t(out.ptr());
-  PyObject* outputs = slot(node.ptr(), S.n.outputs);
   PyObject* metas = slot(node.ptr(), S.n.metas);
-  PyObject* w = outputs == nullptr ? nullptr : genie::per_output(outputs, k);
-  if (k < 0 || w == nullptr || !PyList_CheckExact(metas) || k >= PyList_GET_SIZE(metas)) {
+  if (k < 0 || !PyList_CheckExact(metas) || k >= PyList_GET_SIZE(metas)) {
     PyErr_Clear();
     return kNotHandled;
   }
-  if (!PyWeakref_CheckRefExact(w) || PyWeakref_GET_OBJECT(w) != alive.ptr()) {
-    return kNotHandled;  // the node does not follow x's token
+  if (!genie::wrapper_counts(x, node.ptr(), k)) {
+    return kNotHandled;  // x is not among the holders its node's output counts
   }
   Out o;
   if (!decode_meta(PyList_GET_ITEM(metas, k), o)) {
     return kNotHandled;  // math bits: the Python path
   }
-  return bound_wrapper(o, node.ptr(), out.ptr(), alive.ptr(), flags.gc_untrack, x).release().ptr();
+  return bound_wrapper(o, node.ptr(), out.ptr(), flags.gc_untrack, x).release().ptr();
 }
 
 // The record path for one call: a new reference, nullptr with an error set, or kNotHandled.
@@ -4176,7 +4161,6 @@ bool record_init(const py::dict& objs) {
   s.node = type_of(objs, "Node");
   s.ref = type_of(objs, "Ref");
   s.storage = type_of(objs, "Storage");
-  s.alive = type_of(objs, "Alive");
   s.meta_arg = type_of(objs, "MetaArg");
   s.tensor_meta = type_of(objs, "TensorMeta");
   s.meta_entry = type_of(objs, "MetaEntry");
@@ -4217,7 +4201,6 @@ bool record_init(const py::dict& objs) {
   }
   check_slots(s.ref, {"node", "out"});
   check_slots(s.storage, {"pending_writes", "readers", "_prune_at", "role"});
-  check_slots(s.alive, {});
   check_slots(s.meta_arg, {"meta"});
   check_slots(s.tensor_meta, {"shape", "stride", "offset", "dtype", "index", "conj", "neg"});
   check_slots(s.meta_entry, {"metas", "out_spec", "consts", "plan", "spec", "klass", "state"});

@@ -161,7 +161,6 @@ struct State {
   PyTypeObject* node = nullptr;
   PyTypeObject* ref = nullptr;
   PyTypeObject* storage = nullptr;
-  PyTypeObject* alive = nullptr;
   PyTypeObject* tensor_meta = nullptr;
   PyTypeObject* meta_arg = nullptr;
   PyTypeObject* slot = nullptr;
@@ -200,7 +199,6 @@ void slice_init(const py::dict& objs) {
     S.node = type_of(objs, "Node");
     S.ref = type_of(objs, "Ref");
     S.storage = type_of(objs, "Storage");
-    S.alive = type_of(objs, "Alive");
     S.tensor_meta = type_of(objs, "TensorMeta");
     S.meta_arg = type_of(objs, "MetaArg");
     S.slot = type_of(objs, "Slot");
@@ -664,12 +662,12 @@ template <class Run>
 bool held_after(PyObject* n, Py_ssize_t k, Run& in_run, Py_ssize_t inside) {
   static PyObject* const node_name = PyUnicode_InternFromString("_node");
   PyObject* r = out_of(get(n, S.n_outputs), k);
-  if (r != Py_None) {
+  if (genie::out_counted(r)) {
+    return true;  // a live wrapper holds it (the default graph's count)
+  }
+  if (r != Py_None && !PyLong_CheckExact(r)) {  // a capture graph's weak reference to its tensor
     PyObject* t = deref(r);
     if (t != Py_None) {
-      if (Py_TYPE(t) == S.alive) {
-        return true;
-      }
       py::object keep = py::reinterpret_borrow<py::object>(t);
       PyObject* tn = PyObject_GetAttr(t, node_name);  // getattr(t, "_node", None)
       if (tn == nullptr) {
@@ -1133,7 +1131,7 @@ py::object instantiate(const py::handle& plan, const py::list& targets, const py
         PyObject* r = out_of(get(n, S.n_outputs), k);
         // (the plan's references to the node from inside the slice, which are this slice's
         // once it matches; if it does not, the tape is None anyway)
-        const bool held = (r != Py_None && Py_TYPE(deref(r)) == S.alive) ||
+        const bool held = genie::out_counted(r) ||
                           held_after(n, k, in_run, as_int(item(item(pguide, i), 3)));
         if (held != contains(keep, s) && !contains(want_out, s)) {
           return py::none();

@@ -1,5 +1,5 @@
-// genie._C: a LazyTensor's record (its node, output number and liveness token) held in its
-// TensorImpl, not in its instance dict (docs/node-layout.md section 7, step 2).
+// genie._C: a LazyTensor's record (its node and output number) held in its TensorImpl, not in its
+// instance dict, and counted by its node's output (docs/node-layout.md section 7, steps 2a, 2b).
 #pragma once
 
 #include <Python.h>
@@ -12,19 +12,21 @@
 namespace genie {
 
 // The TensorImpl of a wrapper made by the native record path (csrc/record.cpp make_wrapper):
-// a plain TensorImpl plus three strong references, set once when the wrapper is bound to its
-// node (bound_wrapper) and read by the `_node`, `_out` and `_alive` descriptors of LazyTensor.
+// a plain TensorImpl plus two strong references, set when the wrapper is bound to its node
+// (bound_wrapper) and read by the `_node` and `_out` descriptors of LazyTensor. While both are
+// set, the impl is one of the holders its node's output count counts (node.h out_count_add): no
+// liveness token, no weak reference (docs/node-layout.md section 7, step 2b).
 // torch.utils.swap_tensors swaps impls, so a parameter swapped by nn.Module.to() keeps its record
 // (the reason the fields cannot be __slots__: swap_tensors refuses differing slots). Wrappers
 // made elsewhere (the Python path's _make_wrapper_subclass, torch builds without the native
-// wrapper) keep the fields in their instance dict, where the descriptors find them too.
+// wrapper) keep `_node` and `_out` in their instance dict, where the descriptors find them too,
+// with a liveness token genie._C.Alive as `_alive` that holds their count.
 struct LazyImpl final : c10::TensorImpl {
   using c10::TensorImpl::TensorImpl;
   ~LazyImpl() override;
 
-  PyObject* node = nullptr;   // strong: the genie.graph.Node
-  PyObject* out = nullptr;    // strong: the output number (an int)
-  PyObject* alive = nullptr;  // strong: the liveness token the node's outputs refer to weakly
+  PyObject* node = nullptr;  // strong: the genie.graph.Node
+  PyObject* out = nullptr;   // strong: the output number (an int)
 };
 
 // The LazyImpl of a tensor object, or nullptr (another impl, or not a tensor). By its vtable
@@ -49,13 +51,23 @@ inline void release_pending() {
   }
 }
 
-// Sets the three fields of a fresh LazyImpl (new references taken here).
-void lazy_impl_bind(LazyImpl* impl, PyObject* node, PyObject* out, PyObject* alive);
+// Binds a LazyImpl to output `out` of `node` (new references taken here): its count goes up by one,
+// and the previous record's, if any, down.
+void lazy_impl_bind(LazyImpl* impl, PyObject* node, PyObject* out);
 
-// A wrapper's `_node` / `_out` / `_alive` (new reference) from its impl or its instance dict;
-// nullptr without an error where it has none.
+// A wrapper's `_node` / `_out` (new reference) from its impl or its instance dict; nullptr
+// without an error where it has none.
 PyObject* wrapper_field(PyObject* t, int which);
-enum WrapperField { kNodeField = 0, kOutField = 1, kAliveField = 2 };
+enum WrapperField { kNodeField = 0, kOutField = 1 };
+
+// A new liveness token genie._C.Alive for output `out` of `node` (the count goes up by one until
+// it is freed), for a wrapper whose record is in its instance dict. `tracked` false: off the
+// collector's lists and its young count (as record.cpp's new_object).
+PyObject* new_alive(PyObject* node, PyObject* out, bool tracked);
+
+// Whether the tensor `t` holds a count on output `out` of `node`: its impl's record is that
+// output, or its instance dict's `_alive` is a token of that output.
+bool wrapper_counts(PyObject* t, PyObject* node, Py_ssize_t out);
 
 void add_wrapper_functions(pybind11::module_& m);
 

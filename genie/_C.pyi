@@ -117,7 +117,7 @@ def _step_targets(targets: list[tuple[object, int]], opts: list[object],
     """``targets`` followed by the pending ``(node, output)`` of each tensor the steps of the
     optimizers ``opts`` write on device ``index``, each once (``genie.executor.with_step``)."""
 
-def _match_init(node: type, ref: type, alive: type, storage: type, held_after: object,
+def _match_init(node: type, ref: type, storage: type, held_after: object,
                 same_kind: object) -> None:
     """The classes and Python rules ``_match_core`` uses (genie.plan_cache calls it once)."""
 
@@ -273,9 +273,13 @@ def _stack_record_stats() -> tuple[int, int]:
 
 
 def _install_wrapper_fields(cls: type) -> bool:
-    """Give ``cls`` (``LazyTensor``) the ``_node``, ``_out`` and ``_alive`` descriptors that read a
-    wrapper's record from its impl (``csrc/wrapper.cpp``) or its instance dict, and the finalizer
-    that releases an impl-held record when the wrapper goes."""
+    """Give ``cls`` (``LazyTensor``) the ``_node`` and ``_out`` descriptors that read a wrapper's
+    record from its impl (``csrc/wrapper.cpp``) or its instance dict, and the finalizer that
+    releases an impl-held record (its node's output count down) when the wrapper goes."""
+
+def _wrapper_counts(tensor: object) -> bool:
+    """Whether ``tensor`` is one of the live holders its node's output counts: its impl's record,
+    or a liveness token :class:`Alive` of its record's output in its instance dict."""
 
 def _wrapper_in_impl(tensor: object) -> bool:
     """Whether the tensor's record is held by its impl (a wrapper of the native record path)."""
@@ -285,7 +289,18 @@ def _wrapper_release() -> None:
 
 def _wrapper_drop_without_gil(tensor: object) -> int:
     """Tests only: an impl holding ``tensor``'s record destroyed with the GIL released; returns
-    the references it queued for :func:`_wrapper_release`."""
+    the records it queued for :func:`_wrapper_release`."""
+
+
+class Alive:
+    """The liveness token of a LazyTensor whose record is in its instance dict (``_alive``):
+    output ``out`` of ``node`` counts it among its live holders while it lives
+    (``csrc/wrapper.cpp``)."""
+
+    node: object
+    out: int
+
+    def __init__(self, node: object, out: int) -> None: ...
 
 
 class _ReplayProgram:

@@ -20,6 +20,7 @@ executor does, so the module computes what eager computed (aliasing and in-place
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -284,9 +285,14 @@ def _inputs(g: CaptureGraph) -> list[tuple[str, Any]]:
     return out
 
 
+def _followed(r: Any) -> Any:
+    """The tensor a capture graph's node follows for an output (its weak reference's), or None
+    (dead; or a node of the default graph, which counts its outputs' holders instead)."""
+    return r() if type(r) is weakref.ref else None
+
+
 def _value(node: Node, out: int) -> torch.Tensor:
-    ref = node.output(out) if out < len(node.metas) else None
-    t = ref() if ref is not None else None
+    t = _followed(node.output(out)) if out < len(node.metas) else None
     if isinstance(t, LazyTensor) and t._node is node and t._out == out:
         return materialize(t, trigger="export")
     if node.executed:
@@ -458,7 +464,7 @@ def _default_outputs(g: CaptureGraph) -> tuple[Any, ...]:
     outs = []
     for node in g.nodes:
         for k, ref in enumerate(node.outputs):
-            t = ref() if ref is not None else None
+            t = _followed(ref)
             if isinstance(t, LazyTensor) and t._node is node and t._out == k \
                     and (node.index, k) not in read:
                 outs.append(t)

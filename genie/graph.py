@@ -2,8 +2,9 @@
 
 A :class:`Node` is one recorded call of an ATen overload (or a factory/upload). Its argument tree
 holds :class:`Ref` leaves (an output of an earlier node) and constants. Liveness is Python's own:
-a ``LazyTensor`` holds its producer node strongly, a node holds its input nodes strongly and its
-output tensors weakly, so the graph that still matters is exactly what live tensors can reach.
+a ``LazyTensor`` holds its producer node strongly, a node holds its input nodes strongly and counts
+its output tensors (never holds them), so the graph that still matters is exactly what live
+tensors can reach.
 Once a node has run, it drops its inputs (graph truncation) and keeps only the values that a live
 tensor or a pending consumer still needs.
 
@@ -38,6 +39,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
+from ._C import Alive
 from ._C import Node as _NativeNode
 from ._C import (_default_seq_len, _default_seq_note, _default_seq_of, _gc_retrack_below,
                  _gc_retrack_writers, _gc_track, _gc_untrack, _gc_untrack_node,
@@ -265,8 +267,10 @@ class Node(_NativeNode):
         storages: the :class:`Storage` of each tensor output (a property: a single output's is
             held inline, as ``_st``; :meth:`storage` reads one without making a list).
         writes: storages this node mutates.
-        outputs: weak references to the LazyTensors that hold each output (as ``storages``:
-            ``_out``, :meth:`output`).
+        outputs: each output's liveness (as ``storages``: ``_out``, :meth:`output`): on the
+            default graph the count of live holders (None until a tensor is bound; csrc/node.h
+            ``out_count_add``), on a capture graph a weak reference to its tensor. Read it with
+            :meth:`live`.
         n_consumers: how many argument references recorded nodes made to an output while this
             node was pending (dead and executed consumers still count); 0 once it ran. The
             consumers themselves are found through the output storages' readers
@@ -305,8 +309,7 @@ class Node(_NativeNode):
         one = len(metas) == 1
         self._st: Storage | None | list[Storage | None] = storages[0] if one else storages
         self.writes = writes
-        self._out: weakref.ref[Any] | None | list[weakref.ref[Any] | None] = \
-            None if one else [None] * len(metas)
+        self._out: Liveness | list[Liveness] = None if one else [None] * len(metas)
         self.values: list[torch.Tensor | None] | tuple[None, ...] | None = None
         self.executed = False
         self.index = next(_record_counter)
@@ -359,14 +362,15 @@ class Node(_NativeNode):
         return s
 
     @property
-    def outputs(self) -> list[weakref.ref[Any] | None]:
-        """The weak reference that follows each output's tensor (None until bound; a new list
-        for a single output)."""
+    def outputs(self) -> list[Liveness]:
+        """Each output's liveness (a new list for a single output): a count of the live tensors
+        that hold it (default graph), a weak reference to its tensor (capture graphs), None until
+        one is bound."""
         o = self._out
         return o if type(o) is list else [o]
 
-    def output(self, k: int) -> weakref.ref[Any] | None:
-        """The weak reference that follows output ``k``'s tensor (None until one is bound)."""
+    def output(self, k: int) -> Liveness:
+        """Output ``k``'s liveness (see :attr:`outputs`; :meth:`live` says whether it is held)."""
         o = self._out
         if type(o) is list:
             return o[k]
@@ -374,7 +378,17 @@ class Node(_NativeNode):
             raise IndexError(f"{self} has one output, not {k + 1}")
         return o
 
-    def set_output(self, k: int, r: weakref.ref[Any] | None) -> None:
+    def live(self, k: int) -> bool:
+        """Whether a live tensor holds output ``k``: a holder counted (the default graph: a
+        wrapper whose impl's record is this output, or a liveness token :class:`Alive`), or the
+        tensor a capture graph follows, alive and still this node's (not rebound since)."""
+        o = self.output(k)
+        if type(o) is int:
+            return o > 0
+        t = o() if o is not None else None
+        return t is not None and getattr(t, "_node", None) is self
+
+    def set_output(self, k: int, r: Liveness) -> None:
         o = self._out
         if type(o) is list:
             o[k] = r
@@ -421,50 +435,40 @@ class Node(_NativeNode):
         return f"Node({self.uid}, {self.name}, {state})"
 
 
-class Alive:
-    """Liveness token of one LazyTensor: the tensor holds it, its node's ``outputs`` weakly.
-
-    Nodes of the default graph track their output tensors through this token, not through a
-    weak reference to the tensor itself, so that tensors carry no weak references and
-    ``torch.utils.swap_tensors`` (used by ``nn.Module.to``) accepts them. A tensor rebound to
-    another node gets a new token, so the old node no longer counts it.
-    """
-
-    __slots__ = ("__weakref__",)
+# An output's liveness, a node's ``_out`` item: the count of its live holders (default graph), a
+# weak reference to its tensor (capture graphs), None until a tensor is bound.
+Liveness = int | weakref.ref[Any] | None
 
 
 def track(t: Any, node: Node, out: int) -> None:
-    """Make ``node.output(out)`` follow the liveness of the LazyTensor ``t`` (bound to it)."""
+    """Make ``node.output(out)`` follow the liveness of the LazyTensor ``t``, bound to it (its
+    ``_node`` and ``_out`` set first).
+
+    On the default graph the node counts its output's live holders (docs/node-layout.md section
+    7, step 2b): a wrapper whose impl holds its record is one while that record is set (setting
+    ``_node``/``_out`` counted it, csrc/wrapper.cpp); any other wrapper holds a liveness token
+    :class:`Alive` (``t._alive``), counted while it lives, which a rebound tensor replaces. A
+    capture graph follows the tensor itself, through a weak reference (:func:`genie.export`
+    reads it back).
+    """
     if node.graph.keep_nodes:
         node.set_output(out, weakref.ref(t))
-    else:
-        a = t._alive = Alive()
-        node.set_output(out, weakref.ref(a))
+    elif not _wrapper_in_impl(t):
+        a = t._alive = Alive(node, out)
         if config.gc_untrack:
-            # Neither can close a cycle: the token holds nothing, and the tensor's dict holds the
-            # node, which never holds the tensor (outputs are weak). CPython tracks the dict again
-            # by itself when a GC-capable value is stored in it (`t.attr = obj`). A wrapper whose
-            # impl holds its record (csrc/wrapper.cpp) has no dict to untrack.
-            if _wrapper_in_impl(t):
-                _gc_untrack(a)
-            else:
-                _gc_untrack(a, t.__dict__)
+            # Neither can close a cycle: the token holds only the node, and the tensor's dict the
+            # node and the token, none of which holds a tensor. CPython tracks the dict again by
+            # itself when a GC-capable value is stored in it (`t.attr = obj`).
+            _gc_untrack(a, t.__dict__)
 
 
 def share(t: Any, src: Any) -> None:
-    """Make ``t``, rebound to ``src``'s value (``t.data = src``, ``t.set_(src)``), keep that
-    value alive as ``src`` does: both hold ``src``'s token, so its node counts the output alive
-    while either tensor lives (a token of ``t``'s own would replace ``src``'s in the node, and
-    the value would be freed by the next run once ``t`` dies, ``src`` still holding it)."""
-    node, out = src._node, src._out
-    tok = getattr(src, "_alive", None)
-    r = node.output(out)
-    if tok is None or r is None or r() is not tok:  # (src does not follow the value: a capture's
-        track(t, node, out)                          # weak reference to the tensor, a stale one)
-        return
-    t._alive = tok
-    if config.gc_untrack and not _wrapper_in_impl(t):
-        _gc_untrack(t.__dict__)
+    """Make ``t``, rebound to ``src``'s value (``t.data = src``, ``t.set_(src)``; its ``_node``
+    and ``_out`` set to src's first), keep that value alive as ``src`` does: the node counts ``t``
+    as one more holder, so the value lives while either tensor does (before the counts, a token
+    of ``t``'s own replaced ``src``'s in the node, and the value was freed by the next run once
+    ``t`` died, ``src`` still holding it)."""
+    track(t, src._node, src._out)
 
 
 # --- the cyclic garbage collector ---------------------------------------------------------------

@@ -36,7 +36,7 @@ from .config import config
 from .device import DEVICE_TYPE, real_device
 from .errors import UnsupportedOpError
 from .executor import real_dispatch
-from .graph import (DEFAULT_GRAPH, Alive, Graph, MetaArg, Node, Ref, Storage, TensorMeta,
+from .graph import (DEFAULT_GRAPH, Graph, MetaArg, Node, Ref, Storage, TensorMeta,
                     _record_counter, defer_writer, pending_total, retrack_below, share,
                     track, untrack_node)
 from .graph import current as graph_current
@@ -303,9 +303,10 @@ class LazyTensor(torch.Tensor):
 
 _RECORD = ("_node", "_out", "_alive")
 
-# A wrapper's record (`_node`, `_out`, `_alive`): data descriptors that read the tensor's impl for
-# the native record path's wrappers (no instance dict), the instance dict for the others
-# (csrc/wrapper.cpp).
+# A wrapper's record (`_node`, `_out`): data descriptors that read the tensor's impl for the native
+# record path's wrappers (no instance dict, no token: the impl is counted by its node's output),
+# the instance dict for the others, which also holds their liveness token `_alive`
+# (csrc/wrapper.cpp, graph.track).
 _C._install_wrapper_fields(LazyTensor)
 
 
@@ -1149,9 +1150,10 @@ def _wrapper(cls: type, meta: TensorMeta, base: LazyTensor | None = None) -> Any
 
 def _detach_alias(x: LazyTensor) -> LazyTensor | None:
     """``detach(x)`` of a LazyTensor of the default graph: a new LazyTensor of x's very value, with
-    no node of its own: x's node and output, its metadata, and its liveness token (the node keeps
-    the value while either tensor lives). None where that does not apply (a capture graph keeps
-    every op; math bits; a node that does not follow x's token): the op is then recorded.
+    no node of its own: x's node and output and its metadata, one more holder the node's output
+    counts (the node keeps the value while either tensor lives). None where that does not apply
+    (a capture graph keeps every op; math bits; x not among the holders its output counts): the
+    op is then recorded.
 
     ``detach`` computes nothing: it is the same value under a tensor that autograd does not
     track. The autograd engine makes one for every output an op saves for backward (and again
@@ -1160,20 +1162,17 @@ def _detach_alias(x: LazyTensor) -> LazyTensor | None:
     Aliasing is unchanged: both tensors share the node's storage, whose writes both see.
     """
     node = x._node
-    alive = getattr(x, "_alive", None)
-    if alive is None or node.graph is not DEFAULT_GRAPH or current_graph() is not DEFAULT_GRAPH:
+    if node.graph is not DEFAULT_GRAPH or current_graph() is not DEFAULT_GRAPH or \
+            not _C._wrapper_counts(x):
         return None
     out = x._out
-    w = node.output(out)
     meta = node.metas[out]
-    if w is None or w() is not alive or meta.conj or meta.neg:
+    if meta.conj or meta.neg:
         return None
     r = _wrapper(LazyTensor, meta, x)
     r._node = node
     r._out = out
-    r._alive = alive
-    if config.gc_untrack and not _C._wrapper_in_impl(r):
-        _C._gc_untrack(r.__dict__)  # as graph.track: the dict holds the node, never the tensor
+    track(r, node, out)
     return r
 
 
@@ -1244,7 +1243,7 @@ def _install_native_record() -> bool:
     path (torch older than 2.13): the Python path stays.
     """
     objects = dict(
-        LazyTensor=LazyTensor, Node=Node, Ref=Ref, Storage=Storage, Alive=Alive, MetaArg=MetaArg,
+        LazyTensor=LazyTensor, Node=Node, Ref=Ref, Storage=Storage, MetaArg=MetaArg,
         TensorMeta=TensorMeta, MetaEntry=MetaEntry, Graph=Graph, fallback=_dispatch,
         entry_for=entry_for,
         counts=_counts, profiler=vars(_profiler), tls=_tls,

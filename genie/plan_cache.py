@@ -54,9 +54,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from collections import OrderedDict
 from itertools import islice, repeat
-from operator import attrgetter, call, eq, getitem, is_, itemgetter, lt
+from operator import attrgetter, eq, getitem, is_, itemgetter, lt
 from typing import Any
 
 import torch
@@ -64,7 +65,7 @@ import torch
 from ._C import _instantiate as _native_instantiate
 from ._C import _inputs_differ, _match_core, _match_init, _rebuild_instrs, _slice_init
 from .config import config
-from .graph import Alive, MetaArg, Node, Ref, Storage, TensorMeta, gc_paused, pending_total
+from .graph import MetaArg, Node, Ref, Storage, TensorMeta, gc_paused, pending_total
 from .graph import same_const as _same_const
 from .meta import states_seen
 from .planner import (Instr, PendingSlots, Slot, Tape, build_tape, held_after,
@@ -478,6 +479,18 @@ def _target_key(targets: list[tuple[Node, int]]) -> tuple[Any, ...]:
                             "pending_writes", "outputs", "n_consumers", "executed", "where"))
 
 
+def _counted(r: Any) -> bool:
+    """Whether an output's liveness (:meth:`Node.output`) counts a live holder (default graph)."""
+    return type(r) is int and r > 0
+
+
+def _maybe_held(r: Any) -> bool:
+    """Whether an output's liveness may be a live tensor's: a holder counted, or a capture graph's
+    weak reference whose tensor lives (:func:`held_after` decides whether it is still the
+    node's)."""
+    return r() is not None if type(r) is weakref.ref else _counted(r)
+
+
 def _flatten(plan: Plan) -> tuple[Any, ...]:
     """``guide`` as flat columns, so that :func:`match` checks the common case with C-level
     ``map`` calls instead of a Python loop per node: in-plan references ``(i, p, j, k)``
@@ -843,19 +856,16 @@ def _match_core_py(plan: Plan, targets: list[tuple[Node, int]], generic: bool) -
         fx = list(map(getitem, map(_leaves, map(get, fi)), fp))
         if not all(map(is_, fx, fv)):
             changed = [k for k, same in enumerate(map(_same_const, fx, fv)) if not same]
-    # outputs that must not be held: no live tensor refers to them (weak references; one that
-    # refers to a tensor, as in a capture graph, is held if that tensor is still this node's)
-    if not all(map(is_, map(call, filter(None, map(getitem, map(_outputs, map(get, hi)), hk))),
-                   repeat(None))):
+    # outputs that must not be held: no live tensor holds them (a count above 0; a capture
+    # graph's weak reference to a tensor is held if that tensor is still this node's)
+    if any(map(_maybe_held, map(getitem, map(_outputs, map(get, hi)), hk))):
         in_run = set(idx)
         for i, k in zip(hi, hk, strict=True):
-            r = found[i].output(k)
-            if r is not None and r() is not None and held_after(found[i], k, in_run):
+            if _maybe_held(found[i].output(k)) and held_after(found[i], k, in_run):
                 return None
     in_run = None
     for i, k in other:  # outputs that must be held: by a live tensor, or a pending consumer
-        r = found[i].output(k)
-        if r is None or type(r()) is not Alive:
+        if not _counted(found[i].output(k)):
             if in_run is None:
                 in_run = set(idx)
             if not held_after(found[i], k, in_run):
@@ -1145,11 +1155,9 @@ def instantiate(plan: Plan, targets: list[tuple[Node, int]], nodes: list[Node],
             if s is not None:
                 slots[(idx, k)] = s
                 # Which values the program still holds decides the frees: must be the plan's.
-                r = n.output(k)
                 # (guide[i][3]: the plan's references to the node from inside the slice, which
                 # are this slice's once it matches; if it does not, the tape is None anyway)
-                held = (r is not None and type(r()) is Alive) or \
-                    held_after(n, k, in_run, guide[i][3])
+                held = _counted(n.output(k)) or held_after(n, k, in_run, guide[i][3])
                 if held is not (s in keep) and s not in want_out:
                     return None
             k += 1
@@ -1224,4 +1232,4 @@ def structure_key(plan: Plan) -> str:
     return h.hexdigest()
 
 
-_match_init(Node, Ref, Alive, Storage, held_after, same_kind)
+_match_init(Node, Ref, Storage, held_after, same_kind)

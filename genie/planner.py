@@ -24,7 +24,7 @@ import torch
 from ._C import _slice_init
 from ._C import _slice_nodes as _native_slice_nodes
 from .config import config
-from .graph import Alive, MetaArg, Node, Ref, Storage, TensorMeta, gc_paused
+from .graph import MetaArg, Node, Ref, Storage, TensorMeta, gc_paused
 from .stats import _counts
 
 
@@ -327,7 +327,7 @@ def build_tape(targets: list[tuple[Node, int]], nodes: list[Node] | None = None,
 
 
 # The classes the native slice and instantiate read and make (genie.plan_cache adds _HostMeta).
-_slice_init({"Node": Node, "Ref": Ref, "Storage": Storage, "Alive": Alive, "TensorMeta": TensorMeta,
+_slice_init({"Node": Node, "Ref": Ref, "Storage": Storage, "TensorMeta": TensorMeta,
              "MetaArg": MetaArg, "Slot": Slot, "Instr": Instr, "Tape": Tape,
              "PendingSlots": PendingSlots})
 
@@ -341,12 +341,8 @@ def held_after(n: Node, k: int, in_run: set[int], inside: int = -1) -> bool:
     a live tensor holds it, or a pending node outside the run reads it (any output of ``n``).
     ``inside``: how many argument references to ``n`` the run makes, when the caller counted
     them; ``n.n_consumers`` equal to it says no consumer is outside without looking for one."""
-    ref = n.output(k)
-    t = ref() if ref is not None else None
-    if t is not None:
-        # t: the tensor's liveness token (default graph) or the tensor itself (capture graphs)
-        if type(t) is Alive or getattr(t, "_node", None) is n:
-            return True
+    if n.live(k):  # a holder counted (default graph), or a capture graph's tensor still n's
+        return True
     return n.n_consumers != inside and _has_pending_consumer(n, in_run)
 
 

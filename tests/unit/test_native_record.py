@@ -127,8 +127,10 @@ def describe(results: list[Any], start: int) -> list[Any]:
             metas=n.metas, shared_metas=n.entry is not None and n.metas is
             n.entry.metas, out_spec=n.out_spec, storages=[storage_id(s) for s in n.storages],
             writes=[storage_id(s) for s in n.writes],
-            outputs=[None if w is None else type(w()).__name__ for w in n.outputs],
-            outputs_tracked=[w is not None and gc.is_tracked(w) for w in n.outputs],
+            # counts (default graph) or weak references to the tensors (capture graphs)
+            outputs=[o if o is None or type(o) is int else type(o).__name__ for o in n.outputs],
+            outputs_tracked=[gc.is_tracked(o) for o in n.outputs],
+            live=[n.live(k) for k in range(len(n.outputs))],
             values=None if n.values is None else [None if v is None else _const(v)
                                                   for v in n.values],
             executed=n.executed, index=n.index - base.index, rng=n.rng,
@@ -145,15 +147,16 @@ def describe(results: list[Any], start: int) -> list[Any]:
         if isinstance(t, LazyTensor):
             out.append(dict(
                 type=type(t), node=node_id(t._node), out=t._out,
-                # the record (`_node`, `_out`, `_alive`) is the impl's on the native path
-                # (csrc/wrapper.cpp), the dict's on the Python one: compared as attributes
+                # the record (`_node`, `_out`) is the impl's on the native path (csrc/wrapper.cpp),
+                # the dict's on the Python one, with a liveness token: compared as attributes
                 attrs=[k for k in vars(t) if k not in _RECORD],
-                record=[hasattr(t, k) for k in _RECORD],
+                record=[hasattr(t, k) for k in ("_node", "_out")], counted=_C._wrapper_counts(t),
                 shape=tuple(t.shape), stride=t.stride(), offset=t.storage_offset(),
                 dtype=t.dtype, device=t.device, requires_grad=t.requires_grad,
                 conj=t.is_conj(), neg=t.is_neg(), keys=str(torch._C._dispatch_keys(t)),
                 nbytes=t.untyped_storage().nbytes(), dict_tracked=gc.is_tracked(vars(t)),
-                alive_tracked=gc.is_tracked(t._alive) if hasattr(t, "_alive") else None))
+                alive_tracked=gc.is_tracked(vars(t)["_alive"]) if "_alive" in vars(t) else
+                False))
         else:
             out.append(_const(t))
     return out
@@ -582,7 +585,7 @@ def test_init_refuses_classes_with_unknown_slots() -> None:
 
     with pytest.raises(RuntimeError, match="other slots"):
         _C._record_init(dict(
-            LazyTensor=LazyTensor, Node=Wider, Ref=Ref, Storage=Storage, Alive=lt.Alive,
+            LazyTensor=LazyTensor, Node=Wider, Ref=Ref, Storage=Storage,
             MetaArg=MetaArg, TensorMeta=lt.TensorMeta, MetaEntry=lt.MetaEntry, Graph=lt.Graph,
             fallback=lt._dispatch, counts=lt._counts, profiler=vars(lt._profiler), tls=lt._tls,
             current=lt.graph_current, default_graph=DEFAULT_GRAPH, counter=lt._record_counter,

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import genie
+from genie import _C
 from genie.meta import meta_cache
 
 D = "remote_accelerator"
@@ -113,13 +114,14 @@ def record_path(request):
 
 
 def test_detach_is_an_alias_of_the_same_value_with_no_node(record_path):
-    """detach(x) shares x's node, output and liveness token (genie.lazy_tensor._detach_alias):
+    """detach(x) shares x's node and output, one more holder its output counts
+    (genie.lazy_tensor._detach_alias):
     eager's values, metadata and aliasing, on both record paths."""
     a = torch.randn(3, 4)
     x = a.to(D) * 2
     for _ in range(2):  # the second time through a learned native entry, where there is one
         d = x.detach()
-        assert d._node is x._node and d._out == x._out and d._alive is x._alive
+        assert d._node is x._node and d._out == x._out and _C._wrapper_counts(d)
         assert (d.shape, d.stride(), d.storage_offset(), d.dtype, d.requires_grad) == (
             x.shape, x.stride(), x.storage_offset(), x.dtype, False)
     e = a * 2
@@ -136,7 +138,7 @@ def test_detach_keeps_the_value_after_the_original_dies(record_path):
     a = torch.randn(5)
     x = a.to(D) + 1
     d = x.detach()
-    genie.materialize(x)  # x runs; its value is kept for d too (the shared liveness token)
+    genie.materialize(x)  # x runs; its value is kept for d too (one more holder counted)
     del x
     torch.testing.assert_close(d.cpu(), a + 1)
     y = a.to(D).exp()
@@ -146,9 +148,9 @@ def test_detach_keeps_the_value_after_the_original_dies(record_path):
 
 
 def test_a_value_two_tensors_hold_outlives_either(record_path):
-    """``p.data = v`` binds p to v's value: both hold v's liveness token (graph.share), so the
-    value lives while either does (a token of p's own made the next run free it after
-    ``del p``)."""
+    """``p.data = v`` binds p to v's value: both are holders v's output counts (graph.share), so
+    the value lives while either does (before the counts, a token of p's own made the next run
+    free it after ``del p``)."""
     a = torch.randn(4)
     v = a.to(D) * 2
     p = torch.zeros(4, device=D)

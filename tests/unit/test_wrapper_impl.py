@@ -1,10 +1,12 @@
-"""A LazyTensor's record (`_node`, `_out`, `_alive`) held by its impl (csrc/wrapper.cpp).
+"""A LazyTensor's record (`_node`, `_out`) held by its impl (csrc/wrapper.cpp), and its liveness.
 
-The native record path makes each output's wrapper with a ``LazyImpl`` that holds the three
-references; the Python path (and torch builds without the native wrapper) keeps them in the
-instance dict. Both are read through the same descriptors, so every reader sees one record.
-Eager PyTorch is the oracle for the values; the record's own invariants (liveness, rebinding,
-swaps, copies) are checked directly.
+The native record path makes each output's wrapper with a ``LazyImpl`` that holds the two
+references and is counted by its node's output while it holds them (no liveness token); the
+Python path (and torch builds without the native wrapper) keeps them in the instance dict with a
+liveness token ``_alive`` (``genie._C.Alive``) that the output counts while it lives. Both are
+read through the same descriptors and the same count, so every reader sees one record. Eager
+PyTorch is the oracle for the values; the record's own invariants (liveness, rebinding, swaps,
+copies) are checked directly.
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ def test_a_natively_recorded_output_keeps_its_record_in_its_impl() -> None:
     assert not any(k in vars(y) for k in _RECORD)
     n, k = y._node, y._out
     assert type(n).__name__ == "Node" and k == 0
-    assert n.output(k)() is y._alive  # the node follows the token the impl holds
+    assert n.output(k) == 1 and n.live(k) and _C._wrapper_counts(y)  # the impl is the holder
+    assert not hasattr(y, "_alive")  # no token
     torch.testing.assert_close(y.cpu(), (a * 2).view(-1))
 
 
@@ -59,19 +62,60 @@ def test_the_python_path_keeps_its_record_in_the_dict_and_reads_the_same() -> No
     assert not _C._wrapper_in_impl(y)
     assert all(k in vars(y) for k in _RECORD)
     assert y._node is vars(y)["_node"] and y._out == vars(y)["_out"]
+    a = vars(y)["_alive"]
+    assert type(a) is _C.Alive and a.node is y._node and a.out == y._out
+    n, k = y._node, y._out
+    assert n.output(k) == 1 and _C._wrapper_counts(y)  # the token is the holder
+    del y, a
+    assert n.output(k) == 0 and not n.live(k)  # its free counts the output down
+
+
+def test_a_token_counts_only_its_own_output() -> None:
+    x = torch.randn(3, device=DEV)
+    saved = config.native_record
+    config.native_record = False
+    try:
+        y = x + 1
+    finally:
+        config.native_record = saved
+    with pytest.raises(TypeError, match="genie.graph.Node"):
+        _C.Alive(object(), 0)
+    n = y._node
+    extra = _C.Alive(n, 0)
+    assert n.output(0) == 2
+    stray = _C.Alive(n, 5)  # no such output: counts nothing, and its free nothing
+    assert n.output(0) == 2
+    del extra, stray
+    assert n.output(0) == 1
+    y._alive = _C.Alive(n, 1)  # a token of another output: y is no longer counted
+    assert not _C._wrapper_counts(y) and n.output(0) == 0
 
 
 def test_an_output_dies_with_its_wrapper() -> None:
     x = torch.randn(5, device=DEV)
     y = _steady(lambda: x * 3)
     n, k = y._node, y._out
-    w = n.output(k)
-    assert w() is not None
+    assert n.live(k)
     del y
-    # torch drops a wrapper's impl without the GIL: its record is released by the next read
-    # (or the next wrapper bound), before that read decides which values are alive
+    # the wrapper's finalizer releases its record (or, where the impl dies later without the
+    # GIL, the next read or wrapper bound), before that read decides which values are alive
     genie.materialize(x + 0)
-    assert w() is None, "the node still counts a dead wrapper's output alive"
+    assert not n.live(k) and n.output(k) == 0, "the node still counts a dead wrapper's output"
+
+
+def test_a_detached_alias_is_one_more_holder_of_the_output() -> None:
+    a = torch.randn(5)
+    x = a.to(DEV)
+    y = _steady(lambda: x * 3)
+    n, k = y._node, y._out
+    d = _steady(lambda: y.detach())
+    assert d._node is n and d._out == k and _C._wrapper_counts(d)
+    assert n.output(k) == 2
+    del y  # the value lives while the alias does
+    assert n.output(k) == 1 and n.live(k)
+    torch.testing.assert_close(d.cpu(), a * 3)
+    del d
+    assert n.output(k) == 0
 
 
 def test_the_record_is_released_when_another_thread_drops_the_wrapper() -> None:
@@ -93,10 +137,12 @@ def test_an_impl_destroyed_without_the_gil_queues_its_record_for_the_next_read()
     x = torch.randn(5, device=DEV)
     y = _steady(lambda: x * 3)
     n, base = y._node, sys.getrefcount(y._node)
-    assert _C._wrapper_drop_without_gil(y) == 3  # node, output number, token queued
+    assert _C._wrapper_drop_without_gil(y) == 1  # its record (node, output number) queued
     assert sys.getrefcount(n) == base + 1  # still held by the queue
+    assert n.output(y._out) == 2  # and still counted
     torch.testing.assert_close(y.cpu(), x.cpu() * 3)  # a read releases the queue first
     assert sys.getrefcount(n) == base
+    assert n.output(y._out) == 1
     with pytest.raises(TypeError):
         _C._wrapper_drop_without_gil(torch.zeros(1))
 
@@ -115,8 +161,12 @@ def test_rebinding_a_wrapper_replaces_its_record() -> None:
     a, b = torch.randn(4), torch.randn(4)
     p = torch.nn.Parameter(a.to(DEV))
     q = _steady(lambda: b.to(DEV) * 1)
+    old, ok = p._node, p._out
+    was, now = old.output(ok), q._node.output(q._out)
     p.data = q
     assert p._node is q._node and p._out == q._out
+    # the old record counted down, the new one up: the value lives while p or q does
+    assert old.output(ok) == was - 1 and q._node.output(q._out) == now + 1
     torch.testing.assert_close(p.cpu(), b)
 
 
@@ -141,13 +191,14 @@ def test_module_to_swaps_a_parameter_with_its_record() -> None:
 def test_deleting_a_field_twice_raises_attribute_error() -> None:
     x = torch.randn(2, device=DEV)
     y = _steady(lambda: x + 1)
-    keep = y._alive
-    del y._alive
+    n, keep = y._node, y._out
+    del y._out
+    assert n.output(keep) == 0  # a record without its output number counts nothing
     with pytest.raises(AttributeError):
-        y._alive
+        y._out
     with pytest.raises(AttributeError):
-        del y._alive
-    y._alive = keep
-    assert y._node.output(y._out)() is y._alive
+        del y._out
+    y._out = keep
+    assert n.output(keep) == 1 and _C._wrapper_counts(y)
     assert not hasattr(torch.zeros(1), "_node")
     torch.testing.assert_close(y.cpu(), x.cpu() + 1)
