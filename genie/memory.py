@@ -264,6 +264,14 @@ def _idx(device: Any) -> int:
     return i
 
 
+def _cuda(r: torch.device) -> torch.device:
+    """``r`` once CUDA is initialized: its memory statistics refuse a device before that
+    ("Invalid device argument": a process whose first CUDA call asks for a peak)."""
+    if not torch.cuda.is_initialized():
+        torch.cuda.init()
+    return r
+
+
 def memory_allocated(device: Any = None) -> int:
     """Bytes the real device holds for this process (embedded) or this session (server)."""
     i = _idx(device)
@@ -272,7 +280,7 @@ def memory_allocated(device: Any = None) -> int:
         return int(s.resident[1])
     r = _real(i)
     if r.type == "cuda":
-        return torch.cuda.memory_allocated(r)
+        return torch.cuda.memory_allocated(_cuda(r))
     return _allocated(i)
 
 
@@ -290,7 +298,7 @@ def max_memory_allocated(device: Any = None) -> int:
         return _peak[i]
     r = _real(i)
     if r.type == "cuda":
-        return torch.cuda.max_memory_allocated(r)
+        return torch.cuda.max_memory_allocated(_cuda(r))
     return max(_peak.get(i, 0), _allocated(i))
 
 
@@ -300,7 +308,7 @@ def reset_peak_memory_stats(device: Any = None) -> None:
     i = _idx(device)
     r = _real(i)
     if _remote_session(i) is None and r.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(r)
+        torch.cuda.reset_peak_memory_stats(_cuda(r))
     _peak[i] = memory_allocated(i)
 
 
@@ -313,7 +321,7 @@ def memory_reserved(device: Any = None) -> int:
     i = _idx(device)
     r = _real(i)
     if _remote_session(i) is None and r.type == "cuda":
-        return torch.cuda.memory_reserved(r)
+        return torch.cuda.memory_reserved(_cuda(r))
     return memory_allocated(i)
 
 
@@ -321,7 +329,7 @@ def max_memory_reserved(device: Any = None) -> int:
     i = _idx(device)
     r = _real(i)
     if _remote_session(i) is None and r.type == "cuda":
-        return torch.cuda.max_memory_reserved(r)
+        return torch.cuda.max_memory_reserved(_cuda(r))
     return max_memory_allocated(i)
 
 

@@ -45,6 +45,7 @@ buffered inputs written, shows on the CPU: ``tests/unit/test_cuda_graphs.py``). 
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +71,9 @@ MAX_NARROW = 8     # windows narrowed (an input of another shape) before a progr
 MAX_GRAPHS = 32    # graphs held at once (their memory pools), the oldest dropped first
 
 _OBSERVE, _CAPTURE, _READY, _OFF = range(4)
-_held: list[_Runner] = []  # runners holding a graph, oldest first
+# runners holding a graph, oldest first (weakly: a plan the cache drops takes its program, the
+# program its runner, the runner its graph and the graph's memory pool)
+_held: list[weakref.ref[_Runner]] = []
 
 
 def mode() -> str:
@@ -199,8 +202,7 @@ class _Runner:
     def _drop(self) -> None:
         self.graph = None
         self.parts = None
-        if self in _held:
-            _held.remove(self)
+        _held[:] = [r for r in _held if r() is not None and r() is not self]
 
     def __call__(self, native: Any, inputs: dict[int, Any], src: list, devices: list) -> Any:
         self.native = native
@@ -472,12 +474,14 @@ class _Runner:
         self.captures += 1
         self.misses = 0
         self.state = _READY
-        _held.append(self)
+        _held[:] = [r for r in _held if r() is not None]
+        _held.append(weakref.ref(self))
         if len(_held) > MAX_GRAPHS:
-            oldest = _held[0]
-            oldest._drop()
-            oldest._reset()
-            oldest.state = _OBSERVE
+            oldest = _held[0]()
+            if oldest is not None:
+                oldest._drop()
+                oldest._reset()
+                oldest.state = _OBSERVE
         bump("cuda_graph_captures")
         return self._finish(last, r1, r2, have, src, devices)
 

@@ -17,5 +17,7 @@ def seed_from(seed: int, offset: int) -> int:
 
 def generator_for(dev: torch.device) -> torch.Generator:
     if dev.type == "cuda":
+        if not torch.cuda.is_initialized():  # its generators exist once CUDA is initialized: a
+            torch.cuda.init()  # process whose first CUDA work is a replayed random op got ()
         return torch.cuda.default_generators[dev.index or 0]
     return torch.default_generator

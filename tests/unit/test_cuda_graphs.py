@@ -306,3 +306,21 @@ def test_a_memory_budget_keeps_programs_plain():
         pipeline.set_memory_budget(None)
     s = genie.stats()
     assert s.get("cuda_graph_captures", 0) == 0 and s["cuda_graph_refused"] >= 1
+
+
+def test_a_dropped_plan_lets_its_graph_go():
+    """A graph (and its memory pool) lives as long as its plan's program: clearing the plan
+    cache frees it (nothing else holds it)."""
+    import gc
+    import weakref
+
+    ws = _mlp(D)
+    for _ in range(8):
+        _forward(ws, torch.randn(4, 16).to(D)).cpu()
+    held = [r() for r in cuda_graphs._held if r() is not None]
+    assert held and all(h.graph is not None for h in held)
+    gone = [weakref.ref(h) for h in held]
+    del held
+    plan_cache.clear()
+    gc.collect()
+    assert all(r() is None for r in gone)
