@@ -496,8 +496,40 @@ void factory_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet /*ks*/,
 // Function returning its input, register_full_backward_hook included, spun at 100% CPU).
 PyObject* tf_name = nullptr;  // "__torch_function__"
 
+//
+// `__torch_function__` (asked for every LazyTensor argument of every call) is a plain class
+// attribute of LazyTensor (torch._C._disabled_torch_function_impl, a builtin: no descriptor), so
+// generic attribute lookup answers it from the class when the instance has no attribute of its
+// own: a wrapper of the native record path has none (its record is in its impl), which is read
+// here without the generic path (~190 instructions an argument). A wrapper with attributes (a
+// dict, or CPython 3.11's inline values) takes the generic path.
+bool no_instance_attributes(PyObject* self) {
+  PyTypeObject* t = Py_TYPE(self);
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+  if (t->tp_flags & Py_TPFLAGS_MANAGED_DICT) {
+    // CPython 3.11's managed dict: the inline values' pointer, then the dict's, before the object
+    // (Include/internal/pycore_object.h, _PyObject_ValuesPointer / _PyObject_ManagedDictPointer)
+    return reinterpret_cast<void**>(self)[-4] == nullptr &&
+           reinterpret_cast<void**>(self)[-3] == nullptr;
+  }
+#endif
+  if (t->tp_flags & Py_TPFLAGS_MANAGED_DICT) {
+    return false;
+  }
+  PyObject** dp = _PyObject_GetDictPtr(self);  // (no managed dict: never made here)
+  return dp == nullptr || *dp == nullptr || PyDict_GET_SIZE(*dp) == 0;
+}
+
 PyObject* lazy_getattr(PyObject* self, char* name) {
   if (std::strcmp(name, "__torch_function__") == 0) {
+    PyTypeObject* t = Py_TYPE(self);
+    if (t->tp_getattro == PyObject_GenericGetAttr) {
+      PyObject* v = _PyType_Lookup(t, tf_name);  // borrowed (the type's method cache)
+      if (v != nullptr && Py_TYPE(v)->tp_descr_get == nullptr && no_instance_attributes(self)) {
+        Py_INCREF(v);
+        return v;
+      }
+    }
     return PyObject_GetAttr(self, tf_name);
   }
   if (std::strcmp(name, "__torch_dispatch__") == 0) {
@@ -576,17 +608,30 @@ struct DetachVTable final : PyInterpreterVTable {
   }
 
   std::string name() const override { return base->name(); }
-  void incref(PyObject* o) const override { base->incref(o); }
-  // torch's decref takes the GIL (pybind11's gil_scoped_acquire: ~190 instructions) even where
-  // the caller holds it, as a recording thread does whenever a TensorImpl drops its last C++
-  // reference (~250 times an MLP 4 x 256 training step); the same Py_DECREF, without the lookups.
+  // torch's incref and decref take the GIL (pybind11's gil_scoped_acquire: ~240 instructions,
+  // ~330 with its release) even where the caller holds it, as a recording thread does whenever a
+  // TensorImpl with a Python object gains its first C++ reference or drops its last one: twice
+  // an op for a view (its base saved in the view's autograd metadata and on the stack; ~650
+  // instructions of a 20k `x.view(-1)`), ~250 decrefs an MLP 4 x 256 training step. The same
+  // Py_INCREF / Py_DECREF where this thread holds the GIL; torch's otherwise.
+  static bool holds_gil() {
+    if (!Py_IsInitialized()) {
+      return false;
+    }
+    PyThreadState* mine = PyGILState_GetThisThreadState();
+    return mine != nullptr && mine == py::detail::get_thread_state_unchecked();
+  }
+  void incref(PyObject* o) const override {
+    if (holds_gil()) {
+      Py_INCREF(o);
+      return;
+    }
+    base->incref(o);
+  }
   void decref(PyObject* o) const override {
-    if (Py_IsInitialized()) {
-      PyThreadState* mine = PyGILState_GetThisThreadState();
-      if (mine != nullptr && mine == py::detail::get_thread_state_unchecked()) {
-        Py_DECREF(o);
-        return;
-      }
+    if (holds_gil()) {
+      Py_DECREF(o);
+      return;
     }
     base->decref(o);
   }

@@ -366,6 +366,33 @@ def test_torch_function_lookups_answer_as_getattr(monkeypatch: pytest.MonkeyPatc
     torch.testing.assert_close(y.cpu(), x.cpu().sin() + 1)
 
 
+def test_an_instance_torch_function_comes_before_the_class_one() -> None:
+    """LazyTensor's tp_getattr reads the class's plain ``__torch_function__`` without the generic
+    lookup; an instance's own attribute of that name still comes first, as getattr() answers,
+    whether the wrapper's record is in its impl (no instance dict) or its instance dict."""
+    config.python_key = True
+    x = torch.randn(3).to(D)
+    ys = [x * 2 for _ in range(3)]  # natively recorded after the first
+    saved = config.native_record
+    config.native_record = False
+    try:
+        ys.append(x * 2)  # the Python path's wrapper: its record in its instance dict
+    finally:
+        config.native_record = saved
+
+    def own(func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+        return NotImplemented
+
+    for y in ys:
+        assert not torch.overrides.has_torch_function((y,))
+        y.__torch_function__ = own
+        assert getattr(y, "__torch_function__") is own
+        assert torch.overrides.has_torch_function((y,))
+        del y.__torch_function__
+        assert not torch.overrides.has_torch_function((y,))
+        torch.testing.assert_close(y.cpu(), x.cpu() * 2)
+
+
 # --- factories: the native PrivateUse1 kernel against torch.library's Python kernel -------------
 
 _FACTORIES = r"""
