@@ -19,12 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import optree
 import torch
 
 from ._C import _slice_init
 from ._C import _slice_nodes as _native_slice_nodes
 from .config import config
 from .graph import MetaArg, Node, Ref, Storage, TensorMeta, gc_paused
+from .meta import UNANNOTATED_VIEWS, policy
 from .stats import _counts
 
 
@@ -94,6 +96,44 @@ class Tape:
 
 
 _instrs_slot = Tape.instrs  # the slot's own descriptor, wrapped by the property below
+
+
+def storage_effects(ins: Instr, root: dict[int, Any]
+                    ) -> tuple[list[Any], list[tuple[int, list[Any]]]] | None:
+    """What an instruction of an ATen op does to storages, by its schema's alias annotations
+    (``Tensor(a!)`` writes, ``Tensor(a)`` views, in lists too; each element of a returned list)
+    plus the views whose schemas do not say so (:data:`genie.meta.UNANNOTATED_VIEWS`): the roots
+    it writes, and per output slot the roots it is a view of (empty: a fresh storage). ``root``
+    maps slots to their storage's root (a slot without one is not followed). None when its
+    outputs do not map onto the schema's returns."""
+    pol = policy(ins.op)
+    args, kwargs = optree.tree_unflatten(ins.spec, ins.leaves)
+
+    def roots(x: Any) -> list[Any]:
+        if type(x) is Slot:
+            r = root.get(x.id)
+            return [r] if r is not None else []
+        if isinstance(x, (list, tuple)):
+            return [r for e in x for r in roots(e)]
+        return []
+
+    def arg(j: int) -> Any:
+        return args[j] if j < len(args) else kwargs.get(pol.names[j])
+
+    writes = [r for j in pol.writes for r in roots(arg(j))]
+    if pol.inplace_view and args:
+        writes += roots(args[0])
+    rets = pol.returns
+    if len(rets) != 1 and len(ins.outs) != len(rets) and any(o is not None for o in ins.outs):
+        return None
+    outs = []
+    for k, o in enumerate(ins.outs):
+        if o is None:
+            continue
+        ret = rets[0] if len(rets) == 1 else rets[k]  # (a list return: each element)
+        outs.append((o, roots(arg(ret[1])) if ret is not None else
+                     roots(args[0]) if ins.op in UNANNOTATED_VIEWS and args else []))
+    return writes, outs
 
 
 def _instrs_get(tape: Tape) -> list[Instr]:

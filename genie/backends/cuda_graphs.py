@@ -50,16 +50,14 @@ from types import SimpleNamespace
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 
 from .. import graphs
 from ..config import config, logger
 from ..device import real_device
 from ..graph import MetaArg
-from ..meta import UNANNOTATED_VIEWS, policy
 from ..passes.budget import memory_budget
-from ..planner import Slot
+from ..planner import Slot, storage_effects
 from ..stats import bump
 
 MODES = ("1", "0", "emulate")
@@ -336,32 +334,12 @@ class _Runner:
         root: dict[int, int] = {s: s for s in buffered}
         written: set[int] = set()
         for i in mid:
-            ins = self.instrs[i]
-            pol = policy(ins.op)
-            args, kwargs = optree.tree_unflatten(ins.spec, ins.leaves)
-
-            def roots(x: Any) -> list[int]:
-                if type(x) is Slot:
-                    r = root.get(x.id)
-                    return [r] if r is not None else []
-                if isinstance(x, (list, tuple)):
-                    return [r for e in x for r in roots(e)]
-                return []
-
-            def arg(j: int) -> Any:
-                return args[j] if j < len(args) else kwargs.get(pol.names[j])
-
-            for j in pol.writes:
-                written.update(roots(arg(j)))
-            if pol.inplace_view and args:
-                written.update(roots(args[0]))
-            rets = pol.returns
-            for k, o in enumerate(ins.outs):
-                if o is None or not rets:
-                    continue
-                ret = rets[0] if len(rets) == 1 else rets[k] if k < len(rets) else None
-                src = roots(arg(ret[1])) if ret is not None else \
-                    roots(args[0]) if ins.op in UNANNOTATED_VIEWS and args else []
+            effects = storage_effects(self.instrs[i], root)
+            if effects is None:  # (not followed: every buffered input is copied back)
+                return set(buffered)
+            writes, outs = effects
+            written.update(writes)
+            for o, src in outs:
                 if src:
                     root[o] = src[0]
         return written

@@ -57,8 +57,8 @@ from . import cuda_graphs
 from ..config import config, logger
 from ..device import real_device
 from ..errors import ExecutionError
-from ..meta import UNANNOTATED_VIEWS, policy, value_leaves
-from ..planner import MetaArg, Slot, Tape, raw_instrs
+from ..meta import policy, value_leaves
+from ..planner import MetaArg, Slot, Tape, raw_instrs, storage_effects
 from ..stats import _counts, _syncs, bump
 
 UPLOAD = "genie.upload"
@@ -256,41 +256,16 @@ def early_split(tape: Tape) -> int:
     inputs = object()  # the root of every input
     root: dict[int, Any] = {s: inputs for s in tape.inputs}
     last: dict[Any, int] = {}  # root -> the last instruction that defines or writes it
-
-    def roots(x: Any) -> list[Any]:
-        if type(x) is Slot:
-            r = root.get(x.id)
-            return [r] if r is not None else []
-        if isinstance(x, (list, tuple)):
-            return [r for e in x for r in roots(e)]
-        return []
-
     for i, ins in enumerate(tape.instrs):
-        op = ins.op
-        if not isinstance(op, torch._ops.OpOverload):
+        if not isinstance(ins.op, torch._ops.OpOverload):
             return n
-        pol = policy(op)
-        args, kwargs = optree.tree_unflatten(ins.spec, ins.leaves)
-
-        def arg(j: int) -> Any:
-            return args[j] if j < len(args) else kwargs.get(pol.names[j])
-
-        for j in pol.writes:
-            for r in roots(arg(j)):
-                last[r] = i
-        if pol.inplace_view and args:
-            for r in roots(args[0]):
-                last[r] = i
-        rets = pol.returns
-        if len(rets) != 1 and len(ins.outs) != len(rets) and \
-                any(o is not None for o in ins.outs):
+        effects = storage_effects(ins, root)
+        if effects is None:
             return n  # (outputs that do not map onto the schema's returns)
-        for k, o in enumerate(ins.outs):
-            if o is None:
-                continue
-            ret = rets[0] if len(rets) == 1 else rets[k]  # (a list return: each element)
-            src = roots(arg(ret[1])) if ret is not None else \
-                roots(args[0]) if op in UNANNOTATED_VIEWS and args else []
+        writes, outs = effects
+        for r in writes:
+            last[r] = i
+        for k, (o, src) in enumerate(outs):
             if src:
                 root[o] = src[0]
                 for r in src[1:]:  # (an output of several storages: none in ATen's schemas)
