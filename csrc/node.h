@@ -120,7 +120,16 @@ int counted_outputs(PyObject* out);
 
 // Whether an output's `_out` item is a positive count (a live holder on the default graph).
 inline bool out_counted(PyObject* r) {
-  return r != nullptr && PyLong_CheckExact(r) && Py_SIZE(r) > 0;  // (CPython 3.11: the sign)
+  if (r == nullptr || !PyLong_CheckExact(r)) {
+    return false;
+  }
+#if PY_VERSION_HEX >= 0x030C0000
+  // 3.12 on: the sign is lv_tag's low bits (0 positive, 1 zero, 2 negative); Py_SIZE reads the
+  // whole tag there, which is positive for 0 too (every output looked held: every plan missed)
+  return (reinterpret_cast<PyLongObject*>(r)->long_value.lv_tag & 3) == 0;
+#else
+  return Py_SIZE(r) > 0;  // 3.11: the sign of ob_size
+#endif
 }
 
 // Adds Node to the genie._C module.

@@ -65,6 +65,7 @@ from typing import Any
 import torch
 
 from .. import _C, backends, graphs, tape_io
+from ..config import config as genie_config
 from ..errors import ExecutionError
 from ..index_check import IndexCheck, IndexOutOfRange
 from ..memory import retain_host_memory, retain_limit
@@ -2092,6 +2093,11 @@ def _worker_main(fd: int, token: bytes, cfg: Config) -> None:
         die_with_parent(), _no_network(), limit_data(2 * cfg.quota + compiler.COMPILE_SLACK)))
     got = sandbox(cfg)
     _cuda_limit(cfg)
+    if "GENIE_CUDA_GRAPHS" not in os.environ:
+        # A CUDA graph's memory pool is not charged to the session's quota yet, and under the
+        # allocator's fraction it made a session's later kernels run out of memory (H200,
+        # session 56): a worker graphs only where its operator sets GENIE_CUDA_GRAPHS=1.
+        genie_config.cuda_graphs = "0"
     logger.debug("genie-server: worker %d sandboxed: %s", os.getpid(), got)
     serve_session(fd, token, cfg, retains=bool(got.get("retain")))
 
