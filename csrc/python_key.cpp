@@ -505,17 +505,18 @@ PyObject* tf_name = nullptr;  // "__torch_function__"
 // dict, or CPython 3.11's inline values) takes the generic path.
 bool no_instance_attributes(PyObject* self) {
   PyTypeObject* t = Py_TYPE(self);
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+#ifdef Py_TPFLAGS_MANAGED_DICT  // (CPython >= 3.11)
   if (t->tp_flags & Py_TPFLAGS_MANAGED_DICT) {
+#if PY_VERSION_HEX < 0x030C0000
     // CPython 3.11's managed dict: the inline values' pointer, then the dict's, before the object
     // (Include/internal/pycore_object.h, _PyObject_ValuesPointer / _PyObject_ManagedDictPointer)
     return reinterpret_cast<void**>(self)[-4] == nullptr &&
            reinterpret_cast<void**>(self)[-3] == nullptr;
+#else
+    return false;  // another layout: the generic path
+#endif
   }
 #endif
-  if (t->tp_flags & Py_TPFLAGS_MANAGED_DICT) {
-    return false;
-  }
   PyObject** dp = _PyObject_GetDictPtr(self);  // (no managed dict: never made here)
   return dp == nullptr || *dp == nullptr || PyDict_GET_SIZE(*dp) == 0;
 }
