@@ -51,14 +51,18 @@ def test_a_natively_recorded_output_keeps_its_record_in_its_impl() -> None:
     torch.testing.assert_close(y.cpu(), (a * 2).view(-1))
 
 
-def test_the_python_path_keeps_its_record_in_the_dict_and_reads_the_same() -> None:
-    x = torch.randn(3, device=DEV)
+def _plus_one_by_python(x: torch.Tensor) -> torch.Tensor:
+    """``x + 1`` recorded by the Python path (its record in the wrapper's instance dict)."""
     saved = config.native_record
     config.native_record = False
     try:
-        y = x + 1
+        return x + 1
     finally:
         config.native_record = saved
+
+
+def test_the_python_path_keeps_its_record_in_the_dict_and_reads_the_same() -> None:
+    y = _plus_one_by_python(torch.randn(3, device=DEV))
     assert not _C._wrapper_in_impl(y)
     assert all(k in vars(y) for k in _RECORD)
     assert y._node is vars(y)["_node"] and y._out == vars(y)["_out"]
@@ -71,13 +75,7 @@ def test_the_python_path_keeps_its_record_in_the_dict_and_reads_the_same() -> No
 
 
 def test_a_token_counts_only_its_own_output() -> None:
-    x = torch.randn(3, device=DEV)
-    saved = config.native_record
-    config.native_record = False
-    try:
-        y = x + 1
-    finally:
-        config.native_record = saved
+    y = _plus_one_by_python(torch.randn(3, device=DEV))
     with pytest.raises(TypeError, match="genie.graph.Node"):
         _C.Alive(object(), 0)
     n = y._node
