@@ -503,9 +503,9 @@ def _host_value(x: torch.Tensor) -> torch.Tensor | None:
             break
         if n.op is _UPLOAD:
             return n.leaf(0) if n.n_leaves else None
-        if n.op not in _LIFTS or not n.n_leaves or type(x := n.leaf(0)) is not Ref:
+        if n.op not in _LIFTS or not n.n_leaves or type(ref := n.leaf(0)) is not Ref:
             break
-        n, o = x.node, x.out  # a list index: an upload, then lift_fresh
+        n, o = ref.node, ref.out  # a list index: an upload, then lift_fresh
     return executor.host_value(x._node, x._out)
 
 

@@ -1103,16 +1103,22 @@ def test_a_small_index_made_on_the_device_from_constants_raises_at_the_call(case
     assert after.get("host_evaluations", 0) > before.get("host_evaluations", 0)
 
 
-@pytest.mark.parametrize("case", ["in_range", "masks", "twice"])
+@pytest.mark.parametrize("case", ["in_range", "masks", "twice", "lifted"])
 def test_small_indices_made_on_the_device_give_eagers_values_and_stay_pending(case):
     """In range, the host's evaluation changes nothing: the values are eager's, the index's
     nodes stay pending and run on the device with the indexing (one materialization, at the
     download); a mask made from constants and an index read twice (the same lineage, evaluated
-    at each call: a write in between is seen) too."""
+    at each call: a write in between is seen) too, and an index that ``lift_fresh`` took from a
+    value computed on the device (its lineage walked through the lift: an AttributeError
+    before)."""
     def fn(d):
         x = torch.arange(30.0, device=d).view(6, 5)
         ind = torch.ones(8, dtype=torch.int64, device=d)
         ind[-1] = 5
+        if case == "lifted":
+            lifted = torch.ops.aten.lift_fresh.default(ind + 0)
+            return torch.cat([x[lifted].flatten(),
+                              x[torch.ops.aten.lift_fresh_copy.default(ind[:3] - 1)].flatten()])
         if case == "in_range":
             y = torch.cat([x[ind].flatten(), x[ind.view(2, 4), ind[:4] - 2].flatten()])
             x[ind[:2]] = 0.5
