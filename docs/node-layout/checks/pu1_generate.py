@@ -1,3 +1,7 @@
+"""GPT-2 4x128 greedy generate (32 tokens, a new prompt length each call, no attention_mask), eager
+and Genie alternating in one process: tokens compared, genie / eager (thread CPU, median of 10);
+run on the prototype's tree with and without GENIE_SPIKE_PU1=1 (docs/node-layout.md section 7,
+step 4)."""
 import sys, time, itertools, torch, genie, os
 torch.set_num_threads(1)
 from transformers import GPT2Config, GPT2LMHeadModel
