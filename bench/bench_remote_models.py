@@ -31,6 +31,14 @@ front process and the session's worker (its kernels, its Python, its ZeroMQ thre
 worker's class builds (forked children). On a machine with cores to spare the client and the
 worker overlap only where a reply comes early; on a loaded one a step costs about their sum.
 
+Where the server runs (``GENIE_BENCH_PLACEMENT``): ``own-core`` (the default where the process
+may use two or more CPUs) gives the server's processes every CPU but the first and keeps this
+process (the client, and eager beside it) on the first, as a server on another host owns its
+compute; ``shared`` leaves every process on every CPU (on a 2-CPU machine Linux's placement
+then decides the MLP row: with the client and the session worker on one core its step costs
+their sum, ~1.8 ms against ~1.2 ms on a core each, and the row flips between the two from one
+run to the next; docs/benchmarks.md, session 58).
+
 With ``GENIE_BENCH_BASE=PATH`` (a checkout of an earlier tree with its native module built, e.g.
 a ``git worktree`` of the commit before the session-worker server), every row is measured again
 against a server started from that tree, interleaved with eager in the same way, so the cost of
@@ -80,6 +88,25 @@ UPLOAD_ROUNDS = 7  # 128 MiB uploads per server (3 moved the server/base ratio 0
 REAL = os.environ.get("GENIE_BENCH_SERVER_DEVICE", "cpu")
 
 
+def _placement() -> tuple[set[int], set[int]] | None:
+    """(this process's CPUs, the server's CPUs) under ``own-core``; None under ``shared`` or
+    where the process may use fewer than two CPUs (or the OS has no ``sched_setaffinity``)."""
+    mode = os.environ.get("GENIE_BENCH_PLACEMENT", "own-core")
+    if mode not in ("own-core", "shared"):
+        raise ValueError(f"GENIE_BENCH_PLACEMENT={mode!r}: expected 'own-core' or 'shared'")
+    if mode == "shared" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    return ({cpus[0]}, set(cpus[1:])) if len(cpus) >= 2 else None
+
+
+PLACEMENT = _placement()
+PLACEMENT_NOTE = ("placement shared (every process on every CPU)" if PLACEMENT is None else
+                  f"placement own-core (client and eager on CPU {min(PLACEMENT[0])}, the server "
+                  f"on CPU{'s' if len(PLACEMENT[1]) > 1 else ''} "
+                  f"{','.join(map(str, sorted(PLACEMENT[1])))})")
+
+
 def _trees() -> dict[str, Path]:
     trees = {"server": ROOT}
     base = os.environ.get("GENIE_BENCH_BASE")
@@ -97,7 +124,9 @@ class _Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "genie.remote.server", "--device", REAL, "--listen",
              "127.0.0.1:0", "--keys", str(keys), "--threads", str(torch.get_num_threads())],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tree)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tree,
+            preexec_fn=None if PLACEMENT is None else
+            (lambda cpus=PLACEMENT[1]: os.sched_setaffinity(0, cpus)))
         line = ""
         while not line.startswith("genie-server: serving"):
             line = self.proc.stdout.readline()
@@ -122,15 +151,22 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def servers():
+    mine = os.sched_getaffinity(0) if PLACEMENT is not None else None
     with tempfile.TemporaryDirectory() as d:
         out = {}
         for name, tree in _trees().items():
             keys = Path(d) / name.replace(" ", "-")
             out[name] = _Server(tree, keys)
-        yield out
-        genie.disconnect()
-        for s in out.values():
-            s.stop()
+        if PLACEMENT is not None:
+            os.sched_setaffinity(0, PLACEMENT[0])
+        try:
+            yield out
+        finally:
+            if mine is not None:
+                os.sched_setaffinity(0, mine)
+            genie.disconnect()
+            for s in out.values():
+                s.stop()
 
 
 def _task_ns(pid: int) -> int:
@@ -381,6 +417,7 @@ def test_remote_model(benchmark, ratios, servers, name: str) -> None:
     make, per, unit, rounds = WORKLOADS[name]
     benchmark.group = f"remote: {name}"
     row = ratios.row(SUITE, name, unit=unit, scale=1e3)
+    row.notes.append(PLACEMENT_NOTE)
     later = getattr(make, "remote_first", False)  # eager after as many warm-up steps
     eager = None if later else make(REAL)
     for sname, srv in servers.items():
@@ -413,6 +450,7 @@ def test_upload_128mib(benchmark, ratios, servers) -> None:  # noqa: D103
     x = torch.randn(n // 4)
     ref = x.sum().item()
     row = ratios.row(SUITE, "upload 128 MiB (t.to(dev); .sum().item())", unit="MB/s", scale=1)
+    row.notes.append(PLACEMENT_NOTE)
     got: dict[str, list[float]] = {s: [] for s in servers}
     names = list(servers)
     rounds = itertools.count()
