@@ -59,6 +59,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/PythonFallbackKernel.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/detach_ops.h>
 #include <c10/util/SmallVector.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/PyInterpreterHooks.h>
@@ -72,6 +73,7 @@
 #endif
 
 #include "record.h"
+#include "wrapper.h"
 #include "whole.h"
 
 namespace py = pybind11;
@@ -87,12 +89,17 @@ constexpr c10::DispatchKeySet kAfterPython =
      c10::DispatchKeySet(c10::DispatchKey::Python));
 
 std::atomic<bool> enabled{false};
+std::atomic<bool> key_free{false};  // natively made LazyTensors carry no Python key ("PrivateUse1")
 PyObject* td_name = nullptr;        // "__torch_dispatch__"
 PyObject* genie_dispatch = nullptr;  // LazyTensor.__dict__["__torch_dispatch__"] when enabled
 // PyTorch's Python-key fallback (pythonFallback), read from an operator's computed table before
 // any registration here. Never destroyed (static destructors run after the interpreter is gone).
 c10::SafeKernelFunction* torch_fallback = nullptr;
 torch::Library* library = nullptr;
+std::set<const c10::FunctionSchema*>* installed = nullptr;  // the operators `library` took
+bool installed_here(const c10::OperatorHandle& op) {
+  return installed != nullptr && installed->count(&op.schema()) > 0;
+}
 uint64_t n_recorded = 0;   // calls this kernel recorded through genie::record_call
 uint64_t n_delegated = 0;  // calls it handed to PyTorch's fallback
 uint64_t n_factories = 0;  // factory calls recorded by factory_kernel
@@ -287,10 +294,11 @@ void delegate(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   torch_fallback->callBoxed(op, ks, stack);
 }
 
-// 1: a tensor with the Python key that is a LazyTensor, 0: no Python key, -1: another subclass.
+// 1: a LazyTensor (with the Python key, or a key-free LazyImpl: see "PrivateUse1" below), 0:
+// another tensor without the Python key, -1: another subclass.
 inline int classify(const c10::TensorImpl* t, PyTypeObject* lazy) {
   if (!t->key_set().has(c10::DispatchKey::Python)) {
-    return 0;
+    return genie::lazy_impl(const_cast<c10::TensorImpl*>(t)) != nullptr ? 1 : 0;
   }
   PyObject* o = t->pyobj_slot()->load_pyobj();
   return o != nullptr && Py_TYPE(o) == lazy ? 1 : -1;
@@ -361,8 +369,91 @@ void push_outputs(const c10::OperatorHandle& op, const OpArgs& a, const py::obje
   }
 }
 
+void record_lazy(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack,
+                 PyTypeObject* lazy, bool at_python);
+
+// LazyTensor.__torch_dispatch__(func, (LazyTensor,), args, kwargs), as torch's Python fallback
+// calls it (the reference path for a key-free LazyTensor, which never reaches that fallback).
+// `rule`: a dispatch rule registered for (func, LazyTensor) (torch.library.register_torch_dispatch)
+// is called instead, as torch calls one: rule(LazyTensor, func, types, args, kwargs).
+void call_torch_dispatch(const c10::OperatorHandle& op, const OpArgs& a, torch::jit::Stack* stack,
+                         PyTypeObject* lazy, bool rule = false) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  auto [args, kwargs] = python_args(schema, a, stack->data() + (stack->size() - n), true);
+  torch::jit::drop(*stack, n);
+  py::handle cls(reinterpret_cast<PyObject*>(lazy));
+  py::tuple types = py::make_tuple(py::reinterpret_borrow<py::object>(cls));
+  py::object out;
+  if (rule) {
+    py::object fn = py::module_::import("torch._library.simple_registry")
+                        .attr("find_torch_dispatch_rule")(py::handle(a.func), cls);
+    out = fn(cls, py::handle(a.func), types, args, kwargs);
+  } else {
+    py::object td = py::reinterpret_steal<py::object>(PyObject_GetAttr(cls.ptr(), td_name));
+    if (!td) {
+      throw python_error();
+    }
+    out = py::reinterpret_steal<py::object>(PyObject_CallFunctionObjArgs(
+        td.ptr(), a.func, types.ptr(), args.ptr(), kwargs.ptr(), nullptr));
+  }
+  if (!out) {
+    throw python_error();
+  }
+  push_outputs(op, a, out, lazy, stack);
+}
+
+// Under a TorchDispatchMode, a call with a key-free LazyTensor argument: what torch's Python
+// fallback does for one with the Python key, LazyTensor counted among the overloaded types
+// (genie.lazy_tensor._under_modes: the innermost mode, then, if it declines, as modes do for a
+// tensor subclass they do not know, LazyTensor.__torch_dispatch__).
+void under_modes(const c10::OperatorHandle& op, torch::jit::Stack* stack, PyTypeObject* lazy) {
+  py::gil_scoped_acquire gil;
+  static PyObject* fn = nullptr;  // genie.lazy_tensor._under_modes, kept for the process
+  if (fn == nullptr) {
+    fn = py::object(py::module_::import("genie.lazy_tensor").attr("_under_modes")).release().ptr();
+  }
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const OpArgs& a = args_of(op);
+  auto [args, kwargs] = python_args(schema, a, stack->data() + (stack->size() - n), true);
+  torch::jit::drop(*stack, n);
+  py::object out = py::reinterpret_steal<py::object>(
+      PyObject_CallFunctionObjArgs(fn, a.func, args.ptr(), kwargs.ptr(), nullptr));
+  if (!out) {
+    throw python_error();
+  }
+  push_outputs(op, a, out, lazy, stack);
+}
+
+bool has_key_free_lazy(const c10::IValue* values, size_t n) {
+  auto key_free_lazy = [](const c10::TensorImpl* t) {
+    return !t->key_set().has(c10::DispatchKey::Python) &&
+           genie::lazy_impl(const_cast<c10::TensorImpl*>(t)) != nullptr;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = values[i];
+    if (v.isTensor() && key_free_lazy(v.unsafeToTensorImpl())) {
+      return true;
+    }
+    if (v.isTensorList() || v.isOptionalTensorList()) {
+      for (const auto& e : v.toListRef()) {
+        if (!e.isNone() && key_free_lazy(e.unsafeToTensorImpl())) {
+          return true;
+        }
+      }
+    }
+  }
+  return false;
+}
+
 void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   PyTypeObject* lazy = genie::lazy_type();
+  if (lazy != nullptr && c10::impl::TorchDispatchModeTLS::stack_len() > 0 && key_free &&
+      has_key_free_lazy(stack->data() + (stack->size() - op.schema().arguments().size()),
+                        op.schema().arguments().size())) {
+    return under_modes(op, stack, lazy);
+  }
   if (!enabled.load(std::memory_order_relaxed) || lazy == nullptr ||
       c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
     return delegate(op, ks, stack);
@@ -395,21 +486,34 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
   if (!any) {
     return delegate(op, ks, stack);
   }
+  record_lazy(op, ks, stack, lazy, true);
+}
 
+// A call of `op` with a LazyTensor argument, recorded (the stack replaced by its outputs).
+// `at_python`: reached at the Python key, where whatever genie does not record goes to torch's
+// Python fallback; at PrivateUse1 (key-free LazyTensors, below the modes) genie's
+// __torch_dispatch__ is called as that fallback would call it.
+void record_lazy(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack,
+                 PyTypeObject* lazy, bool at_python) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const c10::IValue* values = stack->data() + (stack->size() - n);
   c10::impl::ExcludeDispatchKeyGuard exclude(kAfterPython);
   py::gil_scoped_acquire gil;
+  const OpArgs& a = args_of(op);
   if (!enabled.load(std::memory_order_relaxed) ||
       _PyType_Lookup(lazy, td_name) != genie_dispatch) {
-    return delegate(op, ks, stack);  // __torch_dispatch__ was replaced: torch's path calls it
+    // __torch_dispatch__ was replaced (or GENIE_PYTHON_KEY=0, the reference): torch's path
+    // calls it
+    return at_python ? delegate(op, ks, stack) : call_torch_dispatch(op, a, stack, lazy);
   }
-  const OpArgs& a = args_of(op);
   // A dispatch rule registered for (func, LazyTensor) is torch's to apply.
   const int rule = genie::dispatch_rule_may_apply(a.func, a.qualname);
   if (rule < 0) {
     throw python_error();
   }
   if (rule > 0) {
-    return delegate(op, ks, stack);
+    return at_python ? delegate(op, ks, stack) : call_torch_dispatch(op, a, stack, lazy, true);
   }
 
   // A learned entry's call recorded from the IValues themselves (record.cpp's record_stack): the
@@ -461,6 +565,64 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
   }
   ++n_recorded;
   push_outputs(op, a, out, lazy, stack);
+}
+
+// --- PrivateUse1: LazyTensors without the Python key ---------------------------------------
+//
+// A natively made LazyTensor (record.cpp's make_wrapper, a LazyImpl) carries no Python key when
+// key-free wrappers are on (GENIE_KEY_FREE, default on where the native wrapper exists): torch's
+// autograd then treats its views as a backend's (no ViewFunc and reverse-view function per view,
+// ~5-8% of a GPT-2 token; docs/node-layout.md section 7 step 4), and an op on it reaches
+// PrivateUse1 instead of the Python key. pu1_kernel is registered there for the operators the
+// Python-key kernel takes: a call with a LazyTensor argument is recorded as at the Python key
+// (TorchDispatchModes have had their turn above: the Python key is in the TLS while one is
+// active); a call without one (a DLPack import, a CPU tensor's copy or a factory reaching the
+// backend) goes to the PrivateUse1 kernel the operator had before (genie.dlpack's fallback, a
+// composite kernel), or raises torch's error for a backend without it. A LazyTensor made while a
+// TorchDispatchMode is active keeps the Python key (record.cpp make_wrapper).
+// Wrappers the Python path makes (torch.Tensor._make_wrapper_subclass) keep the Python key.
+torch::Library* pu1_library = nullptr;
+// by schema address: the PrivateUse1 kernel an operator had before pu1_kernel (nullptr: none)
+std::unordered_map<const c10::FunctionSchema*, std::unique_ptr<c10::SafeKernelFunction>>*
+    pu1_before = nullptr;
+uint64_t n_pu1_other = 0;  // calls pu1_kernel passed on (no LazyTensor argument)
+
+void pu1_other(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  ++n_pu1_other;
+  const c10::FunctionSchema* key = &op.schema();
+  auto it = pu1_before->find(key);
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      it != pu1_before->end() && it->second != nullptr, "Could not run '", op.operator_name(),
+      "' with arguments from the 'remote_accelerator' backend: no tensor of the call was made "
+      "by Genie (only tensors made on remote_accelerator by torch's factories, .to() and DLPack "
+      "imports are).");
+  it->second->callBoxed(op, ks, stack);
+}
+
+void pu1_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  PyTypeObject* lazy = genie::lazy_type();
+  const size_t n = op.schema().arguments().size();
+  const c10::IValue* values = stack->data() + (stack->size() - n);
+  bool any = false;
+  if (lazy != nullptr) {
+    for (size_t i = 0; i < n && !any; ++i) {
+      const c10::IValue& v = values[i];
+      if (v.isTensor()) {
+        any = classify(v.unsafeToTensorImpl(), lazy) > 0;
+      } else if (v.isTensorList() || v.isOptionalTensorList()) {
+        for (const auto& e : v.toListRef()) {
+          if (!e.isNone() && classify(e.unsafeToTensorImpl(), lazy) > 0) {
+            any = true;
+            break;
+          }
+        }
+      }
+    }
+  }
+  if (!any) {
+    return pu1_other(op, ks, stack);
+  }
+  record_lazy(op, ks, stack, lazy, false);
 }
 
 // The PrivateUse1 kernel of the factory operators (genie.factories): what torch.library's Python
@@ -736,44 +898,154 @@ void install_detach() {}
 // Registers the kernel for every aten operator that reaches the Python key through its fallback
 // (no kernel of its own there, no CompositeImplicitAutograd kernel unless csrc/whole.cpp keeps
 // the op whole); returns how many.
-int64_t install() {
-  if (library != nullptr) {
-    return -1;
-  }
+
+// The aten operators that reach the Python key through its fallback: no kernel of their own there,
+// no CompositeImplicitAutograd kernel unless csrc/whole.cpp keeps the op whole.
+// `any_namespace`: every library's operators, not aten's only.
+std::vector<c10::OperatorHandle> ops_reaching_python(bool any_namespace = false) {
   auto& dispatcher = c10::Dispatcher::singleton();
-  std::vector<c10::OperatorName> names = dispatcher.getAllOpNames();
   std::vector<c10::OperatorHandle> ops;
   // csrc/whole.cpp's ops reach the Python key whole when autograd does not decompose them
   const std::set<std::string> whole(genie::whole_ops().begin(), genie::whole_ops().end());
-  for (const auto& name : names) {
-    if (name.name.rfind("aten::", 0) != 0) {
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    if (!any_namespace && name.name.rfind("aten::", 0) != 0) {
       continue;
     }
     auto op = dispatcher.findOp(name);
     if (!op || !op->hasSchema() ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::Python) ||
+        (op->hasKernelForDispatchKey(c10::DispatchKey::Python) &&
+         (library == nullptr || !installed_here(*op))) ||
         (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
          !(name.overload_name.empty() && whole.count(name.name) > 0)) ||
         !op->hasComputedKernelForDispatchKey(c10::DispatchKey::Python)) {
       continue;
     }
-    if (torch_fallback == nullptr) {
-      torch_fallback = new c10::SafeKernelFunction(
-          op->getComputedKernelForDispatchKey(c10::DispatchKey::Python));
-    }
     ops.push_back(*op);
   }
-  TORCH_CHECK(torch_fallback != nullptr, "genie: no aten operator reaches the Python key");
+  return ops;
+}
+
+bool takes_tensors(const c10::OperatorHandle& op) {
+  for (const auto& arg : op.schema().arguments()) {
+    const auto& t = arg.real_type();
+    if (t->kind() == c10::TypeKind::TensorType) {
+      return true;
+    }
+    if (auto list = t->cast<c10::ListType>()) {
+      auto e = list->getElementType();
+      if (e->kind() == c10::TypeKind::TensorType) {
+        return true;
+      }
+      if (auto opt = e->cast<c10::OptionalType>(); opt && opt->getElementType()->kind() == c10::TypeKind::TensorType) {
+        return true;
+      }
+    }
+    if (auto opt = t->cast<c10::OptionalType>(); opt && opt->getElementType()->kind() == c10::TypeKind::TensorType) {
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string qualified_name(const c10::OperatorHandle& op) {
+  const auto& name = op.operator_name();
+  return name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+}
+
+int64_t install() {
+  if (library != nullptr) {
+    return -1;
+  }
+  std::vector<c10::OperatorHandle> ops = ops_reaching_python();
+  TORCH_CHECK(!ops.empty(), "genie: no aten operator reaches the Python key");
+  torch_fallback = new c10::SafeKernelFunction(
+      ops.front().getComputedKernelForDispatchKey(c10::DispatchKey::Python));
   library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::Python, __FILE__,
                                __LINE__);
+  installed = new std::set<const c10::FunctionSchema*>();
   for (const auto& op : ops) {
-    const auto& name = op.operator_name();
-    std::string qualified = name.overload_name.empty() ? name.name
-                                                       : name.name + "." + name.overload_name;
-    library->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&kernel>());
+    library->impl(qualified_name(op).c_str(),
+                  torch::CppFunction::makeFromBoxedFunction<&kernel>());
+    installed->insert(&op.schema());
   }
   install_detach();
   return static_cast<int64_t>(ops.size());
+}
+
+// The key-free LazyImpl's shallow_copy_and_detach (autograd's saved variables, Tensor.data): what
+// torch's PyInterpreter detach does for a tensor with the Python key. The native detach where it
+// applies; else the dispatcher's detach below autograd (the modes first, then pu1_kernel).
+c10::intrusive_ptr<c10::TensorImpl> key_free_detach(const c10::TensorImpl* self) {
+#if GENIE_NATIVE_DETACH
+  if (c10::intrusive_ptr<c10::TensorImpl> r = DetachVTable::native_detach(self)) {
+    return r;
+  }
+#endif
+  at::Tensor t(c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(const_cast<c10::TensorImpl*>(self)));
+  c10::impl::ExcludeDispatchKeyGuard below(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+  return at::_ops::detach::call(t).getIntrusivePtr();
+}
+
+// Registers pu1_kernel at PrivateUse1 for the operators (of every library loaded by then: genie's
+// own compiled-graph ops have a CompositeExplicitAutograd kernel, which PrivateUse1 would
+// otherwise run on the LazyTensors themselves) that reach the Python key, take a tensor and have
+// no PrivateUse1 kernel of their own (genie's factory, copy and item kernels take LazyTensors as
+// they are). A library loaded later: its operators without a PrivateUse1 or composite kernel
+// reach genie.dlpack's fallback, which records them; a composite kernel of its own runs on the
+// LazyTensors (its ops recorded one by one). `python` maps "name.overload" to a Python kernel for such an operator's calls
+// without a LazyTensor. From then on natively made wrappers carry no Python key. Returns how many
+// (-1: already installed). Called once genie's other PrivateUse1 kernels and genie.dlpack's
+// fallback are registered (what an operator had before is what pu1_kernel passes calls on to).
+int64_t install_pu1() {
+  if (pu1_library != nullptr) {
+    return -1;
+  }
+  pu1_before = new std::unordered_map<const c10::FunctionSchema*,
+                                      std::unique_ptr<c10::SafeKernelFunction>>();
+  pu1_library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
+                                   __FILE__, __LINE__);
+  // the other libraries' (one IMPL library a namespace, kept for the process)
+  static auto* others = new std::unordered_map<std::string, torch::Library*>();
+  static auto* python_others = new std::unordered_map<std::string, torch::Library*>();
+  int64_t count = 0;
+  for (const auto& op : ops_reaching_python(true)) {
+    if (op.hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) || !takes_tensors(op)) {
+      continue;
+    }
+    const std::string qualified = qualified_name(op);
+    const c10::FunctionSchema* key = &op.schema();
+    (*pu1_before)[key] =
+        op.hasComputedKernelForDispatchKey(c10::DispatchKey::PrivateUse1)
+            ? std::make_unique<c10::SafeKernelFunction>(
+                  op.getComputedKernelForDispatchKey(c10::DispatchKey::PrivateUse1))
+            : nullptr;
+    const std::string ns = qualified.substr(0, qualified.find("::"));
+    torch::Library* lib = pu1_library;
+    if (ns != "aten") {
+      auto& l = (*others)[ns];
+      if (l == nullptr) {
+        l = new torch::Library(torch::Library::IMPL, ns, c10::DispatchKey::PrivateUse1, __FILE__,
+                               __LINE__);
+      }
+      lib = l;
+    }
+    lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&pu1_kernel>());
+    if (ns != "aten" && !op.hasKernelForDispatchKey(c10::DispatchKey::Python)) {
+      // the kernel at the Python key as for aten's (install): under a mode, a key-free
+      // LazyTensor argument takes under_modes
+      auto& l = (*python_others)[ns];
+      if (l == nullptr) {
+        l = new torch::Library(torch::Library::IMPL, ns, c10::DispatchKey::Python, __FILE__,
+                               __LINE__);
+      }
+      l->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&kernel>());
+    }
+    ++count;
+  }
+  genie::lazy_detach_hook = &key_free_detach;
+  genie::wrappers_key_free = true;
+  key_free = true;
+  return count;
 }
 
 // Registers factory_kernel at PrivateUse1 for the aten operators named `names` (overloads as
@@ -802,6 +1074,10 @@ void add_python_key_functions(py::module_& m) {
   td_name = PyUnicode_InternFromString("__torch_dispatch__");
   tf_name = PyUnicode_InternFromString("__torch_function__");
   op_args = new std::unordered_map<const c10::FunctionSchema*, std::unique_ptr<OpArgs>>();
+  m.def("_pu1_install", &install_pu1,
+        "Registers the kernel at PrivateUse1 and makes natively made LazyTensors without the "
+        "Python key (csrc/python_key.cpp, \"PrivateUse1\"); -1 if already installed");
+  m.def("_pu1_stats", []() { return py::make_tuple(key_free.load(), n_pu1_other); });
   m.def("_python_key_install", &install,
         "Register genie's kernel on the Python dispatch key for the aten operators that reach "
         "it (csrc/python_key.cpp); returns how many (-1: already installed).");

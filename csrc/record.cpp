@@ -1859,7 +1859,13 @@ PyObject* make_wrapper(const Out& o, PyObject* base) {
   }
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   impl->set_sizes_and_strides(o.sizes, o.strides, o.offset);
-  impl->set_python_dispatch(true);
+  // Key-free (csrc/python_key.cpp, "PrivateUse1") but under a TorchDispatchMode: a mode that
+  // returns NotImplemented for a LazyTensor (FakeTensorMode for any tensor subclass, as for the
+  // lift of torch.tensor(v, device=...) while inductor traces) leaves the call to the tensors'
+  // own __torch_dispatch__, which torch asks only of tensors with the Python key.
+  if (!genie::wrappers_key_free || c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    impl->set_python_dispatch(true);
+  }
   return checked(THPVariable_Wrap(t, S.lazy));
 #else
   // torch.Tensor._make_wrapper_subclass(LazyTensor, sizes, strides=, storage_offset=, dtype=,
@@ -4095,7 +4101,41 @@ PyObject* record_graph(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nar
   });
 }
 
+// _make_lazy_wrapper(shape, stride, offset, dtype, index, base): make_wrapper for the Python
+// record path (genie.lazy_tensor._wrapper), so that its wrappers are the native path's kind (a
+// LazyImpl, key-free where that is on) and both paths' tensors behave alike; None where this build
+// makes wrappers through torch._make_wrapper_subclass.
+PyObject* make_lazy_wrapper(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t nargs) {
+#if GENIE_WRAP_NATIVE
+  if (nargs != 6 || !S.ready) {
+    PyErr_SetString(PyExc_TypeError, "_make_lazy_wrapper(shape, stride, offset, dtype, index, base)");
+    return nullptr;
+  }
+  return guarded([&]() -> PyObject* {
+    Out o;
+    o.sizes = py::cast<std::vector<int64_t>>(py::handle(argv[0]));
+    o.strides = py::cast<std::vector<int64_t>>(py::handle(argv[1]));
+    o.offset = py::cast<int64_t>(py::handle(argv[2]));
+    if (!THPDtype_Check(argv[3])) {
+      throw py::type_error("_make_lazy_wrapper: dtype must be a torch.dtype");
+    }
+    o.dtype = reinterpret_cast<THPDtype*>(argv[3])->scalar_type;
+    o.index = static_cast<c10::DeviceIndex>(py::cast<int64_t>(py::handle(argv[4])));
+    o.nbytes = at::detail::computeStorageNbytes(o.sizes, o.strides, c10::elementSize(o.dtype),
+                                                static_cast<size_t>(o.offset));
+    return make_wrapper(o, argv[5] == Py_None ? nullptr : argv[5]);
+  });
+#else
+  Py_RETURN_NONE;
+#endif
+}
+
 PyMethodDef methods[] = {
+    {"_make_lazy_wrapper",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(make_lazy_wrapper)), METH_FASTCALL,
+     "A data-less LazyTensor as the native record path makes its outputs (csrc/record.cpp "
+     "make_wrapper): (shape, stride, offset, dtype, index, base) -> LazyTensor; None where "
+     "this build makes wrappers through torch.Tensor._make_wrapper_subclass."},
     {"_record_dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_dispatch)),
      METH_FASTCALL | METH_KEYWORDS,
      "LazyTensor.__torch_dispatch__ (as a staticmethod): records the common case natively and "

@@ -25,6 +25,14 @@ struct LazyImpl final : c10::TensorImpl {
   using c10::TensorImpl::TensorImpl;
   ~LazyImpl() override;
 
+  // A key-free LazyImpl (csrc/python_key.cpp, "PrivateUse1") detaches as torch's PyInterpreter
+  // detaches one with the Python key: through genie's detach (lazy_detach_hook), not by copying
+  // the impl (a plain TensorImpl would be a device tensor genie did not make)
+  c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
+      const c10::VariableVersion& version_counter, bool allow_tensor_metadata_change) const override;
+  c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
+      c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const override;
+
   PyObject* node = nullptr;  // strong: the genie.graph.Node
   PyObject* out = nullptr;   // strong: the output number (an int)
 };
@@ -39,6 +47,9 @@ inline LazyImpl* lazy_impl(c10::TensorImpl* impl) {
              : nullptr;
 }
 LazyImpl* lazy_impl_of(PyObject* t);
+extern c10::intrusive_ptr<c10::TensorImpl> (*lazy_detach_hook)(const c10::TensorImpl*);
+// make_wrapper's wrappers carry no Python key (set once, by python_key.cpp's install_pu1)
+extern bool wrappers_key_free;
 
 // Releases the references of impls destroyed on a thread without the GIL (their destructor
 // cannot touch Python objects); called with the GIL held before liveness is read and whenever a

@@ -40,7 +40,7 @@ from .storages import register as _register_storages
 from .dlpack import register as _register_dlpack
 from .dynamo import install as _install_dynamo_skips
 from .distributed import register as _register_distributed
-from .lazy_tensor import LazyTensor, materialize
+from .lazy_tensor import LazyTensor, install_key_free as _install_key_free, materialize
 from .memory import install as _install_memory_api
 from .planner import format_tape
 from .stats import reset_stats, stats
@@ -56,6 +56,7 @@ _install_fastpaths()  # nn fast paths that need nested tensors run densely (geni
 _register_autocast()  # torch.autocast("remote_accelerator") (genie.autocast)
 _register_storages()  # torch.load(..., map_location="remote_accelerator") (genie.storages)
 _register_dlpack()  # DLPack imports of device tensors are aliases (genie.dlpack)
+_install_key_free()  # LazyTensors without the Python key (genie.lazy_tensor.install_key_free)
 _install_dynamo_skips()  # torch.compile runs Genie's own code as plain Python (genie.dynamo)
 _register_distributed()  # torch.distributed backend "genie" for remote_accelerator
 atexit.register(_drain_device_threads)  # no abort at exit right after backward (genie.shutdown)

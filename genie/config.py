@@ -97,6 +97,11 @@ class Config:
     # (csrc/python_key.cpp), without PyTorch's Python fallback and its round trip into
     # __torch_dispatch__; 0: PyTorch's fallback calls LazyTensor.__torch_dispatch__ (the reference).
     python_key: bool = _flag("GENIE_PYTHON_KEY", "1") != "0"
+    # LazyTensors the native record path makes carry no Python dispatch key: their ops reach
+    # genie's kernel at PrivateUse1, as a backend's do, and autograd tracks their views as a
+    # backend's (csrc/python_key.cpp, "PrivateUse1"); 0: every LazyTensor carries the Python key.
+    # Read once, when genie is imported (a process's tensors are made one way).
+    key_free: bool = _flag("GENIE_KEY_FREE", "1") != "0"
     # That kernel records a call of a learned meta-cache entry from the dispatcher's IValues
     # directly (csrc/record.cpp, record_stack: no args tuple, no Python object per argument);
     # 0: every call's arguments become Python ones first and take record_call (the reference).

@@ -20,8 +20,10 @@ Where the imported tensor reaches Genie:
   ``_local_scalar_dense`` kernels (genie.factories);
 - every other op on imported tensors only (``imported + 1``, ``imported[0] = 5``): the
   PrivateUse1 backend fallback below, which torch reaches for ops with no PrivateUse1 kernel
-  (LazyTensors never get there: their Python key comes first). It re-raises torch's own
-  NotImplementedError for a PrivateUse1 tensor that is no DLPack import.
+  (aten's LazyTensor calls never get there: genie's kernel takes them at the Python key, or at
+  PrivateUse1 for key-free LazyTensors, and passes an aten call without a LazyTensor on to this
+  fallback; a custom operator's call on a key-free LazyTensor reaches it and is recorded). It
+  re-raises torch's own NotImplementedError for a PrivateUse1 tensor that is no DLPack import.
 
 ``to_dlpack`` is torch's C function, so ``torch.utils.dlpack.to_dlpack`` and ``torch.to_dlpack``
 are wrapped to note LazyTensors (every other tensor goes straight to torch's function).
@@ -94,7 +96,11 @@ def swap_imports(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
 
 
 def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
-    """PrivateUse1 fallback: an op with no PrivateUse1 kernel, on DLPack imports only."""
+    """PrivateUse1 fallback: an op with no PrivateUse1 kernel, on DLPack imports only, or an
+    operator genie's kernel is not registered for (not aten: a library's custom op) on a
+    key-free LazyTensor, which never reaches the Python key: recorded as there."""
+    if any(type(x) is LazyTensor for x in optree.tree_leaves((args, kwargs))):
+        return LazyTensor.__torch_dispatch__(op, (LazyTensor,), args, kwargs)
     swapped = swap_imports(args, kwargs)
     names = [a.name for a in op._schema.arguments]
     if swapped is not None and "storage_offset" in names and is_import(args[0]):

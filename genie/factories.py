@@ -23,7 +23,7 @@ import torch
 from . import _C
 from .checks import refuse_kind
 from .config import config
-from .lazy_tensor import copy_from, item_kernel, record_factory
+from .lazy_tensor import copy_from, item_kernel, key_free_wanted, record_factory
 
 aten = torch.ops.aten
 
@@ -90,9 +90,23 @@ def register_factories() -> None:
     # And ``.item()`` of each element of a list of device tensors (``torch.tensor([t0, t1])``,
     # ``torch.tensor(list(itertools.product(a, b)))``) reaches the backend's
     # ``_local_scalar_dense``, with the Python key excluded the same way.
-    lib.impl("_local_scalar_dense", item_kernel, "PrivateUse1")
+    # (key-free LazyTensors take genie's kernel there, which passes the other calls to it:
+    # lazy_tensor.install_key_free)
+    if not key_free_wanted():
+        lib.impl("_local_scalar_dense", item_kernel, "PrivateUse1")
+    else:
+        # Autograd's index backward calls _index_put_impl_ (unsafe: a kernel may skip its index
+        # checks) for tensors that are not subclass-like, as a key-free LazyTensor is not (eager's
+        # path on the CPU); a server's opset has index_put_ only. Recorded as index_put_: the
+        # same values, the checks kept.
+        lib.impl("_index_put_impl_", _index_put_impl, "PrivateUse1")
     _register_refusals(lib)
     _lib = lib
+
+
+def _index_put_impl(self: Any, indices: Any, values: Any, accumulate: bool = False,
+                    unsafe: bool = False) -> Any:
+    return aten.index_put_.default(self, indices, values, accumulate)
 
 
 def _register_refusals(lib: Any) -> None:

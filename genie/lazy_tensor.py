@@ -1135,6 +1135,12 @@ def _wrapper(cls: type, meta: TensorMeta, base: LazyTensor | None = None) -> Any
     An alias of a normal tensor taken in ``inference_mode`` is a normal tensor, as eager's
     views: autograd's view tracking gives it base's version counter, which an inference tensor
     cannot take."""
+    if _key_free[0] and cls is LazyTensor and not (meta.conj or meta.neg) and \
+            not torch._C._len_torch_dispatch_stack():
+        # the native path's kind of wrapper (a key-free LazyImpl; its inference-mode alias too;
+        # under a TorchDispatchMode, with the Python key: csrc/record.cpp make_wrapper)
+        return _C._make_lazy_wrapper(meta.shape, meta.stride, meta.offset, meta.dtype,
+                                     meta.index, base)
     if base is not None and torch.is_inference_mode_enabled() and not base.is_inference():
         with torch.inference_mode(False):
             return _wrapper(cls, meta, base)
@@ -1330,6 +1336,47 @@ def _follow_python_key(cfg: Any) -> None:
 
 
 config.on_change(_follow_python_key)
+
+
+def _under_modes(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A call with a key-free LazyTensor argument under a TorchDispatchMode (csrc/python_key.cpp,
+    ``under_modes``): what torch's Python fallback does for a tensor subclass with the Python key,
+    LazyTensor among the overloaded types. The innermost mode first (popped while it runs); if it
+    declines (``NotImplemented``: FakeTensorMode and AOTAutograd's modes do for a subclass they
+    do not know), ``LazyTensor.__torch_dispatch__``, the modes still active, as torch calls it."""
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+
+    with _pop_mode_temporarily() as mode:
+        out = mode.__torch_dispatch__(func, (LazyTensor,), args, kwargs)
+    if out is NotImplemented:
+        return LazyTensor.__torch_dispatch__(func, (LazyTensor,), args, kwargs)
+    return out
+
+
+#: whether natively made wrappers are key-free (install_key_free): the Python path's then too
+_key_free = [False]
+
+
+def key_free_wanted() -> bool:
+    """Whether :func:`install_key_free` will make natively made LazyTensors key-free
+    (``GENIE_KEY_FREE``, default on, where the native record path, this build's kernel and its
+    native wrappers exist: a build whose wrappers ``torch.Tensor._make_wrapper_subclass`` makes
+    gives every LazyTensor the Python key)."""
+    return bool(config.key_free and getattr(_C, "_python_key_kernel", False)
+                and _native_record_installed and hasattr(_C, "_pu1_install")
+                and _C._make_lazy_wrapper((0,), (1,), 0, torch.float32, 0, None) is not None)
+
+
+def install_key_free() -> None:
+    """Natively made LazyTensors without the Python dispatch key (``csrc/python_key.cpp``,
+    "PrivateUse1"): their ops reach genie's kernel at PrivateUse1, and autograd treats their
+    views as a backend's (no view function and reverse-view function per view: ~5-8% of a
+    GPT-2 generate token, docs/node-layout.md section 7 step 4). Called once at import, after
+    genie's other PrivateUse1 kernels and genie.dlpack's fallback (what an operator had at
+    PrivateUse1 takes the calls without a LazyTensor: ``.item()`` of a DLPack import reaches
+    genie.dlpack's fallback, which reads its alias)."""
+    if key_free_wanted() and _C._pu1_install() >= 0:
+        _key_free[0] = True
 
 
 # --- optimizers: the multi-tensor (foreach) path ------------------------------------------------

@@ -112,8 +112,17 @@ def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | N
     return out.copy_(res)
 
 
+def _reshape_alias(self: torch.Tensor, size: Any, stride: Any) -> torch.Tensor:
+    """``_reshape_alias`` as the served ``view``: ``reshape`` calls it, with the strides ``view``
+    gives, for a tensor that is not subclass-like (eager's path on the CPU, and a key-free
+    LazyTensor's: docs/architecture.md, "Key-free LazyTensors"); other strides fail the
+    expansion's metadata check and are refused."""
+    return torch.ops.aten.view.default(self, size)
+
+
 #: Genie's own decompositions, for ops torch has none for
-_OWN = {torch.ops.aten._grouped_mm.default: _grouped_mm}
+_OWN = {torch.ops.aten._grouped_mm.default: _grouped_mm,
+        torch.ops.aten._reshape_alias.default: _reshape_alias}
 
 
 def _decomposition(op: torch._ops.OpOverload) -> Any:
@@ -157,6 +166,15 @@ def _same_meta(t: torch.Tensor, m: TensorMeta) -> bool:
     if tuple(t.shape) != m.shape or t.dtype != m.dtype or t.storage_offset() != m.offset:
         return False
     return all(n <= 1 or a == b for n, a, b in zip(m.shape, t.stride(), m.stride, strict=True))
+
+
+def _same_layout(g: tuple[Any, Any, int, torch.dtype], m: TensorMeta) -> bool:
+    """:func:`_same_meta` of a traced output's (shape, stride, offset, dtype) (a view's offset
+    included, which a tensor made from the shape and strides alone would not carry)."""
+    shape, stride, offset, dtype = g
+    if tuple(shape) != m.shape or dtype != m.dtype or offset != m.offset:
+        return False
+    return all(n <= 1 or a == b for n, a, b in zip(m.shape, stride, m.stride, strict=True))
 
 
 def _leaf_key(x: Any, m: TensorMeta | None) -> Any:
@@ -259,8 +277,7 @@ def _expansion(ins: Instr, metas: list[TensorMeta | None], out_metas: list[Any])
             for k, (m, g) in enumerate(zip(out_metas, got, strict=False)):
                 if m is None or k >= len(ins.outs) or ins.outs[k] is None:
                     continue
-                if g is None or not _same_meta(torch.empty_strided(g[0], g[1], dtype=g[3],
-                                                                   device="meta"), m):
+                if g is None or not _same_layout(g, m):
                     hit = (f"its decomposition gives output {k} other metadata than the op "
                            f"({g} for {m})")
                     break

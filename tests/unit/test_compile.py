@@ -1381,3 +1381,40 @@ def test_inductor_compiles_a_graph_taking_sizes_once_for_its_shape_classes():
     finally:
         compiled_backend.set_compiler(before)
         torch._dynamo.reset()
+
+
+def test_a_fake_of_a_device_tensor_is_not_recorded_by_genies_kernel():
+    """Fake tensor ops on the device (Dynamo's tracing) reach genie's PrivateUse1 kernel with no
+    LazyTensor among their arguments: ``FakeTensor.__new__`` gives a meta kernel's output (which
+    inherits the fake input's PrivateUse1 keys) to ``_make_subclass``, which detaches it. That call
+    is the kernel the op had at PrivateUse1 (detach's composite one), nothing recorded. Recording
+    it (the key-free prototype's fallback) snapshotted the non-LazyTensor ``x.detach()``, which
+    reached the same kernel again: a recursion that ran test_compile.py to 22 GB. In a child with
+    a memory cap, so that such a regression fails rather than exhausts the machine."""
+    import subprocess
+    import sys
+
+    code = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+import torch, genie
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+x = torch.randn(2, 3).to("remote_accelerator")
+stats = getattr(genie._C, "_pu1_stats", lambda: (False, 0))
+key_free, before = stats()
+genie.reset_stats()
+with FakeTensorMode() as mode:
+    f = mode.from_tensor(x)
+    v = f.t()
+    w = (v @ f).view(-1)
+assert type(v) is FakeTensor and type(w) is FakeTensor, (type(v), type(w))
+assert v.device == x.device and w.device == x.device and w.shape == (9,)
+assert genie.stats().get("ops_recorded", 0) == 0, genie.stats()
+# key-free: the fakes' meta elems (PrivateUse1 keys, no LazyTensor) passed on to detach's kernel
+assert not key_free or stats()[1] > before, (stats(), before)
+torch.testing.assert_close((x.t() @ x).view(-1).cpu(), (x.cpu().t() @ x.cpu()).view(-1))
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

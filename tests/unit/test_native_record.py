@@ -257,6 +257,44 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return X
 
 
+def test_native_wrappers_are_key_free() -> None:
+    """Where key-free wrappers are on (``GENIE_KEY_FREE``, default), a natively made LazyTensor
+    carries no Python key, a view of it no autograd view function (``_base`` as eager's), and its
+    ops still record; the Python path's wrappers are the same kind. Values and gradients against
+    eager's, through a view written in place."""
+    from genie.lazy_tensor import key_free_wanted
+
+    if not key_free_wanted():
+        pytest.skip("key-free wrappers are off (GENIE_KEY_FREE=0, or no native record path)")
+    assert _C._pu1_stats()[0]
+    python_key = torch._C.DispatchKey.Python
+    x, _ = _inputs()
+    config.native_record = True
+    try:
+        x * 2  # (the first call learns the native path's entry from the Python path)
+        y = x * 2
+        assert type(y) is LazyTensor and not torch._C._dispatch_keys(y).has(python_key)
+        config.native_record = False
+        z = x * 3  # the Python path's wrappers: the same kind
+        assert type(z) is LazyTensor and not torch._C._dispatch_keys(z).has(python_key)
+    finally:
+        config.native_record = True
+
+    def grads(dev: str) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        w = torch.randn(4, 6).to(dev).requires_grad_()
+        h = w * 3
+        v = h.view(24)[2:10]  # a view of a view, written in place: autograd replays it
+        v.mul_(2)
+        assert v._base is h
+        (h.sin() * torch.arange(24.0).to(dev).view(4, 6)).sum().backward()
+        return h.detach().cpu(), w.grad.cpu()
+
+    want, got = grads("cpu"), grads(D)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
 def test_elementwise_scalars_and_tensors() -> None:
     x, b = _inputs()
 

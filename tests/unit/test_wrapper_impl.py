@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import genie
-from genie import _C
+from genie import _C, lazy_tensor
 from genie.config import config
 from genie.lazy_tensor import _RECORD, LazyTensor
 
@@ -52,13 +52,35 @@ def test_a_natively_recorded_output_keeps_its_record_in_its_impl() -> None:
 
 
 def _plus_one_by_python(x: torch.Tensor) -> torch.Tensor:
-    """``x + 1`` recorded by the Python path (its record in the wrapper's instance dict)."""
-    saved = config.native_record
+    """``x + 1`` recorded by the Python path with a wrapper of ``_make_wrapper_subclass`` (its
+    record in the instance dict, with a token): what that path makes for outputs with math bits,
+    and for every output where the wrappers are not key-free (``GENIE_KEY_FREE=0``, a build
+    without native wrappers); key-free, its other outputs are the native path's kind."""
+    saved, key_free = config.native_record, lazy_tensor._key_free[0]
     config.native_record = False
+    lazy_tensor._key_free[0] = False
     try:
         return x + 1
     finally:
         config.native_record = saved
+        lazy_tensor._key_free[0] = key_free
+
+
+def test_the_python_path_makes_the_native_kind_of_wrapper_where_key_free() -> None:
+    if not lazy_tensor._key_free[0]:
+        pytest.skip("key-free wrappers are off (GENIE_KEY_FREE=0)")
+    x = torch.randn(3, device=DEV)
+    saved = config.native_record
+    config.native_record = False
+    try:
+        y = x + 1
+    finally:
+        config.native_record = saved
+    assert _C._wrapper_in_impl(y) and not any(k in vars(y) for k in _RECORD)
+    assert not torch._C._dispatch_keys(y).has(torch._C.DispatchKey.Python)
+    n, k = y._node, y._out
+    assert n.output(k) == 1 and _C._wrapper_counts(y)
+    torch.testing.assert_close(y.cpu(), x.cpu() + 1)
 
 
 def test_the_python_path_keeps_its_record_in_the_dict_and_reads_the_same() -> None:

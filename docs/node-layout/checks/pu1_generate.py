@@ -1,6 +1,6 @@
 """GPT-2 4x128 greedy generate (32 tokens, a new prompt length each call, no attention_mask), eager
 and Genie alternating in one process: tokens compared, genie / eager (thread CPU, median of 10);
-run on the prototype's tree with and without GENIE_SPIKE_PU1=1 (docs/node-layout.md section 7,
+run with GENIE_KEY_FREE=0 and 1 (docs/node-layout.md section 7,
 step 4)."""
 import sys, time, itertools, torch, genie, os
 torch.set_num_threads(1)
@@ -25,4 +25,4 @@ for r in range(10):
     t0 = time.thread_time(); b=run(m_g, "remote_accelerator"); tg.append(time.thread_time() - t0)
     same = same and torch.equal(a, b)
 te.sort(); tg.sort()
-print(os.environ.get("GENIE_SPIKE_PU1","base"), "eager %.2f ms genie %.2f ms ratio %.3f same %s" % (te[5]*1e3, tg[5]*1e3, tg[5]/te[5], same))
+print("key-free" if os.environ.get("GENIE_KEY_FREE", "1") != "0" else "python-key", "eager %.2f ms genie %.2f ms ratio %.3f same %s" % (te[5]*1e3, tg[5]*1e3, tg[5]/te[5], same))

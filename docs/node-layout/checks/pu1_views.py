@@ -1,5 +1,5 @@
 """Thread CPU per call of a view, view chains and adds on natively made LazyTensors (median of 5 x
-4,000 calls); run on the prototype's tree with and without GENIE_SPIKE_PU1=1 (docs/node-layout.md
+4,000 calls); run with GENIE_KEY_FREE=0 and 1 (docs/node-layout.md
 section 7, step 4). The first line printed is the wrapper's dispatch keys."""
 import torch, genie, time, sys, os
 torch.set_num_threads(1)
