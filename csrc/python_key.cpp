@@ -60,6 +60,8 @@
 #include <ATen/core/PythonFallbackKernel.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/detach_ops.h>
+#include <ATen/ops/view_ops.h>
+#include <ATen/TensorUtils.h>
 #include <c10/util/SmallVector.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/PyInterpreterHooks.h>
@@ -599,6 +601,35 @@ void pu1_other(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit
   it->second->callBoxed(op, ks, stack);
 }
 
+// reshape calls _reshape_alias(self, size, stride) for a tensor that is not subclass-like (a
+// key-free LazyTensor, as eager's CPU tensors) with the strides view would give: recorded as
+// view(self, size), which takes its strides from the value it runs on, where _reshape_alias would
+// carry the ones Genie's metadata gave (a kernel whose real strides differ from its meta
+// kernel's, as _linalg_svd's Vh, would then be read wrong). Other strides: recorded as they are.
+bool reshape_as_view(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                     torch::jit::Stack* stack) {
+  const c10::IValue* v = stack->data() + (stack->size() - 3);
+  if (!v[0].isTensor()) {
+    return false;
+  }
+  const at::Tensor self = v[0].toTensor();
+  std::vector<int64_t> size, stride;
+  try {
+    size = v[1].toIntVector();
+    stride = v[2].toIntVector();
+  } catch (const c10::Error&) {  // symbolic sizes: as it is
+    return false;
+  }
+  std::optional<std::vector<int64_t>> as_view =
+      at::detail::computeStride(self.sizes(), self.strides(), c10::IntArrayRef(size));
+  if (!as_view.has_value() || *as_view != stride) {
+    return false;
+  }
+  torch::jit::drop(*stack, 3);
+  torch::jit::push(stack, at::_ops::view::redispatch(ks, self, c10::fromIntArrayRefSlow(size)));
+  return true;
+}
+
 void pu1_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   PyTypeObject* lazy = genie::lazy_type();
   const size_t n = op.schema().arguments().size();
@@ -621,6 +652,10 @@ void pu1_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::ji
   }
   if (!any) {
     return pu1_other(op, ks, stack);
+  }
+  if (n == 3 && op.operator_name().name == "aten::_reshape_alias" &&
+      reshape_as_view(op, ks, stack)) {
+    return;
   }
   record_lazy(op, ks, stack, lazy, false);
 }

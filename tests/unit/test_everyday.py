@@ -105,6 +105,19 @@ def test_view_of_an_inference_tensor_outside_inference_mode_is_one():
     assert lx.view(12).is_inference() == x.view(12).is_inference()
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "Genie gap (session 58): linalg.svd's Vh with full_matrices and more columns than rows: "
+    "the meta kernel gives it C-contiguous strides, the CPU kernel column-major ones; Genie's "
+    "metadata follows the meta kernel, so reshape finds a view possible and records view(), "
+    "which the real value cannot take (ExecutionError where eager copies). A kernel whose real "
+    "strides differ from its meta kernel's needs its output restrided at the replay"))
+def test_reshape_of_svds_vh_equals_eager():
+    x = torch.randn(3, 3, 5)
+    want = torch.linalg.svd(x, full_matrices=True)[2].reshape(3, 25)
+    got = torch.linalg.svd(x.to(DEV), full_matrices=True)[2].reshape(3, 25)
+    torch.testing.assert_close(got.cpu(), want)
+
+
 @pytest.mark.parametrize("convert", ["half", "double", "to_f16", "to_f64", "bfloat16"])
 def test_module_dtype_moves_convert_parameters_in_place(convert):
     torch.manual_seed(0)
