@@ -374,35 +374,47 @@ void push_outputs(const c10::OperatorHandle& op, const OpArgs& a, const py::obje
 void record_lazy(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack,
                  PyTypeObject* lazy, bool at_python);
 
-// LazyTensor.__torch_dispatch__(func, (LazyTensor,), args, kwargs), as torch's Python fallback
-// calls it (the reference path for a key-free LazyTensor, which never reaches that fallback).
-// `rule`: a dispatch rule registered for (func, LazyTensor) (torch.library.register_torch_dispatch)
-// is called instead, as torch calls one: rule(LazyTensor, func, types, args, kwargs).
-void call_torch_dispatch(const c10::OperatorHandle& op, const OpArgs& a, torch::jit::Stack* stack,
-                         PyTypeObject* lazy, bool rule = false) {
+// The call on the stack made Python: its arguments converted as torch converts them for a Python
+// kernel (parseIValuesToPyArgsKwargs; an empty kwargs dict rather than none), `call(args,
+// kwargs)` (a new reference, or nullptr with the error set) in place of the kernel, its result
+// pushed as torch pushes a Python kernel's. With the GIL held.
+template <typename F>
+void call_python(const c10::OperatorHandle& op, torch::jit::Stack* stack, PyTypeObject* lazy,
+                 F&& call) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
+  const OpArgs& a = args_of(op);
   auto [args, kwargs] = python_args(schema, a, stack->data() + (stack->size() - n), true);
   torch::jit::drop(*stack, n);
-  py::handle cls(reinterpret_cast<PyObject*>(lazy));
-  py::tuple types = py::make_tuple(py::reinterpret_borrow<py::object>(cls));
-  py::object out;
-  if (rule) {
-    py::object fn = py::module_::import("torch._library.simple_registry")
-                        .attr("find_torch_dispatch_rule")(py::handle(a.func), cls);
-    out = fn(cls, py::handle(a.func), types, args, kwargs);
-  } else {
-    py::object td = py::reinterpret_steal<py::object>(PyObject_GetAttr(cls.ptr(), td_name));
-    if (!td) {
-      throw python_error();
-    }
-    out = py::reinterpret_steal<py::object>(PyObject_CallFunctionObjArgs(
-        td.ptr(), a.func, types.ptr(), args.ptr(), kwargs.ptr(), nullptr));
-  }
+  py::object out = py::reinterpret_steal<py::object>(call(a, args.ptr(), kwargs.ptr()));
   if (!out) {
     throw python_error();
   }
   push_outputs(op, a, out, lazy, stack);
+}
+
+// LazyTensor.__torch_dispatch__(func, (LazyTensor,), args, kwargs), as torch's Python fallback
+// calls it (the reference path for a key-free LazyTensor, which never reaches that fallback).
+// `rule`: a dispatch rule registered for (func, LazyTensor) (torch.library.register_torch_dispatch)
+// is called instead, as torch calls one: rule(LazyTensor, func, types, args, kwargs).
+void call_torch_dispatch(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                         PyTypeObject* lazy, bool rule = false) {
+  call_python(op, stack, lazy, [&](const OpArgs& a, PyObject* args, PyObject* kwargs) {
+    PyObject* cls = reinterpret_cast<PyObject*>(lazy);
+    py::tuple types = py::make_tuple(py::reinterpret_borrow<py::object>(cls));
+    py::object fn;
+    if (rule) {
+      fn = py::module_::import("torch._library.simple_registry")
+               .attr("find_torch_dispatch_rule")(py::handle(a.func), py::handle(cls));
+      return PyObject_CallFunctionObjArgs(fn.ptr(), cls, a.func, types.ptr(), args, kwargs,
+                                          nullptr);
+    }
+    fn = py::reinterpret_steal<py::object>(PyObject_GetAttr(cls, td_name));
+    if (!fn) {
+      return static_cast<PyObject*>(nullptr);
+    }
+    return PyObject_CallFunctionObjArgs(fn.ptr(), a.func, types.ptr(), args, kwargs, nullptr);
+  });
 }
 
 // Under a TorchDispatchMode, a call with a key-free LazyTensor argument: what torch's Python
@@ -415,17 +427,9 @@ void under_modes(const c10::OperatorHandle& op, torch::jit::Stack* stack, PyType
   if (fn == nullptr) {
     fn = py::object(py::module_::import("genie.lazy_tensor").attr("_under_modes")).release().ptr();
   }
-  const auto& schema = op.schema();
-  const size_t n = schema.arguments().size();
-  const OpArgs& a = args_of(op);
-  auto [args, kwargs] = python_args(schema, a, stack->data() + (stack->size() - n), true);
-  torch::jit::drop(*stack, n);
-  py::object out = py::reinterpret_steal<py::object>(
-      PyObject_CallFunctionObjArgs(fn, a.func, args.ptr(), kwargs.ptr(), nullptr));
-  if (!out) {
-    throw python_error();
-  }
-  push_outputs(op, a, out, lazy, stack);
+  call_python(op, stack, lazy, [](const OpArgs& a, PyObject* args, PyObject* kwargs) {
+    return PyObject_CallFunctionObjArgs(fn, a.func, args, kwargs, nullptr);
+  });
 }
 
 bool has_key_free_lazy(const c10::IValue* values, size_t n) {
@@ -507,7 +511,7 @@ void record_lazy(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::j
       _PyType_Lookup(lazy, td_name) != genie_dispatch) {
     // __torch_dispatch__ was replaced (or GENIE_PYTHON_KEY=0, the reference): torch's path
     // calls it
-    return at_python ? delegate(op, ks, stack) : call_torch_dispatch(op, a, stack, lazy);
+    return at_python ? delegate(op, ks, stack) : call_torch_dispatch(op, stack, lazy);
   }
   // A dispatch rule registered for (func, LazyTensor) is torch's to apply.
   const int rule = genie::dispatch_rule_may_apply(a.func, a.qualname);
@@ -515,7 +519,7 @@ void record_lazy(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::j
     throw python_error();
   }
   if (rule > 0) {
-    return at_python ? delegate(op, ks, stack) : call_torch_dispatch(op, a, stack, lazy, true);
+    return at_python ? delegate(op, ks, stack) : call_torch_dispatch(op, stack, lazy, true);
   }
 
   // A learned entry's call recorded from the IValues themselves (record.cpp's record_stack): the
@@ -667,18 +671,10 @@ void pu1_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::ji
 void factory_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet /*ks*/,
                     torch::jit::Stack* stack) {
   py::gil_scoped_acquire gil;
-  const auto& schema = op.schema();
-  const size_t n = schema.arguments().size();
-  const OpArgs& a = args_of(op);
-  auto [args, kwargs] = python_args(schema, a, stack->data() + (stack->size() - n), true);
-  torch::jit::drop(*stack, n);
-  py::object out = py::reinterpret_steal<py::object>(
-      genie::record_factory_call(a.func, args.ptr(), kwargs.ptr()));
-  if (!out) {
-    throw python_error();
-  }
+  call_python(op, stack, genie::lazy_type(), [](const OpArgs& a, PyObject* args, PyObject* kwargs) {
+    return genie::record_factory_call(a.func, args, kwargs);
+  });
   ++n_factories;
-  push_outputs(op, a, out, genie::lazy_type(), stack);
 }
 
 // torch's Python bindings ask every tensor-subclass argument of every call for its
