@@ -91,7 +91,6 @@ constexpr c10::DispatchKeySet kAfterPython =
      c10::DispatchKeySet(c10::DispatchKey::Python));
 
 std::atomic<bool> enabled{false};
-std::atomic<bool> key_free{false};  // natively made LazyTensors carry no Python key ("PrivateUse1")
 PyObject* td_name = nullptr;        // "__torch_dispatch__"
 PyObject* genie_dispatch = nullptr;  // LazyTensor.__dict__["__torch_dispatch__"] when enabled
 // PyTorch's Python-key fallback (pythonFallback), read from an operator's computed table before
@@ -432,19 +431,18 @@ void under_modes(const c10::OperatorHandle& op, torch::jit::Stack* stack, PyType
   });
 }
 
-bool has_key_free_lazy(const c10::IValue* values, size_t n) {
-  auto key_free_lazy = [](const c10::TensorImpl* t) {
-    return !t->key_set().has(c10::DispatchKey::Python) &&
-           genie::lazy_impl(const_cast<c10::TensorImpl*>(t)) != nullptr;
-  };
+// Whether `pred` holds for a tensor among the call's `n` arguments (lists included).
+template <typename P>
+bool any_tensor(const c10::IValue* values, size_t n, P&& pred) {
   for (size_t i = 0; i < n; ++i) {
     const c10::IValue& v = values[i];
-    if (v.isTensor() && key_free_lazy(v.unsafeToTensorImpl())) {
-      return true;
-    }
-    if (v.isTensorList() || v.isOptionalTensorList()) {
+    if (v.isTensor()) {
+      if (pred(v.unsafeToTensorImpl())) {
+        return true;
+      }
+    } else if (v.isTensorList() || v.isOptionalTensorList()) {
       for (const auto& e : v.toListRef()) {
-        if (!e.isNone() && key_free_lazy(e.unsafeToTensorImpl())) {
+        if (!e.isNone() && pred(e.unsafeToTensorImpl())) {
           return true;
         }
       }
@@ -453,9 +451,16 @@ bool has_key_free_lazy(const c10::IValue* values, size_t n) {
   return false;
 }
 
+bool has_key_free_lazy(const c10::IValue* values, size_t n) {
+  return any_tensor(values, n, [](c10::TensorImpl* t) {
+    return !t->key_set().has(c10::DispatchKey::Python) && genie::lazy_impl(t) != nullptr;
+  });
+}
+
 void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   PyTypeObject* lazy = genie::lazy_type();
-  if (lazy != nullptr && c10::impl::TorchDispatchModeTLS::stack_len() > 0 && key_free &&
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 && genie::wrappers_key_free &&
+      lazy != nullptr &&
       has_key_free_lazy(stack->data() + (stack->size() - op.schema().arguments().size()),
                         op.schema().arguments().size())) {
     return under_modes(op, stack, lazy);
@@ -585,8 +590,9 @@ void record_lazy(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::j
 // active); a call without one (a DLPack import, a CPU tensor's copy or a factory reaching the
 // backend) goes to the PrivateUse1 kernel the operator had before (genie.dlpack's fallback, a
 // composite kernel), or raises torch's error for a backend without it. A LazyTensor made while a
-// TorchDispatchMode is active keeps the Python key (record.cpp make_wrapper).
-// Wrappers the Python path makes (torch.Tensor._make_wrapper_subclass) keep the Python key.
+// TorchDispatchMode is active keeps the Python key (record.cpp make_wrapper). The Python record
+// path makes the same kind of wrapper (record.cpp's _make_lazy_wrapper); a wrapper with math bits
+// (made by torch.Tensor._make_wrapper_subclass) keeps the key.
 torch::Library* pu1_library = nullptr;
 // by schema address: the PrivateUse1 kernel an operator had before pu1_kernel (nullptr: none)
 std::unordered_map<const c10::FunctionSchema*, std::unique_ptr<c10::SafeKernelFunction>>*
@@ -610,8 +616,7 @@ void pu1_other(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit
 // view(self, size), which takes its strides from the value it runs on, where _reshape_alias would
 // carry the ones Genie's metadata gave (a kernel whose real strides differ from its meta
 // kernel's, as _linalg_svd's Vh, would then be read wrong). Other strides: recorded as they are.
-bool reshape_as_view(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
-                     torch::jit::Stack* stack) {
+bool reshape_as_view(c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const c10::IValue* v = stack->data() + (stack->size() - 3);
   if (!v[0].isTensor()) {
     return false;
@@ -634,34 +639,30 @@ bool reshape_as_view(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
   return true;
 }
 
+// Whether the call has a LazyTensor argument (with the Python key or a key-free LazyImpl).
+bool has_lazy(const c10::OperatorHandle& op, const torch::jit::Stack* stack, PyTypeObject* lazy) {
+  const size_t n = op.schema().arguments().size();
+  return lazy != nullptr &&
+         any_tensor(stack->data() + (stack->size() - n), n,
+                    [lazy](c10::TensorImpl* t) { return classify(t, lazy) > 0; });
+}
+
 void pu1_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   PyTypeObject* lazy = genie::lazy_type();
-  const size_t n = op.schema().arguments().size();
-  const c10::IValue* values = stack->data() + (stack->size() - n);
-  bool any = false;
-  if (lazy != nullptr) {
-    for (size_t i = 0; i < n && !any; ++i) {
-      const c10::IValue& v = values[i];
-      if (v.isTensor()) {
-        any = classify(v.unsafeToTensorImpl(), lazy) > 0;
-      } else if (v.isTensorList() || v.isOptionalTensorList()) {
-        for (const auto& e : v.toListRef()) {
-          if (!e.isNone() && classify(e.unsafeToTensorImpl(), lazy) > 0) {
-            any = true;
-            break;
-          }
-        }
-      }
-    }
-  }
-  if (!any) {
+  if (!has_lazy(op, stack, lazy)) {
     return pu1_other(op, ks, stack);
   }
-  if (n == 3 && op.operator_name().name == "aten::_reshape_alias" &&
-      reshape_as_view(op, ks, stack)) {
+  record_lazy(op, ks, stack, lazy, false);
+}
+
+// aten::_reshape_alias's kernel at PrivateUse1: pu1_kernel's, but a LazyTensor reshaped with the
+// strides view would give is recorded as view (reshape_as_view).
+void reshape_alias_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                          torch::jit::Stack* stack) {
+  if (has_lazy(op, stack, genie::lazy_type()) && reshape_as_view(ks, stack)) {
     return;
   }
-  record_lazy(op, ks, stack, lazy, false);
+  pu1_kernel(op, ks, stack);
 }
 
 // The PrivateUse1 kernel of the factory operators (genie.factories): what torch.library's Python
@@ -926,10 +927,6 @@ void install_detach() {
 void install_detach() {}
 #endif
 
-// Registers the kernel for every aten operator that reaches the Python key through its fallback
-// (no kernel of its own there, no CompositeImplicitAutograd kernel unless csrc/whole.cpp keeps
-// the op whole); returns how many.
-
 // The aten operators that reach the Python key through its fallback: no kernel of their own there,
 // no CompositeImplicitAutograd kernel unless csrc/whole.cpp keeps the op whole.
 // `any_namespace`: every library's operators, not aten's only.
@@ -983,6 +980,8 @@ std::string qualified_name(const c10::OperatorHandle& op) {
   return name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
 }
 
+// Registers the kernel for every aten operator that reaches the Python key through its fallback;
+// returns how many.
 int64_t install() {
   if (library != nullptr) {
     return -1;
@@ -1023,8 +1022,8 @@ c10::intrusive_ptr<c10::TensorImpl> key_free_detach(const c10::TensorImpl* self)
 // no PrivateUse1 kernel of their own (genie's factory, copy and item kernels take LazyTensors as
 // they are). A library loaded later: its operators without a PrivateUse1 or composite kernel
 // reach genie.dlpack's fallback, which records them; a composite kernel of its own runs on the
-// LazyTensors (its ops recorded one by one). `python` maps "name.overload" to a Python kernel for such an operator's calls
-// without a LazyTensor. From then on natively made wrappers carry no Python key. Returns how many
+// LazyTensors (its ops recorded one by one). From then on natively made wrappers carry no Python
+// key. Returns how many
 // (-1: already installed). Called once genie's other PrivateUse1 kernels and genie.dlpack's
 // fallback are registered (what an operator had before is what pu1_kernel passes calls on to).
 int64_t install_pu1() {
@@ -1060,7 +1059,10 @@ int64_t install_pu1() {
       }
       lib = l;
     }
-    lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&pu1_kernel>());
+    lib->impl(qualified.c_str(),
+              qualified == "aten::_reshape_alias"
+                  ? torch::CppFunction::makeFromBoxedFunction<&reshape_alias_kernel>()
+                  : torch::CppFunction::makeFromBoxedFunction<&pu1_kernel>());
     if (ns != "aten" && !op.hasKernelForDispatchKey(c10::DispatchKey::Python)) {
       // the kernel at the Python key as for aten's (install): under a mode, a key-free
       // LazyTensor argument takes under_modes
@@ -1075,7 +1077,6 @@ int64_t install_pu1() {
   }
   genie::lazy_detach_hook = &key_free_detach;
   genie::wrappers_key_free = true;
-  key_free = true;
   return count;
 }
 
@@ -1108,7 +1109,7 @@ void add_python_key_functions(py::module_& m) {
   m.def("_pu1_install", &install_pu1,
         "Registers the kernel at PrivateUse1 and makes natively made LazyTensors without the "
         "Python key (csrc/python_key.cpp, \"PrivateUse1\"); -1 if already installed");
-  m.def("_pu1_stats", []() { return py::make_tuple(key_free.load(), n_pu1_other); });
+  m.def("_pu1_stats", []() { return py::make_tuple(genie::wrappers_key_free, n_pu1_other); });
   m.def("_python_key_install", &install,
         "Register genie's kernel on the Python dispatch key for the aten operators that reach "
         "it (csrc/python_key.cpp); returns how many (-1: already installed).");

@@ -4116,6 +4116,11 @@ PyObject* make_lazy_wrapper(PyObject* /*module*/, PyObject* const* argv, Py_ssiz
     o.sizes = py::cast<std::vector<int64_t>>(py::handle(argv[0]));
     o.strides = py::cast<std::vector<int64_t>>(py::handle(argv[1]));
     o.offset = py::cast<int64_t>(py::handle(argv[2]));
+    if (o.sizes.size() != o.strides.size() || o.offset < 0 ||
+        std::any_of(o.sizes.begin(), o.sizes.end(), [](int64_t d) { return d < 0; })) {
+      throw py::value_error("_make_lazy_wrapper: as many strides as sizes, sizes and the offset "
+                            "not negative");
+    }
     if (!THPDtype_Check(argv[3])) {
       throw py::type_error("_make_lazy_wrapper: dtype must be a torch.dtype");
     }

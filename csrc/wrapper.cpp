@@ -46,28 +46,34 @@ const void* lazy_impl_vtable = nullptr;
 c10::intrusive_ptr<c10::TensorImpl> (*lazy_detach_hook)(const c10::TensorImpl*) = nullptr;
 bool wrappers_key_free = false;
 
+// (both overloads: the detached impl from lazy_detach_hook, given the caller's version counter and
+// metadata rule, as TensorImpl's own gives them to its copy)
+template <typename V>
+c10::intrusive_ptr<c10::TensorImpl> LazyImpl::detach_key_free(V&& version_counter,
+                                                              bool allow_tensor_metadata_change) const {
+  if (key_set().has(c10::DispatchKey::Python) || lazy_detach_hook == nullptr) {
+    return nullptr;
+  }
+  c10::intrusive_ptr<c10::TensorImpl> r = lazy_detach_hook(this);
+  if (r) {
+    r->set_version_counter(std::forward<V>(version_counter));
+    r->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
+  }
+  return r;
+}
+
 c10::intrusive_ptr<c10::TensorImpl> LazyImpl::shallow_copy_and_detach(
     const c10::VariableVersion& version_counter, bool allow_tensor_metadata_change) const {
-  if (!key_set().has(c10::DispatchKey::Python) && lazy_detach_hook != nullptr) {
-    c10::intrusive_ptr<c10::TensorImpl> r = lazy_detach_hook(this);
-    if (r) {
-      r->set_version_counter(version_counter);
-      r->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
-      return r;
-    }
+  if (auto r = detach_key_free(version_counter, allow_tensor_metadata_change)) {
+    return r;
   }
   return c10::TensorImpl::shallow_copy_and_detach(version_counter, allow_tensor_metadata_change);
 }
 
 c10::intrusive_ptr<c10::TensorImpl> LazyImpl::shallow_copy_and_detach(
     c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const {
-  if (!key_set().has(c10::DispatchKey::Python) && lazy_detach_hook != nullptr) {
-    c10::intrusive_ptr<c10::TensorImpl> r = lazy_detach_hook(this);
-    if (r) {
-      r->set_version_counter(std::move(version_counter));
-      r->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
-      return r;
-    }
+  if (auto r = detach_key_free(version_counter, allow_tensor_metadata_change)) {
+    return r;
   }
   return c10::TensorImpl::shallow_copy_and_detach(std::move(version_counter),
                                                   allow_tensor_metadata_change);

@@ -32,6 +32,9 @@ struct LazyImpl final : c10::TensorImpl {
       const c10::VariableVersion& version_counter, bool allow_tensor_metadata_change) const override;
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
       c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const override;
+  template <typename V>
+  c10::intrusive_ptr<c10::TensorImpl> detach_key_free(V&& version_counter,
+                                                      bool allow_tensor_metadata_change) const;
 
   PyObject* node = nullptr;  // strong: the genie.graph.Node
   PyObject* out = nullptr;   // strong: the output number (an int)

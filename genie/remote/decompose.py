@@ -162,15 +162,9 @@ class _Trace(TorchDispatchMode):
         return out
 
 
-def _same_meta(t: torch.Tensor, m: TensorMeta) -> bool:
-    if tuple(t.shape) != m.shape or t.dtype != m.dtype or t.storage_offset() != m.offset:
-        return False
-    return all(n <= 1 or a == b for n, a, b in zip(m.shape, t.stride(), m.stride, strict=True))
-
-
 def _same_layout(g: tuple[Any, Any, int, torch.dtype], m: TensorMeta) -> bool:
-    """:func:`_same_meta` of a traced output's (shape, stride, offset, dtype) (a view's offset
-    included, which a tensor made from the shape and strides alone would not carry)."""
+    """Whether a traced output's (shape, stride, offset, dtype) is ``m``'s layout (strides
+    compared where a dimension has more than one element; a view's offset included)."""
     shape, stride, offset, dtype = g
     if tuple(shape) != m.shape or dtype != m.dtype or offset != m.offset:
         return False
